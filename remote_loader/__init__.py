@@ -1,0 +1,54 @@
+"""remote_loader: train vision models on datasets in S3-compatible object storage."""
+
+from remote_loader.config import StorageConfig
+from remote_loader.errors import (
+    AccessDenied,
+    BucketNotFound,
+    ConfigError,
+    CorruptSampleError,
+    CorruptShard,
+    DecodeError,
+    EndpointUnreachable,
+    FormatError,
+    IndexOutOfBounds,
+    InvalidRange,
+    ObjectNotFound,
+    RemoteLoaderError,
+    StorageError,
+    TransientStorageError,
+    UnsupportedVersion,
+    UploadError,
+)
+from remote_loader.reader import DatasetReader
+from remote_loader.storage import LocalStore, Store, make_client
+from remote_loader.upload import ImageFolder, UploadSummary, upload_cv_dataset
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AccessDenied",
+    "BucketNotFound",
+    "ConfigError",
+    "CorruptSampleError",
+    "CorruptShard",
+    "DatasetReader",
+    "DecodeError",
+    "EndpointUnreachable",
+    "FormatError",
+    "ImageFolder",
+    "IndexOutOfBounds",
+    "InvalidRange",
+    "LocalStore",
+    "ObjectNotFound",
+    "RemoteLoaderError",
+    "StorageConfig",
+    "StorageError",
+    "Store",
+    "TransientStorageError",
+    "UnsupportedVersion",
+    "UploadError",
+    "UploadSummary",
+    "__version__",
+    "make_client",
+    "upload_cv_dataset",
+]

@@ -1,0 +1,108 @@
+"""Frozen configuration objects; the one place that reads ``os.environ``."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from urllib.parse import urlsplit
+
+from remote_loader.errors import ConfigError
+
+BACKENDS = ("boto3", "minio", "local")
+
+_HOST_PORT = re.compile(r"^[A-Za-z0-9.-]+:\d+$")
+
+
+def _first(env: Mapping[str, str], *names: str) -> str | None:
+    for name in names:
+        value = env.get(name)
+        if value:
+            return value
+    return None
+
+
+def normalize_endpoint(endpoint: str, *, secure: bool = False) -> str:
+    """Return ``endpoint`` as ``scheme://host[:port]``; a bare ``host:port`` gets http(s)."""
+    if _HOST_PORT.match(endpoint):
+        endpoint = f"{'https' if secure else 'http'}://{endpoint}"
+    parts = urlsplit(endpoint)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"endpoint {endpoint!r} is not an http(s)://host[:port] URL")
+    if parts.path not in ("", "/") or parts.query:
+        raise ConfigError(f"endpoint {endpoint!r} must not have a path; put bucket and prefix elsewhere")
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+@dataclass(frozen=True)
+class StorageConfig:
+    """How to reach an S3-compatible store.
+
+    Attributes:
+        endpoint_url: ``http(s)://host:port``; None means the SDK's default (AWS S3).
+        access_key: Access key id; None lets boto3 use its own credential chain.
+        secret_key: Secret access key (never shown in reprs or messages).
+        session_token: Optional session token (never shown).
+        region: Region name used to sign requests.
+        max_attempts: Attempts per request, including the first, for retryable faults.
+        connect_timeout: Seconds to wait for a connection.
+        read_timeout: Seconds to wait for bytes on an open connection.
+        max_connections: Size of the connection pool per process.
+    """
+
+    endpoint_url: str | None = None
+    access_key: str | None = field(default=None, repr=False)
+    secret_key: str | None = field(default=None, repr=False)
+    session_token: str | None = field(default=None, repr=False)
+    region: str = "us-east-1"
+    max_attempts: int = 5
+    connect_timeout: float = 10.0
+    read_timeout: float = 60.0
+    max_connections: int = 32
+
+    def __post_init__(self) -> None:
+        if self.endpoint_url is not None:
+            object.__setattr__(self, "endpoint_url", normalize_endpoint(self.endpoint_url))
+        if (self.access_key is None) != (self.secret_key is None):
+            raise ConfigError("give both access_key and secret_key, or neither")
+        if self.max_attempts < 1:
+            raise ConfigError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if self.connect_timeout <= 0 or self.read_timeout <= 0:
+            raise ConfigError("connect_timeout and read_timeout must be positive")
+        if self.max_connections < 1:
+            raise ConfigError(f"max_connections must be >= 1, got {self.max_connections}")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> StorageConfig:
+        """Build a config from the standard environment variables, then apply ``overrides``.
+
+        Read: ``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``,
+        ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_REGION``,
+        ``AWS_DEFAULT_REGION``, and MinIO's ``MINIO_ENDPOINT`` (with ``MINIO_SECURE``),
+        ``MINIO_ACCESS_KEY`` / ``MINIO_ROOT_USER``, ``MINIO_SECRET_KEY`` /
+        ``MINIO_ROOT_PASSWORD`` and ``MINIO_REGION``. AWS names win over MinIO names.
+        Overrides whose value is None are ignored.
+        """
+        env = os.environ if env is None else env
+        endpoint = _first(env, "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
+        if endpoint is None and env.get("MINIO_ENDPOINT"):
+            secure = env.get("MINIO_SECURE", "").lower() in ("1", "true", "yes")
+            endpoint = normalize_endpoint(env["MINIO_ENDPOINT"], secure=secure)
+        values: dict[str, object] = {
+            "endpoint_url": endpoint,
+            "access_key": _first(env, "AWS_ACCESS_KEY_ID", "MINIO_ACCESS_KEY", "MINIO_ROOT_USER"),
+            "secret_key": _first(env, "AWS_SECRET_ACCESS_KEY", "MINIO_SECRET_KEY", "MINIO_ROOT_PASSWORD"),
+            "session_token": _first(env, "AWS_SESSION_TOKEN"),
+            "region": _first(env, "AWS_REGION", "AWS_DEFAULT_REGION", "MINIO_REGION") or "us-east-1",
+        }
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        if (values["access_key"] is None) != (values["secret_key"] is None):
+            # A key from the environment and a secret from an argument (or the reverse) would
+            # mix two identities; ask for both from one place.
+            raise ConfigError("give both access_key and secret_key, or neither (arguments or environment)")
+        return cls(**values)  # type: ignore[arg-type]
+
+    def with_endpoint(self, endpoint_url: str) -> StorageConfig:
+        """Return a copy pointing at another endpoint."""
+        return replace(self, endpoint_url=endpoint_url)

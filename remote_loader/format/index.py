@@ -1,0 +1,171 @@
+"""The per-shard index: for each sample its key and, per field, (offset, size, crc32).
+
+It is stored as the last tar member of its shard, as one msgpack map of columnar arrays, so
+a reader decodes 10k samples' metadata with a few ``numpy.frombuffer`` calls and slices
+sample bytes without ever parsing a tar header.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from remote_loader.errors import CorruptShard, IndexOutOfBounds, UnsupportedVersion
+
+INDEX_VERSION = 1
+INDEX_MEMBER = "__index__"
+"""Name of the index member; WebDataset's readers skip ``__*__`` members."""
+
+BLOCK = 512
+"""Size of a tar block: a member's data never starts before the first header."""
+
+MAX_FIELDS = 64
+
+_FIELD = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
+_OFFSETS = np.dtype("<u8")
+_CRCS = np.dtype("<u4")
+
+
+def check_field_name(field: str) -> str:
+    """Return ``field`` if it is a valid field name (``jpg``, ``cls``, ``seg.png``), else raise."""
+    if not isinstance(field, str) or not _FIELD.match(field) or field.startswith("__"):
+        raise ValueError(f"invalid field name {field!r}: use letters, digits, '_', '.', '-'")
+    return field
+
+
+def unpack(data: bytes | memoryview, *, what: str, name: str | None) -> Any:
+    """Decode msgpack ``data`` or raise CorruptShard naming ``what`` and the object."""
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
+    except Exception as exc:  # msgpack raises ValueError, TypeError and its own types alike
+        raise CorruptShard(f"{what} of {name or '<unnamed>'} is not valid msgpack ({type(exc).__name__})", name=name) from None
+
+
+def require(mapping: Any, key: str, kind: type | tuple[type, ...], *, what: str, name: str | None) -> Any:
+    """Return ``mapping[key]`` if present and of type ``kind``, else raise CorruptShard."""
+    if not isinstance(mapping, dict):
+        raise CorruptShard(f"{what} of {name or '<unnamed>'} is not a map", name=name)
+    value = mapping.get(key)
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is int:
+        raise CorruptShard(f"{what} of {name or '<unnamed>'}: field {key!r} is missing or malformed", name=name)
+    return value
+
+
+def check_version(version: int, *, known: int, what: str, name: str | None) -> None:
+    """Refuse a format version this reader does not know."""
+    if version < 1 or version > known:
+        raise UnsupportedVersion(
+            f"{what} of {name or '<unnamed>'} has format version {version}; this reader knows 1..{known}"
+            " (upgrade remote-loader)",
+            name=name,
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class ShardIndex:
+    """Where each sample's fields lie inside one shard.
+
+    Attributes:
+        keys: Sample keys, in shard order.
+        fields: Field names; column ``j`` of the arrays describes ``fields[j]``.
+        offsets: ``(n, len(fields))`` uint64 offsets of member data; 0 marks an absent field.
+        sizes: ``(n, len(fields))`` uint64 sizes of member data.
+        crcs: ``(n, len(fields))`` uint32 crc32 of member data.
+    """
+
+    keys: Sequence[str]
+    fields: tuple[str, ...]
+    offsets: np.ndarray
+    sizes: np.ndarray
+    crcs: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def members(self, i: int) -> list[tuple[str, int, int, int]]:
+        """Return ``(field, offset, size, crc32)`` for each field present in sample ``i``."""
+        offsets, sizes, crcs = self.offsets[i], self.sizes[i], self.crcs[i]
+        return [
+            (field, int(offsets[j]), int(sizes[j]), int(crcs[j]))
+            for j, field in enumerate(self.fields)
+            if offsets[j]
+        ]
+
+    def byte_range(self, i: int) -> tuple[int, int]:
+        """Return ``(start, end)`` covering every member of sample ``i``'s data."""
+        present = self.offsets[i] != 0
+        starts = self.offsets[i][present]
+        return int(starts.min()), int((starts + self.sizes[i][present]).max())
+
+    def extent(self) -> int:
+        """Return the offset just past the last byte of sample data the index points at."""
+        return int((self.offsets + self.sizes).max()) if len(self.keys) else 0
+
+    def encode(self) -> bytes:
+        """Serialise to the msgpack bytes stored as the shard's index member."""
+        return msgpack.packb(
+            {
+                "version": INDEX_VERSION,
+                "fields": list(self.fields),
+                "keys": list(self.keys),
+                "offsets": self.offsets.astype(_OFFSETS, copy=False).tobytes(),
+                "sizes": self.sizes.astype(_OFFSETS, copy=False).tobytes(),
+                "crcs": self.crcs.astype(_CRCS, copy=False).tobytes(),
+            },
+            use_bin_type=True,
+        )
+
+    @classmethod
+    def decode(cls, data: bytes | memoryview, *, data_end: int, name: str | None = None) -> ShardIndex:
+        """Parse and validate index bytes.
+
+        Args:
+            data: The index member's bytes.
+            data_end: Offset where the index member's header starts: no sample byte lies at or
+                after it.
+            name: The shard's object name, for messages.
+
+        Raises:
+            UnsupportedVersion: The index is from an unknown format version.
+            CorruptShard: The bytes are not a well-formed index.
+            IndexOutOfBounds: An offset or size points outside the shard's sample data.
+        """
+        what = "index"
+        raw = unpack(data, what=what, name=name)
+        check_version(require(raw, "version", int, what=what, name=name), known=INDEX_VERSION, what=what, name=name)
+        fields = require(raw, "fields", list, what=what, name=name)
+        keys = require(raw, "keys", list, what=what, name=name)
+        if not fields or len(fields) > MAX_FIELDS or len(set(fields)) != len(fields):
+            raise CorruptShard(f"index of {name}: field list is empty, too long or repeated", name=name)
+        if not all(isinstance(f, str) for f in fields) or not all(isinstance(k, str) for k in keys):
+            raise CorruptShard(f"index of {name}: field names and keys must be strings", name=name)
+        n, width = len(keys), len(fields)
+        arrays = []
+        for column, dtype in (("offsets", _OFFSETS), ("sizes", _OFFSETS), ("crcs", _CRCS)):
+            buf = require(raw, column, bytes, what=what, name=name)
+            if len(buf) != n * width * dtype.itemsize:
+                raise CorruptShard(
+                    f"index of {name}: {column} holds {len(buf)} bytes, expected {n * width * dtype.itemsize}",
+                    name=name,
+                )
+            arrays.append(np.frombuffer(buf, dtype=dtype).reshape(n, width))
+        offsets, sizes, crcs = arrays
+        present = offsets != 0
+        if n and not present.any(axis=1).all():
+            bad = int(np.flatnonzero(~present.any(axis=1))[0])
+            raise CorruptShard(f"index of {name}: sample {keys[bad]!r} has no field", name=name)
+        # Compare in a form that cannot overflow: size <= data_end - offset.
+        outside = present & ((offsets < BLOCK) | (offsets > data_end) | (sizes > data_end - np.minimum(offsets, data_end)))
+        if outside.any():
+            i, j = (int(v) for v in np.argwhere(outside)[0])
+            raise IndexOutOfBounds(
+                f"index of {name}: sample {keys[i]!r} field {fields[j]!r} lies at "
+                f"{int(offsets[i, j])}+{int(sizes[i, j])}, outside the shard's data (0..{data_end})",
+                name=name,
+            )
+        return cls(keys=keys, fields=tuple(fields), offsets=offsets, sizes=sizes, crcs=crcs)

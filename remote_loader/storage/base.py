@@ -1,0 +1,260 @@
+"""The storage interface every backend implements: bytes in and out of buckets, nothing more.
+
+Backends translate their SDK's exceptions into ``remote_loader.errors`` types at this
+boundary; callers catch types, never match messages.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import suppress
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+from remote_loader.errors import (
+    AccessDenied,
+    BucketNotFound,
+    ConfigError,
+    InvalidRange,
+    ObjectNotFound,
+    StorageError,
+    TransientStorageError,
+)
+
+DEFAULT_PART_SIZE = 16 * 1024 * 1024
+MIN_PART_SIZE = 5 * 1024 * 1024
+"""S3 refuses multipart parts smaller than 5 MiB (except the last)."""
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """One listed object."""
+
+    key: str
+    size: int
+
+
+def check_range(bucket: str, key: str, start: int, end: int, data: bytes) -> bytes:
+    """Return ``data`` if it holds exactly ``end - start`` bytes, else raise a retryable error."""
+    if len(data) != end - start:
+        raise TransientStorageError(
+            f"short read of s3://{bucket}/{key} bytes {start}-{end - 1}: got {len(data)} of {end - start} bytes",
+            bucket=bucket,
+            key=key,
+            code="ShortRead",
+        )
+    return data
+
+
+class ObjectWriter(ABC):
+    """A streaming upload of one object: ``write`` chunks, then ``commit`` or ``abort``.
+
+    A multipart upload starts only once a first full part exists; a small object gets one
+    PUT. Used as a context manager, it commits on success and aborts on an exception, so a
+    failed upload never leaves a partial object under its key.
+    """
+
+    def __init__(self, bucket: str, key: str, part_size: int) -> None:
+        if part_size < MIN_PART_SIZE:
+            raise ConfigError(f"part_size must be >= {MIN_PART_SIZE} bytes, got {part_size}")
+        self.bucket = bucket
+        self.key = key
+        self.part_size = part_size
+        self.size = 0
+        self._buffer = bytearray()
+        self._parts = 0
+        self._started = False
+        self._done = False
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        """Append ``data``; full parts are sent as they fill."""
+        if self._done:
+            raise ValueError(f"writer for s3://{self.bucket}/{self.key} is already finished")
+        self._buffer += data
+        self.size += len(data)
+        while len(self._buffer) >= self.part_size:
+            part = bytes(self._buffer[: self.part_size])
+            del self._buffer[: self.part_size]
+            self._send(part)
+
+    def _send(self, part: bytes) -> None:
+        if not self._started:
+            self._start()
+            self._started = True
+        self._parts += 1
+        self._upload_part(self._parts, part)
+
+    def commit(self) -> None:
+        """Send what is buffered and make the object visible under its key."""
+        if self._done:
+            return
+        self._done = True
+        tail, self._buffer = bytes(self._buffer), bytearray()
+        if not self._started:
+            self._put_whole(tail)
+            return
+        try:
+            if tail:
+                self._send(tail)
+            self._complete()
+        except BaseException:
+            with suppress(StorageError):
+                self._abort_upload()
+            raise
+
+    def abort(self) -> None:
+        """Drop everything written; no object appears."""
+        if self._done:
+            return
+        self._done = True
+        self._buffer = bytearray()
+        if self._started:
+            self._abort_upload()
+
+    @abstractmethod
+    def _put_whole(self, data: bytes) -> None:
+        """Store a small object in one PUT."""
+
+    @abstractmethod
+    def _start(self) -> None:
+        """Create the multipart upload."""
+
+    @abstractmethod
+    def _upload_part(self, number: int, part: bytes) -> None:
+        """Upload part ``number`` (from 1)."""
+
+    @abstractmethod
+    def _complete(self) -> None:
+        """Complete the multipart upload: the object appears."""
+
+    @abstractmethod
+    def _abort_upload(self) -> None:
+        """Abandon the multipart upload and free what the store holds for it."""
+
+    def __enter__(self) -> ObjectWriter:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc_type is None:
+            self.commit()
+            return
+        with suppress(StorageError):  # the exception in flight says more than a failed clean-up
+            self.abort()
+
+
+class Store(ABC):
+    """An object store: buckets of keys holding bytes.
+
+    Instances pickle (for DataLoader and upload workers): SDK clients are created lazily in
+    each process and dropped when pickled.
+    """
+
+    def __init__(self) -> None:
+        self._client: Any = None
+        self._pid = -1
+
+    def _sdk(self) -> Any:
+        """Return this process's SDK client, creating it on first use after a fork or unpickle."""
+        if self._client is None or self._pid != os.getpid():
+            self._client = self._connect()
+            self._pid = os.getpid()
+        return self._client
+
+    def _connect(self) -> Any:
+        """Create the SDK client (backends that have one override this)."""
+        return None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_client"] = None
+        state["_pid"] = -1
+        return state
+
+    @abstractmethod
+    def get(self, bucket: str, key: str) -> bytes:
+        """Return the whole object."""
+
+    @abstractmethod
+    def get_range(self, bucket: str, key: str, start: int, end: int) -> bytes:
+        """Return bytes ``[start, end)`` of the object; exactly ``end - start`` bytes or an error."""
+
+    @abstractmethod
+    def get_tail(self, bucket: str, key: str, length: int) -> bytes:
+        """Return the last ``length`` bytes of the object (all of it if shorter)."""
+
+    @abstractmethod
+    def head(self, bucket: str, key: str) -> int:
+        """Return the object's size in bytes."""
+
+    @abstractmethod
+    def put(self, bucket: str, key: str, data: bytes | bytearray | memoryview) -> None:
+        """Store ``data`` under ``key`` in one request (atomic: readers see old or new)."""
+
+    @abstractmethod
+    def open_writer(self, bucket: str, key: str, *, part_size: int = DEFAULT_PART_SIZE) -> ObjectWriter:
+        """Start a streaming (multipart) upload of ``key``."""
+
+    @abstractmethod
+    def list(self, bucket: str, prefix: str = "") -> Iterator[ObjectInfo]:
+        """Yield every object whose key starts with ``prefix``, in key order, across pages."""
+
+    @abstractmethod
+    def delete(self, bucket: str, key: str) -> None:
+        """Delete the object; deleting a missing object is not an error."""
+
+    @abstractmethod
+    def abort_uploads(self, bucket: str, prefix: str = "") -> int:
+        """Abort unfinished multipart uploads under ``prefix``; return how many."""
+
+    @abstractmethod
+    def create_bucket(self, bucket: str) -> None:
+        """Create ``bucket`` if it does not exist."""
+
+    def exists(self, bucket: str, key: str) -> bool:
+        """Return whether the object exists."""
+        try:
+            self.head(bucket, key)
+        except ObjectNotFound:
+            return False
+        return True
+
+    def close(self) -> None:
+        """Release connections held by this process."""
+        self._client = None
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_ACCESS_CODES = {"AccessDenied", "SignatureDoesNotMatch", "InvalidAccessKeyId", "InvalidToken", "ExpiredToken", "AllAccessDisabled"}
+_TRANSIENT_CODES = {"SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout", "Throttling", "ThrottlingException", "RequestTimeTooSkewed"}
+
+
+def error_for(
+    code: str, status: int | None, *, operation: str, bucket: str | None, key: str | None, endpoint: str | None
+) -> StorageError:
+    """Map an S3 error code and HTTP status to one of our exception types, with a one-line message."""
+    where = f"s3://{bucket}/{key}" if key else f"s3://{bucket}" if bucket else "the store"
+    args = {"bucket": bucket, "key": key, "code": code}
+    if code == "NoSuchBucket":
+        return BucketNotFound(f"bucket {bucket!r} does not exist at {endpoint} ({operation})", **args)
+    if code in ("NoSuchKey", "NotFound", "NoSuchUpload") or status == 404:
+        return ObjectNotFound(f"{where} does not exist ({operation})", **args)
+    if code in _ACCESS_CODES or status == 403:
+        return AccessDenied(
+            f"access denied to {where} at {endpoint} ({operation}, {code}): check the access key, secret and rights",
+            **args,
+        )
+    if code == "InvalidRange" or status == 416:
+        return InvalidRange(f"{where}: requested range lies outside the object ({operation})", **args)
+    if code in _TRANSIENT_CODES or (status is not None and status >= 500):
+        return TransientStorageError(f"{where}: store answered {code or status} ({operation}); retry later", **args)
+    return StorageError(f"{where}: {operation} failed with {code or status}", **args)

@@ -1,0 +1,124 @@
+"""Build a store from a URL and credentials, and split dataset URLs into (bucket, prefix)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+from urllib.parse import urlsplit
+
+from remote_loader.config import BACKENDS, StorageConfig
+from remote_loader.errors import ConfigError
+from remote_loader.storage.base import Store
+from remote_loader.storage.local import LocalStore
+from remote_loader.storage.s3_boto3 import Boto3Store
+from remote_loader.storage.s3_minio import MinioStore
+
+Backend = Literal["boto3", "minio"]
+
+_HOST_PORT = re.compile(r"^[A-Za-z0-9.-]+:\d+$")
+
+
+def _is_local(url: str) -> bool:
+    return url.startswith("file://") or not (url.startswith(("http://", "https://", "s3://")) or _HOST_PORT.match(url))
+
+
+def _local_path(url: str) -> Path:
+    if url.startswith("file://"):
+        parts = urlsplit(url)
+        if parts.netloc not in ("", "localhost"):
+            raise ConfigError(f"file URL {url!r} names a host; use file:///absolute/path")
+        return Path(parts.path)
+    return Path(url)
+
+
+def make_client(
+    url: str | None = None,
+    access_key: str | None = None,
+    secret_key: str | None = None,
+    *,
+    region: str | None = None,
+    backend: Backend = "boto3",
+    config: StorageConfig | None = None,
+) -> Store:
+    """Return a store usable everywhere in remote_loader.
+
+    Args:
+        url: Where the store is:
+
+            * ``http(s)://host:port`` or ``host:port``: an S3-compatible endpoint;
+            * ``s3://bucket/prefix`` or None: the endpoint from the environment
+              (``AWS_ENDPOINT_URL``, ``MINIO_ENDPOINT``), or AWS S3 if none is set;
+            * ``file:///path`` or a plain path: a local directory whose subdirectories
+              are buckets.
+        access_key: Access key id; default from ``AWS_ACCESS_KEY_ID`` / ``MINIO_ACCESS_KEY``.
+        secret_key: Secret key; default from ``AWS_SECRET_ACCESS_KEY`` / ``MINIO_SECRET_KEY``.
+        region: Signing region; default from ``AWS_DEFAULT_REGION``, else ``us-east-1``.
+        backend: ``"boto3"`` (default) or ``"minio"`` for S3 endpoints.
+        config: A complete config; when given, the other connection arguments must be None.
+
+    Example:
+        >>> client = make_client("http://127.0.0.1:9000", "minioadmin", "minioadmin")
+    """
+    if backend not in BACKENDS or backend == "local":
+        raise ConfigError(f"backend must be 'boto3' or 'minio', got {backend!r}")
+    if url is not None and _is_local(url):
+        return LocalStore(_local_path(url))
+    if config is None:
+        endpoint = url if url is not None and not url.startswith("s3://") else None
+        config = StorageConfig.from_env(endpoint_url=endpoint, access_key=access_key, secret_key=secret_key, region=region)
+    elif access_key or secret_key or region or (url and not url.startswith("s3://")):
+        raise ConfigError("pass either config or url/access_key/secret_key/region, not both")
+    return MinioStore(config) if backend == "minio" else Boto3Store(config)
+
+
+@dataclass(frozen=True)
+class Location:
+    """A dataset's place: the bucket and the key prefix ("folder") inside it."""
+
+    bucket: str
+    prefix: str
+
+    def key(self, name: str) -> str:
+        """Return the full key of object ``name`` inside the dataset's folder."""
+        return f"{self.prefix}/{name}" if self.prefix else name
+
+    def __str__(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}"
+
+
+def parse_location(url: str) -> Location:
+    """Split ``s3://bucket/prefix`` (or ``file:///root/bucket/prefix``, a path) into a Location.
+
+    A local path's first component is its bucket and the rest its prefix, matching a
+    ``LocalStore`` rooted at ``/``.
+    """
+    if url.startswith("s3://"):
+        parts = urlsplit(url)
+        bucket, prefix = parts.netloc, parts.path
+    elif _is_local(url):
+        path = _local_path(url).resolve()
+        bucket, _, prefix = path.as_posix().lstrip("/").partition("/")
+    else:
+        raise ConfigError(f"dataset URL {url!r} must look like s3://bucket/prefix or file:///path")
+    prefix = prefix.strip("/")
+    if not bucket:
+        raise ConfigError(f"dataset URL {url!r} has no bucket")
+    return Location(bucket=bucket, prefix=prefix)
+
+
+def open_location(
+    url: str,
+    *,
+    endpoint_url: str | None = None,
+    access_key: str | None = None,
+    secret_key: str | None = None,
+    region: str | None = None,
+    backend: Backend = "boto3",
+) -> tuple[Store, Location]:
+    """Return the store and location of a dataset URL (``s3://...`` or a local path)."""
+    location = parse_location(url)
+    if _is_local(url):
+        return LocalStore("/"), location
+    return make_client(endpoint_url or url, access_key, secret_key, region=region, backend=backend), location

@@ -1,0 +1,157 @@
+"""A local directory as a store: ``root/<bucket>/<key>``, for tests, laptops and shared filesystems."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+from remote_loader.errors import AccessDenied, BucketNotFound, InvalidRange, ObjectNotFound, StorageError
+from remote_loader.storage.base import DEFAULT_PART_SIZE, ObjectInfo, ObjectWriter, Store, check_range
+
+_PARTIAL = ".rl-partial-"
+"""Marks files of unfinished writes; they never show in listings."""
+
+
+class LocalStore(Store):
+    """Buckets are subdirectories of ``root``; keys are relative paths inside them.
+
+    Writes go to a temporary file in the same directory and are renamed into place, so a
+    reader sees a whole object or none. A key can never name a path outside its bucket.
+
+    Args:
+        root: The directory holding the buckets.
+    """
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        super().__init__()
+        self.root = Path(root).resolve()
+
+    def __repr__(self) -> str:
+        return f"LocalStore(root={str(self.root)!r})"
+
+    def _bucket_dir(self, bucket: str) -> Path:
+        if not bucket or "/" in bucket or bucket in (".", "..") or "\0" in bucket:
+            raise StorageError(f"invalid bucket name {bucket!r}", bucket=bucket, code="InvalidBucketName")
+        path = self.root / bucket
+        if not path.is_dir():
+            raise BucketNotFound(f"bucket {bucket!r} does not exist under {self.root}", bucket=bucket, code="NoSuchBucket")
+        return path
+
+    def _path(self, bucket: str, key: str) -> Path:
+        base = self._bucket_dir(bucket)
+        parts = key.split("/")
+        if not key or key.startswith("/") or "\0" in key or any(p in ("", ".", "..") for p in parts):
+            raise StorageError(f"key {key!r} is not a safe relative path", bucket=bucket, key=key, code="InvalidKey")
+        path = base.joinpath(*parts)
+        if base not in path.resolve().parents:  # a symlink inside the bucket could still point out
+            raise StorageError(f"key {key!r} resolves outside bucket {bucket!r}", bucket=bucket, key=key, code="InvalidKey")
+        return path
+
+    def _open(self, bucket: str, key: str) -> tuple[Path, int]:
+        path = self._path(bucket, key)
+        try:
+            return path, path.stat().st_size
+        except FileNotFoundError:
+            raise ObjectNotFound(f"{bucket}/{key} does not exist under {self.root}", bucket=bucket, key=key) from None
+        except PermissionError:
+            raise AccessDenied(f"no permission to read {path}", bucket=bucket, key=key) from None
+
+    def get(self, bucket: str, key: str) -> bytes:
+        path, _ = self._open(bucket, key)
+        return path.read_bytes()
+
+    def get_range(self, bucket: str, key: str, start: int, end: int) -> bytes:
+        if end <= start:
+            return b""
+        path, size = self._open(bucket, key)
+        if start < 0 or end > size:
+            raise InvalidRange(f"{bucket}/{key}: range {start}-{end} lies outside its {size} bytes", bucket=bucket, key=key)
+        with path.open("rb") as f:
+            f.seek(start)
+            return check_range(bucket, key, start, end, f.read(end - start))
+
+    def get_tail(self, bucket: str, key: str, length: int) -> bytes:
+        if length <= 0:
+            return b""
+        path, size = self._open(bucket, key)
+        with path.open("rb") as f:
+            f.seek(max(0, size - length))
+            return f.read()
+
+    def head(self, bucket: str, key: str) -> int:
+        return self._open(bucket, key)[1]
+
+    def _partial(self, bucket: str, key: str) -> Path:
+        path = self._path(bucket, key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return path.with_name(f"{path.name}{_PARTIAL}{uuid.uuid4().hex}")
+
+    def put(self, bucket: str, key: str, data: bytes | bytearray | memoryview) -> None:
+        with self.open_writer(bucket, key) as writer:
+            writer.write(data)
+
+    def open_writer(self, bucket: str, key: str, *, part_size: int = DEFAULT_PART_SIZE) -> ObjectWriter:
+        return _LocalWriter(self, bucket, key, part_size)
+
+    def list(self, bucket: str, prefix: str = "") -> Iterator[ObjectInfo]:
+        base = self._bucket_dir(bucket)
+        found = []
+        for dirpath, _, filenames in os.walk(base):
+            rel = Path(dirpath).relative_to(base).as_posix()
+            for name in filenames:
+                key = name if rel == "." else f"{rel}/{name}"
+                if _PARTIAL not in name and key.startswith(prefix):
+                    found.append(ObjectInfo(key=key, size=(Path(dirpath) / name).stat().st_size))
+        yield from sorted(found, key=lambda o: o.key)
+
+    def delete(self, bucket: str, key: str) -> None:
+        self._path(bucket, key).unlink(missing_ok=True)
+
+    def abort_uploads(self, bucket: str, prefix: str = "") -> int:
+        base = self._bucket_dir(bucket)
+        count = 0
+        for path in base.rglob(f"*{_PARTIAL}*"):
+            if path.relative_to(base).as_posix().startswith(prefix):
+                path.unlink(missing_ok=True)
+                count += 1
+        return count
+
+    def create_bucket(self, bucket: str) -> None:
+        if not bucket or "/" in bucket or bucket in (".", ".."):
+            raise StorageError(f"invalid bucket name {bucket!r}", bucket=bucket, code="InvalidBucketName")
+        (self.root / bucket).mkdir(parents=True, exist_ok=True)
+
+
+class _LocalWriter(ObjectWriter):
+    """Parts go straight to a temporary file, renamed into place on commit."""
+
+    def __init__(self, store: LocalStore, bucket: str, key: str, part_size: int) -> None:
+        super().__init__(bucket, key, part_size)
+        self._target = store._path(bucket, key)
+        self._tmp = store._partial(bucket, key)
+        self._file = self._tmp.open("wb")
+
+    def _put_whole(self, data: bytes) -> None:
+        self._file.write(data)
+        self._complete()
+
+    def _start(self) -> None:
+        pass
+
+    def _upload_part(self, number: int, part: bytes) -> None:
+        self._file.write(part)
+
+    def _complete(self) -> None:
+        self._file.close()
+        os.replace(self._tmp, self._target)
+
+    def _abort_upload(self) -> None:
+        self._file.close()
+        self._tmp.unlink(missing_ok=True)
+
+    def abort(self) -> None:
+        super().abort()
+        if not self._file.closed:  # nothing was sent as a part: the file is still open
+            self._abort_upload()

@@ -1,0 +1,195 @@
+"""The S3 backend on boto3: the default, and the reference for AWS S3."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import boto3
+import botocore.exceptions as bce
+from botocore.config import Config
+from urllib3.exceptions import HTTPError as Urllib3Error
+
+from remote_loader.config import StorageConfig
+from remote_loader.errors import AccessDenied, EndpointUnreachable, StorageError, TransientStorageError
+from remote_loader.storage.base import DEFAULT_PART_SIZE, ObjectInfo, ObjectWriter, Store, check_range, error_for
+
+_UNREACHABLE = (bce.EndpointConnectionError, bce.ConnectTimeoutError, bce.ProxyConnectionError)
+_TRANSIENT = (
+    bce.ReadTimeoutError,
+    bce.ConnectionClosedError,
+    bce.ResponseStreamingError,
+    bce.IncompleteReadError,
+    bce.ConnectionError,
+    Urllib3Error,
+    ConnectionError,
+)
+
+
+class Boto3Store(Store):
+    """An S3-compatible store reached through boto3.
+
+    Args:
+        config: Endpoint, credentials, retries and timeouts.
+    """
+
+    def __init__(self, config: StorageConfig) -> None:
+        super().__init__()
+        self.config = config
+
+    def __repr__(self) -> str:
+        return f"Boto3Store(endpoint_url={self.config.endpoint_url!r}, region={self.config.region!r})"
+
+    def _connect(self) -> Any:
+        c = self.config
+        session = boto3.session.Session()
+        return session.client(
+            "s3",
+            endpoint_url=c.endpoint_url,
+            aws_access_key_id=c.access_key,
+            aws_secret_access_key=c.secret_key,
+            aws_session_token=c.session_token,
+            region_name=c.region,
+            config=Config(
+                retries={"max_attempts": c.max_attempts, "mode": "standard"},
+                connect_timeout=c.connect_timeout,
+                read_timeout=c.read_timeout,
+                max_pool_connections=c.max_connections,
+                signature_version="s3v4",
+                s3={"addressing_style": "path" if c.endpoint_url else "auto"},
+                # S3-compatible servers differ in their support of flexible checksums;
+                # our own crc32s guard the data.
+                request_checksum_calculation="when_required",
+                response_checksum_validation="when_required",
+            ),
+        )
+
+    @contextmanager
+    def _errors(self, operation: str, bucket: str | None = None, key: str | None = None) -> Iterator[None]:
+        """Translate every boto3 and connection exception raised inside into our types."""
+        endpoint = self.config.endpoint_url or "AWS S3"
+        try:
+            yield
+        except bce.ClientError as exc:
+            error = exc.response.get("Error", {})
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            raise error_for(
+                str(error.get("Code", "")), status, operation=operation, bucket=bucket, key=key, endpoint=endpoint
+            ) from None
+        except _UNREACHABLE:
+            raise EndpointUnreachable(
+                f"cannot connect to {endpoint} ({operation})", bucket=bucket, key=key, code="Unreachable"
+            ) from None
+        except _TRANSIENT as exc:
+            raise TransientStorageError(
+                f"connection to {endpoint} failed during {operation} ({type(exc).__name__})",
+                bucket=bucket,
+                key=key,
+                code=type(exc).__name__,
+            ) from None
+        except (bce.NoCredentialsError, bce.PartialCredentialsError):
+            raise AccessDenied(
+                f"no credentials for {endpoint}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY", code="NoCredentials"
+            ) from None
+        except bce.BotoCoreError as exc:
+            raise StorageError(f"{operation} failed: {type(exc).__name__}", bucket=bucket, key=key) from None
+
+    def _read(self, operation: str, bucket: str, key: str, **kwargs: Any) -> bytes:
+        with self._errors(operation, bucket, key):
+            body = self._sdk().get_object(Bucket=bucket, Key=key, **kwargs)["Body"]
+            try:
+                return bytes(body.read())
+            finally:
+                body.close()
+
+    def get(self, bucket: str, key: str) -> bytes:
+        return self._read("GET", bucket, key)
+
+    def get_range(self, bucket: str, key: str, start: int, end: int) -> bytes:
+        if end <= start:
+            return b""
+        data = self._read("ranged GET", bucket, key, Range=f"bytes={start}-{end - 1}")
+        return check_range(bucket, key, start, end, data)
+
+    def get_tail(self, bucket: str, key: str, length: int) -> bytes:
+        if length <= 0:
+            return b""
+        return self._read("suffix GET", bucket, key, Range=f"bytes=-{length}")
+
+    def head(self, bucket: str, key: str) -> int:
+        with self._errors("HEAD", bucket, key):
+            return int(self._sdk().head_object(Bucket=bucket, Key=key)["ContentLength"])
+
+    def put(self, bucket: str, key: str, data: bytes | bytearray | memoryview) -> None:
+        with self._errors("PUT", bucket, key):
+            self._sdk().put_object(Bucket=bucket, Key=key, Body=bytes(data))
+
+    def open_writer(self, bucket: str, key: str, *, part_size: int = DEFAULT_PART_SIZE) -> ObjectWriter:
+        return _Boto3Writer(self, bucket, key, part_size)
+
+    def list(self, bucket: str, prefix: str = "") -> Iterator[ObjectInfo]:
+        with self._errors("LIST", bucket, prefix or None):
+            pages = self._sdk().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+            for page in pages:
+                for item in page.get("Contents", []):
+                    yield ObjectInfo(key=item["Key"], size=int(item["Size"]))
+
+    def delete(self, bucket: str, key: str) -> None:
+        with self._errors("DELETE", bucket, key):
+            self._sdk().delete_object(Bucket=bucket, Key=key)
+
+    def abort_uploads(self, bucket: str, prefix: str = "") -> int:
+        count = 0
+        with self._errors("abort multipart uploads", bucket, prefix or None):
+            client = self._sdk()
+            for page in client.get_paginator("list_multipart_uploads").paginate(Bucket=bucket, Prefix=prefix):
+                for upload in page.get("Uploads", []):
+                    client.abort_multipart_upload(Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+                    count += 1
+        return count
+
+    def create_bucket(self, bucket: str) -> None:
+        try:
+            with self._errors("create bucket", bucket):
+                self._sdk().create_bucket(Bucket=bucket)
+        except StorageError as exc:
+            if exc.code not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+                raise
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+        super().close()
+
+
+class _Boto3Writer(ObjectWriter):
+    def __init__(self, store: Boto3Store, bucket: str, key: str, part_size: int) -> None:
+        super().__init__(bucket, key, part_size)
+        self._store = store
+        self._upload_id = ""
+        self._etags: list[dict[str, Any]] = []
+
+    def _put_whole(self, data: bytes) -> None:
+        self._store.put(self.bucket, self.key, data)
+
+    def _start(self) -> None:
+        with self._store._errors("create multipart upload", self.bucket, self.key):
+            self._upload_id = self._store._sdk().create_multipart_upload(Bucket=self.bucket, Key=self.key)["UploadId"]
+
+    def _upload_part(self, number: int, part: bytes) -> None:
+        with self._store._errors("upload part", self.bucket, self.key):
+            response = self._store._sdk().upload_part(
+                Bucket=self.bucket, Key=self.key, UploadId=self._upload_id, PartNumber=number, Body=part
+            )
+        self._etags.append({"ETag": response["ETag"], "PartNumber": number})
+
+    def _complete(self) -> None:
+        with self._store._errors("complete multipart upload", self.bucket, self.key):
+            self._store._sdk().complete_multipart_upload(
+                Bucket=self.bucket, Key=self.key, UploadId=self._upload_id, MultipartUpload={"Parts": self._etags}
+            )
+
+    def _abort_upload(self) -> None:
+        with self._store._errors("abort multipart upload", self.bucket, self.key):
+            self._store._sdk().abort_multipart_upload(Bucket=self.bucket, Key=self.key, UploadId=self._upload_id)

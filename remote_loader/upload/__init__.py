@@ -1,0 +1,7 @@
+"""Upload: a dataset becomes shard objects and a manifest in a bucket."""
+
+from remote_loader.upload.encode import EncodeOptions
+from remote_loader.upload.sources import ImageFolder, load_source
+from remote_loader.upload.uploader import UploadSummary, upload_cv_dataset
+
+__all__ = ["EncodeOptions", "ImageFolder", "UploadSummary", "load_source", "upload_cv_dataset"]

@@ -1,0 +1,90 @@
+"""Datasets to upload from: an image-folder tree, ``module:function``, and file-backed items."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from remote_loader.errors import ConfigError
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp", ".gif")
+
+
+class ImageFolder:
+    """An image-folder tree (``root/<class>/<image>``) read as torchvision's ImageFolder reads it.
+
+    Classes are the sorted subfolder names; ``ds[i]`` returns ``(path, class_index)``, so the
+    uploader stores each file's original bytes. Needs no torchvision.
+
+    Args:
+        root: The directory holding one subfolder per class.
+
+    Example:
+        >>> ds = ImageFolder("/data/imagenet/val")  # doctest: +SKIP
+        >>> ds.classes[:2], len(ds)  # doctest: +SKIP
+    """
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+        if not self.root.is_dir():
+            raise ConfigError(f"image folder {str(self.root)!r} is not a directory")
+        self.classes = sorted(entry.name for entry in os.scandir(self.root) if entry.is_dir())
+        if not self.classes:
+            raise ConfigError(f"image folder {str(self.root)!r} has no class subfolders")
+        self.class_to_idx = {name: i for i, name in enumerate(self.classes)}
+        self.samples: list[tuple[str, int]] = []
+        for name in self.classes:
+            for dirpath, _, files in sorted(os.walk(self.root / name, followlinks=True)):
+                for file in sorted(files):
+                    if file.lower().endswith(IMAGE_SUFFIXES):
+                        self.samples.append((os.path.join(dirpath, file), self.class_to_idx[name]))
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> tuple[str, int]:
+        return self.samples[index]
+
+
+def is_file_backed(ds: Any) -> bool:
+    """Return whether ``ds`` is a torchvision ``DatasetFolder`` whose items are plain files.
+
+    Such a dataset decodes and converts each image in ``__getitem__``; reading
+    ``ds.samples[i]`` instead keeps the files' original bytes. Only an untransformed dataset
+    with torchvision's default loader qualifies.
+    """
+    loader = getattr(ds, "loader", None)
+    return (
+        isinstance(getattr(ds, "samples", None), list)
+        and getattr(loader, "__module__", "").startswith("torchvision")
+        and getattr(loader, "__name__", "") in ("default_loader", "pil_loader")
+        and getattr(ds, "transform", None) is None
+        and getattr(ds, "target_transform", None) is None
+        and getattr(ds, "transforms", None) is None
+    )
+
+
+def load_source(spec: str) -> Any:
+    """Return the dataset named by ``spec``: an image-folder directory or ``module:function``.
+
+    ``module:function`` imports ``module`` (the current directory is searched first) and
+    returns ``function()``.
+    """
+    if Path(spec).is_dir():
+        return ImageFolder(spec)
+    module_name, sep, function_name = spec.partition(":")
+    if not sep or not module_name or not function_name:
+        raise ConfigError(f"source {spec!r} is neither a directory nor module:function")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"cannot import {module_name!r} for source {spec!r}: {exc}") from None
+    function = getattr(module, function_name, None)
+    if not callable(function):
+        raise ConfigError(f"{module_name!r} has no callable {function_name!r}")
+    return function()

@@ -1,0 +1,191 @@
+"""The unit of parallel upload work: permuted sample indices in, finished shard objects out.
+
+A task runs in any ``concurrent.futures`` executor: it encodes its samples, streams each
+shard to the store with a multipart upload, and records its manifest entries in a small
+task object, so a re-run of an interrupted upload keeps the shards already finished.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from remote_loader.errors import RemoteLoaderError, UploadError
+from remote_loader.format import ShardEntry, ShardWriter
+from remote_loader.format.index import require, unpack
+from remote_loader.storage import Location, ObjectWriter, Store
+from remote_loader.upload.encode import EncodeOptions, encode_item
+from remote_loader.upload.sources import is_file_backed
+
+STATE_DIR = "_upload"
+_REPORT_EVERY = 16
+
+# Set in each worker process of a pool the uploader owns, so the dataset is sent once per
+# process rather than with every task.
+_worker_dataset: Any = None
+_worker_progress: Any = None
+
+
+def init_worker(dataset: Any, progress: Any) -> None:
+    """Process-pool initializer: keep the dataset and the progress queue for later tasks."""
+    global _worker_dataset, _worker_progress
+    _worker_dataset, _worker_progress = dataset, progress
+
+
+def shard_name(task_id: int, part: int) -> str:
+    """Object name (relative to the dataset folder) of part ``part`` of task ``task_id``."""
+    return f"shard-{task_id:06d}-{part:03d}.tar"
+
+
+def task_record_key(location: Location, task_id: int) -> str:
+    """Key of the record a finished task leaves for resuming."""
+    return location.key(f"{STATE_DIR}/task-{task_id:06d}.msgpack")
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """What every task of one upload shares."""
+
+    store: Store
+    location: Location
+    options: EncodeOptions
+    maxsize: int
+    maxcount: int
+    on_error: str
+    part_size: int
+    key_width: int
+
+
+@dataclass
+class TaskResult:
+    """What one task produced."""
+
+    task_id: int
+    entries: list[ShardEntry]
+    fields: list[str] = field(default_factory=list)
+    skipped: list[int] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)
+
+    def encode(self) -> bytes:
+        return msgpack.packb(
+            {
+                "task": self.task_id,
+                "entries": [e.as_row() for e in self.entries],
+                "fields": self.fields,
+                "skipped": self.skipped,
+                "reasons": self.reasons[:100],
+            },
+            use_bin_type=True,
+        )
+
+    @classmethod
+    def decode(cls, data: bytes, name: str) -> TaskResult:
+        raw = unpack(data, what="task record", name=name)
+        rows = require(raw, "entries", list, what="task record", name=name)
+        return cls(
+            task_id=require(raw, "task", int, what="task record", name=name),
+            entries=[ShardEntry(*row) for row in rows],
+            fields=require(raw, "fields", list, what="task record", name=name),
+            skipped=require(raw, "skipped", list, what="task record", name=name),
+            reasons=require(raw, "reasons", list, what="task record", name=name),
+        )
+
+
+def _item(dataset: Any, index: int) -> Any:
+    if is_file_backed(dataset):
+        return dataset.samples[index]
+    try:
+        return dataset[index]
+    except RemoteLoaderError:
+        raise
+    except Exception as exc:
+        raise UploadError(f"sample {index}: ds[{index}] raised {type(exc).__name__}: {exc}", index=index) from exc
+
+
+class _ShardSequence:
+    """Writes one task's shards in turn, starting a new one when the next sample would not fit."""
+
+    def __init__(self, spec: TaskSpec, task_id: int) -> None:
+        self.spec = spec
+        self.task_id = task_id
+        self.entries: list[ShardEntry] = []
+        self.fields: set[str] = set()
+        self._upload: ObjectWriter | None = None
+        self._shard: ShardWriter | None = None
+
+    def add(self, key: str, fields: dict[str, bytes], index: int) -> None:
+        spec = self.spec
+        if self._shard is not None and (
+            len(self._shard) >= spec.maxcount or self._shard.projected_size(key, fields) > spec.maxsize
+        ):
+            self.close()
+        if self._shard is None:
+            name = shard_name(self.task_id, len(self.entries))
+            self._upload = spec.store.open_writer(spec.location.bucket, spec.location.key(name), part_size=spec.part_size)
+            self._shard = ShardWriter(self._upload.write)
+        if self._shard.projected_size(key, fields) > spec.maxsize:
+            size = sum(len(v) for v in fields.values())
+            raise UploadError(
+                f"sample {index} is {size} bytes, too large for a shard of maxsize={spec.maxsize} bytes", index=index
+            )
+        self._shard.add(key, fields)
+        self.fields.update(fields)
+
+    def close(self) -> None:
+        if self._shard is None or self._upload is None:
+            return
+        summary = self._shard.close()
+        self._upload.commit()
+        self.entries.append(ShardEntry.from_summary(shard_name(self.task_id, len(self.entries)), summary))
+        self._shard = self._upload = None
+
+    def abort(self) -> None:
+        if self._upload is not None:
+            self._upload.abort()
+        self._shard = self._upload = None
+
+
+def write_task(spec: TaskSpec, task_id: int, indices: Sequence[int], dataset: Any = None) -> TaskResult:
+    """Encode the samples ``indices`` of the dataset into shards; upload them and a task record.
+
+    Args:
+        spec: Settings shared by every task of the upload.
+        task_id: This task's number; names its shards and its record.
+        indices: Source dataset indices, in the (permuted) order they are written.
+        dataset: The dataset; None in a pool whose initializer already set it.
+    """
+    dataset = _worker_dataset if dataset is None else dataset
+    result = TaskResult(task_id=task_id, entries=[])
+    shards = _ShardSequence(spec, task_id)
+    pending_samples = pending_bytes = 0
+    try:
+        for raw_index in indices:
+            index = int(raw_index)
+            try:
+                fields = encode_item(_item(dataset, index), spec.options, index)
+            except UploadError as exc:
+                if spec.on_error != "skip":
+                    raise
+                result.skipped.append(index)
+                result.reasons.append(str(exc))
+                fields = {}
+            if fields:
+                shards.add(f"{index:0{spec.key_width}d}", fields, index)
+            pending_samples += 1
+            pending_bytes += sum(len(v) for v in fields.values())
+            if pending_samples >= _REPORT_EVERY and _worker_progress is not None:
+                _worker_progress.put((pending_samples, pending_bytes))
+                pending_samples = pending_bytes = 0
+        shards.close()
+    except BaseException:
+        shards.abort()
+        raise
+    if _worker_progress is not None:
+        _worker_progress.put((pending_samples, pending_bytes))
+    result.entries = shards.entries
+    result.fields = sorted(shards.fields)
+    spec.store.put(spec.location.bucket, task_record_key(spec.location, task_id), result.encode())
+    return result

@@ -1,0 +1,326 @@
+"""``upload_cv_dataset``: a torchvision-style dataset becomes shards plus a manifest in a bucket.
+
+Samples are permuted with the seed, cut into tasks of consecutive permuted indices, and
+each task runs in an executor (a process pool by default). The manifest is written last,
+so a dataset is visible only when whole; a re-run of an interrupted upload with the same
+arguments keeps the finished tasks' shards and writes the rest.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue
+import time
+from collections.abc import Iterable
+from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, wait
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+import msgpack
+import numpy as np
+from tqdm import tqdm
+
+from remote_loader.errors import ConfigError, ObjectNotFound, UploadError
+from remote_loader.format import MANIFEST_NAME, Manifest, ShardEntry
+from remote_loader.format.index import unpack
+from remote_loader.format.shard import member_bytes
+from remote_loader.storage import DEFAULT_PART_SIZE, Location, Store
+from remote_loader.upload import tasks
+from remote_loader.upload.encode import EncodeOptions, encode_item
+from remote_loader.upload.tasks import STATE_DIR, TaskResult, TaskSpec, write_task
+
+_STATE = f"{STATE_DIR}/state.msgpack"
+_ESTIMATE_SAMPLES = 16
+
+
+@dataclass(frozen=True)
+class UploadSummary:
+    """What an upload did.
+
+    Attributes:
+        location: Where the dataset is.
+        samples: Samples in the dataset.
+        shards: Shard objects in the dataset.
+        bytes: Their total size.
+        skipped: Source samples skipped by ``on_error="skip"``.
+        seconds: Wall time of this call.
+        kept_shards: Shards found complete from an earlier, interrupted run and kept.
+    """
+
+    location: Location
+    samples: int
+    shards: int
+    bytes: int
+    skipped: int
+    seconds: float
+    kept_shards: int = 0
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.bytes / 1e6 / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.seconds if self.seconds > 0 else 0.0
+
+    def __str__(self) -> str:
+        kept = f", kept {self.kept_shards} shards from an earlier run" if self.kept_shards else ""
+        return (
+            f"uploaded {self.samples} samples in {self.shards} shards ({self.bytes / 1e6:.1f} MB) to {self.location}"
+            f" in {self.seconds:.1f} s: {self.samples_per_s:.0f} samples/s, {self.mb_per_s:.1f} MB/s;"
+            f" skipped {self.skipped}{kept}"
+        )
+
+
+class _BarProgress:
+    """Stands in for the worker progress queue when tasks run in this process."""
+
+    def __init__(self, bar: tqdm) -> None:
+        self.bar = bar
+        self.bytes = 0
+
+    def put(self, item: tuple[int, int]) -> None:
+        self.bytes += item[1]
+        self.bar.update(item[0])
+        self.bar.set_postfix_str(_rate(self.bytes, self.bar), refresh=False)
+
+
+def _rate(nbytes: int, bar: tqdm) -> str:
+    elapsed = max(bar.format_dict.get("elapsed", 0.0), 1e-9)
+    return f"{nbytes / 1e6:.1f} MB, {nbytes / 1e6 / elapsed:.1f} MB/s"
+
+
+def _plan_task_size(dataset: Any, order: np.ndarray, options: EncodeOptions, maxsize: int, maxcount: int) -> int:
+    """Samples per task: ``maxcount``, or fewer when ``maxsize`` binds, judged from a few samples.
+
+    Encoding the first samples here also reports a dataset of the wrong shape at once, in
+    this process, before any worker starts.
+    """
+    sizes = []
+    for index in order[:_ESTIMATE_SAMPLES]:
+        try:
+            sizes.append(member_bytes(encode_item(tasks._item(dataset, int(index)), options, int(index))))
+        except UploadError:
+            continue  # judged again, with on_error, by the task that owns it
+    if not sizes:
+        return maxcount
+    per_sample = float(np.mean(sizes)) * 1.1 + 64  # margin for size spread and index bytes
+    return max(1, min(maxcount, int((maxsize - 4096) / per_sample)))
+
+
+def _read_msgpack(store: Store, bucket: str, key: str) -> Any:
+    try:
+        return unpack(store.get(bucket, key), what="upload state", name=key)
+    except ObjectNotFound:
+        return None
+
+
+def _kept_results(store: Store, location: Location, num_tasks: int) -> dict[int, TaskResult]:
+    """Task results of an earlier run whose shards all exist with the recorded sizes."""
+    sizes = {info.key: info.size for info in store.list(location.bucket, location.key(""))}
+    kept = {}
+    for task_id in range(num_tasks):
+        key = tasks.task_record_key(location, task_id)
+        if key not in sizes:
+            continue
+        result = TaskResult.decode(store.get(location.bucket, key), key)
+        if all(sizes.get(location.key(e.name)) == e.size for e in result.entries):
+            kept[task_id] = result
+    return kept
+
+
+def _clear_state(store: Store, location: Location, *, shards_too: bool) -> None:
+    for info in list(store.list(location.bucket, location.key(""))):
+        name = info.key[len(location.key("")) :]
+        if name.startswith(f"{STATE_DIR}/") or (shards_too and name.startswith("shard-")):
+            store.delete(location.bucket, info.key)
+
+
+def _run(
+    pending: Iterable[tuple[int, np.ndarray]],
+    spec: TaskSpec,
+    dataset: Any,
+    workers: int,
+    executor: Executor | None,
+    bar: tqdm,
+) -> list[TaskResult]:
+    pending = list(pending)
+    if not pending:
+        return []
+    if executor is None and workers <= 0:
+        tasks.init_worker(dataset, _BarProgress(bar))
+        try:
+            return [write_task(spec, task_id, indices) for task_id, indices in pending]
+        finally:
+            tasks.init_worker(None, None)
+    progress: Any = None
+    own = executor is None
+    if own:
+        context = multiprocessing.get_context()
+        progress = context.Queue()
+        executor = ProcessPoolExecutor(
+            max_workers=min(workers, len(pending)),
+            mp_context=context,
+            initializer=tasks.init_worker,
+            initargs=(dataset, progress),
+        )
+    assert executor is not None
+    bar_progress = _BarProgress(bar)
+    try:
+        futures: set[Future[TaskResult]] = {
+            executor.submit(write_task, spec, task_id, indices, None if own else dataset) for task_id, indices in pending
+        }
+        results = []
+        while futures:
+            done, futures = wait(futures, timeout=0.2, return_when=FIRST_COMPLETED)
+            for future in done:
+                results.append(future.result())  # re-raises the task's error
+                if not own:
+                    bar_progress.put((sum(e.samples for e in results[-1].entries) + len(results[-1].skipped), 0))
+            while progress is not None:
+                try:
+                    bar_progress.put(progress.get_nowait())
+                except queue.Empty:
+                    break
+        return results
+    finally:
+        if own:
+            executor.shutdown(wait=True, cancel_futures=True)
+            progress.close()
+            progress.join_thread()
+
+
+def upload_cv_dataset(
+    ds: Any,
+    *,
+    client: Store,
+    bucket: str,
+    base_folder: str,
+    maxsize: float = 1e8,
+    maxcount: int = 100_000,
+    workers: int | None = None,
+    seed: int = 0,
+    image_format: str = "jpeg",
+    quality: int = 90,
+    on_error: str = "raise",
+    shuffle: bool = True,
+    executor: Executor | None = None,
+    part_size: int = DEFAULT_PART_SIZE,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> UploadSummary:
+    """Pack a torchvision-style dataset into shards in ``s3://bucket/base_folder/``.
+
+    Args:
+        ds: ``len(ds)`` and ``ds[i] -> (image, target)``; image a PIL image, uint8 HxWxC
+            array, CxHxW uint8 tensor, encoded bytes or a file path; target an int, a str, a
+            dict of ints/floats/strs, or None.
+        client: The store (see ``make_client``).
+        bucket: Bucket to write to (must exist).
+        base_folder: Key prefix of the dataset.
+        maxsize: Maximum shard size in bytes.
+        maxcount: Maximum samples per shard.
+        workers: Encoding processes (default: CPU count); 0 encodes in this process.
+        seed: Seed of the permutation applied before sharding.
+        image_format: ``jpeg``, ``png`` or ``webp`` for in-memory images.
+        quality: Encoding quality (1..100) for JPEG and WebP.
+        on_error: ``"raise"`` (default) stops at the first bad sample; ``"skip"`` skips it
+            and counts it in the manifest and the summary.
+        shuffle: Permute samples before sharding (on by default).
+        executor: Run tasks here instead of a new process pool (a Dask ``Client``'s
+            executor, say); the dataset is then sent with every task.
+        part_size: Multipart part size in bytes.
+        overwrite: Replace a dataset uploaded there with other parameters.
+        progress: Show a progress bar.
+
+    Returns:
+        What was uploaded, with throughput.
+
+    Raises:
+        UploadError: A sample is bad (naming its index), the dataset is empty, or a
+            different dataset is already there.
+    """
+    started = time.perf_counter()
+    if on_error not in ("raise", "skip"):
+        raise ConfigError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+    if int(maxcount) < 1 or int(maxsize) < 4096:
+        raise ConfigError(f"maxcount must be >= 1 and maxsize >= 4096 bytes (got {maxcount}, {maxsize})")
+    options = EncodeOptions(image_format=image_format, quality=quality)
+    location = Location(bucket=bucket, prefix=base_folder.strip("/"))
+    num = len(ds)
+    if num == 0:
+        raise UploadError("the dataset is empty: nothing to upload")
+    params = {
+        "samples": num,
+        "seed": seed,
+        "shuffle": shuffle,
+        "maxsize": int(maxsize),
+        "maxcount": int(maxcount),
+        "image_format": options.image_format,
+        "quality": quality,
+        "on_error": on_error,
+    }
+    existing = _existing_manifest(client, location)
+    if existing is not None:
+        if existing.params.get("upload") == params and not overwrite:
+            return UploadSummary(location, existing.num_samples, len(existing.shards), existing.num_bytes,
+                                 existing.skipped, time.perf_counter() - started, kept_shards=len(existing.shards))
+        if not overwrite:
+            raise UploadError(f"{location} already holds a dataset uploaded with other parameters; pass overwrite=True")
+        client.delete(bucket, location.key(MANIFEST_NAME))
+
+    order = np.random.default_rng(seed).permutation(num) if shuffle else np.arange(num)
+    state = _read_msgpack(client, bucket, location.key(_STATE))
+    if isinstance(state, dict) and state.get("params") == params and isinstance(state.get("task_size"), int):
+        task_size = state["task_size"]
+    else:
+        _clear_state(client, location, shards_too=True)
+        task_size = _plan_task_size(ds, order, options, int(maxsize), int(maxcount))
+        client.put(bucket, location.key(_STATE), msgpack.packb({"params": params, "task_size": task_size}))
+    client.abort_uploads(bucket, location.key(""))
+
+    num_tasks = -(-num // task_size)
+    kept = _kept_results(client, location, num_tasks)
+    spec = TaskSpec(client, location, options, int(maxsize), int(maxcount), on_error, part_size, max(6, len(str(num - 1))))
+    pending = [(t, order[t * task_size : (t + 1) * task_size]) for t in range(num_tasks) if t not in kept]
+    done_samples = sum(sum(e.samples for e in r.entries) + len(r.skipped) for r in kept.values())
+    with tqdm(total=num, initial=done_samples, unit="img", disable=not progress, desc="upload") as bar:
+        results = _run(pending, spec, ds, os.cpu_count() or 1 if workers is None else workers, executor, bar)
+    by_task = {**kept, **{r.task_id: r for r in results}}
+    entries: list[ShardEntry] = [e for t in sorted(by_task) for e in by_task[t].entries]
+    skipped = sorted(i for r in by_task.values() for i in r.skipped)
+    if not entries:
+        raise UploadError(f"every sample was skipped ({len(skipped)}); nothing to upload")
+    manifest = Manifest(
+        shards=tuple(entries),
+        fields=tuple(sorted({f for r in by_task.values() for f in r.fields})),
+        params={
+            "upload": params,
+            "classes": _class_names(ds),
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        },
+        skipped=len(skipped),
+        skipped_indices=tuple(skipped),
+    )
+    client.put(bucket, location.key(MANIFEST_NAME), manifest.encode())
+    _clear_state(client, location, shards_too=False)
+    kept_shards = sum(len(r.entries) for r in kept.values())
+    return UploadSummary(location, manifest.num_samples, len(entries), manifest.num_bytes, len(skipped),
+                         time.perf_counter() - started, kept_shards=kept_shards)
+
+
+def _class_names(ds: Any) -> list[str]:
+    classes = getattr(ds, "classes", None)
+    if isinstance(classes, (list, tuple)) and all(isinstance(c, str) for c in classes):
+        return list(classes)
+    return []
+
+
+def _existing_manifest(store: Store, location: Location) -> Manifest | None:
+    try:
+        data = store.get(location.bucket, location.key(MANIFEST_NAME))
+    except ObjectNotFound:
+        return None
+    return Manifest.decode(data, name=location.key(MANIFEST_NAME))
