@@ -154,6 +154,9 @@ class Store(ABC):
     each process and dropped when pickled.
     """
 
+    list_page_size = 1000
+    """Keys per LIST request where the SDK lets us choose (boto3)."""
+
     def __init__(self) -> None:
         self._client: Any = None
         self._pid = -1

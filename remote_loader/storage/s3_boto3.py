@@ -130,7 +130,9 @@ class Boto3Store(Store):
 
     def list(self, bucket: str, prefix: str = "") -> Iterator[ObjectInfo]:
         with self._errors("LIST", bucket, prefix or None):
-            pages = self._sdk().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+            pages = self._sdk().get_paginator("list_objects_v2").paginate(
+                Bucket=bucket, Prefix=prefix, PaginationConfig={"PageSize": self.list_page_size}
+            )
             for page in pages:
                 for item in page.get("Contents", []):
                     yield ObjectInfo(key=item["Key"], size=int(item["Size"]))

@@ -1,0 +1,203 @@
+"""The ``remote-loader`` console script: upload, ls, info, verify, serve."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from remote_loader.errors import RemoteLoaderError
+from remote_loader.reader import DatasetReader
+from remote_loader.server import EmbeddedS3
+from remote_loader.storage import Location, Store, open_location
+from remote_loader.storage.factory import Backend
+from remote_loader.upload import load_source, upload_cv_dataset
+
+
+def _connection(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("connection (default: AWS_* / MINIO_* environment variables)")
+    group.add_argument("--endpoint-url", help="S3 endpoint, e.g. http://127.0.0.1:9000")
+    group.add_argument("--region", help="signing region")
+    group.add_argument("--backend", choices=("boto3", "minio"), default="boto3", help="S3 client library")
+
+
+def _open(args: argparse.Namespace) -> tuple[Store, Location]:
+    backend: Backend = args.backend
+    return open_location(args.url, endpoint_url=args.endpoint_url, region=args.region, backend=backend)
+
+
+def _emit(args: argparse.Namespace, data: Any, text: str) -> None:
+    print(json.dumps(data, indent=2, sort_keys=True) if args.json else text)
+
+
+def cmd_upload(args: argparse.Namespace) -> int:
+    store, location = _open(args)
+    dataset = load_source(args.source)
+    summary = upload_cv_dataset(
+        dataset,
+        client=store,
+        bucket=location.bucket,
+        base_folder=location.prefix,
+        maxsize=args.maxsize,
+        maxcount=args.maxcount,
+        workers=args.workers,
+        seed=args.seed,
+        image_format=args.image_format,
+        quality=args.quality,
+        on_error=args.on_error,
+        shuffle=not args.no_shuffle,
+        overwrite=args.overwrite,
+        progress=not (args.quiet or args.json),
+    )
+    data = {
+        "url": str(summary.location),
+        "samples": summary.samples,
+        "shards": summary.shards,
+        "bytes": summary.bytes,
+        "skipped": summary.skipped,
+        "seconds": round(summary.seconds, 3),
+        "mb_per_s": round(summary.mb_per_s, 2),
+        "samples_per_s": round(summary.samples_per_s, 1),
+        "kept_shards": summary.kept_shards,
+    }
+    _emit(args, data, str(summary))
+    return 0
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    store, location = _open(args)
+    manifest = DatasetReader(store, location.bucket, location.prefix).manifest
+    rows = [{"name": s.name, "samples": s.samples, "bytes": s.size} for s in manifest.shards]
+    text = "\n".join(f"{r['bytes']:>14,d}  {r['samples']:>8,d}  {r['name']}" for r in rows)
+    _emit(args, rows, text)
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    store, location = _open(args)
+    manifest = DatasetReader(store, location.bucket, location.prefix).manifest
+    data = {
+        "url": str(location),
+        "format_version": manifest.version,
+        "samples": manifest.num_samples,
+        "shards": len(manifest.shards),
+        "bytes": manifest.num_bytes,
+        "fields": list(manifest.fields),
+        "skipped": manifest.skipped,
+        "params": dict(manifest.params),
+    }
+    upload = dict(manifest.params.get("upload", {}))
+    classes = manifest.params.get("classes") or []
+    text = "\n".join(
+        [
+            f"dataset   {location}",
+            f"samples   {manifest.num_samples:,d} in {len(manifest.shards):,d} shards, {manifest.num_bytes / 1e6:,.1f} MB",
+            f"fields    {', '.join(manifest.fields)}",
+            f"skipped   {manifest.skipped}",
+            f"classes   {len(classes)}" + (f" ({', '.join(classes[:5])}{', ...' if len(classes) > 5 else ''})" if classes else ""),
+            f"upload    {', '.join(f'{k}={v}' for k, v in sorted(upload.items()))}",
+            f"created   {manifest.params.get('created', '?')}",
+            f"format    version {manifest.version}",
+        ]
+    )
+    _emit(args, data, text)
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    store, location = _open(args)
+    reader = DatasetReader(store, location.bucket, location.prefix)
+    reports = []
+    bar = tqdm(reader.manifest.shards, unit="shard", desc="verify", disable=args.quiet or args.json)
+    for entry in bar:
+        report = reader.check_shard(entry)
+        reports.append(report)
+        if not report.ok and not args.json:
+            tqdm.write(f"BAD {entry.name}: {'; '.join(report.problems)}", file=sys.stderr)
+    bad = [r for r in reports if not r.ok]
+    data = {
+        "url": str(location),
+        "shards": len(reports),
+        "bad": [{"name": r.name, "problems": r.problems} for r in bad],
+        "ok": not bad,
+    }
+    text = f"{len(reports) - len(bad)} of {len(reports)} shards ok" + (f"; bad: {', '.join(r.name for r in bad)}" if bad else "")
+    _emit(args, data, text)
+    return 1 if bad else 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    server = EmbeddedS3(data_dir=args.data, port=args.port, buckets=args.bucket or [])
+    server.start()
+    try:
+        print(f"S3 server on {server.endpoint_url} (pid {server.pid}); data in {server.data_dir}")
+        print("export these to use it:")
+        for name, value in server.env().items():
+            print(f"  export {name}={value}")
+        print("Ctrl-C stops it.", flush=True)
+        signal.sigwait({signal.SIGINT, signal.SIGTERM})
+    finally:
+        server.stop()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="remote-loader", description="Shard datasets into object storage and read them back.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("upload", help="pack a dataset into shards in a bucket")
+    p.add_argument("source", help="an image-folder tree (class subfolders) or module:function returning a dataset")
+    p.add_argument("url", help="destination, s3://bucket/prefix or a local path")
+    p.add_argument("--maxsize", type=float, default=1e8, help="maximum shard size in bytes (default 1e8)")
+    p.add_argument("--maxcount", type=int, default=100_000, help="maximum samples per shard")
+    p.add_argument("--workers", type=int, default=None, help="encoding processes (default: CPU count)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the permutation before sharding")
+    p.add_argument("--image-format", default="jpeg", choices=("jpeg", "png", "webp"), help="for in-memory images")
+    p.add_argument("--quality", type=int, default=90)
+    p.add_argument("--on-error", default="raise", choices=("raise", "skip"))
+    p.add_argument("--no-shuffle", action="store_true", help="keep the source order")
+    p.add_argument("--overwrite", action="store_true", help="replace a dataset uploaded with other parameters")
+    p.set_defaults(func=cmd_upload)
+
+    for name, func, help_text in (
+        ("ls", cmd_ls, "list a dataset's shards"),
+        ("info", cmd_info, "show a dataset's size, fields and upload parameters"),
+        ("verify", cmd_verify, "check every shard against its checksums"),
+    ):
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("url", help="s3://bucket/prefix or a local path")
+        p.set_defaults(func=func)
+    for p in sub.choices.values():
+        if p.get_default("func") is not None:
+            _connection(p)
+            p.add_argument("--json", action="store_true", help="print JSON")
+            p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    p = sub.add_parser("serve", help="run an embedded S3 server (SeaweedFS) on 127.0.0.1")
+    p.add_argument("--port", type=int, default=None, help="S3 port (default: a free one)")
+    p.add_argument("--data", default=None, help="data directory (default: temporary)")
+    p.add_argument("--bucket", action="append", help="bucket to create (repeatable)")
+    p.set_defaults(func=cmd_serve)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        return int(args.func(args))
+    except RemoteLoaderError as exc:
+        print(f"remote-loader: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

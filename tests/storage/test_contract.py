@@ -1,0 +1,164 @@
+"""The storage contract, run over every backend against real servers (no mocked client calls)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from contextlib import suppress
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from remote_loader import (
+    AccessDenied,
+    BucketNotFound,
+    EndpointUnreachable,
+    InvalidRange,
+    ObjectNotFound,
+    StorageConfig,
+    StorageError,
+    make_client,
+)
+from remote_loader.storage import MinioStore
+
+MiB = 1024 * 1024
+
+
+def test_put_get_head_and_ranges(store):
+    client, bucket, _ = store
+    data = os.urandom(100_000)
+    client.put(bucket, "a/obj.bin", data)
+    assert client.get(bucket, "a/obj.bin") == data
+    assert client.head(bucket, "a/obj.bin") == len(data)
+    assert client.get_range(bucket, "a/obj.bin", 0, 1) == data[:1]
+    assert client.get_range(bucket, "a/obj.bin", 4_321, 65_432) == data[4_321:65_432]
+    assert client.get_range(bucket, "a/obj.bin", 99_999, 100_000) == data[-1:]
+    assert client.get_range(bucket, "a/obj.bin", 10, 10) == b""
+    assert client.get_tail(bucket, "a/obj.bin", 777) == data[-777:]
+    assert client.get_tail(bucket, "a/obj.bin", 200_000) == data
+    assert client.exists(bucket, "a/obj.bin") and not client.exists(bucket, "a/other")
+
+
+def test_put_replaces_and_empty_objects(store):
+    client, bucket, _ = store
+    client.put(bucket, "k", b"first")
+    client.put(bucket, "k", b"second")
+    client.put(bucket, "empty", b"")
+    assert client.get(bucket, "k") == b"second"
+    assert client.get(bucket, "empty") == b"" and client.head(bucket, "empty") == 0
+
+
+def test_streaming_multipart_put_is_byte_identical(store):
+    client, bucket, _ = store
+    chunks = [os.urandom(777_777) for _ in range(16)]  # 12.4 MB in odd-sized writes -> 3 parts
+    with client.open_writer(bucket, "big/obj", part_size=5 * MiB) as writer:
+        for chunk in chunks:
+            writer.write(chunk)
+    assert client.get(bucket, "big/obj") == b"".join(chunks)
+    assert client.head(bucket, "big/obj") == sum(map(len, chunks))
+
+
+def test_failed_writer_leaves_no_object_and_no_upload(store):
+    client, bucket, _ = store
+    with pytest.raises(RuntimeError), client.open_writer(bucket, "broken/obj", part_size=5 * MiB) as writer:
+        writer.write(os.urandom(6 * MiB))  # one part already sent
+        raise RuntimeError("producer failed")
+    assert not client.exists(bucket, "broken/obj")
+    assert client.abort_uploads(bucket, "broken/") == 0
+
+
+def test_abort_uploads_finds_abandoned_multipart_uploads(store):
+    client, bucket, _ = store
+    writer = client.open_writer(bucket, "abandoned/obj", part_size=5 * MiB)
+    writer.write(os.urandom(6 * MiB))  # a part was sent; the writer is then dropped, as a killed process would
+    assert client.abort_uploads(bucket, "other/") == 0
+    assert client.abort_uploads(bucket, "abandoned/") == 1
+    assert client.abort_uploads(bucket, "abandoned/") == 0
+    assert not client.exists(bucket, "abandoned/obj")
+    with suppress(StorageError):
+        writer.abort()  # releases the local backend's file handle; the upload itself is gone
+
+
+def test_list_is_complete_sorted_and_paginated(store):
+    client, bucket, _ = store
+    keys = [f"p/{i:03d}" for i in range(11)] + ["q/0", "p/sub/deep"]
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda k: client.put(bucket, k, k.encode()), keys))
+    client.list_page_size = 4
+    listed = list(client.list(bucket, "p/"))
+    assert [o.key for o in listed] == sorted(k for k in keys if k.startswith("p/"))
+    assert all(o.size == len(o.key) for o in listed)
+    assert [o.key for o in client.list(bucket, "nothing/")] == []
+
+
+def test_list_past_one_thousand_keys(store):
+    client, bucket, target = store
+    if target is None or target.name != "seaweedfs":
+        pytest.skip("one server is enough for the 1,000-key page boundary")
+    keys = [f"many/{i:05d}" for i in range(1003)]
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda k: client.put(bucket, k, b"x"), keys))
+    assert [o.key for o in client.list(bucket, "many/")] == keys
+
+
+def test_delete_is_idempotent(store):
+    client, bucket, _ = store
+    client.put(bucket, "gone", b"1")
+    client.delete(bucket, "gone")
+    client.delete(bucket, "gone")
+    assert not client.exists(bucket, "gone")
+
+
+def test_missing_object_bucket_and_range_raise_our_types(store):
+    client, bucket, _ = store
+    client.put(bucket, "small", b"0123456789")
+    with pytest.raises(ObjectNotFound) as info:
+        client.get(bucket, "no/such/key")
+    assert info.value.key == "no/such/key" and "no/such/key" in str(info.value)
+    with pytest.raises(ObjectNotFound):
+        client.head(bucket, "no/such/key")
+    with pytest.raises(ObjectNotFound):
+        client.get_range(bucket, "no/such/key", 0, 5)
+    with pytest.raises(BucketNotFound) as info:
+        client.get("no-such-bucket-" + bucket, "k")
+    assert info.value.bucket == "no-such-bucket-" + bucket
+    with pytest.raises(InvalidRange):
+        client.get_range(bucket, "small", 20, 30)
+
+
+def test_store_pickles_and_works_after(store):
+    client, bucket, _ = store
+    client.put(bucket, "k", b"v")
+    clone = pickle.loads(pickle.dumps(client))
+    assert clone.get(bucket, "k") == b"v"
+
+
+def test_wrong_secret_is_access_denied_without_leaking_it(store):
+    client, bucket, target = store
+    if target is None or not target.checks_signatures:
+        pytest.skip("this server does not check signatures")
+    secret = "WRONG-SECRET-0123456789abcdef"
+    backend = "minio" if isinstance(client, MinioStore) else "boto3"
+    bad = make_client(target.endpoint_url, target.access_key, secret, backend=backend)
+    with pytest.raises(AccessDenied) as info:
+        bad.get(bucket, "anything")
+    assert secret not in str(info.value) and secret not in repr(info.value)
+    assert secret not in repr(bad) and target.secret_key not in repr(client)
+    assert info.value.code in ("SignatureDoesNotMatch", "AccessDenied", "InvalidAccessKeyId")
+
+
+@pytest.mark.parametrize("backend", ["boto3", "minio"])
+def test_unreachable_endpoint(backend):
+    config = StorageConfig(endpoint_url="http://127.0.0.1:9", access_key="k", secret_key="s", max_attempts=1)
+    client = make_client(config=config, backend=backend)
+    with pytest.raises(EndpointUnreachable) as info:
+        client.get("bucket", "key")
+    assert "127.0.0.1:9" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_errors_are_storage_errors_with_one_line_messages(store):
+    client, bucket, _ = store
+    with pytest.raises(StorageError) as info:
+        client.get(bucket, "missing")
+    assert "\n" not in str(info.value) and "Traceback" not in str(info.value)
+    assert info.value.__cause__ is None  # the SDK's exception is not chained into the user's traceback
