@@ -145,7 +145,7 @@ class ShardIndex:
         if not all(isinstance(f, str) for f in fields) or not all(isinstance(k, str) for k in keys):
             raise CorruptShard(f"index of {name}: field names and keys must be strings", name=name)
         n, width = len(keys), len(fields)
-        arrays = []
+        arrays: list[Any] = []
         for column, dtype in (("offsets", _OFFSETS), ("sizes", _OFFSETS), ("crcs", _CRCS)):
             buf = require(raw, column, bytes, what=what, name=name)
             if len(buf) != n * width * dtype.itemsize:

@@ -81,7 +81,7 @@ class ShardWriter:
         (1, True)
     """
 
-    def __init__(self, sink: Callable[[bytes], object]) -> None:
+    def __init__(self, sink: Callable[[bytes | memoryview], object]) -> None:
         self._sink = sink
         self._pos = 0
         self._crc = 0

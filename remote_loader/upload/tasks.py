@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
+import numpy as np
 
 from remote_loader.errors import RemoteLoaderError, UploadError
 from remote_loader.format import ShardEntry, ShardWriter
@@ -148,7 +149,7 @@ class _ShardSequence:
         self._shard = self._upload = None
 
 
-def write_task(spec: TaskSpec, task_id: int, indices: Sequence[int], dataset: Any = None) -> TaskResult:
+def write_task(spec: TaskSpec, task_id: int, indices: Sequence[int] | np.ndarray, dataset: Any = None) -> TaskResult:
     """Encode the samples ``indices`` of the dataset into shards; upload them and a task record.
 
     Args:

@@ -1,0 +1,58 @@
+"""The main job, end to end on this machine: generate images, upload them, read them back.
+
+Starts an embedded S3 server (SeaweedFS) on 127.0.0.1, uploads a generated image dataset
+with ``upload_cv_dataset``, verifies it, streams every sample back and prints how fast each
+step ran. Run it with ``make demo`` or ``python examples/demo.py [--images N]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from remote_loader import DatasetReader, upload_cv_dataset
+from remote_loader.server import EmbeddedS3
+from remote_loader.synthetic import SyntheticImages
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--images", type=int, default=2000, help="images to generate (about 110 KB each)")
+    parser.add_argument("--workers", type=int, default=2, help="encoding processes for the upload")
+    args = parser.parse_args()
+
+    print("starting an embedded S3 server on 127.0.0.1 ...")
+    with EmbeddedS3(buckets=["demo"]) as server:
+        print(f"  {server.endpoint_url} (SeaweedFS, pid {server.pid})")
+        client = server.client()
+
+        dataset = SyntheticImages(args.images, num_classes=10)
+        print(f"generating and uploading {args.images} JPEG images (class order in, shuffled at write time) ...")
+        summary = upload_cv_dataset(
+            dataset, client=client, bucket="demo", base_folder="synthetic", maxsize=32e6, workers=args.workers
+        )
+        print(f"  {summary}")
+
+        reader = DatasetReader(client, "demo", "synthetic")
+        bad = [r for r in (reader.check_shard(e) for e in reader.manifest.shards) if not r.ok]
+        print(f"verified {len(reader.manifest.shards)} shards against their checksums: {len(bad)} bad")
+
+        print("reading every sample back ...")
+        started = time.perf_counter()
+        count = nbytes = 0
+        labels = []
+        for sample in reader:
+            count += 1
+            nbytes += len(sample["jpg"])
+            labels.append(int(bytes(sample["cls"])))
+        seconds = time.perf_counter() - started
+        same = sum(a == b for a, b in zip(labels, labels[1:])) / max(1, len(labels) - 1)
+        print(f"  read {count} samples ({nbytes / 1e6:.1f} MB) in {seconds:.2f} s:"
+              f" {count / seconds:.0f} samples/s, {nbytes / 1e6 / seconds:.1f} MB/s")
+        print(f"  adjacent samples with the same label: {same:.1%} (class order would give 99.5%, a uniform shuffle 10%)")
+        client.close()
+    print("server stopped; done.")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""The console script, run as a user runs it: a subprocess with the environment set."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from remote_loader import DatasetReader
+from remote_loader.synthetic import SyntheticImages
+
+SCRIPT = Path(sys.executable).with_name("remote-loader")
+
+
+def run(env, *args, check=True):
+    result = subprocess.run([str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=300)
+    if check:
+        assert result.returncode == 0, result.stderr
+    return result
+
+
+@pytest.fixture
+def image_folder(tmp_path):
+    ds = SyntheticImages(36, num_classes=3, size=(48, 32), formats=("jpeg", "png"))
+    for i in range(len(ds)):
+        data, label = ds[i]
+        folder = tmp_path / "tree" / ds.classes[label]
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"img{i:03d}.{'jpg' if i % 2 == 0 else 'png'}").write_bytes(data)
+    return tmp_path / "tree", ds
+
+
+@pytest.fixture
+def env(seaweed):
+    return {**os.environ, **seaweed.env()}
+
+
+def test_upload_info_ls_verify(env, s3, image_folder):
+    client, bucket = s3
+    tree, ds = image_folder
+    url = f"s3://{bucket}/folder"
+    up = json.loads(run(env, "upload", str(tree), url, "--maxcount", "10", "--workers", "2", "--json").stdout)
+    assert up["samples"] == 36 and up["shards"] == 4
+    info = json.loads(run(env, "info", url, "--json").stdout)
+    assert info["samples"] == 36 and info["fields"] == ["cls", "jpg", "png"]
+    assert info["params"]["classes"] == ds.classes and info["params"]["upload"]["maxcount"] == 10
+    listing = json.loads(run(env, "ls", url, "--json").stdout)
+    assert [r["samples"] for r in listing] == [10, 10, 10, 6]
+    text = run(env, "info", url).stdout
+    assert "36 in 4 shards" in text
+    assert "4 of 4 shards ok" in run(env, "verify", url, "--quiet").stdout
+    # Image files keep their bytes: every stored image equals one of the source files.
+    sources = {p.read_bytes() for p in tree.rglob("*.*")}
+    reader = DatasetReader(client, bucket, "folder")
+    for row in listing:
+        view = reader.open_shard(next(e for e in reader.manifest.shards if e.name == row["name"]))
+        assert all(bytes(s.get("jpg", s.get("png"))) in sources for s in view)
+
+
+def test_verify_names_a_corrupt_shard_and_fails(env, s3, image_folder):
+    client, bucket = s3
+    tree, _ = image_folder
+    url = f"s3://{bucket}/corrupt"
+    run(env, "upload", str(tree), url, "--maxcount", "12", "--workers", "0", "--quiet")
+    name = "corrupt/shard-000001-000.tar"
+    data = bytearray(client.get(bucket, name))
+    data[1500] ^= 0x01  # inside the first member's data
+    client.put(bucket, name, bytes(data))
+    result = run(env, "verify", url, "--json", check=False)
+    assert result.returncode == 1
+    report = json.loads(result.stdout)
+    assert [b["name"] for b in report["bad"]] == ["shard-000001-000.tar"]
+    assert any("crc32" in p for p in report["bad"][0]["problems"])
+
+
+def test_errors_are_one_line_and_never_show_the_secret(env, s3):
+    _, bucket = s3
+    secret = "SUPER-SECRET-VALUE-123"
+    bad_env = {**env, "AWS_SECRET_ACCESS_KEY": secret}
+    result = run(bad_env, "info", f"s3://{bucket}/x", check=False)
+    assert result.returncode == 2
+    assert result.stderr.startswith("remote-loader: error: access denied") and result.stderr.count("\n") == 1
+    assert secret not in result.stderr + result.stdout
+    result = run(env, "info", f"s3://{bucket}/nothing-here", check=False)
+    assert result.returncode == 2 and "no dataset at s3://" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_upload_from_module_function_to_a_local_directory(tmp_path):
+    (tmp_path / "mydata.py").write_text(
+        "from remote_loader.synthetic import SyntheticImages\n"
+        "def make():\n    return SyntheticImages(12, size=(32, 24))\n"
+    )
+    dest = tmp_path / "store" / "bucket" / "ds"
+    dest.parent.mkdir(parents=True)
+    subprocess.run([str(SCRIPT), "upload", "mydata:make", str(dest), "--workers", "0", "--quiet"], cwd=tmp_path, check=True, timeout=120)
+    info = json.loads(subprocess.run([str(SCRIPT), "info", str(dest), "--json"], capture_output=True, text=True, check=True).stdout)
+    assert info["samples"] == 12

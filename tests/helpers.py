@@ -1,0 +1,37 @@
+"""Datasets the upload tests use (importable by worker processes)."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+from remote_loader.synthetic import SyntheticImages
+
+
+class FlakyImages(SyntheticImages):
+    """Synthetic images where the listed indices return bytes that are not an image."""
+
+    def __init__(self, n: int, bad: set[int], **kwargs: object) -> None:
+        super().__init__(n, **kwargs)  # type: ignore[arg-type]
+        self.bad = bad
+
+    def __getitem__(self, index: int):  # type: ignore[override]
+        if index in self.bad:
+            return b"this is not an image", 0
+        return super().__getitem__(index)
+
+
+class KillingImages(SyntheticImages):
+    """Synthetic images that SIGKILL their whole process group when ``kill_at`` is read.
+
+    Stands in for a machine that dies mid-upload: no clean-up code runs anywhere.
+    """
+
+    def __init__(self, n: int, kill_at: int, **kwargs: object) -> None:
+        super().__init__(n, **kwargs)  # type: ignore[arg-type]
+        self.kill_at = kill_at
+
+    def __getitem__(self, index: int):  # type: ignore[override]
+        if index == self.kill_at:
+            os.killpg(os.getpgid(0), signal.SIGKILL)
+        return super().__getitem__(index)

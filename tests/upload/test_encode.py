@@ -1,0 +1,100 @@
+"""Encoding one (image, target) item: accepted types, kept bytes, and errors naming the sample."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from remote_loader.errors import ConfigError, UploadError
+from remote_loader.upload.encode import EncodeOptions, encode_item
+
+PNG = EncodeOptions(image_format="png")
+
+
+def pixels(data: bytes) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(data)))
+
+
+def test_encoded_bytes_and_files_keep_their_bytes(tmp_path):
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 6), (1, 2, 3)).save(buf, format="PNG")
+    data = buf.getvalue()
+    path = tmp_path / "x.png"
+    path.write_bytes(data)
+    assert encode_item((data, 3), EncodeOptions(), 0) == {"png": data, "cls": b"3"}
+    assert encode_item((str(path), 3), EncodeOptions(), 0)["png"] == data
+    assert encode_item((path, 3), EncodeOptions(), 0)["png"] == data
+
+
+def test_in_memory_images_are_encoded_losslessly_with_png():
+    rgb = np.random.default_rng(0).integers(0, 256, (6, 8, 3), dtype=np.uint8)
+    assert np.array_equal(pixels(encode_item((rgb, 0), PNG, 0)["png"]), rgb)
+    assert np.array_equal(pixels(encode_item((Image.fromarray(rgb), 0), PNG, 0)["png"]), rgb)
+    chw = torch.from_numpy(rgb).permute(2, 0, 1)
+    assert np.array_equal(pixels(encode_item((chw, 0), PNG, 0)["png"]), rgb)
+    gray = rgb[:, :, 0]
+    assert np.array_equal(pixels(encode_item((gray, 0), PNG, 0)["png"]), gray)
+
+
+@pytest.mark.parametrize("fmt, field, magic", [("jpeg", "jpg", b"\xff\xd8"), ("webp", "webp", b"RIFF"), ("png", "png", b"\x89PNG")])
+def test_image_format_and_quality(fmt, field, magic):
+    image = Image.new("RGB", (32, 32), (200, 10, 10))
+    fields = encode_item((image, 1), EncodeOptions(image_format=fmt, quality=80), 0)
+    assert fields[field].startswith(magic)
+
+
+@pytest.mark.parametrize(
+    "target, expected",
+    [
+        (7, {"cls": b"7"}),
+        (np.int64(12), {"cls": b"12"}),
+        (torch.tensor(5), {"cls": b"5"}),
+        ("a cat", {"txt": b"a cat"}),
+        (None, {}),
+    ],
+)
+def test_targets(target, expected):
+    image = Image.new("L", (4, 4))
+    fields = encode_item((image, target), PNG, 0)
+    fields.pop("png")
+    assert fields == expected
+
+
+def test_dict_target_is_json():
+    fields = encode_item((Image.new("L", (4, 4)), {"label": 3, "score": 0.5, "name": "x"}), PNG, 0)
+    assert json.loads(fields["json"]) == {"label": 3, "score": 0.5, "name": "x"}
+
+
+@pytest.mark.parametrize(
+    "item, message",
+    [
+        ((b"not an image", 1), "sample 5: image bytes is not an image"),
+        (("/no/such/file.jpg", 1), "sample 5: cannot read '/no/such/file.jpg'"),
+        ((np.zeros((4, 4, 3), np.float32), 1), "sample 5: image array has dtype float32"),
+        ((np.zeros((4, 4, 2), np.uint8), 1), "sample 5: image array has shape"),
+        ((3.5, 1), "sample 5: image is a float"),
+        ((Image.new("L", (4, 4)), 2.5), "sample 5: target is a float"),
+        ((Image.new("L", (4, 4)), [1, 2]), "sample 5: target is a list"),
+        ((Image.new("L", (4, 4)), {"a": float("nan")}), "must be finite"),
+        ((Image.new("L", (4, 4)), {1: 2}), "key 1 is not a str"),
+        (Image.new("L", (4, 4)), "expected an (image, target) pair"),
+        ((Image.new("RGBA", (4, 4)), 1), "cannot encode a RGBA image as JPEG"),
+    ],
+)
+def test_bad_items_name_the_sample(item, message):
+    options = EncodeOptions() if "RGBA" in message else PNG
+    with pytest.raises(UploadError, match=message.replace("(", r"\(").replace(")", r"\)")) as info:
+        encode_item(item, options, 5)
+    assert info.value.index == 5 and "\n" not in str(info.value)
+
+
+def test_bad_options():
+    with pytest.raises(ConfigError):
+        EncodeOptions(image_format="gif")
+    with pytest.raises(ConfigError):
+        EncodeOptions(quality=0)

@@ -1,0 +1,210 @@
+"""Uploads to a real S3 server, read back through the format layer."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+import tarfile
+import textwrap
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import boto3
+import numpy as np
+import pytest
+from PIL import Image
+
+from remote_loader import ConfigError, DatasetReader, UploadError, upload_cv_dataset
+from remote_loader.format import INDEX_MEMBER
+from remote_loader.synthetic import SyntheticImages
+from tests.helpers import FlakyImages
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def read_back(client, bucket, folder):
+    """{source index: (image field, image bytes, label)} and how often each index was seen."""
+    got, seen = {}, Counter()
+    for sample in DatasetReader(client, bucket, folder):
+        index = int(sample["__key__"])
+        seen[index] += 1
+        field = "jpg" if "jpg" in sample else "png"
+        got[index] = (field, bytes(sample[field]), int(bytes(sample["cls"])))
+    return got, seen
+
+
+def test_round_trip_of_jpeg_and_png_with_two_workers(roundtrip_s3):
+    client, bucket = roundtrip_s3
+    ds = SyntheticImages(520, num_classes=13, size=(96, 72), formats=("jpeg", "png"))
+    summary = upload_cv_dataset(
+        ds, client=client, bucket=bucket, base_folder="rt", maxcount=60, workers=2, progress=False
+    )
+    assert summary.samples == 520 and summary.skipped == 0 and summary.shards >= 9
+    got, seen = read_back(client, bucket, "rt")
+    assert set(seen) == set(range(520)) and set(seen.values()) == {1}
+    for i in range(520):
+        data, label = ds[i]
+        assert got[i] == ("jpg" if i % 2 == 0 else "png", data, label)
+
+
+def test_shards_open_with_tarfile_and_respect_limits(s3):
+    client, bucket = s3
+    ds = SyntheticImages(200, size=(64, 48))
+    upload_cv_dataset(ds, client=client, bucket=bucket, base_folder="tf", maxcount=50, maxsize=200_000, workers=0, progress=False)
+    reader = DatasetReader(client, bucket, "tf")
+    for entry in reader.manifest.shards:
+        data = client.get(bucket, f"tf/{entry.name}")
+        assert len(data) == entry.size <= 200_000 and entry.samples <= 50
+        with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+            names = tar.getnames()
+        keys = [n.split(".")[0] for n in names[:-1]]
+        assert names[-1] == INDEX_MEMBER
+        assert names[:-1] == [f"{k}.{f}" for k in dict.fromkeys(keys) for f in ("jpg", "cls")]
+        assert len(set(keys)) == entry.samples
+    assert reader.manifest.num_samples == 200
+
+
+def test_class_ordered_data_is_shuffled_at_write_time(s3):
+    client, bucket = s3
+    ds = SyntheticImages(600, num_classes=10, size=(32, 24))
+    upload_cv_dataset(ds, client=client, bucket=bucket, base_folder="shuf", maxcount=100, workers=0, progress=False)
+    labels = [int(bytes(s["cls"])) for s in DatasetReader(client, bucket, "shuf")]
+    adjacent_equal = np.mean(np.diff(labels) == 0)
+    # Written in class order this is 0.985; a uniform shuffle of 10 classes gives about 0.1.
+    assert adjacent_equal < 0.2
+    assert len(set(labels[:100])) == 10  # the first shard holds every class
+
+
+def test_same_seed_same_shards_other_seed_other_order(s3):
+    client, bucket = s3
+    ds = SyntheticImages(120, size=(32, 24))
+    for folder, seed in (("a", 1), ("b", 1), ("c", 2)):
+        upload_cv_dataset(ds, client=client, bucket=bucket, base_folder=folder, seed=seed, maxcount=40, workers=0, progress=False)
+    keys = {f: [s["__key__"] for s in DatasetReader(client, bucket, f)] for f in "abc"}
+    assert keys["a"] == keys["b"] != keys["c"]
+    assert sorted(keys["a"]) == sorted(keys["c"])
+    shard = "shard-000000-000.tar"
+    assert client.get(bucket, f"a/{shard}") == client.get(bucket, f"b/{shard}")
+
+
+def test_bad_sample_raises_naming_its_index(s3):
+    client, bucket = s3
+    with pytest.raises(UploadError, match="sample 17: image bytes is not an image") as info:
+        upload_cv_dataset(FlakyImages(40, {17}, size=(32, 24)), client=client, bucket=bucket, base_folder="bad", workers=2, progress=False)
+    assert info.value.index == 17
+    assert not client.exists(bucket, "bad/manifest.msgpack")
+
+
+def test_skip_counts_bad_samples_in_manifest_and_summary(s3):
+    client, bucket = s3
+    ds = FlakyImages(80, {3, 40, 41}, size=(32, 24))
+    summary = upload_cv_dataset(ds, client=client, bucket=bucket, base_folder="skip", maxcount=20, on_error="skip", workers=2, progress=False)
+    assert summary.skipped == 3 and summary.samples == 77
+    reader = DatasetReader(client, bucket, "skip")
+    assert reader.manifest.skipped == 3 and reader.manifest.skipped_indices == (3, 40, 41)
+    assert sorted(int(s["__key__"]) for s in reader) == sorted(set(range(80)) - {3, 40, 41})
+
+
+def test_in_memory_images_round_trip_pixels(s3):
+    client, bucket = s3
+    ds = SyntheticImages(30, size=(40, 30), output="pil")
+    upload_cv_dataset(ds, client=client, bucket=bucket, base_folder="pil", image_format="png", workers=0, progress=False)
+    for sample in DatasetReader(client, bucket, "pil"):
+        index = int(sample["__key__"])
+        assert np.array_equal(np.asarray(Image.open(io.BytesIO(bytes(sample["png"])))), np.asarray(ds.image(index)))
+
+
+def test_callers_executor_runs_the_tasks(s3):
+    client, bucket = s3
+    ds = SyntheticImages(90, size=(32, 24))
+    with ThreadPoolExecutor(3) as pool:
+        summary = upload_cv_dataset(ds, client=client, bucket=bucket, base_folder="ex", maxcount=10, executor=pool, progress=False)
+    assert summary.shards == 9
+    _, seen = read_back(client, bucket, "ex")
+    assert set(seen) == set(range(90)) and set(seen.values()) == {1}
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        ({"ds": SyntheticImages(0)}, UploadError, "empty"),
+        ({"maxsize": 5000}, UploadError, "too large for a shard of maxsize=5000"),
+        ({"maxsize": 100}, ConfigError, "maxsize"),
+        ({"on_error": "ignore"}, ConfigError, "on_error"),
+        ({"image_format": "bmp"}, ConfigError, "image_format"),
+        ({"ds": [(b"x", 1)] * 3}, UploadError, r"sample \d: image bytes is not an image"),
+        ({"ds": [1, 2]}, UploadError, "expected an \\(image, target\\) pair"),
+    ],
+)
+def test_bad_arguments(s3, kwargs, error, message):
+    client, bucket = s3
+    args = {"ds": SyntheticImages(10, size=(64, 48)), "workers": 0, "progress": False}
+    args.update(kwargs)
+    with pytest.raises(error, match=message):
+        upload_cv_dataset(client=client, bucket=bucket, base_folder="args", **args)
+
+
+def test_rerun_keeps_a_finished_dataset_and_refuses_other_parameters(s3):
+    client, bucket = s3
+    ds = SyntheticImages(30, size=(32, 24))
+    first = upload_cv_dataset(ds, client=client, bucket=bucket, base_folder="re", maxcount=10, workers=0, progress=False)
+    again = upload_cv_dataset(ds, client=client, bucket=bucket, base_folder="re", maxcount=10, workers=0, progress=False)
+    assert again.kept_shards == first.shards == 3
+    with pytest.raises(UploadError, match="other parameters"):
+        upload_cv_dataset(ds, client=client, bucket=bucket, base_folder="re", maxcount=15, workers=0, progress=False)
+    replaced = upload_cv_dataset(ds, client=client, bucket=bucket, base_folder="re", maxcount=15, workers=0, overwrite=True, progress=False)
+    assert replaced.shards == 2
+    assert sorted(o.key for o in client.list(bucket, "re/")) == [
+        "re/manifest.msgpack",
+        "re/shard-000000-000.tar",
+        "re/shard-000001-000.tar",
+    ]
+
+
+def test_upload_killed_mid_shard_resumes(seaweed, s3, tmp_path):
+    """SIGKILL a real upload while a multipart shard is half sent; the re-run completes it."""
+    client, bucket = s3
+    n, per_shard = 300, 60  # 60 x ~110 KB: each shard spans two 5 MiB parts
+    ds = SyntheticImages(n)
+    order = np.random.default_rng(0).permutation(n)
+    kill_at = int(order[3 * per_shard + 55])  # deep inside the fourth shard, after its first part
+    script = tmp_path / "upload.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import sys
+            sys.path.insert(0, {str(ROOT)!r})
+            from remote_loader import make_client, upload_cv_dataset
+            from tests.helpers import KillingImages
+            client = make_client()
+            upload_cv_dataset(KillingImages({n}, kill_at={kill_at}), client=client, bucket={bucket!r},
+                              base_folder="killed", maxcount={per_shard}, maxsize=1e9, workers=1,
+                              part_size=5 * 1024 * 1024, progress=False)
+            """
+        )
+    )
+    env = {**os.environ, **seaweed.env()}
+    process = subprocess.run([sys.executable, str(script)], env=env, start_new_session=True, capture_output=True, timeout=300)
+    assert process.returncode == -9, process.stderr.decode()[-2000:]
+    assert not client.exists(bucket, "killed/manifest.msgpack")
+    raw = boto3.client(
+        "s3", endpoint_url=seaweed.endpoint_url, aws_access_key_id=seaweed.access_key,
+        aws_secret_access_key=seaweed.secret_key, region_name="us-east-1",
+    )
+    unfinished = raw.list_multipart_uploads(Bucket=bucket, Prefix="killed/").get("Uploads", [])
+    assert [u["Key"] for u in unfinished] == ["killed/shard-000003-000.tar"]
+
+    summary = upload_cv_dataset(
+        ds, client=client, bucket=bucket, base_folder="killed", maxcount=per_shard, maxsize=1e9, workers=2,
+        part_size=5 * 1024 * 1024, progress=False,
+    )
+    assert summary.kept_shards == 3 and summary.shards == 5 and summary.samples == n
+    assert raw.list_multipart_uploads(Bucket=bucket, Prefix="killed/").get("Uploads", []) == []
+    reader = DatasetReader(client, bucket, "killed")
+    assert all(reader.check_shard(entry).ok for entry in reader.manifest.shards)
+    _, seen = read_back(client, bucket, "killed")
+    assert set(seen) == set(range(n)) and set(seen.values()) == {1}
+    assert not [o.key for o in client.list(bucket, "killed/_upload/")]
