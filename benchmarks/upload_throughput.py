@@ -1,0 +1,76 @@
+"""Upload throughput: an image folder of ~110 KB JPEGs to the embedded S3 server.
+
+Writes N generated JPEGs to a folder tree once (outside the timing), then uploads it with
+``upload_cv_dataset`` at each worker count, several times, and reports the median
+images/s and MB/s next to the server's own PUT rate for the same bytes in 16 MB objects
+(the limit an uploader can approach on this machine).
+
+    python benchmarks/upload_throughput.py --images 2000 --workers 1 2 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from remote_loader import ImageFolder, upload_cv_dataset
+from remote_loader.server import EmbeddedS3
+from remote_loader.synthetic import SyntheticImages
+
+
+def write_tree(root: Path, n: int) -> int:
+    ds = SyntheticImages(n, num_classes=10)
+    total = 0
+    for i in range(n):
+        data, label = ds[i]
+        folder = root / ds.classes[label]
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{i:06d}.jpg").write_bytes(data)
+        total += len(data)
+    return total
+
+
+def put_rate(client, bucket: str, total: int) -> float:
+    """MB/s of plain 16 MB PUTs from 2 threads: what the server takes on this machine."""
+    blob = bytes(16 * 2**20)
+    count = max(1, total // len(blob))
+    started = time.perf_counter()
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda i: client.put(bucket, f"raw/{i}", blob), range(count)))
+    return count * len(blob) / 1e6 / (time.perf_counter() - started)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--images", type=int, default=2000)
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--maxsize", type=float, default=64e6)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp, EmbeddedS3(buckets=["bench"]) as server:
+        total = write_tree(Path(tmp) / "tree", args.images)
+        ds = ImageFolder(Path(tmp) / "tree")
+        client = server.client()
+        print(f"{len(ds)} images, {total / 1e6:.1f} MB, mean {total / len(ds) / 1e3:.0f} KB")
+        results = {"images": len(ds), "mb": total / 1e6, "put_mb_per_s": put_rate(client, "bench", total)}
+        for workers in args.workers:
+            runs = []
+            for r in range(args.repeats):
+                s = upload_cv_dataset(ds, client=client, bucket="bench", base_folder=f"w{workers}-{r}",
+                                      maxsize=args.maxsize, workers=workers, progress=False)
+                runs.append(s)
+            mb = statistics.median(s.mb_per_s for s in runs)
+            ips = statistics.median(s.samples_per_s for s in runs)
+            results[f"workers={workers}"] = {"mb_per_s": mb, "images_per_s": ips}
+            print(f"workers={workers}: {ips:.0f} images/s, {mb:.1f} MB/s"
+                  f" ({mb / results['put_mb_per_s']:.2f}x the server's PUT rate of {results['put_mb_per_s']:.0f} MB/s)")
+        print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
