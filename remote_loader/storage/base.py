@@ -237,6 +237,27 @@ class Store(ABC):
         self.close()
 
 
+
+class RangedStore(Store):
+    """A store whose reads are HTTP GETs with an optional ``Range`` header (the S3 backends)."""
+
+    @abstractmethod
+    def _read(self, bucket: str, key: str, byte_range: str | None) -> bytes:
+        """GET the object, or the part ``byte_range`` (an HTTP Range value) names."""
+
+    def get(self, bucket: str, key: str) -> bytes:
+        return self._read(bucket, key, None)
+
+    def get_range(self, bucket: str, key: str, start: int, end: int) -> bytes:
+        if end <= start:
+            return b""
+        return check_range(bucket, key, start, end, self._read(bucket, key, f"bytes={start}-{end - 1}"))
+
+    def get_tail(self, bucket: str, key: str, length: int) -> bytes:
+        if length <= 0:
+            return b""
+        return self._read(bucket, key, f"bytes=-{length}")
+
 _ACCESS_CODES = {"AccessDenied", "SignatureDoesNotMatch", "InvalidAccessKeyId", "InvalidToken", "ExpiredToken", "AllAccessDisabled"}
 _TRANSIENT_CODES = {"SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout", "Throttling", "ThrottlingException", "RequestTimeTooSkewed"}
 

@@ -13,7 +13,7 @@ from urllib3.exceptions import HTTPError as Urllib3Error
 
 from remote_loader.config import StorageConfig
 from remote_loader.errors import AccessDenied, EndpointUnreachable, StorageError, TransientStorageError
-from remote_loader.storage.base import DEFAULT_PART_SIZE, ObjectInfo, ObjectWriter, Store, check_range, error_for
+from remote_loader.storage.base import DEFAULT_PART_SIZE, ObjectInfo, ObjectWriter, RangedStore, error_for
 
 _UNREACHABLE = (bce.EndpointConnectionError, bce.ConnectTimeoutError, bce.ProxyConnectionError)
 _TRANSIENT = (
@@ -27,7 +27,7 @@ _TRANSIENT = (
 )
 
 
-class Boto3Store(Store):
+class Boto3Store(RangedStore):
     """An S3-compatible store reached through boto3.
 
     Args:
@@ -95,27 +95,15 @@ class Boto3Store(Store):
         except bce.BotoCoreError as exc:
             raise StorageError(f"{operation} failed: {type(exc).__name__}", bucket=bucket, key=key) from None
 
-    def _read(self, operation: str, bucket: str, key: str, **kwargs: Any) -> bytes:
+    def _read(self, bucket: str, key: str, byte_range: str | None) -> bytes:
+        operation = "GET" if byte_range is None else f"GET {byte_range}"
+        extra = {} if byte_range is None else {"Range": byte_range}
         with self._errors(operation, bucket, key):
-            body = self._sdk().get_object(Bucket=bucket, Key=key, **kwargs)["Body"]
+            body = self._sdk().get_object(Bucket=bucket, Key=key, **extra)["Body"]
             try:
                 return bytes(body.read())
             finally:
                 body.close()
-
-    def get(self, bucket: str, key: str) -> bytes:
-        return self._read("GET", bucket, key)
-
-    def get_range(self, bucket: str, key: str, start: int, end: int) -> bytes:
-        if end <= start:
-            return b""
-        data = self._read("ranged GET", bucket, key, Range=f"bytes={start}-{end - 1}")
-        return check_range(bucket, key, start, end, data)
-
-    def get_tail(self, bucket: str, key: str, length: int) -> bytes:
-        if length <= 0:
-            return b""
-        return self._read("suffix GET", bucket, key, Range=f"bytes=-{length}")
 
     def head(self, bucket: str, key: str) -> int:
         with self._errors("HEAD", bucket, key):

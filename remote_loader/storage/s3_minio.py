@@ -21,12 +21,12 @@ from urllib3.exceptions import MaxRetryError, NewConnectionError
 
 from remote_loader.config import StorageConfig
 from remote_loader.errors import ConfigError, EndpointUnreachable, StorageError, TransientStorageError
-from remote_loader.storage.base import DEFAULT_PART_SIZE, ObjectInfo, ObjectWriter, Store, check_range, error_for
+from remote_loader.storage.base import DEFAULT_PART_SIZE, ObjectInfo, ObjectWriter, RangedStore, error_for
 
 _MAX_ABORT_ROUNDS = 100
 
 
-class MinioStore(Store):
+class MinioStore(RangedStore):
     """An S3-compatible store reached through the MinIO Python client.
 
     Args:
@@ -100,28 +100,16 @@ class MinioStore(Store):
         except (MinioException, ValueError) as exc:
             raise StorageError(f"{operation} failed: {type(exc).__name__}", bucket=bucket, key=key) from None
 
-    def _read(self, operation: str, bucket: str, key: str, **kwargs: Any) -> bytes:
+    def _read(self, bucket: str, key: str, byte_range: str | None) -> bytes:
+        operation = "GET" if byte_range is None else f"GET {byte_range}"
+        extra = {} if byte_range is None else {"request_headers": {"Range": byte_range}}
         with self._errors(operation, bucket, key):
-            response = self._sdk().get_object(bucket, key, **kwargs)
+            response = self._sdk().get_object(bucket, key, **extra)
             try:
                 return bytes(response.read())
             finally:
                 response.close()
                 response.release_conn()
-
-    def get(self, bucket: str, key: str) -> bytes:
-        return self._read("GET", bucket, key)
-
-    def get_range(self, bucket: str, key: str, start: int, end: int) -> bytes:
-        if end <= start:
-            return b""
-        data = self._read("ranged GET", bucket, key, offset=start, length=end - start)
-        return check_range(bucket, key, start, end, data)
-
-    def get_tail(self, bucket: str, key: str, length: int) -> bytes:
-        if length <= 0:
-            return b""
-        return self._read("suffix GET", bucket, key, request_headers={"Range": f"bytes=-{length}"})
 
     def head(self, bucket: str, key: str) -> int:
         with self._errors("HEAD", bucket, key):
