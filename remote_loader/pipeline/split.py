@@ -1,0 +1,110 @@
+"""Which samples each rank and DataLoader worker reads in an epoch (pure, no I/O).
+
+The epoch's shard order is a permutation drawn from (seed, epoch). The shards, in that
+order, form one virtual sequence of samples; ranks take contiguous ranges of it, and each
+rank's workers take contiguous ranges of the rank's range. Ranges cut shards only at their
+ends, so shards stay whole reads except at most one cut per boundary, and any number of
+ranks x workers works, even more than there are shards.
+
+Equalising (``equalize=True``): every rank gets ``ceil(N / world_size)`` samples; the
+sequence wraps around, so the last ranks repeat the first ``(-N) % world_size`` samples
+of the epoch's order. Without it, every sample is read exactly once and rank sizes differ
+by at most one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from remote_loader.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Span:
+    """Samples ``[start, end)`` of shard ``shard`` (its position in the manifest)."""
+
+    shard: int
+    start: int
+    end: int
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+
+def shard_order(num_shards: int, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
+    """The epoch's shard order: a permutation drawn from (seed, epoch), or manifest order."""
+    if not shuffle:
+        return np.arange(num_shards)
+    return np.random.default_rng([seed, epoch]).permutation(num_shards)
+
+
+def _spans(counts: np.ndarray, order: np.ndarray, start: int, stop: int) -> list[Span]:
+    """Spans covering positions ``[start, stop)`` of the virtual sequence (wrapping past its end)."""
+    ordered = counts[order]
+    total = int(ordered.sum())
+    ends = np.cumsum(ordered)
+    spans: list[Span] = []
+    while start < stop:
+        position = start % total
+        i = int(np.searchsorted(ends, position, side="right"))
+        first = position - int(ends[i] - ordered[i])
+        take = min(int(ordered[i]) - first, stop - start)
+        spans.append(Span(int(order[i]), first, first + take))
+        start += take
+    return spans
+
+
+def _bounds(total: int, parts: int, part: int) -> tuple[int, int]:
+    return total * part // parts, total * (part + 1) // parts
+
+
+def assign(
+    counts: Sequence[int] | np.ndarray,
+    *,
+    seed: int,
+    epoch: int,
+    rank: int = 0,
+    world_size: int = 1,
+    worker: int = 0,
+    num_workers: int = 1,
+    shuffle: bool = True,
+    equalize: bool = False,
+) -> list[Span]:
+    """Return the spans of samples worker ``worker`` of rank ``rank`` reads this epoch, in order.
+
+    Args:
+        counts: Samples per shard, in manifest order.
+        seed: Seed of the shard order.
+        epoch: The epoch; each epoch has its own order.
+        rank: This process's rank, ``0 <= rank < world_size``.
+        world_size: Number of ranks.
+        worker: This DataLoader worker's id, ``0 <= worker < num_workers``.
+        num_workers: DataLoader workers per rank (1 without workers).
+        shuffle: Shuffle the shard order.
+        equalize: Give every rank the same number of samples by wrapping around.
+    """
+    counts = np.asarray(counts, dtype=np.int64)
+    if not 0 <= rank < world_size or not 0 <= worker < num_workers:
+        raise ConfigError(f"need 0 <= rank < world_size and 0 <= worker < num_workers; got {rank}/{world_size}, {worker}/{num_workers}")
+    total = int(counts.sum())
+    if total == 0:
+        return []
+    if equalize:
+        per_rank = -(-total // world_size)
+        rank_start, rank_stop = rank * per_rank, (rank + 1) * per_rank
+    else:
+        rank_start, rank_stop = _bounds(total, world_size, rank)
+    low, high = _bounds(rank_stop - rank_start, num_workers, worker)
+    order = shard_order(len(counts), seed, epoch, shuffle)
+    return _spans(counts, order, rank_start + low, rank_start + high)
+
+
+def rank_size(total: int, rank: int, world_size: int, equalize: bool) -> int:
+    """Samples rank ``rank`` reads per epoch."""
+    if equalize:
+        return -(-total // world_size)
+    low, high = _bounds(total, world_size, rank)
+    return high - low

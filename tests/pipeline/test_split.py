@@ -1,0 +1,80 @@
+"""Exact-once coverage, determinism and equal ranks for the epoch split (pure)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from remote_loader.pipeline.split import assign, rank_size, shard_order
+
+
+def read(counts, **kwargs):
+    return [(s.shard, i) for s in assign(counts, **kwargs) for i in range(s.start, s.end)]
+
+
+def everything(counts, world_size, num_workers, **kwargs):
+    per_rank = {}
+    for rank in range(world_size):
+        per_rank[rank] = [
+            sample
+            for worker in range(num_workers)
+            for sample in read(counts, rank=rank, world_size=world_size, worker=worker, num_workers=num_workers, **kwargs)
+        ]
+    return per_rank
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    counts=st.lists(st.integers(1, 40), min_size=1, max_size=12),
+    world_size=st.integers(1, 4),
+    num_workers=st.integers(1, 4),
+    seed=st.integers(0, 2**32 - 1),
+    epoch=st.integers(0, 100),
+)
+def test_every_sample_exactly_once(counts, world_size, num_workers, seed, epoch):
+    per_rank = everything(counts, world_size, num_workers, seed=seed, epoch=epoch)
+    seen = Counter(s for samples in per_rank.values() for s in samples)
+    assert seen == Counter((shard, i) for shard, n in enumerate(counts) for i in range(n))
+    sizes = [len(v) for v in per_rank.values()]
+    assert max(sizes) - min(sizes) <= 1
+    assert sizes == [rank_size(sum(counts), r, world_size, False) for r in range(world_size)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    counts=st.lists(st.integers(1, 40), min_size=1, max_size=12),
+    world_size=st.integers(1, 5),
+    num_workers=st.integers(1, 3),
+    seed=st.integers(0, 1000),
+)
+def test_equalize_gives_equal_ranks_and_repeats_only_the_wrap(counts, world_size, num_workers, seed):
+    total = sum(counts)
+    per_rank = everything(counts, world_size, num_workers, seed=seed, epoch=0, equalize=True)
+    assert {len(v) for v in per_rank.values()} == {-(-total // world_size)}
+    seen = Counter(s for samples in per_rank.values() for s in samples)
+    assert set(seen) == {(shard, i) for shard, n in enumerate(counts) for i in range(n)}
+    assert sum(seen.values()) - total == (-total) % world_size  # exactly the wrapped samples repeat
+
+
+def test_fewer_shards_than_ranks_times_workers():
+    per_rank = everything([5, 3], world_size=3, num_workers=2, seed=0, epoch=0)
+    assert sorted(s for v in per_rank.values() for s in v) == [(0, i) for i in range(5)] + [(1, i) for i in range(3)]
+
+
+def test_same_seed_and_epoch_same_order_next_epoch_differs():
+    counts = [10] * 20
+    a = read(counts, seed=7, epoch=3)
+    assert a == read(counts, seed=7, epoch=3)
+    assert a != read(counts, seed=7, epoch=4)
+    assert a != read(counts, seed=8, epoch=3)
+    assert list(shard_order(20, 7, 3, shuffle=False)) == list(range(20))
+
+
+def test_shards_stay_whole_except_at_range_boundaries():
+    spans = assign([100] * 10, seed=0, epoch=0, rank=1, world_size=3)
+    assert sum(1 for s in spans if len(s) < 100) <= 2
+    assert all(np.diff([s.start for s in spans[1:-1]]) == 0)
