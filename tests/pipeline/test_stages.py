@@ -1,0 +1,60 @@
+"""Pipeline stages as plain generators."""
+
+from __future__ import annotations
+
+import pickle
+from functools import partial
+
+import numpy as np
+import pytest
+
+from remote_loader.errors import ConfigError, DecodeError
+from remote_loader.pipeline.stages import (
+    batched_stage,
+    map_stage,
+    map_tuple_stage,
+    select_stage,
+    shuffle_stage,
+    to_tuple_stage,
+)
+
+
+@pytest.mark.parametrize("bufsize, initial", [(1, 0), (1, 1), (10, 3), (100, 100), (1000, 10)])
+def test_shuffle_yields_every_sample_once(bufsize, initial):
+    out = list(shuffle_stage(range(500), bufsize, initial, seed=[1]))
+    assert sorted(out) == list(range(500))
+
+
+def test_shuffle_is_seeded_and_mixes():
+    a = list(shuffle_stage(range(1000), 200, 50, seed=[3, 0]))
+    assert a == list(shuffle_stage(range(1000), 200, 50, seed=[3, 0]))
+    assert a != list(shuffle_stage(range(1000), 200, 50, seed=[3, 1]))
+    # Displacement grows with the buffer: a buffer of 200 moves samples far on average.
+    assert np.mean(np.abs(np.array(a) - np.arange(1000))) > 50
+    assert list(shuffle_stage(range(10), 1, 1, seed=[0])) == list(range(10))
+
+
+def test_to_tuple_takes_the_first_present_field():
+    samples = [{"__key__": "a", "jpg": 1, "cls": 2}, {"__key__": "b", "png": 3, "cls": 4}]
+    assert list(to_tuple_stage(samples, ["jpg;png", "cls"])) == [(1, 2), (3, 4)]
+    with pytest.raises(DecodeError, match="'b'.*jpg"):
+        list(to_tuple_stage(samples, ["jpg", "cls"]))
+
+
+def test_map_select_map_tuple():
+    assert list(map_stage(range(4), lambda x: x * 2)) == [0, 2, 4, 6]
+    assert list(select_stage(range(6), lambda x: x % 3 == 0)) == [0, 3]
+    assert list(map_tuple_stage([(1, "a")], [lambda x: x + 1, None])) == [(2, "a")]
+    with pytest.raises(ConfigError, match="2 functions"):
+        list(map_tuple_stage([(1, 2, 3)], [None, None]))
+
+
+def test_batched_partial_and_collation():
+    assert list(batched_stage(range(7), 3, None, True)) == [[0, 1, 2], [3, 4, 5], [6]]
+    assert list(batched_stage(range(7), 3, None, False)) == [[0, 1, 2], [3, 4, 5]]
+    assert list(batched_stage(range(4), 2, sum, True)) == [1, 5]
+
+
+def test_bound_stages_pickle():
+    stage = partial(batched_stage, batchsize=4, collation_fn=None, partial=True)
+    assert list(pickle.loads(pickle.dumps(stage))(range(5))) == [[0, 1, 2, 3], [4]]
