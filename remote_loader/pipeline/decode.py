@@ -1,0 +1,62 @@
+"""Decoding fields: images to PIL / uint8 arrays / tensors, labels to Python values."""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image, UnidentifiedImageError
+
+from remote_loader.errors import ConfigError, DecodeError
+
+IMAGE_FIELDS = frozenset({"jpg", "jpeg", "png", "webp", "gif", "bmp", "tiff", "ppm", "pgm"})
+MODES = ("pil", "rgb8", "torchrgb", "raw")
+
+
+def _image(data: Any, mode: str, where: str) -> Any:
+    try:
+        image = Image.open(io.BytesIO(data)).convert("RGB")
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise DecodeError(f"{where} is not a decodable image ({type(exc).__name__})") from None
+    if mode == "pil":
+        return image
+    array = np.asarray(image)
+    if mode == "rgb8":
+        return array
+    return torch.from_numpy(array.copy()).permute(2, 0, 1)
+
+
+def decode_sample(sample: dict[str, Any], mode: str | Callable[[str, Any], Any]) -> dict[str, Any]:
+    """Decode every field of ``sample``: images by ``mode``, ``cls`` to int, ``txt`` to str, ``json`` to a dict."""
+    if not callable(mode) and mode not in MODES:
+        raise ConfigError(f"decode mode must be one of {', '.join(MODES)} or a callable, got {mode!r}")
+    out: dict[str, Any] = {}
+    for name, value in sample.items():
+        if name.startswith("__"):
+            out[name] = value
+            continue
+        where = f"field {name!r} of sample {sample.get('__key__')!r} in {sample.get('__shard__')}"
+        ext = name.rsplit(".", 1)[-1]
+        if callable(mode):
+            out[name] = mode(name, value)
+        elif ext in IMAGE_FIELDS:
+            out[name] = bytes(value) if mode == "raw" else _image(value, mode, where)
+        elif ext == "cls":
+            try:
+                out[name] = int(bytes(value))
+            except ValueError:
+                raise DecodeError(f"{where} is not an integer class") from None
+        elif ext == "txt":
+            out[name] = bytes(value).decode("utf-8")
+        elif ext == "json":
+            try:
+                out[name] = json.loads(bytes(value))
+            except ValueError:
+                raise DecodeError(f"{where} is not valid JSON") from None
+        else:
+            out[name] = bytes(value)
+    return out
