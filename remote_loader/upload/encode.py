@@ -22,7 +22,6 @@ from remote_loader.errors import ConfigError, UploadError
 
 # Pillow's format name -> the field (file extension) it is stored under.
 EXTENSIONS = {"JPEG": "jpg", "MPO": "jpg", "PNG": "png", "WEBP": "webp", "GIF": "gif", "BMP": "bmp", "TIFF": "tiff"}
-IMAGE_FIELDS = frozenset(EXTENSIONS.values())
 ENCODINGS = {"jpeg": "JPEG", "jpg": "JPEG", "png": "PNG", "webp": "WEBP"}
 
 
