@@ -95,7 +95,8 @@ class TaskResult:
         )
 
 
-def _item(dataset: Any, index: int) -> Any:
+def read_item(dataset: Any, index: int) -> Any:
+    """Return ``dataset[index]``, or the file path behind it for a file-backed image folder."""
     if is_file_backed(dataset):
         return dataset.samples[index]
     try:
@@ -166,7 +167,7 @@ def write_task(spec: TaskSpec, task_id: int, indices: Sequence[int] | np.ndarray
         for raw_index in indices:
             index = int(raw_index)
             try:
-                fields = encode_item(_item(dataset, index), spec.options, index)
+                fields = encode_item(read_item(dataset, index), spec.options, index)
             except UploadError as exc:
                 if spec.on_error != "skip":
                     raise

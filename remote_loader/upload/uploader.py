@@ -101,7 +101,7 @@ def _plan_task_size(dataset: Any, order: np.ndarray, options: EncodeOptions, max
     sizes = []
     for index in order[:_ESTIMATE_SAMPLES]:
         try:
-            sizes.append(member_bytes(encode_item(tasks._item(dataset, int(index)), options, int(index))))
+            sizes.append(member_bytes(encode_item(tasks.read_item(dataset, int(index)), options, int(index))))
         except UploadError:
             continue  # judged again, with on_error, by the task that owns it
     if not sizes:
@@ -176,9 +176,11 @@ def _run(
         while futures:
             done, futures = wait(futures, timeout=0.2, return_when=FIRST_COMPLETED)
             for future in done:
-                results.append(future.result())  # re-raises the task's error
-                if not own:
-                    bar_progress.put((sum(e.samples for e in results[-1].entries) + len(results[-1].skipped), 0))
+                result = future.result()  # re-raises the task's error
+                results.append(result)
+                if not own:  # a caller's executor has no progress queue: count whole tasks
+                    samples = sum(e.samples for e in result.entries) + len(result.skipped)
+                    bar_progress.put((samples, sum(e.size for e in result.entries)))
             while progress is not None:
                 try:
                     bar_progress.put(progress.get_nowait())
@@ -287,7 +289,7 @@ def upload_cv_dataset(
     pending = [(t, order[t * task_size : (t + 1) * task_size]) for t in range(num_tasks) if t not in kept]
     done_samples = sum(sum(e.samples for e in r.entries) + len(r.skipped) for r in kept.values())
     with tqdm(total=num, initial=done_samples, unit="img", disable=not progress, desc="upload") as bar:
-        results = _run(pending, spec, ds, os.cpu_count() or 1 if workers is None else workers, executor, bar)
+        results = _run(pending, spec, ds, (os.cpu_count() or 1) if workers is None else workers, executor, bar)
     by_task = {**kept, **{r.task_id: r for r in results}}
     entries: list[ShardEntry] = [e for t in sorted(by_task) for e in by_task[t].entries]
     skipped = sorted(i for r in by_task.values() for i in r.skipped)

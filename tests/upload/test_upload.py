@@ -208,3 +208,23 @@ def test_upload_killed_mid_shard_resumes(seaweed, s3, tmp_path):
     _, seen = read_back(client, bucket, "killed")
     assert set(seen) == set(range(n)) and set(seen.values()) == {1}
     assert not [o.key for o in client.list(bucket, "killed/_upload/")]
+
+
+class CountingImages(SyntheticImages):
+    """Records which process read each item."""
+
+    def __init__(self, n: int, **kwargs) -> None:
+        super().__init__(n, **kwargs)
+        self.readers: list[int] = []
+
+    def __getitem__(self, index):
+        self.readers.append(os.getpid())
+        return super().__getitem__(index)
+
+
+def test_workers_zero_encodes_in_this_process(s3):
+    client, bucket = s3
+    ds = CountingImages(25, size=(32, 24))
+    upload_cv_dataset(ds, client=client, bucket=bucket, base_folder="inline", maxcount=10, workers=0, progress=False)
+    # 16 items read while planning the task size, then all 25 while writing, all here.
+    assert len(ds.readers) == 16 + 25 and set(ds.readers) == {os.getpid()}
