@@ -106,3 +106,30 @@ class StorageConfig:
     def with_endpoint(self, endpoint_url: str) -> StorageConfig:
         """Return a copy pointing at another endpoint."""
         return replace(self, endpoint_url=endpoint_url)
+
+
+@dataclass(frozen=True)
+class FetchConfig:
+    """How shards are fetched ahead of use.
+
+    Attributes:
+        part_size: Bytes per ranged GET; a shard is fetched as parallel parts of this size.
+        concurrency: Ranged GETs in flight at once (threads per process).
+        prefetch_bytes: Bound on bytes being fetched or fetched and not yet opened by the
+            reader. A single range larger than this is still fetched, alone. A worker's
+            memory for shard data is at most this plus the ``open_shards`` ranges it reads.
+        max_attempts: Attempts per GET for transient faults (reset, 5xx, slow-down, short read).
+        backoff: Base seconds of the exponential backoff between attempts (with full jitter).
+    """
+
+    part_size: int = 8 * 1024 * 1024
+    concurrency: int = 8
+    prefetch_bytes: int = 256 * 1024 * 1024
+    max_attempts: int = 5
+    backoff: float = 0.05
+
+    def __post_init__(self) -> None:
+        if self.part_size < 1 or self.concurrency < 1 or self.prefetch_bytes < 1:
+            raise ConfigError("part_size, concurrency and prefetch_bytes must be positive")
+        if self.max_attempts < 1 or self.backoff < 0:
+            raise ConfigError("max_attempts must be >= 1 and backoff >= 0")

@@ -67,7 +67,8 @@ class DatasetReader:
     def __len__(self) -> int:
         return self.manifest.num_samples
 
-    def _index(self, entry: ShardEntry, data: bytes | memoryview) -> ShardIndex:
+    def parse_index(self, entry: ShardEntry, data: bytes | memoryview) -> ShardIndex:
+        """Check index bytes against the manifest's crc32 (when verifying) and decode them."""
         if self.verify and zlib.crc32(data) != entry.index_crc:
             raise CorruptShard(f"shard {entry.name}: index fails its crc32 check", name=entry.name)
         return ShardIndex.decode(data, data_end=entry.data_end, name=entry.name)
@@ -76,7 +77,7 @@ class DatasetReader:
         """Fetch and decode one shard's index with a single ranged GET."""
         end = entry.index_offset + entry.index_size
         data = self.client.get_range(self.location.bucket, self.location.key(entry.name), entry.index_offset, end)
-        return self._index(entry, data)
+        return self.parse_index(entry, data)
 
     def open_shard(self, entry: ShardEntry) -> ShardView:
         """Fetch a whole shard; its samples are slices of the one buffer."""
@@ -84,7 +85,7 @@ class DatasetReader:
         if len(data) != entry.size:
             raise CorruptShard(f"shard {entry.name} is {len(data)} bytes; the manifest says {entry.size}", name=entry.name)
         view = memoryview(data)
-        index = self._index(entry, view[entry.index_offset : entry.index_offset + entry.index_size])
+        index = self.parse_index(entry, view[entry.index_offset : entry.index_offset + entry.index_size])
         if len(index) != entry.samples:
             raise CorruptShard(f"shard {entry.name}: index lists {len(index)} samples, manifest {entry.samples}", name=entry.name)
         return ShardView(view, index, name=entry.name, verify=self.verify)
@@ -102,7 +103,7 @@ class DatasetReader:
         elif zlib.crc32(data) != entry.crc32:
             report.problems.append("object fails its crc32 check")
         try:
-            view = ShardView(data, self._index(entry, memoryview(data)[entry.index_offset : entry.index_offset + entry.index_size]),
+            view = ShardView(data, self.parse_index(entry, memoryview(data)[entry.index_offset : entry.index_offset + entry.index_size]),
                              name=entry.name, verify=True)
             for i in range(len(view)):
                 try:

@@ -102,9 +102,16 @@ class ShardIndex:
         starts = self.offsets[i][present]
         return int(starts.min()), int((starts + self.sizes[i][present]).max())
 
-    def extent(self) -> int:
-        """Return the offset just past the last byte of sample data the index points at."""
-        return int((self.offsets + self.sizes).max()) if len(self.keys) else 0
+    def extent(self, first: int = 0, stop: int | None = None) -> int:
+        """Return the offset just past the last data byte of samples ``[first, stop)``."""
+        ends = self.offsets[first:stop] + self.sizes[first:stop]
+        return int(ends.max()) if ends.size else 0
+
+    def start(self, first: int = 0, stop: int | None = None) -> int:
+        """Return the offset of the first data byte of samples ``[first, stop)``."""
+        offsets = self.offsets[first:stop]
+        present = offsets[offsets != 0]
+        return int(present.min()) if present.size else 0
 
     def encode(self) -> bytes:
         """Serialise to the msgpack bytes stored as the shard's index member."""

@@ -171,21 +171,36 @@ class ShardWriter:
 
 
 class ShardView:
-    """Samples sliced out of one shard's bytes by its index: no copy, no tar parsing.
+    """Samples sliced out of a shard's bytes by its index: no copy, no tar parsing.
 
     Args:
-        buffer: The shard's bytes (at least up to the index member).
+        buffer: The shard's bytes from offset ``base`` on (the whole shard when ``base`` is 0).
         index: The shard's decoded index.
         name: The shard's object name, put in ``__shard__`` and in error messages.
         verify: Check each member's crc32 before handing it out.
+        base: Offset in the shard of ``buffer[0]``, when the buffer holds a range of it.
+        first: First sample the buffer must cover.
+        stop: End of the samples the buffer must cover (default: all).
     """
 
-    def __init__(self, buffer: bytes | bytearray | memoryview, index: ShardIndex, *, name: str, verify: bool = True):
+    def __init__(
+        self,
+        buffer: bytes | bytearray | memoryview,
+        index: ShardIndex,
+        *,
+        name: str,
+        verify: bool = True,
+        base: int = 0,
+        first: int = 0,
+        stop: int | None = None,
+    ) -> None:
         self._buf = memoryview(buffer).cast("B")
         self.index = index
         self.name = name
         self.verify = verify
-        if index.extent() > len(self._buf):
+        self.base = base
+        stop = len(index) if stop is None else stop
+        if first < stop and (index.start(first, stop) < base or index.extent(first, stop) > base + len(self._buf)):
             raise CorruptShard(f"shard {name} is {len(self._buf)} bytes, shorter than its index says", name=name)
 
     def __len__(self) -> int:
@@ -200,9 +215,9 @@ class ShardView:
         key = self.index.keys[i]
         sample: Sample = {"__key__": key, "__shard__": self.name}
         for field, offset, size, crc in self.index.members(i):
-            data = self._buf[offset : offset + size]
-            if len(data) != size:
-                raise CorruptShard(f"shard {self.name}: sample {key!r} field {field!r} is truncated", name=self.name)
+            data = self._buf[offset - self.base : offset - self.base + size]
+            if offset < self.base or len(data) != size:
+                raise CorruptShard(f"shard {self.name}: sample {key!r} field {field!r} lies outside the fetched bytes", name=self.name)
             if self.verify and zlib.crc32(data) != crc:
                 raise CorruptSampleError(
                     f"shard {self.name}: sample {key!r} field {field!r} fails its crc32 check",

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import copy
+import itertools
 import os
-from collections.abc import Callable, Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
 
@@ -12,17 +14,23 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import IterableDataset, get_worker_info
 
+from remote_loader.config import FetchConfig
+from remote_loader.errors import ConfigError
+from remote_loader.fetch import Metrics
 from remote_loader.pipeline import stages
 from remote_loader.pipeline.decode import decode_sample
+from remote_loader.pipeline.resume import ResumeState, consumed_per_worker
+from remote_loader.pipeline.source import stream_samples
 from remote_loader.pipeline.split import assign, rank_size
 from remote_loader.reader import DatasetReader
 from remote_loader.storage import Store, open_location
 
 Stage = Callable[[Any], Any]
+_ONE_TO_ONE = (stages.map_stage, stages.map_tuple_stage, stages.to_tuple_stage)
 
 
-def _bytes_fields(sample: Any) -> Any:
-    """Copy buffer views to bytes so samples can leave a worker process (memoryviews do not pickle)."""
+def bytes_fields(sample: Any) -> Any:
+    """Copy buffer views to bytes: for samples leaving a worker process or kept in a buffer."""
     if isinstance(sample, dict):
         return {k: bytes(v) if isinstance(v, memoryview) else v for k, v in sample.items()}
     return sample
@@ -36,22 +44,37 @@ def _world(rank: int | None, world_size: int | None) -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
+def _func(stage: Stage) -> Any:
+    return stage.func if isinstance(stage, partial) else None
+
+
 class RemoteDataset(IterableDataset):
     """Samples of an uploaded dataset, in a fresh shard order every epoch.
+
+    Each epoch the shard order is drawn from (seed, epoch); ranks and then DataLoader
+    workers take contiguous ranges of it (see ``pipeline/split.py``). Each worker fetches
+    its shards ahead with parallel ranged GETs under ``fetch.prefetch_bytes`` and mixes
+    samples of ``open_shards`` shards at once.
 
     Args:
         client: A store from ``make_client``, or an ``s3://bucket/prefix`` URL.
         bucket: The bucket (omit with a URL).
         base_folder: The dataset's prefix (omit with a URL).
-        seed: Seed of the per-epoch shard order and the shuffle buffer.
+        seed: Seed of the shard order, the shard mixing and the shuffle buffer.
         shuffle_shards: Shuffle the shard order each epoch.
+        open_shards: Shards read at once by each worker, their samples interleaved.
         rank: This process's rank; default from torch.distributed, else ``RANK``.
         world_size: Number of ranks; default from torch.distributed, else ``WORLD_SIZE``.
-        equalize: Give every rank the same sample count (wrapping around); default on when
-            ``world_size > 1``.
-        verify: Check member crc32s.
+        equalize: Give every rank the same sample count by wrapping around (repeating at
+            most ``world_size - 1`` samples); default on when ``world_size > 1``.
+        fetch: Part size, concurrency, prefetch byte budget and retries.
+        verify: Check every member's crc32 (on by default).
         **connection: ``endpoint_url``, ``access_key``, ``secret_key``, ``region``,
-            ``backend`` for a URL.
+            ``backend``, with a URL.
+
+    Example:
+        >>> ds = (RemoteDataset(client, "bucket", "imagenet").shuffle(1000)  # doctest: +SKIP
+        ...       .decode("pil").to_tuple("jpg;png", "cls").map_tuple(preproc, None).batched(64))
     """
 
     def __init__(
@@ -62,9 +85,11 @@ class RemoteDataset(IterableDataset):
         *,
         seed: int = 0,
         shuffle_shards: bool = True,
+        open_shards: int = 4,
         rank: int | None = None,
         world_size: int | None = None,
         equalize: bool | None = None,
+        fetch: FetchConfig | None = None,
         verify: bool = True,
         **connection: Any,
     ) -> None:
@@ -72,11 +97,22 @@ class RemoteDataset(IterableDataset):
             client, location = open_location(client, **connection)
             bucket, base_folder = location.bucket, location.prefix
         if bucket is None or base_folder is None:
-            raise TypeError("RemoteDataset needs (client, bucket, base_folder) or an s3:// URL")
+            raise ConfigError("RemoteDataset needs (client, bucket, base_folder) or an s3:// URL")
+        if open_shards < 1:
+            raise ConfigError(f"open_shards must be >= 1, got {open_shards}")
         self.reader = DatasetReader(client, bucket, base_folder, verify=verify)
-        self.seed, self.shuffle_shards, self.epoch = seed, shuffle_shards, 0
+        self.seed, self.shuffle_shards, self.open_shards = seed, shuffle_shards, open_shards
         self.rank, self.world_size, self.equalize = rank, world_size, equalize
+        self.fetch = fetch or FetchConfig()
+        self.epoch = 0
         self.stages: list[Stage] = []
+        self.metrics = Metrics()
+        self._resume: ResumeState | None = None
+
+    def __repr__(self) -> str:
+        return f"RemoteDataset({self.reader.location}, stages={len(self.stages)}, epoch={self.epoch})"
+
+    # ------------------------------------------------------------------ the chain
 
     def _with(self, stage: Stage) -> RemoteDataset:
         clone = copy.copy(self)
@@ -84,34 +120,53 @@ class RemoteDataset(IterableDataset):
         return clone
 
     def shuffle(self, bufsize: int, initial: int | None = None) -> RemoteDataset:
-        """Mix samples in a buffer of ``bufsize`` (output starts at ``initial``, default bufsize // 4)."""
-        return self._with(partial(stages.shuffle_stage, bufsize=bufsize, initial=bufsize // 4 if initial is None else initial, seed=()))
+        """Mix samples in a buffer of ``bufsize`` (output starts at ``initial``, default ``bufsize // 4``).
 
-    def decode(self, mode: str | Callable[[str, Any], Any] = "pil") -> RemoteDataset:
-        """Decode images (``pil``, ``rgb8``, ``torchrgb``, ``raw`` or a callable) and labels."""
-        return self._with(partial(stages.map_stage, fn=partial(decode_sample, mode=mode)))
+        Samples entering the buffer are copied out of their shard buffers, so the buffer's
+        memory is ``bufsize`` samples, whatever the shard size.
+        """
+        start = bufsize // 4 if initial is None else initial
+        return self._with(partial(stages.shuffle_stage, bufsize=bufsize, initial=start, seed=()))
+
+    def decode(self, mode: str | Callable[[str, Any], Any] = "pil", *, min_size: int | None = None) -> RemoteDataset:
+        """Decode images (``pil``, ``rgb8``, ``torchrgb``, ``raw`` or a callable) and labels.
+
+        ``min_size``: JPEGs are decoded at a reduced scale (1/2, 1/4, 1/8) whose shorter side
+        stays at least ``min_size`` pixels; much faster when the model input is small.
+        """
+        return self._with(partial(stages.map_stage, fn=partial(decode_sample, mode=mode, min_size=min_size)))
 
     def to_tuple(self, *fields: str) -> RemoteDataset:
         """Samples become tuples of these fields (``"jpg;png"``: the first present)."""
         return self._with(partial(stages.to_tuple_stage, fields=fields))
 
     def map(self, fn: Callable[[Any], Any]) -> RemoteDataset:
+        """Apply ``fn`` to every sample."""
         return self._with(partial(stages.map_stage, fn=fn))
 
     def map_tuple(self, *fns: Callable[[Any], Any] | None) -> RemoteDataset:
+        """Apply ``fns[i]`` to element ``i`` of each tuple (None keeps it)."""
         return self._with(partial(stages.map_tuple_stage, fns=fns))
 
     def select(self, predicate: Callable[[Any], bool]) -> RemoteDataset:
+        """Keep samples for which ``predicate`` is true."""
         return self._with(partial(stages.select_stage, predicate=predicate))
 
-    def batched(self, batchsize: int, collation_fn: Callable[[list[Any]], Any] | None = None, partial_batch: bool = True) -> RemoteDataset:
-        """Group samples into batches; the default collation stacks tensors, numbers and tuples."""
+    def batched(
+        self, batchsize: int, collation_fn: Callable[[list[Any]], Any] | None = None, partial: bool = True
+    ) -> RemoteDataset:
+        """Group samples into batches, collated by ``collation_fn`` (default: torch's default_collate)."""
         collate = collation_fn or torch.utils.data.default_collate
-        return self._with(partial(stages.batched_stage, batchsize=batchsize, collation_fn=collate, partial=partial_batch))
+        return self._with(_bind(stages.batched_stage, batchsize=batchsize, collation_fn=collate, partial=partial))
+
+    # ------------------------------------------------------------------ epochs and sizes
 
     def set_epoch(self, epoch: int) -> None:
-        """Choose the epoch whose order the next iteration follows."""
+        """Choose the epoch whose order the next iteration follows (a pending resume is kept
+        only for its own epoch)."""
         self.epoch = epoch
+        if self._resume is not None and self._resume.epoch != epoch:
+            self._resume = None
 
     def _split(self) -> tuple[int, int, bool]:
         rank, world_size = _world(self.rank, self.world_size)
@@ -119,31 +174,102 @@ class RemoteDataset(IterableDataset):
         return rank, world_size, equalize
 
     def __len__(self) -> int:
-        """Samples this rank reads per epoch (before any select or batching)."""
+        """Samples this rank reads per epoch (before select or batching)."""
         rank, world_size, equalize = self._split()
         return rank_size(self.reader.manifest.num_samples, rank, world_size, equalize)
 
-    def _samples(self) -> Iterator[dict[str, Any]]:
+    def _spans(self, worker: int, num_workers: int) -> list[Any]:
         rank, world_size, equalize = self._split()
-        info = get_worker_info()
-        worker, num_workers = (info.id, info.num_workers) if info else (0, 1)
-        shards = self.reader.manifest.shards
-        spans = assign([s.samples for s in shards], seed=self.seed, epoch=self.epoch, rank=rank, world_size=world_size,
-                       worker=worker, num_workers=num_workers, shuffle=self.shuffle_shards, equalize=equalize)
-        for span in spans:
-            view = self.reader.open_shard(shards[span.shard])
-            for i in range(span.start, span.end):
-                yield view.sample(i)
+        counts = [s.samples for s in self.reader.manifest.shards]
+        return assign(counts, seed=self.seed, epoch=self.epoch, rank=rank, world_size=world_size, worker=worker,
+                      num_workers=num_workers, shuffle=self.shuffle_shards, equalize=equalize)
+
+    # ------------------------------------------------------------------ resume
+
+    def _skip_point(self) -> tuple[int, int]:
+        """(stages run before skipping, samples per output item) for position-based resume."""
+        shuffles = [i for i, s in enumerate(self.stages) if _func(s) is stages.shuffle_stage]
+        after = shuffles[-1] + 1 if shuffles else 0
+        tail = self.stages[after:]
+        per_item = 1
+        if tail and _func(tail[-1]) is stages.batched_stage:
+            per_item = tail[-1].keywords["batchsize"]  # type: ignore[attr-defined]
+            tail = tail[:-1]
+        if any(_func(s) not in _ONE_TO_ONE for s in tail):
+            raise ConfigError(
+                "resume needs every stage after the last shuffle to map one sample to one (decode, map, "
+                "map_tuple, to_tuple), optionally ending with batched; select or an inner batched breaks that"
+            )
+        return after, per_item
+
+    def state_dict(self, consumed: int, num_workers: int = 0) -> dict[str, Any]:
+        """The position after ``consumed`` items of this epoch came out of the DataLoader.
+
+        Args:
+            consumed: Items (batches, with ``batched``) the training loop took this epoch.
+            num_workers: The DataLoader's ``num_workers``; it hands out items round-robin
+                across workers, which fixes how many came from each.
+
+        Save the result in the checkpoint; after a restart call ``load_state_dict`` and run
+        the same epoch: it yields exactly the items not yet consumed.
+        """
+        _, per_item = self._skip_point()
+        keeps_short_batch = per_item == 1 or self.stages[-1].keywords["partial"]  # type: ignore[attr-defined]
+        workers = max(1, num_workers)
+        items = []
+        for worker in range(workers):
+            samples = sum(len(s) for s in self._spans(worker, workers))
+            items.append(-(-samples // per_item) if keeps_short_batch else samples // per_item)
+        taken = consumed_per_worker(items, consumed)
+        return ResumeState(self.epoch, self.seed, workers, [t * per_item for t in taken]).as_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume the epoch a ``state_dict`` was taken in: the next iteration skips what was consumed."""
+        resume = ResumeState.from_dict(state)
+        if resume.seed != self.seed:
+            raise ConfigError(f"state was saved with seed {resume.seed}, this dataset has seed {self.seed}")
+        self._resume = resume
+        self.epoch = resume.epoch
+
+    # ------------------------------------------------------------------ iteration
 
     def __iter__(self) -> Iterator[Any]:
         rank, _, _ = self._split()
         info = get_worker_info()
-        data: Any = self._samples()
-        for stage in self.stages:
-            if isinstance(stage, partial) and stage.func is stages.shuffle_stage:
-                seed = (self.seed, self.epoch, rank, info.id if info else 0)
-                stage = partial(stage.func, *stage.args, **{**stage.keywords, "seed": seed})
+        worker, num_workers = (info.id, info.num_workers) if info else (0, 1)
+        skip = 0
+        if self._resume is not None and self._resume.epoch == self.epoch:
+            if self._resume.num_workers != num_workers:
+                raise ConfigError(f"state was saved with {self._resume.num_workers} workers; this run has {num_workers}")
+            skip = self._resume.skip[worker]
+        seed = (self.seed, self.epoch, rank, worker)
+        data: Any = stream_samples(self.reader, self._spans(worker, num_workers), config=self.fetch,
+                                   metrics=self.metrics, open_shards=self.open_shards, seed=(*seed, 1))
+        skip_after = self._skip_point()[0] if skip else -1
+        for position, stage in enumerate(self.stages):
+            if position == skip_after:
+                data = itertools.islice(data, skip, None)
+            if _func(stage) is stages.shuffle_stage:
+                data = map(bytes_fields, data)  # the buffer must not pin whole shard buffers
+                stage = _bind(stages.shuffle_stage, **{**stage.keywords, "seed": (*seed, 2)})  # type: ignore[attr-defined]
             data = stage(data)
+        if skip_after == len(self.stages):
+            data = itertools.islice(data, skip, None)
         if info is not None:
-            data = map(_bytes_fields, data)
-        yield from data
+            data = map(bytes_fields, data)  # memoryviews do not pickle
+        yield from self._timed(data)
+
+    def _timed(self, data: Iterator[Any]) -> Iterator[Any]:
+        """Count time spent producing items, less the time waiting on storage, as user time."""
+        while True:
+            started, waited = time.perf_counter(), self.metrics.wait_seconds
+            try:
+                item = next(data)
+            except StopIteration:
+                return
+            self.metrics.add(user_seconds=time.perf_counter() - started - (self.metrics.wait_seconds - waited))
+            yield item
+
+
+def _bind(func: Callable[..., Any], **keywords: Any) -> Stage:
+    return partial(func, **keywords)

@@ -17,9 +17,20 @@ IMAGE_FIELDS = frozenset({"jpg", "jpeg", "png", "webp", "gif", "bmp", "tiff", "p
 MODES = ("pil", "rgb8", "torchrgb", "raw")
 
 
-def _image(data: Any, mode: str, where: str) -> Any:
+def _draft(image: Image.Image, min_size: int) -> None:
+    """Let libjpeg decode at 1/2, 1/4 or 1/8 scale while the shorter side stays >= ``min_size``."""
+    width, height = image.size
+    shorter = min(width, height)
+    if image.format == "JPEG" and shorter > min_size:
+        image.draft("RGB", (-(-width * min_size // shorter), -(-height * min_size // shorter)))
+
+
+def _image(data: Any, mode: str, where: str, min_size: int | None) -> Any:
     try:
-        image = Image.open(io.BytesIO(data)).convert("RGB")
+        opened = Image.open(io.BytesIO(data))
+        if min_size:
+            _draft(opened, min_size)
+        image = opened.convert("RGB")
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
         raise DecodeError(f"{where} is not a decodable image ({type(exc).__name__})") from None
     if mode == "pil":
@@ -30,8 +41,15 @@ def _image(data: Any, mode: str, where: str) -> Any:
     return torch.from_numpy(array.copy()).permute(2, 0, 1)
 
 
-def decode_sample(sample: dict[str, Any], mode: str | Callable[[str, Any], Any]) -> dict[str, Any]:
-    """Decode every field of ``sample``: images by ``mode``, ``cls`` to int, ``txt`` to str, ``json`` to a dict."""
+def decode_sample(
+    sample: dict[str, Any], mode: str | Callable[[str, Any], Any], min_size: int | None = None
+) -> dict[str, Any]:
+    """Decode every field of ``sample``: images by ``mode``, ``cls`` to int, ``txt`` to str, ``json`` to a dict.
+
+    ``min_size`` lets JPEGs decode at a reduced scale whose shorter side is still at least
+    that many pixels (Pillow's draft mode: libjpeg's DCT scaling, slightly softer than a
+    full decode followed by a resize).
+    """
     if not callable(mode) and mode not in MODES:
         raise ConfigError(f"decode mode must be one of {', '.join(MODES)} or a callable, got {mode!r}")
     out: dict[str, Any] = {}
@@ -44,7 +62,7 @@ def decode_sample(sample: dict[str, Any], mode: str | Callable[[str, Any], Any])
         if callable(mode):
             out[name] = mode(name, value)
         elif ext in IMAGE_FIELDS:
-            out[name] = bytes(value) if mode == "raw" else _image(value, mode, where)
+            out[name] = bytes(value) if mode == "raw" else _image(value, mode, where, min_size)
         elif ext == "cls":
             try:
                 out[name] = int(bytes(value))

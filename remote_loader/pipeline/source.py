@@ -1,0 +1,76 @@
+"""The sample source of one worker: its spans fetched ahead, mixed across open shards."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+from remote_loader.config import FetchConfig
+from remote_loader.fetch import Fetched, Job, Metrics, Prefetcher, fetch_range
+from remote_loader.format import Sample, ShardEntry, ShardView
+from remote_loader.pipeline.split import Span
+from remote_loader.reader import DatasetReader
+
+
+def _locate(reader: DatasetReader, entry: ShardEntry, span: Span, config: FetchConfig, metrics: Metrics) -> tuple[int, int, Any]:
+    """Fetch the shard's index (one ranged GET) and return the byte range of the span's samples."""
+    key = reader.location.key(entry.name)
+    data = fetch_range(reader.client, reader.location.bucket, key, entry.index_offset, entry.index_offset + entry.index_size, config, metrics)
+    index = reader.parse_index(entry, data)
+    return index.start(span.start, span.end), index.extent(span.start, span.end), (entry, span, index)
+
+
+class _Open:
+    """A fetched span being read."""
+
+    def __init__(self, fetched: Fetched, verify: bool) -> None:
+        entry, span, index = fetched.context
+        self.fetched = fetched
+        self.view = ShardView(fetched.buffer, index, name=entry.name, verify=verify, base=fetched.start, first=span.start, stop=span.end)
+        self.next, self.stop = span.start, span.end
+
+
+def stream_samples(
+    reader: DatasetReader,
+    spans: Sequence[Span],
+    *,
+    config: FetchConfig,
+    metrics: Metrics,
+    open_shards: int,
+    seed: Sequence[int],
+) -> Iterator[Sample]:
+    """Yield the samples of ``spans``, drawing each next sample from one of ``open_shards`` spans.
+
+    Which open span gives the next sample is drawn from ``seed``, so the order depends on
+    the seed alone, never on fetch timing. Every sample of every span is yielded once.
+    """
+    shards = reader.manifest.shards
+    jobs = [
+        Job(reader.location.key(shards[s.shard].name), partial(_locate, reader, shards[s.shard], s, config, metrics))
+        for s in spans
+        if len(s)
+    ]
+    rng = np.random.default_rng(list(seed))
+    with Prefetcher(reader.client, reader.location.bucket, jobs, config, metrics) as prefetcher:
+        fetched = iter(prefetcher)
+        reading: list[_Open] = []
+        exhausted = False
+        while True:
+            while not exhausted and len(reading) < open_shards:
+                item = next(fetched, None)
+                if item is None:
+                    exhausted = True
+                else:
+                    reading.append(_Open(item, reader.verify))
+            if not reading:
+                return
+            current = reading[int(rng.integers(len(reading)))] if len(reading) > 1 else reading[0]
+            sample = current.view.sample(current.next)
+            current.next += 1
+            if current.next == current.stop:
+                reading.remove(current)
+            metrics.add(samples=1)
+            yield sample
