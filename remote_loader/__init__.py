@@ -1,6 +1,6 @@
 """remote_loader: train vision models on datasets in S3-compatible object storage."""
 
-from remote_loader.config import StorageConfig
+from remote_loader.config import FetchConfig, StorageConfig
 from remote_loader.errors import (
     AccessDenied,
     BucketNotFound,
@@ -19,6 +19,9 @@ from remote_loader.errors import (
     UnsupportedVersion,
     UploadError,
 )
+from remote_loader.fetch import Metrics
+from remote_loader.pipeline.augment import RandomResizedCrop
+from remote_loader.pipeline.dataset import RemoteDataset
 from remote_loader.reader import DatasetReader
 from remote_loader.storage import LocalStore, Store, make_client
 from remote_loader.upload import ImageFolder, UploadSummary, upload_cv_dataset
@@ -34,12 +37,16 @@ __all__ = [
     "DatasetReader",
     "DecodeError",
     "EndpointUnreachable",
+    "FetchConfig",
     "FormatError",
     "ImageFolder",
     "IndexOutOfBounds",
     "InvalidRange",
     "LocalStore",
+    "Metrics",
     "ObjectNotFound",
+    "RandomResizedCrop",
+    "RemoteDataset",
     "RemoteLoaderError",
     "StorageConfig",
     "StorageError",

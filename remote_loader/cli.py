@@ -11,6 +11,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from remote_loader import bench
 from remote_loader.errors import RemoteLoaderError
 from remote_loader.reader import DatasetReader
 from remote_loader.server import EmbeddedS3
@@ -131,6 +132,18 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    store, location = _open(args)
+    options = {"samples": args.samples, "workers": args.workers, "size": args.size, "min_size": args.min_size}
+    results = [bench.run(store, location.bucket, location.prefix, decode="none", **options)]
+    if args.decode != "none":
+        results.append(bench.run(store, location.bucket, location.prefix, decode=args.decode, **options))
+    summary = bench.verdict(results[0], results[1] if len(results) > 1 else None)
+    data = {"url": str(location), "workers": args.workers, "runs": [r.as_dict() for r in results], "verdict": summary}
+    _emit(args, data, "\n".join([*map(str, results), summary]))
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     server = EmbeddedS3(data_dir=args.data, port=args.port, buckets=args.bucket or [])
     server.start()
@@ -177,6 +190,19 @@ def build_parser() -> argparse.ArgumentParser:
             _connection(p)
             p.add_argument("--json", action="store_true", help="print JSON")
             p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    p = sub.add_parser("bench", help="stream a dataset and say whether storage or decoding limits the rate")
+    p.add_argument("url", help="s3://bucket/prefix or a local path")
+    p.add_argument("--samples", type=int, default=None, help="samples per run (default: one epoch)")
+    p.add_argument("--workers", type=int, default=2, help="DataLoader workers")
+    p.add_argument("--decode", choices=bench.DECODES, default="none",
+                   help="none: bytes only; pil: decode; rrc: decode + random-resized-crop with reduced-size"
+                   " JPEG decoding; rrc-plain: the same without it")
+    p.add_argument("--size", type=int, default=224, help="crop size for rrc")
+    p.add_argument("--min-size", type=int, default=None, help="reduced-size decoding for pil")
+    _connection(p)
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("serve", help="run an embedded S3 server (SeaweedFS) on 127.0.0.1")
     p.add_argument("--port", type=int, default=None, help="S3 port (default: a free one)")

@@ -46,6 +46,9 @@ def decode_sample(
 ) -> dict[str, Any]:
     """Decode every field of ``sample``: images by ``mode``, ``cls`` to int, ``txt`` to str, ``json`` to a dict.
 
+    A callable ``mode`` is called as ``mode(field, data)`` for image fields; other fields
+    are decoded as above.
+
     ``min_size`` lets JPEGs decode at a reduced scale whose shorter side is still at least
     that many pixels (Pillow's draft mode: libjpeg's DCT scaling, slightly softer than a
     full decode followed by a resize).
@@ -59,10 +62,11 @@ def decode_sample(
             continue
         where = f"field {name!r} of sample {sample.get('__key__')!r} in {sample.get('__shard__')}"
         ext = name.rsplit(".", 1)[-1]
-        if callable(mode):
-            out[name] = mode(name, value)
-        elif ext in IMAGE_FIELDS:
-            out[name] = bytes(value) if mode == "raw" else _image(value, mode, where, min_size)
+        if ext in IMAGE_FIELDS:
+            if callable(mode):
+                out[name] = mode(name, value)
+            else:
+                out[name] = bytes(value) if mode == "raw" else _image(value, mode, where, min_size)
         elif ext == "cls":
             try:
                 out[name] = int(bytes(value))

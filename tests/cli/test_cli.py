@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from remote_loader import DatasetReader
+from remote_loader import DatasetReader, upload_cv_dataset
 from remote_loader.synthetic import SyntheticImages
 
 SCRIPT = Path(sys.executable).with_name("remote-loader")
@@ -99,3 +99,14 @@ def test_upload_from_module_function_to_a_local_directory(tmp_path):
     subprocess.run([str(SCRIPT), "upload", "mydata:make", str(dest), "--workers", "0", "--quiet"], cwd=tmp_path, check=True, timeout=120)
     info = json.loads(subprocess.run([str(SCRIPT), "info", str(dest), "--json"], capture_output=True, text=True, check=True).stdout)
     assert info["samples"] == 12
+
+
+def test_bench_reports_rates_and_a_verdict(env, s3):
+    client, bucket = s3
+    upload_cv_dataset(SyntheticImages(40, size=(64, 48)), client=client, bucket=bucket, base_folder="b", maxcount=10,
+                      workers=0, progress=False)
+    report = json.loads(run(env, "bench", f"s3://{bucket}/b", "--decode", "rrc", "--size", "32", "--workers", "1", "--json").stdout)
+    none, rrc = report["runs"]
+    assert none["decode"] == "none" and none["samples"] == 40 and rrc["samples"] == 40
+    assert none["samples_per_s"] > 0 and rrc["first_sample_seconds"] > 0
+    assert report["verdict"].startswith(("decoding limits", "storage limits"))

@@ -1,0 +1,94 @@
+"""``remote-loader bench``: how fast a dataset streams here, and what limits it."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from torch.utils.data import DataLoader
+
+from remote_loader.config import FetchConfig
+from remote_loader.pipeline.augment import RandomResizedCrop
+from remote_loader.pipeline.dataset import RemoteDataset
+from remote_loader.storage import Store
+
+DECODES = ("none", "pil", "rrc", "rrc-plain")
+BATCH = 64
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    """One streaming run."""
+
+    decode: str
+    samples: int
+    seconds: float
+    first_sample_seconds: float
+    megabytes: float
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.seconds if self.seconds else 0.0
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.megabytes / self.seconds if self.seconds else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "samples_per_s": round(self.samples_per_s, 1), "mb_per_s": round(self.mb_per_s, 2)}
+
+    def __str__(self) -> str:
+        return (f"{self.decode:>9}: {self.samples} samples in {self.seconds:.2f} s, {self.samples_per_s:,.0f} samples/s,"
+                f" {self.mb_per_s:,.1f} MB/s, first sample after {self.first_sample_seconds:.2f} s")
+
+
+def _pipeline(base: RemoteDataset, decode: str, size: int, min_size: int | None) -> RemoteDataset:
+    if decode == "none":
+        return base.map(lambda s: len(s["__key__"]))  # bytes stay in the worker: measures the loader
+    if decode == "pil":
+        return base.decode("pil", min_size=min_size).to_tuple("jpg;png;webp", "cls").map_tuple(lambda im: im.size, None)
+    # Fixed-size crops travel in batches of 64, as in training: one shared-memory tensor per batch.
+    crops = base.decode(RandomResizedCrop(size, reduced=decode == "rrc")).to_tuple("jpg;png;webp", "cls")
+    return crops.batched(BATCH)
+
+
+def run(
+    client: Store,
+    bucket: str,
+    prefix: str,
+    *,
+    decode: str = "none",
+    samples: int | None = None,
+    workers: int = 2,
+    size: int = 224,
+    min_size: int | None = None,
+    fetch: FetchConfig | None = None,
+) -> BenchResult:
+    """Stream ``samples`` samples (default: one epoch) through a DataLoader and time it."""
+    base = RemoteDataset(client, bucket, prefix, fetch=fetch, rank=0, world_size=1)
+    manifest = base.reader.manifest
+    total = manifest.num_samples if samples is None else min(samples, manifest.num_samples)
+    loader = DataLoader(_pipeline(base, decode, size, min_size), batch_size=None, num_workers=workers)
+    started = time.perf_counter()
+    first = 0.0
+    count = 0
+    for item in loader:
+        count += len(item[1]) if decode.startswith("rrc") else 1
+        if not first:
+            first = time.perf_counter() - started
+        if count >= total:
+            break
+    seconds = time.perf_counter() - started
+    return BenchResult(decode, count, seconds, first, count * manifest.num_bytes / manifest.num_samples / 1e6)
+
+
+def verdict(bytes_only: BenchResult, decoded: BenchResult | None) -> str:
+    """Say whether storage or decoding limits the rate."""
+    if decoded is None:
+        return "bytes only: this is the rate storage and the loader can deliver; add --decode to compare"
+    ratio = decoded.samples_per_s / bytes_only.samples_per_s if bytes_only.samples_per_s else 0.0
+    if ratio < 0.8:
+        return (f"decoding limits the rate: with decoding {ratio:.0%} of the bytes-only rate;"
+                " more DataLoader workers or reduced-size decoding help")
+    return f"storage limits the rate: decoding keeps up ({ratio:.0%} of the bytes-only rate)"
