@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -165,3 +166,28 @@ def test_decode_min_size_uses_reduced_jpeg_decoding(seaweed):
     for (fw, fh), (sw, sh) in zip(full, small):
         assert min(sw, sh) >= 100 and sw < fw and sh < fh
         assert min(sw, sh) < 2 * 100 or min(fw, fh) < 8 * 100  # the largest scale-down that keeps 100 px
+
+
+def preproc(image):
+    """Stands in for torchvision's RandomResizedCrop + ToTensor: PIL image -> float CxHxW tensor."""
+    return torch.from_numpy(np.asarray(image.resize((32, 32)), dtype=np.float32) / 255).permute(2, 0, 1)
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create 3 worker processes")  # 2 cores here
+def test_the_cortx_example_runs_unchanged(uploaded):
+    client, bucket, _ = uploaded
+    folder = "few"
+    ds = (RemoteDataset(client, bucket, folder).decode("pil").to_tuple("jpg;png", "cls")
+          .map_tuple(preproc, lambda x: x).batched(64))
+    seen = 0
+    for images, labels in DataLoader(ds, num_workers=3, batch_size=None):
+        assert images.shape[1:] == (3, 32, 32) and images.dtype == torch.float32 and labels.dtype == torch.int64
+        seen += len(labels)
+    assert seen == 97
+
+
+def test_dataset_from_a_url(uploaded, seaweed):
+    _, bucket, _ = uploaded
+    ds = RemoteDataset(f"s3://{bucket}/few", endpoint_url=seaweed.endpoint_url, access_key=seaweed.access_key,
+                       secret_key=seaweed.secret_key)
+    assert len(ds) == 97 and len(list(ds)) == 97
