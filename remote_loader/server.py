@@ -7,6 +7,7 @@ given here, like a production store.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import random
@@ -35,6 +36,16 @@ GRPC_OFFSET = 10000
 _SERVICES = {"master": 0, "volume": 1, "filer": 2, "s3": 3, "admin": 4}
 _HTTP_ONLY = {"webdav": 5, "s3.port.iceberg": 6, "s3.port.lance": 7}
 _SPAN = 8
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: on Linux, get SIGTERM when the starting process dies.
+
+    A test run or demo that is killed outright cannot stop its server; this does.
+    """
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def find_weed() -> str:
@@ -150,7 +161,9 @@ class EmbeddedS3:
         args += [f"-s3.config={identities}", "-webdav=false", "-admin.ui=false"]
         (data / "store").mkdir(exist_ok=True)
         log = (data / "weed.log").open("ab")
-        self._process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self._process = subprocess.Popen(
+            args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent
+        )
         log.close()
         self._wait_healthy(timeout)
         client = self.client()
