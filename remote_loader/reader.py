@@ -73,11 +73,14 @@ class DatasetReader:
             raise CorruptShard(f"shard {entry.name}: index fails its crc32 check", name=entry.name)
         return ShardIndex.decode(data, data_end=entry.data_end, name=entry.name)
 
+    def index_range(self, entry: ShardEntry) -> tuple[str, int, int]:
+        """Return ``(key, start, end)`` of the object bytes holding a shard's index."""
+        return self.location.key(entry.name), entry.index_offset, entry.index_offset + entry.index_size
+
     def read_index(self, entry: ShardEntry) -> ShardIndex:
         """Fetch and decode one shard's index with a single ranged GET."""
-        end = entry.index_offset + entry.index_size
-        data = self.client.get_range(self.location.bucket, self.location.key(entry.name), entry.index_offset, end)
-        return self.parse_index(entry, data)
+        key, start, end = self.index_range(entry)
+        return self.parse_index(entry, self.client.get_range(self.location.bucket, key, start, end))
 
     def open_shard(self, entry: ShardEntry) -> ShardView:
         """Fetch a whole shard; its samples are slices of the one buffer."""

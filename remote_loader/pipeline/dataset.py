@@ -36,7 +36,8 @@ def bytes_fields(sample: Any) -> Any:
     return sample
 
 
-def _world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+def current_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """Rank and world size: as given, else from torch.distributed, else ``RANK`` / ``WORLD_SIZE``."""
     if rank is not None and world_size is not None:
         return rank, world_size
     if dist.is_available() and dist.is_initialized():
@@ -169,7 +170,7 @@ class RemoteDataset(IterableDataset):
             self._resume = None
 
     def _split(self) -> tuple[int, int, bool]:
-        rank, world_size = _world(self.rank, self.world_size)
+        rank, world_size = current_world(self.rank, self.world_size)
         equalize = world_size > 1 if self.equalize is None else self.equalize
         return rank, world_size, equalize
 

@@ -17,8 +17,8 @@ from remote_loader.reader import DatasetReader
 
 def _locate(reader: DatasetReader, entry: ShardEntry, span: Span, config: FetchConfig, metrics: Metrics) -> tuple[int, int, Any]:
     """Fetch the shard's index (one ranged GET) and return the byte range of the span's samples."""
-    key = reader.location.key(entry.name)
-    data = fetch_range(reader.client, reader.location.bucket, key, entry.index_offset, entry.index_offset + entry.index_size, config, metrics)
+    key, start, end = reader.index_range(entry)
+    data = fetch_range(reader.client, reader.location.bucket, key, start, end, config, metrics)
     index = reader.parse_index(entry, data)
     return index.start(span.start, span.end), index.extent(span.start, span.end), (entry, span, index)
 

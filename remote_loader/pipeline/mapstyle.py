@@ -1,0 +1,173 @@
+"""``RemoteMapDataset``: random access to any sample, one ranged GET per sample or per run of them."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+from torch.utils.data import Dataset
+
+from remote_loader.config import FetchConfig
+from remote_loader.errors import ConfigError
+from remote_loader.fetch import Metrics, fetch_range
+from remote_loader.format import Sample, ShardIndex, ShardView
+from remote_loader.reader import DatasetReader
+from remote_loader.storage import Store, open_location
+
+
+class RemoteMapDataset(Dataset):
+    """``ds[i]`` for any sample of an uploaded dataset, fetched with one ranged GET.
+
+    ``ds[i]`` is the sample dict the streaming pipeline gives before decoding
+    (``__key__``, ``__shard__``, one ``bytes`` value per field), passed through
+    ``transform`` if given. ``ds.__getitems__(indices)`` (used by DataLoader for batches)
+    fetches a batch concurrently and merges samples of one shard that lie within
+    ``merge_gap`` bytes of each other into one GET. Shard indexes are fetched on first
+    use and kept in an LRU cache of ``cache_shards``; memory grows with the number of
+    shards (the manifest), not of samples.
+
+    Args:
+        client: A store, or an ``s3://bucket/prefix`` URL.
+        bucket: The bucket (omit with a URL).
+        base_folder: The dataset's prefix (omit with a URL).
+        transform: Applied to each sample dict.
+        cache_shards: Shard indexes kept in memory.
+        merge_gap: Largest gap in bytes bridged when merging ranges of one shard.
+        fetch: Retries and concurrency (``concurrency`` GETs at once for a batch).
+        verify: Check member crc32s.
+        **connection: ``endpoint_url``, ``access_key``, ... with a URL.
+    """
+
+    def __init__(
+        self,
+        client: Store | str,
+        bucket: str | None = None,
+        base_folder: str | None = None,
+        *,
+        transform: Callable[[Sample], Any] | None = None,
+        cache_shards: int = 64,
+        merge_gap: int = 256 * 1024,
+        fetch: FetchConfig | None = None,
+        verify: bool = True,
+        **connection: Any,
+    ) -> None:
+        if isinstance(client, str):
+            client, location = open_location(client, **connection)
+            bucket, base_folder = location.bucket, location.prefix
+        if bucket is None or base_folder is None:
+            raise ConfigError("RemoteMapDataset needs (client, bucket, base_folder) or an s3:// URL")
+        if cache_shards < 1 or merge_gap < 0:
+            raise ConfigError("cache_shards must be >= 1 and merge_gap >= 0")
+        self.reader = DatasetReader(client, bucket, base_folder, verify=verify)
+        self.transform, self.cache_shards, self.merge_gap = transform, cache_shards, merge_gap
+        self.fetch = fetch or FetchConfig()
+        self.metrics = Metrics()
+        self._ends = np.cumsum([s.samples for s in self.reader.manifest.shards], dtype=np.int64)
+        self._reset()
+
+    def _reset(self) -> None:
+        self._indexes: OrderedDict[int, ShardIndex] = OrderedDict()
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        for name in ("_indexes", "_lock", "_pool"):
+            state.pop(name)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._reset()
+
+    def __repr__(self) -> str:
+        return f"RemoteMapDataset({self.reader.location}, samples={len(self)})"
+
+    def __len__(self) -> int:
+        return int(self._ends[-1]) if len(self._ends) else 0
+
+    def locate(self, i: int) -> tuple[int, int]:
+        """Return ``(shard position, sample position in the shard)`` of sample ``i``."""
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"sample index {i} out of range for {n} samples")
+        i %= n
+        shard = int(np.searchsorted(self._ends, i, side="right"))
+        return shard, i - (int(self._ends[shard - 1]) if shard else 0)
+
+    def _index(self, shard: int) -> ShardIndex:
+        with self._lock:
+            if shard in self._indexes:
+                self._indexes.move_to_end(shard)
+                return self._indexes[shard]
+        entry = self.reader.manifest.shards[shard]
+        key, start, end = self.reader.index_range(entry)
+        data = fetch_range(self.reader.client, self.reader.location.bucket, key, start, end, self.fetch, self.metrics)
+        index = self.reader.parse_index(entry, data)
+        with self._lock:
+            self._indexes[shard] = index
+            while len(self._indexes) > self.cache_shards:
+                self._indexes.popitem(last=False)
+        return index
+
+    def _fetch_run(self, shard: int, positions: list[int]) -> list[Sample]:
+        """One GET covering samples ``positions`` (sorted) of one shard."""
+        index = self._index(shard)
+        entry = self.reader.manifest.shards[shard]
+        start, end = index.start(positions[0], positions[-1] + 1), index.extent(positions[0], positions[-1] + 1)
+        key = self.reader.location.key(entry.name)
+        data = fetch_range(self.reader.client, self.reader.location.bucket, key, start, end, self.fetch, self.metrics)
+        view = ShardView(data, index, name=entry.name, verify=self.reader.verify, base=start,
+                         first=positions[0], stop=positions[-1] + 1)
+        samples = []
+        for j in positions:
+            sample = view.sample(j)
+            samples.append({k: bytes(v) if isinstance(v, memoryview) else v for k, v in sample.items()})
+        return samples
+
+    def _runs(self, located: list[tuple[int, int]]) -> list[tuple[int, list[int]]]:
+        """Group sample positions into runs of one shard whose byte ranges lie within ``merge_gap``."""
+        by_shard: dict[int, list[int]] = {}
+        for shard, j in located:
+            by_shard.setdefault(shard, []).append(j)
+        runs = []
+        for shard, positions in by_shard.items():
+            index = self._index(shard)
+            positions = sorted(set(positions))
+            run = [positions[0]]
+            for j in positions[1:]:
+                if index.start(j, j + 1) - index.extent(run[-1], run[-1] + 1) <= self.merge_gap:
+                    run.append(j)
+                else:
+                    runs.append((shard, run))
+                    run = [j]
+            runs.append((shard, run))
+        return runs
+
+    def _apply(self, sample: Sample) -> Any:
+        return self.transform(sample) if self.transform else sample
+
+    def __getitem__(self, i: int) -> Any:
+        shard, j = self.locate(i)
+        return self._apply(self._fetch_run(shard, [j])[0])
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        """Fetch a batch: samples of one shard close together share a GET; runs go in parallel."""
+        located = [self.locate(int(i)) for i in indices]
+        runs = self._runs(located)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.fetch.concurrency, thread_name_prefix="remote-loader-map")
+        fetched: dict[tuple[int, int], Sample] = {}
+        for (shard, positions), samples in zip(runs, self._pool.map(lambda run: self._fetch_run(*run), runs)):
+            fetched.update(((shard, j), s) for j, s in zip(positions, samples))
+        return [self._apply(fetched[where]) for where in located]
+
+    def close(self) -> None:
+        """End the batch-fetching threads of this process."""
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None

@@ -1,0 +1,113 @@
+"""Random access: RemoteMapDataset, batched fetches, samplers."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+from torch.utils.data import DataLoader, DistributedSampler
+
+from remote_loader import RemoteDataset, upload_cv_dataset
+from remote_loader.pipeline.mapstyle import RemoteMapDataset
+from remote_loader.pipeline.sampler import LocalitySampler
+from remote_loader.synthetic import SyntheticImages
+
+N = 500
+
+
+@pytest.fixture(scope="module")
+def dataset500(seaweed):
+    client = seaweed.client()
+    client.create_bucket("map-tests")
+    upload_cv_dataset(SyntheticImages(N, size=(40, 30), formats=("jpeg", "png")), client=client, bucket="map-tests",
+                      base_folder="d", maxcount=25, workers=2, progress=False)
+    yield client
+    client.close()
+
+
+def fields(sample):
+    return {k: bytes(v) if isinstance(v, memoryview) else v for k, v in sample.items()}
+
+
+def test_getitem_equals_the_streamed_bytes_for_every_sample(dataset500):
+    streamed = {s["__key__"]: fields(s) for s in RemoteDataset(dataset500, "map-tests", "d")}
+    ds = RemoteMapDataset(dataset500, "map-tests", "d")
+    assert len(ds) == N == len(streamed)
+    got = {}
+    for i in range(N):
+        sample = ds[i]
+        got[sample["__key__"]] = sample
+    assert got == streamed
+    assert ds[-1] == ds[N - 1]
+    with pytest.raises(IndexError):
+        ds[N]
+
+
+def test_getitems_merges_samples_of_a_shard_into_few_gets(dataset500):
+    ds = RemoteMapDataset(dataset500, "map-tests", "d")
+    indices = list(range(50, 100))  # two whole shards
+    for i in (50, 75):
+        ds[i]  # warm the index cache
+    before = ds.metrics.gets
+    batch = ds.__getitems__(indices)
+    assert ds.metrics.gets - before == 2
+    assert [s["__key__"] for s in batch] == [ds[i]["__key__"] for i in indices]
+    scattered = [3, 260, 4, 480, 3]
+    expected = [ds[i]["__key__"] for i in scattered]  # also caches the three shards' indexes
+    before = ds.metrics.gets
+    assert [s["__key__"] for s in ds.__getitems__(scattered)] == expected
+    assert ds.metrics.gets - before == 3  # 3 and 4 share a GET; the repeated 3 is fetched once
+    ds.close()
+
+
+def test_distributed_sampler_covers_every_index_once(dataset500):
+    ds = RemoteMapDataset(dataset500, "map-tests", "d", transform=lambda s: s["__key__"])
+    seen = Counter()
+    for rank in range(2):
+        sampler = DistributedSampler(ds, num_replicas=2, rank=rank, shuffle=True, seed=1)
+        for batch in DataLoader(ds, batch_size=16, sampler=sampler, num_workers=2):
+            seen.update(batch)
+    assert len(seen) == N and set(seen.values()) == {1}
+
+
+def test_locality_sampler_order_split_and_coverage():
+    sizes = [25] * 20
+    parts = [list(LocalitySampler(sizes, window=4, seed=3, rank=r, world_size=2)) for r in range(2)]
+    assert len(parts[0]) == len(parts[1]) == 250
+    assert sorted(parts[0] + parts[1]) == list(range(500))
+    sampler = LocalitySampler(sizes, window=4, seed=3, rank=0, world_size=1)
+    first = list(sampler)
+    assert first == list(sampler)
+    sampler.set_epoch(1)
+    assert first != list(sampler)
+    # A window of 4 shards: the first 100 indices come from exactly 4 shards.
+    assert len({i // 25 for i in first[:100]}) == 4
+    uneven = [list(LocalitySampler([7, 3], window=1, rank=r, world_size=3)) for r in range(3)]
+    assert all(len(u) == 4 for u in uneven) and set(sum(uneven, [])) == set(range(10))
+
+
+def gets_per_batch(ds, order, batch=64):
+    before = ds.metrics.gets
+    batches = 0
+    for b in range(0, len(order) - batch + 1, batch):
+        ds.__getitems__(order[b : b + batch])
+        batches += 1
+    return (ds.metrics.gets - before) / batches
+
+
+def test_locality_sampler_needs_fewer_gets_than_uniform(dataset500):
+    ds = RemoteMapDataset(dataset500, "map-tests", "d", cache_shards=100)
+    ds.__getitems__(list(range(0, N, 25)))  # every index cached: count sample GETs only
+    uniform = gets_per_batch(ds, np.random.default_rng(0).permutation(N).tolist())
+    local = {k: gets_per_batch(ds, list(LocalitySampler(ds, window=k, seed=0))) for k in (1, 4, 16)}
+    assert local[1] < local[4] < local[16] <= uniform
+    assert local[1] <= 4
+    ds.close()
+
+
+def test_map_dataset_pickles_into_workers_with_a_cold_cache(dataset500):
+    ds = RemoteMapDataset(dataset500, "map-tests", "d", transform=lambda s: s["__key__"])
+    ds[0]
+    keys = [k for batch in DataLoader(ds, batch_size=50, num_workers=2) for k in batch]
+    assert keys == [ds[i] for i in range(N)]
