@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from remote_loader import bench
 from remote_loader.errors import RemoteLoaderError
+from remote_loader.indexer import index_webdataset
 from remote_loader.reader import DatasetReader
 from remote_loader.server import EmbeddedS3
 from remote_loader.storage import Location, Store, open_location
@@ -67,6 +68,16 @@ def cmd_upload(args: argparse.Namespace) -> int:
         "kept_shards": summary.kept_shards,
     }
     _emit(args, data, str(summary))
+    return 0
+
+
+def cmd_index(args: argparse.Namespace) -> int:
+    store, location = _open(args)
+    bar = tqdm(unit="shard", desc="index", disable=args.quiet or args.json)
+    summary = index_webdataset(store, location, progress=lambda name: bar.update(1))
+    bar.close()
+    data = {"url": str(location), "shards": summary.shards, "samples": summary.samples, "bytes": summary.bytes}
+    _emit(args, data, f"indexed {summary.samples} samples in {summary.shards} shards at {location}")
     return 0
 
 
@@ -181,6 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("ls", cmd_ls, "list a dataset's shards"),
         ("info", cmd_info, "show a dataset's size, fields and upload parameters"),
         ("verify", cmd_verify, "check every shard against its checksums"),
+        ("index", cmd_index, "index existing WebDataset .tar shards in place and write a manifest"),
     ):
         p = sub.add_parser(name, help=help_text)
         p.add_argument("url", help="s3://bucket/prefix or a local path")

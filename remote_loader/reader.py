@@ -75,12 +75,19 @@ class DatasetReader:
 
     def index_range(self, entry: ShardEntry) -> tuple[str, int, int]:
         """Return ``(key, start, end)`` of the object bytes holding a shard's index."""
-        return self.location.key(entry.name), entry.index_offset, entry.index_offset + entry.index_size
+        name = entry.index_name or entry.name
+        return self.location.key(name), entry.index_offset, entry.index_offset + entry.index_size
 
     def read_index(self, entry: ShardEntry) -> ShardIndex:
         """Fetch and decode one shard's index with a single ranged GET."""
         key, start, end = self.index_range(entry)
         return self.parse_index(entry, self.client.get_range(self.location.bucket, key, start, end))
+
+    def _index_of(self, entry: ShardEntry, shard: memoryview) -> ShardIndex:
+        """The index of a shard whose bytes are at hand: sliced from them, or fetched if kept apart."""
+        if entry.index_name:
+            return self.read_index(entry)
+        return self.parse_index(entry, shard[entry.index_offset : entry.index_offset + entry.index_size])
 
     def open_shard(self, entry: ShardEntry) -> ShardView:
         """Fetch a whole shard; its samples are slices of the one buffer."""
@@ -88,7 +95,7 @@ class DatasetReader:
         if len(data) != entry.size:
             raise CorruptShard(f"shard {entry.name} is {len(data)} bytes; the manifest says {entry.size}", name=entry.name)
         view = memoryview(data)
-        index = self.parse_index(entry, view[entry.index_offset : entry.index_offset + entry.index_size])
+        index = self._index_of(entry, view)
         if len(index) != entry.samples:
             raise CorruptShard(f"shard {entry.name}: index lists {len(index)} samples, manifest {entry.samples}", name=entry.name)
         return ShardView(view, index, name=entry.name, verify=self.verify)
@@ -106,8 +113,7 @@ class DatasetReader:
         elif zlib.crc32(data) != entry.crc32:
             report.problems.append("object fails its crc32 check")
         try:
-            view = ShardView(data, self.parse_index(entry, memoryview(data)[entry.index_offset : entry.index_offset + entry.index_size]),
-                             name=entry.name, verify=True)
+            view = ShardView(data, self._index_of(entry, memoryview(data)), name=entry.name, verify=True)
             for i in range(len(view)):
                 try:
                     view.sample(i)

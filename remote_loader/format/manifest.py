@@ -22,7 +22,7 @@ MANIFEST_NAME = "manifest.msgpack"
 FORMAT_NAME = "remote_loader"
 
 _SHARD_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*(/[A-Za-z0-9_][A-Za-z0-9_.-]*)*$")
-_ENTRY_FIELDS = ("name", "samples", "size", "index_offset", "index_size", "index_crc", "crc32")
+_ENTRY_FIELDS = ("name", "samples", "size", "index_offset", "index_size", "index_crc", "crc32", "index_name")
 _MAX_SKIPPED_LISTED = 10_000
 
 
@@ -38,6 +38,8 @@ class ShardEntry:
         index_size: Size of the index member's data.
         index_crc: crc32 of the index member's data.
         crc32: crc32 of the whole object.
+        index_name: Object holding the index when it is not the shard's last member (an
+            existing WebDataset tar indexed in place); empty for our own shards.
     """
 
     name: str
@@ -47,6 +49,7 @@ class ShardEntry:
     index_size: int
     index_crc: int
     crc32: int
+    index_name: str = ""
 
     @classmethod
     def from_summary(cls, name: str, summary: ShardSummary) -> ShardEntry:
@@ -63,8 +66,8 @@ class ShardEntry:
 
     @property
     def data_end(self) -> int:
-        """Offset of the index member's header: every sample byte lies before it."""
-        return self.index_offset - 512
+        """Every sample byte lies before this offset: the index member's header, or the object's end."""
+        return self.size if self.index_name else self.index_offset - 512
 
     def as_row(self) -> list[Any]:
         return [getattr(self, f) for f in _ENTRY_FIELDS]
@@ -159,13 +162,17 @@ def _entry(row: Any, position: int, name: str | None) -> ShardEntry:
         not isinstance(row, list)
         or len(row) != len(_ENTRY_FIELDS)
         or not isinstance(row[0], str)
-        or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in row[1:])
+        or not isinstance(row[7], str)
+        or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in row[1:7])
     ):
         raise CorruptShard(f"manifest {name}: shard entry {position} is malformed", name=name)
     entry = ShardEntry(*row)
-    if not _SHARD_NAME.match(entry.name) or ".." in entry.name.split("/"):
-        raise CorruptShard(f"manifest {name}: shard entry {position} has an unsafe name {entry.name!r}", name=name)
-    if entry.samples < 1 or entry.index_offset < 1024 or entry.index_offset + entry.index_size > entry.size:
+    for object_name in filter(None, (entry.name, entry.index_name)):
+        if not _SHARD_NAME.match(object_name) or ".." in object_name.split("/"):
+            raise CorruptShard(f"manifest {name}: shard entry {position} has an unsafe name {object_name!r}", name=name)
+    if entry.samples < 1:
+        raise CorruptShard(f"manifest {name}: shard {entry.name} has no samples", name=name)
+    if not entry.index_name and (entry.index_offset < 1024 or entry.index_offset + entry.index_size > entry.size):
         raise IndexOutOfBounds(
             f"manifest {name}: shard {entry.name} says its index lies at "
             f"{entry.index_offset}+{entry.index_size}, outside its {entry.size} bytes",

@@ -55,12 +55,14 @@ def test_not_a_manifest():
 @pytest.mark.parametrize(
     "row, error",
     [
-        (["../../etc/passwd", 1, 5000, 2000, 10, 0, 0], CorruptShard),
-        (["/abs.tar", 1, 5000, 2000, 10, 0, 0], CorruptShard),
-        (["ok.tar", 1, 5000, 4990, 100, 0, 0], IndexOutOfBounds),
-        (["ok.tar", -1, 5000, 2000, 10, 0, 0], CorruptShard),
+        (["../../etc/passwd", 1, 5000, 2000, 10, 0, 0, ""], CorruptShard),
+        (["/abs.tar", 1, 5000, 2000, 10, 0, 0, ""], CorruptShard),
+        (["ok.tar", 1, 5000, 4990, 100, 0, 0, ""], IndexOutOfBounds),
+        (["ok.tar", -1, 5000, 2000, 10, 0, 0, ""], CorruptShard),
         (["ok.tar", 1, 5000], CorruptShard),
-        (["ok.tar", "1", 5000, 2000, 10, 0, 0], CorruptShard),
+        (["ok.tar", 1, 5000, 2000, 10, 0, 0, "../idx"], CorruptShard),
+        (["ok.tar", 1, 5000, 2000, 10, 0, 0, 7], CorruptShard),
+        (["ok.tar", "1", 5000, 2000, 10, 0, 0, ""], CorruptShard),
     ],
 )
 def test_bad_shard_entries(row, error):
@@ -69,6 +71,6 @@ def test_bad_shard_entries(row, error):
 
 
 def test_duplicate_shard_is_refused():
-    row = ["a.tar", 1, 5000, 2000, 10, 0, 0]
+    row = ["a.tar", 1, 5000, 2000, 10, 0, 0, ""]
     with pytest.raises(CorruptShard, match="twice"):
         Manifest.decode(edit(shards=[row, row]), name="m")

@@ -1,0 +1,82 @@
+"""Existing WebDataset shards, indexed in place, read by both datasets."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import webdataset as wds
+
+from remote_loader import CorruptShard, RemoteDataset
+from remote_loader.indexer import index_webdataset
+from remote_loader.pipeline.mapstyle import RemoteMapDataset
+from remote_loader.storage import Location
+from remote_loader.synthetic import SyntheticImages
+
+
+def write_wds_shards(tmp_path: Path, shards: int = 3, per_shard: int = 30) -> dict[str, dict[str, bytes]]:
+    """Tars written by webdataset's own TarWriter, as img2dataset writes them."""
+    ds = SyntheticImages(shards * per_shard, size=(40, 30))
+    expected = {}
+    for s in range(shards):
+        with wds.TarWriter(str(tmp_path / f"data-{s:05d}.tar")) as sink:
+            for i in range(s * per_shard, (s + 1) * per_shard):
+                sample = {"__key__": f"sample{i:06d}", "jpg": ds[i][0], "cls": str(ds.label(i)).encode(),
+                          "json": json.dumps({"i": i, "caption": "x" * (i % 7)}).encode()}
+                sink.write(sample)
+                expected[sample["__key__"]] = {k: v for k, v in sample.items() if k != "__key__"}
+    return expected
+
+
+def put_dir(client, bucket, folder, tmp_path):
+    for path in sorted(tmp_path.glob("*.tar")):
+        client.put(bucket, f"{folder}/{path.name}", path.read_bytes())
+
+
+def as_bytes(sample):
+    return {k: bytes(v) for k, v in sample.items() if not k.startswith("__")}
+
+
+def test_indexed_webdataset_shards_read_identically(s3, tmp_path):
+    client, bucket = s3
+    expected = write_wds_shards(tmp_path)
+    put_dir(client, bucket, "wds", tmp_path)
+    originals = {o.key: client.get(bucket, o.key) for o in client.list(bucket, "wds/")}
+    summary = index_webdataset(client, Location(bucket, "wds"))
+    assert (summary.shards, summary.samples) == (3, 90)
+    streamed = {s["__key__"]: as_bytes(s) for s in RemoteDataset(client, bucket, "wds")}
+    mapped = RemoteMapDataset(client, bucket, "wds")
+    by_index = {mapped[i]["__key__"]: as_bytes(mapped[i]) for i in range(len(mapped))}
+    assert streamed == by_index == expected
+    assert all(client.get(bucket, key) == data for key, data in originals.items())  # never modified
+
+
+def test_index_cli_and_verify(seaweed, s3, tmp_path):
+    client, bucket = s3
+    write_wds_shards(tmp_path, shards=2)
+    put_dir(client, bucket, "cli", tmp_path)
+    env = {**os.environ, **seaweed.env()}
+    script = Path(sys.executable).with_name("remote-loader")
+    out = subprocess.run([str(script), "index", f"s3://{bucket}/cli", "--json"], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["samples"] == 60
+    verify = subprocess.run([str(script), "verify", f"s3://{bucket}/cli", "--quiet"], env=env, capture_output=True, text=True)
+    assert verify.returncode == 0 and "2 of 2 shards ok" in verify.stdout
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage"])
+def test_broken_tars_are_named(s3, tmp_path, damage):
+    client, bucket = s3
+    write_wds_shards(tmp_path, shards=2)
+    data = (tmp_path / "data-00001.tar").read_bytes()
+    data = data[: len(data) // 2 + 100] if damage == "truncate" else os.urandom(512) + data[512:]  # a header that fails its checksum
+    (tmp_path / "data-00001.tar").write_bytes(data)
+    put_dir(client, bucket, "broken", tmp_path)
+    with pytest.raises(CorruptShard, match="data-00001.tar") as info:
+        index_webdataset(client, Location(bucket, "broken"))
+    assert info.value.name == "data-00001.tar"
