@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import tarfile
 import zlib
+from functools import partial
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,13 +26,13 @@ _PART = 8 * 1024 * 1024
 
 
 class _Stream:
-    """Sequential reads of one object by ranged GETs, with a running crc32 of all bytes read."""
+    """Sequential reads of one object in parts, with a running crc32 of all bytes read."""
 
-    def __init__(self, store: Store, location: Location, name: str, size: int) -> None:
-        self.store, self.location, self.name, self.size = store, location, name, size
+    def __init__(self, fetch: Callable[[int, int], bytes | memoryview], name: str, size: int) -> None:
+        self.fetch, self.name, self.size = fetch, name, size
         self.pos = 0
         self.crc = 0
-        self._buf = b""
+        self._buf: bytes | memoryview = b""
         self._buf_start = 0
 
     def _chunk(self, n: int) -> memoryview:
@@ -41,7 +42,7 @@ class _Stream:
             if self.pos >= self.size:
                 return memoryview(b"")
             end = min(self.size, self.pos + _PART)
-            self._buf = self.store.get_range(self.location.bucket, self.location.key(self.name), self.pos, end)
+            self._buf = self.fetch(self.pos, end)
             self._buf_start, offset = self.pos, 0
         chunk = memoryview(self._buf)[offset : offset + n]
         self.pos += len(chunk)
@@ -85,9 +86,9 @@ def _split_name(path: str) -> tuple[str, str] | None:
     return (f"{directory}/{key}" if directory else key), field
 
 
-def scan_tar(store: Store, location: Location, name: str, size: int) -> tuple[ShardIndex, int]:
-    """Read a tar shard once and return its index and the crc32 of the whole object."""
-    stream = _Stream(store, location, name, size)
+def scan_tar(fetch: Callable[[int, int], bytes | memoryview], name: str, size: int) -> tuple[ShardIndex, int]:
+    """Read a tar shard once, through ``fetch(start, end)``, and return its index and whole crc32."""
+    stream = _Stream(fetch, name, size)
     keys: list[str] = []
     rows: list[dict[str, tuple[int, int, int]]] = []
     long_name: str | None = None
@@ -162,7 +163,8 @@ def index_webdataset(
     entries = []
     fields: set[str] = set()
     for name, size in tars:
-        index, crc = scan_tar(store, location, name, size)
+        key = location.key(name)
+        index, crc = scan_tar(partial(store.get_range, location.bucket, key), name, size)
         data = index.encode()
         index_name = name + INDEX_SUFFIX
         store.put(location.bucket, location.key(index_name), data)

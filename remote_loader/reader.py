@@ -64,6 +64,19 @@ class DatasetReader:
             ) from None
         return Manifest.decode(data, name=f"{self.location}/{MANIFEST_NAME}")
 
+    def has_manifest(self) -> bool:
+        """Whether the dataset has a manifest (fetching it if not yet fetched)."""
+        try:
+            self.manifest
+        except ObjectNotFound:
+            return False
+        return True
+
+    def list_tars(self) -> list[tuple[str, int]]:
+        """``(name, size)`` of every ``.tar`` object under the prefix, in name order."""
+        prefix = self.location.key("")
+        return sorted((o.key[len(prefix) :], o.size) for o in self.client.list(self.location.bucket, prefix) if o.key.endswith(".tar"))
+
     def __len__(self) -> int:
         return self.manifest.num_samples
 

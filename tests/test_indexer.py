@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import subprocess
@@ -11,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import webdataset as wds
+from torch.utils.data import DataLoader
 
 from remote_loader import CorruptShard, RemoteDataset
 from remote_loader.indexer import index_webdataset
@@ -80,3 +80,18 @@ def test_broken_tars_are_named(s3, tmp_path, damage):
     with pytest.raises(CorruptShard, match="data-00001.tar") as info:
         index_webdataset(client, Location(bucket, "broken"))
     assert info.value.name == "data-00001.tar"
+
+
+@pytest.mark.parametrize("world_size, num_workers", [(1, 0), (1, 2), (2, 1)])
+def test_plain_webdataset_shards_stream_without_an_index(s3, tmp_path, world_size, num_workers):
+    client, bucket = s3
+    expected = write_wds_shards(tmp_path, shards=4)
+    put_dir(client, bucket, "plain", tmp_path)
+    got = {}
+    for rank in range(world_size):
+        ds = RemoteDataset(client, bucket, "plain", rank=rank, world_size=world_size)
+        for sample in DataLoader(ds, batch_size=None, num_workers=num_workers):
+            assert sample["__key__"] not in got
+            got[sample["__key__"]] = as_bytes(sample)
+    assert got == expected
+    assert not client.exists(bucket, "plain/manifest.msgpack")

@@ -16,12 +16,12 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from remote_loader.config import FetchConfig
 from remote_loader.errors import ConfigError
-from remote_loader.fetch import Metrics
 from remote_loader.pipeline import stages
 from remote_loader.pipeline.decode import decode_sample
 from remote_loader.pipeline.resume import ResumeState, consumed_per_worker
-from remote_loader.pipeline.source import stream_samples
-from remote_loader.pipeline.split import assign, rank_size
+from remote_loader.fetch import Job, Metrics
+from remote_loader.pipeline.source import span_jobs, stream_samples, tar_jobs
+from remote_loader.pipeline.split import assign, rank_size, shard_order
 from remote_loader.reader import DatasetReader
 from remote_loader.storage import Store, open_location
 
@@ -244,8 +244,9 @@ class RemoteDataset(IterableDataset):
                 raise ConfigError(f"state was saved with {self._resume.num_workers} workers; this run has {num_workers}")
             skip = self._resume.skip[worker]
         seed = (self.seed, self.epoch, rank, worker)
-        data: Any = stream_samples(self.reader, self._spans(worker, num_workers), config=self.fetch,
-                                   metrics=self.metrics, open_shards=self.open_shards, seed=(*seed, 1))
+        jobs = self._jobs(worker, num_workers, resuming=bool(skip))
+        data: Any = stream_samples(self.reader, jobs, config=self.fetch, metrics=self.metrics,
+                                   open_shards=self.open_shards, seed=(*seed, 1))
         skip_after = self._skip_point()[0] if skip else -1
         for position, stage in enumerate(self.stages):
             if position == skip_after:
@@ -259,6 +260,21 @@ class RemoteDataset(IterableDataset):
         if info is not None:
             data = map(bytes_fields, data)  # memoryviews do not pickle
         yield from self._timed(data)
+
+    def _jobs(self, worker: int, num_workers: int, *, resuming: bool) -> list[Job]:
+        """What this worker fetches: its spans, or for plain WebDataset tars without a
+        manifest, whole tars dealt round-robin to ranks x workers in the epoch's order."""
+        if self.reader.has_manifest():
+            return span_jobs(self.reader, self._spans(worker, num_workers), self.fetch, self.metrics)
+        tars = self.reader.list_tars()
+        if not tars:
+            self.reader.manifest  # raises ObjectNotFound naming the missing manifest
+        if resuming:
+            raise ConfigError("resume needs an indexed dataset: run remote-loader index on it")
+        rank, world_size, _ = self._split()
+        slots, slot = world_size * num_workers, rank * num_workers + worker
+        order = shard_order(len(tars), self.seed, self.epoch, self.shuffle_shards)
+        return tar_jobs(self.reader, [tars[k] for position, k in enumerate(order) if position % slots == slot])
 
     def _timed(self, data: Iterator[Any]) -> Iterator[Any]:
         """Count time spent producing items, less the time waiting on storage, as user time."""

@@ -11,6 +11,7 @@ import numpy as np
 from remote_loader.config import FetchConfig
 from remote_loader.fetch import Fetched, Job, Metrics, Prefetcher, fetch_range
 from remote_loader.format import Sample, ShardEntry, ShardView
+from remote_loader.indexer import scan_tar
 from remote_loader.pipeline.split import Span
 from remote_loader.reader import DatasetReader
 
@@ -23,36 +24,56 @@ def _locate(reader: DatasetReader, entry: ShardEntry, span: Span, config: FetchC
     return index.start(span.start, span.end), index.extent(span.start, span.end), (entry, span, index)
 
 
+def _whole(name: str, size: int) -> tuple[int, int, Any]:
+    return 0, size, name
+
+
 class _Open:
-    """A fetched span being read."""
+    """A fetched span being read; a whole unindexed tar is indexed from its bytes here."""
 
     def __init__(self, fetched: Fetched, verify: bool) -> None:
-        entry, span, index = fetched.context
         self.fetched = fetched
-        self.view = ShardView(fetched.buffer, index, name=entry.name, verify=verify, base=fetched.start, first=span.start, stop=span.end)
+        if isinstance(fetched.context, str):  # an unindexed WebDataset tar
+            name = fetched.context
+            index, _ = scan_tar(lambda start, end: memoryview(fetched.buffer)[start:end], name, len(fetched.buffer))
+            self.view = ShardView(fetched.buffer, index, name=name, verify=False)
+            self.next, self.stop = 0, len(index)
+            return
+        entry, span, index = fetched.context
+        self.view = ShardView(fetched.buffer, index, name=entry.name, verify=verify, base=fetched.start,
+                              first=span.start, stop=span.end)
         self.next, self.stop = span.start, span.end
+
+
+def span_jobs(reader: DatasetReader, spans: Sequence[Span], config: FetchConfig, metrics: Metrics) -> list[Job]:
+    """Jobs fetching the samples of ``spans`` of an indexed dataset."""
+    shards = reader.manifest.shards
+    return [
+        Job(reader.location.key(shards[s.shard].name), partial(_locate, reader, shards[s.shard], s, config, metrics))
+        for s in spans
+        if len(s)
+    ]
+
+
+def tar_jobs(reader: DatasetReader, tars: Sequence[tuple[str, int]]) -> list[Job]:
+    """Jobs fetching whole unindexed tars ``(name, size)``."""
+    return [Job(reader.location.key(name), partial(_whole, name, size)) for name, size in tars]
 
 
 def stream_samples(
     reader: DatasetReader,
-    spans: Sequence[Span],
+    jobs: Sequence[Job],
     *,
     config: FetchConfig,
     metrics: Metrics,
     open_shards: int,
     seed: Sequence[int],
 ) -> Iterator[Sample]:
-    """Yield the samples of ``spans``, drawing each next sample from one of ``open_shards`` spans.
+    """Yield the samples the ``jobs`` fetch, drawing each next sample from one of ``open_shards`` ranges.
 
-    Which open span gives the next sample is drawn from ``seed``, so the order depends on
-    the seed alone, never on fetch timing. Every sample of every span is yielded once.
+    Which open range gives the next sample is drawn from ``seed``, so the order depends on
+    the seed alone, never on fetch timing. Every sample of every range is yielded once.
     """
-    shards = reader.manifest.shards
-    jobs = [
-        Job(reader.location.key(shards[s.shard].name), partial(_locate, reader, shards[s.shard], s, config, metrics))
-        for s in spans
-        if len(s)
-    ]
     rng = np.random.default_rng(list(seed))
     with Prefetcher(reader.client, reader.location.bucket, jobs, config, metrics) as prefetcher:
         fetched = iter(prefetcher)
