@@ -1,0 +1,53 @@
+"""Random access: samples/s of RemoteMapDataset.__getitems__ batches of 64, and GETs per batch
+for the locality-aware sampler at several window sizes against a uniform sampler.
+
+    python benchmarks/random_access.py --images 2000 --maxcount 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from remote_loader import upload_cv_dataset
+from remote_loader.pipeline.mapstyle import RemoteMapDataset
+from remote_loader.pipeline.sampler import LocalitySampler
+from remote_loader.server import EmbeddedS3
+from remote_loader.synthetic import SyntheticImages
+
+BATCH = 64
+
+
+def run(ds: RemoteMapDataset, order: list[int]) -> tuple[float, float]:
+    """(samples/s, GETs per batch) over full batches of ``order``."""
+    gets, started, count = ds.metrics.gets, time.perf_counter(), 0
+    for b in range(0, len(order) - BATCH + 1, BATCH):
+        count += len(ds.__getitems__(order[b : b + BATCH]))
+    seconds = time.perf_counter() - started
+    return count / seconds, (ds.metrics.gets - gets) / (count // BATCH)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--images", type=int, default=2000)
+    parser.add_argument("--maxcount", type=int, default=100)
+    args = parser.parse_args()
+    with EmbeddedS3(buckets=["bench"]) as server:
+        client = server.client()
+        upload_cv_dataset(SyntheticImages(args.images), client=client, bucket="bench", base_folder="ra",
+                          maxcount=args.maxcount, workers=2, progress=False)
+        ds = RemoteMapDataset(client, "bench", "ra", cache_shards=1000)
+        ds.__getitems__(list(range(0, len(ds), args.maxcount)))  # every shard index cached: count sample GETs
+        rows = [("uniform", np.random.default_rng(0).permutation(len(ds)).tolist())]
+        rows += [(f"locality k={k}", list(LocalitySampler(ds, window=k, seed=0))) for k in (1, 4, 16)]
+        print(f"{len(ds)} samples of ~110 KB in {len(ds.reader.manifest.shards)} shards, batches of {BATCH}")
+        for name, order in rows:
+            rate, gets = run(ds, order)
+            print(f"{name:15s} {rate:8.0f} samples/s {gets:6.1f} GETs per batch")
+        ds.close()
+
+
+if __name__ == "__main__":
+    main()
