@@ -45,7 +45,10 @@ def main() -> None:
         print(f"{len(ds)} samples of ~110 KB in {len(ds.reader.manifest.shards)} shards, batches of {BATCH}")
         for name, order in rows:
             rate, gets = run(ds, order)
-            print(f"{name:15s} {rate:8.0f} samples/s {gets:6.1f} GETs per batch")
+            # Randomness: how many shards a batch draws from (uniform: nearly all of them).
+            spread = np.mean([len({ds.locate(i)[0] for i in order[b : b + BATCH]})
+                              for b in range(0, len(order) - BATCH + 1, BATCH)])
+            print(f"{name:15s} {rate:8.0f} samples/s {gets:6.1f} GETs per batch {spread:5.1f} shards per batch")
         ds.close()
 
 

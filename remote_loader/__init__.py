@@ -22,6 +22,8 @@ from remote_loader.errors import (
 from remote_loader.fetch import Metrics
 from remote_loader.pipeline.augment import RandomResizedCrop
 from remote_loader.pipeline.dataset import RemoteDataset
+from remote_loader.pipeline.mapstyle import RemoteMapDataset
+from remote_loader.pipeline.sampler import LocalitySampler
 from remote_loader.reader import DatasetReader
 from remote_loader.storage import LocalStore, Store, make_client
 from remote_loader.upload import ImageFolder, UploadSummary, upload_cv_dataset
@@ -43,11 +45,13 @@ __all__ = [
     "IndexOutOfBounds",
     "InvalidRange",
     "LocalStore",
+    "LocalitySampler",
     "Metrics",
     "ObjectNotFound",
     "RandomResizedCrop",
     "RemoteDataset",
     "RemoteLoaderError",
+    "RemoteMapDataset",
     "StorageConfig",
     "StorageError",
     "Store",

@@ -12,7 +12,7 @@ from remote_loader.storage import Boto3Store, LocalStore, MinioStore, parse_loca
 
 EXPECTED = {
     "AccessDenied", "BucketNotFound", "ConfigError", "CorruptSampleError", "CorruptShard", "DatasetReader",
-    "DecodeError", "EndpointUnreachable", "FetchConfig", "Metrics", "RandomResizedCrop", "RemoteDataset", "FormatError", "ImageFolder", "IndexOutOfBounds", "InvalidRange",
+    "DecodeError", "EndpointUnreachable", "FetchConfig", "Metrics", "RandomResizedCrop", "RemoteDataset", "RemoteMapDataset", "LocalitySampler", "FormatError", "ImageFolder", "IndexOutOfBounds", "InvalidRange",
     "LocalStore", "ObjectNotFound", "RemoteLoaderError", "StorageConfig", "StorageError", "Store",
     "TransientStorageError", "UnsupportedVersion", "UploadError", "UploadSummary", "__version__",
     "make_client", "upload_cv_dataset",
