@@ -33,6 +33,7 @@ class Metrics:
         wait_seconds: Time the consumer waited for storage.
         user_seconds: Time spent in the pipeline's stages (decode, user code).
         samples: Samples produced by the source.
+        skipped: Samples skipped because their bytes stayed corrupt (``on_error="skip"``).
         peak_buffered: Most shard bytes held at once (in flight or unread).
     """
 
@@ -42,6 +43,7 @@ class Metrics:
     wait_seconds: float = 0.0
     user_seconds: float = 0.0
     samples: int = 0
+    skipped: int = 0
     peak_buffered: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 

@@ -11,9 +11,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from remote_loader.errors import CorruptSampleError, CorruptShard, FormatError, ObjectNotFound
+from remote_loader.errors import CorruptSampleError, CorruptShard, FormatError, ObjectNotFound, TransientStorageError
 from remote_loader.format import MANIFEST_NAME, Manifest, Sample, ShardEntry, ShardIndex, ShardView
 from remote_loader.storage import Location, Store
+
+
+_MANIFEST_ATTEMPTS = 5
 
 
 @dataclass
@@ -54,15 +57,20 @@ class DatasetReader:
 
     @cached_property
     def manifest(self) -> Manifest:
-        """The dataset's manifest, fetched on first use."""
+        """The dataset's manifest, fetched on first use (again, if its bytes arrive damaged)."""
         key = self.location.key(MANIFEST_NAME)
-        try:
-            data = self.client.get(self.location.bucket, key)
-        except ObjectNotFound as exc:
-            raise ObjectNotFound(
-                f"no dataset at {self.location}: {MANIFEST_NAME} is missing", bucket=exc.bucket, key=key, code=exc.code
-            ) from None
-        return Manifest.decode(data, name=f"{self.location}/{MANIFEST_NAME}")
+        for attempt in range(1, _MANIFEST_ATTEMPTS + 1):
+            try:
+                data = self.client.get(self.location.bucket, key)
+                return Manifest.decode(data, name=f"{self.location}/{MANIFEST_NAME}")
+            except ObjectNotFound as exc:
+                raise ObjectNotFound(
+                    f"no dataset at {self.location}: {MANIFEST_NAME} is missing", bucket=exc.bucket, key=key, code=exc.code
+                ) from None
+            except (TransientStorageError, CorruptShard):
+                if attempt == _MANIFEST_ATTEMPTS:
+                    raise
+        raise AssertionError("unreachable")
 
     def has_manifest(self) -> bool:
         """Whether the dataset has a manifest (fetching it if not yet fetched)."""

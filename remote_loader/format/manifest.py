@@ -7,6 +7,8 @@ GET of a shard's index locate any sample.
 from __future__ import annotations
 
 import re
+import struct
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -104,8 +106,8 @@ class Manifest:
         return sum(s.size for s in self.shards)
 
     def encode(self) -> bytes:
-        """Serialise to msgpack."""
-        return msgpack.packb(
+        """Serialise: a msgpack map followed by the crc32 of those bytes (4 bytes, little-endian)."""
+        body = msgpack.packb(
             {
                 "format": FORMAT_NAME,
                 "version": self.version,
@@ -118,6 +120,7 @@ class Manifest:
             },
             use_bin_type=True,
         )
+        return body + struct.pack("<I", zlib.crc32(body))
 
     @classmethod
     def decode(cls, data: bytes | memoryview, *, name: str | None = None) -> Manifest:
@@ -129,7 +132,9 @@ class Manifest:
             IndexOutOfBounds: A shard entry's index lies outside its object.
         """
         what = "manifest"
-        raw = unpack(data, what=what, name=name)
+        if len(data) < 5 or struct.unpack("<I", data[-4:])[0] != zlib.crc32(data[:-4]):
+            raise CorruptShard(f"manifest {name} is truncated or fails its crc32 check", name=name)
+        raw = unpack(data[:-4], what=what, name=name)
         if require(raw, "format", str, what=what, name=name) != FORMAT_NAME:
             raise CorruptShard(f"{name} is not a {FORMAT_NAME} manifest", name=name)
         version = require(raw, "version", int, what=what, name=name)

@@ -69,7 +69,10 @@ class RemoteDataset(IterableDataset):
         equalize: Give every rank the same sample count by wrapping around (repeating at
             most ``world_size - 1`` samples); default on when ``world_size > 1``.
         fetch: Part size, concurrency, prefetch byte budget and retries.
-        verify: Check every member's crc32 (on by default).
+        verify: Check every member's crc32 (on by default). Bytes that fail are fetched
+            again up to ``fetch.max_attempts`` times.
+        on_error: For a sample whose bytes stay corrupt: ``"raise"`` CorruptSampleError
+            naming shard and key, or ``"skip"`` it and count it in ``metrics.skipped``.
         **connection: ``endpoint_url``, ``access_key``, ``secret_key``, ``region``,
             ``backend``, with a URL.
 
@@ -92,11 +95,15 @@ class RemoteDataset(IterableDataset):
         equalize: bool | None = None,
         fetch: FetchConfig | None = None,
         verify: bool = True,
+        on_error: str = "raise",
         **connection: Any,
     ) -> None:
         if isinstance(client, str):
             client, location = open_location(client, **connection)
             bucket, base_folder = location.bucket, location.prefix
+        if on_error not in ("raise", "skip"):
+            raise ConfigError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+        self.on_error = on_error
         if bucket is None or base_folder is None:
             raise ConfigError("RemoteDataset needs (client, bucket, base_folder) or an s3:// URL")
         if open_shards < 1:
@@ -246,7 +253,7 @@ class RemoteDataset(IterableDataset):
         seed = (self.seed, self.epoch, rank, worker)
         jobs = self._jobs(worker, num_workers, resuming=bool(skip))
         data: Any = stream_samples(self.reader, jobs, config=self.fetch, metrics=self.metrics,
-                                   open_shards=self.open_shards, seed=(*seed, 1))
+                                   open_shards=self.open_shards, seed=(*seed, 1), on_error=self.on_error)
         skip_after = self._skip_point()[0] if skip else -1
         for position, stage in enumerate(self.stages):
             if position == skip_after:

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from remote_loader.config import FetchConfig
+from remote_loader.errors import CorruptSampleError, CorruptShard
 from remote_loader.fetch import Fetched, Job, Metrics, Prefetcher, fetch_range
 from remote_loader.format import Sample, ShardEntry, ShardView
 from remote_loader.indexer import scan_tar
@@ -17,11 +18,48 @@ from remote_loader.reader import DatasetReader
 
 
 def _locate(reader: DatasetReader, entry: ShardEntry, span: Span, config: FetchConfig, metrics: Metrics) -> tuple[int, int, Any]:
-    """Fetch the shard's index (one ranged GET) and return the byte range of the span's samples."""
+    """Fetch the shard's index (one ranged GET) and return the byte range of the span's samples.
+
+    Index bytes that fail their checksum are fetched again, up to ``config.max_attempts``.
+    """
     key, start, end = reader.index_range(entry)
-    data = fetch_range(reader.client, reader.location.bucket, key, start, end, config, metrics)
-    index = reader.parse_index(entry, data)
+    for attempt in range(1, config.max_attempts + 1):
+        data = fetch_range(reader.client, reader.location.bucket, key, start, end, config, metrics)
+        try:
+            index = reader.parse_index(entry, data)
+            break
+        except CorruptShard:
+            if attempt == config.max_attempts:
+                raise
+            metrics.add(retries=1)
     return index.start(span.start, span.end), index.extent(span.start, span.end), (entry, span, index)
+
+
+def _sample(reader: DatasetReader, current: _Open, config: FetchConfig, metrics: Metrics, on_error: str) -> Sample | None:
+    """The next sample of ``current``; bytes failing their checksum are fetched again alone.
+
+    Returns None for a sample still corrupt after ``config.max_attempts`` with
+    ``on_error="skip"`` (counted in ``metrics.skipped``); raises CorruptSampleError otherwise.
+    """
+    j = current.next
+    current.next += 1
+    try:
+        return current.view.sample(j)
+    except CorruptSampleError as error:
+        last = error
+    index, name = current.view.index, current.view.name
+    start, end = index.start(j, j + 1), index.extent(j, j + 1)
+    for _ in range(config.max_attempts - 1):
+        metrics.add(retries=1)
+        data = fetch_range(reader.client, reader.location.bucket, reader.location.key(name), start, end, config, metrics)
+        try:
+            return ShardView(data, index, name=name, base=start, first=j, stop=j + 1).sample(j)
+        except CorruptSampleError as error:
+            last = error
+    if on_error == "skip":
+        metrics.add(skipped=1)
+        return None
+    raise last
 
 
 def _whole(name: str, size: int) -> tuple[int, int, Any]:
@@ -68,6 +106,7 @@ def stream_samples(
     metrics: Metrics,
     open_shards: int,
     seed: Sequence[int],
+    on_error: str = "raise",
 ) -> Iterator[Sample]:
     """Yield the samples the ``jobs`` fetch, drawing each next sample from one of ``open_shards`` ranges.
 
@@ -89,9 +128,9 @@ def stream_samples(
             if not reading:
                 return
             current = reading[int(rng.integers(len(reading)))] if len(reading) > 1 else reading[0]
-            sample = current.view.sample(current.next)
-            current.next += 1
+            sample = _sample(reader, current, config, metrics, on_error)
             if current.next == current.stop:
                 reading.remove(current)
-            metrics.add(samples=1)
-            yield sample
+            if sample is not None:
+                metrics.add(samples=1)
+                yield sample

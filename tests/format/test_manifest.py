@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import struct
+import zlib
+
 import msgpack
 import pytest
 
@@ -28,10 +31,24 @@ def test_round_trip():
     assert again.num_samples == 15 and again.num_bytes == 59_000
 
 
+def seal(body: bytes) -> bytes:
+    """Append the crc32 trailer, as the writer does."""
+    return body + struct.pack("<I", zlib.crc32(body))
+
+
 def edit(**changes) -> bytes:
-    raw = msgpack.unpackb(manifest().encode())
+    raw = msgpack.unpackb(manifest().encode()[:-4])
     raw.update(changes)
-    return msgpack.packb(raw, use_bin_type=True)
+    return seal(msgpack.packb(raw, use_bin_type=True))
+
+
+def test_any_flipped_byte_fails_the_checksum():
+    data = manifest().encode()
+    for position in range(0, len(data), 7):
+        damaged = bytearray(data)
+        damaged[position] ^= 0x10
+        with pytest.raises(CorruptShard):
+            Manifest.decode(bytes(damaged), name="m")
 
 
 def test_newer_version_is_refused_with_a_clear_message():
@@ -47,9 +64,9 @@ def test_truncated_manifest(cut):
 
 def test_not_a_manifest():
     with pytest.raises(CorruptShard):
-        Manifest.decode(msgpack.packb({"format": "other", "version": 1}), name="m")
+        Manifest.decode(seal(msgpack.packb({"format": "other", "version": 1})), name="m")
     with pytest.raises(CorruptShard):
-        Manifest.decode(msgpack.packb([1, 2, 3]), name="m")
+        Manifest.decode(seal(msgpack.packb([1, 2, 3])), name="m")
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,163 @@
+"""A fault-injecting HTTP proxy on 127.0.0.1 between an S3 client and a real S3 server.
+
+Each request is forwarded unchanged (the Host header too, so signatures stay valid) and
+may meet a fault: a connection reset before the answer or in the middle of the body, a
+500, a 503 SlowDown, a delay, a truncated body (short read) or flipped bytes in the body.
+Whether a request meets a fault, and which, depends only on the seed, the request
+(method, path, query, range) and how many times that same request was seen before, so a
+run is reproducible whatever the threads' timing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import random
+import socket
+import threading
+import time
+from collections import Counter
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
+
+FAULTS = ("reset_before", "reset_mid_body", "error_500", "slow_down_503", "delay", "truncate", "flip")
+_SLOW_DOWN = b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code><Message>Reduce your request rate.</Message></Error>'
+_INTERNAL = b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>InternalError</Code><Message>injected</Message></Error>'
+
+
+class FaultProxy:
+    """Forward to ``upstream`` (``http://host:port``) with faults at ``rates`` (kind -> probability).
+
+    Only requests whose method is in ``methods`` meet faults. ``injected`` counts faults by
+    kind; ``requests`` counts every forwarded request.
+    """
+
+    def __init__(self, upstream: str, rates: dict[str, float], *, seed: int = 0, methods: tuple[str, ...] = ("GET",),
+                 delay: float = 0.05) -> None:
+        unknown = set(rates) - set(FAULTS)
+        if unknown:
+            raise ValueError(f"unknown faults {sorted(unknown)}")
+        parts = urlsplit(upstream)
+        self.upstream = (parts.hostname or "127.0.0.1", parts.port or 80)
+        self.rates, self.seed, self.methods, self.delay = rates, seed, methods, delay
+        self.injected: Counter[str] = Counter()
+        self.requests = 0
+        self._seen: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        self._connections: set[socket.socket] = set()
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def setup(self) -> None:
+                super().setup()
+                with proxy._lock:
+                    proxy._connections.add(self.connection)
+
+            def finish(self) -> None:
+                with proxy._lock:
+                    proxy._connections.discard(self.connection)
+                super().finish()
+
+            def _any(self) -> None:
+                proxy._handle(self)
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _any
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = False
+        self.server.block_on_close = True  # close() waits for every connection thread
+        self.thread = threading.Thread(target=self.server.serve_forever, name="fault-proxy", daemon=True)
+        self.thread.start()
+
+    @property
+    def endpoint_url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def _fault(self, handler: BaseHTTPRequestHandler) -> str | None:
+        request = f"{handler.command} {handler.path} {handler.headers.get('Range', '')}"
+        with self._lock:
+            self.requests += 1
+            attempt = self._seen[request]
+            self._seen[request] += 1
+        if handler.command not in self.methods:
+            return None
+        digest = hashlib.sha256(f"{self.seed}|{request}|{attempt}".encode()).digest()
+        draw = random.Random(digest).random()
+        for kind in FAULTS:
+            rate = self.rates.get(kind, 0.0)
+            if draw < rate:
+                with self._lock:
+                    self.injected[kind] += 1
+                return kind
+            draw -= rate
+        return None
+
+    def _handle(self, handler: BaseHTTPRequestHandler) -> None:
+        length = int(handler.headers.get("Content-Length") or 0)
+        body = handler.rfile.read(length) if length else b""
+        fault = self._fault(handler)
+        if fault == "reset_before":
+            return self._reset(handler)
+        if fault in ("error_500", "slow_down_503"):
+            status, payload = (500, _INTERNAL) if fault == "error_500" else (503, _SLOW_DOWN)
+            handler.send_response(status)
+            handler.send_header("Content-Type", "application/xml")
+            handler.send_header("Content-Length", str(len(payload)))
+            handler.end_headers()
+            handler.wfile.write(payload)
+            return
+        if fault == "delay":
+            time.sleep(self.delay)  # the injected fault itself: a slow answer
+        upstream = http.client.HTTPConnection(*self.upstream, timeout=60)
+        try:
+            headers = {k: v for k, v in handler.headers.items() if k.lower() != "connection"}
+            upstream.request(handler.command, handler.path, body=body, headers=headers)
+            response = upstream.getresponse()
+            data = response.read()
+        finally:
+            upstream.close()
+        if fault == "flip" and len(data) > 0 and response.status in (200, 206):
+            corrupt = bytearray(data)
+            corrupt[len(corrupt) // 2] ^= 0xFF
+            data = bytes(corrupt)
+        handler.send_response(response.status)
+        for key, value in response.getheaders():
+            if key.lower() not in ("connection", "transfer-encoding", "content-length"):
+                handler.send_header(key, value)
+        handler.send_header("Content-Length", str(len(data)))
+        handler.end_headers()
+        if handler.command == "HEAD":
+            return
+        if fault in ("truncate", "reset_mid_body") and len(data) > 1 and response.status in (200, 206):
+            handler.wfile.write(data[: len(data) // 2])
+            handler.wfile.flush()
+            if fault == "reset_mid_body":
+                return self._reset(handler)
+            handler.close_connection = True  # an orderly close: the client sees a short body
+            return
+        handler.wfile.write(data)
+
+    @staticmethod
+    def _reset(handler: BaseHTTPRequestHandler) -> None:
+        # SO_LINGER 0: close sends RST, as a dropped connection does.
+        handler.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        handler.close_connection = True
+        handler.connection.close()
+
+    def close(self) -> None:
+        """Stop serving, drop open client connections and wait for every proxy thread."""
+        self.server.shutdown()
+        with self._lock:
+            connections = list(self._connections)
+        for connection in connections:
+            try:
+                connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # already closed by the other side
+        self.server.server_close()
+        self.thread.join()

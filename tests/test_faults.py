@@ -1,0 +1,126 @@
+"""Storage that misbehaves: resets, 5xx, slow-down, delays, short reads and flipped bytes.
+
+A fault-injecting proxy sits between the client and SeaweedFS. Every epoch must yield
+exactly the samples of a clean run, byte for byte, and never a corrupt one.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+import uuid
+from collections import Counter
+
+import pytest
+from torch.utils.data import DataLoader
+
+from remote_loader import CorruptSampleError, DatasetReader, FetchConfig, RemoteDataset, StorageConfig, make_client, upload_cv_dataset
+from remote_loader.synthetic import SyntheticImages
+from tests.faultproxy import FAULTS, FaultProxy
+
+FAULTY_FETCH = FetchConfig(part_size=64 * 1024, concurrency=4, max_attempts=10, backoff=0.001)
+
+
+@pytest.fixture(scope="module")
+def clean(seaweed):
+    client = seaweed.client()
+    client.create_bucket("fault-tests")
+    upload_cv_dataset(SyntheticImages(2000, size=(48, 36)), client=client, bucket="fault-tests", base_folder="d",
+                      maxcount=100, workers=2, progress=False)
+    samples = Counter((s["__key__"], bytes(s["jpg"]), bytes(s["cls"])) for s in RemoteDataset(client, "fault-tests", "d"))
+    yield samples
+    client.close()
+
+
+def through(proxy, seaweed, backend):
+    config = StorageConfig(endpoint_url=proxy.endpoint_url, access_key=seaweed.access_key, secret_key=seaweed.secret_key,
+                           max_attempts=3, read_timeout=10)
+    return make_client(config=config, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["boto3", "minio"])
+def test_epoch_through_faults_equals_a_clean_epoch(seaweed, clean, backend):
+    proxy = FaultProxy(seaweed.endpoint_url, {kind: 0.05 for kind in FAULTS}, seed=11)
+    try:
+        dataset = RemoteDataset(through(proxy, seaweed, backend), "fault-tests", "d", fetch=FAULTY_FETCH)
+        got = Counter((s["__key__"], bytes(s["jpg"]), bytes(s["cls"])) for s in dataset)
+    finally:
+        proxy.close()
+    assert got == clean
+    assert set(proxy.injected) == set(FAULTS), proxy.injected
+    assert dataset.metrics.retries > 0
+    print(f"\n{backend}: {proxy.requests} requests, injected {dict(proxy.injected)}, "
+          f"loader retries {dataset.metrics.retries}")
+
+
+def test_flipped_sample_is_refetched_or_skipped(seaweed, clean):
+    # Flip only sample-range GETs after the first attempt of each: refetching heals them.
+    proxy = FaultProxy(seaweed.endpoint_url, {"flip": 0.3}, seed=5)
+    try:
+        dataset = RemoteDataset(through(proxy, seaweed, "boto3"), "fault-tests", "d",
+                                fetch=FetchConfig(part_size=64 * 1024, max_attempts=10, backoff=0.0))
+        got = Counter((s["__key__"], bytes(s["jpg"]), bytes(s["cls"])) for s in dataset)
+    finally:
+        proxy.close()
+    assert got == clean and proxy.injected["flip"] > 0
+
+
+@pytest.fixture
+def rotten(seaweed):
+    """A dataset whose stored bytes of one sample are damaged: no refetch can heal them."""
+    client = seaweed.client()
+    bucket = f"rotten-{uuid.uuid4().hex[:12]}"
+    client.create_bucket(bucket)
+    upload_cv_dataset(SyntheticImages(60, size=(48, 36)), client=client, bucket=bucket, base_folder="d",
+                      maxcount=20, workers=0, progress=False)
+    reader = DatasetReader(client, bucket, "d")
+    entry = reader.manifest.shards[1]
+    index = reader.read_index(entry)
+    _, offset, size, _ = index.members(5)[0]
+    data = bytearray(client.get(bucket, f"d/{entry.name}"))
+    data[offset + size // 2] ^= 0x01
+    client.put(bucket, f"d/{entry.name}", bytes(data))
+    yield client, bucket, entry.name, index.keys[5]
+    client.close()
+
+
+def test_bytes_that_stay_corrupt_raise_naming_shard_and_key(rotten):
+    client, bucket, shard, key = rotten
+    dataset = RemoteDataset(client, bucket, "d", fetch=FetchConfig(max_attempts=3, backoff=0.0))
+    with pytest.raises(CorruptSampleError) as info:
+        list(dataset)
+    assert (info.value.name, info.value.key) == (shard, key)
+    assert shard in str(info.value) and key in str(info.value)
+
+
+def test_skip_counts_samples_that_stay_corrupt(rotten):
+    client, bucket, _, key = rotten
+    dataset = RemoteDataset(client, bucket, "d", on_error="skip", fetch=FetchConfig(max_attempts=3, backoff=0.0))
+    keys = [s["__key__"] for s in dataset]
+    assert len(keys) == 59 and key not in keys
+    assert dataset.metrics.skipped == 1 and dataset.metrics.retries == 2
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create 4 worker processes")  # 2 cores here
+def test_two_ranks_four_workers_through_faults_leak_nothing(seaweed, clean):
+    threads_before, fds_before = threading.active_count(), open_fds()
+    proxy = FaultProxy(seaweed.endpoint_url, {kind: 0.05 / len(FAULTS) for kind in FAULTS}, seed=3)
+    client = through(proxy, seaweed, "boto3")
+    got: Counter = Counter()
+    for rank in range(2):
+        dataset = RemoteDataset(client, "fault-tests", "d", rank=rank, world_size=2, equalize=False, fetch=FAULTY_FETCH)
+        loader = DataLoader(dataset.map(lambda s: (s["__key__"], bytes(s["jpg"]), bytes(s["cls"]))),
+                            batch_size=None, num_workers=4)
+        got.update(map(tuple, loader))
+    del loader
+    client.close()
+    proxy.close()  # joins the proxy's connection threads
+    gc.collect()  # DataLoader's iterator joins its queue threads when collected
+    assert got == clean
+    assert threading.active_count() == threads_before, [t.name for t in threading.enumerate()]
+    assert open_fds() == fds_before
