@@ -64,9 +64,10 @@ def run(
     size: int = 224,
     min_size: int | None = None,
     fetch: FetchConfig | None = None,
+    verify: bool = True,
 ) -> BenchResult:
     """Stream ``samples`` samples (default: one epoch) through a DataLoader and time it."""
-    base = RemoteDataset(client, bucket, prefix, fetch=fetch, rank=0, world_size=1)
+    base = RemoteDataset(client, bucket, prefix, fetch=fetch, rank=0, world_size=1, verify=verify)
     manifest = base.reader.manifest
     total = manifest.num_samples if samples is None else min(samples, manifest.num_samples)
     loader = DataLoader(_pipeline(base, decode, size, min_size), batch_size=None, num_workers=workers)

@@ -145,7 +145,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     store, location = _open(args)
-    options = {"samples": args.samples, "workers": args.workers, "size": args.size, "min_size": args.min_size}
+    options = {"samples": args.samples, "workers": args.workers, "size": args.size, "min_size": args.min_size,
+               "verify": not args.no_verify}
     results = [bench.run(store, location.bucket, location.prefix, decode="none", **options)]
     if args.decode != "none":
         results.append(bench.run(store, location.bucket, location.prefix, decode=args.decode, **options))
@@ -212,6 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
                    " JPEG decoding; rrc-plain: the same without it")
     p.add_argument("--size", type=int, default=224, help="crop size for rrc")
     p.add_argument("--min-size", type=int, default=None, help="reduced-size decoding for pil")
+    p.add_argument("--no-verify", action="store_true", help="skip crc32 checks (to measure what they cost)")
     _connection(p)
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_bench)

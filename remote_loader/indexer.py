@@ -9,13 +9,13 @@ the shards; the original objects are never modified.
 from __future__ import annotations
 
 import tarfile
-import zlib
 from functools import partial
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
+from remote_loader.format.checksum import crc32
 from remote_loader.errors import CorruptShard, UploadError
 from remote_loader.format import MANIFEST_NAME, Manifest, ShardEntry, ShardIndex
 from remote_loader.format.index import BLOCK, INDEX_MEMBER
@@ -46,7 +46,7 @@ class _Stream:
             self._buf_start, offset = self.pos, 0
         chunk = memoryview(self._buf)[offset : offset + n]
         self.pos += len(chunk)
-        self.crc = zlib.crc32(chunk, self.crc)
+        self.crc = crc32(chunk, self.crc)
         return chunk
 
     def read(self, n: int) -> bytes:
@@ -67,7 +67,7 @@ class _Stream:
             chunk = self._chunk(n)
             if not chunk:
                 raise CorruptShard(f"{self.name} is truncated: it ends inside a member at byte {self.pos}", name=self.name)
-            crc = zlib.crc32(chunk, crc)
+            crc = crc32(chunk, crc)
             n -= len(chunk)
         return crc
 
@@ -168,7 +168,7 @@ def index_webdataset(
         data = index.encode()
         index_name = name + INDEX_SUFFIX
         store.put(location.bucket, location.key(index_name), data)
-        entries.append(ShardEntry(name, len(index), size, 0, len(data), zlib.crc32(data), crc, index_name))
+        entries.append(ShardEntry(name, len(index), size, 0, len(data), crc32(data), crc, index_name))
         fields.update(index.fields)
         if progress:
             progress(name)

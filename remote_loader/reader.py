@@ -6,11 +6,11 @@ the CLI build on it.
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from remote_loader.format.checksum import crc32
 from remote_loader.errors import CorruptSampleError, CorruptShard, FormatError, ObjectNotFound, TransientStorageError
 from remote_loader.format import MANIFEST_NAME, Manifest, Sample, ShardEntry, ShardIndex, ShardView
 from remote_loader.storage import Location, Store
@@ -90,7 +90,7 @@ class DatasetReader:
 
     def parse_index(self, entry: ShardEntry, data: bytes | memoryview) -> ShardIndex:
         """Check index bytes against the manifest's crc32 (when verifying) and decode them."""
-        if self.verify and zlib.crc32(data) != entry.index_crc:
+        if self.verify and crc32(data) != entry.index_crc:
             raise CorruptShard(f"shard {entry.name}: index fails its crc32 check", name=entry.name)
         return ShardIndex.decode(data, data_end=entry.data_end, name=entry.name)
 
@@ -131,7 +131,7 @@ class DatasetReader:
         data = self.client.get(self.location.bucket, self.location.key(entry.name))
         if len(data) != entry.size:
             report.problems.append(f"size is {len(data)} bytes, manifest says {entry.size}")
-        elif zlib.crc32(data) != entry.crc32:
+        elif crc32(data) != entry.crc32:
             report.problems.append("object fails its crc32 check")
         try:
             view = ShardView(data, self._index_of(entry, memoryview(data)), name=entry.name, verify=True)

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import re
 import struct
-import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 
+from remote_loader.format.checksum import crc32
 from remote_loader.errors import CorruptShard, IndexOutOfBounds
 from remote_loader.format.index import check_version, require, unpack
 from remote_loader.format.shard import ShardSummary
@@ -120,7 +120,7 @@ class Manifest:
             },
             use_bin_type=True,
         )
-        return body + struct.pack("<I", zlib.crc32(body))
+        return body + struct.pack("<I", crc32(body))
 
     @classmethod
     def decode(cls, data: bytes | memoryview, *, name: str | None = None) -> Manifest:
@@ -132,7 +132,7 @@ class Manifest:
             IndexOutOfBounds: A shard entry's index lies outside its object.
         """
         what = "manifest"
-        if len(data) < 5 or struct.unpack("<I", data[-4:])[0] != zlib.crc32(data[:-4]):
+        if len(data) < 5 or struct.unpack("<I", data[-4:])[0] != crc32(data[:-4]):
             raise CorruptShard(f"manifest {name} is truncated or fails its crc32 check", name=name)
         raw = unpack(data[:-4], what=what, name=name)
         if require(raw, "format", str, what=what, name=name) != FORMAT_NAME:

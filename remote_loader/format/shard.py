@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import re
 import tarfile
-import zlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
+from remote_loader.format.checksum import crc32
 from remote_loader.errors import CorruptSampleError, CorruptShard, FormatError
 from remote_loader.format.index import BLOCK, INDEX_MEMBER, ShardIndex, check_field_name
 
@@ -109,7 +109,7 @@ class ShardWriter:
 
     def _emit(self, chunk: bytes | memoryview) -> None:
         self._sink(chunk)
-        self._crc = zlib.crc32(chunk, self._crc)
+        self._crc = crc32(chunk, self._crc)
         self._pos += len(chunk)
 
     def _member(self, name: str, data: bytes | memoryview) -> int:
@@ -134,7 +134,7 @@ class ShardWriter:
             check_field_name(field)
             column = self._fields.setdefault(field, len(self._fields))
             offset = self._member(f"{key}.{field}", data)
-            row.append((column, offset, len(data), zlib.crc32(data)))
+            row.append((column, offset, len(data), crc32(data)))
         self._keys.append(key)
         self._key_bytes += len(key.encode()) + 5
         self._rows.append(row)
@@ -165,7 +165,7 @@ class ShardWriter:
             size=self._pos,
             index_offset=index_offset,
             index_size=len(data),
-            index_crc=zlib.crc32(data),
+            index_crc=crc32(data),
             crc32=self._crc,
         )
 
@@ -218,7 +218,7 @@ class ShardView:
             data = self._buf[offset - self.base : offset - self.base + size]
             if offset < self.base or len(data) != size:
                 raise CorruptShard(f"shard {self.name}: sample {key!r} field {field!r} lies outside the fetched bytes", name=self.name)
-            if self.verify and zlib.crc32(data) != crc:
+            if self.verify and crc32(data) != crc:
                 raise CorruptSampleError(
                     f"shard {self.name}: sample {key!r} field {field!r} fails its crc32 check",
                     name=self.name,

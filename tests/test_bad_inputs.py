@@ -1,0 +1,150 @@
+"""The catalogue of bad inputs: each gets its own exception type and a one-line message."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+import re
+import struct
+import zlib
+
+import msgpack
+import pytest
+
+from remote_loader import (
+    AccessDenied,
+    BucketNotFound,
+    CorruptShard,
+    DecodeError,
+    IndexOutOfBounds,
+    LocalStore,
+    ObjectNotFound,
+    RemoteDataset,
+    RemoteMapDataset,
+    StorageError,
+    UnsupportedVersion,
+    make_client,
+    upload_cv_dataset,
+)
+from remote_loader.format import MANIFEST_NAME
+from remote_loader.pipeline.decode import decode_sample
+from remote_loader.synthetic import SyntheticImages
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "remote_loader"
+
+
+def one_line(error: BaseException) -> str:
+    message = str(error)
+    assert message and "\n" not in message and "Traceback" not in message
+    return message
+
+
+@pytest.fixture
+def small(s3):
+    client, bucket = s3
+    upload_cv_dataset(SyntheticImages(20, size=(32, 24)), client=client, bucket=bucket, base_folder="ok",
+                      maxcount=10, workers=0, progress=False)
+    return client, bucket
+
+
+def seal(raw: dict) -> bytes:
+    body = msgpack.packb(raw, use_bin_type=True)
+    return body + struct.pack("<I", zlib.crc32(body))
+
+
+def manifest_raw(client, bucket) -> dict:
+    return msgpack.unpackb(client.get(bucket, f"ok/{MANIFEST_NAME}")[:-4])
+
+
+def test_wrong_credentials(seaweed, small):
+    _, bucket = small
+    bad = make_client(seaweed.endpoint_url, seaweed.access_key, "not-the-secret")
+    with pytest.raises(AccessDenied) as info:
+        len(RemoteDataset(bad, bucket, "ok"))
+    assert "not-the-secret" not in one_line(info.value)
+
+
+def test_missing_bucket_and_manifest(small):
+    client, bucket = small
+    with pytest.raises(BucketNotFound) as info:
+        len(RemoteDataset(client, bucket + "-missing", "ok"))
+    one_line(info.value)
+    with pytest.raises(ObjectNotFound, match="no dataset at .*manifest.msgpack is missing"):
+        len(RemoteMapDataset(client, bucket, "nothing-here"))
+
+
+def test_manifest_of_a_newer_version(small):
+    client, bucket = small
+    raw = manifest_raw(client, bucket)
+    raw["version"] = 99
+    client.put(bucket, f"ok/{MANIFEST_NAME}", seal(raw))
+    with pytest.raises(UnsupportedVersion, match="version 99") as info:
+        len(RemoteDataset(client, bucket, "ok"))
+    one_line(info.value)
+
+
+def test_truncated_manifest(small):
+    client, bucket = small
+    data = client.get(bucket, f"ok/{MANIFEST_NAME}")
+    client.put(bucket, f"ok/{MANIFEST_NAME}", data[: len(data) // 2])
+    with pytest.raises(CorruptShard, match="manifest"):
+        len(RemoteDataset(client, bucket, "ok"))
+
+
+def test_index_pointing_outside_the_object(small):
+    client, bucket = small
+    raw = manifest_raw(client, bucket)
+    name, samples, size = raw["shards"][0][:3]
+    raw["shards"][0][3] = size + 100  # index_offset past the end of the shard
+    client.put(bucket, f"ok/{MANIFEST_NAME}", seal(raw))
+    with pytest.raises(IndexOutOfBounds, match=name):
+        len(RemoteMapDataset(client, bucket, "ok"))
+
+
+def test_truncated_index(small):
+    client, bucket = small
+    raw = manifest_raw(client, bucket)
+    raw["shards"][0][4] -= 10  # index_size: the index is cut short, its crc32 no longer matches
+    client.put(bucket, f"ok/{MANIFEST_NAME}", seal(raw))
+    ds = RemoteMapDataset(client, bucket, "ok")
+    with pytest.raises(CorruptShard, match=raw["shards"][0][0]):
+        ds[0]
+
+
+def test_non_image_bytes_at_decode():
+    with pytest.raises(DecodeError, match="field 'jpg' of sample 'k1' in s.tar is not a decodable image"):
+        decode_sample({"__key__": "k1", "__shard__": "s.tar", "jpg": b"<html>not an image</html>"}, "pil")
+    with pytest.raises(DecodeError, match="not an integer class"):
+        decode_sample({"__key__": "k1", "__shard__": "s.tar", "cls": b"cat"}, "pil")
+
+
+def test_local_keys_cannot_escape_their_bucket(tmp_path):
+    store = LocalStore(tmp_path / "root")
+    store.create_bucket("b")
+    (tmp_path / "secret.txt").write_text("outside")
+    os.symlink(tmp_path, tmp_path / "root" / "b" / "link")
+    for key in ["../../secret.txt", "/etc/passwd", "a/../../x", "link/secret.txt", ""]:
+        with pytest.raises(StorageError, match="key"):
+            store.get("b", key)
+        with pytest.raises(StorageError):
+            store.put("b", key, b"x")
+    with pytest.raises(StorageError, match="bucket"):
+        store.get("..", "secret.txt")
+
+
+def test_no_pickle_anywhere_in_the_package():
+    pattern = re.compile(r"^\s*(import pickle|from pickle|import cPickle)|pickle\.loads?\(|allow_pickle=True|torch\.load\(", re.M)
+    offenders = [str(p) for p in PACKAGE.rglob("*.py") if pattern.search(p.read_text())]
+    assert offenders == []
+
+
+def test_secret_never_reaches_the_logs(seaweed, small, caplog):
+    _, bucket = small
+    secret = "LOG-SECRET-4d1e9b7c"
+    caplog.set_level(logging.DEBUG)
+    bad = make_client(seaweed.endpoint_url, seaweed.access_key, secret)
+    with pytest.raises(AccessDenied):
+        bad.get(bucket, "ok/manifest.msgpack")
+    assert caplog.records, "botocore logs at DEBUG: the check must see them"
+    assert secret not in caplog.text
