@@ -15,7 +15,7 @@ from collections import Counter
 import pytest
 from torch.utils.data import DataLoader
 
-from remote_loader import CorruptSampleError, DatasetReader, FetchConfig, RemoteDataset, StorageConfig, make_client, upload_cv_dataset
+from remote_loader import CorruptSampleError, DatasetReader, FetchConfig, RemoteDataset, RemoteMapDataset, StorageConfig, make_client, upload_cv_dataset
 from remote_loader.synthetic import SyntheticImages
 from tests.faultproxy import FAULTS, FaultProxy
 
@@ -124,3 +124,17 @@ def test_two_ranks_four_workers_through_faults_leak_nothing(seaweed, clean):
     assert got == clean
     assert threading.active_count() == threads_before, [t.name for t in threading.enumerate()]
     assert open_fds() == fds_before
+
+
+def test_map_dataset_heals_flipped_bytes(seaweed, clean):
+    proxy = FaultProxy(seaweed.endpoint_url, {"flip": 0.3}, seed=8)
+    try:
+        ds = RemoteMapDataset(through(proxy, seaweed, "boto3"), "fault-tests", "d",
+                              fetch=FetchConfig(max_attempts=10, backoff=0.0))
+        got = Counter()
+        for start in range(0, len(ds), 64):
+            got.update((s["__key__"], s["jpg"], s["cls"]) for s in ds.__getitems__(list(range(start, min(start + 64, len(ds))))))
+        ds.close()
+    finally:
+        proxy.close()
+    assert got == clean and proxy.injected["flip"] > 0 and ds.metrics.retries > 0

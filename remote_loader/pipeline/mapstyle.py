@@ -12,9 +12,10 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from remote_loader.config import FetchConfig
-from remote_loader.errors import ConfigError
+from remote_loader.errors import ConfigError, CorruptSampleError
 from remote_loader.fetch import Metrics, fetch_range
 from remote_loader.format import Sample, ShardIndex, ShardView
+from remote_loader.pipeline.source import fetch_index
 from remote_loader.reader import DatasetReader
 from remote_loader.storage import Store, open_location
 
@@ -104,10 +105,7 @@ class RemoteMapDataset(Dataset):
             if shard in self._indexes:
                 self._indexes.move_to_end(shard)
                 return self._indexes[shard]
-        entry = self.reader.manifest.shards[shard]
-        key, start, end = self.reader.index_range(entry)
-        data = fetch_range(self.reader.client, self.reader.location.bucket, key, start, end, self.fetch, self.metrics)
-        index = self.reader.parse_index(entry, data)
+        index = fetch_index(self.reader, self.reader.manifest.shards[shard], self.fetch, self.metrics)
         with self._lock:
             self._indexes[shard] = index
             while len(self._indexes) > self.cache_shards:
@@ -115,19 +113,24 @@ class RemoteMapDataset(Dataset):
         return index
 
     def _fetch_run(self, shard: int, positions: list[int]) -> list[Sample]:
-        """One GET covering samples ``positions`` (sorted) of one shard."""
+        """One GET covering samples ``positions`` (sorted) of one shard; fetched again if its
+        bytes fail their checksums, up to ``fetch.max_attempts``."""
         index = self._index(shard)
         entry = self.reader.manifest.shards[shard]
         start, end = index.start(positions[0], positions[-1] + 1), index.extent(positions[0], positions[-1] + 1)
         key = self.reader.location.key(entry.name)
-        data = fetch_range(self.reader.client, self.reader.location.bucket, key, start, end, self.fetch, self.metrics)
-        view = ShardView(data, index, name=entry.name, verify=self.reader.verify, base=start,
-                         first=positions[0], stop=positions[-1] + 1)
-        samples = []
-        for j in positions:
-            sample = view.sample(j)
-            samples.append({k: bytes(v) if isinstance(v, memoryview) else v for k, v in sample.items()})
-        return samples
+        for attempt in range(1, self.fetch.max_attempts + 1):
+            data = fetch_range(self.reader.client, self.reader.location.bucket, key, start, end, self.fetch, self.metrics)
+            view = ShardView(data, index, name=entry.name, verify=self.reader.verify, base=start,
+                             first=positions[0], stop=positions[-1] + 1)
+            try:
+                return [{k: bytes(v) if isinstance(v, memoryview) else v for k, v in view.sample(j).items()}
+                        for j in positions]
+            except CorruptSampleError:
+                if attempt == self.fetch.max_attempts:
+                    raise
+                self.metrics.add(retries=1)
+        raise AssertionError("unreachable")
 
     def _runs(self, located: list[tuple[int, int]]) -> list[tuple[int, list[int]]]:
         """Group sample positions into runs of one shard whose byte ranges lie within ``merge_gap``."""

@@ -11,27 +11,29 @@ import numpy as np
 from remote_loader.config import FetchConfig
 from remote_loader.errors import CorruptSampleError, CorruptShard
 from remote_loader.fetch import Fetched, Job, Metrics, Prefetcher, fetch_range
-from remote_loader.format import Sample, ShardEntry, ShardView
+from remote_loader.format import Sample, ShardEntry, ShardIndex, ShardView
 from remote_loader.indexer import scan_tar
 from remote_loader.pipeline.split import Span
 from remote_loader.reader import DatasetReader
 
 
-def _locate(reader: DatasetReader, entry: ShardEntry, span: Span, config: FetchConfig, metrics: Metrics) -> tuple[int, int, Any]:
-    """Fetch the shard's index (one ranged GET) and return the byte range of the span's samples.
-
-    Index bytes that fail their checksum are fetched again, up to ``config.max_attempts``.
-    """
+def fetch_index(reader: DatasetReader, entry: ShardEntry, config: FetchConfig, metrics: Metrics) -> ShardIndex:
+    """Fetch a shard's index with one ranged GET; again if its bytes fail their checksum."""
     key, start, end = reader.index_range(entry)
     for attempt in range(1, config.max_attempts + 1):
         data = fetch_range(reader.client, reader.location.bucket, key, start, end, config, metrics)
         try:
-            index = reader.parse_index(entry, data)
-            break
+            return reader.parse_index(entry, data)
         except CorruptShard:
             if attempt == config.max_attempts:
                 raise
             metrics.add(retries=1)
+    raise AssertionError("unreachable")
+
+
+def _locate(reader: DatasetReader, entry: ShardEntry, span: Span, config: FetchConfig, metrics: Metrics) -> tuple[int, int, Any]:
+    """Fetch the shard's index and return the byte range of the span's samples."""
+    index = fetch_index(reader, entry, config, metrics)
     return index.start(span.start, span.end), index.extent(span.start, span.end), (entry, span, index)
 
 
