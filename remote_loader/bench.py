@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
+from collections.abc import Callable
 from typing import Any
 
 from torch.utils.data import DataLoader
@@ -65,8 +66,12 @@ def run(
     min_size: int | None = None,
     fetch: FetchConfig | None = None,
     verify: bool = True,
+    progress: Callable[[int], None] | None = None,
 ) -> BenchResult:
-    """Stream ``samples`` samples (default: one epoch) through a DataLoader and time it."""
+    """Stream ``samples`` samples (default: one epoch) through a DataLoader and time it.
+
+    ``progress(n)`` is called with the number of samples each item brought.
+    """
     base = RemoteDataset(client, bucket, prefix, fetch=fetch, rank=0, world_size=1, verify=verify)
     manifest = base.reader.manifest
     total = manifest.num_samples if samples is None else min(samples, manifest.num_samples)
@@ -75,7 +80,10 @@ def run(
     first = 0.0
     count = 0
     for item in loader:
-        count += len(item[1]) if decode.startswith("rrc") else 1
+        brought = len(item[1]) if decode.startswith("rrc") else 1
+        count += brought
+        if progress is not None:
+            progress(brought)
         if not first:
             first = time.perf_counter() - started
         if count >= total:

@@ -147,9 +147,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     store, location = _open(args)
     options = {"samples": args.samples, "workers": args.workers, "size": args.size, "min_size": args.min_size,
                "verify": not args.no_verify}
-    results = [bench.run(store, location.bucket, location.prefix, decode="none", **options)]
-    if args.decode != "none":
-        results.append(bench.run(store, location.bucket, location.prefix, decode=args.decode, **options))
+    manifest = DatasetReader(store, location.bucket, location.prefix).manifest
+    total = manifest.num_samples if args.samples is None else min(args.samples, manifest.num_samples)
+    results = []
+    for decode in dict.fromkeys(("none", args.decode)):
+        with tqdm(total=total, unit="sample", desc=f"bench {decode}", disable=args.quiet or args.json) as bar:
+            results.append(bench.run(store, location.bucket, location.prefix, decode=decode, progress=bar.update,
+                                     **options))
     summary = bench.verdict(results[0], results[1] if len(results) > 1 else None)
     data = {"url": str(location), "workers": args.workers, "runs": [r.as_dict() for r in results], "verdict": summary}
     _emit(args, data, "\n".join([*map(str, results), summary]))
@@ -216,6 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-verify", action="store_true", help="skip crc32 checks (to measure what they cost)")
     _connection(p)
     p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("serve", help="run an embedded S3 server (SeaweedFS) on 127.0.0.1")

@@ -110,3 +110,6 @@ def test_bench_reports_rates_and_a_verdict(env, s3):
     assert none["decode"] == "none" and none["samples"] == 40 and rrc["samples"] == 40
     assert none["samples_per_s"] > 0 and rrc["first_sample_seconds"] > 0
     assert report["verdict"].startswith(("decoding limits", "storage limits"))
+    shown = run(env, "bench", f"s3://{bucket}/b", "--samples", "20", "--workers", "0")
+    assert "bench none" in shown.stderr and "20/20" in shown.stderr and "samples/s" in shown.stdout
+    assert run(env, "bench", f"s3://{bucket}/b", "--samples", "20", "--workers", "0", "--quiet").stderr == ""
