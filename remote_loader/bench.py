@@ -66,7 +66,7 @@ def run(
     min_size: int | None = None,
     fetch: FetchConfig | None = None,
     verify: bool = True,
-    progress: Callable[[int], None] | None = None,
+    progress: Callable[[int], object] | None = None,
 ) -> BenchResult:
     """Stream ``samples`` samples (default: one epoch) through a DataLoader and time it.
 
