@@ -11,7 +11,7 @@ import pytest
 
 from remote_loader import LocalStore, Store, make_client
 from remote_loader.server import EmbeddedS3
-from tests.servers import MotoServer, S3Target, external_target
+from tests.servers import LocalBucketServer, MotoServer, S3Target, external_target
 
 _counter = itertools.count()
 
@@ -32,6 +32,13 @@ def seaweed_target(seaweed: EmbeddedS3) -> S3Target:
 @pytest.fixture(scope="session")
 def moto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoServer]:
     server = MotoServer(tmp_path_factory.mktemp("moto"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def localbucket(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalBucketServer]:
+    server = LocalBucketServer(tmp_path_factory.mktemp("localbucket"))
     yield server
     server.stop()
 

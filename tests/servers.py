@@ -52,24 +52,27 @@ def wait_http(url: str, process: subprocess.Popen[bytes], timeout: float = 60.0)
     raise RuntimeError(f"server did not answer {url} within {timeout} s")
 
 
-class MotoServer:
-    """moto's S3 server on a free loopback port, stopped by its PID."""
+class ProcessServer:
+    """An S3 server process on a free loopback port, stopped by its PID."""
+
+    name = ""
+    access_key, secret_key, checks_signatures = "key", "secret", False
 
     def __init__(self, log_dir: Path) -> None:
-        self.port = free_port()
-        self.log = (log_dir / "moto.log").open("ab")
-        moto = Path(sys.executable).with_name("moto_server")
+        self.port, self.log_dir = free_port(), log_dir
+        self.log = (log_dir / f"{self.name}.log").open("ab")
         self.process = subprocess.Popen(
-            [str(moto), "-H", "127.0.0.1", "-p", str(self.port)],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
+            self.command(), stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
         )
         wait_http(f"http://127.0.0.1:{self.port}/", self.process)
 
+    def command(self) -> list[str]:
+        raise NotImplementedError
+
     @property
     def target(self) -> S3Target:
-        return S3Target("moto", f"http://127.0.0.1:{self.port}", "moto-key", "moto-secret", checks_signatures=False)
+        return S3Target(self.name, f"http://127.0.0.1:{self.port}", self.access_key, self.secret_key,
+                        checks_signatures=self.checks_signatures)
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -80,6 +83,27 @@ class MotoServer:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()
         self.log.close()
+
+
+class MotoServer(ProcessServer):
+    """moto's S3 server."""
+
+    name, access_key, secret_key = "moto", "moto-key", "moto-secret"
+
+    def command(self) -> list[str]:
+        return [str(Path(sys.executable).with_name("moto_server")), "-H", "127.0.0.1", "-p", str(self.port)]
+
+
+class LocalBucketServer(ProcessServer):
+    """localbucket, a minimal S3 server (no multipart-upload listing, no signature checks)."""
+
+    name = "localbucket"
+
+    def command(self) -> list[str]:
+        data = self.log_dir / "data"
+        data.mkdir(exist_ok=True)
+        return [str(Path(sys.executable).with_name("localbucket")), "--host", "127.0.0.1", "--port", str(self.port),
+                str(data)]
 
 
 def external_target() -> S3Target | None:

@@ -279,6 +279,8 @@ def error_for(
         )
     if code == "InvalidRange" or status == 416:
         return InvalidRange(f"{where}: requested range lies outside the object ({operation})", **args)
+    if code == "NotImplemented" or status == 501:
+        return StorageError(f"{where}: the store does not implement {operation}", **args)
     if code in _TRANSIENT_CODES or (status is not None and status >= 500):
         return TransientStorageError(f"{where}: store answered {code or status} ({operation}); retry later", **args)
     return StorageError(f"{where}: {operation} failed with {code or status}", **args)

@@ -8,6 +8,7 @@ arguments keeps the finished tasks' shards and writes the rest.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import queue
@@ -22,13 +23,15 @@ import msgpack
 import numpy as np
 from tqdm import tqdm
 
-from remote_loader.errors import ConfigError, ObjectNotFound, UploadError
+from remote_loader.errors import ConfigError, ObjectNotFound, StorageError, UploadError
 from remote_loader.format import MANIFEST_NAME, Manifest, ShardEntry
 from remote_loader.format.index import unpack
 from remote_loader.format.shard import member_bytes
 from remote_loader.storage import DEFAULT_PART_SIZE, Location, Store
 from remote_loader.upload import tasks
 from remote_loader.upload.encode import EncodeOptions, encode_item
+
+log = logging.getLogger(__name__)
 from remote_loader.upload.tasks import STATE_DIR, TaskResult, TaskSpec, write_task
 
 _STATE = f"{STATE_DIR}/state.msgpack"
@@ -281,7 +284,12 @@ def upload_cv_dataset(
         _clear_state(client, location, shards_too=True)
         task_size = _plan_task_size(ds, order, options, int(maxsize), int(maxcount))
         client.put(bucket, location.key(_STATE), msgpack.packb({"params": params, "task_size": task_size}))
-    client.abort_uploads(bucket, location.key(""))
+    try:
+        client.abort_uploads(bucket, location.key(""))
+    except StorageError as exc:
+        if exc.code != "NotImplemented":
+            raise
+        log.debug("%s cannot list multipart uploads; unfinished uploads of earlier runs stay", bucket)
 
     num_tasks = -(-num // task_size)
     kept = _kept_results(client, location, num_tasks)

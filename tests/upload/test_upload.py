@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from remote_loader import ConfigError, DatasetReader, UploadError, upload_cv_dataset
+from remote_loader import ConfigError, DatasetReader, UploadError, make_client, upload_cv_dataset
 from remote_loader.format import INDEX_MEMBER
 from remote_loader.synthetic import SyntheticImages
 from tests.helpers import FlakyImages
@@ -228,3 +228,15 @@ def test_workers_zero_encodes_in_this_process(s3):
     upload_cv_dataset(ds, client=client, bucket=bucket, base_folder="inline", maxcount=10, workers=0, progress=False)
     # 16 items read while planning the task size, then all 25 while writing, all here.
     assert len(ds.readers) == 16 + 25 and set(ds.readers) == {os.getpid()}
+
+
+def test_round_trip_on_a_store_without_multipart_listing(localbucket):
+    """localbucket answers NotImplemented to ListMultipartUploads: the upload goes on and reads back exactly."""
+    target = localbucket.target
+    client = make_client(target.endpoint_url, target.access_key, target.secret_key)
+    client.create_bucket("plain")
+    ds = SyntheticImages(30, size=(48, 32))
+    upload_cv_dataset(ds, client=client, bucket="plain", base_folder="ds", maxcount=8, workers=0, progress=False)
+    stored = sorted(bytes(s["jpg"]) for s in DatasetReader(client, "plain", "ds"))
+    assert stored == sorted(ds[i][0] for i in range(len(ds)))
+    client.close()
