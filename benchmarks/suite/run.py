@@ -1,0 +1,188 @@
+"""The benchmark suite: remote_loader against WebDataset, MosaicML Streaming and LitData.
+
+    make bench                                   # everything, default settings
+    python benchmarks/suite/run.py --images 1000 --repeats 3 --servers localbucket
+    python benchmarks/suite/run.py --endpoint http://127.0.0.1:9000   # any S3 server (AWS_* credentials)
+
+Builds the JPEG dataset (``data.py``), converts it with each system's own writer (E),
+then measures each system on each server, ``--repeats`` times in alternation, each run a
+fresh process: A (bytes only, one shuffled epoch, 2 workers), B (plain decode + augment,
+batches of 64) and remote_loader's fused path, C (time to first batch), D (peak RSS of
+the process tree, sampled every 50 ms). It also measures this machine's limits (GET
+throughput, Pillow decode + augment from local files) and remote_loader's scaling.
+Writes ``results.json``, ``results.md`` and ``results.png`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import data  # noqa: E402
+import limits  # noqa: E402
+import report  # noqa: E402
+import scaling  # noqa: E402
+import servers  # noqa: E402
+from systems import SYSTEMS, Target  # noqa: E402
+
+SCENARIOS = ("A", "B", "B-fused")
+
+
+def child_env(target: Target) -> dict[str, str]:
+    return {**os.environ, "BENCH_ENDPOINT": target.endpoint, "BENCH_BUCKET": target.bucket,
+            "BENCH_ACCESS_KEY": target.access_key, "BENCH_SECRET_KEY": target.secret_key,
+            "LITDATA_DISABLE_VERSION_CHECK": "1", "OMP_NUM_THREADS": "1"}
+
+
+def tree_rss(pid: int) -> int:
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        processes = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0
+    total = 0
+    for process in processes:
+        try:
+            total += process.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def measure(args: list[str], target: Target, timeout: float = 1800,
+            extra_env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run ``measure.py args`` and return its JSON, plus the peak RSS of its process tree."""
+    command = [sys.executable, str(HERE / "measure.py"), *args]
+    process = subprocess.Popen(command, env={**child_env(target), **(extra_env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    peak = 0
+    deadline = time.monotonic() + timeout
+    while process.poll() is None:  # sampling memory, not synchronising
+        peak = max(peak, tree_rss(process.pid))
+        if time.monotonic() > deadline:
+            process.kill()
+        time.sleep(0.05)
+    stdout, stderr = process.communicate()
+    if process.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)} failed ({process.returncode}):\n{stderr[-3000:]}")
+    result = json.loads(stdout.strip().splitlines()[-1])
+    result["peak_rss_mb"] = peak / 1e6
+    return result
+
+
+def median(runs: list[dict[str, Any]], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {"runs": runs}
+    if "samples" in runs[0]:
+        out["samples_per_s"] = statistics.median(r["samples"] / r["seconds"] for r in runs)
+        out["first_batch_seconds"] = median(runs, "first_batch_seconds")
+    out["seconds"] = median(runs, "seconds")
+    out["peak_rss_mb"] = median(runs, "peak_rss_mb")
+    return out
+
+
+def bench_server(name: str, target: Target, items_file: Path, images: int, args: argparse.Namespace) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    writes: dict[str, list[dict[str, Any]]] = {s: [] for s in args.systems}
+    for repeat in range(args.repeats):  # E: conversion + upload, systems alternating
+        for system in args.systems:
+            run = measure(["write", system, f"{system}-{repeat}", str(items_file)], target)
+            run["samples"] = images
+            writes[system].append(run)
+            print(f"  [{name}] E {system} #{repeat}: {run['seconds']:.1f} s", flush=True)
+    epochs: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for repeat in range(args.repeats):
+        for scenario in SCENARIOS:
+            for system in args.systems:
+                if scenario == "B-fused" and system != "remote_loader":
+                    continue
+                run = measure(["epoch", system, f"{system}-{args.repeats - 1}", scenario, str(args.workers)], target)
+                if run["samples"] != images:
+                    raise RuntimeError(f"{system} {scenario} delivered {run['samples']} of {images} samples")
+                epochs.setdefault((system, scenario), []).append(run)
+                print(f"  [{name}] {scenario} {system} #{repeat}: {run['samples'] / run['seconds']:,.0f} samples/s,"
+                      f" first batch {run['first_batch_seconds']:.2f} s, peak RSS {run['peak_rss_mb']:,.0f} MB",
+                      flush=True)
+    for system in args.systems:
+        results[system] = {"E": {"seconds": median(writes[system], "seconds"), "runs": writes[system]}}
+        for scenario in SCENARIOS:
+            if (system, scenario) in epochs:
+                results[system][scenario] = summarize(epochs[(system, scenario)])
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--images", type=int, default=4000, help="dataset size (mean ~110 KB per JPEG)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--workers", type=int, default=2, help="DataLoader workers")
+    parser.add_argument("--servers", nargs="+", default=["seaweedfs", "localbucket"],
+                        choices=["seaweedfs", "localbucket"])
+    parser.add_argument("--endpoint", help="measure on this S3 endpoint instead (credentials from AWS_*)")
+    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    parser.add_argument("--no-scaling", action="store_true", help="skip remote_loader's scaling runs")
+    parser.add_argument("--no-limits", action="store_true", help="skip the machine-limit measurements")
+    parser.add_argument("--data", type=Path, default=Path(tempfile.gettempdir()) / "remote-loader-bench-data")
+    parser.add_argument("--out", type=Path, default=HERE.parent / "results")
+    args = parser.parse_args()
+
+    print(f"building {args.images} JPEGs in {args.data} ...", flush=True)
+    items = [(str(path), label) for path, label in data.build(args.data / str(args.images), args.images)]
+    mean_kb = statistics.mean(Path(p).stat().st_size for p, _ in items) / 1e3
+    results: dict[str, Any] = {
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
+        "settings": {"images": args.images, "mean_kb": round(mean_kb, 1), "repeats": args.repeats,
+                     "workers": args.workers, "batch": 64, "shard_mb": 64, "shuffle_buffer": 1000},
+        "versions": report.versions(),
+        "servers": {},
+    }
+    chosen = {"endpoint": lambda: servers.external(args.endpoint)} if args.endpoint else {
+        "seaweedfs": servers.seaweedfs, "localbucket": servers.localbucket}
+    with tempfile.TemporaryDirectory() as tmp:
+        items_file = Path(tmp) / "items.json"
+        items_file.write_text(json.dumps(items))
+        scaled = False  # scaling runs on the first server only
+        for name, start in chosen.items():
+            if not args.endpoint and name not in args.servers:
+                continue
+            print(f"server {name}", flush=True)
+            with start() as (target, pid):
+                server: dict[str, Any] = {"systems": bench_server(name, target, items_file, len(items), args)}
+                if not args.no_limits:
+                    server["get_limits"] = limits.get_throughput(target, "remote_loader-0", mean_kb * 1e3)
+                    print(f"  [{name}] GET limits: {server['get_limits']}", flush=True)
+                if not args.no_scaling and "remote_loader" in args.systems and not scaled:
+                    server["scaling"] = scaling.run(target, str(items_file), measure, args.repeats,
+                                                    f"remote_loader-{args.repeats - 1}")
+                    scaled = True
+            results["servers"][name] = server
+    if not args.no_limits:
+        results["decode_limits"] = limits.decode_throughput([p for p, _ in items[:1000]])
+        print(f"decode limits: {results['decode_limits']}", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps(results, indent=1, default=float))
+    table = report.markdown(results)
+    (args.out / "results.md").write_text(table)
+    report.chart(results, args.out / "results.png")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
