@@ -118,18 +118,22 @@ class FetchConfig:
         prefetch_bytes: Bound on bytes being fetched or fetched and not yet opened by the
             reader. A single range larger than this is still fetched, alone. A worker's
             memory for shard data is at most this plus the ``open_shards`` ranges it reads.
+        range_bytes: Largest range read from one shard at a time: a worker's part of a
+            shard is read as consecutive ranges of about this size (whole samples), so
+            memory does not grow with the shard size.
         max_attempts: Attempts per GET for transient faults (reset, 5xx, slow-down, short read).
         backoff: Base seconds of the exponential backoff between attempts (with full jitter).
     """
 
     part_size: int = 8 * 1024 * 1024
     concurrency: int = 8
-    prefetch_bytes: int = 256 * 1024 * 1024
+    prefetch_bytes: int = 128 * 1024 * 1024
+    range_bytes: int = 32 * 1024 * 1024
     max_attempts: int = 5
     backoff: float = 0.05
 
     def __post_init__(self) -> None:
-        if self.part_size < 1 or self.concurrency < 1 or self.prefetch_bytes < 1:
-            raise ConfigError("part_size, concurrency and prefetch_bytes must be positive")
+        if self.part_size < 1 or self.concurrency < 1 or self.prefetch_bytes < 1 or self.range_bytes < 1:
+            raise ConfigError("part_size, concurrency, prefetch_bytes and range_bytes must be positive")
         if self.max_attempts < 1 or self.backoff < 0:
             raise ConfigError("max_attempts must be >= 1 and backoff >= 0")

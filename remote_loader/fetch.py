@@ -6,12 +6,15 @@ background thread, the byte range to fetch; the pipeline supplies that callable.
 
 from __future__ import annotations
 
+import bisect
+import heapq
+import mmap
 import random
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -98,32 +101,66 @@ class Job:
 
 @dataclass
 class Fetched:
-    """A fetched range: ``buffer`` holds bytes ``[start, end)`` of ``key``."""
+    """A range being fetched: ``buffer`` receives bytes ``[start, end)`` of ``key`` part by part.
+
+    The consumer may read a prefix of the range as soon as it has arrived: ``wait(upto)``
+    blocks until bytes ``[start, upto)`` are in ``buffer`` (all of them by default) and
+    raises the error of a part it needed that failed.
+    """
 
     key: str
     start: int
     end: int
     context: Any
-    buffer: bytearray = field(repr=False)
+    buffer: bytearray | mmap.mmap = field(repr=False)
+    bounds: list[int] = field(default_factory=list, repr=False)  # where each part starts
+    parts: list[threading.Event] = field(default_factory=list, repr=False)
+    errors: list[BaseException | None] = field(default_factory=list, repr=False)
+    _ready: int = 0  # leading parts known to have arrived whole
+
+    def wait(self, upto: int | None = None) -> None:
+        """Block until bytes ``[start, upto)`` have arrived; raise if a part among them failed."""
+        end = self.end if upto is None else min(upto, self.end)
+        if end <= self.start:
+            return
+        last = bisect.bisect_right(self.bounds, end - 1) - 1
+        while self._ready <= last:
+            self.parts[self._ready].wait()
+            error = self.errors[self._ready]
+            if error is not None:
+                raise error
+            self._ready += 1
+
+
+_LOCATE_AHEAD = 4  # ranges located (index GETs) ahead of the one being queued
+_FIRST_PART = 1 << 20  # the first part of a range is small: its samples are needed first
+
+
+def _buffer(size: int) -> bytearray | mmap.mmap:
+    """A zeroed buffer; large ones are anonymous maps, whose pages are only touched as parts arrive
+    (a bytearray would write the whole range first) and go back to the system when it is freed."""
+    return mmap.mmap(-1, size) if size >= mmap.PAGESIZE else bytearray(size)
 
 
 class _Slot:
     def __init__(self, job: Job) -> None:
         self.job = job
-        self.done = threading.Event()
+        self.located = threading.Event()
         self.error: BaseException | None = None
         self.fetched: Fetched | None = None
-        self.parts_left = 0
-        self.lock = threading.Lock()
 
 
 class Prefetcher:
     """Fetch ``jobs`` in order, ahead of the consumer, within ``config.prefetch_bytes``.
 
-    Iterate to get ``Fetched`` ranges in job order. The budget bounds the bytes being
-    fetched or fetched and not yet handed out; a range leaves it when the iterator hands
-    it to the consumer, who then owns that memory. ``close()`` (also on leaving a ``with``
-    block, or when an iteration ends or is abandoned) stops the threads.
+    Iterate to get ``Fetched`` ranges in job order, each as soon as its GETs are under
+    way: the consumer reads its parts as they arrive (``Fetched.wait``). Parts are fetched
+    by ``config.concurrency`` threads, lowest part number first across ranges (the head of
+    every range before the tail of any), since the consumer reads several ranges at once.
+    The budget bounds the bytes of ranges not yet handed out; a range leaves it when the
+    iterator hands it to the consumer, who then owns that memory. ``close()`` (also on
+    leaving a ``with`` block, or when an iteration is abandoned) stops the threads; an
+    iteration that ends leaves the parts of handed ranges arriving until ``close()``.
     """
 
     def __init__(self, store: Store, bucket: str, jobs: Iterable[Job], config: FetchConfig, metrics: Metrics) -> None:
@@ -133,7 +170,12 @@ class Prefetcher:
         self._cond = threading.Condition()
         self._held = 0
         self._closed = False
-        self._pool = ThreadPoolExecutor(config.concurrency, thread_name_prefix="remote-loader-get")
+        self._parts: list[tuple[int, int, int, int, Fetched]] = []  # heap: (part number, seq, start, end, range)
+        self._seq = 0
+        self._getters = [threading.Thread(target=self._get, name=f"remote-loader-get-{i}", daemon=True)
+                         for i in range(config.concurrency)]
+        for getter in self._getters:
+            getter.start()
         self._scheduler = threading.Thread(target=self._schedule, name="remote-loader-prefetch", daemon=True)
         self._scheduler.start()
 
@@ -154,45 +196,68 @@ class Prefetcher:
             self._cond.notify_all()
 
     def _schedule(self) -> None:
-        for job in self._jobs:
-            slot = _Slot(job)
-            with self._cond:
-                if self._closed:
+        # Indexes are located a few jobs ahead, in parallel: the consumer opens several ranges at once.
+        with ThreadPoolExecutor(_LOCATE_AHEAD, thread_name_prefix="remote-loader-locate") as locators:
+            pending: deque[tuple[_Slot, Future[tuple[int, int, Any]]]] = deque()
+            jobs = iter(self._jobs)
+            while True:
+                while len(pending) < _LOCATE_AHEAD and not self._closed:
+                    job = next(jobs, None)
+                    if job is None:
+                        break
+                    slot = _Slot(job)
+                    pending.append((slot, locators.submit(job.locate)))
+                    with self._cond:
+                        self._slots.append(slot)
+                        self._cond.notify_all()
+                if not pending or self._closed:
+                    break
+                slot, located = pending.popleft()
+                try:
+                    start, end, context = located.result()
+                except BaseException as exc:  # handed to the consumer, in order
+                    slot.error = exc
+                    slot.located.set()
                     return
-                self._slots.append(slot)
-                self._cond.notify_all()
-            try:
-                start, end, context = job.locate()
-            except BaseException as exc:  # handed to the consumer, in order
-                slot.error = exc
-                slot.done.set()
-                return
-            if not self._reserve(end - start):
-                return
-            slot.fetched = Fetched(job.key, start, end, context, bytearray(end - start))
-            parts = range(start, end, self.config.part_size)
-            slot.parts_left = len(parts)
-            if not parts:
-                slot.done.set()
-            for part in parts:
-                self._pool.submit(self._fetch_part, slot, part, min(part + self.config.part_size, end))
+                if not self._reserve(end - start):
+                    return
+                self._submit(slot, start, end, context)
         with self._cond:
             self._slots.append(None)
             self._cond.notify_all()
 
-    def _fetch_part(self, slot: _Slot, start: int, end: int) -> None:
-        fetched = slot.fetched
-        assert fetched is not None
+    def _submit(self, slot: _Slot, start: int, end: int, context: Any) -> None:
+        """Queue the parts of a located range: a small first part, so its first samples come early."""
+        bounds = [start, *range(start + min(_FIRST_PART, self.config.part_size), end, self.config.part_size)]
+        bounds = [b for b in bounds if b < end]
+        fetched = Fetched(slot.job.key, start, end, context, _buffer(end - start), bounds,
+                          [threading.Event() for _ in bounds], [None] * len(bounds))
+        slot.fetched = fetched
+        slot.located.set()
+        with self._cond:
+            for number, (part, stop) in enumerate(zip(bounds, [*bounds[1:], end])):
+                heapq.heappush(self._parts, (number, self._seq, part, stop, fetched))
+                self._seq += 1
+            self._cond.notify_all()
+
+    def _get(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and not self._parts:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                number, _, start, end, fetched = heapq.heappop(self._parts)
+            self._fetch_part(fetched, number, start, end)
+
+    def _fetch_part(self, fetched: Fetched, number: int, start: int, end: int) -> None:
         try:
-            if slot.error is None:
-                data = fetch_range(self.store, self.bucket, fetched.key, start, end, self.config, self.metrics)
-                fetched.buffer[start - fetched.start : end - fetched.start] = data
+            data = fetch_range(self.store, self.bucket, fetched.key, start, end, self.config, self.metrics)
+            fetched.buffer[start - fetched.start : end - fetched.start] = data
         except BaseException as exc:
-            slot.error = exc
-        with slot.lock:
-            slot.parts_left -= 1
-            if slot.parts_left == 0:
-                slot.done.set()
+            fetched.errors[number] = exc
+        finally:
+            fetched.parts[number].set()
 
     def __iter__(self) -> Iterator[Fetched]:
         try:
@@ -204,7 +269,7 @@ class Prefetcher:
                 if slot is None:
                     return
                 waited = time.perf_counter()
-                slot.done.wait()
+                slot.located.wait()
                 self.metrics.add(wait_seconds=time.perf_counter() - waited)
                 if slot.fetched is not None:
                     self._release(slot.fetched.end - slot.fetched.start)
@@ -212,8 +277,9 @@ class Prefetcher:
                     raise slot.error
                 assert slot.fetched is not None
                 yield slot.fetched
-        finally:
+        except GeneratorExit:  # abandoned: stop fetching (handed ranges may still be arriving otherwise)
             self.close()
+            raise
 
     def close(self) -> None:
         """Stop fetching and end the threads (waits for GETs already running)."""
@@ -222,7 +288,8 @@ class Prefetcher:
                 return
             self._closed = True
             self._cond.notify_all()
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        for getter in self._getters:
+            getter.join()  # each ends after the GET it is running
         self._scheduler.join()
 
     def __enter__(self) -> Prefetcher:

@@ -84,6 +84,17 @@ def measure(args: list[str], target: Target, timeout: float = 1800,
     return result
 
 
+def measure_retrying(args: list[str], target: Target, failures: list[str], attempts: int = 3) -> dict[str, Any]:
+    """``measure``, run again if the system fails; each failure is recorded with its last error line."""
+    for attempt in range(attempts):
+        try:
+            return measure(args, target)
+        except RuntimeError as exc:
+            failures.append(f"{args[1]} {args[3]}: {str(exc).strip().splitlines()[-1][:200]}")
+            print(f"  FAILED ({attempt + 1}/{attempts}): {failures[-1]}", flush=True)
+    raise RuntimeError(f"{' '.join(args)} failed {attempts} times")
+
+
 def median(runs: list[dict[str, Any]], key: str) -> float:
     return statistics.median(r[key] for r in runs)
 
@@ -108,12 +119,14 @@ def bench_server(name: str, target: Target, items_file: Path, images: int, args:
             writes[system].append(run)
             print(f"  [{name}] E {system} #{repeat}: {run['seconds']:.1f} s", flush=True)
     epochs: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    failures: list[str] = []
     for repeat in range(args.repeats):
-        for scenario in SCENARIOS:
+        for scenario in args.scenarios:
             for system in args.systems:
                 if scenario == "B-fused" and system != "remote_loader":
                     continue
-                run = measure(["epoch", system, f"{system}-{args.repeats - 1}", scenario, str(args.workers)], target)
+                run = measure_retrying(["epoch", system, f"{system}-{args.repeats - 1}", scenario, str(args.workers)],
+                                       target, failures)
                 if run["samples"] != images:
                     raise RuntimeError(f"{system} {scenario} delivered {run['samples']} of {images} samples")
                 epochs.setdefault((system, scenario), []).append(run)
@@ -125,6 +138,7 @@ def bench_server(name: str, target: Target, items_file: Path, images: int, args:
         for scenario in SCENARIOS:
             if (system, scenario) in epochs:
                 results[system][scenario] = summarize(epochs[(system, scenario)])
+        results[system]["failed_runs"] = [f for f in failures if f.startswith(f"{system} ")]
     return results
 
 
@@ -137,6 +151,7 @@ def main() -> None:
                         choices=["seaweedfs", "localbucket"])
     parser.add_argument("--endpoint", help="measure on this S3 endpoint instead (credentials from AWS_*)")
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
     parser.add_argument("--no-scaling", action="store_true", help="skip remote_loader's scaling runs")
     parser.add_argument("--no-limits", action="store_true", help="skip the machine-limit measurements")
     parser.add_argument("--data", type=Path, default=Path(tempfile.gettempdir()) / "remote-loader-bench-data")

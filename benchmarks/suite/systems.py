@@ -69,6 +69,17 @@ class _Files:
         return self.items[i]
 
 
+def prepare(name: str) -> None:
+    """Import what the system's loader needs, so imports stay out of the timings."""
+    import stubs
+
+    stubs.install()
+    modules = {"remote_loader": ["remote_loader"], "webdataset": ["webdataset", "boto3"],
+               "streaming": ["streaming"], "litdata": ["litdata"]}[name]
+    for module in ["torch.utils.data", *modules]:
+        __import__(module)
+
+
 # ---------------------------------------------------------------------------- writers
 
 def write(name: str, items: Sequence[tuple[str, int]], target: Target, prefix: str) -> None:

@@ -6,6 +6,7 @@ out of a shard's bytes with the index, never parsing a tar header.
 
 from __future__ import annotations
 
+import mmap
 import re
 import tarfile
 from collections.abc import Callable, Iterator, Mapping
@@ -185,7 +186,7 @@ class ShardView:
 
     def __init__(
         self,
-        buffer: bytes | bytearray | memoryview,
+        buffer: bytes | bytearray | memoryview | mmap.mmap,
         index: ShardIndex,
         *,
         name: str,

@@ -1,10 +1,17 @@
-"""Random-resized-crop for JPEG bytes, fused with reduced-size decoding.
+"""Random-resized-crop for image bytes, fused with decoding.
 
 ``RandomResizedCrop(224)`` picks the crop box on the image's full-size coordinates (read
-from the header alone), then lets libjpeg decode at the smallest 1/2, 1/4 or 1/8 scale
-at which the box still covers ``size`` pixels on both sides, and resizes only the box.
-The result differs from a full-size decode followed by the same crop by the DCT scaling
-(slightly softer detail); pass ``reduced=False`` for the plain path.
+from the JPEG header alone), decodes with libjpeg-turbo (through simplejpeg) straight into
+an array, and resizes only the box with torch's antialiased bilinear kernel, which gives
+Pillow's result (PSNR ~70 dB) in about half its time. Two options trade exactness for
+speed, both on by default:
+
+- ``reduced``: when the box is at least twice ``size`` on both sides, decode at 1/2, 1/4
+  or 1/8 scale (libjpeg's DCT scaling) so the box still covers ``size`` pixels;
+- ``fast``: libjpeg-turbo's fast integer IDCT and fast chroma upsampling.
+
+``RandomResizedCrop(224, reduced=False, fast=False)`` is the exact path. Images that are
+not JPEG (PNG, WebP...) go through Pillow.
 """
 
 from __future__ import annotations
@@ -14,11 +21,15 @@ import math
 from typing import Any
 
 import numpy as np
+import simplejpeg
 import torch
 from PIL import Image
+from torch.nn import functional
 
 from remote_loader.errors import DecodeError
 from remote_loader.pipeline.decode import IMAGE_FIELDS
+
+JPEG_MAGIC = b"\xff\xd8"
 
 
 class RandomResizedCrop:
@@ -32,7 +43,9 @@ class RandomResizedCrop:
         scale: Range of the box's area as a fraction of the image.
         ratio: Range of the box's aspect ratio.
         flip: Flip horizontally with probability 1/2.
-        reduced: Decode JPEGs at a reduced scale when the box allows it.
+        reduced: Decode JPEGs at 1/2, 1/4 or 1/8 scale when the box is that much larger
+            than ``size``.
+        fast: Use libjpeg-turbo's fast IDCT and upsampling for JPEGs.
         seed: Seed of the boxes (None: fresh randomness in each process).
     """
 
@@ -44,10 +57,11 @@ class RandomResizedCrop:
         *,
         flip: bool = True,
         reduced: bool = True,
+        fast: bool = True,
         seed: int | None = None,
     ) -> None:
         self.size, self.scale, self.ratio = size, scale, ratio
-        self.flip, self.reduced, self.seed = flip, reduced, seed
+        self.flip, self.reduced, self.fast, self.seed = flip, reduced, fast, seed
         self._rng: np.random.Generator | None = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -71,24 +85,44 @@ class RandomResizedCrop:
         return left, top, left + w, top + h
 
     def decode(self, data: Any) -> torch.Tensor:
-        """Decode image bytes to a random crop."""
+        """Decode image bytes to a random crop: a ``3 x size x size`` uint8 tensor."""
         try:
-            image = Image.open(io.BytesIO(data))
-            width, height = image.size
-            left, top, right, bottom = self.box(width, height)
-            if self.reduced and image.format == "JPEG":
-                factor = min((right - left) / self.size, (bottom - top) / self.size)
-                if factor >= 2:
-                    image.draft("RGB", (math.ceil(width / factor), math.ceil(height / factor)))
-            sx, sy = image.size[0] / width, image.size[1] / height
-            crop = image.convert("RGB").resize(
-                (self.size, self.size), Image.Resampling.BILINEAR, box=(left * sx, top * sy, right * sx, bottom * sy)
-            )
+            if bytes(data[:2]) == JPEG_MAGIC:
+                pixels, box = self._jpeg(data)
+            else:
+                pixels, box = self._other(data)
         except (OSError, ValueError, Image.DecompressionBombError) as exc:
             raise DecodeError(f"not a decodable image ({type(exc).__name__})") from None
+        left, top, right, bottom = box
+        region = torch.from_numpy(pixels)[top:bottom, left:right].permute(2, 0, 1).unsqueeze(0)
+        crop = functional.interpolate(region, size=(self.size, self.size), mode="bilinear", antialias=True,
+                                      align_corners=False)[0]
         if self.flip and self._rng is not None and self._rng.random() < 0.5:
-            crop = crop.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-        return torch.from_numpy(np.asarray(crop).copy()).permute(2, 0, 1)
+            crop = crop.flip(-1)
+        return crop.contiguous()
+
+    def _jpeg(self, data: Any) -> tuple[np.ndarray, tuple[int, int, int, int]]:
+        height, width, _, _ = simplejpeg.decode_jpeg_header(data)
+        left, top, right, bottom = self.box(width, height)
+        shrink = 1
+        if self.reduced:
+            factor = min(right - left, bottom - top) / self.size
+            while shrink < 8 and shrink * 2 <= factor:
+                shrink *= 2
+        pixels = simplejpeg.decode_jpeg(data, colorspace="RGB", fastdct=self.fast, fastupsample=self.fast,
+                                        min_width=math.ceil(width / shrink), min_height=math.ceil(height / shrink))
+        if shrink == 1:
+            return pixels, (left, top, right, bottom)
+        sx, sy = pixels.shape[1] / width, pixels.shape[0] / height
+        box = (int(left * sx), int(top * sy), max(int(left * sx) + 1, round(right * sx)),
+               max(int(top * sy) + 1, round(bottom * sy)))
+        return pixels, box
+
+    def _other(self, data: Any) -> tuple[np.ndarray, tuple[int, int, int, int]]:
+        image: Image.Image = Image.open(io.BytesIO(data))
+        if image.mode != "RGB":
+            image = image.convert("RGB")
+        return np.array(image), self.box(*image.size)
 
     def __call__(self, field: str, data: Any) -> Any:
         """Decoder protocol of ``RemoteDataset.decode``: called for image fields."""

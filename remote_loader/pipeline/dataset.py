@@ -272,7 +272,7 @@ class RemoteDataset(IterableDataset):
         """What this worker fetches: its spans, or for plain WebDataset tars without a
         manifest, whole tars dealt round-robin to ranks x workers in the epoch's order."""
         if self.reader.has_manifest():
-            return span_jobs(self.reader, self._spans(worker, num_workers), self.fetch, self.metrics)
+            return span_jobs(self.reader, self._spans(worker, num_workers), self.fetch, self.metrics, self.open_shards)
         tars = self.reader.list_tars()
         if not tars:
             self.reader.manifest  # raises ObjectNotFound naming the missing manifest

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from functools import partial
 from typing import Any
@@ -31,12 +34,6 @@ def fetch_index(reader: DatasetReader, entry: ShardEntry, config: FetchConfig, m
     raise AssertionError("unreachable")
 
 
-def _locate(reader: DatasetReader, entry: ShardEntry, span: Span, config: FetchConfig, metrics: Metrics) -> tuple[int, int, Any]:
-    """Fetch the shard's index and return the byte range of the span's samples."""
-    index = fetch_index(reader, entry, config, metrics)
-    return index.start(span.start, span.end), index.extent(span.start, span.end), (entry, span, index)
-
-
 def _sample(reader: DatasetReader, current: _Open, config: FetchConfig, metrics: Metrics, on_error: str) -> Sample | None:
     """The next sample of ``current``; bytes failing their checksum are fetched again alone.
 
@@ -45,6 +42,7 @@ def _sample(reader: DatasetReader, current: _Open, config: FetchConfig, metrics:
     """
     j = current.next
     current.next += 1
+    current.arrived(j)
     try:
         return current.view.sample(j)
     except CorruptSampleError as error:
@@ -69,29 +67,89 @@ def _whole(name: str, size: int) -> tuple[int, int, Any]:
 
 
 class _Open:
-    """A fetched span being read; a whole unindexed tar is indexed from its bytes here."""
+    """A span being read while its parts arrive; a whole unindexed tar is indexed from its bytes here."""
 
-    def __init__(self, fetched: Fetched, verify: bool) -> None:
-        self.fetched = fetched
+    def __init__(self, fetched: Fetched, verify: bool, metrics: Metrics) -> None:
+        self.fetched, self.metrics = fetched, metrics
+        self.index: ShardIndex | None = None
         if isinstance(fetched.context, str):  # an unindexed WebDataset tar
+            self._wait(None)
             name = fetched.context
             index, _ = scan_tar(lambda start, end: memoryview(fetched.buffer)[start:end], name, len(fetched.buffer))
             self.view = ShardView(fetched.buffer, index, name=name, verify=False)
             self.next, self.stop = 0, len(index)
             return
-        entry, span, index = fetched.context
-        self.view = ShardView(fetched.buffer, index, name=entry.name, verify=verify, base=fetched.start,
+        entry, span, self.index = fetched.context
+        self.view = ShardView(fetched.buffer, self.index, name=entry.name, verify=verify, base=fetched.start,
                               first=span.start, stop=span.end)
         self.next, self.stop = span.start, span.end
 
+    def _wait(self, upto: int | None) -> None:
+        waited = time.perf_counter()
+        self.fetched.wait(upto)
+        self.metrics.add(wait_seconds=time.perf_counter() - waited)
 
-def span_jobs(reader: DatasetReader, spans: Sequence[Span], config: FetchConfig, metrics: Metrics) -> list[Job]:
-    """Jobs fetching the samples of ``spans`` of an indexed dataset."""
+    def arrived(self, j: int) -> None:
+        """Block until sample ``j``'s bytes are in the buffer."""
+        if self.index is not None:
+            self._wait(self.index.extent(j, j + 1))
+
+
+class _IndexCache:
+    """The indexes of the shards a worker is reading: each is fetched once for all its ranges."""
+
+    def __init__(self, reader: DatasetReader, config: FetchConfig, metrics: Metrics, keep: int) -> None:
+        self.reader, self.config, self.metrics, self.keep = reader, config, metrics, keep
+        self._indexes: OrderedDict[int, ShardIndex] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, shard: int) -> ShardIndex:
+        with self._lock:
+            if shard in self._indexes:
+                self._indexes.move_to_end(shard)
+                return self._indexes[shard]
+        index = fetch_index(self.reader, self.reader.manifest.shards[shard], self.config, self.metrics)
+        with self._lock:
+            self._indexes[shard] = index
+            while len(self._indexes) > self.keep:
+                self._indexes.popitem(last=False)
+        return index
+
+
+def _locate_cached(cache: _IndexCache, span: Span) -> tuple[int, int, Any]:
+    """Return the byte range of the span's samples, from the shard's cached index."""
+    index = cache.get(span.shard)
+    entry = cache.reader.manifest.shards[span.shard]
+    return index.start(span.start, span.end), index.extent(span.start, span.end), (entry, span, index)
+
+
+def split_spans(reader: DatasetReader, spans: Sequence[Span], range_bytes: int, group: int) -> list[Span]:
+    """Cut spans into ranges of about ``range_bytes`` and interleave the ranges of each
+    ``group`` consecutive spans, so a reader with ``group`` open ranges still mixes
+    ``group`` shards while holding only one range of each."""
     shards = reader.manifest.shards
+    pieces: list[list[Span]] = []
+    for span in spans:
+        entry = shards[span.shard]
+        per_range = max(1, int(range_bytes * entry.samples // max(1, entry.size)))
+        pieces.append([Span(span.shard, a, min(a + per_range, span.end)) for a in range(span.start, span.end, per_range)])
+    out: list[Span] = []
+    for first in range(0, len(pieces), group):
+        block = pieces[first : first + group]
+        for position in range(max((len(p) for p in block), default=0)):
+            out.extend(p[position] for p in block if position < len(p))
+    return out
+
+
+def span_jobs(
+    reader: DatasetReader, spans: Sequence[Span], config: FetchConfig, metrics: Metrics, open_shards: int = 1
+) -> list[Job]:
+    """Jobs fetching the samples of ``spans`` of an indexed dataset, in ranges of about ``config.range_bytes``."""
+    shards = reader.manifest.shards
+    cache = _IndexCache(reader, config, metrics, keep=2 * open_shards + 4)
     return [
-        Job(reader.location.key(shards[s.shard].name), partial(_locate, reader, shards[s.shard], s, config, metrics))
-        for s in spans
-        if len(s)
+        Job(reader.location.key(shards[s.shard].name), partial(_locate_cached, cache, s))
+        for s in split_spans(reader, [s for s in spans if len(s)], config.range_bytes, open_shards)
     ]
 
 
@@ -126,7 +184,7 @@ def stream_samples(
                 if item is None:
                     exhausted = True
                 else:
-                    reading.append(_Open(item, reader.verify))
+                    reading.append(_Open(item, reader.verify, metrics))
             if not reading:
                 return
             current = reading[int(rng.integers(len(reading)))] if len(reading) > 1 else reading[0]

@@ -7,6 +7,7 @@ boundary; callers catch types, never match messages.
 from __future__ import annotations
 
 import os
+import threading
 from contextlib import suppress
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
@@ -147,6 +148,10 @@ class ObjectWriter(ABC):
             self.abort()
 
 
+_CONNECT_LOCK = threading.Lock()
+os.register_at_fork(after_in_child=lambda: globals().update(_CONNECT_LOCK=threading.Lock()))
+
+
 class Store(ABC):
     """An object store: buckets of keys holding bytes.
 
@@ -162,10 +167,16 @@ class Store(ABC):
         self._pid = -1
 
     def _sdk(self) -> Any:
-        """Return this process's SDK client, creating it on first use after a fork or unpickle."""
+        """Return this process's SDK client, creating it on first use after a fork or unpickle.
+
+        Threads asking at once share one new client: creating several would each load the
+        SDK's service models, which takes long in a freshly started DataLoader worker.
+        """
         if self._client is None or self._pid != os.getpid():
-            self._client = self._connect()
-            self._pid = os.getpid()
+            with _CONNECT_LOCK:
+                if self._client is None or self._pid != os.getpid():
+                    self._client = self._connect()
+                    self._pid = os.getpid()
         return self._client
 
     def _connect(self) -> Any:

@@ -27,6 +27,18 @@ _TRANSIENT = (
 )
 
 
+_SESSION: boto3.session.Session | None = None
+
+
+def _session() -> boto3.session.Session:
+    """One boto3 session per process tree (called under the store's connect lock): it keeps
+    the loaded service models, so clients made later, also in forked workers, start fast."""
+    global _SESSION
+    if _SESSION is None:
+        _SESSION = boto3.session.Session()
+    return _SESSION
+
+
 class Boto3Store(RangedStore):
     """An S3-compatible store reached through boto3.
 
@@ -43,8 +55,7 @@ class Boto3Store(RangedStore):
 
     def _connect(self) -> Any:
         c = self.config
-        session = boto3.session.Session()
-        return session.client(
+        return _session().client(
             "s3",
             endpoint_url=c.endpoint_url,
             aws_access_key_id=c.access_key,
