@@ -125,9 +125,9 @@ class FetchConfig:
         backoff: Base seconds of the exponential backoff between attempts (with full jitter).
     """
 
-    part_size: int = 8 * 1024 * 1024
+    part_size: int = 16 * 1024 * 1024
     concurrency: int = 8
-    prefetch_bytes: int = 128 * 1024 * 1024
+    prefetch_bytes: int = 64 * 1024 * 1024
     range_bytes: int = 32 * 1024 * 1024
     max_attempts: int = 5
     backoff: float = 0.05

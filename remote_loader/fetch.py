@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import bisect
 import heapq
-import mmap
 import random
 import threading
 import time
@@ -16,7 +15,10 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, TypeVar
+
+import numpy as np
 
 from remote_loader.config import FetchConfig
 from remote_loader.errors import TransientStorageError
@@ -91,6 +93,18 @@ def fetch_range(store: Store, bucket: str, key: str, start: int, end: int, confi
     return data
 
 
+def fetch_range_into(store: Store, bucket: str, key: str, start: int, end: int, out: memoryview, config: FetchConfig,
+                     metrics: Metrics) -> None:
+    """One ranged GET received into ``out``, with retries, counted in ``metrics``."""
+
+    def call() -> None:
+        metrics.add(gets=1)
+        store.get_range_into(bucket, key, start, end, out)
+
+    with_retries(call, config, metrics)
+    metrics.add(bytes=end - start)
+
+
 @dataclass
 class Job:
     """One object to fetch part of; ``locate()`` returns ``(start, end, context)``."""
@@ -112,10 +126,12 @@ class Fetched:
     start: int
     end: int
     context: Any
-    buffer: bytearray | mmap.mmap = field(repr=False)
+    buffer: memoryview = field(repr=False)
     bounds: list[int] = field(default_factory=list, repr=False)  # where each part starts
     parts: list[threading.Event] = field(default_factory=list, repr=False)
     errors: list[BaseException | None] = field(default_factory=list, repr=False)
+    release: Callable[[], None] = field(default=lambda: None, repr=False)
+    """Give the buffer back for reuse: call when done with it and holding no view of it."""
     _ready: int = 0  # leading parts known to have arrived whole
 
     def wait(self, upto: int | None = None) -> None:
@@ -134,12 +150,32 @@ class Fetched:
 
 _LOCATE_AHEAD = 4  # ranges located (index GETs) ahead of the one being queued
 _FIRST_PART = 1 << 20  # the first part of a range is small: its samples are needed first
+_ROUND = 1 << 20  # range buffers are allocated in MiB steps, so they fit later ranges
 
 
-def _buffer(size: int) -> bytearray | mmap.mmap:
-    """A zeroed buffer; large ones are anonymous maps, whose pages are only touched as parts arrive
-    (a bytearray would write the whole range first) and go back to the system when it is freed."""
-    return mmap.mmap(-1, size) if size >= mmap.PAGESIZE else bytearray(size)
+class _Buffers:
+    """Range buffers kept for reuse: fresh memory costs a page fault per 4 KiB on first write.
+
+    New buffers are uninitialised numpy arrays: a bytearray would be zeroed first, holding
+    the GIL; an empty array takes its page faults in the socket reads, which release it.
+    """
+
+    def __init__(self, keep: int) -> None:
+        self.keep = keep
+        self._free: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def take(self, size: int) -> np.ndarray:
+        with self._lock:
+            fits = [i for i, b in enumerate(self._free) if len(b) >= size]
+            if fits:
+                return self._free.pop(min(fits, key=lambda i: len(self._free[i])))
+        return np.empty(-(-size // _ROUND) * _ROUND, dtype=np.uint8)
+
+    def give(self, buffer: np.ndarray) -> None:
+        with self._lock:
+            if len(self._free) < self.keep:
+                self._free.append(buffer)
 
 
 class _Slot:
@@ -170,8 +206,10 @@ class Prefetcher:
         self._cond = threading.Condition()
         self._held = 0
         self._closed = False
+        self._buffers = _Buffers(keep=config.prefetch_bytes // config.range_bytes + 8)
         self._parts: list[tuple[int, int, int, int, Fetched]] = []  # heap: (part number, seq, start, end, range)
         self._seq = 0
+        self._submitted = 0  # ranges queued so far
         self._getters = [threading.Thread(target=self._get, name=f"remote-loader-get-{i}", daemon=True)
                          for i in range(config.concurrency)]
         for getter in self._getters:
@@ -227,11 +265,16 @@ class Prefetcher:
             self._cond.notify_all()
 
     def _submit(self, slot: _Slot, start: int, end: int, context: Any) -> None:
-        """Queue the parts of a located range: a small first part, so its first samples come early."""
-        bounds = [start, *range(start + min(_FIRST_PART, self.config.part_size), end, self.config.part_size)]
+        """Queue the parts of a located range. The first ranges start with a small part, so the
+        first samples come early; later ones use whole parts (each GET has a fixed cost)."""
+        head = min(_FIRST_PART, self.config.part_size) if self._submitted < _LOCATE_AHEAD else self.config.part_size
+        self._submitted += 1
+        bounds = [start, *range(start + head, end, self.config.part_size)]
         bounds = [b for b in bounds if b < end]
-        fetched = Fetched(slot.job.key, start, end, context, _buffer(end - start), bounds,
-                          [threading.Event() for _ in bounds], [None] * len(bounds))
+        backing = self._buffers.take(end - start)
+        fetched = Fetched(slot.job.key, start, end, context, backing.data[: end - start], bounds,
+                          [threading.Event() for _ in bounds], [None] * len(bounds),
+                          partial(self._give_back, backing))
         slot.fetched = fetched
         slot.located.set()
         with self._cond:
@@ -239,6 +282,9 @@ class Prefetcher:
                 heapq.heappush(self._parts, (number, self._seq, part, stop, fetched))
                 self._seq += 1
             self._cond.notify_all()
+
+    def _give_back(self, backing: np.ndarray) -> None:
+        self._buffers.give(backing)
 
     def _get(self) -> None:
         while True:
@@ -252,8 +298,8 @@ class Prefetcher:
 
     def _fetch_part(self, fetched: Fetched, number: int, start: int, end: int) -> None:
         try:
-            data = fetch_range(self.store, self.bucket, fetched.key, start, end, self.config, self.metrics)
-            fetched.buffer[start - fetched.start : end - fetched.start] = data
+            out = fetched.buffer[start - fetched.start : end - fetched.start]
+            fetch_range_into(self.store, self.bucket, fetched.key, start, end, out, self.config, self.metrics)
         except BaseException as exc:
             fetched.errors[number] = exc
         finally:

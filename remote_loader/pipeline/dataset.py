@@ -29,13 +29,6 @@ Stage = Callable[[Any], Any]
 _ONE_TO_ONE = (stages.map_stage, stages.map_tuple_stage, stages.to_tuple_stage)
 
 
-def bytes_fields(sample: Any) -> Any:
-    """Copy buffer views to bytes: for samples leaving a worker process or kept in a buffer."""
-    if isinstance(sample, dict):
-        return {k: bytes(v) if isinstance(v, memoryview) else v for k, v in sample.items()}
-    return sample
-
-
 def current_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
     """Rank and world size: as given, else from torch.distributed, else ``RANK`` / ``WORLD_SIZE``."""
     if rank is not None and world_size is not None:
@@ -128,12 +121,12 @@ class RemoteDataset(IterableDataset):
         return clone
 
     def shuffle(self, bufsize: int, initial: int | None = None) -> RemoteDataset:
-        """Mix samples in a buffer of ``bufsize`` (output starts at ``initial``, default ``bufsize // 4``).
+        """Mix samples in a buffer of ``bufsize`` (output starts at ``initial``, default ``min(bufsize, 100)``).
 
         Samples entering the buffer are copied out of their shard buffers, so the buffer's
         memory is ``bufsize`` samples, whatever the shard size.
         """
-        start = bufsize // 4 if initial is None else initial
+        start = min(bufsize, 100) if initial is None else initial
         return self._with(partial(stages.shuffle_stage, bufsize=bufsize, initial=start, seed=()))
 
     def decode(self, mode: str | Callable[[str, Any], Any] = "pil", *, min_size: int | None = None) -> RemoteDataset:
@@ -259,13 +252,10 @@ class RemoteDataset(IterableDataset):
             if position == skip_after:
                 data = itertools.islice(data, skip, None)
             if _func(stage) is stages.shuffle_stage:
-                data = map(bytes_fields, data)  # the buffer must not pin whole shard buffers
                 stage = _bind(stages.shuffle_stage, **{**stage.keywords, "seed": (*seed, 2)})  # type: ignore[attr-defined]
             data = stage(data)
         if skip_after == len(self.stages):
             data = itertools.islice(data, skip, None)
-        if info is not None:
-            data = map(bytes_fields, data)  # memoryviews do not pickle
         yield from self._timed(data)
 
     def _jobs(self, worker: int, num_workers: int, *, resuming: bool) -> list[Job]:

@@ -44,7 +44,7 @@ def _sample(reader: DatasetReader, current: _Open, config: FetchConfig, metrics:
     current.next += 1
     current.arrived(j)
     try:
-        return current.view.sample(j)
+        return own(current.view.sample(j))
     except CorruptSampleError as error:
         last = error
     index, name = current.view.index, current.view.name
@@ -53,13 +53,18 @@ def _sample(reader: DatasetReader, current: _Open, config: FetchConfig, metrics:
         metrics.add(retries=1)
         data = fetch_range(reader.client, reader.location.bucket, reader.location.key(name), start, end, config, metrics)
         try:
-            return ShardView(data, index, name=name, base=start, first=j, stop=j + 1).sample(j)
+            return own(ShardView(data, index, name=name, base=start, first=j, stop=j + 1).sample(j))
         except CorruptSampleError as error:
             last = error
     if on_error == "skip":
         metrics.add(skipped=1)
         return None
     raise last
+
+
+def own(sample: Sample) -> Sample:
+    """Copy a sample's fields out of the range buffer, which is reused once the range is read."""
+    return {k: bytes(v) if isinstance(v, memoryview) else v for k, v in sample.items()}
 
 
 def _whole(name: str, size: int) -> tuple[int, int, Any]:
@@ -191,6 +196,8 @@ def stream_samples(
             sample = _sample(reader, current, config, metrics, on_error)
             if current.next == current.stop:
                 reading.remove(current)
+                current.view = None  # type: ignore[assignment]  # no view of the buffer may outlive it
+                current.fetched.release()
             if sample is not None:
                 metrics.add(samples=1)
                 yield sample

@@ -63,8 +63,8 @@ def shuffle_stage(samples: Iterable[Any], bufsize: int, initial: int, seed: Sequ
     """Mix samples in a buffer of up to ``bufsize``; each output is drawn uniformly from it.
 
     Output starts once ``initial`` samples are buffered; while below ``bufsize`` the buffer
-    takes two samples per output, so it fills as output flows. It drains at the end: every
-    input sample is yielded exactly once.
+    takes three samples per output, so it fills as output flows. It drains at the end:
+    every input sample is yielded exactly once.
     """
     if bufsize < 1 or not 0 <= initial <= bufsize:
         raise ConfigError(f"shuffle needs bufsize >= 1 and 0 <= initial <= bufsize; got {bufsize}, {initial}")
@@ -73,10 +73,13 @@ def shuffle_stage(samples: Iterable[Any], bufsize: int, initial: int, seed: Sequ
     buffer: list[Any] = []
     for sample in source:
         buffer.append(sample)
-        if len(buffer) < bufsize:
+        for _ in range(2):
+            if len(buffer) >= bufsize:
+                break
             extra = next(source, _END)
-            if extra is not _END:
-                buffer.append(extra)
+            if extra is _END:
+                break
+            buffer.append(extra)
         if len(buffer) >= initial:
             yield _pop_random(buffer, rng)
     while buffer:

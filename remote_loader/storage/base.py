@@ -38,11 +38,12 @@ class ObjectInfo:
     size: int
 
 
-def check_range(bucket: str, key: str, start: int, end: int, data: bytes) -> bytes:
-    """Return ``data`` if it holds exactly ``end - start`` bytes, else raise a retryable error."""
-    if len(data) != end - start:
+def check_range(bucket: str, key: str, start: int, end: int, data: bytes, got: int | None = None) -> bytes:
+    """Return ``data`` if it holds exactly ``end - start`` bytes (or ``got`` says so), else raise a retryable error."""
+    received = len(data) if got is None else got
+    if received != end - start:
         raise TransientStorageError(
-            f"short read of s3://{bucket}/{key} bytes {start}-{end - 1}: got {len(data)} of {end - start} bytes",
+            f"short read of s3://{bucket}/{key} bytes {start}-{end - 1}: got {received} of {end - start} bytes",
             bucket=bucket,
             key=key,
             code="ShortRead",
@@ -196,6 +197,13 @@ class Store(ABC):
     @abstractmethod
     def get_range(self, bucket: str, key: str, start: int, end: int) -> bytes:
         """Return bytes ``[start, end)`` of the object; exactly ``end - start`` bytes or an error."""
+
+    def get_range_into(self, bucket: str, key: str, start: int, end: int, out: memoryview) -> None:
+        """Read bytes ``[start, end)`` of the object into ``out`` (exactly that long), or raise.
+
+        Backends that can receive straight into ``out`` override this; the default copies.
+        """
+        out[:] = self.get_range(bucket, key, start, end)
 
     @abstractmethod
     def get_tail(self, bucket: str, key: str, length: int) -> bytes:

@@ -13,7 +13,7 @@ from urllib3.exceptions import HTTPError as Urllib3Error
 
 from remote_loader.config import StorageConfig
 from remote_loader.errors import AccessDenied, EndpointUnreachable, StorageError, TransientStorageError
-from remote_loader.storage.base import DEFAULT_PART_SIZE, ObjectInfo, ObjectWriter, RangedStore, error_for
+from remote_loader.storage.base import DEFAULT_PART_SIZE, ObjectInfo, ObjectWriter, RangedStore, check_range, error_for
 
 _UNREACHABLE = (bce.EndpointConnectionError, bce.ConnectTimeoutError, bce.ProxyConnectionError)
 _TRANSIENT = (
@@ -115,6 +115,24 @@ class Boto3Store(RangedStore):
                 return bytes(body.read())
             finally:
                 body.close()
+
+    def get_range_into(self, bucket: str, key: str, start: int, end: int, out: memoryview) -> None:
+        """Receive the body straight into ``out``: no intermediate bytes object."""
+        if end <= start:
+            return
+        byte_range = f"bytes={start}-{end - 1}"
+        filled = 0
+        with self._errors(f"GET {byte_range}", bucket, key):
+            body = self._sdk().get_object(Bucket=bucket, Key=key, Range=byte_range)["Body"]
+            try:
+                while filled < len(out):
+                    count = body.readinto(out[filled:])
+                    if not count:
+                        break
+                    filled += count
+            finally:
+                body.close()
+        check_range(bucket, key, start, end, b"", got=filled)
 
     def head(self, bucket: str, key: str) -> int:
         with self._errors("HEAD", bucket, key):

@@ -34,6 +34,9 @@ def test_put_get_head_and_ranges(store):
     assert client.get_range(bucket, "a/obj.bin", 4_321, 65_432) == data[4_321:65_432]
     assert client.get_range(bucket, "a/obj.bin", 99_999, 100_000) == data[-1:]
     assert client.get_range(bucket, "a/obj.bin", 10, 10) == b""
+    into = bytearray(61_111)
+    client.get_range_into(bucket, "a/obj.bin", 4_321, 65_432, memoryview(into))
+    assert into == data[4_321:65_432]
     assert client.get_tail(bucket, "a/obj.bin", 777) == data[-777:]
     assert client.get_tail(bucket, "a/obj.bin", 200_000) == data
     assert client.exists(bucket, "a/obj.bin") and not client.exists(bucket, "a/other")
@@ -119,6 +122,8 @@ def test_missing_object_bucket_and_range_raise_our_types(store):
         client.head(bucket, "no/such/key")
     with pytest.raises(ObjectNotFound):
         client.get_range(bucket, "no/such/key", 0, 5)
+    with pytest.raises(ObjectNotFound):
+        client.get_range_into(bucket, "no/such/key", 0, 5, memoryview(bytearray(5)))
     with pytest.raises(BucketNotFound) as info:
         client.get("no-such-bucket-" + bucket, "k")
     assert info.value.bucket == "no-such-bucket-" + bucket
