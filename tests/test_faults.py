@@ -123,7 +123,7 @@ def test_two_ranks_four_workers_through_faults_leak_nothing(seaweed, clean):
     gc.collect()  # DataLoader's iterator joins its queue threads when collected
     assert got == clean
     assert threading.active_count() == threads_before, [t.name for t in threading.enumerate()]
-    assert open_fds() == fds_before
+    assert open_fds() <= fds_before
 
 
 def test_map_dataset_heals_flipped_bytes(seaweed, clean):
