@@ -7,8 +7,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 STAMP := $(VENV)/.installed
+BENCH_STAMP := $(VENV)/.bench-installed
+PEERS := mosaicml-streaming==0.13.0 litdata==0.2.76
 
-.PHONY: demo test lint venv clean
+.PHONY: demo test lint venv clean bench
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +32,15 @@ lint: $(STAMP)
 
 test: $(STAMP) lint
 	$(BIN)/python -m pytest -q
+
+$(BENCH_STAMP): $(STAMP) benchmarks/requirements.txt
+	$(BIN)/python -m pip install --quiet -r benchmarks/requirements.txt
+	$(BIN)/python -m pip install --quiet --no-deps $(PEERS)
+	touch $(BENCH_STAMP)
+
+# The peer benchmark (not part of `make test`): about 30 minutes on 2 cores.
+bench: $(BENCH_STAMP)
+	$(BIN)/python benchmarks/suite/run.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache *.egg-info

@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from multiprocessing import get_context
 from typing import Any
 
+import torch
 from augment import plain_augment
 from systems import Target
 
@@ -74,7 +75,7 @@ def decode_throughput(paths: list[str]) -> dict[str, float]:
     for processes in (1, 2):
         for name, func in (("plain", _plain_file), ("fused", _fused_file)):
             rates = []
-            with context.Pool(processes) as pool:
+            with context.Pool(processes, initializer=torch.set_num_threads, initargs=(1,)) as pool:
                 pool.map(func, paths[:processes * 8])  # warm the workers
                 for _ in range(REPEATS):
                     started = time.perf_counter()
