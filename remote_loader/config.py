@@ -128,7 +128,7 @@ class FetchConfig:
     part_size: int = 16 * 1024 * 1024
     concurrency: int = 8
     prefetch_bytes: int = 64 * 1024 * 1024
-    range_bytes: int = 32 * 1024 * 1024
+    range_bytes: int = 16 * 1024 * 1024
     max_attempts: int = 5
     backoff: float = 0.05
 

@@ -206,7 +206,7 @@ class Prefetcher:
         self._cond = threading.Condition()
         self._held = 0
         self._closed = False
-        self._buffers = _Buffers(keep=config.prefetch_bytes // config.range_bytes + 8)
+        self._buffers = _Buffers(keep=config.prefetch_bytes // config.range_bytes + 4)
         self._parts: list[tuple[int, int, int, int, Fetched]] = []  # heap: (part number, seq, start, end, range)
         self._seq = 0
         self._submitted = 0  # ranges queued so far

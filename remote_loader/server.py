@@ -38,7 +38,7 @@ _HTTP_ONLY = {"webdav": 5, "s3.port.iceberg": 6, "s3.port.lance": 7}
 _SPAN = 8
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the child before exec: on Linux, get SIGTERM when the starting process dies.
 
     A test run or demo that is killed outright cannot stop its server; this does.
@@ -162,7 +162,7 @@ class EmbeddedS3:
         (data / "store").mkdir(exist_ok=True)
         log = (data / "weed.log").open("ab")
         self._process = subprocess.Popen(
-            args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent
+            args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent
         )
         log.close()
         self._wait_healthy(timeout)

@@ -71,10 +71,13 @@ def markdown(results: dict[str, Any]) -> str:
                   " D peak RSS, B (MB) | E convert+upload (s) |",
                   "|---|---|---|---|---|---|---|"]
         for name, r in systems.items():
-            fused = f"{r['B-fused']['samples_per_s']:,.0f}" if "B-fused" in r else "-"
-            lines.append(f"| {name} | {r['A']['samples_per_s']:,.0f} | {r['B']['samples_per_s']:,.0f} | {fused} |"
-                         f" {r['A']['first_batch_seconds']:.2f} | {r['B']['peak_rss_mb']:,.0f} |"
-                         f" {r['E']['seconds']:.1f} |")
+            def cell(scenario: str, key: str, form: str) -> str:
+                return format(r[scenario][key], form) if scenario in r else "-"
+
+            failed = f" ({len(r['failed_runs'])} failed runs, repeated)" if r.get("failed_runs") else ""
+            lines.append(f"| {name}{failed} | {cell('A', 'samples_per_s', ',.0f')} | {cell('B', 'samples_per_s', ',.0f')} |"
+                         f" {cell('B-fused', 'samples_per_s', ',.0f')} | {cell('A', 'first_batch_seconds', '.2f')} |"
+                         f" {cell('B', 'peak_rss_mb', ',.0f')} | {cell('E', 'seconds', '.1f')} |")
         rows = targets(systems, results.get("decode_limits"))
         if rows:
             lines += ["", "| target | against | ratio | met |", "|---|---|---|---|"]
@@ -121,7 +124,7 @@ def chart(results: dict[str, Any], path: Path) -> None:
             values = []
             for name in names:
                 key = "B-fused" if scenario == "B" and "B-fused" in systems[name] else scenario
-                values.append(systems[name][key]["samples_per_s"])
+                values.append(systems[name][key]["samples_per_s"] if key in systems[name] else 0.0)
             axis.bar([x + i * width for x in range(len(names))], values, width, label=server)
         axis.set_xticks([x + width * (len(servers) - 1) / 2 for x in range(len(names))])
         axis.set_xticklabels(names)
