@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -15,7 +13,7 @@ from remote_loader.config import FetchConfig
 from remote_loader.errors import ConfigError, CorruptSampleError
 from remote_loader.fetch import Metrics, fetch_range
 from remote_loader.format import Sample, ShardIndex, ShardView
-from remote_loader.pipeline.source import fetch_index
+from remote_loader.pipeline.source import IndexCache
 from remote_loader.reader import DatasetReader
 from remote_loader.storage import Store, open_location
 
@@ -71,13 +69,12 @@ class RemoteMapDataset(Dataset):
         self._reset()
 
     def _reset(self) -> None:
-        self._indexes: OrderedDict[int, ShardIndex] = OrderedDict()
-        self._lock = threading.Lock()
+        self._indexes = IndexCache(self.reader, self.fetch, self.metrics, keep=self.cache_shards)
         self._pool: ThreadPoolExecutor | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for name in ("_indexes", "_lock", "_pool"):
+        for name in ("_indexes", "_pool"):
             state.pop(name)
         return state
 
@@ -101,16 +98,7 @@ class RemoteMapDataset(Dataset):
         return shard, i - (int(self._ends[shard - 1]) if shard else 0)
 
     def _index(self, shard: int) -> ShardIndex:
-        with self._lock:
-            if shard in self._indexes:
-                self._indexes.move_to_end(shard)
-                return self._indexes[shard]
-        index = fetch_index(self.reader, self.reader.manifest.shards[shard], self.fetch, self.metrics)
-        with self._lock:
-            self._indexes[shard] = index
-            while len(self._indexes) > self.cache_shards:
-                self._indexes.popitem(last=False)
-        return index
+        return self._indexes.get(shard)
 
     def _fetch_run(self, shard: int, positions: list[int]) -> list[Sample]:
         """One GET covering samples ``positions`` (sorted) of one shard; fetched again if its

@@ -100,8 +100,8 @@ class _Open:
             self._wait(self.index.extent(j, j + 1))
 
 
-class _IndexCache:
-    """The indexes of the shards a worker is reading: each is fetched once for all its ranges."""
+class IndexCache:
+    """Shard indexes fetched on first use and kept in an LRU of ``keep`` (thread-safe)."""
 
     def __init__(self, reader: DatasetReader, config: FetchConfig, metrics: Metrics, keep: int) -> None:
         self.reader, self.config, self.metrics, self.keep = reader, config, metrics, keep
@@ -121,7 +121,7 @@ class _IndexCache:
         return index
 
 
-def _locate_cached(cache: _IndexCache, span: Span) -> tuple[int, int, Any]:
+def _locate_cached(cache: IndexCache, span: Span) -> tuple[int, int, Any]:
     """Return the byte range of the span's samples, from the shard's cached index."""
     index = cache.get(span.shard)
     entry = cache.reader.manifest.shards[span.shard]
@@ -151,7 +151,7 @@ def span_jobs(
 ) -> list[Job]:
     """Jobs fetching the samples of ``spans`` of an indexed dataset, in ranges of about ``config.range_bytes``."""
     shards = reader.manifest.shards
-    cache = _IndexCache(reader, config, metrics, keep=2 * open_shards + 4)
+    cache = IndexCache(reader, config, metrics, keep=2 * open_shards + 4)
     return [
         Job(reader.location.key(shards[s.shard].name), partial(_locate_cached, cache, s))
         for s in split_spans(reader, [s for s in spans if len(s)], config.range_bytes, open_shards)
