@@ -9,8 +9,8 @@ import argparse
 import statistics
 
 from remote_loader import bench, upload_cv_dataset
-from remote_loader.server import EmbeddedS3
-from remote_loader.synthetic import SyntheticImages
+from remote_loader.testing.server import EmbeddedS3
+from remote_loader.testing.synthetic import SyntheticImages
 
 
 def main() -> None:

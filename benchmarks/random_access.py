@@ -14,8 +14,8 @@ import numpy as np
 from remote_loader import upload_cv_dataset
 from remote_loader.pipeline.mapstyle import RemoteMapDataset
 from remote_loader.pipeline.sampler import LocalitySampler
-from remote_loader.server import EmbeddedS3
-from remote_loader.synthetic import SyntheticImages
+from remote_loader.testing.server import EmbeddedS3
+from remote_loader.testing.synthetic import SyntheticImages
 
 BATCH = 64
 

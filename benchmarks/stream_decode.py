@@ -14,8 +14,8 @@ import json
 import statistics
 
 from remote_loader import bench, upload_cv_dataset
-from remote_loader.server import EmbeddedS3
-from remote_loader.synthetic import SyntheticImages
+from remote_loader.testing.server import EmbeddedS3
+from remote_loader.testing.synthetic import SyntheticImages
 
 RUNS = [("none", None), ("pil", None), ("pil", 128), ("rrc-plain", None), ("rrc", None)]
 

@@ -19,8 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from remote_loader import ImageFolder, upload_cv_dataset
-from remote_loader.server import EmbeddedS3
-from remote_loader.synthetic import SyntheticImages
+from remote_loader.testing.server import EmbeddedS3
+from remote_loader.testing.synthetic import SyntheticImages
 
 
 def write_tree(root: Path, n: int) -> int:

@@ -15,7 +15,7 @@ import os
 import sys
 from collections.abc import Iterator
 
-from remote_loader.server import EmbeddedS3
+from remote_loader.testing.server import EmbeddedS3
 from remote_loader.storage import parse_location
 
 

@@ -13,8 +13,8 @@ import time
 from torch.utils.data import DataLoader
 
 from remote_loader import DatasetReader, RandomResizedCrop, RemoteDataset, upload_cv_dataset
-from remote_loader.server import EmbeddedS3
-from remote_loader.synthetic import SyntheticImages
+from remote_loader.testing.server import EmbeddedS3
+from remote_loader.testing.synthetic import SyntheticImages
 
 
 def main() -> None:

@@ -28,7 +28,7 @@ from common import add_location_args, maybe_local_server
 
 from remote_loader import DatasetReader, RemoteMapDataset, make_client, upload_cv_dataset
 from remote_loader.storage import parse_location
-from remote_loader.synthetic import SyntheticImages
+from remote_loader.testing.synthetic import SyntheticImages
 
 
 def key_and_label(sample: dict[str, Any]) -> tuple[str, int]:

@@ -39,7 +39,7 @@ from common import add_location_args, maybe_local_server
 
 from remote_loader import DatasetReader, RandomResizedCrop, RemoteDataset, make_client, upload_cv_dataset
 from remote_loader.storage import parse_location
-from remote_loader.synthetic import SyntheticImages
+from remote_loader.testing.synthetic import SyntheticImages
 
 MEAN = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1) * 255
 STD = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1) * 255

@@ -21,7 +21,7 @@ from common import add_location_args, maybe_local_server
 
 from remote_loader import DatasetReader, ImageFolder, make_client, upload_cv_dataset
 from remote_loader.storage import parse_location
-from remote_loader.synthetic import SyntheticImages
+from remote_loader.testing.synthetic import SyntheticImages
 
 JPEG_MAGIC = bytes.fromhex("ffd8")
 

@@ -7,6 +7,7 @@ from remote_loader.errors import (
     ConfigError,
     CorruptSampleError,
     CorruptShard,
+    DatasetChanged,
     DecodeError,
     EndpointUnreachable,
     FormatError,
@@ -19,12 +20,11 @@ from remote_loader.errors import (
     UnsupportedVersion,
     UploadError,
 )
-from remote_loader.fetch import Metrics
 from remote_loader.pipeline.augment import RandomResizedCrop
 from remote_loader.pipeline.dataset import RemoteDataset
 from remote_loader.pipeline.mapstyle import RemoteMapDataset
 from remote_loader.pipeline.sampler import LocalitySampler
-from remote_loader.reader import DatasetReader
+from remote_loader.read import DatasetReader, Metrics
 from remote_loader.storage import LocalStore, Store, make_client
 from remote_loader.upload import ImageFolder, UploadSummary, upload_cv_dataset
 
@@ -36,6 +36,7 @@ __all__ = [
     "ConfigError",
     "CorruptSampleError",
     "CorruptShard",
+    "DatasetChanged",
     "DatasetReader",
     "DecodeError",
     "EndpointUnreachable",

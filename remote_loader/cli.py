@@ -13,9 +13,9 @@ from tqdm import tqdm
 
 from remote_loader import bench
 from remote_loader.errors import RemoteLoaderError
-from remote_loader.indexer import index_webdataset
-from remote_loader.reader import DatasetReader
-from remote_loader.server import EmbeddedS3
+from remote_loader.upload.indexer import index_webdataset
+from remote_loader.read.reader import DatasetReader
+from remote_loader.testing.server import EmbeddedS3
 from remote_loader.storage import Location, Store, open_location
 from remote_loader.storage.factory import Backend
 from remote_loader.upload import load_source, upload_cv_dataset

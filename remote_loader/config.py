@@ -24,7 +24,17 @@ def _first(env: Mapping[str, str], *names: str) -> str | None:
 
 
 def normalize_endpoint(endpoint: str, *, secure: bool = False) -> str:
-    """Return ``endpoint`` as ``scheme://host[:port]``; a bare ``host:port`` gets http(s)."""
+    """Return ``endpoint`` as ``scheme://host[:port]``; a bare ``host:port`` gets http(s).
+
+    An endpoint holding credentials (``http://key:secret@host``) is refused, with a message
+    that does not repeat them: credentials go in ``access_key`` / ``secret_key`` or the
+    environment, where they are kept out of reprs and logs.
+    """
+    if "@" in endpoint.partition("://")[2].partition("/")[0]:
+        raise ConfigError(
+            "the endpoint URL holds credentials (user:secret@host), which are not used from there: pass"
+            " access_key and secret_key, or set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"
+        )
     if _HOST_PORT.match(endpoint):
         endpoint = f"{'https' if secure else 'http'}://{endpoint}"
     parts = urlsplit(endpoint)
@@ -45,9 +55,12 @@ class StorageConfig:
         secret_key: Secret access key (never shown in reprs or messages).
         session_token: Optional session token (never shown).
         region: Region name used to sign requests.
-        max_attempts: Attempts per request, including the first, for retryable faults.
+        max_attempts: Attempts the SDK itself makes per request. The default, 1, leaves
+            retrying to remote_loader's own policy (``FetchConfig``: backoff and an outage
+            deadline); raising it multiplies the attempts of the two layers.
         connect_timeout: Seconds to wait for a connection.
-        read_timeout: Seconds to wait for bytes on an open connection.
+        read_timeout: Seconds to wait for bytes on an open connection: it bounds how long
+            a request to a hung server can block.
         max_connections: Size of the connection pool per process.
     """
 
@@ -56,9 +69,9 @@ class StorageConfig:
     secret_key: str | None = field(default=None, repr=False)
     session_token: str | None = field(default=None, repr=False)
     region: str = "us-east-1"
-    max_attempts: int = 5
-    connect_timeout: float = 10.0
-    read_timeout: float = 60.0
+    max_attempts: int = 1
+    connect_timeout: float = 5.0
+    read_timeout: float = 20.0
     max_connections: int = 32
 
     def __post_init__(self) -> None:
@@ -121,8 +134,14 @@ class FetchConfig:
         range_bytes: Largest range read from one shard at a time: a worker's part of a
             shard is read as consecutive ranges of about this size (whole samples), so
             memory does not grow with the shard size.
-        max_attempts: Attempts per GET for transient faults (reset, 5xx, slow-down, short read).
+        max_attempts: Fetches of bytes that fail their checksum before they are reported
+            as corrupt (``CorruptShard`` / ``CorruptSampleError``, or skipped).
         backoff: Base seconds of the exponential backoff between attempts (with full jitter).
+        max_backoff: Longest pause between two attempts.
+        outage_deadline: Seconds a request is retried while the store fails it (connection
+            refused or reset, timeouts, 5xx, slow-down, short reads) before
+            ``EndpointUnreachable``. The default, 5 minutes, rides out a server restart;
+            a hung server is detected after this plus one ``StorageConfig.read_timeout``.
     """
 
     part_size: int = 16 * 1024 * 1024
@@ -131,9 +150,13 @@ class FetchConfig:
     range_bytes: int = 16 * 1024 * 1024
     max_attempts: int = 5
     backoff: float = 0.05
+    max_backoff: float = 2.0
+    outage_deadline: float = 300.0
 
     def __post_init__(self) -> None:
         if self.part_size < 1 or self.concurrency < 1 or self.prefetch_bytes < 1 or self.range_bytes < 1:
             raise ConfigError("part_size, concurrency, prefetch_bytes and range_bytes must be positive")
-        if self.max_attempts < 1 or self.backoff < 0:
-            raise ConfigError("max_attempts must be >= 1 and backoff >= 0")
+        if self.max_attempts < 1 or self.backoff < 0 or self.max_backoff < 0:
+            raise ConfigError("max_attempts must be >= 1, backoff and max_backoff >= 0")
+        if not self.outage_deadline >= 0:
+            raise ConfigError(f"outage_deadline must be >= 0 seconds, got {self.outage_deadline}")

@@ -2,9 +2,20 @@
 
 Each exception carries the facts as attributes (``bucket``, ``key``, ``offset``...) and a
 one-line message. Secrets are never formatted into a message.
+
+The facts survive a DataLoader worker. PyTorch sends a worker's exception to the main
+process as its class and its formatted traceback, then rebuilds it as ``cls(text)``. So
+every class here can be built from a message alone, and each error adds its facts to its
+traceback as a note (``remote_loader facts: {...}``, JSON); ``cls(text)`` reads them back
+from the last such note in the text.
 """
 
 from __future__ import annotations
+
+import json
+from typing import Any
+
+_FACTS = "remote_loader facts: "
 
 
 def _rebuild(cls: type[RemoteLoaderError], message: str, state: dict[str, object]) -> RemoteLoaderError:
@@ -14,11 +25,33 @@ def _rebuild(cls: type[RemoteLoaderError], message: str, state: dict[str, object
     return error
 
 
+def _facts_in(message: str) -> dict[str, Any]:
+    """The facts of the last ``remote_loader facts:`` note in a rebuilt traceback text."""
+    at = message.rfind(_FACTS)
+    if at < 0:
+        return {}
+    line = message[at + len(_FACTS):].split("\n", 1)[0]
+    try:
+        facts = json.loads(line)
+    except ValueError:
+        return {}
+    return facts if isinstance(facts, dict) else {}
+
+
 class RemoteLoaderError(Exception):
     """Base class of every error raised by remote_loader."""
 
+    def __init__(self, message: str = "", **facts: Any) -> None:
+        super().__init__(message)
+        recovered = _facts_in(message) if facts else {}
+        for name, value in facts.items():
+            setattr(self, name, recovered.get(name) if value is None else value)
+        given = {k: v for k, v in facts.items() if v is not None}
+        if given:
+            self.__notes__ = [_FACTS + json.dumps(given, default=str)]
+
     def __reduce__(self) -> tuple[object, ...]:
-        # Keyword-only attributes survive the trip out of a worker process.
+        # Keyword-only attributes survive pickling (a process pool, a queue).
         return (_rebuild, (type(self), str(self), dict(self.__dict__)))
 
 
@@ -38,13 +71,14 @@ class StorageError(RemoteLoaderError):
         code: The store's error code (``NoSuchKey``, ``SlowDown``...), if any.
     """
 
+    bucket: str | None
+    key: str | None
+    code: str | None
+
     def __init__(
-        self, message: str, *, bucket: str | None = None, key: str | None = None, code: str | None = None
+        self, message: str = "", *, bucket: str | None = None, key: str | None = None, code: str | None = None
     ) -> None:
-        super().__init__(message)
-        self.bucket = bucket
-        self.key = key
-        self.code = code
+        super().__init__(message, bucket=bucket, key=key, code=code)
 
 
 class ObjectNotFound(StorageError):
@@ -81,9 +115,10 @@ class FormatError(RemoteLoaderError):
         name: The object (shard or manifest) the bytes came from, if known.
     """
 
-    def __init__(self, message: str, *, name: str | None = None) -> None:
-        super().__init__(message)
-        self.name = name
+    name: str | None
+
+    def __init__(self, message: str = "", *, name: str | None = None, **facts: Any) -> None:
+        super().__init__(message, name=name, **facts)
 
 
 class UnsupportedVersion(FormatError):
@@ -102,10 +137,12 @@ class CorruptSampleError(CorruptShard):
         field: The field whose bytes are corrupt.
     """
 
-    def __init__(self, message: str, *, name: str | None = None, key: str, field: str) -> None:
-        super().__init__(message, name=name)
-        self.key = key
-        self.field = field
+    key: str | None
+    field: str | None
+
+    def __init__(self, message: str = "", *, name: str | None = None, key: str | None = None,
+                 field: str | None = None) -> None:
+        super().__init__(message, name=name, key=key, field=field)
 
 
 class IndexOutOfBounds(FormatError):
@@ -113,6 +150,21 @@ class IndexOutOfBounds(FormatError):
 
 
 # --------------------------------------------------------------------------- other
+
+
+class DatasetChanged(RemoteLoaderError):
+    """The dataset was overwritten or removed while being read: its manifest changed.
+
+    Attributes:
+        bucket: The dataset's bucket.
+        key: Its manifest's key.
+    """
+
+    bucket: str | None
+    key: str | None
+
+    def __init__(self, message: str = "", *, bucket: str | None = None, key: str | None = None) -> None:
+        super().__init__(message, bucket=bucket, key=key)
 
 
 class DecodeError(RemoteLoaderError):
@@ -126,6 +178,7 @@ class UploadError(RemoteLoaderError):
         index: The index of the offending sample in the source dataset, if any.
     """
 
-    def __init__(self, message: str, *, index: int | None = None) -> None:
-        super().__init__(message)
-        self.index = index
+    index: int | None
+
+    def __init__(self, message: str = "", *, index: int | None = None) -> None:
+        super().__init__(message, index=index)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from remote_loader import LocalStore, Store, make_client
-from remote_loader.server import EmbeddedS3
+from remote_loader.testing.server import EmbeddedS3
 from tests.servers import LocalBucketServer, MotoServer, S3Target, external_target
 
 _counter = itertools.count()

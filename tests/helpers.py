@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import signal
 
-from remote_loader.synthetic import SyntheticImages
+from remote_loader.testing.synthetic import SyntheticImages
 
 
 class FlakyImages(SyntheticImages):

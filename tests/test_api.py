@@ -11,7 +11,7 @@ from remote_loader import ConfigError, StorageConfig, UploadError, make_client
 from remote_loader.storage import Boto3Store, LocalStore, MinioStore, parse_location
 
 EXPECTED = {
-    "AccessDenied", "BucketNotFound", "ConfigError", "CorruptSampleError", "CorruptShard", "DatasetReader",
+    "AccessDenied", "BucketNotFound", "ConfigError", "CorruptSampleError", "CorruptShard", "DatasetChanged", "DatasetReader",
     "DecodeError", "EndpointUnreachable", "FetchConfig", "Metrics", "RandomResizedCrop", "RemoteDataset", "RemoteMapDataset", "LocalitySampler", "FormatError", "ImageFolder", "IndexOutOfBounds", "InvalidRange",
     "LocalStore", "ObjectNotFound", "RemoteLoaderError", "StorageConfig", "StorageError", "Store",
     "TransientStorageError", "UnsupportedVersion", "UploadError", "UploadSummary", "__version__",

@@ -29,7 +29,7 @@ from remote_loader import (
 )
 from remote_loader.format import MANIFEST_NAME
 from remote_loader.pipeline.decode import decode_sample
-from remote_loader.synthetic import SyntheticImages
+from remote_loader.testing.synthetic import SyntheticImages
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "remote_loader"
 

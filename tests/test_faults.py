@@ -16,7 +16,7 @@ import pytest
 from torch.utils.data import DataLoader
 
 from remote_loader import CorruptSampleError, DatasetReader, FetchConfig, RemoteDataset, RemoteMapDataset, StorageConfig, make_client, upload_cv_dataset
-from remote_loader.synthetic import SyntheticImages
+from remote_loader.testing.synthetic import SyntheticImages
 from tests.faultproxy import FAULTS, FaultProxy
 
 FAULTY_FETCH = FetchConfig(part_size=64 * 1024, concurrency=4, max_attempts=10, backoff=0.001)

@@ -13,10 +13,10 @@ import webdataset as wds
 from torch.utils.data import DataLoader
 
 from remote_loader import CorruptShard, RemoteDataset
-from remote_loader.indexer import index_webdataset
+from remote_loader.upload.indexer import index_webdataset
 from remote_loader.pipeline.mapstyle import RemoteMapDataset
 from remote_loader.storage import Location
-from remote_loader.synthetic import SyntheticImages
+from remote_loader.testing.synthetic import SyntheticImages
 
 
 def write_wds_shards(tmp_path: Path, shards: int = 3, per_shard: int = 30) -> dict[str, dict[str, bytes]]:

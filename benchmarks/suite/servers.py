@@ -17,7 +17,7 @@ from pathlib import Path
 
 from systems import Target
 
-from remote_loader.server import EmbeddedS3, die_with_parent, free_base_port
+from remote_loader.testing.server import EmbeddedS3, free_base_port, spawn_tied
 
 BUCKET = "bench"
 
@@ -34,9 +34,8 @@ def localbucket() -> Iterator[tuple[Target, int]]:
     binary = shutil.which("localbucket", path=str(Path(sys.executable).parent)) or "localbucket"
     port = free_base_port()
     data = tempfile.mkdtemp(prefix="bench-localbucket-")
-    process = subprocess.Popen([binary, "--host", "127.0.0.1", "--port", str(port), data],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                               preexec_fn=die_with_parent)  # no orphan if the suite is killed
+    process = spawn_tied([binary, "--host", "127.0.0.1", "--port", str(port), data],  # no orphan if the suite is killed
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 30

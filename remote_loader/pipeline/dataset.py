@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import itertools
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -18,11 +19,10 @@ from remote_loader.config import FetchConfig
 from remote_loader.errors import ConfigError
 from remote_loader.pipeline import stages
 from remote_loader.pipeline.decode import decode_sample
-from remote_loader.pipeline.resume import ResumeState, consumed_per_worker
-from remote_loader.fetch import Job, Metrics
+from remote_loader.pipeline.resume import MAX_WORKERS, ResumeState, consumed_per_worker
 from remote_loader.pipeline.source import span_jobs, stream_samples, tar_jobs
 from remote_loader.pipeline.split import assign, rank_size, shard_order
-from remote_loader.reader import DatasetReader
+from remote_loader.read import DatasetReader, Job, Metrics, RetryPolicy
 from remote_loader.storage import Store, open_location
 
 Stage = Callable[[Any], Any]
@@ -36,6 +36,18 @@ def current_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+_EPOCH, _GENERATION, _APPLIED = 0, 1, 2  # slots of the shared state
+
+
+def _shared_state(epoch: int = 0) -> torch.Tensor:
+    """Counters in shared memory, made before DataLoader workers fork or spawn, so what the
+    main process sets later reaches persistent workers: the epoch, how many resume states
+    were loaded (the generation), and per worker the generation it applied."""
+    state = torch.zeros(_APPLIED + MAX_WORKERS, dtype=torch.int64)
+    state[_EPOCH] = epoch
+    return state.share_memory_()
 
 
 def _func(stage: Stage) -> Any:
@@ -61,7 +73,8 @@ class RemoteDataset(IterableDataset):
         world_size: Number of ranks; default from torch.distributed, else ``WORLD_SIZE``.
         equalize: Give every rank the same sample count by wrapping around (repeating at
             most ``world_size - 1`` samples); default on when ``world_size > 1``.
-        fetch: Part size, concurrency, prefetch byte budget and retries.
+        fetch: Part size, concurrency, prefetch byte budget and the retry policy (its
+            ``outage_deadline`` bounds how long a failing store is retried).
         verify: Check every member's crc32 (on by default). Bytes that fail are fetched
             again up to ``fetch.max_attempts`` times.
         on_error: For a sample whose bytes stay corrupt: ``"raise"`` CorruptSampleError
@@ -101,14 +114,20 @@ class RemoteDataset(IterableDataset):
             raise ConfigError("RemoteDataset needs (client, bucket, base_folder) or an s3:// URL")
         if open_shards < 1:
             raise ConfigError(f"open_shards must be >= 1, got {open_shards}")
-        self.reader = DatasetReader(client, bucket, base_folder, verify=verify)
+        self.fetch = fetch or FetchConfig()
+        self.reader = DatasetReader(client, bucket, base_folder, verify=verify, fetch=self.fetch)
         self.seed, self.shuffle_shards, self.open_shards = seed, shuffle_shards, open_shards
         self.rank, self.world_size, self.equalize = rank, world_size, equalize
-        self.fetch = fetch or FetchConfig()
-        self.epoch = 0
         self.stages: list[Stage] = []
         self.metrics = Metrics()
+        self._shared = _shared_state()
         self._resume: ResumeState | None = None
+        self._generation = 0  # of the resume state this copy holds
+
+    @property
+    def epoch(self) -> int:
+        """The epoch whose order the next iteration follows (see ``set_epoch``)."""
+        return int(self._shared[_EPOCH])
 
     def __repr__(self) -> str:
         return f"RemoteDataset({self.reader.location}, stages={len(self.stages)}, epoch={self.epoch})"
@@ -118,6 +137,9 @@ class RemoteDataset(IterableDataset):
     def _with(self, stage: Stage) -> RemoteDataset:
         clone = copy.copy(self)
         clone.stages = [*self.stages, stage]
+        clone.metrics = Metrics()
+        clone._shared = _shared_state(self.epoch)
+        clone._resume, clone._generation = None, 0
         return clone
 
     def shuffle(self, bufsize: int, initial: int | None = None) -> RemoteDataset:
@@ -163,9 +185,15 @@ class RemoteDataset(IterableDataset):
     # ------------------------------------------------------------------ epochs and sizes
 
     def set_epoch(self, epoch: int) -> None:
-        """Choose the epoch whose order the next iteration follows (a pending resume is kept
-        only for its own epoch)."""
-        self.epoch = epoch
+        """Choose the epoch whose order the next iteration follows.
+
+        It reaches DataLoader workers too, persistent ones included (the epoch lives in
+        shared memory). A loaded resume state applies to the first iteration of its own
+        epoch only.
+        """
+        if type(epoch) is not int or epoch < 0:
+            raise ConfigError(f"epoch must be an integer >= 0, got {epoch!r}")
+        self._shared[_EPOCH] = epoch
         if self._resume is not None and self._resume.epoch != epoch:
             self._resume = None
 
@@ -179,10 +207,10 @@ class RemoteDataset(IterableDataset):
         rank, world_size, equalize = self._split()
         return rank_size(self.reader.manifest.num_samples, rank, world_size, equalize)
 
-    def _spans(self, worker: int, num_workers: int) -> list[Any]:
+    def _spans(self, worker: int, num_workers: int, epoch: int | None = None) -> list[Any]:
         rank, world_size, equalize = self._split()
         counts = [s.samples for s in self.reader.manifest.shards]
-        return assign(counts, seed=self.seed, epoch=self.epoch, rank=rank, world_size=world_size, worker=worker,
+        return assign(counts, seed=self.seed, epoch=self.epoch if epoch is None else epoch, rank=rank, world_size=world_size, worker=worker,
                       num_workers=num_workers, shuffle=self.shuffle_shards, equalize=equalize)
 
     # ------------------------------------------------------------------ resume
@@ -229,24 +257,49 @@ class RemoteDataset(IterableDataset):
         resume = ResumeState.from_dict(state)
         if resume.seed != self.seed:
             raise ConfigError(f"state was saved with seed {resume.seed}, this dataset has seed {self.seed}")
+        _, per_item = self._skip_point()
+        self._shared[_EPOCH] = resume.epoch
+        for worker, skip in enumerate(resume.skip):
+            samples = sum(len(s) for s in self._spans(worker, resume.num_workers))
+            if skip > -(-samples // per_item) * per_item:
+                raise ConfigError(f"state skips {skip} samples of worker {worker}, which has {samples} in epoch"
+                                  f" {resume.epoch}: it was saved for another dataset or split")
         self._resume = resume
-        self.epoch = resume.epoch
+        self._shared[_GENERATION] += 1
+        self._generation = int(self._shared[_GENERATION])
 
     # ------------------------------------------------------------------ iteration
+
+    def _take_skip(self, epoch: int, worker: int, num_workers: int) -> int:
+        """Samples this worker skips: its count of a loaded state, at the first iteration of
+        the state's epoch only (the shared record of applied states makes it once per load)."""
+        resume = self._resume
+        if resume is None:
+            return 0
+        generation = int(self._shared[_GENERATION])
+        if generation != self._generation:
+            raise ConfigError("load_state_dict was called after this DataLoader's persistent workers started;"
+                              " load the state before the first epoch, or create a new DataLoader")
+        if resume.epoch != epoch or int(self._shared[_APPLIED + worker]) >= generation:
+            return 0
+        if resume.num_workers != num_workers:
+            raise ConfigError(f"state was saved with {resume.num_workers} workers; this run has {num_workers}")
+        self._shared[_APPLIED + worker] = generation
+        return resume.skip[worker]
 
     def __iter__(self) -> Iterator[Any]:
         rank, _, _ = self._split()
         info = get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info else (0, 1)
-        skip = 0
-        if self._resume is not None and self._resume.epoch == self.epoch:
-            if self._resume.num_workers != num_workers:
-                raise ConfigError(f"state was saved with {self._resume.num_workers} workers; this run has {num_workers}")
-            skip = self._resume.skip[worker]
-        seed = (self.seed, self.epoch, rank, worker)
-        jobs = self._jobs(worker, num_workers, resuming=bool(skip))
-        data: Any = stream_samples(self.reader, jobs, config=self.fetch, metrics=self.metrics,
-                                   open_shards=self.open_shards, seed=(*seed, 1), on_error=self.on_error)
+        if num_workers > MAX_WORKERS:
+            raise ConfigError(f"RemoteDataset supports up to {MAX_WORKERS} DataLoader workers, got {num_workers}")
+        epoch = self.epoch  # once: the main process may set the next one while this runs
+        skip = self._take_skip(epoch, worker, num_workers)
+        seed = (self.seed, epoch, rank, worker)
+        policy = self.reader.policy(self.metrics, cancel=threading.Event())
+        jobs = self._jobs(epoch, worker, num_workers, policy, resuming=bool(skip))
+        data: Any = stream_samples(self.reader, jobs, policy=policy, open_shards=self.open_shards, seed=(*seed, 1),
+                                   on_error=self.on_error)
         skip_after = self._skip_point()[0] if skip else -1
         for position, stage in enumerate(self.stages):
             if position == skip_after:
@@ -258,11 +311,11 @@ class RemoteDataset(IterableDataset):
             data = itertools.islice(data, skip, None)
         yield from self._timed(data)
 
-    def _jobs(self, worker: int, num_workers: int, *, resuming: bool) -> list[Job]:
+    def _jobs(self, epoch: int, worker: int, num_workers: int, policy: RetryPolicy, *, resuming: bool) -> list[Job]:
         """What this worker fetches: its spans, or for plain WebDataset tars without a
         manifest, whole tars dealt round-robin to ranks x workers in the epoch's order."""
         if self.reader.has_manifest():
-            return span_jobs(self.reader, self._spans(worker, num_workers), self.fetch, self.metrics, self.open_shards)
+            return span_jobs(self.reader, self._spans(worker, num_workers, epoch), policy, self.open_shards, self.on_error)
         tars = self.reader.list_tars()
         if not tars:
             self.reader.manifest  # raises ObjectNotFound naming the missing manifest
@@ -270,7 +323,7 @@ class RemoteDataset(IterableDataset):
             raise ConfigError("resume needs an indexed dataset: run remote-loader index on it")
         rank, world_size, _ = self._split()
         slots, slot = world_size * num_workers, rank * num_workers + worker
-        order = shard_order(len(tars), self.seed, self.epoch, self.shuffle_shards)
+        order = shard_order(len(tars), self.seed, epoch, self.shuffle_shards)
         return tar_jobs(self.reader, [tars[k] for position, k in enumerate(order) if position % slots == slot])
 
     def _timed(self, data: Iterator[Any]) -> Iterator[Any]:

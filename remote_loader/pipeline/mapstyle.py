@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -10,11 +11,10 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from remote_loader.config import FetchConfig
-from remote_loader.errors import ConfigError, CorruptSampleError
-from remote_loader.fetch import Metrics, fetch_range
-from remote_loader.format import Sample, ShardIndex, ShardView
-from remote_loader.pipeline.source import IndexCache
-from remote_loader.reader import DatasetReader
+from remote_loader.errors import ConfigError
+from remote_loader.format import Sample, ShardIndex
+from remote_loader.read import DatasetReader, Metrics
+from remote_loader.read.shards import IndexCache, read_run
 from remote_loader.storage import Store, open_location
 
 
@@ -36,7 +36,7 @@ class RemoteMapDataset(Dataset):
         transform: Applied to each sample dict.
         cache_shards: Shard indexes kept in memory.
         merge_gap: Largest gap in bytes bridged when merging ranges of one shard.
-        fetch: Retries and concurrency (``concurrency`` GETs at once for a batch).
+        fetch: The retry policy and concurrency (``concurrency`` GETs at once for a batch).
         verify: Check member crc32s.
         **connection: ``endpoint_url``, ``access_key``, ... with a URL.
     """
@@ -61,20 +61,28 @@ class RemoteMapDataset(Dataset):
             raise ConfigError("RemoteMapDataset needs (client, bucket, base_folder) or an s3:// URL")
         if cache_shards < 1 or merge_gap < 0:
             raise ConfigError("cache_shards must be >= 1 and merge_gap >= 0")
-        self.reader = DatasetReader(client, bucket, base_folder, verify=verify)
-        self.transform, self.cache_shards, self.merge_gap = transform, cache_shards, merge_gap
         self.fetch = fetch or FetchConfig()
+        self.reader = DatasetReader(client, bucket, base_folder, verify=verify, fetch=self.fetch)
+        self.transform, self.cache_shards, self.merge_gap = transform, cache_shards, merge_gap
         self.metrics = Metrics()
         self._ends = np.cumsum([s.samples for s in self.reader.manifest.shards], dtype=np.int64)
         self._reset()
 
     def _reset(self) -> None:
-        self._indexes = IndexCache(self.reader, self.fetch, self.metrics, keep=self.cache_shards)
+        """Per-process state: a forked child must not use the parent's pool (its threads
+        do not exist there) nor a lock a parent thread may have held at the fork."""
+        self._pid = os.getpid()
+        self._policy = self.reader.policy(self.metrics)
+        self._indexes = IndexCache(self.reader, self._policy, keep=self.cache_shards)
         self._pool: ThreadPoolExecutor | None = None
+
+    def _own(self) -> None:
+        if self._pid != os.getpid():
+            self._reset()
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for name in ("_indexes", "_pool"):
+        for name in ("_indexes", "_pool", "_policy", "_pid"):
             state.pop(name)
         return state
 
@@ -98,27 +106,13 @@ class RemoteMapDataset(Dataset):
         return shard, i - (int(self._ends[shard - 1]) if shard else 0)
 
     def _index(self, shard: int) -> ShardIndex:
+        self._own()
         return self._indexes.get(shard)
 
     def _fetch_run(self, shard: int, positions: list[int]) -> list[Sample]:
         """One GET covering samples ``positions`` (sorted) of one shard; fetched again if its
         bytes fail their checksums, up to ``fetch.max_attempts``."""
-        index = self._index(shard)
-        entry = self.reader.manifest.shards[shard]
-        start, end = index.start(positions[0], positions[-1] + 1), index.extent(positions[0], positions[-1] + 1)
-        key = self.reader.location.key(entry.name)
-        for attempt in range(1, self.fetch.max_attempts + 1):
-            data = fetch_range(self.reader.client, self.reader.location.bucket, key, start, end, self.fetch, self.metrics)
-            view = ShardView(data, index, name=entry.name, verify=self.reader.verify, base=start,
-                             first=positions[0], stop=positions[-1] + 1)
-            try:
-                return [{k: bytes(v) if isinstance(v, memoryview) else v for k, v in view.sample(j).items()}
-                        for j in positions]
-            except CorruptSampleError:
-                if attempt == self.fetch.max_attempts:
-                    raise
-                self.metrics.add(retries=1)
-        raise AssertionError("unreachable")
+        return read_run(self.reader, shard, self._index(shard), positions, self._policy)
 
     def _runs(self, located: list[tuple[int, int]]) -> list[tuple[int, list[int]]]:
         """Group sample positions into runs of one shard whose byte ranges lie within ``merge_gap``."""
@@ -150,6 +144,7 @@ class RemoteMapDataset(Dataset):
         """Fetch a batch: samples of one shard close together share a GET; runs go in parallel."""
         located = [self.locate(int(i)) for i in indices]
         runs = self._runs(located)
+        self._own()
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.fetch.concurrency, thread_name_prefix="remote-loader-map")
         fetched: dict[tuple[int, int], Sample] = {}
@@ -159,6 +154,6 @@ class RemoteMapDataset(Dataset):
 
     def close(self) -> None:
         """End the batch-fetching threads of this process."""
-        if self._pool is not None:
+        if self._pool is not None and self._pid == os.getpid():
             self._pool.shutdown()
             self._pool = None

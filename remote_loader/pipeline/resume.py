@@ -8,13 +8,22 @@ fixes each worker's count.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from remote_loader.errors import ConfigError
 
 STATE_VERSION = 1
+MAX_WORKERS = 1024
+"""Most DataLoader workers a state may name (a bound on what a state dict may allocate)."""
+
+
+def _count(state: Mapping[str, Any], name: str, low: int = 0, high: int = 2**62) -> int:
+    value = state.get(name)
+    if type(value) is not int or not low <= value <= high:  # bool, float and str are refused too
+        raise ConfigError(f"RemoteDataset state field {name!r} must be an integer in {low}..{high}, got {value!r}")
+    return value
 
 
 def consumed_per_worker(items: Sequence[int], consumed: int) -> list[int]:
@@ -49,13 +58,20 @@ class ResumeState:
         return {"version": STATE_VERSION, **asdict(self)}
 
     @classmethod
-    def from_dict(cls, state: dict[str, Any]) -> ResumeState:
-        try:
-            if state["version"] != STATE_VERSION:
-                raise ConfigError(f"loader state version {state['version']} is not {STATE_VERSION}")
-            resume = cls(int(state["epoch"]), int(state["seed"]), int(state["num_workers"]), [int(s) for s in state["skip"]])
-        except (KeyError, TypeError, ValueError):
-            raise ConfigError("not a RemoteDataset state_dict") from None
-        if len(resume.skip) != resume.num_workers:
-            raise ConfigError("loader state lists a count per worker; their number differs from num_workers")
-        return resume
+    def from_dict(cls, state: Any) -> ResumeState:
+        """Check every field's type and range; raise ConfigError naming the first bad one."""
+        if not isinstance(state, Mapping):
+            raise ConfigError(f"a RemoteDataset state_dict is a dict, got {type(state).__name__}")
+        missing = [k for k in ("version", "epoch", "seed", "num_workers", "skip") if k not in state]
+        if missing:
+            raise ConfigError(f"not a RemoteDataset state_dict: it lacks {', '.join(missing)}")
+        if state["version"] != STATE_VERSION:
+            raise ConfigError(f"RemoteDataset state version {state['version']!r} is not {STATE_VERSION}")
+        epoch = _count(state, "epoch")
+        seed = _count(state, "seed", -(2**63), 2**64 - 1)
+        num_workers = _count(state, "num_workers", 1, MAX_WORKERS)
+        skip = state["skip"]
+        if not isinstance(skip, (list, tuple)) or len(skip) != num_workers:
+            raise ConfigError(f"RemoteDataset state field 'skip' must list one count per worker ({num_workers})")
+        counts = [_count({f"skip[{w}]": n}, f"skip[{w}]") for w, n in enumerate(skip)]
+        return cls(epoch, seed, num_workers, counts)

@@ -167,6 +167,11 @@ class Store(ABC):
         self._client: Any = None
         self._pid = -1
 
+    @property
+    def endpoint(self) -> str:
+        """Where the store is, for messages (never with credentials)."""
+        return type(self).__name__
+
     def _sdk(self) -> Any:
         """Return this process's SDK client, creating it on first use after a fork or unpickle.
 

@@ -28,6 +28,10 @@ class LocalStore(Store):
         super().__init__()
         self.root = Path(root).resolve()
 
+    @property
+    def endpoint(self) -> str:
+        return f"file://{self.root}"
+
     def __repr__(self) -> str:
         return f"LocalStore(root={str(self.root)!r})"
 

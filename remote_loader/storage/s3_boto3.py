@@ -50,6 +50,10 @@ class Boto3Store(RangedStore):
         super().__init__()
         self.config = config
 
+    @property
+    def endpoint(self) -> str:
+        return self.config.endpoint_url or "AWS S3"
+
     def __repr__(self) -> str:
         return f"Boto3Store(endpoint_url={self.config.endpoint_url!r}, region={self.config.region!r})"
 
@@ -63,7 +67,7 @@ class Boto3Store(RangedStore):
             aws_session_token=c.session_token,
             region_name=c.region,
             config=Config(
-                retries={"max_attempts": c.max_attempts, "mode": "standard"},
+                retries={"total_max_attempts": c.max_attempts, "mode": "standard"},  # 1: our policy retries
                 connect_timeout=c.connect_timeout,
                 read_timeout=c.read_timeout,
                 max_pool_connections=c.max_connections,

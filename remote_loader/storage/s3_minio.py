@@ -39,6 +39,10 @@ class MinioStore(RangedStore):
             raise ConfigError("the minio backend needs an endpoint URL (AWS_ENDPOINT_URL or MINIO_ENDPOINT)")
         self.config = config
 
+    @property
+    def endpoint(self) -> str:
+        return self.config.endpoint_url or ""
+
     def __repr__(self) -> str:
         return f"MinioStore(endpoint_url={self.config.endpoint_url!r}, region={self.config.region!r})"
 

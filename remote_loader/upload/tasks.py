@@ -14,9 +14,11 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from remote_loader.config import FetchConfig
 from remote_loader.errors import RemoteLoaderError, UploadError
 from remote_loader.format import ShardEntry, ShardWriter
 from remote_loader.format.index import require, unpack
+from remote_loader.read import Metrics, RetryPolicy
 from remote_loader.storage import Location, ObjectWriter, Store
 from remote_loader.upload.encode import EncodeOptions, encode_item
 from remote_loader.upload.sources import is_file_backed
@@ -36,9 +38,13 @@ def init_worker(dataset: Any, progress: Any) -> None:
     _worker_dataset, _worker_progress = dataset, progress
 
 
-def shard_name(task_id: int, part: int) -> str:
-    """Object name (relative to the dataset folder) of part ``part`` of task ``task_id``."""
-    return f"shard-{task_id:06d}-{part:03d}.tar"
+def shard_name(run: str, task_id: int, part: int) -> str:
+    """Object name (relative to the dataset folder) of part ``part`` of task ``task_id``.
+
+    ``run`` identifies the upload: shards of a new upload never take the names of a
+    dataset still in place, so an overwrite writes beside the old dataset.
+    """
+    return f"shard-{run}-{task_id:06d}-{part:03d}.tar"
 
 
 def task_record_key(location: Location, task_id: int) -> str:
@@ -58,6 +64,8 @@ class TaskSpec:
     on_error: str
     part_size: int
     key_width: int
+    run: str
+    fetch: FetchConfig = field(default_factory=FetchConfig)
 
 
 @dataclass
@@ -125,7 +133,7 @@ class _ShardSequence:
         ):
             self.close()
         if self._shard is None:
-            name = shard_name(self.task_id, len(self.entries))
+            name = shard_name(spec.run, self.task_id, len(self.entries))
             self._upload = spec.store.open_writer(spec.location.bucket, spec.location.key(name), part_size=spec.part_size)
             self._shard = ShardWriter(self._upload.write)
         if self._shard.projected_size(key, fields) > spec.maxsize:
@@ -141,7 +149,7 @@ class _ShardSequence:
             return
         summary = self._shard.close()
         self._upload.commit()
-        self.entries.append(ShardEntry.from_summary(shard_name(self.task_id, len(self.entries)), summary))
+        self.entries.append(ShardEntry.from_summary(shard_name(self.spec.run, self.task_id, len(self.entries)), summary))
         self._shard = self._upload = None
 
     def abort(self) -> None:
@@ -160,6 +168,12 @@ def write_task(spec: TaskSpec, task_id: int, indices: Sequence[int] | np.ndarray
         dataset: The dataset; None in a pool whose initializer already set it.
     """
     dataset = _worker_dataset if dataset is None else dataset
+    policy = RetryPolicy(spec.fetch, Metrics(), spec.store.endpoint)
+    # The whole task is the unit of retry: its shards are rewritten under the same names.
+    return policy.call(lambda: _write_task(spec, task_id, indices, dataset))
+
+
+def _write_task(spec: TaskSpec, task_id: int, indices: Sequence[int] | np.ndarray, dataset: Any) -> TaskResult:
     result = TaskResult(task_id=task_id, entries=[])
     shards = _ShardSequence(spec, task_id)
     pending_samples = pending_bytes = 0
@@ -168,14 +182,14 @@ def write_task(spec: TaskSpec, task_id: int, indices: Sequence[int] | np.ndarray
             index = int(raw_index)
             try:
                 fields = encode_item(read_item(dataset, index), spec.options, index)
+                if fields:
+                    shards.add(f"{index:0{spec.key_width}d}", fields, index)
             except UploadError as exc:
                 if spec.on_error != "skip":
                     raise
                 result.skipped.append(index)
                 result.reasons.append(str(exc))
                 fields = {}
-            if fields:
-                shards.add(f"{index:0{spec.key_width}d}", fields, index)
             pending_samples += 1
             pending_bytes += sum(len(v) for v in fields.values())
             if pending_samples >= _REPORT_EVERY and _worker_progress is not None:

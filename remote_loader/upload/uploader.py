@@ -12,6 +12,7 @@ import logging
 import multiprocessing
 import os
 import queue
+import secrets
 import time
 from collections.abc import Iterable
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, wait
@@ -31,8 +32,9 @@ from remote_loader.storage import DEFAULT_PART_SIZE, Location, Store
 from remote_loader.upload import tasks
 from remote_loader.upload.encode import EncodeOptions, encode_item
 
-log = logging.getLogger(__name__)
 from remote_loader.upload.tasks import STATE_DIR, TaskResult, TaskSpec, write_task
+
+log = logging.getLogger("remote_loader")
 
 _STATE = f"{STATE_DIR}/state.msgpack"
 _ESTIMATE_SAMPLES = 16
@@ -50,6 +52,7 @@ class UploadSummary:
         skipped: Source samples skipped by ``on_error="skip"``.
         seconds: Wall time of this call.
         kept_shards: Shards found complete from an earlier, interrupted run and kept.
+        skip_reasons: Why samples were skipped, one line each (the first 100).
     """
 
     location: Location
@@ -59,6 +62,7 @@ class UploadSummary:
     skipped: int
     seconds: float
     kept_shards: int = 0
+    skip_reasons: tuple[str, ...] = ()
 
     @property
     def mb_per_s(self) -> float:
@@ -74,7 +78,7 @@ class UploadSummary:
             f"uploaded {self.samples} samples in {self.shards} shards ({self.bytes / 1e6:.1f} MB) to {self.location}"
             f" in {self.seconds:.1f} s: {self.samples_per_s:.0f} samples/s, {self.mb_per_s:.1f} MB/s;"
             f" skipped {self.skipped}{kept}"
-        )
+        ) + "".join(f"\n  skipped: {reason}" for reason in self.skip_reasons[:10])
 
 
 class _BarProgress:
@@ -134,10 +138,13 @@ def _kept_results(store: Store, location: Location, num_tasks: int) -> dict[int,
     return kept
 
 
-def _clear_state(store: Store, location: Location, *, shards_too: bool) -> None:
+def _clear_state(store: Store, location: Location, *, keep_shards: set[str] | None = None) -> None:
+    """Delete the upload state; with ``keep_shards``, also every shard object not in it (the
+    replaced dataset's, or an abandoned upload's), after the new manifest is in place."""
     for info in list(store.list(location.bucket, location.key(""))):
         name = info.key[len(location.key("")) :]
-        if name.startswith(f"{STATE_DIR}/") or (shards_too and name.startswith("shard-")):
+        stale_shard = keep_shards is not None and name.startswith("shard-") and name not in keep_shards
+        if name.startswith(f"{STATE_DIR}/") or stale_shard:
             store.delete(location.bucket, info.key)
 
 
@@ -237,7 +244,9 @@ def upload_cv_dataset(
         executor: Run tasks here instead of a new process pool (a Dask ``Client``'s
             executor, say); the dataset is then sent with every task.
         part_size: Multipart part size in bytes.
-        overwrite: Replace a dataset uploaded there with other parameters.
+        overwrite: Replace a dataset uploaded there. The new shards are written beside
+            the old dataset, the manifest is switched in one PUT, and only then are the
+            old shards deleted: a failed overwrite leaves the old dataset readable.
         progress: Show a progress bar.
 
     Returns:
@@ -274,16 +283,17 @@ def upload_cv_dataset(
                                  existing.skipped, time.perf_counter() - started, kept_shards=len(existing.shards))
         if not overwrite:
             raise UploadError(f"{location} already holds a dataset uploaded with other parameters; pass overwrite=True")
-        client.delete(bucket, location.key(MANIFEST_NAME))
 
     order = np.random.default_rng(seed).permutation(num) if shuffle else np.arange(num)
     state = _read_msgpack(client, bucket, location.key(_STATE))
-    if isinstance(state, dict) and state.get("params") == params and isinstance(state.get("task_size"), int):
-        task_size = state["task_size"]
+    if (isinstance(state, dict) and state.get("params") == params and isinstance(state.get("task_size"), int)
+            and isinstance(state.get("run"), str)):
+        task_size, run = state["task_size"], state["run"]
     else:
-        _clear_state(client, location, shards_too=True)
+        _clear_state(client, location)
         task_size = _plan_task_size(ds, order, options, int(maxsize), int(maxcount))
-        client.put(bucket, location.key(_STATE), msgpack.packb({"params": params, "task_size": task_size}))
+        run = secrets.token_hex(4)
+        client.put(bucket, location.key(_STATE), msgpack.packb({"params": params, "task_size": task_size, "run": run}))
     try:
         client.abort_uploads(bucket, location.key(""))
     except StorageError as exc:
@@ -293,7 +303,8 @@ def upload_cv_dataset(
 
     num_tasks = -(-num // task_size)
     kept = _kept_results(client, location, num_tasks)
-    spec = TaskSpec(client, location, options, int(maxsize), int(maxcount), on_error, part_size, max(6, len(str(num - 1))))
+    spec = TaskSpec(client, location, options, int(maxsize), int(maxcount), on_error, part_size,
+                    max(6, len(str(num - 1))), run)
     pending = [(t, order[t * task_size : (t + 1) * task_size]) for t in range(num_tasks) if t not in kept]
     done_samples = sum(sum(e.samples for e in r.entries) + len(r.skipped) for r in kept.values())
     with tqdm(total=num, initial=done_samples, unit="img", disable=not progress, desc="upload") as bar:
@@ -301,6 +312,9 @@ def upload_cv_dataset(
     by_task = {**kept, **{r.task_id: r for r in results}}
     entries: list[ShardEntry] = [e for t in sorted(by_task) for e in by_task[t].entries]
     skipped = sorted(i for r in by_task.values() for i in r.skipped)
+    reasons = tuple(reason for t in sorted(by_task) for reason in by_task[t].reasons)[:100]
+    for reason in reasons:
+        log.warning("upload to %s skipped a sample: %s", location, reason)
     if not entries:
         raise UploadError(f"every sample was skipped ({len(skipped)}); nothing to upload")
     manifest = Manifest(
@@ -308,17 +322,18 @@ def upload_cv_dataset(
         fields=tuple(sorted({f for r in by_task.values() for f in r.fields})),
         params={
             "upload": params,
+            "upload_id": run,
             "classes": _class_names(ds),
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         },
         skipped=len(skipped),
         skipped_indices=tuple(skipped),
     )
-    client.put(bucket, location.key(MANIFEST_NAME), manifest.encode())
-    _clear_state(client, location, shards_too=False)
+    client.put(bucket, location.key(MANIFEST_NAME), manifest.encode())  # the switch: readers see old or new
+    _clear_state(client, location, keep_shards={e.name for e in entries})
     kept_shards = sum(len(r.entries) for r in kept.values())
     return UploadSummary(location, manifest.num_samples, len(entries), manifest.num_bytes, len(skipped),
-                         time.perf_counter() - started, kept_shards=kept_shards)
+                         time.perf_counter() - started, kept_shards=kept_shards, skip_reasons=reasons)
 
 
 def _class_names(ds: Any) -> list[str]:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from remote_loader import DatasetReader, upload_cv_dataset
-from remote_loader.synthetic import SyntheticImages
+from remote_loader.testing.synthetic import SyntheticImages
 
 SCRIPT = Path(sys.executable).with_name("remote-loader")
 
@@ -61,20 +61,24 @@ def test_upload_info_ls_verify(env, s3, image_folder):
         assert all(bytes(s.get("jpg", s.get("png"))) in sources for s in view)
 
 
-def test_verify_names_a_corrupt_shard_and_fails(env, s3, image_folder):
+def test_verify_names_every_bad_shard_and_fails(env, s3, image_folder):
     client, bucket = s3
     tree, _ = image_folder
     url = f"s3://{bucket}/corrupt"
     run(env, "upload", str(tree), url, "--maxcount", "12", "--workers", "0", "--quiet")
-    name = "corrupt/shard-000001-000.tar"
-    data = bytearray(client.get(bucket, name))
+    names = [e.name for e in DatasetReader(client, bucket, "corrupt").manifest.shards]
+    assert len(names) == 4
+    client.delete(bucket, f"corrupt/{names[0]}")  # a missing shard does not stop the check
+    data = bytearray(client.get(bucket, f"corrupt/{names[1]}"))
     data[1500] ^= 0x01  # inside the first member's data
-    client.put(bucket, name, bytes(data))
+    client.put(bucket, f"corrupt/{names[1]}", bytes(data))
+    client.delete(bucket, f"corrupt/{names[3]}")
     result = run(env, "verify", url, "--json", check=False)
     assert result.returncode == 1
     report = json.loads(result.stdout)
-    assert [b["name"] for b in report["bad"]] == ["shard-000001-000.tar"]
-    assert any("crc32" in p for p in report["bad"][0]["problems"])
+    assert [b["name"] for b in report["bad"]] == [names[0], names[1], names[3]]
+    assert report["bad"][0]["problems"] == ["the shard object is missing"]
+    assert any("crc32" in p for p in report["bad"][1]["problems"])
 
 
 def test_errors_are_one_line_and_never_show_the_secret(env, s3):
@@ -91,7 +95,7 @@ def test_errors_are_one_line_and_never_show_the_secret(env, s3):
 
 def test_upload_from_module_function_to_a_local_directory(tmp_path):
     (tmp_path / "mydata.py").write_text(
-        "from remote_loader.synthetic import SyntheticImages\n"
+        "from remote_loader.testing.synthetic import SyntheticImages\n"
         "def make():\n    return SyntheticImages(12, size=(32, 24))\n"
     )
     dest = tmp_path / "store" / "bucket" / "ds"

@@ -8,7 +8,7 @@ import torch
 
 from remote_loader.errors import DecodeError
 from remote_loader.pipeline.augment import RandomResizedCrop
-from remote_loader.synthetic import SyntheticImages
+from remote_loader.testing.synthetic import SyntheticImages
 
 
 def psnr(a: torch.Tensor, b: torch.Tensor) -> float:

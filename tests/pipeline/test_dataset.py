@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 from remote_loader import ConfigError, DatasetReader, upload_cv_dataset
 from remote_loader.config import FetchConfig
 from remote_loader.pipeline.dataset import RemoteDataset
-from remote_loader.synthetic import SyntheticImages
+from remote_loader.testing.synthetic import SyntheticImages
 
 
 @pytest.fixture(scope="module")

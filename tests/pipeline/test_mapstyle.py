@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from remote_loader import RemoteDataset, upload_cv_dataset
 from remote_loader.pipeline.mapstyle import RemoteMapDataset
 from remote_loader.pipeline.sampler import LocalitySampler
-from remote_loader.synthetic import SyntheticImages
+from remote_loader.testing.synthetic import SyntheticImages
 
 N = 500
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -19,7 +20,7 @@ from PIL import Image
 
 from remote_loader import ConfigError, DatasetReader, UploadError, make_client, upload_cv_dataset
 from remote_loader.format import INDEX_MEMBER
-from remote_loader.synthetic import SyntheticImages
+from remote_loader.testing.synthetic import SyntheticImages
 from tests.helpers import FlakyImages
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -86,8 +87,8 @@ def test_same_seed_same_shards_other_seed_other_order(s3):
     keys = {f: [s["__key__"] for s in DatasetReader(client, bucket, f)] for f in "abc"}
     assert keys["a"] == keys["b"] != keys["c"]
     assert sorted(keys["a"]) == sorted(keys["c"])
-    shard = "shard-000000-000.tar"
-    assert client.get(bucket, f"a/{shard}") == client.get(bucket, f"b/{shard}")
+    first = {f: DatasetReader(client, bucket, f).manifest.shards[0].name for f in "ab"}
+    assert client.get(bucket, f"a/{first['a']}") == client.get(bucket, f"b/{first['b']}")
 
 
 def test_bad_sample_raises_naming_its_index(s3):
@@ -155,13 +156,13 @@ def test_rerun_keeps_a_finished_dataset_and_refuses_other_parameters(s3):
     assert again.kept_shards == first.shards == 3
     with pytest.raises(UploadError, match="other parameters"):
         upload_cv_dataset(ds, client=client, bucket=bucket, base_folder="re", maxcount=15, workers=0, progress=False)
+    old = {s.name for s in DatasetReader(client, bucket, "re").manifest.shards}
     replaced = upload_cv_dataset(ds, client=client, bucket=bucket, base_folder="re", maxcount=15, workers=0, overwrite=True, progress=False)
     assert replaced.shards == 2
-    assert sorted(o.key for o in client.list(bucket, "re/")) == [
-        "re/manifest.msgpack",
-        "re/shard-000000-000.tar",
-        "re/shard-000001-000.tar",
-    ]
+    names = [s.name for s in DatasetReader(client, bucket, "re").manifest.shards]
+    assert len(names) == 2 and not set(names) & old  # written beside the old dataset, never over it
+    # The old dataset's shards are gone once the new manifest is in place; only the new ones remain.
+    assert sorted(o.key for o in client.list(bucket, "re/")) == sorted(["re/manifest.msgpack", *(f"re/{n}" for n in names)])
 
 
 def test_upload_killed_mid_shard_resumes(seaweed, s3, tmp_path):
@@ -195,7 +196,7 @@ def test_upload_killed_mid_shard_resumes(seaweed, s3, tmp_path):
         aws_secret_access_key=seaweed.secret_key, region_name="us-east-1",
     )
     unfinished = raw.list_multipart_uploads(Bucket=bucket, Prefix="killed/").get("Uploads", [])
-    assert [u["Key"] for u in unfinished] == ["killed/shard-000003-000.tar"]
+    assert len(unfinished) == 1 and re.fullmatch(r"killed/shard-[0-9a-f]{8}-000003-000\.tar", unfinished[0]["Key"])
 
     summary = upload_cv_dataset(
         ds, client=client, bucket=bucket, base_folder="killed", maxcount=per_shard, maxsize=1e9, workers=2,

@@ -8,101 +8,48 @@ from __future__ import annotations
 
 import bisect
 import heapq
-import random
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Generator, Iterable
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
 
 import numpy as np
 
-from remote_loader.config import FetchConfig
-from remote_loader.errors import TransientStorageError
+from remote_loader.read.retry import Cancelled, RetryPolicy
 from remote_loader.storage import Store
 
 T = TypeVar("T")
 
-
-@dataclass
-class Metrics:
-    """Counters of one process's loading; ``as_dict()`` gives a snapshot.
-
-    Attributes:
-        gets: GET requests made (ranged parts and indexes), retries included.
-        bytes: Bytes received.
-        retries: Requests repeated after a transient fault.
-        wait_seconds: Time the consumer waited for storage.
-        user_seconds: Time spent in the pipeline's stages (decode, user code).
-        samples: Samples produced by the source.
-        skipped: Samples skipped because their bytes stayed corrupt (``on_error="skip"``).
-        peak_buffered: Most shard bytes held at once (in flight or unread).
-    """
-
-    gets: int = 0
-    bytes: int = 0
-    retries: int = 0
-    wait_seconds: float = 0.0
-    user_seconds: float = 0.0
-    samples: int = 0
-    skipped: int = 0
-    peak_buffered: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-
-    def add(self, **counts: float) -> None:
-        with self._lock:
-            for name, value in counts.items():
-                setattr(self, name, getattr(self, name) + value)
-
-    def as_dict(self) -> dict[str, float]:
-        with self._lock:
-            return {k: v for k, v in vars(self).items() if not k.startswith("_")}
-
-    def __getstate__(self) -> dict[str, Any]:
-        return self.as_dict()
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(**state)  # type: ignore[misc]
+_POLL = 0.5  # longest single wait: every wait re-checks whether the fetcher failed or closed
+_CLOSE_WITHIN = 1.0  # close() waits this long for threads; one stuck in a GET is left to its timeout
 
 
-def with_retries(call: Callable[[], T], config: FetchConfig, metrics: Metrics) -> T:
-    """Run ``call``; on a transient storage fault retry with exponential backoff and full jitter."""
-    for attempt in range(1, config.max_attempts + 1):
-        try:
-            return call()
-        except TransientStorageError:
-            if attempt == config.max_attempts:
-                raise
-            metrics.add(retries=1)
-            time.sleep(random.uniform(0, config.backoff * 2 ** (attempt - 1)))  # backoff between attempts
-    raise AssertionError("unreachable")
-
-
-def fetch_range(store: Store, bucket: str, key: str, start: int, end: int, config: FetchConfig, metrics: Metrics) -> bytes:
-    """One ranged GET with retries, counted in ``metrics``."""
+def fetch_range(store: Store, bucket: str, key: str, start: int, end: int, policy: RetryPolicy) -> bytes:
+    """One ranged GET under the retry policy, counted in its metrics."""
 
     def call() -> bytes:
-        metrics.add(gets=1)
+        policy.metrics.add(gets=1)
         return store.get_range(bucket, key, start, end)
 
-    data = with_retries(call, config, metrics)
-    metrics.add(bytes=len(data))
+    data = policy.call(call, bucket=bucket, key=key)
+    policy.metrics.add(bytes=len(data))
     return data
 
 
-def fetch_range_into(store: Store, bucket: str, key: str, start: int, end: int, out: memoryview, config: FetchConfig,
-                     metrics: Metrics) -> None:
-    """One ranged GET received into ``out``, with retries, counted in ``metrics``."""
+def fetch_range_into(store: Store, bucket: str, key: str, start: int, end: int, out: memoryview,
+                     policy: RetryPolicy) -> None:
+    """One ranged GET received into ``out``, under the retry policy, counted in its metrics."""
 
     def call() -> None:
-        metrics.add(gets=1)
+        policy.metrics.add(gets=1)
         store.get_range_into(bucket, key, start, end, out)
 
-    with_retries(call, config, metrics)
-    metrics.add(bytes=end - start)
+    policy.call(call, bucket=bucket, key=key)
+    policy.metrics.add(bytes=end - start)
 
 
 @dataclass
@@ -119,7 +66,7 @@ class Fetched:
 
     The consumer may read a prefix of the range as soon as it has arrived: ``wait(upto)``
     blocks until bytes ``[start, upto)`` are in ``buffer`` (all of them by default) and
-    raises the error of a part it needed that failed.
+    raises the error of a part it needed that failed, or the fetcher's own failure.
     """
 
     key: str
@@ -132,6 +79,8 @@ class Fetched:
     errors: list[BaseException | None] = field(default_factory=list, repr=False)
     release: Callable[[], None] = field(default=lambda: None, repr=False)
     """Give the buffer back for reuse: call when done with it and holding no view of it."""
+    check: Callable[[], None] = field(default=lambda: None, repr=False)
+    """Raise if the fetcher failed or was closed (called between bounded waits)."""
     _ready: int = 0  # leading parts known to have arrived whole
 
     def wait(self, upto: int | None = None) -> None:
@@ -141,7 +90,8 @@ class Fetched:
             return
         last = bisect.bisect_right(self.bounds, end - 1) - 1
         while self._ready <= last:
-            self.parts[self._ready].wait()
+            while not self.parts[self._ready].wait(_POLL):
+                self.check()
             error = self.errors[self._ready]
             if error is not None:
                 raise error
@@ -186,6 +136,26 @@ class _Slot:
         self.fetched: Fetched | None = None
 
 
+def _in_daemon_thread(call: Callable[[], T]) -> Future[T]:
+    """Run ``call`` in a daemon thread of its own. Not a ThreadPoolExecutor: the interpreter
+    joins those at exit, so one stuck in a request to a hung server would delay Ctrl-C."""
+    future: Future[T] = Future()
+
+    def run() -> None:
+        if future.set_running_or_notify_cancel():
+            try:
+                future.set_result(call())
+            except BaseException as exc:
+                future.set_exception(exc)
+
+    threading.Thread(target=run, name="remote-loader-locate", daemon=True).start()
+    return future
+
+
+class FetcherClosed(Exception):
+    """Raised in a waiter when the fetcher was closed under it."""
+
+
 class Prefetcher:
     """Fetch ``jobs`` in order, ahead of the consumer, within ``config.prefetch_bytes``.
 
@@ -194,28 +164,42 @@ class Prefetcher:
     by ``config.concurrency`` threads, lowest part number first across ranges (the head of
     every range before the tail of any), since the consumer reads several ranges at once.
     The budget bounds the bytes of ranges not yet handed out; a range leaves it when the
-    iterator hands it to the consumer, who then owns that memory. ``close()`` (also on
-    leaving a ``with`` block, or when an iteration is abandoned) stops the threads; an
-    iteration that ends leaves the parts of handed ranges arriving until ``close()``.
+    iterator hands it to the consumer, who then owns that memory.
+
+    Every request goes through ``policy`` (retries up to its outage deadline). An exception
+    in any background thread reaches the consumer, in job order where it belongs to a job.
+    ``close()`` (also on leaving a ``with`` block, or when an iteration is abandoned) stops
+    the threads and returns within about a second even if GETs hang: a thread stuck in a
+    request is left to end at its read timeout, and writes only into buffers of this
+    fetcher, which are never reused after close.
     """
 
-    def __init__(self, store: Store, bucket: str, jobs: Iterable[Job], config: FetchConfig, metrics: Metrics) -> None:
-        self.store, self.bucket, self.config, self.metrics = store, bucket, config, metrics
+    def __init__(self, store: Store, bucket: str, jobs: Iterable[Job], policy: RetryPolicy) -> None:
+        self.store, self.bucket, self.policy = store, bucket, policy
+        self.config, self.metrics = policy.config, policy.metrics
         self._jobs = iter(jobs)
         self._slots: deque[_Slot | None] = deque()  # None marks the end of the jobs
         self._cond = threading.Condition()
         self._held = 0
         self._closed = False
-        self._buffers = _Buffers(keep=config.prefetch_bytes // config.range_bytes + 4)
+        self._failure: BaseException | None = None
+        self._buffers = _Buffers(keep=max(2, self.config.prefetch_bytes // self.config.range_bytes))
         self._parts: list[tuple[int, int, int, int, Fetched]] = []  # heap: (part number, seq, start, end, range)
         self._seq = 0
         self._submitted = 0  # ranges queued so far
         self._getters = [threading.Thread(target=self._get, name=f"remote-loader-get-{i}", daemon=True)
-                         for i in range(config.concurrency)]
+                         for i in range(self.config.concurrency)]
         for getter in self._getters:
             getter.start()
         self._scheduler = threading.Thread(target=self._schedule, name="remote-loader-prefetch", daemon=True)
         self._scheduler.start()
+
+    def check(self) -> None:
+        """Raise the fetcher's failure, or FetcherClosed once it is closed."""
+        if self._failure is not None:
+            raise self._failure
+        if self._closed:
+            raise FetcherClosed("the prefetcher was closed")
 
     def _reserve(self, size: int) -> bool:
         with self._cond:
@@ -225,7 +209,7 @@ class Prefetcher:
             if self._closed:
                 return False
             self._held += size
-            self.metrics.peak_buffered = max(self.metrics.peak_buffered, self._held)
+            self.metrics.peak("peak_buffered", self._held)
             return True
 
     def _release(self, size: int) -> None:
@@ -233,33 +217,46 @@ class Prefetcher:
             self._held -= size
             self._cond.notify_all()
 
+    def _fail(self, error: BaseException) -> None:
+        with self._cond:
+            if self._failure is None and not isinstance(error, Cancelled):
+                self._failure = error
+            self._cond.notify_all()
+
     def _schedule(self) -> None:
+        try:
+            self._schedule_jobs()
+        except BaseException as exc:  # any failure here reaches the consumer, never a silent stop
+            self._fail(exc)
+
+    def _schedule_jobs(self) -> None:
         # Indexes are located a few jobs ahead, in parallel: the consumer opens several ranges at once.
-        with ThreadPoolExecutor(_LOCATE_AHEAD, thread_name_prefix="remote-loader-locate") as locators:
-            pending: deque[tuple[_Slot, Future[tuple[int, int, Any]]]] = deque()
-            jobs = iter(self._jobs)
-            while True:
-                while len(pending) < _LOCATE_AHEAD and not self._closed:
-                    job = next(jobs, None)
-                    if job is None:
-                        break
-                    slot = _Slot(job)
-                    pending.append((slot, locators.submit(job.locate)))
-                    with self._cond:
-                        self._slots.append(slot)
-                        self._cond.notify_all()
-                if not pending or self._closed:
+        pending: deque[tuple[_Slot, Future[tuple[int, int, Any]]]] = deque()
+        while True:
+            while len(pending) < _LOCATE_AHEAD and not self._closed:
+                job = next(self._jobs, None)
+                if job is None:
                     break
-                slot, located = pending.popleft()
-                try:
-                    start, end, context = located.result()
-                except BaseException as exc:  # handed to the consumer, in order
-                    slot.error = exc
-                    slot.located.set()
+                slot = _Slot(job)
+                pending.append((slot, _in_daemon_thread(job.locate)))
+                with self._cond:
+                    self._slots.append(slot)
+                    self._cond.notify_all()
+            if not pending or self._closed:
+                break
+            slot, located = pending.popleft()
+            while not wait([located], timeout=_POLL).done:
+                if self._closed:
                     return
-                if not self._reserve(end - start):
-                    return
-                self._submit(slot, start, end, context)
+            try:
+                start, end, context = located.result()
+            except BaseException as exc:  # handed to the consumer, in order
+                slot.error = exc
+                slot.located.set()
+                return
+            if not self._reserve(end - start):
+                return
+            self._submit(slot, start, end, context)
         with self._cond:
             self._slots.append(None)
             self._cond.notify_all()
@@ -274,7 +271,7 @@ class Prefetcher:
         backing = self._buffers.take(end - start)
         fetched = Fetched(slot.job.key, start, end, context, backing.data[: end - start], bounds,
                           [threading.Event() for _ in bounds], [None] * len(bounds),
-                          partial(self._give_back, backing))
+                          partial(self._give_back, backing), self.check)
         slot.fetched = fetched
         slot.located.set()
         with self._cond:
@@ -284,38 +281,44 @@ class Prefetcher:
             self._cond.notify_all()
 
     def _give_back(self, backing: np.ndarray) -> None:
-        self._buffers.give(backing)
+        if not self._closed:  # after close a stuck GET may still write into it
+            self._buffers.give(backing)
 
     def _get(self) -> None:
-        while True:
-            with self._cond:
-                while not self._closed and not self._parts:
-                    self._cond.wait()
-                if self._closed:
-                    return
-                number, _, start, end, fetched = heapq.heappop(self._parts)
-            self._fetch_part(fetched, number, start, end)
+        try:
+            while True:
+                with self._cond:
+                    while not self._closed and not self._parts:
+                        self._cond.wait()
+                    if self._closed:
+                        return
+                    number, _, start, end, fetched = heapq.heappop(self._parts)
+                self._fetch_part(fetched, number, start, end)
+        except BaseException as exc:
+            self._fail(exc)
 
     def _fetch_part(self, fetched: Fetched, number: int, start: int, end: int) -> None:
         try:
             out = fetched.buffer[start - fetched.start : end - fetched.start]
-            fetch_range_into(self.store, self.bucket, fetched.key, start, end, out, self.config, self.metrics)
+            fetch_range_into(self.store, self.bucket, fetched.key, start, end, out, self.policy)
         except BaseException as exc:
             fetched.errors[number] = exc
         finally:
             fetched.parts[number].set()
 
-    def __iter__(self) -> Iterator[Fetched]:
+    def __iter__(self) -> Generator[Fetched, None, None]:
         try:
             while True:
                 with self._cond:
                     while not self._slots:
-                        self._cond.wait()
+                        self.check()
+                        self._cond.wait(_POLL)
                     slot = self._slots.popleft()
                 if slot is None:
                     return
                 waited = time.perf_counter()
-                slot.located.wait()
+                while not slot.located.wait(_POLL):
+                    self.check()
                 self.metrics.add(wait_seconds=time.perf_counter() - waited)
                 if slot.fetched is not None:
                     self._release(slot.fetched.end - slot.fetched.start)
@@ -328,15 +331,16 @@ class Prefetcher:
             raise
 
     def close(self) -> None:
-        """Stop fetching and end the threads (waits for GETs already running)."""
+        """Stop fetching and end the threads, waiting about a second at most."""
         with self._cond:
             if self._closed:
                 return
             self._closed = True
             self._cond.notify_all()
-        for getter in self._getters:
-            getter.join()  # each ends after the GET it is running
-        self._scheduler.join()
+        self.policy.cancel.set()  # requests waiting to retry give up at once
+        deadline = time.monotonic() + _CLOSE_WITHIN
+        for thread in [*self._getters, self._scheduler]:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
     def __enter__(self) -> Prefetcher:
         return self

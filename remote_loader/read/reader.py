@@ -6,17 +6,26 @@ the CLI build on it.
 
 from __future__ import annotations
 
+import struct
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from remote_loader.format.checksum import crc32
-from remote_loader.errors import CorruptSampleError, CorruptShard, FormatError, ObjectNotFound, TransientStorageError
+from remote_loader.config import FetchConfig
+from remote_loader.errors import (
+    CorruptSampleError,
+    CorruptShard,
+    DatasetChanged,
+    FormatError,
+    ObjectNotFound,
+    StorageError,
+)
 from remote_loader.format import MANIFEST_NAME, Manifest, Sample, ShardEntry, ShardIndex, ShardView
+from remote_loader.format.checksum import crc32
+from remote_loader.read.metrics import Metrics
+from remote_loader.read.retry import RetryPolicy
 from remote_loader.storage import Location, Store
-
-
-_MANIFEST_ATTEMPTS = 5
 
 
 @dataclass
@@ -40,6 +49,7 @@ class DatasetReader:
         bucket: The bucket.
         base_folder: The dataset's key prefix.
         verify: Check crc32s of indexes and sample members as they are read.
+        fetch: The retry policy's settings (backoff, outage deadline, refetches).
 
     Example:
         >>> reader = DatasetReader(client, "bucket", "imagenet-val")  # doctest: +SKIP
@@ -47,10 +57,20 @@ class DatasetReader:
         ...     sample["__key__"], bytes(sample["jpg"])[:2]
     """
 
-    def __init__(self, client: Store, bucket: str, base_folder: str, *, verify: bool = True) -> None:
+    def __init__(self, client: Store, bucket: str, base_folder: str, *, verify: bool = True,
+                 fetch: FetchConfig | None = None) -> None:
         self.client = client
         self.location = Location(bucket=bucket, prefix=base_folder.strip("/"))
         self.verify = verify
+        self.fetch = fetch or FetchConfig()
+        self._identity: int | None = None  # crc32 of the manifest read
+
+    def policy(self, metrics: Metrics | None = None, cancel: threading.Event | None = None) -> RetryPolicy:
+        """The retry policy for requests on behalf of this reader."""
+        policy = RetryPolicy(self.fetch, metrics or Metrics(), self.client.endpoint)
+        if cancel is not None:
+            policy.cancel = cancel
+        return policy
 
     def __repr__(self) -> str:
         return f"DatasetReader({self.location}, client={self.client!r})"
@@ -58,19 +78,48 @@ class DatasetReader:
     @cached_property
     def manifest(self) -> Manifest:
         """The dataset's manifest, fetched on first use (again, if its bytes arrive damaged)."""
+        data = self._manifest_bytes()
+        if data is None:
+            raise ObjectNotFound(f"no dataset at {self.location}: {MANIFEST_NAME} is missing",
+                                 bucket=self.location.bucket, key=self.location.key(MANIFEST_NAME), code="NoSuchKey")
+        manifest = Manifest.decode(data, name=f"{self.location}/{MANIFEST_NAME}")
+        self._identity = crc32(data)
+        return manifest
+
+    def _manifest_bytes(self) -> bytes | None:
+        """The manifest's bytes (fetched again while damaged), or None if there is none."""
         key = self.location.key(MANIFEST_NAME)
-        for attempt in range(1, _MANIFEST_ATTEMPTS + 1):
-            try:
-                data = self.client.get(self.location.bucket, key)
-                return Manifest.decode(data, name=f"{self.location}/{MANIFEST_NAME}")
-            except ObjectNotFound as exc:
-                raise ObjectNotFound(
-                    f"no dataset at {self.location}: {MANIFEST_NAME} is missing", bucket=exc.bucket, key=key, code=exc.code
-                ) from None
-            except (TransientStorageError, CorruptShard):
-                if attempt == _MANIFEST_ATTEMPTS:
-                    raise
-        raise AssertionError("unreachable")
+        policy = self.policy()
+
+        def parse(data: bytes) -> bytes:
+            if len(data) < 5 or struct.unpack("<I", data[-4:])[0] != crc32(data[:-4]):
+                raise CorruptShard(f"manifest {self.location}/{MANIFEST_NAME} fails its crc32 check", name=key)
+            return data
+
+        try:
+            return policy.refetch(lambda: policy.call(lambda: self.client.get(self.location.bucket, key),
+                                                      bucket=self.location.bucket, key=key), parse)
+        except ObjectNotFound:
+            return None
+
+    def check_unchanged(self, error: BaseException) -> None:
+        """Raise DatasetChanged if the dataset was replaced since its manifest was read.
+
+        Called when a shard is missing or its index does not match the manifest: it tells a
+        dataset overwritten under a running reader apart from damage or a storage fault.
+        """
+        if self._identity is None:
+            return
+        try:
+            data = self._manifest_bytes()
+        except (StorageError, CorruptShard):
+            return  # the original error says more
+        if data is None or crc32(data) != self._identity:
+            now = "removed" if data is None else "replaced by another upload"
+            raise DatasetChanged(
+                f"the dataset at {self.location} was {now} while being read ({error}); start the epoch again",
+                bucket=self.location.bucket, key=self.location.key(MANIFEST_NAME),
+            ) from None
 
     def has_manifest(self) -> bool:
         """Whether the dataset has a manifest (fetching it if not yet fetched)."""
@@ -100,9 +149,19 @@ class DatasetReader:
         return self.location.key(name), entry.index_offset, entry.index_offset + entry.index_size
 
     def read_index(self, entry: ShardEntry) -> ShardIndex:
-        """Fetch and decode one shard's index with a single ranged GET."""
+        """Fetch and decode one shard's index with a single ranged GET (retried, and fetched
+        again while its bytes fail their checksum)."""
         key, start, end = self.index_range(entry)
-        return self.parse_index(entry, self.client.get_range(self.location.bucket, key, start, end))
+        policy = self.policy()
+        return policy.refetch(
+            lambda: policy.call(lambda: self.client.get_range(self.location.bucket, key, start, end),
+                                bucket=self.location.bucket, key=key),
+            lambda data: self.parse_index(entry, data))
+
+    def get(self, name: str) -> bytes:
+        """A whole object of the dataset, under the retry policy."""
+        key = self.location.key(name)
+        return self.policy().call(lambda: self.client.get(self.location.bucket, key), bucket=self.location.bucket, key=key)
 
     def _index_of(self, entry: ShardEntry, shard: memoryview) -> ShardIndex:
         """The index of a shard whose bytes are at hand: sliced from them, or fetched if kept apart."""
@@ -112,7 +171,7 @@ class DatasetReader:
 
     def open_shard(self, entry: ShardEntry) -> ShardView:
         """Fetch a whole shard; its samples are slices of the one buffer."""
-        data = self.client.get(self.location.bucket, self.location.key(entry.name))
+        data = self.get(entry.name)
         if len(data) != entry.size:
             raise CorruptShard(f"shard {entry.name} is {len(data)} bytes; the manifest says {entry.size}", name=entry.name)
         view = memoryview(data)
@@ -128,7 +187,11 @@ class DatasetReader:
     def check_shard(self, entry: ShardEntry) -> ShardReport:
         """Fetch a shard and check its size, its crc32, its index and every member's crc32."""
         report = ShardReport(entry.name, entry.samples)
-        data = self.client.get(self.location.bucket, self.location.key(entry.name))
+        try:
+            data = self.get(entry.name)
+        except ObjectNotFound:
+            report.problems.append("the shard object is missing")
+            return report
         if len(data) != entry.size:
             report.problems.append(f"size is {len(data)} bytes, manifest says {entry.size}")
         elif crc32(data) != entry.crc32:
@@ -140,6 +203,6 @@ class DatasetReader:
                     view.sample(i)
                 except CorruptSampleError as exc:
                     report.problems.append(f"sample {exc.key!r} field {exc.field!r} fails its crc32 check")
-        except FormatError as exc:
+        except (FormatError, ObjectNotFound) as exc:
             report.problems.append(str(exc))
         return report

@@ -1,27 +1,17 @@
-"""Index existing WebDataset tar shards in place, so both datasets read them.
-
-Each ``*.tar`` under a prefix is read once, sequentially in ranged parts (bounded
-memory): its headers give each member's offset and size, its data each member's crc32.
-The index goes to a new object next to the shard (``<shard>.index``) and a manifest lists
-the shards; the original objects are never modified.
-"""
+"""Scan a WebDataset tar once, sequentially, into a shard index: for shards written by
+other tools, which have no index of their own. Pure: bytes come through a callable."""
 
 from __future__ import annotations
 
 import tarfile
-from functools import partial
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 
+from remote_loader.errors import CorruptShard
 from remote_loader.format.checksum import crc32
-from remote_loader.errors import CorruptShard, UploadError
-from remote_loader.format import MANIFEST_NAME, Manifest, ShardEntry, ShardIndex
-from remote_loader.format.index import BLOCK, INDEX_MEMBER
-from remote_loader.storage import Location, Store
+from remote_loader.format.index import BLOCK, INDEX_MEMBER, ShardIndex
 
-INDEX_SUFFIX = ".index"
 _PART = 8 * 1024 * 1024
 
 
@@ -141,37 +131,3 @@ def _long_name(kind: bytes, data: bytes) -> str | None:
         if pair.startswith(b"path="):
             return pair[5:].decode("utf-8", "surrogateescape")
     return None
-
-
-@dataclass(frozen=True)
-class IndexSummary:
-    location: Location
-    shards: int
-    samples: int
-    bytes: int
-
-
-def index_webdataset(
-    store: Store, location: Location, *, progress: Callable[[str], object] | None = None
-) -> IndexSummary:
-    """Index every ``*.tar`` under ``location`` and write a manifest; return what was indexed."""
-    prefix = location.key("")
-    tars = sorted((info.key[len(prefix):], info.size) for info in store.list(location.bucket, prefix)
-                  if info.key.endswith(".tar"))
-    if not tars:
-        raise UploadError(f"no .tar objects under {location}")
-    entries = []
-    fields: set[str] = set()
-    for name, size in tars:
-        key = location.key(name)
-        index, crc = scan_tar(partial(store.get_range, location.bucket, key), name, size)
-        data = index.encode()
-        index_name = name + INDEX_SUFFIX
-        store.put(location.bucket, location.key(index_name), data)
-        entries.append(ShardEntry(name, len(index), size, 0, len(data), crc32(data), crc, index_name))
-        fields.update(index.fields)
-        if progress:
-            progress(name)
-    manifest = Manifest(shards=tuple(entries), fields=tuple(sorted(fields)), params={"indexed": "webdataset"})
-    store.put(location.bucket, location.key(MANIFEST_NAME), manifest.encode())
-    return IndexSummary(location, len(entries), manifest.num_samples, manifest.num_bytes)

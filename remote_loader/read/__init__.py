@@ -1,0 +1,9 @@
+"""The read path: the retry policy, ranged-GET prefetch under a byte budget, shard indexes
+and their cache, checksum refetch, and metrics."""
+
+from remote_loader.read.fetch import Fetched, Job, Prefetcher
+from remote_loader.read.metrics import Metrics
+from remote_loader.read.reader import DatasetReader, ShardReport
+from remote_loader.read.retry import RetryPolicy
+
+__all__ = ["DatasetReader", "Fetched", "Job", "Metrics", "Prefetcher", "RetryPolicy", "ShardReport"]

@@ -1,0 +1,182 @@
+"""Samples out of fetched shard ranges: indexes (cached), checksum refetch, damaged shards.
+
+A range is read while its parts arrive. Bytes failing their checksum are fetched again;
+what stays damaged, or a shard that is missing, raises, or with ``on_error="skip"`` is
+skipped, counted and logged. Before blaming damage, the manifest is read again: a dataset
+overwritten under the reader raises ``DatasetChanged`` instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from remote_loader.errors import CorruptSampleError, CorruptShard, ObjectNotFound
+from remote_loader.format import Sample, ShardEntry, ShardIndex, ShardView
+from remote_loader.format.tar import scan_tar
+from remote_loader.read.fetch import Fetched, fetch_range
+from remote_loader.read.reader import DatasetReader
+from remote_loader.read.retry import RetryPolicy
+
+log = logging.getLogger("remote_loader")
+
+DAMAGE = (CorruptShard, ObjectNotFound)
+"""What ``on_error="skip"`` skips: bytes that stay corrupt, a shard or index that is gone."""
+
+
+def fetch_index(reader: DatasetReader, entry: ShardEntry, policy: RetryPolicy) -> ShardIndex:
+    """Fetch a shard's index with one ranged GET; again if its bytes fail their checksum.
+
+    Raises DatasetChanged if the index is missing or damaged because the dataset was replaced.
+    """
+    key, start, end = reader.index_range(entry)
+    try:
+        return policy.refetch(lambda: fetch_range(reader.client, reader.location.bucket, key, start, end, policy),
+                              lambda data: reader.parse_index(entry, data))
+    except DAMAGE as error:
+        reader.check_unchanged(error)
+        raise
+
+
+class IndexCache:
+    """Shard indexes fetched on first use and kept in an LRU of ``keep`` (thread-safe)."""
+
+    def __init__(self, reader: DatasetReader, policy: RetryPolicy, keep: int) -> None:
+        self.reader, self.policy, self.keep = reader, policy, keep
+        self._indexes: OrderedDict[int, ShardIndex] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, shard: int) -> ShardIndex:
+        with self._lock:
+            if shard in self._indexes:
+                self._indexes.move_to_end(shard)
+                return self._indexes[shard]
+        index = fetch_index(self.reader, self.reader.manifest.shards[shard], self.policy)
+        with self._lock:
+            self._indexes[shard] = index
+            while len(self._indexes) > self.keep:
+                self._indexes.popitem(last=False)
+        return index
+
+
+def own(sample: Sample) -> Sample:
+    """Copy a sample's fields out of the range buffer, which is reused once the range is read."""
+    return {k: bytes(v) if isinstance(v, memoryview) else v for k, v in sample.items()}
+
+
+def read_run(reader: DatasetReader, shard: int, index: ShardIndex, positions: list[int], policy: RetryPolicy) -> list[Sample]:
+    """Samples ``positions`` (sorted) of one shard with one GET, fetched again while their
+    bytes fail their checksums (up to ``max_attempts`` fetches)."""
+    entry = reader.manifest.shards[shard]
+    first, stop = positions[0], positions[-1] + 1
+    start, end = index.start(first, stop), index.extent(first, stop)
+    key = reader.location.key(entry.name)
+
+    def parse(data: bytes) -> list[Sample]:
+        view = ShardView(data, index, name=entry.name, verify=reader.verify, base=start, first=first, stop=stop)
+        return [own(view.sample(j)) for j in positions]
+
+    try:
+        return policy.refetch(lambda: fetch_range(reader.client, reader.location.bucket, key, start, end, policy), parse)
+    except DAMAGE as error:
+        reader.check_unchanged(error)
+        raise
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A range whose shard could not be read, skipped under ``on_error="skip"``."""
+
+    name: str
+    samples: int
+    reason: str
+
+
+def skip(what: str, samples: int, error: BaseException, policy: RetryPolicy) -> None:
+    """Count and log samples skipped under ``on_error="skip"``."""
+    policy.metrics.add(skipped=samples)
+    log.warning("skipped %s (%d sample%s): %s", what, samples, "" if samples == 1 else "s", error)
+
+
+class OpenRange:
+    """A range being read while its parts arrive; a whole unindexed tar is indexed from its bytes here.
+
+    ``next_sample()`` gives the range's samples in order, fetching damaged ones again;
+    with ``on_error="skip"`` it returns None for one it skipped (all the rest of the range
+    if the shard is gone).
+    """
+
+    def __init__(self, reader: DatasetReader, fetched: Fetched, policy: RetryPolicy, on_error: str) -> None:
+        self.reader, self.fetched, self.policy, self.on_error = reader, fetched, policy, on_error
+        self.index: ShardIndex | None = None
+        context = fetched.context
+        if isinstance(context, Skipped):
+            self.next, self.stop = 0, 0
+            return
+        if isinstance(context, str):  # an unindexed WebDataset tar
+            self._wait(None)
+            index, _ = scan_tar(lambda start, end: memoryview(fetched.buffer)[start:end], context, len(fetched.buffer))
+            self.view = ShardView(fetched.buffer, index, name=context, verify=False)
+            self.shard, self.next, self.stop = -1, 0, len(index)
+            return
+        shard, entry, first, stop, self.index = context
+        self.shard = shard
+        self.view = ShardView(fetched.buffer, self.index, name=entry.name, verify=reader.verify, base=fetched.start,
+                              first=first, stop=stop)
+        self.next, self.stop = first, stop
+
+    @property
+    def done(self) -> bool:
+        return self.next >= self.stop
+
+    def _wait(self, upto: int | None) -> None:
+        waited = time.perf_counter()
+        self.fetched.wait(upto)
+        self.policy.metrics.add(wait_seconds=time.perf_counter() - waited)
+
+    def next_sample(self) -> Sample | None:
+        j = self.next
+        self.next += 1
+        try:
+            if self.index is not None:
+                self._wait(self.index.extent(j, j + 1))
+            return own(self.view.sample(j))
+        except CorruptSampleError:
+            pass
+        except ObjectNotFound as error:  # the shard went away under us
+            self.reader.check_unchanged(error)
+            if self.on_error != "skip":
+                raise
+            skip(f"the rest of shard {self.view.name}", self.stop - j, error, self.policy)
+            self.next = self.stop
+            return None
+        assert self.index is not None  # unindexed tars are not verified
+        try:
+            return read_run(self.reader, self.shard, self.index, [j], self.policy)[0]
+        except DAMAGE as error:
+            if self.on_error != "skip":
+                raise
+            skip(f"sample {self.view.index.keys[j]!r} of {self.view.name}", 1, error, self.policy)
+            return None
+
+    def close(self) -> None:
+        self.view = None  # type: ignore[assignment]  # no view of the buffer may outlive it
+        self.fetched.release()
+
+
+def locate_span(cache: IndexCache, shard: int, first: int, stop: int, on_error: str) -> tuple[int, int, Any]:
+    """The byte range of samples ``[first, stop)`` of a shard, from its cached index; with
+    ``on_error="skip"``, an empty range standing for a shard whose index cannot be read."""
+    entry = cache.reader.manifest.shards[shard]
+    try:
+        index = cache.get(shard)
+    except DAMAGE as error:
+        if on_error != "skip":
+            raise
+        skip(f"shard {entry.name}", stop - first, error, cache.policy)
+        return 0, 0, Skipped(entry.name, stop - first, str(error))
+    return index.start(first, stop), index.extent(first, stop), (shard, entry, first, stop, index)

@@ -1,0 +1,156 @@
+"""Storage that goes away: a server killed and restarted, a server that hangs (SIGSTOP),
+Ctrl-C while waiting on it. Every sample arrives exactly once, or a clear error comes
+within the outage deadline; closing never waits on a hung request."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections import Counter
+
+import pytest
+from torch.utils.data import DataLoader
+
+from remote_loader import EndpointUnreachable, FetchConfig, RemoteDataset, StorageConfig, make_client, upload_cv_dataset
+from remote_loader.testing.server import EmbeddedS3
+from remote_loader.testing.synthetic import SyntheticImages
+
+N = 1200
+# Small ranges and a small budget: most of the epoch is still to be fetched when the server goes away.
+SLOW_FETCH = dict(part_size=32 * 1024, range_bytes=32 * 1024, prefetch_bytes=64 * 1024, concurrency=2)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """A server of this module's own: its tests kill and stop it."""
+    server = EmbeddedS3(data_dir=str(tmp_path_factory.mktemp("outage-s3")), buckets=["outages"])
+    server.start()
+    client = server.client()
+    upload_cv_dataset(SyntheticImages(N, size=(64, 48)), client=client, bucket="outages", base_folder="d", maxcount=60,
+                      workers=0, progress=False)
+    client.close()
+    yield server
+    if server.pid is not None:
+        os.killpg(server.pid, signal.SIGCONT)
+    server.stop()
+
+
+def _client(server, read_timeout=20.0):
+    return make_client(config=StorageConfig(endpoint_url=server.endpoint_url, access_key=server.access_key,
+                                            secret_key=server.secret_key, read_timeout=read_timeout))
+
+
+def _loader_threads():
+    return [t.name for t in threading.enumerate() if t.name.startswith("remote-loader-")]
+
+
+def _wait_for(condition, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)  # polling for threads to end, not synchronising on time
+    return True
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_server_killed_and_restarted_mid_epoch_loses_nothing(server, workers, caplog):
+    dataset = RemoteDataset(_client(server), "outages", "d", fetch=FetchConfig(**SLOW_FETCH), seed=workers)
+    keys = []
+    restart = None
+    with caplog.at_level(logging.WARNING, logger="remote_loader"):
+        for sample in DataLoader(dataset, batch_size=None, num_workers=workers):
+            keys.append(sample["__key__"])
+            if len(keys) == 200:
+                server.kill()
+                restart = threading.Timer(3.0, server.start)  # a 3 s outage, then the same port and data
+                restart.start()
+    assert restart is not None
+    restart.join()
+    assert Counter(keys) == Counter(f"{i:06d}" for i in range(N))
+    if workers == 0:  # log records of worker processes do not reach caplog
+        messages = [r.getMessage() for r in caplog.records]
+        assert any("is failing" in m for m in messages) and any("answers again" in m for m in messages), messages
+
+
+def test_hung_server_gives_endpoint_unreachable_within_the_deadline(server):
+    dataset = RemoteDataset(_client(server, read_timeout=2), "outages", "d",
+                            fetch=FetchConfig(**SLOW_FETCH, outage_deadline=10))
+    stream = iter(dataset)
+    for _ in range(100):
+        next(stream)
+    os.killpg(server.pid, signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        with pytest.raises(EndpointUnreachable) as caught:
+            for _ in stream:
+                pass
+        waited = time.monotonic() - stopped
+    finally:
+        os.killpg(server.pid, signal.SIGCONT)
+    assert waited < 10 + 2 + 3, waited  # the deadline, one read timeout, and slack for a loaded machine
+    assert server.endpoint_url in str(caught.value) and "outage_deadline" in str(caught.value)
+    assert _wait_for(lambda: not _loader_threads(), 10), _loader_threads()
+
+
+def test_closing_an_iterator_on_a_hung_server_returns_at_once(server):
+    dataset = RemoteDataset(_client(server, read_timeout=5), "outages", "d", fetch=FetchConfig(**SLOW_FETCH))
+    stream = iter(dataset)
+    for _ in range(100):
+        next(stream)
+    os.killpg(server.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        stream.close()
+        closing = time.monotonic() - started
+    finally:
+        os.killpg(server.pid, signal.SIGCONT)
+    assert closing < 2.0, closing
+    # Threads that were stuck in a GET end once it returns: none is left behind.
+    assert _wait_for(lambda: not _loader_threads(), 15), _loader_threads()
+
+
+_CTRL_C = textwrap.dedent("""
+    import sys
+    from remote_loader import FetchConfig, RemoteDataset, StorageConfig, make_client
+    endpoint, key, secret = sys.argv[1:4]
+    client = make_client(config=StorageConfig(endpoint_url=endpoint, access_key=key, secret_key=secret))
+    fetch = FetchConfig(part_size=32768, range_bytes=32768, prefetch_bytes=65536, concurrency=2)
+    stream = iter(RemoteDataset(client, "outages", "d", fetch=fetch))
+    for _ in range(100):
+        next(stream)
+    print("streaming", flush=True)
+    try:
+        for _ in stream:
+            pass
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+        raise
+""")
+
+
+def test_ctrl_c_gets_through_while_the_server_hangs(server):
+    process = subprocess.Popen([sys.executable, "-c", _CTRL_C, server.endpoint_url, server.access_key, server.secret_key],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout is not None
+        assert process.stdout.readline().strip() == "streaming"
+        os.killpg(server.pid, signal.SIGSTOP)
+        process.send_signal(signal.SIGINT)
+        sent = time.monotonic()
+        out, err = process.communicate(timeout=30)
+        took = time.monotonic() - sent
+    finally:
+        os.killpg(server.pid, signal.SIGCONT)
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert "interrupted" in out and "KeyboardInterrupt" in err, err[-2000:]
+    assert took < 5, took
+    print(f"\nCtrl-C to exit: {took:.2f} s")
