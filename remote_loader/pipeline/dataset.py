@@ -273,13 +273,13 @@ class RemoteDataset(IterableDataset):
     def _take_skip(self, epoch: int, worker: int, num_workers: int) -> int:
         """Samples this worker skips: its count of a loaded state, at the first iteration of
         the state's epoch only (the shared record of applied states makes it once per load)."""
-        resume = self._resume
-        if resume is None:
-            return 0
         generation = int(self._shared[_GENERATION])
         if generation != self._generation:
             raise ConfigError("load_state_dict was called after this DataLoader's persistent workers started;"
                               " load the state before the first epoch, or create a new DataLoader")
+        resume = self._resume
+        if resume is None:
+            return 0
         if resume.epoch != epoch or int(self._shared[_APPLIED + worker]) >= generation:
             return 0
         if resume.num_workers != num_workers:

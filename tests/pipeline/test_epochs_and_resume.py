@@ -1,0 +1,114 @@
+"""The epoch and a loaded resume state reach DataLoader workers, persistent ones too; a
+resume applies once, to its own epoch; hostile state dicts are refused with ConfigError."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from torch.utils.data import DataLoader
+
+from remote_loader import ConfigError, RemoteDataset, upload_cv_dataset
+from remote_loader.testing.synthetic import SyntheticImages
+
+N = 300
+
+
+@pytest.fixture(scope="module")
+def dataset(seaweed):
+    client = seaweed.client()
+    client.create_bucket("epoch-resume-tests")
+    upload_cv_dataset(SyntheticImages(N, size=(32, 24)), client=client, bucket="epoch-resume-tests", base_folder="d",
+                      maxcount=25, workers=0, progress=False)
+    yield RemoteDataset(client, "epoch-resume-tests", "d", seed=3).map(lambda s: s["__key__"])
+    client.close()
+
+
+ALL = Counter(f"{i:06d}" for i in range(N))
+
+
+def test_persistent_workers_follow_set_epoch(dataset):
+    loader = DataLoader(dataset, batch_size=None, num_workers=2, persistent_workers=True)
+    orders = []
+    for epoch in range(3):
+        dataset.set_epoch(epoch)
+        order = list(loader)
+        assert Counter(order) == ALL
+        orders.append(order)
+    assert orders[0] != orders[1] != orders[2] != orders[0]
+    fresh = []
+    for epoch in range(3):  # the same orders as new workers would give for those epochs
+        dataset.set_epoch(epoch)
+        fresh.append(list(DataLoader(dataset, batch_size=None, num_workers=2)))
+    assert fresh == orders
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_resume_applies_once_and_to_its_epoch_only(dataset, persistent):
+    dataset.set_epoch(0)
+    full = list(DataLoader(dataset, batch_size=None, num_workers=2))
+    state = dataset.state_dict(consumed=80, num_workers=2)
+    dataset.load_state_dict(state)
+    loader = DataLoader(dataset, batch_size=None, num_workers=2, persistent_workers=persistent)
+    rest = list(loader)
+    assert Counter(full[:80]) + Counter(rest) == ALL and len(rest) == N - 80
+    assert Counter(list(loader)) == ALL  # the same epoch again: whole, the state was used up
+    dataset.set_epoch(1)
+    assert Counter(list(loader)) == ALL
+
+
+def test_a_resume_applies_once_without_workers(dataset):
+    dataset.set_epoch(2)
+    full = list(dataset)
+    dataset.load_state_dict(dataset.state_dict(consumed=40))
+    assert list(dataset) == full[40:]
+    assert list(dataset) == full
+
+
+def test_loading_a_state_after_persistent_workers_started_is_refused(dataset):
+    dataset.set_epoch(0)
+    loader = DataLoader(dataset, batch_size=None, num_workers=1, persistent_workers=True)
+    assert Counter(list(loader)) == ALL
+    dataset.load_state_dict(dataset.state_dict(consumed=10, num_workers=1))
+    with pytest.raises(ConfigError, match="persistent workers started"):
+        list(loader)
+
+
+def _state(dataset, **changes):
+    state = dataset.state_dict(consumed=10, num_workers=2)
+    state.update(changes)
+    return state
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"skip": [-1, 5]}, r"'skip\[0\]' must be an integer in 0"),
+        ({"skip": [10_000, 0]}, "state skips 10000 samples of worker 0"),
+        ({"skip": [True, 0]}, r"'skip\[0\]' must be an integer"),
+        ({"skip": [1.5, 0]}, r"'skip\[0\]' must be an integer"),
+        ({"skip": "5,5"}, "'skip' must list one count per worker"),
+        ({"skip": [1]}, "'skip' must list one count per worker"),
+        ({"epoch": -1}, "'epoch' must be an integer"),
+        ({"epoch": "0"}, "'epoch' must be an integer"),
+        ({"num_workers": 10**9}, "'num_workers' must be an integer in 1..1024"),
+        ({"num_workers": 0}, "'num_workers' must be an integer in 1..1024"),
+        ({"version": 99}, "state version 99"),
+        ({"seed": 4}, "saved with seed 4"),
+    ],
+)
+def test_hostile_state_dicts_are_refused(dataset, changes, message):
+    with pytest.raises(ConfigError, match=message):
+        dataset.load_state_dict(_state(dataset, **changes))
+
+
+@pytest.mark.parametrize("state", [None, [], "state", {"version": 1}])
+def test_what_is_not_a_state_dict_is_refused(dataset, state):
+    with pytest.raises(ConfigError, match="state"):
+        dataset.load_state_dict(state)
+
+
+def test_set_epoch_refuses_what_is_not_an_epoch(dataset):
+    for bad in (-1, 1.0, "1"):
+        with pytest.raises(ConfigError, match="epoch must be an integer"):
+            dataset.set_epoch(bad)
