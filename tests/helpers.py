@@ -35,3 +35,24 @@ class KillingImages(SyntheticImages):
         if index == self.kill_at:
             os.killpg(os.getpgid(0), signal.SIGKILL)
         return super().__getitem__(index)
+
+
+class NoisyImages(SyntheticImages):
+    """Synthetic images where the listed indices are large noise PNGs, which do not compress."""
+
+    def __init__(self, n: int, noisy: set[int], **kwargs: object) -> None:
+        super().__init__(n, **kwargs)  # type: ignore[arg-type]
+        self.noisy = noisy
+
+    def __getitem__(self, index: int):  # type: ignore[override]
+        if index in self.noisy:
+            import io
+
+            import numpy as np
+            from PIL import Image
+
+            pixels = np.random.default_rng(index).integers(0, 256, (128, 128, 3), dtype=np.uint8)
+            out = io.BytesIO()
+            Image.fromarray(pixels).save(out, format="PNG")
+            return out.getvalue(), 0
+        return super().__getitem__(index)

@@ -28,6 +28,13 @@ from remote_loader.read.retry import RetryPolicy
 from remote_loader.storage import Location, Store
 
 
+def _identity(manifest: bytes) -> int:
+    """The manifest's own crc32 trailer: it differs between any two uploads (the upload id,
+    the shard names, the time). Not the crc32 of all its bytes: with the trailer that is a
+    constant of the CRC."""
+    return int(struct.unpack("<I", manifest[-4:])[0])
+
+
 @dataclass
 class ShardReport:
     """The result of checking one shard: empty ``problems`` means it is sound."""
@@ -63,7 +70,7 @@ class DatasetReader:
         self.location = Location(bucket=bucket, prefix=base_folder.strip("/"))
         self.verify = verify
         self.fetch = fetch or FetchConfig()
-        self._identity: int | None = None  # crc32 of the manifest read
+        self._identity: int | None = None  # of the manifest read
 
     def policy(self, metrics: Metrics | None = None, cancel: threading.Event | None = None) -> RetryPolicy:
         """The retry policy for requests on behalf of this reader."""
@@ -83,7 +90,7 @@ class DatasetReader:
             raise ObjectNotFound(f"no dataset at {self.location}: {MANIFEST_NAME} is missing",
                                  bucket=self.location.bucket, key=self.location.key(MANIFEST_NAME), code="NoSuchKey")
         manifest = Manifest.decode(data, name=f"{self.location}/{MANIFEST_NAME}")
-        self._identity = crc32(data)
+        self._identity = _identity(data)
         return manifest
 
     def _manifest_bytes(self) -> bytes | None:
@@ -114,7 +121,7 @@ class DatasetReader:
             data = self._manifest_bytes()
         except (StorageError, CorruptShard):
             return  # the original error says more
-        if data is None or crc32(data) != self._identity:
+        if data is None or _identity(data) != self._identity:
             now = "removed" if data is None else "replaced by another upload"
             raise DatasetChanged(
                 f"the dataset at {self.location} was {now} while being read ({error}); start the epoch again",

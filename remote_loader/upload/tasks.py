@@ -147,6 +147,9 @@ class _ShardSequence:
     def close(self) -> None:
         if self._shard is None or self._upload is None:
             return
+        if not len(self._shard):  # opened for a sample that was then skipped as too large
+            self.abort()
+            return
         summary = self._shard.close()
         self._upload.commit()
         self.entries.append(ShardEntry.from_summary(shard_name(self.spec.run, self.task_id, len(self.entries)), summary))

@@ -111,3 +111,15 @@ def test_map_dataset_pickles_into_workers_with_a_cold_cache(dataset500):
     ds[0]
     keys = [k for batch in DataLoader(ds, batch_size=50, num_workers=2) for k in batch]
     assert keys == [ds[i] for i in range(N)]
+
+
+def test_map_dataset_used_in_the_parent_then_forked_into_workers(dataset500):
+    """A validation pass in the parent starts its batch pool; forked workers must not use it
+    (its threads do not exist there) but start their own."""
+    ds = RemoteMapDataset(dataset500, "map-tests", "d", transform=lambda s: s["__key__"])
+    parent = ds.__getitems__(list(range(0, 100)))
+    loader = DataLoader(ds, batch_size=50, num_workers=2, multiprocessing_context="fork", timeout=120)
+    keys = [k for batch in loader for k in batch]
+    assert keys[:100] == parent
+    assert keys == [ds[i] for i in range(N)]
+    ds.close()

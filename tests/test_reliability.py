@@ -1,0 +1,212 @@
+"""Failures around the data path: typed errors through DataLoader workers, safe overwrite,
+damaged or missing shards under on_error="skip", a dataset replaced while read, secrets in
+URLs, and the embedded server's lifetime."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import urllib.request
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from torch.utils.data import DataLoader, Dataset
+
+import remote_loader.errors as errors
+from remote_loader import (
+    ConfigError,
+    DatasetChanged,
+    DatasetReader,
+    FetchConfig,
+    ObjectNotFound,
+    RemoteDataset,
+    StorageConfig,
+    UploadError,
+    make_client,
+    upload_cv_dataset,
+)
+from remote_loader.testing.server import EmbeddedS3
+from remote_loader.testing.synthetic import SyntheticImages
+from tests.helpers import FlakyImages, NoisyImages
+
+# ------------------------------------------------------------------ typed errors through workers
+
+FACTS = {"bucket": "b", "key": "k/shard.tar", "code": "SlowDown", "name": "shard.tar", "field": "jpg", "index": 7}
+
+
+def _public_errors() -> list[type[errors.RemoteLoaderError]]:
+    return [c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, errors.RemoteLoaderError)]
+
+
+def _facts_of(cls: type) -> dict[str, object]:
+    names = cls.__init__.__code__.co_varnames[: cls.__init__.__code__.co_argcount + cls.__init__.__code__.co_kwonlyargcount]
+    return {k: v for k, v in FACTS.items() if k in names}
+
+
+class _Raising(Dataset):
+    def __init__(self, cls: type) -> None:
+        self.cls = cls
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, i: int) -> int:
+        raise self.cls("what went wrong", **_facts_of(self.cls))
+
+
+@pytest.mark.parametrize("cls", _public_errors(), ids=lambda c: c.__name__)
+def test_each_error_type_keeps_its_class_and_facts_through_a_worker(cls):
+    with pytest.raises(cls) as caught:
+        list(DataLoader(_Raising(cls), batch_size=None, num_workers=1))
+    assert type(caught.value) is cls
+    for name, value in _facts_of(cls).items():
+        assert getattr(caught.value, name) == value, name
+    assert "what went wrong" in str(caught.value)
+
+
+# ------------------------------------------------------------------ uploads
+
+
+def _keys_and_bytes(client, bucket, folder):
+    return Counter((s["__key__"], bytes(s["jpg"])) for s in DatasetReader(client, bucket, folder))
+
+
+def test_a_failed_overwrite_leaves_the_old_dataset_readable(s3):
+    client, bucket = s3
+    upload_cv_dataset(SyntheticImages(40, size=(32, 24)), client=client, bucket=bucket, base_folder="d", maxcount=10,
+                      workers=0, progress=False)
+    before = _keys_and_bytes(client, bucket, "d")
+    with pytest.raises(UploadError, match="sample 33"):
+        upload_cv_dataset(FlakyImages(40, {33}, size=(32, 24), seed=9), client=client, bucket=bucket, base_folder="d",
+                          maxcount=10, workers=0, overwrite=True, progress=False)
+    assert _keys_and_bytes(client, bucket, "d") == before
+    # The overwrite run by itself succeeds later, and leaves only its own shards.
+    upload_cv_dataset(SyntheticImages(40, size=(32, 24), seed=9), client=client, bucket=bucket, base_folder="d",
+                      maxcount=10, workers=0, overwrite=True, progress=False)
+    after = _keys_and_bytes(client, bucket, "d")
+    assert after != before and sum(after.values()) == 40
+    names = {f"d/{e.name}" for e in DatasetReader(client, bucket, "d").manifest.shards}
+    assert {o.key for o in client.list(bucket, "d/")} == names | {"d/manifest.msgpack"}
+
+
+def test_an_oversized_sample_is_skipped_and_the_reason_reported(s3, caplog):
+    client, bucket = s3
+    with caplog.at_level(logging.WARNING, logger="remote_loader"):
+        summary = upload_cv_dataset(NoisyImages(30, noisy={11}, size=(16, 12)), client=client, bucket=bucket,
+                                    base_folder="big", maxsize=16384, workers=0, on_error="skip", progress=False)
+    assert summary.skipped == 1 and summary.samples == 29
+    assert len(summary.skip_reasons) == 1 and "sample 11" in summary.skip_reasons[0]
+    assert "too large" in summary.skip_reasons[0] and "too large" in str(summary)
+    assert any("sample 11" in r.getMessage() for r in caplog.records)
+    with pytest.raises(UploadError, match="sample 11 is .* too large"):
+        upload_cv_dataset(NoisyImages(30, noisy={11}, size=(16, 12)), client=client, bucket=bucket,
+                          base_folder="big2", maxsize=16384, workers=0, progress=False)
+
+
+# ------------------------------------------------------------------ damaged shards, replaced datasets
+
+
+@pytest.fixture
+def uploaded(s3):
+    client, bucket = s3
+    upload_cv_dataset(SyntheticImages(100, size=(32, 24)), client=client, bucket=bucket, base_folder="d", maxcount=20,
+                      workers=0, progress=False)
+    return client, bucket, DatasetReader(client, bucket, "d").manifest
+
+
+def test_a_missing_shard_is_skipped_and_counted_or_raises(uploaded):
+    client, bucket, manifest = uploaded
+    gone = manifest.shards[2]
+    client.delete(bucket, f"d/{gone.name}")
+    with pytest.raises(ObjectNotFound) as caught:
+        list(RemoteDataset(client, bucket, "d"))
+    assert gone.name in caught.value.key
+    dataset = RemoteDataset(client, bucket, "d", on_error="skip")
+    keys = [s["__key__"] for s in dataset]
+    assert len(keys) == len(set(keys)) == 100 - gone.samples
+    assert dataset.metrics.skipped == gone.samples
+
+
+def test_a_shard_with_a_damaged_index_is_skipped(uploaded):
+    client, bucket, manifest = uploaded
+    entry = manifest.shards[1]
+    data = bytearray(client.get(bucket, f"d/{entry.name}"))
+    data[entry.index_offset + 3] ^= 0xFF
+    client.put(bucket, f"d/{entry.name}", bytes(data))
+    dataset = RemoteDataset(client, bucket, "d", on_error="skip")
+    assert len(list(dataset)) == 100 - entry.samples and dataset.metrics.skipped == entry.samples
+
+
+def test_a_dataset_replaced_while_read_says_so(uploaded):
+    client, bucket, _ = uploaded
+    fetch = FetchConfig(part_size=4096, range_bytes=4096, prefetch_bytes=8192, concurrency=1)
+    stream = iter(RemoteDataset(client, bucket, "d", fetch=fetch, open_shards=1))
+    next(stream)
+    upload_cv_dataset(SyntheticImages(100, size=(32, 24)), client=client, bucket=bucket, base_folder="d", maxcount=25,
+                      workers=0, overwrite=True, progress=False)
+    with pytest.raises(DatasetChanged, match="replaced by another upload") as caught:
+        for _ in stream:
+            pass
+    assert caught.value.key == "d/manifest.msgpack"
+
+
+# ------------------------------------------------------------------ secrets in URLs
+
+
+@pytest.mark.parametrize("make", [
+    lambda: make_client("http://user:SECRET-123@127.0.0.1:9000"),
+    lambda: StorageConfig(endpoint_url="http://user:SECRET-123@127.0.0.1:9000"),
+    lambda: RemoteDataset("s3://bucket/prefix", endpoint_url="http://user:SECRET-123@127.0.0.1:9000"),
+    lambda: StorageConfig.from_env({"AWS_ENDPOINT_URL": "https://key:SECRET-123@s3.example"}),
+])
+def test_credentials_in_an_endpoint_url_are_refused_without_echoing_them(make):
+    with pytest.raises(ConfigError, match="holds credentials") as caught:
+        make()
+    assert "SECRET-123" not in str(caught.value) and "SECRET-123" not in repr(caught.value)
+
+
+# ------------------------------------------------------------------ the embedded server
+
+
+def test_a_server_started_from_a_thread_outlives_the_thread(tmp_path):
+    server = EmbeddedS3(data_dir=str(tmp_path / "s3"))
+    starter = threading.Thread(target=server.start)
+    starter.start()
+    starter.join()
+    try:
+        # The old tie to the starting thread stopped the server within 2.5 s of the thread's end.
+        deadline = time.monotonic() + 4
+        while time.monotonic() < deadline:
+            with urllib.request.urlopen(f"{server.endpoint_url}/healthz", timeout=2) as answer:
+                assert answer.status == 200
+            time.sleep(0.25)  # observing the server over time, not synchronising
+        client = server.client()
+        client.create_bucket("alive")
+        client.put("alive", "k", b"v")
+        assert client.get("alive", "k") == b"v"
+    finally:
+        server.stop()
+
+
+def _weed_processes_using(path: Path) -> list[int]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if str(path).encode() in cmdline and b"mini" in cmdline:
+            found.append(int(pid))
+    return found
+
+
+def test_a_server_whose_start_fails_is_not_left_running(tmp_path):
+    data = tmp_path / "s3"
+    server = EmbeddedS3(data_dir=str(data), buckets=["Not_A_Valid_Bucket!"])
+    with pytest.raises(Exception):
+        server.start()
+    assert server.pid is None
+    assert _weed_processes_using(data) == []
