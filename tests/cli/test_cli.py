@@ -65,9 +65,9 @@ def test_verify_names_every_bad_shard_and_fails(env, s3, image_folder):
     client, bucket = s3
     tree, _ = image_folder
     url = f"s3://{bucket}/corrupt"
-    run(env, "upload", str(tree), url, "--maxcount", "12", "--workers", "0", "--quiet")
+    run(env, "upload", str(tree), url, "--maxcount", "8", "--workers", "0", "--quiet")
     names = [e.name for e in DatasetReader(client, bucket, "corrupt").manifest.shards]
-    assert len(names) == 4
+    assert len(names) >= 4
     client.delete(bucket, f"corrupt/{names[0]}")  # a missing shard does not stop the check
     data = bytearray(client.get(bucket, f"corrupt/{names[1]}"))
     data[1500] ^= 0x01  # inside the first member's data
