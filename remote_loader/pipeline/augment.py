@@ -38,6 +38,11 @@ class RandomResizedCrop:
     Use it as a decoder: ``RemoteDataset(...).decode(RandomResizedCrop(224))``; labels are
     decoded as usual. Same box distribution as torchvision's RandomResizedCrop.
 
+    In a pipeline, every sample's box and flip are drawn from (the dataset's seed, the
+    epoch, the sample's key): the same crops whatever the number of threads, DataLoader
+    workers or ranks, and after a resume. Called directly, it draws from its own
+    generator (``seed``).
+
     Args:
         size: Output side in pixels.
         scale: Range of the box's area as a fraction of the image.
@@ -46,8 +51,11 @@ class RandomResizedCrop:
         reduced: Decode JPEGs at 1/2, 1/4 or 1/8 scale when the box is that much larger
             than ``size``.
         fast: Use libjpeg-turbo's fast IDCT and upsampling for JPEGs.
-        seed: Seed of the boxes (None: fresh randomness in each process).
+        seed: Seed of the boxes when called outside a pipeline (None: fresh randomness).
     """
+
+    seeded = True
+    """Ask the pipeline for a generator per sample (see ``remote_loader.pipeline.stages.sample_rng``)."""
 
     def __init__(
         self,
@@ -67,11 +75,15 @@ class RandomResizedCrop:
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_rng": None}  # each worker process draws its own boxes
 
-    def box(self, width: int, height: int) -> tuple[int, int, int, int]:
-        """Draw a crop box ``(left, top, right, bottom)`` for an image of this size."""
+    def _generator(self) -> np.random.Generator:
         if self._rng is None:
             self._rng = np.random.default_rng(self.seed)
-        rng, area = self._rng, width * height
+        return self._rng
+
+    def box(self, width: int, height: int, rng: np.random.Generator | None = None) -> tuple[int, int, int, int]:
+        """Draw a crop box ``(left, top, right, bottom)`` for an image of this size."""
+        rng = rng or self._generator()
+        area = width * height
         log_ratio = (math.log(self.ratio[0]), math.log(self.ratio[1]))
         for _ in range(10):
             target = area * rng.uniform(*self.scale)
@@ -84,26 +96,27 @@ class RandomResizedCrop:
         left, top = (width - w) // 2, (height - h) // 2
         return left, top, left + w, top + h
 
-    def decode(self, data: Any) -> torch.Tensor:
+    def decode(self, data: Any, rng: np.random.Generator | None = None) -> torch.Tensor:
         """Decode image bytes to a random crop: a ``3 x size x size`` uint8 tensor."""
+        rng = rng or self._generator()
         try:
             if bytes(data[:2]) == JPEG_MAGIC:
-                pixels, box = self._jpeg(data)
+                pixels, box = self._jpeg(data, rng)
             else:
-                pixels, box = self._other(data)
+                pixels, box = self._other(data, rng)
         except (OSError, ValueError, Image.DecompressionBombError) as exc:
             raise DecodeError(f"not a decodable image ({type(exc).__name__})") from None
         left, top, right, bottom = box
         region = torch.from_numpy(pixels)[top:bottom, left:right].permute(2, 0, 1).unsqueeze(0)
         crop = functional.interpolate(region, size=(self.size, self.size), mode="bilinear", antialias=True,
                                       align_corners=False)[0]
-        if self.flip and self._rng is not None and self._rng.random() < 0.5:
+        if self.flip and rng.random() < 0.5:
             crop = crop.flip(-1)
         return crop.contiguous()
 
-    def _jpeg(self, data: Any) -> tuple[np.ndarray, tuple[int, int, int, int]]:
+    def _jpeg(self, data: Any, rng: np.random.Generator) -> tuple[np.ndarray, tuple[int, int, int, int]]:
         height, width, _, _ = simplejpeg.decode_jpeg_header(data)
-        left, top, right, bottom = self.box(width, height)
+        left, top, right, bottom = self.box(width, height, rng)
         shrink = 1
         if self.reduced:
             factor = min(right - left, bottom - top) / self.size
@@ -118,14 +131,14 @@ class RandomResizedCrop:
                max(int(top * sy) + 1, round(bottom * sy)))
         return pixels, box
 
-    def _other(self, data: Any) -> tuple[np.ndarray, tuple[int, int, int, int]]:
+    def _other(self, data: Any, rng: np.random.Generator) -> tuple[np.ndarray, tuple[int, int, int, int]]:
         image: Image.Image = Image.open(io.BytesIO(data))
         if image.mode != "RGB":
             image = image.convert("RGB")
-        return np.array(image), self.box(*image.size)
+        return np.array(image), self.box(*image.size, rng)
 
-    def __call__(self, field: str, data: Any) -> Any:
+    def __call__(self, field: str, data: Any, rng: np.random.Generator | None = None) -> Any:
         """Decoder protocol of ``RemoteDataset.decode``: called for image fields."""
         if field.rsplit(".", 1)[-1] in IMAGE_FIELDS:
-            return self.decode(data)
+            return self.decode(data, rng)
         return data

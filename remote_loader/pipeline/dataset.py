@@ -8,7 +8,6 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from functools import partial
 from typing import Any
 
 import torch
@@ -18,15 +17,12 @@ from torch.utils.data import IterableDataset, get_worker_info
 from remote_loader.config import FetchConfig
 from remote_loader.errors import ConfigError
 from remote_loader.pipeline import stages
-from remote_loader.pipeline.decode import decode_sample
 from remote_loader.pipeline.resume import MAX_WORKERS, ResumeState, consumed_per_worker
 from remote_loader.pipeline.source import span_jobs, stream_samples, tar_jobs
 from remote_loader.pipeline.split import assign, rank_size, shard_order
 from remote_loader.read import DatasetReader, Job, Metrics, RetryPolicy
 from remote_loader.storage import Store, open_location
 
-Stage = Callable[[Any], Any]
-_ONE_TO_ONE = (stages.map_stage, stages.map_tuple_stage, stages.to_tuple_stage)
 
 
 def current_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -48,10 +44,6 @@ def _shared_state(epoch: int = 0) -> torch.Tensor:
     state = torch.zeros(_APPLIED + MAX_WORKERS, dtype=torch.int64)
     state[_EPOCH] = epoch
     return state.share_memory_()
-
-
-def _func(stage: Stage) -> Any:
-    return stage.func if isinstance(stage, partial) else None
 
 
 class RemoteDataset(IterableDataset):
@@ -118,7 +110,7 @@ class RemoteDataset(IterableDataset):
         self.reader = DatasetReader(client, bucket, base_folder, verify=verify, fetch=self.fetch)
         self.seed, self.shuffle_shards, self.open_shards = seed, shuffle_shards, open_shards
         self.rank, self.world_size, self.equalize = rank, world_size, equalize
-        self.stages: list[Stage] = []
+        self.stages: list[stages.Stage] = []
         self.metrics = Metrics()
         self._shared = _shared_state()
         self._resume: ResumeState | None = None
@@ -134,7 +126,7 @@ class RemoteDataset(IterableDataset):
 
     # ------------------------------------------------------------------ the chain
 
-    def _with(self, stage: Stage) -> RemoteDataset:
+    def _with(self, stage: stages.Stage) -> RemoteDataset:
         clone = copy.copy(self)
         clone.stages = [*self.stages, stage]
         clone.metrics = Metrics()
@@ -148,39 +140,46 @@ class RemoteDataset(IterableDataset):
         Samples entering the buffer are copied out of their shard buffers, so the buffer's
         memory is ``bufsize`` samples, whatever the shard size.
         """
-        start = min(bufsize, 100) if initial is None else initial
-        return self._with(partial(stages.shuffle_stage, bufsize=bufsize, initial=start, seed=()))
+        start = initial if initial is not None else min(bufsize, 100) if isinstance(bufsize, int) else 0
+        return self._with(stages.Shuffle(bufsize, start))
 
-    def decode(self, mode: str | Callable[[str, Any], Any] = "pil", *, min_size: int | None = None) -> RemoteDataset:
+    def decode(self, mode: str | Callable[..., Any] = "pil", *, min_size: int | None = None,
+               threads: int = 0) -> RemoteDataset:
         """Decode images (``pil``, ``rgb8``, ``torchrgb``, ``raw`` or a callable) and labels.
 
         ``min_size``: JPEGs are decoded at a reduced scale (1/2, 1/4, 1/8) whose shorter side
         stays at least ``min_size`` pixels; much faster when the model input is small.
+        ``threads``: decode on this many threads (order kept); libjpeg-turbo and Pillow
+        release the GIL, so one process fills several cores.
         """
-        return self._with(partial(stages.map_stage, fn=partial(decode_sample, mode=mode, min_size=min_size)))
+        return self._with(stages.Decode(mode, min_size, threads))
 
     def to_tuple(self, *fields: str) -> RemoteDataset:
         """Samples become tuples of these fields (``"jpg;png"``: the first present)."""
-        return self._with(partial(stages.to_tuple_stage, fields=fields))
+        return self._with(stages.ToTuple(fields))
 
-    def map(self, fn: Callable[[Any], Any]) -> RemoteDataset:
-        """Apply ``fn`` to every sample."""
-        return self._with(partial(stages.map_stage, fn=fn))
+    def map(self, fn: Callable[[Any], Any], *, threads: int = 0) -> RemoteDataset:
+        """Apply ``fn`` to every sample, on ``threads`` threads if given (order kept).
+
+        Threads pay off for code that releases the GIL (Pillow's resize, torch ops,
+        numpy on large arrays); pure-Python code belongs in DataLoader worker processes.
+        """
+        return self._with(stages.Map(fn, threads))
 
     def map_tuple(self, *fns: Callable[[Any], Any] | None) -> RemoteDataset:
         """Apply ``fns[i]`` to element ``i`` of each tuple (None keeps it)."""
-        return self._with(partial(stages.map_tuple_stage, fns=fns))
+        return self._with(stages.MapTuple(fns))
 
     def select(self, predicate: Callable[[Any], bool]) -> RemoteDataset:
         """Keep samples for which ``predicate`` is true."""
-        return self._with(partial(stages.select_stage, predicate=predicate))
+        return self._with(stages.Select(predicate))
 
     def batched(
         self, batchsize: int, collation_fn: Callable[[list[Any]], Any] | None = None, partial: bool = True
     ) -> RemoteDataset:
         """Group samples into batches, collated by ``collation_fn`` (default: torch's default_collate)."""
         collate = collation_fn or torch.utils.data.default_collate
-        return self._with(_bind(stages.batched_stage, batchsize=batchsize, collation_fn=collate, partial=partial))
+        return self._with(stages.Batched(batchsize, collate, partial))
 
     # ------------------------------------------------------------------ epochs and sizes
 
@@ -217,14 +216,14 @@ class RemoteDataset(IterableDataset):
 
     def _skip_point(self) -> tuple[int, int]:
         """(stages run before skipping, samples per output item) for position-based resume."""
-        shuffles = [i for i, s in enumerate(self.stages) if _func(s) is stages.shuffle_stage]
+        shuffles = [i for i, s in enumerate(self.stages) if isinstance(s, stages.Shuffle)]
         after = shuffles[-1] + 1 if shuffles else 0
         tail = self.stages[after:]
         per_item = 1
-        if tail and _func(tail[-1]) is stages.batched_stage:
-            per_item = tail[-1].keywords["batchsize"]  # type: ignore[attr-defined]
+        if tail and isinstance(tail[-1], stages.Batched):
+            per_item = tail[-1].batchsize
             tail = tail[:-1]
-        if any(_func(s) not in _ONE_TO_ONE for s in tail):
+        if not all(s.one_to_one for s in tail):
             raise ConfigError(
                 "resume needs every stage after the last shuffle to map one sample to one (decode, map, "
                 "map_tuple, to_tuple), optionally ending with batched; select or an inner batched breaks that"
@@ -243,7 +242,8 @@ class RemoteDataset(IterableDataset):
         the same epoch: it yields exactly the items not yet consumed.
         """
         _, per_item = self._skip_point()
-        keeps_short_batch = per_item == 1 or self.stages[-1].keywords["partial"]  # type: ignore[attr-defined]
+        last = self.stages[-1] if self.stages else None
+        keeps_short_batch = per_item == 1 or (isinstance(last, stages.Batched) and last.partial)
         workers = max(1, num_workers)
         items = []
         for worker in range(workers):
@@ -301,12 +301,11 @@ class RemoteDataset(IterableDataset):
         data: Any = stream_samples(self.reader, jobs, policy=policy, open_shards=self.open_shards, seed=(*seed, 1),
                                    on_error=self.on_error)
         skip_after = self._skip_point()[0] if skip else -1
+        context = stages.Context(self.seed, epoch, rank, worker)
         for position, stage in enumerate(self.stages):
             if position == skip_after:
                 data = itertools.islice(data, skip, None)
-            if _func(stage) is stages.shuffle_stage:
-                stage = _bind(stages.shuffle_stage, **{**stage.keywords, "seed": (*seed, 2)})  # type: ignore[attr-defined]
-            data = stage(data)
+            data = stage.run(data, context)
         if skip_after == len(self.stages):
             data = itertools.islice(data, skip, None)
         yield from self._timed(data)
@@ -337,6 +336,3 @@ class RemoteDataset(IterableDataset):
             self.metrics.add(user_seconds=time.perf_counter() - started - (self.metrics.wait_seconds - waited))
             yield item
 
-
-def _bind(func: Callable[..., Any], **keywords: Any) -> Stage:
-    return partial(func, **keywords)

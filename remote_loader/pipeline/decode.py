@@ -42,12 +42,13 @@ def _image(data: Any, mode: str, where: str, min_size: int | None) -> Any:
 
 
 def decode_sample(
-    sample: dict[str, Any], mode: str | Callable[[str, Any], Any], min_size: int | None = None
+    sample: dict[str, Any], mode: str | Callable[..., Any], min_size: int | None = None, rng: Any = None
 ) -> dict[str, Any]:
     """Decode every field of ``sample``: images by ``mode``, ``cls`` to int, ``txt`` to str, ``json`` to a dict.
 
-    A callable ``mode`` is called as ``mode(field, data)`` for image fields; other fields
-    are decoded as above.
+    A callable ``mode`` is called as ``mode(field, data)`` for image fields (``mode(field,
+    data, rng=rng)`` when a generator is given, for seeded decoders); other fields are
+    decoded as above.
 
     ``min_size`` lets JPEGs decode at a reduced scale whose shorter side is still at least
     that many pixels (Pillow's draft mode: libjpeg's DCT scaling, slightly softer than a
@@ -64,7 +65,7 @@ def decode_sample(
         ext = name.rsplit(".", 1)[-1]
         if ext in IMAGE_FIELDS:
             if callable(mode):
-                out[name] = mode(name, value)
+                out[name] = mode(name, value) if rng is None else mode(name, value, rng=rng)
             else:
                 out[name] = bytes(value) if mode == "raw" else _image(value, mode, where, min_size)
         elif ext == "cls":

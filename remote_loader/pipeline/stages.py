@@ -1,17 +1,27 @@
-"""Pipeline stages: each one plain generator function over samples.
+"""Pipeline stages: plain generator functions over samples, and the stage objects a chain
+is made of.
 
-A chain call binds a stage with ``functools.partial`` (picklable for DataLoader workers);
-the stage list is the one source of truth for what the pipeline does.
+A stage object says what it is: whether it maps one sample to one (resume counts samples
+through such stages), whether it draws randomness (from the iteration's ``Context`` and
+the sample's key, never from a generator each worker starts alike), and on how many
+threads it runs. Its arguments are checked when the chain method is called, in the user's
+process. Stage objects pickle into DataLoader workers.
 """
 
 from __future__ import annotations
 
+import hashlib
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, ClassVar
 
 import numpy as np
 
 from remote_loader.errors import ConfigError, DecodeError
+from remote_loader.pipeline.decode import MODES, decode_sample
+from remote_loader.pipeline.threads import apply, threaded_map
 
 
 def map_stage(samples: Iterable[Any], fn: Callable[[Any], Any]) -> Iterator[Any]:
@@ -101,3 +111,161 @@ def batched_stage(
             batch = []
     if batch and partial:
         yield collation_fn(batch) if collation_fn else batch
+
+
+# --------------------------------------------------------------------------- stage objects
+
+
+@dataclass(frozen=True)
+class Context:
+    """Where an iteration stands: what seeded stages draw their randomness from."""
+
+    seed: int
+    epoch: int
+    rank: int
+    worker: int
+
+
+def sample_rng(context: Context, key: str) -> np.random.Generator:
+    """A generator fixed by (seed, epoch, sample key): the same draws for a sample whatever
+    the number of threads, workers or ranks that process it, and after a resume."""
+    digest = hashlib.blake2b(str(key).encode("utf-8", "surrogateescape"), digest_size=8).digest()
+    return np.random.default_rng([context.seed & (2**64 - 1), context.epoch, *np.frombuffer(digest, dtype=np.uint32).tolist()])
+
+
+def _check_threads(threads: int) -> int:
+    if type(threads) is not int or threads < 0:
+        raise ConfigError(f"threads must be an integer >= 0 (0: run in the calling thread), got {threads!r}")
+    return threads
+
+
+def _check_callable(fn: Any, what: str) -> None:
+    if not callable(fn):
+        raise ConfigError(f"{what} must be callable, got {type(fn).__name__}")
+
+
+class Stage(ABC):
+    """One step of a pipeline."""
+
+    one_to_one: ClassVar[bool] = False
+    """Every input sample gives exactly one output sample."""
+    seeded: bool = False
+    """It draws randomness from the iteration's context."""
+    threads: int = 0
+    """Threads it runs on (0: the calling thread)."""
+
+    @abstractmethod
+    def run(self, samples: Iterable[Any], context: Context) -> Iterator[Any]:
+        """The stage's output for ``samples``."""
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not callable(v))
+        return f"{type(self).__name__}({fields})"
+
+
+class Shuffle(Stage):
+    """A seeded shuffle buffer of ``bufsize`` samples; output starts at ``initial``."""
+
+    seeded = True
+
+    def __init__(self, bufsize: int, initial: int) -> None:
+        if type(bufsize) is not int or type(initial) is not int or bufsize < 1 or not 0 <= initial <= bufsize:
+            raise ConfigError(f"shuffle needs bufsize >= 1 and 0 <= initial <= bufsize; got {bufsize!r}, {initial!r}")
+        self.bufsize, self.initial = bufsize, initial
+
+    def run(self, samples: Iterable[Any], context: Context) -> Iterator[Any]:
+        seed = (context.seed & (2**64 - 1), context.epoch, context.rank, context.worker, 2)
+        return shuffle_stage(samples, self.bufsize, self.initial, seed)
+
+
+class Map(Stage):
+    """``fn`` applied to every sample, on ``threads`` threads (order kept) or in this one."""
+
+    one_to_one = True
+
+    def __init__(self, fn: Callable[[Any], Any], threads: int = 0) -> None:
+        _check_callable(fn, "map's function")
+        self.fn, self.threads = fn, _check_threads(threads)
+
+    def run(self, samples: Iterable[Any], context: Context) -> Iterator[Any]:
+        return threaded_map(self.fn, samples, self.threads) if self.threads else apply(self.fn, samples)
+
+
+class Decode(Stage):
+    """Decode images by ``mode`` and labels. A seeded decoder (``RandomResizedCrop``) gets a
+    generator fixed by (seed, epoch, sample key) for every sample."""
+
+    one_to_one = True
+
+    def __init__(self, mode: str | Callable[..., Any], min_size: int | None = None, threads: int = 0) -> None:
+        if not callable(mode) and mode not in MODES:
+            raise ConfigError(f"decode mode must be one of {', '.join(MODES)} or a callable, got {mode!r}")
+        if min_size is not None and (type(min_size) is not int or min_size < 1):
+            raise ConfigError(f"min_size must be a positive integer, got {min_size!r}")
+        self.mode, self.min_size, self.threads = mode, min_size, _check_threads(threads)
+        self.seeded = bool(getattr(mode, "seeded", False))
+
+    def run(self, samples: Iterable[Any], context: Context) -> Iterator[Any]:
+        if self.seeded:
+            fn: Callable[[Any], Any] = partial(_decode_seeded, self.mode, self.min_size, context)
+        else:
+            fn = partial(decode_sample, mode=self.mode, min_size=self.min_size)
+        return threaded_map(fn, samples, self.threads) if self.threads else apply(fn, samples)
+
+
+def _decode_seeded(mode: Any, min_size: int | None, context: Context, sample: dict[str, Any]) -> dict[str, Any]:
+    return decode_sample(sample, mode, min_size, rng=sample_rng(context, sample.get("__key__", "")))
+
+
+class ToTuple(Stage):
+    """Dict samples become tuples of these fields (``"jpg;png"``: the first present)."""
+
+    one_to_one = True
+
+    def __init__(self, fields: Sequence[str]) -> None:
+        if not fields or not all(isinstance(f, str) and f for f in fields):
+            raise ConfigError(f"to_tuple needs one or more field names, got {tuple(fields)!r}")
+        self.fields = tuple(fields)
+
+    def run(self, samples: Iterable[Any], context: Context) -> Iterator[Any]:
+        return to_tuple_stage(samples, self.fields)
+
+
+class MapTuple(Stage):
+    """``fns[i]`` applied to element ``i`` of each tuple (None keeps it)."""
+
+    one_to_one = True
+
+    def __init__(self, fns: Sequence[Callable[[Any], Any] | None]) -> None:
+        for fn in fns:
+            if fn is not None:
+                _check_callable(fn, "each of map_tuple's functions")
+        self.fns = tuple(fns)
+
+    def run(self, samples: Iterable[Any], context: Context) -> Iterator[Any]:
+        return map_tuple_stage(samples, self.fns)
+
+
+class Select(Stage):
+    """Keep the samples for which ``predicate`` is true."""
+
+    def __init__(self, predicate: Callable[[Any], bool]) -> None:
+        _check_callable(predicate, "select's predicate")
+        self.predicate = predicate
+
+    def run(self, samples: Iterable[Any], context: Context) -> Iterator[Any]:
+        return select_stage(samples, self.predicate)
+
+
+class Batched(Stage):
+    """Groups of ``batchsize`` samples, collated by ``collation_fn``."""
+
+    def __init__(self, batchsize: int, collation_fn: Callable[[list[Any]], Any] | None, partial: bool) -> None:
+        if type(batchsize) is not int or batchsize < 1:
+            raise ConfigError(f"batch size must be an integer >= 1, got {batchsize!r}")
+        if collation_fn is not None:
+            _check_callable(collation_fn, "collation_fn")
+        self.batchsize, self.collation_fn, self.partial = batchsize, collation_fn, bool(partial)
+
+    def run(self, samples: Iterable[Any], context: Context) -> Iterator[Any]:
+        return batched_stage(samples, self.batchsize, self.collation_fn, self.partial)

@@ -1,0 +1,122 @@
+"""Stages on threads: the same output in the same order, failures naming their sample,
+threads ended with the iteration; crops fixed by (seed, epoch, key) whatever the layout."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from remote_loader import ConfigError, DecodeError, RandomResizedCrop, RemoteDataset, upload_cv_dataset
+from remote_loader.pipeline.threads import threaded_map
+from remote_loader.testing.synthetic import SyntheticImages
+
+N = 120
+
+
+@pytest.fixture(scope="module")
+def uploaded(seaweed):
+    client = seaweed.client()
+    client.create_bucket("thread-tests")
+    upload_cv_dataset(SyntheticImages(N, size=(80, 60)), client=client, bucket="thread-tests", base_folder="d",
+                      maxcount=20, workers=0, progress=False)
+    yield client
+    client.close()
+
+
+def _stage_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("remote-loader-stage")]
+
+
+def test_threaded_map_keeps_order_and_bounds_what_is_in_flight():
+    started = []
+    lock = threading.Lock()
+
+    def square(x):
+        with lock:
+            started.append(x)
+        return x * x
+
+    out = threaded_map(square, range(1000), threads=4)
+    assert [next(out) for _ in range(10)] == [x * x for x in range(10)]
+    assert len(started) <= 10 + 2 * 4  # what was taken, plus at most 2 x threads ahead
+    assert list(out) == [x * x for x in range(10, 1000)]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_threaded_stages_give_the_unthreaded_output_in_order(uploaded, workers):
+    def tensors(threads):
+        ds = (RemoteDataset(uploaded, "thread-tests", "d", seed=4).shuffle(50)
+              .decode("torchrgb", threads=threads).map(lambda s: (s["__key__"], s["jpg"].float().mean().item()),
+                                                        threads=threads))
+        return list(DataLoader(ds, batch_size=None, num_workers=workers))
+
+    plain = tensors(0)
+    assert len(plain) == N and tensors(3) == plain
+
+
+def test_a_failure_on_a_thread_names_its_sample(uploaded):
+    def fail_on_one(sample):
+        if sample["__key__"] == "000017":
+            raise ValueError("bad augmentation")
+        return sample
+
+    with pytest.raises(ValueError, match="bad augmentation") as caught:
+        list(RemoteDataset(uploaded, "thread-tests", "d").map(fail_on_one, threads=2))
+    notes = "\n".join(getattr(caught.value, "__notes__", []))
+    assert "sample '000017' of shard-" in notes, notes
+
+
+def test_a_decode_error_on_a_thread_keeps_its_type(uploaded):
+    with pytest.raises(DecodeError):
+        list(RemoteDataset(uploaded, "thread-tests", "d").map(lambda s: {**s, "jpg": b"garbage"}).decode("pil", threads=2))
+
+
+def test_abandoning_an_iteration_ends_the_stage_threads(uploaded):
+    before = len(_stage_threads())
+    stream = iter(RemoteDataset(uploaded, "thread-tests", "d").decode("rgb8", threads=3))
+    next(stream)
+    assert len(_stage_threads()) > before
+    stream.close()
+    assert len(_stage_threads()) == before
+
+
+@pytest.mark.parametrize("call", [
+    lambda ds: ds.map(len, threads=-1),
+    lambda ds: ds.decode("pil", threads=1.5),
+    lambda ds: ds.map("not a function"),
+    lambda ds: ds.shuffle(0),
+    lambda ds: ds.batched(0),
+    lambda ds: ds.decode("jpeg-please"),
+    lambda ds: ds.to_tuple(),
+    lambda ds: ds.select(None),
+])
+def test_chain_arguments_are_checked_when_the_chain_is_built(uploaded, call):
+    with pytest.raises(ConfigError):
+        call(RemoteDataset(uploaded, "thread-tests", "d"))
+
+
+def _crops(uploaded, workers, threads, epoch=0, **dataset):
+    ds = (RemoteDataset(uploaded, "thread-tests", "d", seed=7, **dataset)
+          .decode(RandomResizedCrop(32), threads=threads).to_tuple("__key__", "jpg"))
+    ds.set_epoch(epoch)
+    return {key: crop for key, crop in DataLoader(ds, batch_size=None, num_workers=workers)}
+
+
+def test_crops_depend_on_seed_epoch_and_key_not_on_the_layout(uploaded):
+    reference = _crops(uploaded, workers=0, threads=0)
+    assert len(reference) == N
+    for workers, threads in ((1, 0), (2, 0), (0, 3), (2, 2)):
+        got = _crops(uploaded, workers, threads)
+        assert got.keys() == reference.keys()
+        assert all(torch.equal(got[k], reference[k]) for k in reference), (workers, threads)
+    ranks = {}
+    for rank in range(2):
+        ranks.update(_crops(uploaded, 1, 0, rank=rank, world_size=2, equalize=False))
+    assert all(torch.equal(ranks[k], reference[k]) for k in reference)
+    other_epoch = _crops(uploaded, 0, 0, epoch=1)
+    assert sum(not torch.equal(other_epoch[k], reference[k]) for k in reference) > N // 2
+    assert Counter(len(c.shape) for c in reference.values()) == Counter({3: N})
