@@ -123,7 +123,14 @@ class StorageConfig:
 
 @dataclass(frozen=True)
 class FetchConfig:
-    """How shards are fetched ahead of use.
+    """How shards are fetched ahead of use, and the one retry policy.
+
+    The shard data a process holds at once is at most ``prefetch_bytes + (open_shards +
+    2) * range_bytes`` (ranges rounded up to whole MiB): ranges being fetched, the
+    ``open_shards`` ranges being read, and two free buffers kept for reuse. With the
+    defaults and ``open_shards=4``: 80 MiB. A range larger than ``prefetch_bytes`` (one
+    sample bigger than that) is fetched alone. A process's loader memory adds the shuffle
+    buffer's samples and, per threaded stage, ``2 x threads`` samples in flight.
 
     Attributes:
         part_size: Bytes per ranged GET; a shard is fetched as parallel parts of this size.
@@ -144,10 +151,10 @@ class FetchConfig:
             a hung server is detected after this plus one ``StorageConfig.read_timeout``.
     """
 
-    part_size: int = 16 * 1024 * 1024
+    part_size: int = 8 * 1024 * 1024
     concurrency: int = 8
-    prefetch_bytes: int = 64 * 1024 * 1024
-    range_bytes: int = 16 * 1024 * 1024
+    prefetch_bytes: int = 32 * 1024 * 1024
+    range_bytes: int = 8 * 1024 * 1024
     max_attempts: int = 5
     backoff: float = 0.05
     max_backoff: float = 2.0

@@ -40,7 +40,7 @@ def epoch(system: str, prefix: str, scenario: str, workers: int) -> dict[str, fl
     try:
         started = time.perf_counter()
         first = 0.0
-        samples = nbytes = 0
+        samples = nbytes = first_samples = 0
         for batch in systems.loader(system, target(), prefix, scenario, workers, cache):
             if scenario.startswith("A"):
                 count, size = batch
@@ -49,12 +49,15 @@ def epoch(system: str, prefix: str, scenario: str, workers: int) -> dict[str, fl
                 samples += len(batch[1])
             if not first:
                 first = time.perf_counter() - started
+                first_samples = samples
                 if scenario == "A-first":
                     break
         seconds = time.perf_counter() - started
     finally:
         shutil.rmtree(cache, ignore_errors=True)
-    return {"samples": samples, "bytes": nbytes, "seconds": seconds, "first_batch_seconds": first}
+    steady = (samples - first_samples) / (seconds - first) if seconds > first else 0.0
+    return {"samples": samples, "bytes": nbytes, "seconds": seconds, "first_batch_seconds": first,
+            "steady_samples_per_s": steady}
 
 
 def main() -> None:

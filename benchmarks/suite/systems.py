@@ -22,11 +22,28 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from augment import BATCH, augment_batch, count_batch, stack_batch
+from augment import BATCH, augment_batch, count_batch, plain_augment, stack_batch
 
 SYSTEMS = ("remote_loader", "webdataset", "streaming", "litdata")
 SHARD_BYTES = int(os.environ.get("BENCH_SHARD_BYTES", 64_000_000))
 SHUFFLE_BUFFER = 1000
+STAGE_THREADS = os.cpu_count() or 2
+"""remote_loader's stage threads when it runs without DataLoader workers (its documented set-up)."""
+
+
+def configuration(name: str, workers: int) -> str:
+    """How each system is set up, as its own documentation shows: recorded with the results."""
+    return {
+        "remote_loader": (f"RemoteDataset(shuffle {SHUFFLE_BUFFER}), one boto3 client per process, defaults;"
+                          + (f" stages on {STAGE_THREADS} threads, no DataLoader workers" if workers == 0
+                             else f" DataLoader(num_workers={workers}), stages unthreaded")),
+        "webdataset": (f"WebDataset(shardshuffle, split_by_worker).shuffle({SHUFFLE_BUFFER}); an s3:// opener in"
+                       f" gopen_schemes keeping one boto3 client per process (streaming GET); DataLoader(num_workers={workers})"),
+        "streaming": (f"StreamingDataset(remote, local cache, shuffle=True, batch_size=64), defaults (predownload,"
+                      f" cache limit unset); DataLoader(num_workers={workers})"),
+        "litdata": (f"litdata.StreamingDataset(shuffle=True), obstore with allow_http;"
+                    f" StreamingDataLoader(num_workers={workers})"),
+    }[name]
 
 
 @dataclass(frozen=True)
@@ -163,28 +180,42 @@ def _collate(scenario: str) -> Any:
     return count_batch if scenario.startswith("A") else augment_batch
 
 
+def _augment_pair(pair: tuple[Any, Any]) -> tuple[Any, int]:
+    data, label = pair
+    return plain_augment(data), int(label)
+
+
 def _load_remote_loader(target: Target, prefix: str, scenario: str, workers: int, cache: str) -> Iterable[Any]:
     from torch.utils.data import DataLoader
 
     from remote_loader import RandomResizedCrop, RemoteDataset, make_client
 
     client = make_client(target.endpoint, target.access_key, target.secret_key)
+    threads = STAGE_THREADS if workers == 0 else 0
     base = RemoteDataset(client, target.bucket, prefix, seed=0, rank=0, world_size=1).shuffle(SHUFFLE_BUFFER)
     if scenario == "B-fused":
-        stream = base.decode(RandomResizedCrop(224)).to_tuple("jpg", "cls").batched(BATCH, stack_batch)
+        stream = base.decode(RandomResizedCrop(224), threads=threads).to_tuple("jpg", "cls").batched(BATCH, stack_batch)
+    elif scenario == "B":  # the same Pillow augmentation as the peers, as a user transform on threads
+        stream = base.to_tuple("jpg", "cls").map(_augment_pair, threads=threads).batched(BATCH, stack_batch)
     else:
         stream = base.to_tuple("jpg", "cls").batched(BATCH, _collate(scenario))
     return DataLoader(stream, batch_size=None, num_workers=workers)
 
 
+_S3_CLIENT: tuple[int, Any] | None = None
+
+
 def _s3_opener(url: str, mode: str = "rb", bufsize: int = 8192, **kw: Any) -> Any:
+    """WebDataset's opener for s3:// URLs: one boto3 client per process, as users write it."""
     from urllib.parse import urlsplit
 
     import boto3
 
+    global _S3_CLIENT
+    if _S3_CLIENT is None or _S3_CLIENT[0] != os.getpid():
+        _S3_CLIENT = (os.getpid(), boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"], region_name="us-east-1"))
     parts = urlsplit(url)
-    client = boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"], region_name="us-east-1")
-    return client.get_object(Bucket=parts.netloc, Key=parts.path.lstrip("/"))["Body"]
+    return _S3_CLIENT[1].get_object(Bucket=parts.netloc, Key=parts.path.lstrip("/"))["Body"]
 
 
 def _load_webdataset(target: Target, prefix: str, scenario: str, workers: int, cache: str) -> Iterable[Any]:

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from remote_loader.read.metrics import Metrics
 from remote_loader.read.retry import Cancelled, RetryPolicy
 from remote_loader.storage import Store
 
@@ -101,6 +102,7 @@ class Fetched:
 _LOCATE_AHEAD = 4  # ranges located (index GETs) ahead of the one being queued
 _FIRST_PART = 1 << 20  # the first part of a range is small: its samples are needed first
 _ROUND = 1 << 20  # range buffers are allocated in MiB steps, so they fit later ranges
+_KEEP_BUFFERS = 2  # free range buffers kept for reuse; more would be idle memory
 
 
 class _Buffers:
@@ -110,22 +112,29 @@ class _Buffers:
     the GIL; an empty array takes its page faults in the socket reads, which release it.
     """
 
-    def __init__(self, keep: int) -> None:
-        self.keep = keep
+    def __init__(self, keep: int, metrics: Metrics) -> None:
+        self.keep, self.metrics = keep, metrics
         self._free: list[np.ndarray] = []
         self._lock = threading.Lock()
+        self._live = 0  # bytes of buffers allocated and not dropped: in flight, being read, or kept
 
     def take(self, size: int) -> np.ndarray:
         with self._lock:
             fits = [i for i, b in enumerate(self._free) if len(b) >= size]
             if fits:
                 return self._free.pop(min(fits, key=lambda i: len(self._free[i])))
-        return np.empty(-(-size // _ROUND) * _ROUND, dtype=np.uint8)
+        buffer = np.empty(-(-size // _ROUND) * _ROUND, dtype=np.uint8)
+        with self._lock:
+            self._live += len(buffer)
+            self.metrics.peak("peak_range_memory", self._live)
+        return buffer
 
     def give(self, buffer: np.ndarray) -> None:
         with self._lock:
             if len(self._free) < self.keep:
                 self._free.append(buffer)
+            else:
+                self._live -= len(buffer)
 
 
 class _Slot:
@@ -183,7 +192,7 @@ class Prefetcher:
         self._held = 0
         self._closed = False
         self._failure: BaseException | None = None
-        self._buffers = _Buffers(keep=max(2, self.config.prefetch_bytes // self.config.range_bytes))
+        self._buffers = _Buffers(_KEEP_BUFFERS, self.metrics)
         self._parts: list[tuple[int, int, int, int, Fetched]] = []  # heap: (part number, seq, start, end, range)
         self._seq = 0
         self._submitted = 0  # ranges queued so far

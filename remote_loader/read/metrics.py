@@ -19,7 +19,10 @@ class Metrics:
         user_seconds: Time spent in the pipeline's stages (decode, user code).
         samples: Samples produced by the source.
         skipped: Samples skipped by ``on_error="skip"`` (corrupt bytes, a damaged or missing shard).
-        peak_buffered: Most shard bytes held at once (in flight or unread).
+        peak_buffered: Most bytes of ranges fetched or being fetched and not yet handed
+            to the reader (bounded by ``FetchConfig.prefetch_bytes``).
+        peak_range_memory: Most bytes of range buffers alive at once: in flight, being
+            read, or kept for reuse (see ``FetchConfig`` for the bound).
     """
 
     gets: int = 0
@@ -30,6 +33,7 @@ class Metrics:
     samples: int = 0
     skipped: int = 0
     peak_buffered: int = 0
+    peak_range_memory: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, **counts: float) -> None:

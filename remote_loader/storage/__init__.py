@@ -4,7 +4,7 @@ from remote_loader.storage.base import DEFAULT_PART_SIZE, ObjectInfo, ObjectWrit
 from remote_loader.storage.factory import Location, make_client, open_location, parse_location
 from remote_loader.storage.local import LocalStore
 from remote_loader.storage.s3_boto3 import Boto3Store
-from remote_loader.storage.s3_minio import MinioStore
+from typing import Any
 
 __all__ = [
     "DEFAULT_PART_SIZE",
@@ -19,3 +19,11 @@ __all__ = [
     "open_location",
     "parse_location",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "MinioStore":  # the minio SDK is imported only by those who use it
+        from remote_loader.storage.s3_minio import MinioStore
+
+        return MinioStore
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

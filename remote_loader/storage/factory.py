@@ -13,7 +13,6 @@ from remote_loader.errors import ConfigError
 from remote_loader.storage.base import Store
 from remote_loader.storage.local import LocalStore
 from remote_loader.storage.s3_boto3 import Boto3Store
-from remote_loader.storage.s3_minio import MinioStore
 
 Backend = Literal["boto3", "minio"]
 
@@ -70,7 +69,12 @@ def make_client(
         config = StorageConfig.from_env(endpoint_url=endpoint, access_key=access_key, secret_key=secret_key, region=region)
     elif access_key or secret_key or region or (url and not url.startswith("s3://")):
         raise ConfigError("pass either config or url/access_key/secret_key/region, not both")
-    return MinioStore(config) if backend == "minio" else Boto3Store(config)
+    if backend == "minio":
+        # Imported when asked for: most processes never use minio, and it costs ~0.1 s to import.
+        from remote_loader.storage.s3_minio import MinioStore
+
+        return MinioStore(config)
+    return Boto3Store(config)
 
 
 @dataclass(frozen=True)

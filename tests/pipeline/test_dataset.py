@@ -191,3 +191,22 @@ def test_dataset_from_a_url(uploaded, seaweed):
     ds = RemoteDataset(f"s3://{bucket}/few", endpoint_url=seaweed.endpoint_url, access_key=seaweed.access_key,
                        secret_key=seaweed.secret_key)
     assert len(ds) == 97 and len(list(ds)) == 97
+
+
+def test_range_memory_stays_within_the_documented_sum(seaweed):
+    """Instrumented: the bytes of live range buffers never exceed prefetch_bytes +
+    (open_shards + 2) ranges, each at most range_bytes plus one sample, rounded up to a MiB."""
+    client = seaweed.client()
+    client.create_bucket("memory-tests")
+    upload_cv_dataset(SyntheticImages(240), client=client, bucket="memory-tests", base_folder="d", maxcount=60,
+                      workers=0, progress=False)
+    entries = DatasetReader(client, "memory-tests", "d").manifest.shards
+    assert sum(e.size for e in entries) > 8 << 20  # several times the bound below
+    fetch = FetchConfig(part_size=1 << 20, range_bytes=1 << 20, prefetch_bytes=2 << 20)
+    dataset = RemoteDataset(client, "memory-tests", "d", open_shards=2, fetch=fetch)
+    assert len(list(dataset)) == 240
+    largest_sample = max(e.size / e.samples for e in entries) * 2  # generous: sizes vary about the mean
+    per_range = -(-(fetch.range_bytes + largest_sample) // (1 << 20)) * (1 << 20)
+    bound = fetch.prefetch_bytes + (2 + 2) * per_range
+    assert 0 < dataset.metrics.peak_range_memory <= bound < sum(e.size for e in entries), (dataset.metrics.peak_range_memory, bound)
+    client.close()
