@@ -21,7 +21,18 @@ def versions() -> dict[str, str]:
     return out
 
 
+def lean_rss(system: dict[str, Any]) -> float | None:
+    """Peak RSS during B at the system's leanest measured worker count (its fused path for ours)."""
+    values = [m[s]["peak_rss_mb"] for m in system.get("by_workers", {}).values() for s in ("B-fused", "B") if s in m
+              and ("B-fused" not in m or s == "B-fused")]
+    return min(values) if values else None
+
+
 def _best_peer(systems: dict[str, Any], scenario: str, key: str, higher: bool) -> tuple[str, float] | None:
+    if scenario == "D":
+        lean = [(p, lean_rss(systems[p])) for p in PEERS if p in systems]
+        known = [(p, v) for p, v in lean if v is not None]
+        return min(known, key=lambda v: v[1]) if known else None
     values = [(p, systems[p][scenario][key]) for p in PEERS if p in systems and scenario in systems[p]]
     if not values:
         return None
@@ -39,13 +50,14 @@ def targets(systems: dict[str, Any], decode_limits: dict[str, float] | None) -> 
               ("B Pillow on threads >= 1.0x best peer", "B", "samples_per_s", True, 1.0, "B"),
               ("B fused >= 1.5x best peer", "B", "samples_per_s", True, 1.5, "B-fused"),
               ("C first batch <= 0.7x best peer's", "A", "first_batch_seconds", False, 0.7, "A"),
-              ("D peak RSS during B <= 0.7x best peer's", "B", "peak_rss_mb", False, 0.7, "B-fused"),
+              ("D peak RSS during B, leanest set-up each, <= 0.7x best peer's", "D", "peak_rss_mb", False, 0.7, "D"),
               ("E convert + upload <= best peer", "E", "seconds", False, 1.0, "E"))
     for label, scenario, key, higher, goal, own in checks:
         best = _best_peer(systems, scenario, key, higher)
-        if best is None or own not in ours:
+        mine = lean_rss(ours) if own == "D" else ours[own][key] if own in ours else None
+        if best is None or mine is None:
             continue
-        ratio = ours[own][key] / best[1]
+        ratio = mine / best[1]
         rows.append((label, best[0], ratio, ratio >= goal if higher else ratio <= goal))
     if decode_limits and "B-fused" in ours:
         limit = decode_limits["plain_2proc_images_s"]
@@ -70,7 +82,7 @@ def markdown(results: dict[str, Any]) -> str:
         systems = data["systems"]
         lines += [f"#### {server}", "",
                   "| system | A bytes only (samples/s) | A steady state | C first batch, A (s) | B decode+RRC Pillow"
-                  " (samples/s) | B fused | D peak RSS during B (MB) | E convert+upload (s) |",
+                  " (samples/s) | B fused | D peak RSS during B, leanest set-up (MB) | E convert+upload (s) |",
                   "|---|---|---|---|---|---|---|---|"]
         for name, r in systems.items():
             def cell(scenario: str, key: str, form: str, workers: bool = False) -> str:
@@ -79,12 +91,12 @@ def markdown(results: dict[str, Any]) -> str:
                 text = format(r[scenario][key], form)
                 return f"{text} (w={r[scenario]['workers']})" if workers and "workers" in r[scenario] else text
 
-            b_memory = "B-fused" if "B-fused" in r else "B"
+            lean = lean_rss(r)
             failed = f" ({len(r['failed_runs'])} failed runs, repeated)" if r.get("failed_runs") else ""
             lines.append(f"| {name}{failed} | {cell('A', 'samples_per_s', ',.0f', True)} |"
                          f" {cell('A', 'steady_samples_per_s', ',.0f')} | {cell('A', 'first_batch_seconds', '.2f')} |"
                          f" {cell('B', 'samples_per_s', ',.0f', True)} | {cell('B-fused', 'samples_per_s', ',.0f', True)} |"
-                         f" {cell(b_memory, 'peak_rss_mb', ',.0f')} | {cell('E', 'seconds', '.1f')} |")
+                         f" {'-' if lean is None else format(lean, ',.0f')} | {cell('E', 'seconds', '.1f')} |")
         lines += ["", "Each system at each worker count (A / B samples/s; first batch of A in s; peak RSS in B in MB):", "",
                   "| system | workers | A | B | B fused | first batch | peak RSS |", "|---|---|---|---|---|---|---|"]
         for name, r in systems.items():
