@@ -46,8 +46,9 @@ def _client(server, read_timeout=20.0):
                                             secret_key=server.secret_key, read_timeout=read_timeout))
 
 
-def _loader_threads():
-    return [t.name for t in threading.enumerate() if t.name.startswith("remote-loader-")]
+def _loader_threads(before=frozenset()):
+    """Loader threads that were not there ``before`` (other tests' threads may still be ending)."""
+    return [t.name for t in set(threading.enumerate()) - before if t.name.startswith("remote-loader-")]
 
 
 def _wait_for(condition, timeout: float) -> bool:
@@ -89,6 +90,7 @@ def test_server_killed_and_restarted_mid_epoch_loses_nothing(server, workers, ca
 
 
 def test_hung_server_gives_endpoint_unreachable_within_the_deadline(server):
+    before = frozenset(threading.enumerate())
     dataset = RemoteDataset(_client(server, read_timeout=2), "outages", "d",
                             fetch=FetchConfig(**SLOW_FETCH, outage_deadline=10))
     stream = iter(dataset)
@@ -106,10 +108,11 @@ def test_hung_server_gives_endpoint_unreachable_within_the_deadline(server):
     assert waited < 10 + 2 + 3, waited  # the deadline, one read timeout, and slack for a loaded machine
     print(f"\nSIGSTOP to EndpointUnreachable (outage_deadline=10, read_timeout=2): {waited:.1f} s")
     assert server.endpoint_url in str(caught.value) and "outage_deadline" in str(caught.value)
-    assert _wait_for(lambda: not _loader_threads(), 10), _loader_threads()
+    assert _wait_for(lambda: not _loader_threads(before), 10), _loader_threads(before)
 
 
 def test_closing_an_iterator_on_a_hung_server_returns_at_once(server):
+    before = frozenset(threading.enumerate())
     dataset = RemoteDataset(_client(server, read_timeout=5), "outages", "d", fetch=FetchConfig(**SLOW_FETCH))
     stream = iter(dataset)
     for _ in range(100):
@@ -124,7 +127,7 @@ def test_closing_an_iterator_on_a_hung_server_returns_at_once(server):
     assert closing < 2.0, closing
     print(f"\nclosing the iterator on a hung server: {closing:.2f} s")
     # Threads that were stuck in a GET end once it returns: none is left behind.
-    assert _wait_for(lambda: not _loader_threads(), 15), _loader_threads()
+    assert _wait_for(lambda: not _loader_threads(before), 15), _loader_threads(before)
 
 
 _CTRL_C = textwrap.dedent("""
