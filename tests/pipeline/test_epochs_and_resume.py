@@ -112,3 +112,17 @@ def test_set_epoch_refuses_what_is_not_an_epoch(dataset):
     for bad in (-1, 1.0, "1"):
         with pytest.raises(ConfigError, match="epoch must be an integer"):
             dataset.set_epoch(bad)
+
+
+def test_spawned_persistent_workers_follow_set_epoch_too(seaweed, dataset):
+    """Under spawn the shared state travels through torch's shared-memory pickling."""
+    plain = RemoteDataset(dataset.reader.client, "epoch-resume-tests", "d", seed=3)
+    loader = DataLoader(plain, batch_size=None, num_workers=1, persistent_workers=True,
+                        multiprocessing_context="spawn")
+    orders = []
+    for epoch in range(2):
+        plain.set_epoch(epoch)
+        order = [s["__key__"] for s in loader]
+        assert Counter(order) == ALL
+        orders.append(order)
+    assert orders[0] != orders[1]
