@@ -111,10 +111,16 @@ class RemoteDataset(IterableDataset):
         self.seed, self.shuffle_shards, self.open_shards = seed, shuffle_shards, open_shards
         self.rank, self.world_size, self.equalize = rank, world_size, equalize
         self.stages: list[stages.Stage] = []
-        self.metrics = Metrics()
+        self._metrics = Metrics.table(1 + MAX_WORKERS)  # row 0: this process; row 1 + w: worker w
         self._shared = _shared_state()
         self._resume: ResumeState | None = None
         self._generation = 0  # of the resume state this copy holds
+
+    @property
+    def metrics(self) -> Metrics:
+        """Counters of this pipeline's loading, summed over this process and its DataLoader
+        workers (their counters live in shared memory): cheap to read every N steps."""
+        return Metrics.total(self._metrics)
 
     @property
     def epoch(self) -> int:
@@ -129,7 +135,7 @@ class RemoteDataset(IterableDataset):
     def _with(self, stage: stages.Stage) -> RemoteDataset:
         clone = copy.copy(self)
         clone.stages = [*self.stages, stage]
-        clone.metrics = Metrics()
+        clone._metrics = Metrics.table(1 + MAX_WORKERS)
         clone._shared = _shared_state(self.epoch)
         clone._resume, clone._generation = None, 0
         return clone
@@ -296,7 +302,8 @@ class RemoteDataset(IterableDataset):
         epoch = self.epoch  # once: the main process may set the next one while this runs
         skip = self._take_skip(epoch, worker, num_workers)
         seed = (self.seed, epoch, rank, worker)
-        policy = self.reader.policy(self.metrics, cancel=threading.Event())
+        metrics = Metrics(self._metrics[1 + worker if info else 0].numpy())
+        policy = self.reader.policy(metrics, cancel=threading.Event())
         jobs = self._jobs(epoch, worker, num_workers, policy, resuming=bool(skip))
         data: Any = stream_samples(self.reader, jobs, policy=policy, open_shards=self.open_shards, seed=(*seed, 1),
                                    on_error=self.on_error)
@@ -308,7 +315,7 @@ class RemoteDataset(IterableDataset):
             data = stage.run(data, context)
         if skip_after == len(self.stages):
             data = itertools.islice(data, skip, None)
-        yield from self._timed(data)
+        yield from _timed(data, metrics)
 
     def _jobs(self, epoch: int, worker: int, num_workers: int, policy: RetryPolicy, *, resuming: bool) -> list[Job]:
         """What this worker fetches: its spans, or for plain WebDataset tars without a
@@ -325,14 +332,14 @@ class RemoteDataset(IterableDataset):
         order = shard_order(len(tars), self.seed, epoch, self.shuffle_shards)
         return tar_jobs(self.reader, [tars[k] for position, k in enumerate(order) if position % slots == slot])
 
-    def _timed(self, data: Iterator[Any]) -> Iterator[Any]:
-        """Count time spent producing items, less the time waiting on storage, as user time."""
-        while True:
-            started, waited = time.perf_counter(), self.metrics.wait_seconds
-            try:
-                item = next(data)
-            except StopIteration:
-                return
-            self.metrics.add(user_seconds=time.perf_counter() - started - (self.metrics.wait_seconds - waited))
-            yield item
 
+def _timed(data: Iterator[Any], metrics: Metrics) -> Iterator[Any]:
+    """Count time spent producing items, less the time waiting on storage, as user time."""
+    while True:
+        started, waited = time.perf_counter(), metrics.wait_seconds
+        try:
+            item = next(data)
+        except StopIteration:
+            return
+        metrics.add(user_seconds=time.perf_counter() - started - (metrics.wait_seconds - waited))
+        yield item

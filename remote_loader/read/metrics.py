@@ -1,15 +1,28 @@
-"""Counters of one process's loading, safe to update from many threads."""
+"""Counters of loading, safe to update from many threads, readable from the main process.
+
+A ``Metrics`` keeps its counters in a numpy row. ``Metrics.table(rows)`` makes rows in
+shared memory before DataLoader workers start: each worker counts in its own row, and the
+main process reads the sum of all rows (``Metrics.total``) at any time, during an epoch
+or after it, for the cost of adding a few numbers.
+"""
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+import torch
 
-@dataclass
+FIELDS = ("gets", "bytes", "retries", "wait_seconds", "user_seconds", "samples", "skipped", "peak_buffered",
+          "peak_range_memory")
+_INDEX = {name: i for i, name in enumerate(FIELDS)}
+_PEAKS = ("peak_buffered", "peak_range_memory")
+_FLOATS = ("wait_seconds", "user_seconds")
+
+
 class Metrics:
-    """Counters of one process's loading; ``as_dict()`` gives a snapshot.
+    """Counters of loading; attributes read them, ``as_dict()`` gives a snapshot.
 
     Attributes:
         gets: GET requests made (ranged parts and indexes), retries included.
@@ -23,32 +36,52 @@ class Metrics:
             to the reader (bounded by ``FetchConfig.prefetch_bytes``).
         peak_range_memory: Most bytes of range buffers alive at once: in flight, being
             read, or kept for reuse (see ``FetchConfig`` for the bound).
+
+    Peaks are per process; summed over workers they are the most any one held.
     """
 
-    gets: int = 0
-    bytes: int = 0
-    retries: int = 0
-    wait_seconds: float = 0.0
-    user_seconds: float = 0.0
-    samples: int = 0
-    skipped: int = 0
-    peak_buffered: int = 0
-    peak_range_memory: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    def __init__(self, row: np.ndarray | None = None, **initial: float) -> None:
+        self._row = np.zeros(len(FIELDS), dtype=np.float64) if row is None else row
+        self._lock = threading.Lock()
+        for name, value in initial.items():
+            self._row[_INDEX[name]] = value
+
+    @staticmethod
+    def table(rows: int) -> torch.Tensor:
+        """Rows of counters in shared memory: make them before DataLoader workers start."""
+        return torch.zeros(rows, len(FIELDS), dtype=torch.float64).share_memory_()
+
+    @classmethod
+    def total(cls, table: torch.Tensor) -> Metrics:
+        """A snapshot of the sums of a table's rows (the most of any row, for peaks)."""
+        values = table.numpy()
+        row = values.sum(axis=0)
+        for name in _PEAKS:
+            row[_INDEX[name]] = values[:, _INDEX[name]].max(initial=0)
+        return cls(row.copy())
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _INDEX:
+            value = float(self._row[_INDEX[name]])
+            return value if name in _FLOATS else int(value)
+        raise AttributeError(name)
 
     def add(self, **counts: float) -> None:
         with self._lock:
             for name, value in counts.items():
-                setattr(self, name, getattr(self, name) + value)
+                self._row[_INDEX[name]] += value
 
     def peak(self, name: str, value: float) -> None:
         """Raise counter ``name`` to ``value`` if it is higher."""
         with self._lock:
-            setattr(self, name, max(getattr(self, name), value))
+            index = _INDEX[name]
+            self._row[index] = max(self._row[index], value)
 
     def as_dict(self) -> dict[str, float]:
-        with self._lock:
-            return {k: v for k, v in vars(self).items() if not k.startswith("_")}
+        return {name: getattr(self, name) for name in FIELDS}
+
+    def __repr__(self) -> str:
+        return f"Metrics({', '.join(f'{k}={v}' for k, v in self.as_dict().items())})"
 
     def __getstate__(self) -> dict[str, Any]:
         return self.as_dict()

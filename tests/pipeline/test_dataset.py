@@ -210,3 +210,17 @@ def test_range_memory_stays_within_the_documented_sum(seaweed):
     bound = fetch.prefetch_bytes + (2 + 2) * per_range
     assert 0 < dataset.metrics.peak_range_memory <= bound < sum(e.size for e in entries), (dataset.metrics.peak_range_memory, bound)
     client.close()
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_metrics_of_every_worker_reach_the_main_process(uploaded, num_workers):
+    client, bucket, _ = uploaded
+    dataset = RemoteDataset(client, bucket, "few").batched(10, collation_fn=len)
+    loader = iter(DataLoader(dataset, batch_size=None, num_workers=num_workers))
+    taken = next(loader)
+    during = dataset.metrics  # read while the epoch runs
+    assert during.samples >= taken and during.gets > 0
+    assert sum(loader) + taken == 97
+    after = dataset.metrics.as_dict()
+    assert after["samples"] == 97 and after["bytes"] > 0 and after["gets"] >= 5
+    assert after["peak_range_memory"] > 0
