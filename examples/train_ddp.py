@@ -117,6 +117,10 @@ def train(args: argparse.Namespace) -> None:
                 if log:
                     log.write(json.dumps({"epoch": epoch, "keys": list(keys)}) + "\n")
                     log.flush()
+                if rank == 0 and args.log_every and steps % args.log_every == 0:
+                    m = stream.metrics  # summed over this rank's DataLoader workers, read from shared memory
+                    print(f"step {steps}: loader {m.samples} samples, {m.bytes / 1e6:.1f} MB, {m.gets} GETs,"
+                          f" {m.retries} retries, {m.wait_seconds:.2f} s waiting on storage", flush=True)
                 stopping = steps == args.stop_after
                 if stopping:
                     break
@@ -191,6 +195,7 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true", help="continue from --checkpoint")
     parser.add_argument("--stop-after", type=int, default=0, help="save a checkpoint and stop after this many steps")
     parser.add_argument("--log-keys", type=Path, default=None, help="append each rank's sample keys to files here")
+    parser.add_argument("--log-every", type=int, default=5, help="print the loader's metrics every N steps (0: never)")
     parser.add_argument("--images", type=int, default=192, help="images to generate with --local-server")
     args = parser.parse_args()
     if "RANK" in os.environ:
