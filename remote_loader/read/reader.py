@@ -23,6 +23,7 @@ from remote_loader.errors import (
 )
 from remote_loader.format import MANIFEST_NAME, Manifest, Sample, ShardEntry, ShardIndex, ShardView
 from remote_loader.format.checksum import crc32
+from remote_loader.read.fetch import fetch_range
 from remote_loader.read.metrics import Metrics
 from remote_loader.read.retry import RetryPolicy
 from remote_loader.storage import Location, Store
@@ -155,15 +156,13 @@ class DatasetReader:
         name = entry.index_name or entry.name
         return self.location.key(name), entry.index_offset, entry.index_offset + entry.index_size
 
-    def read_index(self, entry: ShardEntry) -> ShardIndex:
+    def read_index(self, entry: ShardEntry, policy: RetryPolicy | None = None) -> ShardIndex:
         """Fetch and decode one shard's index with a single ranged GET (retried, and fetched
         again while its bytes fail their checksum)."""
         key, start, end = self.index_range(entry)
-        policy = self.policy()
-        return policy.refetch(
-            lambda: policy.call(lambda: self.client.get_range(self.location.bucket, key, start, end),
-                                bucket=self.location.bucket, key=key),
-            lambda data: self.parse_index(entry, data))
+        policy = policy or self.policy()
+        return policy.refetch(lambda: fetch_range(self.client, self.location.bucket, key, start, end, policy),
+                              lambda data: self.parse_index(entry, data))
 
     def get(self, name: str) -> bytes:
         """A whole object of the dataset, under the retry policy."""

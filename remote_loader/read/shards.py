@@ -33,10 +33,8 @@ def fetch_index(reader: DatasetReader, entry: ShardEntry, policy: RetryPolicy) -
 
     Raises DatasetChanged if the index is missing or damaged because the dataset was replaced.
     """
-    key, start, end = reader.index_range(entry)
     try:
-        return policy.refetch(lambda: fetch_range(reader.client, reader.location.bucket, key, start, end, policy),
-                              lambda data: reader.parse_index(entry, data))
+        return reader.read_index(entry, policy)
     except DAMAGE as error:
         reader.check_unchanged(error)
         raise
