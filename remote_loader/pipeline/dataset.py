@@ -210,12 +210,11 @@ class RemoteDataset(IterableDataset):
     def __len__(self) -> int:
         """Samples this rank reads per epoch (before select or batching)."""
         rank, world_size, equalize = self._split()
-        return rank_size(self.reader.manifest.num_samples, rank, world_size, equalize)
+        return rank_size(len(self.reader), rank, world_size, equalize)
 
     def _spans(self, worker: int, num_workers: int, epoch: int | None = None) -> list[Any]:
         rank, world_size, equalize = self._split()
-        counts = [s.samples for s in self.reader.manifest.shards]
-        return assign(counts, seed=self.seed, epoch=self.epoch if epoch is None else epoch, rank=rank, world_size=world_size, worker=worker,
+        return assign(self.reader.counts, seed=self.seed, epoch=self.epoch if epoch is None else epoch, rank=rank, world_size=world_size, worker=worker,
                       num_workers=num_workers, shuffle=self.shuffle_shards, equalize=equalize)
 
     # ------------------------------------------------------------------ resume

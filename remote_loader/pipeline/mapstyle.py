@@ -65,7 +65,7 @@ class RemoteMapDataset(Dataset):
         self.reader = DatasetReader(client, bucket, base_folder, verify=verify, fetch=self.fetch)
         self.transform, self.cache_shards, self.merge_gap = transform, cache_shards, merge_gap
         self.metrics = Metrics()
-        self._ends = np.cumsum([s.samples for s in self.reader.manifest.shards], dtype=np.int64)
+        self._ends = np.cumsum(self.reader.counts)
         self._reset()
 
     def _reset(self) -> None:

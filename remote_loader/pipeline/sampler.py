@@ -40,10 +40,7 @@ class LocalitySampler(Sampler[int]):
         rank: int | None = None,
         world_size: int | None = None,
     ) -> None:
-        if isinstance(shard_sizes, RemoteMapDataset):
-            sizes = [s.samples for s in shard_sizes.reader.manifest.shards]
-        else:
-            sizes = list(shard_sizes)
+        sizes = shard_sizes.reader.counts if isinstance(shard_sizes, RemoteMapDataset) else list(shard_sizes)
         if window < 1:
             raise ConfigError(f"window must be >= 1, got {window}")
         self.sizes = np.asarray(sizes, dtype=np.int64)

@@ -12,6 +12,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 
+import numpy as np
+
 from remote_loader.config import FetchConfig
 from remote_loader.errors import (
     CorruptSampleError,
@@ -94,6 +96,12 @@ class DatasetReader:
         self._identity = _identity(data)
         return manifest
 
+    @cached_property
+    def counts(self) -> np.ndarray:
+        """Samples per shard, in manifest order, as one int64 array: computed once, so the
+        per-epoch split and lookups do not walk every shard entry again."""
+        return np.fromiter((s.samples for s in self.manifest.shards), dtype=np.int64, count=len(self.manifest.shards))
+
     def _manifest_bytes(self) -> bytes | None:
         """The manifest's bytes (fetched again while damaged), or None if there is none."""
         key = self.location.key(MANIFEST_NAME)
@@ -143,7 +151,7 @@ class DatasetReader:
         return sorted((o.key[len(prefix) :], o.size) for o in self.client.list(self.location.bucket, prefix) if o.key.endswith(".tar"))
 
     def __len__(self) -> int:
-        return self.manifest.num_samples
+        return int(self.counts.sum())
 
     def parse_index(self, entry: ShardEntry, data: bytes | memoryview) -> ShardIndex:
         """Check index bytes against the manifest's crc32 (when verifying) and decode them."""
