@@ -6,7 +6,6 @@ import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing import get_context
-from typing import Any
 
 import torch
 from augment import plain_augment

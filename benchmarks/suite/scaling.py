@@ -18,7 +18,7 @@ from typing import Any
 from systems import Target
 
 from remote_loader import DatasetReader, make_client, upload_cv_dataset
-from remote_loader.format import MANIFEST_NAME, Manifest
+from remote_loader.format import MANIFEST_NAME
 from remote_loader.testing.synthetic import SyntheticImages
 
 Measure = Callable[..., dict[str, Any]]

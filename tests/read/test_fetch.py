@@ -88,7 +88,7 @@ def test_an_error_locating_a_range_is_raised_in_job_order(tmp_path):
 def test_close_returns_within_a_second_while_a_request_hangs(tmp_path):
     """A GET that never returns (a hung server) does not hold up close(): the thread
     stuck in it is left to its read timeout, and released here at the end."""
-    store = _store(tmp_path)
+    _store(tmp_path)  # the objects the hanging store serves
     release = threading.Event()
     entered = threading.Event()
 
