@@ -1,7 +1,7 @@
 """The shard, index and manifest format: pure encoding and decoding, no I/O."""
 
 from remote_loader.format.index import INDEX_MEMBER, INDEX_VERSION, ShardIndex
-from remote_loader.format.manifest import MANIFEST_NAME, MANIFEST_VERSION, Manifest, ShardEntry
+from remote_loader.format.manifest import MANIFEST_NAME, MANIFEST_VERSION, Manifest, ShardEntry, ShardTable
 from remote_loader.format.shard import Sample, ShardSummary, ShardView, ShardWriter, check_key
 
 __all__ = [
@@ -14,6 +14,7 @@ __all__ = [
     "ShardEntry",
     "ShardIndex",
     "ShardSummary",
+    "ShardTable",
     "ShardView",
     "ShardWriter",
     "check_key",

@@ -7,7 +7,7 @@ import itertools
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -19,7 +19,7 @@ from remote_loader.errors import ConfigError
 from remote_loader.pipeline import stages
 from remote_loader.pipeline.resume import MAX_WORKERS, ResumeState, consumed_per_worker
 from remote_loader.pipeline.source import span_jobs, stream_samples, tar_jobs
-from remote_loader.pipeline.split import assign, rank_size, shard_order
+from remote_loader.pipeline.split import Span, iter_assign, rank_size, shard_order, worker_bounds
 from remote_loader.read import DatasetReader, Job, Metrics, RetryPolicy
 from remote_loader.storage import Store, open_location
 
@@ -212,10 +212,18 @@ class RemoteDataset(IterableDataset):
         rank, world_size, equalize = self._split()
         return rank_size(len(self.reader), rank, world_size, equalize)
 
-    def _spans(self, worker: int, num_workers: int, epoch: int | None = None) -> list[Any]:
+    def _spans(self, worker: int, num_workers: int, epoch: int | None = None) -> Iterator[Span]:
         rank, world_size, equalize = self._split()
-        return assign(self.reader.counts, seed=self.seed, epoch=self.epoch if epoch is None else epoch, rank=rank, world_size=world_size, worker=worker,
-                      num_workers=num_workers, shuffle=self.shuffle_shards, equalize=equalize)
+        return iter_assign(self.reader.counts, seed=self.seed, epoch=self.epoch if epoch is None else epoch, rank=rank,
+                           world_size=world_size, worker=worker, num_workers=num_workers, shuffle=self.shuffle_shards,
+                           equalize=equalize)
+
+    def _worker_samples(self, worker: int, num_workers: int) -> int:
+        """Samples worker ``worker`` of this rank reads per epoch."""
+        rank, world_size, equalize = self._split()
+        low, high = worker_bounds(len(self.reader), rank=rank, world_size=world_size, worker=worker,
+                                  num_workers=num_workers, equalize=equalize)
+        return high - low
 
     # ------------------------------------------------------------------ resume
 
@@ -252,7 +260,7 @@ class RemoteDataset(IterableDataset):
         workers = max(1, num_workers)
         items = []
         for worker in range(workers):
-            samples = sum(len(s) for s in self._spans(worker, workers))
+            samples = self._worker_samples(worker, workers)
             items.append(-(-samples // per_item) if keeps_short_batch else samples // per_item)
         taken = consumed_per_worker(items, consumed)
         return ResumeState(self.epoch, self.seed, workers, [t * per_item for t in taken]).as_dict()
@@ -265,7 +273,7 @@ class RemoteDataset(IterableDataset):
         _, per_item = self._skip_point()
         self._shared[_EPOCH] = resume.epoch
         for worker, skip in enumerate(resume.skip):
-            samples = sum(len(s) for s in self._spans(worker, resume.num_workers))
+            samples = self._worker_samples(worker, resume.num_workers)
             if skip > -(-samples // per_item) * per_item:
                 raise ConfigError(f"state skips {skip} samples of worker {worker}, which has {samples} in epoch"
                                   f" {resume.epoch}: it was saved for another dataset or split")
@@ -316,7 +324,7 @@ class RemoteDataset(IterableDataset):
             data = itertools.islice(data, skip, None)
         yield from _timed(data, metrics)
 
-    def _jobs(self, epoch: int, worker: int, num_workers: int, policy: RetryPolicy, *, resuming: bool) -> list[Job]:
+    def _jobs(self, epoch: int, worker: int, num_workers: int, policy: RetryPolicy, *, resuming: bool) -> Iterable[Job]:
         """What this worker fetches: its spans, or for plain WebDataset tars without a
         manifest, whole tars dealt round-robin to ranks x workers in the epoch's order."""
         if self.reader.has_manifest():

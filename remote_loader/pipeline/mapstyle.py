@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -65,8 +66,13 @@ class RemoteMapDataset(Dataset):
         self.reader = DatasetReader(client, bucket, base_folder, verify=verify, fetch=self.fetch)
         self.transform, self.cache_shards, self.merge_gap = transform, cache_shards, merge_gap
         self.metrics = Metrics()
-        self._ends = np.cumsum(self.reader.counts)
+        self._ends  # the manifest, fetched now: a missing or damaged dataset fails here
         self._reset()
+
+    @cached_property
+    def _ends(self) -> np.ndarray:
+        """Cumulative samples per shard: sample ``i`` lies in shard ``searchsorted(ends, i, "right")``."""
+        return np.cumsum(self.reader.counts)
 
     def _reset(self) -> None:
         """Per-process state: a forked child must not use the parent's pool (its threads
@@ -84,6 +90,7 @@ class RemoteMapDataset(Dataset):
         state = self.__dict__.copy()
         for name in ("_indexes", "_pool", "_policy", "_pid"):
             state.pop(name)
+        state.pop("_ends", None)  # recomputed from the manifest, which the worker fetches once
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import itertools
+from collections.abc import Iterable, Iterator, Sequence
 from functools import partial
 from typing import Any
 
@@ -20,33 +21,30 @@ def _whole(name: str, size: int) -> tuple[int, int, Any]:
     return 0, size, name
 
 
-def split_spans(reader: DatasetReader, spans: Sequence[Span], range_bytes: int, group: int) -> list[Span]:
+def split_spans(reader: DatasetReader, spans: Iterable[Span], range_bytes: int, group: int) -> Iterator[Span]:
     """Cut spans into ranges of about ``range_bytes`` and interleave the ranges of each
     ``group`` consecutive spans, so a reader with ``group`` open ranges still mixes
-    ``group`` shards while holding only one range of each."""
-    shards = reader.manifest.shards
-    pieces: list[list[Span]] = []
-    for span in spans:
-        entry = shards[span.shard]
-        per_range = max(1, int(range_bytes * entry.samples // max(1, entry.size)))
-        pieces.append([Span(span.shard, a, min(a + per_range, span.end)) for a in range(span.start, span.end, per_range)])
-    out: list[Span] = []
-    for first in range(0, len(pieces), group):
-        block = pieces[first : first + group]
-        for position in range(max((len(p) for p in block), default=0)):
-            out.extend(p[position] for p in block if position < len(p))
-    return out
+    ``group`` shards while holding only one range of each. Lazy: it reads ``group`` spans
+    at a time."""
+    samples, sizes = reader.manifest.shards.samples, reader.manifest.shards.size
+    spans = iter(spans)
+    while block := list(itertools.islice(spans, group)):
+        pieces = []
+        for span in block:
+            per_range = max(1, int(range_bytes * int(samples[span.shard]) // max(1, int(sizes[span.shard]))))
+            pieces.append([Span(span.shard, a, min(a + per_range, span.end)) for a in range(span.start, span.end, per_range)])
+        for position in range(max(len(p) for p in pieces)):
+            yield from (p[position] for p in pieces if position < len(p))
 
 
-def span_jobs(reader: DatasetReader, spans: Sequence[Span], policy: RetryPolicy, open_shards: int = 1,
-              on_error: str = "raise") -> list[Job]:
-    """Jobs fetching the samples of ``spans`` of an indexed dataset, in ranges of about ``range_bytes``."""
+def span_jobs(reader: DatasetReader, spans: Iterable[Span], policy: RetryPolicy, open_shards: int = 1,
+              on_error: str = "raise") -> Iterator[Job]:
+    """Jobs fetching the samples of ``spans`` of an indexed dataset, in ranges of about
+    ``range_bytes``, made as the prefetcher reaches them."""
     shards = reader.manifest.shards
     cache = IndexCache(reader, policy, keep=2 * open_shards + 4)
-    return [
-        Job(reader.location.key(shards[s.shard].name), partial(locate_span, cache, s.shard, s.start, s.end, on_error))
-        for s in split_spans(reader, [s for s in spans if len(s)], policy.config.range_bytes, open_shards)
-    ]
+    for s in split_spans(reader, (s for s in spans if len(s)), policy.config.range_bytes, open_shards):
+        yield Job(reader.location.key(shards.names[s.shard]), partial(locate_span, cache, s.shard, s.start, s.end, on_error))
 
 
 def tar_jobs(reader: DatasetReader, tars: Sequence[tuple[str, int]]) -> list[Job]:

@@ -14,7 +14,7 @@ by at most one.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,20 +41,28 @@ def shard_order(num_shards: int, seed: int, epoch: int, shuffle: bool = True) ->
     return np.random.default_rng([seed, epoch]).permutation(num_shards)
 
 
-def _spans(counts: np.ndarray, order: np.ndarray, start: int, stop: int) -> list[Span]:
-    """Spans covering positions ``[start, stop)`` of the virtual sequence (wrapping past its end)."""
-    ordered = counts[order]
-    total = int(ordered.sum())
-    ends = np.cumsum(ordered)
-    spans: list[Span] = []
+def _spans(counts: np.ndarray, order: np.ndarray, start: int, stop: int) -> Iterator[Span]:
+    """Spans covering positions ``[start, stop)`` of the virtual sequence (wrapping past its
+    end), made lazily: only the order of the shards in the range is kept, so a worker's share
+    of a million shards costs a few arrays, not an object per shard up front."""
+    ends = np.cumsum(counts[order])
+    total = int(ends[-1])
+    laps = []
     while start < stop:
-        position = start % total
-        i = int(np.searchsorted(ends, position, side="right"))
-        first = position - int(ends[i] - ordered[i])
-        take = min(int(ordered[i]) - first, stop - start)
-        spans.append(Span(int(order[i]), first, first + take))
-        start += take
-    return spans
+        first = start % total
+        last = min(first + stop - start, total)
+        i, j = np.searchsorted(ends, [first, last - 1], side="right")
+        laps.append((order[i : j + 1].copy(), ends[i : j + 1].copy(), first, last))
+        start += last - first
+    del ends
+    return _lap_spans(counts, laps)
+
+
+def _lap_spans(counts: np.ndarray, laps: list[tuple[np.ndarray, np.ndarray, int, int]]) -> Iterator[Span]:
+    for shards, shard_ends, first, last in laps:
+        for shard, end in zip(shards.tolist(), shard_ends.tolist()):
+            begin = end - int(counts[shard])
+            yield Span(shard, max(first, begin) - begin, min(last, end) - begin)
 
 
 def _bounds(total: int, parts: int, part: int) -> tuple[int, int]:
@@ -86,20 +94,47 @@ def assign(
         shuffle: Shuffle the shard order.
         equalize: Give every rank the same number of samples by wrapping around.
     """
+    return list(iter_assign(counts, seed=seed, epoch=epoch, rank=rank, world_size=world_size, worker=worker,
+                            num_workers=num_workers, shuffle=shuffle, equalize=equalize))
+
+
+def iter_assign(
+    counts: Sequence[int] | np.ndarray,
+    *,
+    seed: int,
+    epoch: int,
+    rank: int = 0,
+    world_size: int = 1,
+    worker: int = 0,
+    num_workers: int = 1,
+    shuffle: bool = True,
+    equalize: bool = False,
+) -> Iterator[Span]:
+    """``assign``, as an iterator that makes each span when it is reached."""
     counts = np.asarray(counts, dtype=np.int64)
+    low, high = worker_bounds(int(counts.sum()), rank=rank, world_size=world_size, worker=worker,
+                              num_workers=num_workers, equalize=equalize)
+    if low == high:
+        return iter(())
+    order = shard_order(len(counts), seed, epoch, shuffle)
+    return _spans(counts, order, low, high)
+
+
+def worker_bounds(total: int, *, rank: int, world_size: int, worker: int, num_workers: int,
+                  equalize: bool) -> tuple[int, int]:
+    """Positions ``[low, high)`` of the epoch's virtual sequence that a worker reads (``high``
+    may pass ``total`` when equalising: the sequence wraps around)."""
     if not 0 <= rank < world_size or not 0 <= worker < num_workers:
         raise ConfigError(f"need 0 <= rank < world_size and 0 <= worker < num_workers; got {rank}/{world_size}, {worker}/{num_workers}")
-    total = int(counts.sum())
     if total == 0:
-        return []
+        return 0, 0
     if equalize:
         per_rank = -(-total // world_size)
         rank_start, rank_stop = rank * per_rank, (rank + 1) * per_rank
     else:
         rank_start, rank_stop = _bounds(total, world_size, rank)
     low, high = _bounds(rank_stop - rank_start, num_workers, worker)
-    order = shard_order(len(counts), seed, epoch, shuffle)
-    return _spans(counts, order, rank_start + low, rank_start + high)
+    return rank_start + low, rank_start + high
 
 
 def rank_size(total: int, rank: int, world_size: int, equalize: bool) -> int:

@@ -11,6 +11,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 import numpy as np
 
@@ -93,14 +94,26 @@ class DatasetReader:
             raise ObjectNotFound(f"no dataset at {self.location}: {MANIFEST_NAME} is missing",
                                  bucket=self.location.bucket, key=self.location.key(MANIFEST_NAME), code="NoSuchKey")
         manifest = Manifest.decode(data, name=f"{self.location}/{MANIFEST_NAME}")
+        if self._identity is not None and _identity(data) != self._identity:
+            raise DatasetChanged(
+                f"the dataset at {self.location} was replaced by another upload since this reader first read it;"
+                " start the epoch again", bucket=self.location.bucket, key=self.location.key(MANIFEST_NAME))
         self._identity = _identity(data)
         return manifest
 
     @cached_property
     def counts(self) -> np.ndarray:
-        """Samples per shard, in manifest order, as one int64 array: computed once, so the
-        per-epoch split and lookups do not walk every shard entry again."""
-        return np.fromiter((s.samples for s in self.manifest.shards), dtype=np.int64, count=len(self.manifest.shards))
+        """Samples per shard, in manifest order, as one int64 array: the manifest's column,
+        widened once, so the per-epoch split and lookups are array operations."""
+        return self.manifest.shards.samples.astype(np.int64)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (to a spawned worker) without the manifest: the worker fetches it once
+        and checks it is the one this reader read, instead of receiving a copy in the pickle."""
+        state = self.__dict__.copy()
+        state.pop("manifest", None)
+        state.pop("counts", None)
+        return state
 
     def _manifest_bytes(self) -> bytes | None:
         """The manifest's bytes (fetched again while damaged), or None if there is none."""

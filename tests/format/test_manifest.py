@@ -1,34 +1,34 @@
-"""Manifest round trip and validation."""
+"""Manifest round trip and validation, versions 1 and 2."""
 
 from __future__ import annotations
 
 import struct
+import tracemalloc
 import zlib
 
 import msgpack
+import numpy as np
 import pytest
 
 from remote_loader.errors import CorruptShard, IndexOutOfBounds, UnsupportedVersion
 from remote_loader.format import Manifest, ShardEntry
 
+OURS = (
+    ShardEntry("shard-0a1b2c3d-000000-000.tar", 10, 50_000, 48_000, 300, 1, 2),
+    ShardEntry("shard-0a1b2c3d-000000-001.tar", 5, 9_000, 7_000, 100, 3, 4),
+    ShardEntry("shard-0a1b2c3d-000003-000.tar", 70_000, 2**40, 2**40 - 9000, 8000, 2**32 - 1, 0),
+)
+INDEXED = (
+    ShardEntry("train/a.tar", 3, 5_000, 0, 120, 7, 8, "train/a.tar.index"),
+    ShardEntry("train/b-final.tar", 4, 6_000, 0, 130, 9, 10, "train/b-final.tar.index"),
+)
 
-def manifest(**overrides) -> Manifest:
-    values = dict(
-        shards=(ShardEntry("shard-000000-000.tar", 10, 50_000, 48_000, 300, 1, 2), ShardEntry("shard-000001-000.tar", 5, 9_000, 7_000, 100, 3, 4)),
-        fields=("cls", "jpg"),
-        params={"upload": {"seed": 3}, "classes": ["a", "b"]},
-        skipped=2,
-        skipped_indices=(4, 17),
-    )
+
+def manifest(version: int = 2, shards=OURS, **overrides) -> Manifest:
+    values = dict(shards=shards, fields=("cls", "jpg"), params={"upload": {"seed": 3}, "classes": ["a", "b"]},
+                  skipped=2, skipped_indices=(4, 17), version=version)
     values.update(overrides)
     return Manifest(**values)
-
-
-def test_round_trip():
-    m = manifest()
-    again = Manifest.decode(m.encode(), name="m")
-    assert again == m
-    assert again.num_samples == 15 and again.num_bytes == 59_000
 
 
 def seal(body: bytes) -> bytes:
@@ -36,14 +36,47 @@ def seal(body: bytes) -> bytes:
     return body + struct.pack("<I", zlib.crc32(body))
 
 
-def edit(**changes) -> bytes:
-    raw = msgpack.unpackb(manifest().encode()[:-4])
+def edit(written_as: int = 2, **changes) -> bytes:
+    raw = msgpack.unpackb(manifest(written_as).encode()[:-4])
     raw.update(changes)
     return seal(msgpack.packb(raw, use_bin_type=True))
 
 
-def test_any_flipped_byte_fails_the_checksum():
-    data = manifest().encode()
+@pytest.mark.parametrize("shards", [OURS, INDEXED], ids=["template-names", "blob-names"])
+def test_versions_1_and_2_read_the_same(shards):
+    one, two = (Manifest.decode(manifest(v, shards).encode(), name="m") for v in (1, 2))
+    assert list(one.shards) == list(two.shards) == list(shards)
+    assert (one.num_samples, one.num_bytes) == (two.num_samples, two.num_bytes) == (
+        sum(s.samples for s in shards), sum(s.size for s in shards))
+    assert (one.fields, one.params, one.skipped, one.skipped_indices) == (two.fields, two.params, 2, (4, 17))
+    assert (one.version, two.version) == (1, 2)
+    assert two.shards.samples.dtype.kind == "u" and not two.shards.samples.flags.writeable
+
+
+def test_our_names_are_stored_as_a_template_and_others_as_a_blob():
+    ours = msgpack.unpackb(manifest(2, OURS).encode()[:-4])
+    assert ours["names"]["parts"] == ["shard-0a1b2c3d-", "-", ".tar"] and ours["names"]["widths"] == [6, 3]
+    assert "index_names" not in ours
+    unordered = msgpack.unpackb(manifest(2, OURS[::-1]).encode()[:-4])  # not increasing: no template
+    assert "blob" in unordered["names"]
+    indexed = msgpack.unpackb(manifest(2, INDEXED).encode()[:-4])
+    assert "blob" in indexed["names"] and "blob" in indexed["index_names"]
+
+
+def test_a_million_shards_take_tens_of_bytes_each_and_decode_as_arrays():
+    n = 1_000_000
+    shards = [ShardEntry(f"shard-0a1b2c3d-{t:06d}-000.tar", 1000, 10_000_000, 9_990_000, 9000, t, t) for t in range(0, n, 1000)]
+    m = Manifest(shards=shards, fields=("cls",))
+    assert len(m.encode()) < 40 * len(shards) + 1000
+    again = Manifest.decode(m.encode(), name="m")
+    assert again.shards[-1] == shards[-1] and again.shards[-len(shards)] == shards[0]
+    with pytest.raises(IndexError, match="shard 1000 out of range"):
+        again.shards[len(shards)]
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_any_flipped_byte_fails_the_checksum(version):
+    data = manifest(version).encode()
     for position in range(0, len(data), 7):
         damaged = bytearray(data)
         damaged[position] ^= 0x10
@@ -52,8 +85,8 @@ def test_any_flipped_byte_fails_the_checksum():
 
 
 def test_newer_version_is_refused_with_a_clear_message():
-    with pytest.raises(UnsupportedVersion, match="version 2.*upgrade"):
-        Manifest.decode(edit(version=2), name="s3://b/p/manifest.msgpack")
+    with pytest.raises(UnsupportedVersion, match="version 3.*upgrade"):
+        Manifest.decode(edit(2, version=3), name="s3://b/p/manifest.msgpack")
 
 
 @pytest.mark.parametrize("cut", [1, 10, 50, -1])
@@ -76,18 +109,128 @@ def test_not_a_manifest():
         (["/abs.tar", 1, 5000, 2000, 10, 0, 0, ""], CorruptShard),
         (["ok.tar", 1, 5000, 4990, 100, 0, 0, ""], IndexOutOfBounds),
         (["ok.tar", -1, 5000, 2000, 10, 0, 0, ""], CorruptShard),
+        (["ok.tar", 0, 5000, 2000, 10, 0, 0, ""], CorruptShard),
         (["ok.tar", 1, 5000], CorruptShard),
         (["ok.tar", 1, 5000, 2000, 10, 0, 0, "../idx"], CorruptShard),
         (["ok.tar", 1, 5000, 2000, 10, 0, 0, 7], CorruptShard),
         (["ok.tar", "1", 5000, 2000, 10, 0, 0, ""], CorruptShard),
+        (["ok.tar", 2**64 - 1, 2**64 - 1, 2000, 10, 0, 0, ""], CorruptShard),
     ],
 )
-def test_bad_shard_entries(row, error):
+def test_bad_version_1_rows(row, error):
     with pytest.raises(error):
-        Manifest.decode(edit(shards=[row]), name="m")
+        Manifest.decode(edit(1, shards=[row]), name="m")
 
 
 def test_duplicate_shard_is_refused():
     row = ["a.tar", 1, 5000, 2000, 10, 0, 0, ""]
     with pytest.raises(CorruptShard, match="twice"):
-        Manifest.decode(edit(shards=[row, row]), name="m")
+        Manifest.decode(edit(1, shards=[row, row]), name="m")
+    raw = msgpack.unpackb(manifest(2, INDEXED).encode()[:-4])
+    raw["names"]["blob"] = b"train/a.tar" * 2
+    raw["names"]["offsets"] = {"dtype": "<u8", "data": np.array([0, 11, 22], "<u8").tobytes()}
+    with pytest.raises(CorruptShard, match="twice"):
+        Manifest.decode(seal(msgpack.packb(raw, use_bin_type=True)), name="m")
+
+
+# ---------------------------------------------------------------------------- version 2 from its spec
+
+
+def column(values, dtype="<u8") -> dict:
+    return {"dtype": dtype, "data": np.asarray(values, dtype=dtype).tobytes()}
+
+
+def spec_manifest(**changes) -> bytes:
+    """A version 2 manifest written from docs/FORMAT.md with msgpack and numpy only."""
+    body = {
+        "format": "remote_loader",
+        "version": 2,
+        "fields": ["cls", "jpg"],
+        "shards": 3,
+        "columns": {
+            "samples": column([1000, 1000, 7], "<u2"),
+            "size": column([1_000_000, 1_100_000, 9_000], "<u4"),
+            "index_offset": column([990_000, 1_090_000, 7_000], "<u4"),
+            "index_size": column([9_000, 9_500, 120], "<u4"),
+            "index_crc": column([1, 2, 3], "<u4"),
+            "crc32": column([4, 5, 6], "<u4"),
+        },
+        "names": {"parts": ["part-", "/shard-", ".tar"], "widths": [2, 5], "numbers": [column([0, 0, 1], "<u1"), column([0, 12345, 7], "<u4")]},
+        "params": {},
+        "skipped": 0,
+        "skipped_indices": [],
+    }
+    body.update(changes)
+    return seal(msgpack.packb(body, use_bin_type=True))
+
+
+def test_a_manifest_written_from_the_spec_opens():
+    m = Manifest.decode(spec_manifest(), name="spec")
+    assert [s.name for s in m.shards] == ["part-00/shard-00000.tar", "part-00/shard-12345.tar", "part-01/shard-00007.tar"]
+    assert m.shards[2] == ShardEntry("part-01/shard-00007.tar", 7, 9_000, 7_000, 120, 3, 6)
+    assert m.num_samples == 2007 and m.version == 2
+
+
+def test_a_blob_named_manifest_with_separate_indexes_written_from_the_spec_opens():
+    names = ["a.tar", "dir/b.tar"]
+    blob = "".join(names).encode()
+    m = Manifest.decode(spec_manifest(
+        shards=2,
+        columns={"samples": column([3, 4]), "size": column([5000, 6000]), "index_offset": column([0, 5000]),
+                 "index_size": column([100, 200]), "index_crc": column([1, 2], "<u4"), "crc32": column([3, 4], "<u4")},
+        names={"blob": blob, "offsets": column([0, 5, 14])},
+        index_names={"blob": b"a.tar.index", "offsets": column([0, 11, 11])},
+    ), name="spec")
+    assert list(m.shards) == [ShardEntry("a.tar", 3, 5000, 0, 100, 1, 3, "a.tar.index"),
+                              ShardEntry("dir/b.tar", 4, 6000, 5000, 200, 2, 4, "")]
+
+
+def _columns(**changes) -> dict:
+    raw = msgpack.unpackb(spec_manifest()[:-4])["columns"]
+    raw.update(changes)
+    return raw
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"columns": _columns(size=column([1, 2], "<u4"))}, "column 'size' holds 8 bytes; 3 values of <u4 need 12"),
+        ({"columns": _columns(size=column([1, 2, 3, 4], "<u4"))}, "column 'size' holds 16 bytes"),
+        ({"columns": _columns(crc32={"dtype": "<i4", "data": b"\0" * 12})}, "column 'crc32' is not a map"),
+        ({"columns": _columns(crc32=column([1, 2, 2**40]))}, "'crc32' holds a value over 32 bits"),
+        ({"columns": {k: v for k, v in _columns().items() if k != "crc32"}}, "columns are"),
+        ({"shards": 4}, "3 values|4 values"),
+        ({"shards": -1}, "negative shard count"),
+        ({"columns": _columns(samples=column([2**62, 2**62, 1]))}, "overflow"),
+        ({"columns": _columns(samples=column([1, 0, 1], "<u2"))}, "has no samples"),
+        ({"columns": _columns(size=column([2**63, 1_100_000, 9000]))}, "over 63 bits"),
+        ({"names": {"parts": ["part-", "/shard-", ".tar"], "widths": [2, 5], "numbers": [column([0, 0, 1], "<u1")]}}, "neither a blob"),
+        ({"names": {"parts": ["../", "/", ".tar"], "widths": [2, 5], "numbers": [column([0, 0, 1]), column([1, 2, 3])]}}, "unsafe"),
+        ({"names": {"parts": ["x", "", ".tar"], "widths": [2, 5], "numbers": [column([0, 0, 1]), column([1, 2, 3])]}}, "neither a blob"),
+        ({"names": {"parts": ["a-", "/b-", ".tar"], "widths": [2, 5], "numbers": [column([0, 0, 0]), column([1, 1, 3])]}}, "strictly increasing"),
+        ({"names": {"blob": b"a.tarb.tarc.tar", "offsets": column([0, 5, 10])}}, "names offsets holds"),
+        ({"names": {"blob": b"a.tarb.tarc.tar", "offsets": column([0, 10, 5, 15])}}, "in order"),
+        ({"names": {"blob": b"a.tarb.tarc.tar", "offsets": column([0, 5, 10, 99])}}, "blob's end"),
+        ({"names": {"blob": b"a.tar\xffb.tarc.tar", "offsets": column([0, 6, 11, 16])}}, "not UTF-8"),
+    ],
+)
+def test_malformed_version_2_columns_name_the_manifest(changes, message):
+    with pytest.raises(CorruptShard, match=message) as caught:
+        Manifest.decode(spec_manifest(**changes), name="s3://b/p/manifest.msgpack")
+    assert "s3://b/p/manifest.msgpack" in str(caught.value)
+
+
+def test_index_outside_its_shard_is_refused():
+    with pytest.raises(IndexOutOfBounds, match="shard-12345"):
+        Manifest.decode(spec_manifest(columns=_columns(index_offset=column([990_000, 1_095_000, 7_000], "<u4"))), name="m")
+
+
+def test_a_huge_claimed_count_fails_before_any_large_allocation():
+    tracemalloc.start()
+    try:
+        with pytest.raises(CorruptShard, match="need"):
+            Manifest.decode(spec_manifest(shards=10**15), name="m")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1_000_000

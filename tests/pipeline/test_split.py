@@ -84,14 +84,13 @@ def test_split_spans_cover_every_sample_once_in_bounded_interleaved_ranges():
 
     from remote_loader.pipeline.source import split_spans
 
-    shards = [SimpleNamespace(samples=100, size=100 * 1000), SimpleNamespace(samples=50, size=50 * 4000),
-              SimpleNamespace(samples=7, size=7 * 1000)]
-    reader = SimpleNamespace(manifest=SimpleNamespace(shards=shards))
+    samples, sizes = np.array([100, 50, 7]), np.array([100 * 1000, 50 * 4000, 7 * 1000])
+    reader = SimpleNamespace(manifest=SimpleNamespace(shards=SimpleNamespace(samples=samples, size=sizes)))
     spans = [Span(0, 10, 100), Span(1, 0, 50), Span(2, 0, 7)]
-    ranges = split_spans(reader, spans, range_bytes=20_000, group=2)
+    ranges = list(split_spans(reader, iter(spans), range_bytes=20_000, group=2))
     covered = sorted((r.shard, i) for r in ranges for i in range(r.start, r.end))
     assert covered == sorted((s.shard, i) for s in spans for i in range(s.start, s.end))
-    assert all(len(r) * shards[r.shard].size / shards[r.shard].samples <= 20_000 for r in ranges)
+    assert all(len(r) * sizes[r.shard] / samples[r.shard] <= 20_000 for r in ranges)
     # The first two spans alternate range by range; the third follows them.
     assert [r.shard for r in ranges[:4]] == [0, 1, 0, 1] and ranges[-1].shard == 2
     # Within a shard the ranges stay in order.
