@@ -32,7 +32,7 @@ _NAME_CHARS = re.compile(r"^[A-Za-z0-9_./-]*$")
 _ENTRY_FIELDS = ("name", "samples", "size", "index_offset", "index_size", "index_crc", "crc32", "index_name")
 _COLUMNS = ("samples", "size", "index_offset", "index_size", "index_crc", "crc32")
 _CRC_COLUMNS = ("index_crc", "crc32")
-_DTYPES = {"<u1": np.dtype("<u1"), "<u2": np.dtype("<u2"), "<u4": np.dtype("<u4"), "<u8": np.dtype("<u8")}
+_DTYPES: dict[str, np.dtype[Any]] = {"<u1": np.dtype("<u1"), "<u2": np.dtype("<u2"), "<u4": np.dtype("<u4"), "<u8": np.dtype("<u8")}
 _LIMIT = 2**63  # every size, offset and the sum of sample counts fit a signed 64-bit integer
 _MAX_SKIPPED_LISTED = 10_000
 
@@ -191,10 +191,10 @@ def _increasing(columns: Sequence[np.ndarray]) -> bool:
     """Whether the rows ``(columns[0][i], columns[1][i], ...)`` are strictly increasing."""
     if not columns or len(columns[0]) < 2:
         return True
-    later: np.ndarray | None = None
+    later = np.zeros(len(columns[0]) - 1, dtype=bool)
     for values in reversed(columns):
         a, b = values[:-1], values[1:]
-        later = b > a if later is None else (b > a) | ((b == a) & later)
+        later = (b > a) | ((b == a) & later)
     return bool(later.all())
 
 

@@ -54,7 +54,7 @@ def tar_jobs(reader: DatasetReader, tars: Sequence[tuple[str, int]]) -> list[Job
 
 def stream_samples(
     reader: DatasetReader,
-    jobs: Sequence[Job],
+    jobs: Iterable[Job],
     *,
     policy: RetryPolicy,
     open_shards: int,

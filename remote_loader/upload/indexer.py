@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from functools import partial
 
 from remote_loader.errors import UploadError
-from remote_loader.format import MANIFEST_NAME, Manifest, ShardEntry
+from remote_loader.format import MANIFEST_NAME, Manifest, ShardEntry, ShardTable
 from remote_loader.format.checksum import crc32
 from remote_loader.format.tar import scan_tar
 from remote_loader.storage import Location, Store
@@ -50,6 +50,6 @@ def index_webdataset(
         fields.update(index.fields)
         if progress:
             progress(name)
-    manifest = Manifest(shards=tuple(entries), fields=tuple(sorted(fields)), params={"indexed": "webdataset"})
+    manifest = Manifest(shards=ShardTable.from_entries(entries), fields=tuple(sorted(fields)), params={"indexed": "webdataset"})
     store.put(location.bucket, location.key(MANIFEST_NAME), manifest.encode())
     return IndexSummary(location, len(entries), manifest.num_samples, manifest.num_bytes)

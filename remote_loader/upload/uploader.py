@@ -25,7 +25,7 @@ import numpy as np
 from tqdm import tqdm
 
 from remote_loader.errors import ConfigError, ObjectNotFound, StorageError, UploadError
-from remote_loader.format import MANIFEST_NAME, Manifest, ShardEntry
+from remote_loader.format import MANIFEST_NAME, Manifest, ShardEntry, ShardTable
 from remote_loader.format.index import unpack
 from remote_loader.format.shard import member_bytes
 from remote_loader.storage import DEFAULT_PART_SIZE, Location, Store
@@ -318,7 +318,7 @@ def upload_cv_dataset(
     if not entries:
         raise UploadError(f"every sample was skipped ({len(skipped)}); nothing to upload")
     manifest = Manifest(
-        shards=tuple(entries),
+        shards=ShardTable.from_entries(entries),
         fields=tuple(sorted({f for r in by_task.values() for f in r.fields})),
         params={
             "upload": params,
