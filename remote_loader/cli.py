@@ -83,10 +83,13 @@ def cmd_index(args: argparse.Namespace) -> int:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     store, location = _open(args)
-    manifest = DatasetReader(store, location.bucket, location.prefix).manifest
-    rows = [{"name": s.name, "samples": s.samples, "bytes": s.size} for s in manifest.shards]
-    text = "\n".join(f"{r['bytes']:>14,d}  {r['samples']:>8,d}  {r['name']}" for r in rows)
-    _emit(args, rows, text)
+    table = DatasetReader(store, location.bucket, location.prefix).manifest.shards
+    names = (table.names[i] for i in range(len(table)))
+    rows = zip(table.size.tolist(), table.samples.tolist(), names)  # columns, not an entry object per shard
+    if args.json:
+        _emit(args, [{"name": n, "samples": c, "bytes": b} for b, c, n in rows], "")
+    else:
+        sys.stdout.writelines(f"{b:>14,d}  {c:>8,d}  {n}\n" for b, c, n in rows)
     return 0
 
 

@@ -46,7 +46,7 @@ def test_full_epoch_with_two_workers(class_ordered):
         .map_tuple(crop, None, None)
         .batched(64)
     )
-    images, labels, keys = [], [], []
+    labels, keys = [], []
     for batch_images, batch_labels, batch_keys in DataLoader(dataset, batch_size=None, num_workers=2):
         assert batch_images.dtype == torch.uint8 and batch_images.shape[1:] == (3, 32, 32) and len(batch_images) <= 64
         labels.extend(batch_labels.tolist())
