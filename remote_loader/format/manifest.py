@@ -223,6 +223,15 @@ class ShardTable(Sequence[ShardEntry]):
         return cls(columns, _TemplateNames.infer(names) or _BlobNames.of(names),
                    _BlobNames.of(index_names) if any(index_names) else None)
 
+    @classmethod
+    def from_template(cls, columns: Mapping[str, np.ndarray], parts: Sequence[str], widths: Sequence[int],
+                      numbers: Sequence[np.ndarray]) -> ShardTable:
+        """A table whose names follow a template (see docs/FORMAT.md), built from arrays:
+        ``parts[0] + numbers[0][i] zero-padded to widths[0] + parts[1] + ...``."""
+        count = len(numbers[0]) if numbers else len(columns["samples"])
+        return cls({c: _narrow(np.asarray(columns[c], dtype=np.uint64)) for c in _COLUMNS},
+                   _TemplateNames(tuple(parts), tuple(widths), tuple(_narrow(np.asarray(a)) for a in numbers), count))
+
     @property
     def samples(self) -> np.ndarray:
         """Samples per shard."""

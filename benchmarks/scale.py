@@ -1,0 +1,222 @@
+"""Metadata at scale: manifests of 1k, 100k and 1M shards of 1,000 samples (up to 1B samples).
+
+For each size, against the embedded SeaweedFS, each figure from a fresh process:
+
+- opening: construction to a ready ``RemoteDataset`` / ``RemoteMapDataset`` (``len()``
+  answered: manifest GET, decode, counts), and the RSS it added;
+- first batch: construction to the first batch of 64 through a 1,000-sample shuffle buffer
+  with 2 DataLoader workers, and each worker's private memory (USS) then;
+- random access: ``ds[i]`` for random ``i``, index cache cold (index GET + sample GET) and
+  warm (sample GET);
+- at the largest size, 2 ranks x 4 workers against 1 process: the PSS of every process.
+
+Every manifest lists its shards under template names; only the shards a run reads exist,
+as copies of one real shard (1,000 samples of a ``cls`` field).
+
+    python benchmarks/scale.py [--sizes 1000 100000 1000000] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import statistics
+import subprocess
+import sys
+import textwrap
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from remote_loader.format import Manifest, ShardEntry, ShardTable, ShardWriter
+from remote_loader.pipeline.split import iter_assign
+from remote_loader.testing.server import EmbeddedS3
+
+PER_SHARD = 1000
+BUCKET = "scale"
+RUN = "5ca1ab1e"
+AHEAD = 48  # shards each worker may fetch ahead of its first batch (32 MiB of 1 MB shards, and more)
+RANDOM = 40
+
+_COMMON = textwrap.dedent("""
+    import json, os, sys, time
+    import numpy as np
+    import torch
+    from torch.utils.data import DataLoader
+    from remote_loader import RemoteDataset, RemoteMapDataset, make_client
+
+    def memory(pid="self"):
+        fields = {}
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) == 3 and parts[2] == "kB":
+                    fields[parts[0].rstrip(":")] = int(parts[1]) / 1024
+        return {"rss": fields["Rss"], "pss": fields["Pss"], "uss": fields["Private_Clean"] + fields["Private_Dirty"]}
+
+    def children():
+        me = os.getpid()
+        out = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat") as f:
+                        if int(f.read().rsplit(")", 1)[1].split()[1]) == me:
+                            out.append(int(entry))
+                except OSError:
+                    pass
+        return sorted(out)
+
+    endpoint, key, secret, prefix, mode = sys.argv[1:6]
+    args = sys.argv[6:]
+    client = make_client(endpoint, key, secret)
+    client.head("scale", f"{prefix}/manifest.msgpack")  # SDK set-up and a connection, outside the timings
+""")
+
+_CHILD = _COMMON + textwrap.dedent("""
+    if mode in ("open-stream", "open-map"):
+        before = memory()
+        t0 = time.perf_counter()
+        ds = (RemoteDataset if mode == "open-stream" else RemoteMapDataset)(client, "scale", prefix)
+        n = len(ds)
+        seconds = time.perf_counter() - t0
+        print(json.dumps({"seconds": seconds, "rss_mb": memory()["rss"] - before["rss"], "samples": n}))
+    elif mode == "first-batch":
+        workers, rank, world = int(args[0]), int(args[1]), int(args[2])
+        t0 = time.perf_counter()
+        ds = RemoteDataset(client, "scale", prefix, rank=rank, world_size=world).shuffle(1000).batched(64, collation_fn=len)
+        loader = DataLoader(ds, batch_size=None, num_workers=workers)
+        batches = iter(loader)
+        assert next(batches) == 64
+        seconds = time.perf_counter() - t0
+        pids = children()
+        print(json.dumps({"seconds": seconds, "main": memory(), "workers": [memory(p) for p in pids]}))
+        del batches
+    elif mode == "random":
+        ds = RemoteMapDataset(client, "scale", prefix, cache_shards=len(args) + 1)
+        cold, warm = [], []
+        for i in map(int, args):
+            for times in (cold, warm):
+                t0 = time.perf_counter()
+                sample = ds[i]
+                times.append(time.perf_counter() - t0)
+                assert sample["cls"] == str(i % 1000).encode(), (i, sample)
+        print(json.dumps({"cold_ms": 1000 * float(np.median(cold)), "warm_ms": 1000 * float(np.median(warm))}))
+""")
+
+
+def one_shard() -> tuple[bytes, ShardEntry]:
+    """A real shard of 1,000 samples whose ``cls`` is the sample's position in it."""
+    out = io.BytesIO()
+    writer = ShardWriter(out.write)
+    for j in range(PER_SHARD):
+        writer.add(f"{j:07d}", {"cls": str(j).encode()})
+    summary = writer.close()
+    return out.getvalue(), ShardEntry.from_summary("x.tar", summary)
+
+
+def manifest(count: int, entry: ShardEntry) -> bytes:
+    """``count`` shards like ``entry`` under ``shard-RUN-<task>-000.tar``, built as columns."""
+    column = {c: np.full(count, getattr(entry, c), dtype=np.uint64) for c in
+              ("samples", "size", "index_offset", "index_size", "index_crc", "crc32")}
+    table = ShardTable.from_template(column, (f"shard-{RUN}-", "-", ".tar"), (6, 3),
+                                     (np.arange(count), np.zeros(count, dtype=np.uint8)))
+    return Manifest(shards=table, fields=("cls",)).encode()
+
+
+def needed(count: int, layouts: list[tuple[int, int, int]], samples: list[int]) -> set[int]:
+    """Shards the runs read: the first AHEAD of each worker's order, and those of ``samples``."""
+    counts = np.full(count, PER_SHARD, dtype=np.int64)
+    shards = {i // PER_SHARD for i in samples}
+    for workers, rank, world in layouts:
+        for worker in range(max(1, workers)):
+            spans = iter_assign(counts, seed=0, epoch=0, rank=rank, world_size=world, worker=worker,
+                                num_workers=max(1, workers), equalize=world > 1)
+            for _, span in zip(range(AHEAD), spans):
+                shards.add(span.shard)
+    return shards
+
+
+def child(server: EmbeddedS3, prefix: str, mode: str, *args: Any) -> dict[str, Any]:
+    out = subprocess.run([sys.executable, "-c", _CHILD, server.endpoint_url, server.access_key, server.secret_key,
+                          prefix, mode, *map(str, args)], capture_output=True, text=True, timeout=600)
+    if out.returncode:
+        raise RuntimeError(f"{mode} on {prefix} failed:\n{out.stderr[-3000:]}")
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1_000, 100_000, 1_000_000])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args()
+    body, entry = one_shard()
+    results: dict[str, Any] = {}
+    with EmbeddedS3(buckets=[BUCKET]) as server, ThreadPoolExecutor(8) as pool:
+        client = server.client()
+        for count in args.sizes:
+            prefix = f"n{count}"
+            data = manifest(count, entry)
+            client.put(BUCKET, f"{prefix}/manifest.msgpack", data)
+            samples = [int(i) for i in np.random.default_rng(count).integers(0, count * PER_SHARD, RANDOM)]
+            layouts = [(2, 0, 1)] + ([(0, 0, 2), (4, 0, 2), (4, 1, 2)] if count == max(args.sizes) else [])
+            shards = needed(count, layouts, samples)
+            list(pool.map(lambda s: client.put(BUCKET, f"{prefix}/shard-{RUN}-{s:06d}-000.tar", body), shards))
+
+            def median(mode: str, *extra: Any) -> dict[str, Any]:
+                runs = [child(server, prefix, mode, *extra) for _ in range(args.repeats)]
+                return {k: statistics.median(r[k] for r in runs) for k in runs[0] if isinstance(runs[0][k], float)} | {
+                    k: runs[-1][k] for k in runs[0] if not isinstance(runs[0][k], float)}
+
+            row: dict[str, Any] = {"manifest_mb": len(data) / 1e6, "samples": count * PER_SHARD}
+            row["open_stream"] = median("open-stream")
+            row["open_map"] = median("open-map")
+            row["first_batch"] = median("first-batch", 2, 0, 1)
+            row["random"] = median("random", *samples)
+            if count == max(args.sizes):
+                row["one_process"] = median("first-batch", 0, 0, 2)
+                row["ranks"] = [median("first-batch", 4, rank, 2) for rank in (0, 1)]
+            results[str(count)] = row
+            print(json.dumps({count: row}), flush=True)
+        client.close()
+    print(report(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+def report(results: dict[str, Any]) -> str:
+    lines = [
+        "| shards (samples) | manifest | open RemoteDataset | open RemoteMapDataset | first batch (2 workers) "
+        "| USS per worker | ds[i] cold / warm |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for count, row in results.items():
+        workers = row["first_batch"]["workers"]
+        lines.append(
+            f"| {int(count):,d} ({row['samples']:,d}) | {row['manifest_mb']:.1f} MB "
+            f"| {row['open_stream']['seconds']:.3f} s, +{row['open_stream']['rss_mb']:.0f} MB "
+            f"| {row['open_map']['seconds']:.3f} s, +{row['open_map']['rss_mb']:.0f} MB "
+            f"| {row['first_batch']['seconds']:.2f} s "
+            f"| {statistics.mean(w['uss'] for w in workers):.0f} MB "
+            f"| {row['random']['cold_ms']:.1f} / {row['random']['warm_ms']:.1f} ms |"
+        )
+    largest = results[max(results, key=int)]
+    if "ranks" in largest:
+        one = largest["one_process"]["main"]["pss"]
+        ranks = largest["ranks"]
+        total = sum(r["main"]["pss"] + sum(w["pss"] for w in r["workers"]) for r in ranks)
+        uss = [w["uss"] for r in ranks for w in r["workers"]]
+        lines.append("")
+        rank_pss = ", ".join(f"{r['main']['pss']:.0f}" for r in ranks)
+        lines.append(f"2 ranks x 4 workers at the largest size: PSS of all 10 processes {total:.0f} MB "
+                     f"(ranks {rank_pss} MB; workers' USS "
+                     f"{min(uss):.0f}-{max(uss):.0f} MB) against {one:.0f} MB for 1 process without workers")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
