@@ -12,7 +12,7 @@ from typing import Any
 from tqdm import tqdm
 
 from remote_loader import bench
-from remote_loader.errors import RemoteLoaderError
+from remote_loader.errors import ConfigError, RemoteLoaderError
 from remote_loader.upload.indexer import index_webdataset
 from remote_loader.read.reader import DatasetReader
 from remote_loader.testing.server import EmbeddedS3
@@ -39,9 +39,44 @@ def _emit(args: argparse.Namespace, data: Any, text: str) -> None:
 
 def cmd_upload(args: argparse.Namespace) -> int:
     store, location = _open(args)
-    dataset = load_source(args.source)
-    summary = upload_cv_dataset(
-        dataset,
+    dask = _dask_client(args.dask) if args.dask else None
+    try:
+        summary = _upload(args, store, location, dask.get_executor() if dask else None)
+    finally:
+        if dask is not None:
+            dask.close()
+    data = {
+        "url": str(summary.location),
+        "samples": summary.samples,
+        "shards": summary.shards,
+        "bytes": summary.bytes,
+        "skipped": summary.skipped,
+        "seconds": round(summary.seconds, 3),
+        "mb_per_s": round(summary.mb_per_s, 2),
+        "samples_per_s": round(summary.samples_per_s, 1),
+        "kept_shards": summary.kept_shards,
+    }
+    _emit(args, data, str(summary))
+    return 0
+
+
+def _dask_client(address: str) -> Any:
+    """A client of the Dask scheduler at ``address`` (the ``dask`` extra)."""
+    try:
+        from distributed import Client  # the optional extra, imported only for --dask
+    except ImportError:
+        raise ConfigError("--dask needs dask.distributed: pip install 'remote-loader[dask]'") from None
+    try:
+        return Client(address, timeout=30)
+    except OSError as exc:
+        raise ConfigError(f"cannot reach the Dask scheduler at {address}: {exc}") from None
+
+
+def _upload(args: argparse.Namespace, store: Any, location: Any, executor: Any) -> Any:
+    # With a cluster the source spec travels, and each worker builds the dataset from it once.
+    return upload_cv_dataset(
+        args.source if executor else load_source(args.source),
+        executor=executor,
         client=store,
         bucket=location.bucket,
         base_folder=location.prefix,
@@ -56,19 +91,6 @@ def cmd_upload(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         progress=not (args.quiet or args.json),
     )
-    data = {
-        "url": str(summary.location),
-        "samples": summary.samples,
-        "shards": summary.shards,
-        "bytes": summary.bytes,
-        "skipped": summary.skipped,
-        "seconds": round(summary.seconds, 3),
-        "mb_per_s": round(summary.mb_per_s, 2),
-        "samples_per_s": round(summary.samples_per_s, 1),
-        "kept_shards": summary.kept_shards,
-    }
-    _emit(args, data, str(summary))
-    return 0
 
 
 def cmd_index(args: argparse.Namespace) -> int:
@@ -194,6 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--on-error", default="raise", choices=("raise", "skip"))
     p.add_argument("--no-shuffle", action="store_true", help="keep the source order")
     p.add_argument("--overwrite", action="store_true", help="replace a dataset uploaded with other parameters")
+    p.add_argument("--dask", metavar="ADDRESS", help="run the tasks on the Dask cluster whose scheduler is at ADDRESS"
+                   " (tcp://host:8786); its workers build the dataset from SOURCE, so it must import there")
     p.set_defaults(func=cmd_upload)
 
     for name, func, help_text in (

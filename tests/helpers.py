@@ -56,3 +56,42 @@ class NoisyImages(SyntheticImages):
             Image.fromarray(pixels).save(out, format="PNG")
             return out.getvalue(), 0
         return super().__getitem__(index)
+
+
+unpickled = 0  # CountedImages unpickled in this process
+
+
+class CountedImages(SyntheticImages):
+    """Synthetic images that count how often this process unpickled one (``unpickled``)."""
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        global unpickled
+        unpickled += 1
+        self.__dict__.update(state)
+
+
+def unpickled_count() -> int:
+    return unpickled
+
+
+def small_images() -> SyntheticImages:
+    """A ``module:function`` source for uploads on a cluster."""
+    return SyntheticImages(300, num_classes=7, size=(64, 48))
+
+
+class BlockingImages(SyntheticImages):
+    """Synthetic images whose sample ``block_at`` connects to 127.0.0.1:``port`` and waits
+    there until the connection ends: the test learns the upload reached it by accepting."""
+
+    def __init__(self, n: int, block_at: int | None, port: int, **kwargs: object) -> None:
+        super().__init__(n, **kwargs)  # type: ignore[arg-type]
+        self.block_at, self.port = block_at, port
+
+    def __getitem__(self, index: int):  # type: ignore[override]
+        if index == self.block_at:
+            import socket
+
+            with socket.create_connection(("127.0.0.1", self.port)) as connection:
+                connection.recv(1)
+            raise RuntimeError("released")
+        return super().__getitem__(index)

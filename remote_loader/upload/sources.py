@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -88,3 +89,28 @@ def load_source(spec: str) -> Any:
     if not callable(function):
         raise ConfigError(f"{module_name!r} has no callable {function_name!r}")
     return function()
+
+
+@dataclass(frozen=True)
+class Source:
+    """A dataset named by a ``load_source`` spec: what travels to a cluster's workers
+    instead of the dataset, which each worker process builds once (``resolve``)."""
+
+    spec: str
+
+
+_built: dict[str, Any] = {}
+
+
+def resolve(dataset: Any) -> Any:
+    """The dataset itself, or for a ``Source`` the one this process built from its spec."""
+    if not isinstance(dataset, Source):
+        return dataset
+    if dataset.spec not in _built:
+        _built[dataset.spec] = load_source(dataset.spec)
+    return _built[dataset.spec]
+
+
+def built_count() -> int:
+    """How many datasets this process built from sources (1 per spec at most)."""
+    return len(_built)

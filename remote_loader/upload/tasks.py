@@ -21,7 +21,7 @@ from remote_loader.format.index import require, unpack
 from remote_loader.read import Metrics, RetryPolicy
 from remote_loader.storage import Location, ObjectWriter, Store
 from remote_loader.upload.encode import EncodeOptions, encode_item
-from remote_loader.upload.sources import is_file_backed
+from remote_loader.upload.sources import is_file_backed, resolve
 
 STATE_DIR = "_upload"
 _REPORT_EVERY = 16
@@ -168,9 +168,10 @@ def write_task(spec: TaskSpec, task_id: int, indices: Sequence[int] | np.ndarray
         spec: Settings shared by every task of the upload.
         task_id: This task's number; names its shards and its record.
         indices: Source dataset indices, in the (permuted) order they are written.
-        dataset: The dataset; None in a pool whose initializer already set it.
+        dataset: The dataset, a ``Source`` naming it, or None in a pool whose initializer
+            already set it.
     """
-    dataset = _worker_dataset if dataset is None else dataset
+    dataset = _worker_dataset if dataset is None else resolve(dataset)
     policy = RetryPolicy(spec.fetch, Metrics(), spec.store.endpoint)
     # The whole task is the unit of retry: its shards are rewritten under the same names.
     return policy.call(lambda: _write_task(spec, task_id, indices, dataset))

@@ -24,14 +24,14 @@ import msgpack
 import numpy as np
 from tqdm import tqdm
 
-from remote_loader.errors import ConfigError, ObjectNotFound, StorageError, UploadError
+from remote_loader.errors import ConfigError, ObjectNotFound, RemoteLoaderError, StorageError, UploadError
 from remote_loader.format import MANIFEST_NAME, Manifest, ShardEntry, ShardTable
 from remote_loader.format.index import unpack
 from remote_loader.format.shard import member_bytes
 from remote_loader.storage import DEFAULT_PART_SIZE, Location, Store
 from remote_loader.upload import tasks
 from remote_loader.upload.encode import EncodeOptions, encode_item
-
+from remote_loader.upload.sources import Source, load_source
 from remote_loader.upload.tasks import STATE_DIR, TaskResult, TaskSpec, write_task
 
 log = logging.getLogger("remote_loader")
@@ -148,6 +148,29 @@ def _clear_state(store: Store, location: Location, *, keep_shards: set[str] | No
             store.delete(location.bucket, info.key)
 
 
+def _ship(executor: Executor, dataset: Any, source: str | None) -> Any:
+    """What a caller's executor sends with each task so that the dataset reaches each of its
+    workers once: the source spec (each worker builds the dataset), or, on a Dask cluster,
+    the dataset scattered once to every worker; any other executor gets the dataset itself."""
+    if source is not None:
+        return Source(source)
+    client = getattr(executor, "_client", None)
+    if type(executor).__module__.startswith("distributed") and client is not None:
+        return client.scatter(dataset, broadcast=True, hash=False)
+    return dataset
+
+
+def _result(future: Future[TaskResult], task_id: int) -> TaskResult:
+    """A task's result; its own error as it is, a failure of the executor as an UploadError."""
+    try:
+        return future.result()
+    except RemoteLoaderError:
+        raise
+    except Exception as exc:
+        raise UploadError(f"task {task_id} did not complete: the executor failed ({type(exc).__name__}: {exc});"
+                          " finished tasks are kept: run the same upload again to resume") from exc
+
+
 def _run(
     pending: Iterable[tuple[int, np.ndarray]],
     spec: TaskSpec,
@@ -155,6 +178,7 @@ def _run(
     workers: int,
     executor: Executor | None,
     bar: tqdm,
+    source: str | None = None,
 ) -> list[TaskResult]:
     pending = list(pending)
     if not pending:
@@ -178,15 +202,17 @@ def _run(
         )
     assert executor is not None
     bar_progress = _BarProgress(bar)
+    shipped = None if own else _ship(executor, dataset, source)
     try:
-        futures: set[Future[TaskResult]] = {
-            executor.submit(write_task, spec, task_id, indices, None if own else dataset) for task_id, indices in pending
+        task_of: dict[Future[TaskResult], int] = {
+            executor.submit(write_task, spec, task_id, indices, shipped): task_id for task_id, indices in pending
         }
+        futures = set(task_of)
         results = []
         while futures:
             done, futures = wait(futures, timeout=0.2, return_when=FIRST_COMPLETED)
             for future in done:
-                result = future.result()  # re-raises the task's error
+                result = _result(future, task_of[future])
                 results.append(result)
                 if not own:  # a caller's executor has no progress queue: count whole tasks
                     samples = sum(e.samples for e in result.entries) + len(result.skipped)
@@ -228,7 +254,9 @@ def upload_cv_dataset(
     Args:
         ds: ``len(ds)`` and ``ds[i] -> (image, target)``; image a PIL image, uint8 HxWxC
             array, CxHxW uint8 tensor, encoded bytes or a file path; target an int, a str, a
-            dict of ints/floats/strs, or None.
+            dict of ints/floats/strs, or None. Or a source spec naming one: an image-folder
+            directory or ``"module:function"`` (called with no arguments); a cluster's
+            workers then build the dataset themselves instead of receiving it.
         client: The store (see ``make_client``).
         bucket: Bucket to write to (must exist).
         base_folder: Key prefix of the dataset.
@@ -241,8 +269,10 @@ def upload_cv_dataset(
         on_error: ``"raise"`` (default) stops at the first bad sample; ``"skip"`` skips it
             and counts it in the manifest and the summary.
         shuffle: Permute samples before sharding (on by default).
-        executor: Run tasks here instead of a new process pool (a Dask ``Client``'s
-            executor, say); the dataset is then sent with every task.
+        executor: Run tasks here instead of a new process pool, e.g. a Dask cluster's
+            ``dask_client.get_executor()``. The dataset reaches each Dask worker once
+            (scattered, or built there from ``ds`` given as a source spec); any other
+            executor receives it with every task.
         part_size: Multipart part size in bytes.
         overwrite: Replace a dataset uploaded there. The new shards are written beside
             the old dataset, the manifest is switched in one PUT, and only then are the
@@ -263,6 +293,9 @@ def upload_cv_dataset(
         raise ConfigError(f"maxcount must be >= 1 and maxsize >= 4096 bytes (got {maxcount}, {maxsize})")
     options = EncodeOptions(image_format=image_format, quality=quality)
     location = Location(bucket=bucket, prefix=base_folder.strip("/"))
+    source = ds if isinstance(ds, str) else None
+    if source is not None:
+        ds = load_source(source)
     num = len(ds)
     if num == 0:
         raise UploadError("the dataset is empty: nothing to upload")
@@ -308,7 +341,7 @@ def upload_cv_dataset(
     pending = [(t, order[t * task_size : (t + 1) * task_size]) for t in range(num_tasks) if t not in kept]
     done_samples = sum(sum(e.samples for e in r.entries) + len(r.skipped) for r in kept.values())
     with tqdm(total=num, initial=done_samples, unit="img", disable=not progress, desc="upload") as bar:
-        results = _run(pending, spec, ds, (os.cpu_count() or 1) if workers is None else workers, executor, bar)
+        results = _run(pending, spec, ds, (os.cpu_count() or 1) if workers is None else workers, executor, bar, source)
     by_task = {**kept, **{r.task_id: r for r in results}}
     entries: list[ShardEntry] = [e for t in sorted(by_task) for e in by_task[t].entries]
     skipped = sorted(i for r in by_task.values() for i in r.skipped)

@@ -1,0 +1,167 @@
+"""Uploads on a real dask.distributed cluster: a LocalCluster of 2 worker processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from remote_loader import DatasetReader, UploadError, upload_cv_dataset
+from remote_loader.upload import sources
+from tests import helpers
+
+distributed = pytest.importorskip("distributed")
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def start_cluster() -> tuple[object, object, list[int]]:
+    # The scheduler's HTTP server binds a free loopback port; the dashboard is off.
+    cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
+                                       protocol="tcp://", dashboard_address="127.0.0.1:0",
+                                       scheduler_kwargs={"dashboard": False})
+    client = distributed.Client(cluster)
+    pids = [pid for pid in client.run(os.getpid).values()]
+    return cluster, client, pids
+
+
+def stop_cluster(cluster, client, pids: list[int]) -> None:
+    client.close()
+    cluster.close()
+    for pid in pids:  # every worker process ends, whatever the cluster did
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.fixture(scope="module")
+def dask_client() -> Iterator[object]:
+    cluster, client, pids = start_cluster()
+    yield client
+    stop_cluster(cluster, client, pids)
+
+
+def read_back(client, bucket, folder) -> dict[int, tuple[bytes, int]]:
+    got: dict[int, tuple[bytes, int]] = {}
+    for sample in DatasetReader(client, bucket, folder):
+        index = int(sample["__key__"])
+        assert index not in got, f"sample {index} stored twice"
+        got[index] = (bytes(sample["jpg"]), int(bytes(sample["cls"])))
+    return got
+
+
+def test_round_trip_with_the_dataset_sent_once_per_worker(dask_client, s3):
+    store, bucket = s3
+    ds = helpers.CountedImages(400, num_classes=5, size=(64, 48))
+    summary = upload_cv_dataset(ds, client=store, bucket=bucket, base_folder="d", maxcount=25,
+                                executor=dask_client.get_executor(), progress=False)
+    assert summary.samples == 400 and summary.shards >= 8
+    assert read_back(store, bucket, "d") == {i: ds[i] for i in range(400)}
+    # 16+ tasks ran on 2 workers; each worker unpickled the dataset at most once.
+    assert all(n <= 1 for n in dask_client.run(helpers.unpickled_count).values())
+
+
+def test_a_source_spec_is_built_once_on_each_worker_and_matches_the_local_pool(dask_client, s3):
+    store, bucket = s3
+    summary = upload_cv_dataset("tests.helpers:small_images", client=store, bucket=bucket, base_folder="spec",
+                                maxcount=30, executor=dask_client.get_executor(), progress=False)
+    local = upload_cv_dataset(helpers.small_images(), client=store, bucket=bucket, base_folder="local",
+                              maxcount=30, workers=2, progress=False)
+    assert summary.samples == local.samples == 300
+    assert read_back(store, bucket, "spec") == read_back(store, bucket, "local")
+    assert all(n <= 1 for n in dask_client.run(sources.built_count).values())
+
+
+def test_skip_bad_samples_on_the_cluster(dask_client, s3):
+    store, bucket = s3
+    ds = helpers.FlakyImages(120, bad={3, 77}, size=(32, 32))
+    summary = upload_cv_dataset(ds, client=store, bucket=bucket, base_folder="skip", maxcount=20, on_error="skip",
+                                executor=dask_client.get_executor(), progress=False)
+    assert summary.skipped == 2 and summary.samples == 118
+    manifest = DatasetReader(store, bucket, "skip").manifest
+    assert sorted(manifest.skipped_indices) == [3, 77]
+    assert set(read_back(store, bucket, "skip")) == set(range(120)) - {3, 77}
+
+
+def test_a_bad_sample_fails_the_dask_upload_naming_it_and_writes_no_manifest(dask_client, s3):
+    store, bucket = s3
+    with pytest.raises(UploadError, match="sample 5"):
+        upload_cv_dataset(helpers.FlakyImages(60, bad={5}, size=(32, 32)), client=store, bucket=bucket,
+                          base_folder="bad", maxcount=20, executor=dask_client.get_executor(), progress=False)
+    assert not DatasetReader(store, bucket, "bad").has_manifest()
+
+
+def test_resumes_after_its_cluster_is_closed_mid_upload(s3):
+    store, bucket = s3
+    n = 240
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(120)
+    port = listener.getsockname()[1]
+    cluster, client, pids = start_cluster()
+    failure: list[BaseException] = []
+
+    def upload() -> None:
+        try:
+            upload_cv_dataset(helpers.BlockingImages(n, n - 1, port, size=(32, 32)), client=store, bucket=bucket,
+                              base_folder="r", maxcount=20, shuffle=False, executor=client.get_executor(),
+                              progress=False)
+        except BaseException as exc:  # noqa: BLE001 - the test inspects it
+            failure.append(exc)
+
+    thread = threading.Thread(target=upload)
+    try:
+        thread.start()
+        connection, _ = listener.accept()  # the last task reached its last sample
+        stop_cluster(cluster, client, pids)
+        thread.join(60)
+        connection.close()
+    finally:
+        listener.close()
+    assert not thread.is_alive()
+    assert len(failure) == 1 and isinstance(failure[0], UploadError), failure
+    assert "run the same upload again" in str(failure[0])
+    assert not DatasetReader(store, bucket, "r").has_manifest()  # written last, so not yet
+
+    cluster, client, pids = start_cluster()
+    try:
+        ds = helpers.BlockingImages(n, None, port, size=(32, 32))
+        summary = upload_cv_dataset(ds, client=store, bucket=bucket, base_folder="r", maxcount=20, shuffle=False,
+                                    executor=client.get_executor(), progress=False)
+    finally:
+        stop_cluster(cluster, client, pids)
+    assert summary.kept_shards >= 1 and summary.samples == n
+    assert read_back(store, bucket, "r") == {i: ds[i] for i in range(n)}
+
+
+def test_cli_upload_on_a_dask_scheduler(dask_client, seaweed, s3):
+    store, bucket = s3
+    env = {**os.environ, **seaweed.env(), "PYTHONPATH": str(ROOT)}
+    address = dask_client.scheduler.address
+    result = subprocess.run([sys.executable, "-m", "remote_loader.cli", "upload", "--dask", address, "--json",
+                             "--maxcount", "50", "tests.helpers:small_images", f"s3://{bucket}/cli"],
+                            capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(result.stdout)["samples"] == 300
+    assert read_back(store, bucket, "cli") == {i: helpers.small_images()[i] for i in range(300)}
+
+
+def test_cli_names_an_unreachable_scheduler(seaweed, s3):
+    _, bucket = s3
+    with socket.create_server(("127.0.0.1", 0)) as unused:
+        port = unused.getsockname()[1]
+    env = {**os.environ, **seaweed.env(), "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "-m", "remote_loader.cli", "upload", "--dask", f"tcp://127.0.0.1:{port}",
+                             "tests.helpers:small_images", f"s3://{bucket}/x"],
+                            capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    assert result.returncode != 0
+    assert f"cannot reach the Dask scheduler at tcp://127.0.0.1:{port}" in result.stderr
+    assert "Traceback" not in result.stderr
