@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import pathlib
@@ -27,7 +28,7 @@ from remote_loader import (
     make_client,
     upload_cv_dataset,
 )
-from remote_loader.format import MANIFEST_NAME
+from remote_loader.format import MANIFEST_NAME, Manifest
 from remote_loader.pipeline.decode import decode_sample
 from remote_loader.testing.synthetic import SyntheticImages
 
@@ -54,7 +55,9 @@ def seal(raw: dict) -> bytes:
 
 
 def manifest_raw(client, bucket) -> dict:
-    return msgpack.unpackb(client.get(bucket, f"ok/{MANIFEST_NAME}")[:-4])
+    """The stored manifest as a version 1 map (one row per shard), to edit by hand; readers read both versions."""
+    manifest = Manifest.decode(client.get(bucket, f"ok/{MANIFEST_NAME}"))
+    return msgpack.unpackb(dataclasses.replace(manifest, version=1).encode()[:-4])
 
 
 def test_wrong_credentials(seaweed, small):

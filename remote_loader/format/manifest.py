@@ -331,8 +331,9 @@ class Manifest:
         return data + struct.pack("<I", crc32(data))
 
     @classmethod
-    def decode(cls, data: bytes | memoryview, *, name: str | None = None) -> Manifest:
-        """Parse and validate manifest bytes (version 1 or 2).
+    def decode(cls, data: bytes | memoryview, *, name: str | None = None, trailer_checked: bool = False) -> Manifest:
+        """Parse and validate manifest bytes (version 1 or 2); ``trailer_checked`` skips the
+        crc32 check that the caller has just made.
 
         Raises:
             UnsupportedVersion: Written by a newer format version.
@@ -340,7 +341,7 @@ class Manifest:
             IndexOutOfBounds: A shard entry's index lies outside its object.
         """
         what = "manifest"
-        if len(data) < 5 or struct.unpack("<I", data[-4:])[0] != crc32(data[:-4]):
+        if len(data) < 5 or not trailer_checked and struct.unpack("<I", data[-4:])[0] != crc32(data[:-4]):
             raise CorruptShard(f"manifest {name} is truncated or fails its crc32 check", name=name)
         raw = unpack(data[:-4], what=what, name=name)
         if require(raw, "format", str, what=what, name=name) != FORMAT_NAME:

@@ -108,6 +108,8 @@ class RemoteDataset(IterableDataset):
             raise ConfigError(f"open_shards must be >= 1, got {open_shards}")
         self.fetch = fetch or FetchConfig()
         self.reader = DatasetReader(client, bucket, base_folder, verify=verify, fetch=self.fetch)
+        if self.reader.has_manifest():  # read now, so forked DataLoader workers share its arrays
+            self.reader.counts
         self.seed, self.shuffle_shards, self.open_shards = seed, shuffle_shards, open_shards
         self.rank, self.world_size, self.equalize = rank, world_size, equalize
         self.stages: list[stages.Stage] = []

@@ -43,26 +43,35 @@ def shard_order(num_shards: int, seed: int, epoch: int, shuffle: bool = True) ->
 
 def _spans(counts: np.ndarray, order: np.ndarray, start: int, stop: int) -> Iterator[Span]:
     """Spans covering positions ``[start, stop)`` of the virtual sequence (wrapping past its
-    end), made lazily: only the order of the shards in the range is kept, so a worker's share
-    of a million shards costs a few arrays, not an object per shard up front."""
+    end), made lazily: only the order of the shards in the range is kept (4 bytes a shard),
+    so a worker's share of a million shards costs one small array, not an object per shard."""
     ends = np.cumsum(counts[order])
     total = int(ends[-1])
     laps = []
     while start < stop:
         first = start % total
         last = min(first + stop - start, total)
-        i, j = np.searchsorted(ends, [first, last - 1], side="right")
-        laps.append((order[i : j + 1].copy(), ends[i : j + 1].copy(), first, last))
+        i, j = (int(k) for k in np.searchsorted(ends, [first, last - 1], side="right"))
+        begin = int(ends[i] - counts[order[i]])
+        laps.append((order[i : j + 1].astype(np.int32 if len(counts) < 2**31 else np.int64), begin, first, last))
         start += last - first
-    del ends
     return _lap_spans(counts, laps)
 
 
-def _lap_spans(counts: np.ndarray, laps: list[tuple[np.ndarray, np.ndarray, int, int]]) -> Iterator[Span]:
-    for shards, shard_ends, first, last in laps:
-        for shard, end in zip(shards.tolist(), shard_ends.tolist()):
-            begin = end - int(counts[shard])
-            yield Span(shard, max(first, begin) - begin, min(last, end) - begin)
+_CHUNK = 4096
+
+
+def _lap_spans(counts: np.ndarray, laps: list[tuple[np.ndarray, int, int, int]]) -> Iterator[Span]:
+    """``laps``: (shards in order, position where the first begins, first and last position read)."""
+    for shards, begin, first, last in laps:
+        for k in range(0, len(shards), _CHUNK):
+            chunk = shards[k : k + _CHUNK]
+            sizes = counts[chunk]
+            ends = (begin + np.cumsum(sizes)).tolist()
+            for shard, size, end in zip(chunk.tolist(), sizes.tolist(), ends):
+                start = end - size
+                yield Span(shard, max(first, start) - start, min(last, end) - start)
+            begin = ends[-1]
 
 
 def _bounds(total: int, parts: int, part: int) -> tuple[int, int]:

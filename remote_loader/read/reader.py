@@ -93,7 +93,7 @@ class DatasetReader:
         if data is None:
             raise ObjectNotFound(f"no dataset at {self.location}: {MANIFEST_NAME} is missing",
                                  bucket=self.location.bucket, key=self.location.key(MANIFEST_NAME), code="NoSuchKey")
-        manifest = Manifest.decode(data, name=f"{self.location}/{MANIFEST_NAME}")
+        manifest = Manifest.decode(data, name=f"{self.location}/{MANIFEST_NAME}", trailer_checked=True)
         if self._identity is not None and _identity(data) != self._identity:
             raise DatasetChanged(
                 f"the dataset at {self.location} was replaced by another upload since this reader first read it;"
