@@ -21,6 +21,7 @@ from remote_loader.pipeline.resume import MAX_WORKERS, ResumeState, consumed_per
 from remote_loader.pipeline.source import span_jobs, stream_samples, tar_jobs
 from remote_loader.pipeline.split import Span, iter_assign, rank_size, shard_order, worker_bounds
 from remote_loader.read import DatasetReader, Job, Metrics, RetryPolicy
+from remote_loader.read.heap import release_free_memory
 from remote_loader.storage import Store, open_location
 
 
@@ -314,6 +315,7 @@ class RemoteDataset(IterableDataset):
         metrics = Metrics(self._metrics[1 + worker if info else 0].numpy())
         policy = self.reader.policy(metrics, cancel=threading.Event())
         jobs = self._jobs(epoch, worker, num_workers, policy, resuming=bool(skip))
+        release_free_memory()  # the split's temporaries, so that a worker keeps only its share
         data: Any = stream_samples(self.reader, jobs, policy=policy, open_shards=self.open_shards, seed=(*seed, 1),
                                    on_error=self.on_error)
         skip_after = self._skip_point()[0] if skip else -1

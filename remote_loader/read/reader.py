@@ -27,6 +27,7 @@ from remote_loader.errors import (
 from remote_loader.format import MANIFEST_NAME, Manifest, Sample, ShardEntry, ShardIndex, ShardView
 from remote_loader.format.checksum import crc32
 from remote_loader.read.fetch import fetch_range
+from remote_loader.read.heap import release_free_memory
 from remote_loader.read.metrics import Metrics
 from remote_loader.read.retry import RetryPolicy
 from remote_loader.storage import Location, Store
@@ -99,6 +100,8 @@ class DatasetReader:
                 f"the dataset at {self.location} was replaced by another upload since this reader first read it;"
                 " start the epoch again", bucket=self.location.bucket, key=self.location.key(MANIFEST_NAME))
         self._identity = _identity(data)
+        del data
+        release_free_memory()
         return manifest
 
     @cached_property

@@ -1,0 +1,90 @@
+"""Manifest metadata in the pipeline: versions 1 and 2 give the same epochs, and workers
+share the manifest read by the main process instead of fetching or copying it."""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import pickle
+from collections import Counter
+
+import pytest
+from torch.utils.data import DataLoader
+
+from remote_loader import DatasetChanged, RemoteMapDataset, upload_cv_dataset
+from remote_loader.format import MANIFEST_NAME, Manifest
+from remote_loader.pipeline.dataset import RemoteDataset
+from remote_loader.testing.synthetic import SyntheticImages
+
+
+@pytest.fixture(scope="module")
+def versions(seaweed):
+    """The same dataset under "v2" (as uploaded) and "v1" (its manifest rewritten as version 1)."""
+    client = seaweed.client()
+    bucket = "metadata-tests"
+    client.create_bucket(bucket)
+    ds = SyntheticImages(131, size=(32, 24), num_classes=5)
+    upload_cv_dataset(ds, client=client, bucket=bucket, base_folder="v2", maxcount=9, workers=0, progress=False)
+    manifest = Manifest.decode(client.get(bucket, f"v2/{MANIFEST_NAME}"))
+    assert manifest.version == 2
+    for entry in manifest.shards:
+        client.put(bucket, f"v1/{entry.name}", client.get(bucket, f"v2/{entry.name}"))
+    client.put(bucket, f"v1/{MANIFEST_NAME}", dataclasses.replace(manifest, version=1).encode())
+    yield client, bucket
+    client.close()
+
+
+def keys(dataset, num_workers):
+    return list(DataLoader(dataset.map(lambda s: s["__key__"]), batch_size=None, num_workers=num_workers))
+
+
+@pytest.mark.parametrize("equalize", [False, True])
+def test_versions_1_and_2_give_the_same_epochs_exactly_once(versions, equalize):
+    client, bucket = versions
+    by_version = {}
+    for version in ("v1", "v2"):
+        ranks = [keys(RemoteDataset(client, bucket, version, rank=r, world_size=3, equalize=equalize, seed=4)
+                      .shuffle(20), 2) for r in range(3)]
+        by_version[version] = ranks
+    assert by_version["v1"] == by_version["v2"]
+    seen = Counter(k for rank in by_version["v2"] for k in rank)
+    if equalize:
+        assert [len(r) for r in by_version["v2"]] == [44, 44, 44]
+        assert set(seen) == {f"{i:06d}" for i in range(131)} and sum(seen.values()) == 132
+    else:
+        assert seen == Counter(f"{i:06d}" for i in range(131))
+    v1, v2 = (RemoteMapDataset(client, bucket, v) for v in ("v1", "v2"))
+    assert len(v1) == len(v2) == 131
+    assert all(v1[i] == v2[i] for i in (0, 8, 9, 64, 130))
+
+
+def test_forked_workers_share_the_manifest_read_at_construction(versions):
+    client, bucket = versions
+    for entry in Manifest.decode(client.get(bucket, f"v2/{MANIFEST_NAME}")).shards:
+        client.put(bucket, f"gone/{entry.name}", client.get(bucket, f"v2/{entry.name}"))
+    client.put(bucket, f"gone/{MANIFEST_NAME}", client.get(bucket, f"v2/{MANIFEST_NAME}"))
+    dataset = RemoteDataset(client, bucket, "gone")
+    client.delete(bucket, f"gone/{MANIFEST_NAME}")  # workers cannot fetch it: they must use the parent's
+    got = list(DataLoader(dataset.map(lambda s: s["__key__"]), batch_size=None, num_workers=2,
+                          multiprocessing_context=multiprocessing.get_context("fork")))
+    assert Counter(got) == Counter(f"{i:06d}" for i in range(131))
+
+
+def test_pickles_carry_no_manifest_and_a_spawned_worker_checks_it_fetched_the_same(versions):
+    client, bucket = versions
+    stream, mapped = RemoteDataset(client, bucket, "v2"), RemoteMapDataset(client, bucket, "v2")
+    for dataset in (stream, mapped):
+        data = pickle.dumps(dataset)
+        assert b"shard-" not in data and b"ShardTable" not in data and b"Manifest" not in data
+    again = pickle.loads(pickle.dumps(mapped))
+    assert again[5] == mapped[5]
+    # A spawned worker fetches the manifest once and refuses one from another upload.
+    moved = pickle.loads(pickle.dumps(stream))
+    original = client.get(bucket, f"v2/{MANIFEST_NAME}")
+    client.put(bucket, f"v2/{MANIFEST_NAME}", client.get(bucket, f"v1/{MANIFEST_NAME}"))
+    try:
+        with pytest.raises(DatasetChanged, match="replaced by another upload"):
+            len(moved)
+    finally:
+        client.put(bucket, f"v2/{MANIFEST_NAME}", original)
+    assert len(pickle.loads(pickle.dumps(stream))) == 131
