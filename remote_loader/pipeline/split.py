@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -78,33 +79,9 @@ def _bounds(total: int, parts: int, part: int) -> tuple[int, int]:
     return total * part // parts, total * (part + 1) // parts
 
 
-def assign(
-    counts: Sequence[int] | np.ndarray,
-    *,
-    seed: int,
-    epoch: int,
-    rank: int = 0,
-    world_size: int = 1,
-    worker: int = 0,
-    num_workers: int = 1,
-    shuffle: bool = True,
-    equalize: bool = False,
-) -> list[Span]:
-    """Return the spans of samples worker ``worker`` of rank ``rank`` reads this epoch, in order.
-
-    Args:
-        counts: Samples per shard, in manifest order.
-        seed: Seed of the shard order.
-        epoch: The epoch; each epoch has its own order.
-        rank: This process's rank, ``0 <= rank < world_size``.
-        world_size: Number of ranks.
-        worker: This DataLoader worker's id, ``0 <= worker < num_workers``.
-        num_workers: DataLoader workers per rank (1 without workers).
-        shuffle: Shuffle the shard order.
-        equalize: Give every rank the same number of samples by wrapping around.
-    """
-    return list(iter_assign(counts, seed=seed, epoch=epoch, rank=rank, world_size=world_size, worker=worker,
-                            num_workers=num_workers, shuffle=shuffle, equalize=equalize))
+def assign(counts: Sequence[int] | np.ndarray, **split: Any) -> list[Span]:
+    """``iter_assign``'s spans as a list."""
+    return list(iter_assign(counts, **split))
 
 
 def iter_assign(
@@ -119,7 +96,20 @@ def iter_assign(
     shuffle: bool = True,
     equalize: bool = False,
 ) -> Iterator[Span]:
-    """``assign``, as an iterator that makes each span when it is reached."""
+    """The spans of samples worker ``worker`` of rank ``rank`` reads this epoch, in order,
+    each made when it is reached.
+
+    Args:
+        counts: Samples per shard, in manifest order.
+        seed: Seed of the shard order.
+        epoch: The epoch; each epoch has its own order.
+        rank: This process's rank, ``0 <= rank < world_size``.
+        world_size: Number of ranks.
+        worker: This DataLoader worker's id, ``0 <= worker < num_workers``.
+        num_workers: DataLoader workers per rank (1 without workers).
+        shuffle: Shuffle the shard order.
+        equalize: Give every rank the same number of samples by wrapping around.
+    """
     counts = np.asarray(counts, dtype=np.int64)
     low, high = worker_bounds(int(counts.sum()), rank=rank, world_size=world_size, worker=worker,
                               num_workers=num_workers, equalize=equalize)
