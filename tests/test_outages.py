@@ -139,8 +139,9 @@ _CTRL_C = textwrap.dedent("""
     stream = iter(RemoteDataset(client, "outages", "d", fetch=fetch))
     for _ in range(100):
         next(stream)
-    print("streaming", flush=True)
     try:
+        # Inside the try: a Ctrl-C that lands as soon as the line is out is caught too.
+        print("streaming", flush=True)
         for _ in stream:
             pass
     except KeyboardInterrupt:
