@@ -7,8 +7,10 @@ import itertools
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
+
+import numpy as np
 
 import torch
 import torch.distributed as dist
@@ -17,9 +19,10 @@ from torch.utils.data import IterableDataset, get_worker_info
 from remote_loader.config import FetchConfig
 from remote_loader.errors import ConfigError
 from remote_loader.pipeline import stages
+from remote_loader.pipeline.position import Plan, Progress, Remainder, WorkerState, divide, encode, find_states, gather, merge, parse
 from remote_loader.pipeline.resume import MAX_WORKERS, ResumeState, consumed_per_worker
-from remote_loader.pipeline.source import span_jobs, stream_samples, tar_jobs
-from remote_loader.pipeline.split import Span, iter_assign, rank_size, shard_order, worker_bounds
+from remote_loader.pipeline.source import span_jobs, stream_positions, tar_jobs
+from remote_loader.pipeline.split import plan_spans, rank_size, shard_order, worker_bounds
 from remote_loader.read import DatasetReader, Job, Metrics, RetryPolicy
 from remote_loader.read.heap import release_free_memory
 from remote_loader.storage import Store, open_location
@@ -35,13 +38,14 @@ def current_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
-_EPOCH, _GENERATION, _APPLIED = 0, 1, 2  # slots of the shared state
+_EPOCH, _GENERATION, _IN_WORKERS, _APPLIED = 0, 1, 2, 3  # slots of the shared state
 
 
 def _shared_state(epoch: int = 0) -> torch.Tensor:
     """Counters in shared memory, made before DataLoader workers fork or spawn, so what the
     main process sets later reaches persistent workers: the epoch, how many resume states
-    were loaded (the generation), and per worker the generation it applied."""
+    were loaded (the generation), whether DataLoader workers iterated, and per worker the
+    generation it applied."""
     state = torch.zeros(_APPLIED + MAX_WORKERS, dtype=torch.int64)
     state[_EPOCH] = epoch
     return state.share_memory_()
@@ -116,8 +120,15 @@ class RemoteDataset(IterableDataset):
         self.stages: list[stages.Stage] = []
         self._metrics = Metrics.table(1 + MAX_WORKERS)  # row 0: this process; row 1 + w: worker w
         self._shared = _shared_state()
-        self._resume: ResumeState | None = None
+        self._resume: ResumeState | Remainder | None = None
         self._generation = 0  # of the resume state this copy holds
+        self._position: WorkerState | None = None  # one worker's own state, loaded in its process
+        self._live: Progress | None = None  # the latest iteration in this process
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_live"] = None  # an iteration stays in its process
+        return state
 
     @property
     def metrics(self) -> Metrics:
@@ -140,7 +151,7 @@ class RemoteDataset(IterableDataset):
         clone.stages = [*self.stages, stage]
         clone._metrics = Metrics.table(1 + MAX_WORKERS)
         clone._shared = _shared_state(self.epoch)
-        clone._resume, clone._generation = None, 0
+        clone._resume, clone._generation, clone._position, clone._live = None, 0, None, None
         return clone
 
     def shuffle(self, bufsize: int, initial: int | None = None) -> RemoteDataset:
@@ -215,12 +226,6 @@ class RemoteDataset(IterableDataset):
         rank, world_size, equalize = self._split()
         return rank_size(len(self.reader), rank, world_size, equalize)
 
-    def _spans(self, worker: int, num_workers: int, epoch: int | None = None) -> Iterator[Span]:
-        rank, world_size, equalize = self._split()
-        return iter_assign(self.reader.counts, seed=self.seed, epoch=self.epoch if epoch is None else epoch, rank=rank,
-                           world_size=world_size, worker=worker, num_workers=num_workers, shuffle=self.shuffle_shards,
-                           equalize=equalize)
-
     def _worker_samples(self, worker: int, num_workers: int) -> int:
         """Samples worker ``worker`` of this rank reads per epoch."""
         rank, world_size, equalize = self._split()
@@ -228,10 +233,10 @@ class RemoteDataset(IterableDataset):
                                   num_workers=num_workers, equalize=equalize)
         return high - low
 
-    # ------------------------------------------------------------------ resume
+    # ------------------------------------------------------------------ checkpoints
 
     def _skip_point(self) -> tuple[int, int]:
-        """(stages run before skipping, samples per output item) for position-based resume."""
+        """(stages run before skipping, samples per output item) for count-based resume."""
         shuffles = [i for i, s in enumerate(self.stages) if isinstance(s, stages.Shuffle)]
         after = shuffles[-1] + 1 if shuffles else 0
         tail = self.stages[after:]
@@ -246,17 +251,37 @@ class RemoteDataset(IterableDataset):
             )
         return after, per_item
 
-    def state_dict(self, consumed: int, num_workers: int = 0) -> dict[str, Any]:
-        """The position after ``consumed`` items of this epoch came out of the DataLoader.
+    def state_dict(self, consumed: int | None = None, num_workers: int = 0) -> dict[str, Any]:
+        """Where this epoch stands, to save in a checkpoint and give to ``load_state_dict``.
 
-        Args:
-            consumed: Items (batches, with ``batched``) the training loop took this epoch.
-            num_workers: The DataLoader's ``num_workers``; it hands out items round-robin
-                across workers, which fixes how many came from each.
+        Without arguments: the position of this process's iteration, which is what
+        torchdata's ``StatefulDataLoader`` asks each worker for (or the main process, with
+        ``num_workers=0``). It lists the samples not yet delivered (in the open ranges, the
+        shuffle buffer, stages and a partial batch), so its size grows with ``open_shards``
+        and the shuffle buffer, never with the dataset. The states of all workers of all
+        ranks resume the epoch on any number of ranks and workers.
 
-        Save the result in the checkpoint; after a restart call ``load_state_dict`` and run
-        the same epoch: it yields exactly the items not yet consumed.
+        With ``consumed``, for a plain DataLoader whose workers cannot be asked: the
+        position after ``consumed`` items (batches, with ``batched``) of this epoch came out
+        of a DataLoader with ``num_workers`` workers, which hands out items round-robin.
+        Such a state resumes on the same ranks and workers only.
         """
+        if consumed is not None:
+            return self._count_state(consumed, num_workers)
+        if self._live is not None:
+            return self._live.state()
+        if not self.reader.has_manifest():
+            raise ConfigError("checkpoints need an indexed dataset: run remote-loader index on it")
+        info = get_worker_info()
+        if info is None and int(self._shared[_IN_WORKERS]):
+            raise ConfigError("this dataset's iteration runs in DataLoader workers, which this process cannot ask:"
+                              " use torchdata's StatefulDataLoader and its state_dict(), or pass consumed= and"
+                              " num_workers= for a plain DataLoader")
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        plan, header, _ = self._plan(self.epoch, worker, workers, take=False)
+        return encode(header, merge(plan.rows), plan.extras)
+
+    def _count_state(self, consumed: int, num_workers: int) -> dict[str, Any]:
         _, per_item = self._skip_point()
         last = self.stages[-1] if self.stages else None
         keeps_short_batch = per_item == 1 or (isinstance(last, stages.Batched) and last.partial)
@@ -268,80 +293,217 @@ class RemoteDataset(IterableDataset):
         taken = consumed_per_worker(items, consumed)
         return ResumeState(self.epoch, self.seed, workers, [t * per_item for t in taken]).as_dict()
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume the epoch a ``state_dict`` was taken in: the next iteration skips what was consumed."""
+    def load_state_dict(self, state: Any) -> None:
+        """Resume an epoch from a checkpoint: the next iteration of that epoch delivers
+        exactly the samples not yet delivered.
+
+        ``state`` is one of:
+
+        - every rank's state, gathered (a list of StatefulDataLoader ``state_dict()``s, or
+          of this method's worker states, in any order): the rest of the epoch is divided
+          among this run's ranks and workers, whatever their numbers were;
+        - one worker's own state: StatefulDataLoader restores each worker with its own,
+          and each rank with ``num_workers=0`` with its own;
+        - a state from ``state_dict(consumed=...)``: the same ranks and workers only.
+
+        Load before the DataLoader starts its workers.
+        """
+        found = find_states(state)
+        if not found:
+            if not isinstance(state, Mapping):
+                raise ConfigError(f"no RemoteDataset worker state found in this {type(state).__name__} (looked"
+                                  " 8 levels deep): pass state_dict()s or StatefulDataLoader.state_dict()s")
+            self._load_counts(state)
+            return
+        parsed = [self._check(parse(s)) for s in found]
+        rank, world_size, _ = self._split()
+        info = get_worker_info()
+        if info is not None:
+            own = [s for s in parsed if (s.header["rank"], s.header["worker"], s.header["world_size"], s.header["num_workers"])
+                   == (rank, info.id, world_size, info.num_workers)]
+            if len(parsed) != 1 or not own:
+                raise ConfigError(f"a DataLoader worker loads its own state only (rank {rank} worker {info.id} of"
+                                  f" {world_size} x {info.num_workers}); gather every rank's state in the main process")
+            self._position, self._live = own[0], None
+            return
+        only = parsed[0].header
+        if len(parsed) == 1 and only["world_size"] > 1 and only["num_workers"] == 1 and \
+                (only["rank"], only["world_size"]) == (rank, world_size):
+            self._position, self._live = parsed[0], None  # this rank's own, without DataLoader workers
+            return
+        remainder = gather(parsed)
+        self._install(remainder, remainder.epoch)
+
+    def _check(self, state: WorkerState) -> WorkerState:
+        expected = {"seed": self.seed, "shuffle": self.shuffle_shards, "samples": len(self.reader),
+                    "shards": len(self.reader.counts)}
+        for key, value in expected.items():
+            if state.header[key] != value:
+                raise ConfigError(f"the state of {state.where} has {key}={state.header[key]!r}, this dataset has"
+                                  f" {value!r}: it was saved for another dataset or seed")
+        return state
+
+    def _load_counts(self, state: Any) -> None:
         resume = ResumeState.from_dict(state)
         if resume.seed != self.seed:
             raise ConfigError(f"state was saved with seed {resume.seed}, this dataset has seed {self.seed}")
         _, per_item = self._skip_point()
-        self._shared[_EPOCH] = resume.epoch
         for worker, skip in enumerate(resume.skip):
             samples = self._worker_samples(worker, resume.num_workers)
             if skip > -(-samples // per_item) * per_item:
                 raise ConfigError(f"state skips {skip} samples of worker {worker}, which has {samples} in epoch"
                                   f" {resume.epoch}: it was saved for another dataset or split")
-        self._resume = resume
+        self._install(resume, resume.epoch)
+
+    def _install(self, resume: ResumeState | Remainder, epoch: int) -> None:
+        """Hold a resume for the next iteration of ``epoch`` in this process and in
+        DataLoader workers started from now on."""
+        self._shared[_EPOCH] = epoch
+        self._resume, self._position, self._live = resume, None, None
         self._shared[_GENERATION] += 1
         self._generation = int(self._shared[_GENERATION])
 
-    # ------------------------------------------------------------------ iteration
-
-    def _take_skip(self, epoch: int, worker: int, num_workers: int) -> int:
-        """Samples this worker skips: its count of a loaded state, at the first iteration of
-        the state's epoch only (the shared record of applied states makes it once per load)."""
+    def _take_resume(self, epoch: int, worker: int, num_workers: int, take: bool) -> ResumeState | Remainder | None:
+        """The resume this worker applies: a loaded one, at the first iteration of its epoch
+        only (the shared record of applied states makes it once per load)."""
         generation = int(self._shared[_GENERATION])
         if generation != self._generation:
             raise ConfigError("load_state_dict was called after this DataLoader's persistent workers started;"
                               " load the state before the first epoch, or create a new DataLoader")
         resume = self._resume
-        if resume is None:
-            return 0
-        if resume.epoch != epoch or int(self._shared[_APPLIED + worker]) >= generation:
-            return 0
-        if resume.num_workers != num_workers:
+        if resume is None or resume.epoch != epoch or int(self._shared[_APPLIED + worker]) >= generation:
+            return None
+        if isinstance(resume, ResumeState) and resume.num_workers != num_workers:
             raise ConfigError(f"state was saved with {resume.num_workers} workers; this run has {num_workers}")
-        self._shared[_APPLIED + worker] = generation
-        return resume.skip[worker]
+        if take:
+            self._shared[_APPLIED + worker] = generation
+        return resume
+
+    def _plan(self, epoch: int, worker: int, num_workers: int, *,
+              take: bool) -> tuple[Plan, dict[str, Any], ResumeState | Remainder | None]:
+        """What this worker reads in this iteration, the header of its states, and the
+        resume loaded in the main process that applies."""
+        rank, world_size, equalize = self._split()
+        header = {"epoch": epoch, "seed": self.seed, "shuffle": self.shuffle_shards, "samples": len(self.reader),
+                  "shards": len(self.reader.counts), "run": 0, "rank": rank, "world_size": world_size,
+                  "worker": worker, "num_workers": num_workers}
+        position = self._position
+        if position is not None:
+            if position.header["epoch"] == epoch:
+                split = ("rank", "world_size", "worker", "num_workers")
+                if any(position.header[k] != header[k] for k in split):
+                    saved = "rank {rank}/{world_size} worker {worker}/{num_workers}".format(**position.header)
+                    raise ConfigError(f"the loaded state is {saved}'s own, not this worker's ({rank}/{world_size},"
+                                      f" {worker}/{num_workers}): to resume on other ranks or workers, give"
+                                      " load_state_dict every rank's state")
+                if take:
+                    self._position = None
+                plan = position.plan()
+                return plan, {**header, "run": plan.run}, None
+            if position.remaining or any(not delivered for _, delivered in position.extras):
+                raise ConfigError(f"the loaded state stopped mid-way through epoch {position.header['epoch']}, but"
+                                  f" this iteration is epoch {epoch}: call set_epoch({position.header['epoch']}) first")
+            if take:
+                self._position = None  # a finished epoch: the next one starts afresh
+        resume = self._take_resume(epoch, worker, num_workers, take)
+        if isinstance(resume, Remainder):
+            low, high = worker_bounds(len(resume), rank=rank, world_size=world_size, worker=worker,
+                                      num_workers=num_workers, equalize=equalize)
+            plan = resume.plan(low, high)
+            return plan, {**header, "run": plan.run}, resume
+        total = len(self.reader)
+        low, high = worker_bounds(total, rank=rank, world_size=world_size, worker=worker, num_workers=num_workers,
+                                  equalize=equalize)
+        return divide(np.array([0]), np.array([total]), low, high), header, resume
+
+    # ------------------------------------------------------------------ iteration
 
     def __iter__(self) -> Iterator[Any]:
-        rank, _, _ = self._split()
+        # The plan is made now, so that a StatefulDataLoader asking for the state before the
+        # first item gets this iteration's; an error waits for the first next(), where
+        # DataLoader workers report it (one raised here ends a persistent worker).
+        self._live = None
+        try:
+            return self._start()
+        except Exception as error:
+            return _failing(error)
+
+    def _start(self) -> Iterator[Any]:
         info = get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info else (0, 1)
         if num_workers > MAX_WORKERS:
             raise ConfigError(f"RemoteDataset supports up to {MAX_WORKERS} DataLoader workers, got {num_workers}")
+        if info is not None:
+            self._shared[_IN_WORKERS] = 1
         epoch = self.epoch  # once: the main process may set the next one while this runs
-        skip = self._take_skip(epoch, worker, num_workers)
-        seed = (self.seed, epoch, rank, worker)
+        if not self.reader.has_manifest():
+            if self._take_resume(epoch, worker, num_workers, take=False) is not None or self._position is not None:
+                raise ConfigError("resume needs an indexed dataset: run remote-loader index on it")
+            return self._iterate(epoch, worker, num_workers, None, 0)
+        plan, header, resume = self._plan(epoch, worker, num_workers, take=True)
+        skip = resume.skip[worker] if isinstance(resume, ResumeState) else 0
+        self._live = Progress(plan, header)
+        return self._iterate(epoch, worker, num_workers, self._live, skip)
+
+    def _iterate(self, epoch: int, worker: int, num_workers: int, progress: Progress | None, skip: int) -> Iterator[Any]:
+        rank, _, _ = self._split()
+        info = get_worker_info()
         metrics = Metrics(self._metrics[1 + worker if info else 0].numpy())
         policy = self.reader.policy(metrics, cancel=threading.Event())
-        jobs = self._jobs(epoch, worker, num_workers, policy, resuming=bool(skip))
+        jobs = self._jobs(epoch, worker, num_workers, policy, progress)
         release_free_memory()  # the split's temporaries, so that a worker keeps only its share
-        data: Any = stream_samples(self.reader, jobs, policy=policy, open_shards=self.open_shards, seed=(*seed, 1),
-                                   on_error=self.on_error)
+        data: Iterator[tuple[Any, Any]] = stream_positions(
+            self.reader, jobs, policy=policy, open_shards=self.open_shards, seed=(self.seed, epoch, rank, worker, 1),
+            on_error=self.on_error, progress=progress)
+        done = progress.done if progress is not None else _ignore
         skip_after = self._skip_point()[0] if skip else -1
         context = stages.Context(self.seed, epoch, rank, worker)
         for position, stage in enumerate(self.stages):
             if position == skip_after:
-                data = itertools.islice(data, skip, None)
-            data = stage.run(data, context)
+                data = _skip(data, skip, done)
+            data = stages.run_paired(stage, data, context, done)
         if skip_after == len(self.stages):
-            data = itertools.islice(data, skip, None)
-        yield from _timed(data, metrics)
+            data = _skip(data, skip, done)
+        yield from _timed(_deliver(data, done), metrics)
 
-    def _jobs(self, epoch: int, worker: int, num_workers: int, policy: RetryPolicy, *, resuming: bool) -> Iterable[Job]:
-        """What this worker fetches: its spans, or for plain WebDataset tars without a
+    def _jobs(self, epoch: int, worker: int, num_workers: int, policy: RetryPolicy,
+              progress: Progress | None) -> Iterable[Job]:
+        """What this worker fetches: its plan's spans, or for plain WebDataset tars without a
         manifest, whole tars dealt round-robin to ranks x workers in the epoch's order."""
-        if self.reader.has_manifest():
-            return span_jobs(self.reader, self._spans(worker, num_workers, epoch), policy, self.open_shards, self.on_error)
+        if progress is not None:
+            counts = self.reader.counts
+            spans = plan_spans(counts, shard_order(len(counts), self.seed, epoch, self.shuffle_shards), progress.plan.rows)
+            return span_jobs(self.reader, spans, policy, self.open_shards, self.on_error, progress)
         tars = self.reader.list_tars()
         if not tars:
             self.reader.manifest  # raises ObjectNotFound naming the missing manifest
-        if resuming:
-            raise ConfigError("resume needs an indexed dataset: run remote-loader index on it")
         rank, world_size, _ = self._split()
         slots, slot = world_size * num_workers, rank * num_workers + worker
         order = shard_order(len(tars), self.seed, epoch, self.shuffle_shards)
         return tar_jobs(self.reader, [tars[k] for position, k in enumerate(order) if position % slots == slot])
+
+
+def _failing(error: Exception) -> Iterator[Any]:
+    raise error
+    yield  # a generator: it raises at the first next()
+
+
+def _ignore(ids: Any) -> None:
+    pass
+
+
+def _skip(pairs: Iterator[tuple[Any, Any]], count: int, done: Callable[[Any], None]) -> Iterator[tuple[Any, Any]]:
+    """``pairs`` less the first ``count`` items, which count as delivered (a count-based resume)."""
+    for i, _ in itertools.islice(pairs, count):
+        done(i)
+    yield from pairs
+
+
+def _deliver(pairs: Iterator[tuple[Any, Any]], done: Callable[[Any], None]) -> Iterator[Any]:
+    """The items; each one's samples count as delivered as it leaves."""
+    for ids, item in pairs:
+        done(ids)
+        yield item
 
 
 def _timed(data: Iterator[Any], metrics: Metrics) -> Iterator[Any]:

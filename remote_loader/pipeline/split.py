@@ -25,11 +25,13 @@ from remote_loader.errors import ConfigError
 
 @dataclass(frozen=True)
 class Span:
-    """Samples ``[start, end)`` of shard ``shard`` (its position in the manifest)."""
+    """Samples ``[start, end)`` of shard ``shard`` (its position in the manifest); sample
+    ``start`` sits at ``position`` in the epoch's virtual sequence."""
 
     shard: int
     start: int
     end: int
+    position: int = 0
 
     def __len__(self) -> int:
         return self.end - self.start
@@ -42,36 +44,49 @@ def shard_order(num_shards: int, seed: int, epoch: int, shuffle: bool = True) ->
     return np.random.default_rng([seed, epoch]).permutation(num_shards)
 
 
-def _spans(counts: np.ndarray, order: np.ndarray, start: int, stop: int) -> Iterator[Span]:
-    """Spans covering positions ``[start, stop)`` of the virtual sequence (wrapping past its
-    end), made lazily: only the order of the shards in the range is kept (4 bytes a shard),
-    so a worker's share of a million shards costs one small array, not an object per shard."""
-    ends = np.cumsum(counts[order])
-    total = int(ends[-1])
-    laps = []
+def laps(total: int, start: int, stop: int) -> list[tuple[int, int]]:
+    """Positions ``[start, stop)`` of a sequence of ``total`` that wraps around, as
+    intervals of ``[0, total)``: the first is the primary read, any further ones repeat."""
+    out = []
     while start < stop:
         first = start % total
         last = min(first + stop - start, total)
+        out.append((first, last))
+        start += last - first
+    return out
+
+
+def plan_spans(counts: np.ndarray, order: np.ndarray, rows: Sequence[tuple[int, int]]) -> Iterator[Span]:
+    """Spans covering the intervals ``rows`` of the virtual sequence, in that order, made
+    lazily: only the order of the shards in the rows is kept (4 bytes a shard), so a
+    worker's share of a million shards costs one small array, not an object per shard."""
+    rows = [(a, b) for a, b in rows if a < b]
+    if not rows:
+        return iter(())
+    ends = np.cumsum(counts[order])
+    index_type = np.int32 if len(counts) < 2**31 else np.int64
+    kept = []
+    for first, last in rows:
         i, j = (int(k) for k in np.searchsorted(ends, [first, last - 1], side="right"))
         begin = int(ends[i] - counts[order[i]])
-        laps.append((order[i : j + 1].astype(np.int32 if len(counts) < 2**31 else np.int64), begin, first, last))
-        start += last - first
-    return _lap_spans(counts, laps)
+        kept.append((order[i : j + 1].astype(index_type), begin, first, last))
+    return _lap_spans(counts, kept)
 
 
 _CHUNK = 4096
 
 
-def _lap_spans(counts: np.ndarray, laps: list[tuple[np.ndarray, int, int, int]]) -> Iterator[Span]:
-    """``laps``: (shards in order, position where the first begins, first and last position read)."""
-    for shards, begin, first, last in laps:
+def _lap_spans(counts: np.ndarray, kept: list[tuple[np.ndarray, int, int, int]]) -> Iterator[Span]:
+    """``kept``: (shards in order, position where the first begins, first and last position read)."""
+    for shards, begin, first, last in kept:
         for k in range(0, len(shards), _CHUNK):
             chunk = shards[k : k + _CHUNK]
             sizes = counts[chunk]
             ends = (begin + np.cumsum(sizes)).tolist()
             for shard, size, end in zip(chunk.tolist(), sizes.tolist(), ends):
                 start = end - size
-                yield Span(shard, max(first, start) - start, min(last, end) - start)
+                low = max(first, start)
+                yield Span(shard, low - start, min(last, end) - start, low)
             begin = ends[-1]
 
 
@@ -116,7 +131,7 @@ def iter_assign(
     if low == high:
         return iter(())
     order = shard_order(len(counts), seed, epoch, shuffle)
-    return _spans(counts, order, low, high)
+    return plan_spans(counts, order, laps(int(counts.sum()), low, high))
 
 
 def worker_bounds(total: int, *, rank: int, world_size: int, worker: int, num_workers: int,

@@ -11,6 +11,7 @@ process. Stage objects pickle into DataLoader workers.
 from __future__ import annotations
 
 import hashlib
+from collections import deque
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -269,3 +270,61 @@ class Batched(Stage):
 
     def run(self, samples: Iterable[Any], context: Context) -> Iterator[Any]:
         return batched_stage(samples, self.batchsize, self.collation_fn, self.partial)
+
+
+# --------------------------------------------------------------------------- stages over (id, item) pairs
+
+
+def run_paired(stage: Stage, pairs: Iterable[tuple[Any, Any]], context: Context,
+               dropped: Callable[[Any], None]) -> Iterator[tuple[Any, Any]]:
+    """``stage`` over ``(id, item)`` pairs, the ids following their items: so the pipeline's
+    end knows which samples it delivers, and a checkpoint knows which are still inside.
+
+    An id is a sample's position, or a batch's list of ids. ``dropped(id)`` is called for
+    what a stage discards (``select``, a short last batch without ``partial``).
+    """
+    if isinstance(stage, Shuffle):  # it moves items without looking at them
+        return stage.run(pairs, context)
+    if isinstance(stage, Select):
+        return _select_pairs(pairs, stage.predicate, dropped)
+    if isinstance(stage, Batched):
+        return _batch_pairs(pairs, stage, dropped)
+    if not stage.one_to_one:
+        raise TypeError(f"no paired form for {stage!r}")
+    return _one_to_one_pairs(stage, pairs, context)
+
+
+def _one_to_one_pairs(stage: Stage, pairs: Iterable[tuple[Any, Any]], context: Context) -> Iterator[tuple[Any, Any]]:
+    # The stage keeps the order and maps one to one: its k-th output is its k-th input's.
+    ids: deque[Any] = deque()
+
+    def items() -> Iterator[Any]:
+        for i, item in pairs:
+            ids.append(i)
+            yield item
+
+    for out in stage.run(items(), context):
+        yield ids.popleft(), out
+
+
+def _select_pairs(pairs: Iterable[tuple[Any, Any]], predicate: Callable[[Any], bool],
+                  dropped: Callable[[Any], None]) -> Iterator[tuple[Any, Any]]:
+    for i, item in pairs:
+        if predicate(item):
+            yield i, item
+        else:
+            dropped(i)
+
+
+def _batch_pairs(pairs: Iterable[tuple[Any, Any]], stage: Batched, dropped: Callable[[Any], None]) -> Iterator[tuple[Any, Any]]:
+    def collate(batch: list[tuple[Any, Any]]) -> tuple[list[Any], Any]:
+        if len(batch) < stage.batchsize and not stage.partial:
+            return [i for i, _ in batch], None  # the short last batch, dropped below
+        items = [item for _, item in batch]
+        return [i for i, _ in batch], stage.collation_fn(items) if stage.collation_fn else items
+
+    for ids, batch in batched_stage(pairs, stage.batchsize, collate, partial=True):
+        if len(ids) < stage.batchsize and not stage.partial:
+            dropped(ids)
+        else:
+            yield ids, batch

@@ -1,0 +1,233 @@
+"""Checkpoints by position: an epoch stopped on R ranks x W workers resumes on R' x W'
+with every sample not yet delivered delivered exactly once.
+
+DataLoader workers are played in this process the way a DataLoader sets them up
+(``torch.utils.data.get_worker_info`` reads the module's worker info), each with its own
+copy of the rank's dataset, so that a matrix of topologies and stop points runs in
+seconds. ``test_stateful_dataloader.py`` runs the real StatefulDataLoader.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import itertools
+import pickle
+from collections import Counter
+from collections.abc import Iterator
+from operator import itemgetter
+
+import pytest
+from torch.utils.data._utils import worker as torch_worker
+
+from remote_loader import ConfigError, FetchConfig, RemoteDataset, upload_cv_dataset
+from remote_loader.testing.synthetic import SyntheticImages
+
+N = 241  # odd: ranks of an equalised split repeat a sample
+ALL = Counter(f"{i:06d}" for i in range(N))
+BUFSIZE = 40
+
+
+@pytest.fixture(scope="module")
+def location(seaweed):
+    client = seaweed.client()
+    client.create_bucket("checkpoint-tests")
+    upload_cv_dataset(SyntheticImages(N, size=(32, 24)), client=client, bucket="checkpoint-tests", base_folder="d",
+                      maxcount=20, workers=0, progress=False)
+    yield client
+    client.close()
+
+
+def make(client, rank=0, world_size=1, equalize=False, batch=None):
+    # Small ranges, so a shard is read in several and a stop leaves ranges cut but not opened.
+    fetch = FetchConfig(range_bytes=4096, part_size=4096, prefetch_bytes=16384)
+    ds = (RemoteDataset(client, "checkpoint-tests", "d", seed=5, open_shards=3, rank=rank, world_size=world_size,
+                        equalize=equalize, fetch=fetch)
+          .shuffle(BUFSIZE, initial=BUFSIZE).map(itemgetter("__key__")))
+    return ds.batched(batch, collation_fn=list) if batch else ds
+
+
+@contextlib.contextmanager
+def as_worker(dataset, worker: int, num_workers: int) -> Iterator[None]:
+    """Run in this process as DataLoader worker ``worker`` of ``num_workers`` would."""
+    saved = torch_worker._worker_info
+    torch_worker._worker_info = torch_worker.WorkerInfo(id=worker, num_workers=num_workers, seed=0, dataset=dataset)
+    try:
+        yield
+    finally:
+        torch_worker._worker_info = saved
+
+
+def flat(items):
+    return [k for item in items for k in (item if isinstance(item, list) else [item])]
+
+
+def run(client, ranks, workers, stops=None, states=None, **options):
+    """Each (rank, worker) takes ``stops(rank, worker, total)`` items, or all; returns the
+    keys each rank delivered and every worker's state afterwards."""
+    delivered, saved = {}, []
+    for rank in range(ranks):
+        dataset = make(client, rank, ranks, **options)
+        if states is not None:
+            dataset.load_state_dict(states)
+        keys = []
+        for worker in range(max(1, workers)):
+            copy_ = copy.copy(dataset)  # a worker's own copy; the shared counters stay shared, as after fork
+            with as_worker(copy_, worker, workers) if workers else contextlib.nullcontext():
+                stream = iter(copy_)
+                if stops is None:
+                    items = list(stream)
+                else:
+                    # Stop points are fractions of the worker's share (0: before its first item).
+                    share = copy_._live.plan.rows
+                    total = sum(b - a for a, b in share) // (options.get("batch") or 1)
+                    items = list(itertools.islice(stream, stops(rank, worker, total)))
+                keys += flat(items)
+                saved.append(pickle.loads(pickle.dumps(copy_.state_dict())))
+                stream.close()
+        delivered[rank] = keys
+    return delivered, saved
+
+
+STOPS = {
+    "before-first-item": lambda rank, worker, total: 0,
+    "mid-shuffle-buffer": lambda rank, worker, total: 3 + worker,  # the buffer holds 40, most not yet out
+    "mid-epoch": lambda rank, worker, total: total // 2 + rank - worker,
+    "uneven": lambda rank, worker, total: [total, 1, total // 3][(rank + worker) % 3],
+    "epoch-boundary": lambda rank, worker, total: total,
+}
+TOPOLOGIES = [((2, 2), (3, 1)), ((1, 0), (2, 2)), ((3, 2), (2, 3))]
+
+
+@pytest.mark.parametrize("stop", STOPS)
+@pytest.mark.parametrize("before, after", TOPOLOGIES, ids=[f"{a[0]}x{a[1]}-to-{b[0]}x{b[1]}" for a, b in TOPOLOGIES])
+def test_an_epoch_resumes_exactly_once_on_other_ranks_and_workers(location, before, after, stop):
+    first, states = run(location, *before, stops=STOPS[stop])
+    rest, _ = run(location, *after, states=states)
+    done = Counter(k for keys in first.values() for k in keys)
+    again = Counter(k for keys in rest.values() for k in keys)
+    assert done + again == ALL, (done + again - ALL, ALL - done - again)
+    print(f"\n{before[0]}x{before[1]} -> {after[0]}x{after[1]} at {stop}: {sum(done.values())} delivered before,"
+          f" {sum(again.values())} after, all {N} exactly once")
+
+
+def test_the_rest_is_split_equally_under_equalize(location):
+    first, states = run(location, 2, 2, stops=STOPS["uneven"], equalize=True)
+    rest, _ = run(location, 3, 1, states=states, equalize=True)
+    sizes = {rank: len(keys) for rank, keys in rest.items()}
+    assert len(set(sizes.values())) == 1, sizes
+    done = Counter(k for keys in first.values() for k in keys)
+    again = Counter(k for keys in rest.values() for k in keys)
+    assert set(done + again) == set(ALL)
+    # Repeats are the equalised splits' own: fewer than world_size per split.
+    assert sum((done + again - ALL).values()) <= (2 - 1) + (3 - 1)
+    assert max((done + again).values()) <= 2
+
+
+def test_a_resume_of_a_resume_is_exact_too(location):
+    first, states = run(location, 2, 2, stops=STOPS["mid-epoch"])
+    second, states = run(location, 1, 3, stops=STOPS["uneven"], states=states)
+    third, _ = run(location, 3, 2, states=states)
+    total = sum((Counter(k for keys in r.values() for k in keys) for r in (first, second, third)), Counter())
+    assert total == ALL
+
+
+@pytest.mark.parametrize("ranks, workers", [(2, 2), (1, 3)])
+def test_each_worker_resumes_from_its_own_state_where_it_stopped(location, ranks, workers):
+    """What StatefulDataLoader does on the same topology: each worker gets its own state back."""
+    first, states = run(location, ranks, workers, stops=STOPS["mid-epoch"], equalize=True)
+    rest = {}
+    for rank in range(ranks):
+        keys = []
+        for worker in range(workers):
+            dataset = make(location, rank, ranks, equalize=True)
+            with as_worker(dataset, worker, workers):
+                dataset.load_state_dict(states[rank * workers + worker])
+                keys += list(dataset)
+        rest[rank] = keys
+    totals = {rank: len(first[rank]) + len(rest[rank]) for rank in range(ranks)}
+    assert len(set(totals.values())) == 1, totals  # ranks stay equal: DDP does not hang
+    done = Counter(k for keys in first.values() for k in keys) + Counter(k for keys in rest.values() for k in keys)
+    uninterrupted = Counter(k for keys in run(location, ranks, workers, equalize=True)[0].values() for k in keys)
+    assert done == uninterrupted
+
+
+def test_resuming_is_deterministic(location):
+    _, states = run(location, 2, 2, stops=STOPS["uneven"])
+    once, _ = run(location, 3, 1, states=states)
+    twice, _ = run(location, 3, 1, states=list(reversed(states)))  # the order states are gathered in does not matter
+    assert once == twice
+
+
+def test_batches_and_select_are_followed(location):
+    first, states = run(location, 2, 2, stops=STOPS["mid-epoch"], batch=7)
+    rest, _ = run(location, 1, 2, states=states, batch=5)
+    done = Counter(k for keys in first.values() for k in keys) + Counter(k for keys in rest.values() for k in keys)
+    assert done == ALL
+
+
+def test_a_state_is_bounded_by_open_shards_and_the_buffer(location):
+    _, states = run(location, 1, 1, stops=STOPS["mid-shuffle-buffer"])
+    (state,) = states
+    # Pending samples are at most the buffer plus what stages hold; intervals at most as many.
+    assert len(state["remaining"]) // 2 <= BUFSIZE + 3 * 2 + 2 + 4
+    assert not state["extras"]
+
+
+def _states(location):
+    return run(location, 2, 1, stops=STOPS["mid-epoch"])[1]
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda s: s[:1], "states lack rank 1 worker 0"),
+    (lambda s: s + s[:1], "state of rank 0 worker 0 is given twice"),
+    (lambda s: [s[0], {**s[1], "epoch": 3}], "different runs: rank 1 worker 0 has epoch=3"),
+    (lambda s: [s[0], {**s[1], "seed": 9}], "has seed=9, this dataset has 5"),
+    (lambda s: [s[0], {**s[1], "samples": 999}], "has samples=999"),
+    (lambda s: [s[0], {**s[1], "remaining": [5, 2]}], "sorted, disjoint, non-empty intervals"),
+    (lambda s: [s[0], {**s[1], "remaining": [0, 10**9]}], "not a position in 0..241"),
+    (lambda s: [s[0], {**s[1], "remaining": [1, 2, 3]}], "flat list of pairs"),
+    (lambda s: [s[0], {**s[1], "remaining": [True, 2]}], "holds True"),
+    (lambda s: [s[0], {**s[1], "remaining": s[0]["remaining"]}], "states overlap"),
+    (lambda s: [s[0], {**s[1], "extras": [3, 7]}], "'extras' must pair positions"),
+    (lambda s: [s[0], {**s[1], "world_size": 0}], "'world_size' must be an integer in 1"),
+    (lambda s: [s[0], {**s[1], "rank": 2}], "'rank' must be an integer in 0..1"),
+    (lambda s: [s[0], {**s[1], "shuffle": "yes"}], "'shuffle' must be true or false"),
+    (lambda s: [s[0], {k: v for k, v in s[1].items() if k != "run"}], "lacks run"),
+    (lambda s: [s[0], {**s[1], "remote_loader_state": 7}], "state version 7 is not 2"),
+    (lambda s: [[[[[[[[[[s]]]]]]]]]], "no RemoteDataset worker state found in this list"),
+])
+def test_hostile_states_are_refused(location, change, message):
+    states = _states(location)
+    dataset = make(location, 0, 3)
+    with pytest.raises(ConfigError, match=message):
+        dataset.load_state_dict(change(states))
+
+
+def test_a_workers_own_state_on_another_worker_is_refused(location):
+    states = run(location, 1, 2, stops=STOPS["mid-epoch"])[1]
+    dataset = make(location)
+    with as_worker(dataset, 1, 2), pytest.raises(ConfigError, match="loads its own state only"):
+        dataset.load_state_dict(states[0])
+
+
+def test_a_state_from_mid_epoch_needs_its_epoch(location):
+    first, states = run(location, 2, 1, stops=STOPS["mid-epoch"])
+    dataset = make(location, 0, 2)
+    dataset.load_state_dict(states[0])  # rank 0's own, without workers
+    dataset.set_epoch(1)
+    with pytest.raises(ConfigError, match=r"stopped mid-way through epoch 0.*set_epoch\(0\)"):
+        next(iter(dataset))
+    dataset.set_epoch(0)
+    assert Counter(first[0]) + Counter(dataset) == Counter(make(location, 0, 2))
+
+
+def test_state_in_the_main_process_while_workers_iterate_is_refused(location):
+    from torch.utils.data import DataLoader
+
+    dataset = make(location)
+    loader = iter(DataLoader(dataset, batch_size=None, num_workers=1))
+    next(loader)
+    with pytest.raises(ConfigError, match="runs in DataLoader workers"):
+        dataset.state_dict()
+    del loader
