@@ -18,7 +18,8 @@ $(BIN)/python:
 
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet $(TORCH)
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	echo '$(TORCH)' > $(VENV)/constraints.txt
+	$(BIN)/python -m pip install --quiet -c $(VENV)/constraints.txt -e '.[test]'
 	touch $(STAMP)
 
 venv: $(STAMP)

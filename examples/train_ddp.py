@@ -1,20 +1,29 @@
 """Distributed training from a bucket with RemoteDataset: DDP on the CPU with gloo, resumable mid-epoch.
 
     torchrun --nproc_per_node=2 examples/train_ddp.py --url s3://datasets/imagenet-train --epochs 90
-    torchrun --nproc_per_node=2 examples/train_ddp.py --url ... --resume     # continue from --checkpoint
+    torchrun --nproc_per_node=4 examples/train_ddp.py --url ... --resume     # continue from --checkpoint
     python examples/train_ddp.py --local-server    # the whole story on a tiny dataset, see below
 
 Each rank streams its own part of every epoch (``set_epoch`` gives a fresh shard order
 each epoch); DataLoader workers split the rank's part further. The checkpoint holds the
-model, the optimizer and every rank's loader position (``RemoteDataset.state_dict``), so a
-run stopped in the middle of an epoch resumes with exactly the batches it had not seen.
+model, the optimizer and every rank's loader state, so a run stopped in the middle of an
+epoch resumes with exactly the samples it had not seen.
+
+With torchdata installed (``pip install remote-loader[torchdata]``) the loader is a
+``StatefulDataLoader``: its ``state_dict()`` holds each worker's position, with no
+counting. A resume on the same ranks and workers gives each rank's loader its own state
+back; on other numbers of ranks or workers every rank's dataset gets all the states
+(``RemoteDataset.load_state_dict``), which divides the rest of the epoch anew. Without
+torchdata a plain DataLoader's position is computed from the batches consumed, and the
+resume needs the same ranks and workers.
 
 The model is ResNet-18 when torchvision is installed, a small CNN otherwise.
 
 ``--local-server`` starts an embedded S3 server, uploads a small generated dataset and
-runs ``torchrun --nproc_per_node=2`` twice: first stopping (as if pre-empted) after
-``--stop-after`` steps, then resuming from the checkpoint to the end. It then checks from
-the logged sample keys that each epoch saw every sample exactly once across both runs.
+runs ``torchrun --nproc_per_node=2`` stopping (as if pre-empted) after ``--stop-after``
+steps, then resumes from the checkpoint to the end: on 1 rank with 1 worker per rank
+under StatefulDataLoader, on the same 2 ranks without torchdata. It then checks from the
+logged sample keys that each epoch saw every sample exactly once across both runs.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -34,6 +44,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
+
+warnings.filterwarnings("ignore", message="'set_vital' is deprecated")  # torchdata 0.11 on a newer torch
+try:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+except ImportError:  # the plain DataLoader, with positions counted from the batches consumed
+    StatefulDataLoader = None
 
 from common import add_location_args, maybe_local_server
 
@@ -63,14 +79,14 @@ def build_model(num_classes: int) -> tuple[nn.Module, str]:
 
 
 def save_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, epoch: int,
-                    loader_state: dict | None) -> None:
-    """Gather every rank's loader position; rank 0 writes one checkpoint file."""
+                    loader_state: dict | None, workers: int) -> None:
+    """Gather every rank's loader state; rank 0 writes one checkpoint file."""
     states: list[dict | None] = [None] * dist.get_world_size()
     dist.all_gather_object(states, loader_state)
     if dist.get_rank() == 0:
         tmp = path.with_suffix(".tmp")
         torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch,
-                    "loader": states}, tmp)
+                    "loader": states, "world_size": dist.get_world_size(), "workers": workers}, tmp)
         tmp.replace(path)  # a crash while saving leaves the previous checkpoint whole
     dist.barrier()
 
@@ -87,21 +103,30 @@ def train(args: argparse.Namespace) -> None:
     model, model_name = build_model(num_classes)
     model = DistributedDataParallel(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    loader_type = StatefulDataLoader or DataLoader
+    loader = loader_type(stream, batch_size=None, num_workers=args.workers, persistent_workers=False)
     start_epoch = 0
     if args.resume and args.checkpoint.exists():
-        checkpoint = torch.load(args.checkpoint, weights_only=False)
+        checkpoint = torch.load(args.checkpoint)
         model.load_state_dict(checkpoint["model"])
         optimizer.load_state_dict(checkpoint["optimizer"])
         start_epoch = checkpoint["epoch"]
-        if checkpoint["loader"][rank] is not None:
-            stream.load_state_dict(checkpoint["loader"][rank])
+        states = checkpoint["loader"]
+        if states[rank] is not None:
+            same = (checkpoint["world_size"], checkpoint["workers"]) == (world_size, args.workers)
+            if StatefulDataLoader is not None and same:
+                loader.load_state_dict(states[rank])  # each worker gets its own position back
+            elif StatefulDataLoader is not None:
+                stream.load_state_dict(states)  # every rank's states: the rest of the epoch, divided anew
+            else:
+                stream.load_state_dict(states[rank])  # counted: same ranks and workers only
         if rank == 0:
-            print(f"resumed from {args.checkpoint} in epoch {start_epoch}", flush=True)
+            print(f"resumed from {args.checkpoint} in epoch {start_epoch}, saved by {checkpoint['world_size']} ranks"
+                  f" x {checkpoint['workers']} workers", flush=True)
     if rank == 0:
-        print(f"{model_name}, {world_size} ranks x {args.workers} DataLoader workers, {len(dataset)} samples per rank"
-              " per epoch", flush=True)
+        print(f"{model_name}, {world_size} rank(s) x {args.workers} DataLoader worker(s) ({loader_type.__name__}),"
+              f" {len(dataset)} samples per rank per epoch", flush=True)
     log = (args.log_keys / f"keys-rank{rank}.jsonl").open("a") if args.log_keys else None
-    loader = DataLoader(stream, batch_size=None, num_workers=args.workers, persistent_workers=False)
     steps = 0
     for epoch in range(start_epoch, args.epochs):
         stream.set_epoch(epoch)  # a pending resume position applies to its own epoch only
@@ -125,12 +150,12 @@ def train(args: argparse.Namespace) -> None:
                 if stopping:
                     break
         if stopping:  # as if pre-empted: save where each rank is and stop
-            save_checkpoint(args.checkpoint, model, optimizer, epoch,
-                            stream.state_dict(consumed, num_workers=args.workers))
+            state = loader.state_dict() if StatefulDataLoader else stream.state_dict(consumed, num_workers=args.workers)
+            save_checkpoint(args.checkpoint, model, optimizer, epoch, state, args.workers)
             if rank == 0:
                 print(f"stopping in epoch {epoch} after {steps} steps; checkpoint {args.checkpoint}", flush=True)
             break
-        save_checkpoint(args.checkpoint, model, optimizer, epoch + 1, None)
+        save_checkpoint(args.checkpoint, model, optimizer, epoch + 1, None, args.workers)
         if rank == 0:
             print(f"epoch {epoch}: {consumed} batches on rank 0, mean loss {total_loss / max(1, consumed):.3f}",
                   flush=True)
@@ -145,12 +170,12 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def torchrun(args: argparse.Namespace, *extra: str) -> None:
-    """Run this script on 2 local ranks (gloo over loopback)."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
+def torchrun(args: argparse.Namespace, ranks: int, workers: int, *extra: str) -> None:
+    """Run this script on local ranks (gloo over loopback)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={ranks}",
                "--master_addr=127.0.0.1", f"--master_port={free_port()}", __file__,
                "--url", args.url, "--epochs", str(args.epochs), "--batch-size", str(args.batch_size),
-               "--size", str(args.size), "--workers", str(args.workers), "--checkpoint", str(args.checkpoint),
+               "--size", str(args.size), "--workers", str(workers), "--checkpoint", str(args.checkpoint),
                "--log-keys", str(args.log_keys), *extra]
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     subprocess.run(command, env=env, check=True)
@@ -167,8 +192,10 @@ def local_story(args: argparse.Namespace) -> None:
     client.close()
     with tempfile.TemporaryDirectory() as tmp:
         args.checkpoint, args.log_keys = Path(tmp) / "checkpoint.pt", Path(tmp)
-        torchrun(args, "--stop-after", str(args.stop_after))
-        torchrun(args, "--resume")
+        torchrun(args, 2, args.workers, "--stop-after", str(args.stop_after))
+        # StatefulDataLoader's states resume on other ranks and workers; counted positions need the same.
+        ranks, workers = (1, max(1, args.workers - 1)) if StatefulDataLoader else (2, args.workers)
+        torchrun(args, ranks, workers, "--resume")
         seen: dict[int, collections.Counter[str]] = collections.defaultdict(collections.Counter)
         for path in Path(tmp).glob("keys-rank*.jsonl"):
             for line in path.read_text().splitlines():

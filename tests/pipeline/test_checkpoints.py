@@ -20,22 +20,12 @@ from operator import itemgetter
 import pytest
 from torch.utils.data._utils import worker as torch_worker
 
-from remote_loader import ConfigError, FetchConfig, RemoteDataset, upload_cv_dataset
-from remote_loader.testing.synthetic import SyntheticImages
+from remote_loader import ConfigError, FetchConfig, RemoteDataset
 
-N = 241  # odd: ranks of an equalised split repeat a sample
+from tests.pipeline.conftest import CHECKPOINT_SAMPLES as N
+
 ALL = Counter(f"{i:06d}" for i in range(N))
 BUFSIZE = 40
-
-
-@pytest.fixture(scope="module")
-def location(seaweed):
-    client = seaweed.client()
-    client.create_bucket("checkpoint-tests")
-    upload_cv_dataset(SyntheticImages(N, size=(32, 24)), client=client, bucket="checkpoint-tests", base_folder="d",
-                      maxcount=20, workers=0, progress=False)
-    yield client
-    client.close()
 
 
 def make(client, rank=0, world_size=1, equalize=False, batch=None):

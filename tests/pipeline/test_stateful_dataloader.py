@@ -1,0 +1,91 @@
+"""torchdata's StatefulDataLoader checkpoints a RemoteDataset with no counting by the user:
+its state_dict() holds each worker's position, load_state_dict() resumes where it stopped,
+and the states of every rank resume on other ranks and worker counts."""
+
+from __future__ import annotations
+
+import io
+from collections import Counter
+
+import pytest
+import torch
+
+from tests.pipeline.test_checkpoints import ALL, make
+
+stateful = pytest.importorskip("torchdata.stateful_dataloader", reason="torchdata is not installed (extra: torchdata)")
+StatefulDataLoader = stateful.StatefulDataLoader
+
+
+def keys(batches):
+    return [k for batch in batches for k in batch]
+
+
+def saved(state):
+    """The state as a checkpoint file gives it back (torch.load's default weights_only)."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return torch.load(buffer)
+
+
+def take(loader, count):
+    stream = iter(loader)
+    return [next(stream) for _ in range(count)], stream
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_stopped_epoch_continues_where_it_stopped(location, workers):
+    # DataLoader batching with workers: counting batches got this wrong; the loader's state does not.
+    loader = StatefulDataLoader(make(location), batch_size=8, num_workers=workers)
+    before, stream = take(loader, 9)
+    state = saved(loader.state_dict())
+    del stream
+    resumed = StatefulDataLoader(make(location), batch_size=8, num_workers=workers)
+    resumed.load_state_dict(state)
+    after = list(resumed)
+    assert Counter(keys(before)) + Counter(keys(after)) == ALL
+
+
+def test_a_resume_on_the_same_workers_continues_their_own_streams(location):
+    whole = list(StatefulDataLoader(make(location), batch_size=None, num_workers=2))
+    loader = StatefulDataLoader(make(location), batch_size=None, num_workers=2)
+    before, _ = take(loader, 50)
+    resumed = StatefulDataLoader(make(location), batch_size=None, num_workers=2)
+    resumed.load_state_dict(saved(loader.state_dict()))
+    after = list(resumed)
+    assert before == whole[:50]  # the order before the stop is the uninterrupted one
+    assert Counter(before) + Counter(after) == ALL
+
+
+def test_two_ranks_resume_on_one_rank_with_other_workers(location):
+    states, before = [], Counter()
+    for rank, count in [(0, 5), (1, 2)]:
+        loader = StatefulDataLoader(make(location, rank, 2), batch_size=8, num_workers=2)
+        batches, _ = take(loader, count)
+        before += Counter(keys(batches))
+        states.append(saved(loader.state_dict()))
+    dataset = make(location)
+    dataset.load_state_dict(states)  # the loader starts afresh: its own state is for 2 workers
+    after = keys(StatefulDataLoader(dataset, batch_size=8, num_workers=1))
+    assert before + Counter(after) == ALL
+
+
+def test_persistent_workers_resume_then_run_the_next_epoch_whole(location):
+    loader = StatefulDataLoader(make(location), batch_size=None, num_workers=2, persistent_workers=True)
+    before, _ = take(loader, 30)
+    dataset = make(location)
+    resumed = StatefulDataLoader(dataset, batch_size=None, num_workers=2, persistent_workers=True)
+    resumed.load_state_dict(saved(loader.state_dict()))
+    assert Counter(before) + Counter(resumed) == ALL
+    dataset.set_epoch(1)
+    assert Counter(resumed) == ALL
+
+
+def test_a_state_saved_at_the_end_of_an_epoch_starts_the_next_whole(location):
+    loader = StatefulDataLoader(make(location), batch_size=None, num_workers=2)
+    assert Counter(loader) == ALL
+    dataset = make(location)
+    resumed = StatefulDataLoader(dataset, batch_size=None, num_workers=2)
+    resumed.load_state_dict(saved(loader.state_dict()))
+    dataset.set_epoch(1)
+    assert Counter(resumed) == ALL
