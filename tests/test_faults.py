@@ -117,7 +117,7 @@ def test_two_ranks_four_workers_through_faults_leak_nothing(seaweed, clean):
         loader = DataLoader(dataset.map(lambda s: (s["__key__"], bytes(s["jpg"]), bytes(s["cls"]))),
                             batch_size=None, num_workers=4)
         got.update(map(tuple, loader))
-    del loader
+    del loader, dataset  # a dataset holds its shared-memory counters (a file descriptor each) while alive
     client.close()
     proxy.close()  # joins the proxy's connection threads
     gc.collect()  # DataLoader's iterator joins its queue threads when collected

@@ -11,7 +11,6 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
-
 import torch
 import torch.distributed as dist
 from torch.utils.data import IterableDataset, get_worker_info
@@ -19,14 +18,24 @@ from torch.utils.data import IterableDataset, get_worker_info
 from remote_loader.config import FetchConfig
 from remote_loader.errors import ConfigError
 from remote_loader.pipeline import stages
-from remote_loader.pipeline.position import Plan, Progress, Remainder, WorkerState, divide, encode, find_states, gather, merge, parse
+from remote_loader.pipeline.position import (
+    Plan,
+    Progress,
+    Remainder,
+    WorkerState,
+    divide,
+    encode,
+    find_states,
+    gather,
+    merge,
+    parse,
+)
 from remote_loader.pipeline.resume import MAX_WORKERS, ResumeState, consumed_per_worker
 from remote_loader.pipeline.source import span_jobs, stream_positions, tar_jobs
 from remote_loader.pipeline.split import plan_spans, rank_size, shard_order, worker_bounds
 from remote_loader.read import DatasetReader, Job, Metrics, RetryPolicy
 from remote_loader.read.heap import release_free_memory
 from remote_loader.storage import Store, open_location
-
 
 
 def current_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -425,7 +434,7 @@ class RemoteDataset(IterableDataset):
         self._live = None
         try:
             return self._start()
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 - raised unchanged at the first next()
             return _failing(error)
 
     def _start(self) -> Iterator[Any]:

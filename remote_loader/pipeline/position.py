@@ -25,6 +25,7 @@ import zlib
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -246,7 +247,7 @@ def parse(state: Any) -> WorkerState:
     header["worker"] = _int(state, "worker", 0, header["num_workers"] - 1)
     flat = _ints(state, "remaining", samples)
     remaining = list(zip(flat[::2], flat[1::2]))
-    if any(a >= b for a, b in remaining) or any(b1 >= a2 for (_, b1), (a2, _) in zip(remaining, remaining[1:])):
+    if any(a >= b for a, b in remaining) or any(b1 >= a2 for (_, b1), (a2, _) in pairwise(remaining)):
         raise ConfigError("RemoteDataset state field 'remaining' must hold sorted, disjoint, non-empty intervals")
     flat = _ints(state, "extras", samples)
     if any(p >= samples for p in flat[::2]) or any(d not in (0, 1) for d in flat[1::2]):
@@ -316,7 +317,7 @@ def gather(states: Sequence[WorkerState]) -> Remainder:
         raise ConfigError(f"states lack {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}: gather the"
                           f" state of every rank ({first['world_size']} ranks x {first['num_workers']} workers)")
     intervals = sorted(interval for s in states for interval in s.remaining)
-    for (_, b1), (a2, _) in zip(intervals, intervals[1:]):
+    for (_, b1), (a2, _) in pairwise(intervals):
         if a2 < b1:
             raise ConfigError(f"states overlap at position {a2}: they are not from one checkpoint of one run")
     delivered = [p for s in states for p, done in s.extras if done]

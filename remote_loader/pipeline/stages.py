@@ -11,8 +11,8 @@ process. Stage objects pickle into DataLoader workers.
 from __future__ import annotations
 
 import hashlib
-from collections import deque
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial

@@ -21,7 +21,6 @@ import pytest
 from torch.utils.data._utils import worker as torch_worker
 
 from remote_loader import ConfigError, FetchConfig, RemoteDataset
-
 from tests.pipeline.conftest import CHECKPOINT_SAMPLES as N
 
 ALL = Counter(f"{i:06d}" for i in range(N))
