@@ -23,11 +23,8 @@ from remote_loader.pipeline.position import (
     Progress,
     Remainder,
     WorkerState,
-    divide,
-    encode,
     find_states,
     gather,
-    merge,
     parse,
 )
 from remote_loader.pipeline.resume import MAX_WORKERS, ResumeState, consumed_per_worker
@@ -288,7 +285,7 @@ class RemoteDataset(IterableDataset):
                               " num_workers= for a plain DataLoader")
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
         plan, header, _ = self._plan(self.epoch, worker, workers, take=False)
-        return encode(header, merge(plan.rows), plan.extras)
+        return Progress(plan, header).state()  # the next iteration's, nothing delivered yet
 
     def _count_state(self, consumed: int, num_workers: int) -> dict[str, Any]:
         _, per_item = self._skip_point()
@@ -393,7 +390,8 @@ class RemoteDataset(IterableDataset):
         """What this worker reads in this iteration, the header of its states, and the
         resume loaded in the main process that applies."""
         rank, world_size, equalize = self._split()
-        header = {"epoch": epoch, "seed": self.seed, "shuffle": self.shuffle_shards, "samples": len(self.reader),
+        total = len(self.reader)
+        header = {"epoch": epoch, "seed": self.seed, "shuffle": self.shuffle_shards, "samples": total,
                   "shards": len(self.reader.counts), "run": 0, "rank": rank, "world_size": world_size,
                   "worker": worker, "num_workers": num_workers}
         position = self._position
@@ -415,15 +413,13 @@ class RemoteDataset(IterableDataset):
             if take:
                 self._position = None  # a finished epoch: the next one starts afresh
         resume = self._take_resume(epoch, worker, num_workers, take)
-        if isinstance(resume, Remainder):
-            low, high = worker_bounds(len(resume), rank=rank, world_size=world_size, worker=worker,
-                                      num_workers=num_workers, equalize=equalize)
-            plan = resume.plan(low, high)
-            return plan, {**header, "run": plan.run}, resume
-        total = len(self.reader)
-        low, high = worker_bounds(total, rank=rank, world_size=world_size, worker=worker, num_workers=num_workers,
-                                  equalize=equalize)
-        return divide(np.array([0]), np.array([total]), low, high), header, resume
+        # The sequence divided: the rest of an epoch gathered from states, or the whole epoch.
+        whole = Remainder(header, np.array([0]), np.array([total]), 0)
+        sequence = resume if isinstance(resume, Remainder) else whole
+        low, high = worker_bounds(len(sequence), rank=rank, world_size=world_size, worker=worker,
+                                  num_workers=num_workers, equalize=equalize)
+        plan = sequence.plan(low, high)
+        return plan, {**header, "run": plan.run}, resume
 
     # ------------------------------------------------------------------ iteration
 

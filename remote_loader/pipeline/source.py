@@ -57,26 +57,6 @@ def tar_jobs(reader: DatasetReader, tars: Sequence[tuple[str, int]]) -> list[Job
     return [Job(reader.location.key(name), partial(_whole, name, size)) for name, size in tars]
 
 
-def stream_samples(
-    reader: DatasetReader,
-    jobs: Iterable[Job],
-    *,
-    policy: RetryPolicy,
-    open_shards: int,
-    seed: Sequence[int],
-    on_error: str = "raise",
-) -> Iterator[Sample]:
-    """Yield the samples the ``jobs`` fetch, drawing each next sample from one of ``open_shards`` ranges.
-
-    Which open range gives the next sample is drawn from ``seed``, so the order depends on
-    the seed alone, never on fetch timing. Every sample of every range is yielded once
-    (less those skipped under ``on_error="skip"``, which are counted and logged).
-    """
-    for _, sample in stream_positions(reader, jobs, policy=policy, open_shards=open_shards, seed=seed,
-                                      on_error=on_error):
-        yield sample
-
-
 def stream_positions(
     reader: DatasetReader,
     jobs: Iterable[Job],
@@ -87,8 +67,14 @@ def stream_positions(
     on_error: str = "raise",
     progress: Progress | None = None,
 ) -> Iterator[tuple[int, Sample]]:
-    """``stream_samples``, each sample with its position in the epoch (-1 without
-    ``progress``, which learns of every range opened and sample emitted)."""
+    """Yield the samples the ``jobs`` fetch, each with its position in the epoch (-1
+    without ``progress``, which learns of every range opened and sample emitted), drawing
+    each next sample from one of ``open_shards`` ranges.
+
+    Which open range gives the next sample is drawn from ``seed``, so the order depends on
+    the seed alone, never on fetch timing. Every sample of every range is yielded once
+    (less those skipped under ``on_error="skip"``, which are counted and logged).
+    """
     rng = np.random.default_rng(list(seed))
     with Prefetcher(reader.client, reader.location.bucket, jobs, policy) as prefetcher:
         fetched = iter(prefetcher)
@@ -113,7 +99,7 @@ def stream_positions(
                     return
                 current = reading[int(rng.integers(len(reading)))] if len(reading) > 1 else reading[0]
                 sample = current.next_sample()
-                position = bases.get(current, -1) + current.next - 1
+                position = bases[current] + current.next - 1 if progress is not None else -1
                 if current.done:
                     reading.remove(current)
                     bases.pop(current, None)
