@@ -210,3 +210,18 @@ def test_a_server_whose_start_fails_is_not_left_running(tmp_path):
         server.start()
     assert server.pid is None
     assert _weed_processes_using(data) == []
+
+
+def test_the_server_makes_as_many_volumes_as_asked_not_one_per_free_gib(tmp_path):
+    """Every bucket takes a volume: SeaweedFS's own limit (a volume per GiB of free disk) made
+    the suite's 107th bucket refuse writes; ``max_volumes`` sets the limit instead."""
+    with EmbeddedS3(data_dir=str(tmp_path / "s3"), max_volumes=2) as server:
+        client = server.client()
+        for name in ("first", "second", "third"):
+            client.create_bucket(name)
+        client.put("first", "k", b"1")
+        client.put("second", "k", b"2")
+        with pytest.raises(errors.TransientStorageError, match="InternalError"):
+            client.put("third", "k", b"3")
+        assert [client.get(b, "k") for b in ("first", "second")] == [b"1", b"2"]
+        client.close()

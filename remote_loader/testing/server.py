@@ -146,6 +146,9 @@ class EmbeddedS3:
         access_key: The one identity the server accepts.
         secret_key: Its secret (never shown in reprs).
         buckets: Buckets to create at start.
+        max_volumes: How many volumes the server may create. Each bucket takes at least one;
+            left to itself, SeaweedFS allows one per GiB of free disk, so a machine with 20 GiB
+            free would refuse writes (``InternalError``) into its 21st bucket.
 
     Example:
         >>> with EmbeddedS3(buckets=["demo"]) as server:
@@ -157,6 +160,7 @@ class EmbeddedS3:
     access_key: str = "remote-loader"
     secret_key: str = field(default="remote-loader-secret", repr=False)
     buckets: tuple[str, ...] | list[str] = ()
+    max_volumes: int = 1000
     _process: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
     _tmp: tempfile.TemporaryDirectory[str] | None = field(default=None, init=False, repr=False)
 
@@ -215,7 +219,7 @@ class EmbeddedS3:
         for name, offset in _HTTP_ONLY.items():
             flag = name if "." in name else f"{name}.port"
             args.append(f"-{flag}={base + offset}")
-        args += [f"-s3.config={identities}", "-webdav=false", "-admin.ui=false"]
+        args += [f"-s3.config={identities}", "-webdav=false", "-admin.ui=false", f"-volume.max={self.max_volumes}"]
         (data / "store").mkdir(exist_ok=True)
         log = (data / "weed.log").open("ab")
         self._process = spawn_tied(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
