@@ -78,6 +78,11 @@ class FaultProxy:
     def endpoint_url(self) -> str:
         return f"http://127.0.0.1:{self.server.server_address[1]}"
 
+    def seen(self, method: str, path: str, range_: str = "") -> int:
+        """How many times this request came in (``path`` with its query, as sent)."""
+        with self._lock:
+            return self._seen[f"{method} {path} {range_}"]
+
     def _fault(self, handler: BaseHTTPRequestHandler) -> str | None:
         request = f"{handler.command} {handler.path} {handler.headers.get('Range', '')}"
         with self._lock:

@@ -54,6 +54,29 @@ def test_epoch_through_faults_equals_a_clean_epoch(seaweed, clean, backend):
           f"loader retries {dataset.metrics.retries}")
 
 
+def test_an_upload_through_faults_on_every_request_stores_every_sample_once(seaweed):
+    """500s, 503s and resets on PUTs, GETs, LISTs and DELETEs alike: the upload's own
+    requests (its state, the manifest, the clean-up) are retried like its shards'."""
+    client, bucket = seaweed.client(), "upload-fault-tests"  # a fixed name: faults follow the requests' paths
+    client.create_bucket(bucket)
+    ds = SyntheticImages(60, size=(40, 30))
+    proxy = FaultProxy(seaweed.endpoint_url, {"error_500": 0.1, "slow_down_503": 0.05, "reset_before": 0.05}, seed=12,
+                       methods=("GET", "PUT", "POST", "DELETE", "HEAD"))
+    try:
+        faulty = make_client(proxy.endpoint_url, seaweed.access_key, seaweed.secret_key)
+        summary = upload_cv_dataset(ds, client=faulty, bucket=bucket, base_folder="up", maxcount=8, workers=0,
+                                    progress=False)
+        faulty.close()
+    finally:
+        proxy.close()
+    assert summary.samples == 60 and summary.skipped == 0
+    assert proxy.seen("PUT", f"/{bucket}/up/manifest.msgpack") > 1, "the manifest PUT met no fault: pick another seed"
+    stored = Counter((s["__key__"], bytes(s["jpg"]), bytes(s["cls"])) for s in DatasetReader(client, bucket, "up"))
+    assert stored == Counter((f"{i:06d}", ds[i][0], str(ds[i][1]).encode()) for i in range(60))
+    assert [info.key for info in client.list(bucket, "up/") if "/_upload/" in info.key] == []
+    client.close()
+
+
 def test_flipped_sample_is_refetched_or_skipped(seaweed, clean):
     # Flip only sample-range GETs after the first attempt of each: refetching heals them.
     proxy = FaultProxy(seaweed.endpoint_url, {"flip": 0.3}, seed=5)

@@ -14,20 +14,23 @@ import os
 import queue
 import secrets
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from functools import partial
 from typing import Any
 
 import msgpack
 import numpy as np
 from tqdm import tqdm
 
+from remote_loader.config import FetchConfig
 from remote_loader.errors import ConfigError, ObjectNotFound, RemoteLoaderError, StorageError, UploadError
 from remote_loader.format import MANIFEST_NAME, Manifest, ShardEntry, ShardTable
 from remote_loader.format.index import unpack
 from remote_loader.format.shard import member_bytes
+from remote_loader.read import Metrics, RetryPolicy
 from remote_loader.storage import DEFAULT_PART_SIZE, Location, Store
 from remote_loader.upload import tasks
 from remote_loader.upload.encode import EncodeOptions, encode_item
@@ -38,6 +41,9 @@ log = logging.getLogger("remote_loader")
 
 _STATE = f"{STATE_DIR}/state.msgpack"
 _ESTIMATE_SAMPLES = 16
+
+Retry = Callable[[Callable[[], Any]], Any]
+"""``RetryPolicy.call``: the request, repeated on retryable faults."""
 
 
 @dataclass(frozen=True)
@@ -117,35 +123,35 @@ def _plan_task_size(dataset: Any, order: np.ndarray, options: EncodeOptions, max
     return max(1, min(maxcount, int((maxsize - 4096) / per_sample)))
 
 
-def _read_msgpack(store: Store, bucket: str, key: str) -> Any:
+def _read_msgpack(store: Store, retry: Retry, bucket: str, key: str) -> Any:
     try:
-        return unpack(store.get(bucket, key), what="upload state", name=key)
+        return unpack(retry(lambda: store.get(bucket, key)), what="upload state", name=key)
     except ObjectNotFound:
         return None
 
 
-def _kept_results(store: Store, location: Location, num_tasks: int) -> dict[int, TaskResult]:
+def _kept_results(store: Store, retry: Retry, location: Location, num_tasks: int) -> dict[int, TaskResult]:
     """Task results of an earlier run whose shards all exist with the recorded sizes."""
-    sizes = {info.key: info.size for info in store.list(location.bucket, location.key(""))}
+    sizes = {info.key: info.size for info in retry(lambda: list(store.list(location.bucket, location.key(""))))}
     kept = {}
     for task_id in range(num_tasks):
         key = tasks.task_record_key(location, task_id)
         if key not in sizes:
             continue
-        result = TaskResult.decode(store.get(location.bucket, key), key)
+        result = TaskResult.decode(retry(partial(store.get, location.bucket, key)), key)
         if all(sizes.get(location.key(e.name)) == e.size for e in result.entries):
             kept[task_id] = result
     return kept
 
 
-def _clear_state(store: Store, location: Location, *, keep_shards: set[str] | None = None) -> None:
+def _clear_state(store: Store, retry: Retry, location: Location, *, keep_shards: set[str] | None = None) -> None:
     """Delete the upload state; with ``keep_shards``, also every shard object not in it (the
     replaced dataset's, or an abandoned upload's), after the new manifest is in place."""
-    for info in list(store.list(location.bucket, location.key(""))):
+    for info in retry(lambda: list(store.list(location.bucket, location.key("")))):
         name = info.key[len(location.key("")) :]
         stale_shard = keep_shards is not None and name.startswith("shard-") and name not in keep_shards
         if name.startswith(f"{STATE_DIR}/") or stale_shard:
-            store.delete(location.bucket, info.key)
+            retry(partial(store.delete, location.bucket, info.key))
 
 
 def _ship(executor: Executor, dataset: Any, source: str | None) -> Any:
@@ -309,7 +315,10 @@ def upload_cv_dataset(
         "quality": quality,
         "on_error": on_error,
     }
-    existing = _existing_manifest(client, location)
+    # Every request here is retried like a task's, so a 503 or a restart of the store after
+    # hours of encoding does not end the upload at its manifest PUT.
+    retry: Retry = RetryPolicy(FetchConfig(), Metrics(), client.endpoint).call
+    existing = _existing_manifest(client, retry, location)
     if existing is not None:
         if existing.params.get("upload") == params and not overwrite:
             return UploadSummary(location, existing.num_samples, len(existing.shards), existing.num_bytes,
@@ -318,24 +327,25 @@ def upload_cv_dataset(
             raise UploadError(f"{location} already holds a dataset uploaded with other parameters; pass overwrite=True")
 
     order = np.random.default_rng(seed).permutation(num) if shuffle else np.arange(num)
-    state = _read_msgpack(client, bucket, location.key(_STATE))
+    state = _read_msgpack(client, retry, bucket, location.key(_STATE))
     if (isinstance(state, dict) and state.get("params") == params and isinstance(state.get("task_size"), int)
             and isinstance(state.get("run"), str)):
         task_size, run = state["task_size"], state["run"]
     else:
-        _clear_state(client, location)
+        _clear_state(client, retry, location)
         task_size = _plan_task_size(ds, order, options, int(maxsize), int(maxcount))
         run = secrets.token_hex(4)
-        client.put(bucket, location.key(_STATE), msgpack.packb({"params": params, "task_size": task_size, "run": run}))
+        record = msgpack.packb({"params": params, "task_size": task_size, "run": run})
+        retry(lambda: client.put(bucket, location.key(_STATE), record))
     try:
-        client.abort_uploads(bucket, location.key(""))
+        retry(lambda: client.abort_uploads(bucket, location.key("")))
     except StorageError as exc:
         if exc.code != "NotImplemented":
             raise
         log.debug("%s cannot list multipart uploads; unfinished uploads of earlier runs stay", bucket)
 
     num_tasks = -(-num // task_size)
-    kept = _kept_results(client, location, num_tasks)
+    kept = _kept_results(client, retry, location, num_tasks)
     spec = TaskSpec(client, location, options, int(maxsize), int(maxcount), on_error, part_size,
                     max(6, len(str(num - 1))), run)
     pending = [(t, order[t * task_size : (t + 1) * task_size]) for t in range(num_tasks) if t not in kept]
@@ -362,8 +372,9 @@ def upload_cv_dataset(
         skipped=len(skipped),
         skipped_indices=tuple(skipped),
     )
-    client.put(bucket, location.key(MANIFEST_NAME), manifest.encode())  # the switch: readers see old or new
-    _clear_state(client, location, keep_shards={e.name for e in entries})
+    encoded = manifest.encode()
+    retry(lambda: client.put(bucket, location.key(MANIFEST_NAME), encoded))  # the switch: readers see old or new
+    _clear_state(client, retry, location, keep_shards={e.name for e in entries})
     kept_shards = sum(len(r.entries) for r in kept.values())
     return UploadSummary(location, manifest.num_samples, len(entries), manifest.num_bytes, len(skipped),
                          time.perf_counter() - started, kept_shards=kept_shards, skip_reasons=reasons)
@@ -376,9 +387,9 @@ def _class_names(ds: Any) -> list[str]:
     return []
 
 
-def _existing_manifest(store: Store, location: Location) -> Manifest | None:
+def _existing_manifest(store: Store, retry: Retry, location: Location) -> Manifest | None:
     try:
-        data = store.get(location.bucket, location.key(MANIFEST_NAME))
+        data = retry(lambda: store.get(location.bucket, location.key(MANIFEST_NAME)))
     except ObjectNotFound:
         return None
     return Manifest.decode(data, name=location.key(MANIFEST_NAME))
