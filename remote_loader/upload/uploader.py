@@ -252,6 +252,7 @@ def upload_cv_dataset(
     shuffle: bool = True,
     executor: Executor | None = None,
     part_size: int = DEFAULT_PART_SIZE,
+    fetch: FetchConfig | None = None,
     overwrite: bool = False,
     progress: bool = True,
 ) -> UploadSummary:
@@ -280,6 +281,8 @@ def upload_cv_dataset(
             (scattered, or built there from ``ds`` given as a source spec); any other
             executor receives it with every task.
         part_size: Multipart part size in bytes.
+        fetch: The retry policy of every request (``backoff``, ``max_backoff``,
+            ``outage_deadline``); a failing task is written again as a whole.
         overwrite: Replace a dataset uploaded there. The new shards are written beside
             the old dataset, the manifest is switched in one PUT, and only then are the
             old shards deleted: a failed overwrite leaves the old dataset readable.
@@ -317,7 +320,8 @@ def upload_cv_dataset(
     }
     # Every request here is retried like a task's, so a 503 or a restart of the store after
     # hours of encoding does not end the upload at its manifest PUT.
-    retry: Retry = RetryPolicy(FetchConfig(), Metrics(), client.endpoint).call
+    fetch = FetchConfig() if fetch is None else fetch
+    retry: Retry = RetryPolicy(fetch, Metrics(), client.endpoint).call
     existing = _existing_manifest(client, retry, location)
     if existing is not None:
         if existing.params.get("upload") == params and not overwrite:
@@ -347,7 +351,7 @@ def upload_cv_dataset(
     num_tasks = -(-num // task_size)
     kept = _kept_results(client, retry, location, num_tasks)
     spec = TaskSpec(client, location, options, int(maxsize), int(maxcount), on_error, part_size,
-                    max(6, len(str(num - 1))), run)
+                    max(6, len(str(num - 1))), run, fetch)
     pending = [(t, order[t * task_size : (t + 1) * task_size]) for t in range(num_tasks) if t not in kept]
     done_samples = sum(sum(e.samples for e in r.entries) + len(r.skipped) for r in kept.values())
     with tqdm(total=num, initial=done_samples, unit="img", disable=not progress, desc="upload") as bar:

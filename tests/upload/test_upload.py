@@ -18,10 +18,19 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from remote_loader import ConfigError, DatasetReader, UploadError, make_client, upload_cv_dataset
+from remote_loader import (
+    ConfigError,
+    DatasetReader,
+    EndpointUnreachable,
+    FetchConfig,
+    UploadError,
+    make_client,
+    upload_cv_dataset,
+)
 from remote_loader.format import INDEX_MEMBER
 from remote_loader.testing.synthetic import SyntheticImages
 from tests.helpers import FlakyImages
+from tests.servers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -240,4 +249,14 @@ def test_round_trip_on_a_store_without_multipart_listing(localbucket):
     upload_cv_dataset(ds, client=client, bucket="plain", base_folder="ds", maxcount=8, workers=0, progress=False)
     stored = sorted(bytes(s["jpg"]) for s in DatasetReader(client, "plain", "ds"))
     assert stored == sorted(ds[i][0] for i in range(len(ds)))
+    client.close()
+
+
+def test_an_upload_to_a_dead_endpoint_gives_up_at_its_outage_deadline():
+    endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    client = make_client(endpoint, "key", "secret")
+    with pytest.raises(EndpointUnreachable, match=r"outage_deadline=0\.5 s") as caught:
+        upload_cv_dataset(SyntheticImages(4, size=(8, 8)), client=client, bucket="b", base_folder="d", workers=0,
+                          progress=False, fetch=FetchConfig(outage_deadline=0.5, backoff=0.01))
+    assert endpoint in str(caught.value) and "secret" not in str(caught.value)
     client.close()
