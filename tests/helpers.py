@@ -1,11 +1,22 @@
-"""Datasets the upload tests use (importable by worker processes)."""
+"""Datasets the tests upload (importable by worker processes), and an upload into a new bucket."""
 
 from __future__ import annotations
 
 import os
 import signal
+from typing import Any
 
+from remote_loader import upload_cv_dataset
+from remote_loader.storage import Store
 from remote_loader.testing.synthetic import SyntheticImages
+
+
+def upload_to_new_bucket(client: Store, bucket: str, folder: str, ds: Any, *, maxcount: int, workers: int = 0,
+                         **options: Any) -> None:
+    """Create ``bucket`` and upload ``ds`` to ``folder`` in shards of ``maxcount``, with no progress bar."""
+    client.create_bucket(bucket)
+    upload_cv_dataset(ds, client=client, bucket=bucket, base_folder=folder, maxcount=maxcount, workers=workers,
+                      progress=False, **options)
 
 
 class FlakyImages(SyntheticImages):

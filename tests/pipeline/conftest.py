@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from remote_loader import upload_cv_dataset
 from remote_loader.testing.synthetic import SyntheticImages
+from tests.helpers import upload_to_new_bucket
 
 CHECKPOINT_SAMPLES = 241  # odd: ranks of an equalised split repeat a sample
 
@@ -14,8 +14,6 @@ CHECKPOINT_SAMPLES = 241  # odd: ranks of an equalised split repeat a sample
 def location(seaweed):
     """A client of the bucket holding the checkpoint tests' dataset ``d`` (shards of 20)."""
     client = seaweed.client()
-    client.create_bucket("checkpoint-tests")
-    upload_cv_dataset(SyntheticImages(CHECKPOINT_SAMPLES, size=(32, 24)), client=client, bucket="checkpoint-tests",
-                      base_folder="d", maxcount=20, workers=0, progress=False)
+    upload_to_new_bucket(client, "checkpoint-tests", "d", SyntheticImages(CHECKPOINT_SAMPLES, size=(32, 24)), maxcount=20)
     yield client
     client.close()

@@ -14,15 +14,14 @@ from remote_loader import ConfigError, DatasetReader, upload_cv_dataset
 from remote_loader.config import FetchConfig
 from remote_loader.pipeline.dataset import RemoteDataset
 from remote_loader.testing.synthetic import SyntheticImages
+from tests.helpers import upload_to_new_bucket
 
 
 @pytest.fixture(scope="module")
 def uploaded(seaweed):
     client = seaweed.client()
-    bucket = "pipeline-tests"
-    client.create_bucket(bucket)
-    ds = SyntheticImages(97, size=(40, 30), num_classes=5)
-    upload_cv_dataset(ds, client=client, bucket=bucket, base_folder="few", maxcount=20, workers=0, progress=False)
+    bucket, ds = "pipeline-tests", SyntheticImages(97, size=(40, 30), num_classes=5)
+    upload_to_new_bucket(client, bucket, "few", ds, maxcount=20)
     yield client, bucket, ds
     client.close()
 
@@ -197,9 +196,7 @@ def test_range_memory_stays_within_the_documented_sum(seaweed):
     """Instrumented: the bytes of live range buffers never exceed prefetch_bytes +
     (open_shards + 2) ranges, each at most range_bytes plus one sample, rounded up to a MiB."""
     client = seaweed.client()
-    client.create_bucket("memory-tests")
-    upload_cv_dataset(SyntheticImages(240), client=client, bucket="memory-tests", base_folder="d", maxcount=60,
-                      workers=0, progress=False)
+    upload_to_new_bucket(client, "memory-tests", "d", SyntheticImages(240), maxcount=60)
     entries = DatasetReader(client, "memory-tests", "d").manifest.shards
     assert sum(e.size for e in entries) > 8 << 20  # several times the bound below
     fetch = FetchConfig(part_size=1 << 20, range_bytes=1 << 20, prefetch_bytes=2 << 20)

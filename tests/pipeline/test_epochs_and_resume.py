@@ -8,8 +8,9 @@ from collections import Counter
 import pytest
 from torch.utils.data import DataLoader
 
-from remote_loader import ConfigError, RemoteDataset, upload_cv_dataset
+from remote_loader import ConfigError, RemoteDataset
 from remote_loader.testing.synthetic import SyntheticImages
+from tests.helpers import upload_to_new_bucket
 
 N = 300
 
@@ -17,9 +18,7 @@ N = 300
 @pytest.fixture(scope="module")
 def dataset(seaweed):
     client = seaweed.client()
-    client.create_bucket("epoch-resume-tests")
-    upload_cv_dataset(SyntheticImages(N, size=(32, 24)), client=client, bucket="epoch-resume-tests", base_folder="d",
-                      maxcount=25, workers=0, progress=False)
+    upload_to_new_bucket(client, "epoch-resume-tests", "d", SyntheticImages(N, size=(32, 24)), maxcount=25)
     yield RemoteDataset(client, "epoch-resume-tests", "d", seed=3).map(lambda s: s["__key__"])
     client.close()
 

@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 from torch.utils.data import DataLoader, DistributedSampler
 
-from remote_loader import RemoteDataset, upload_cv_dataset
+from remote_loader import RemoteDataset
 from remote_loader.pipeline.mapstyle import RemoteMapDataset
 from remote_loader.pipeline.sampler import LocalitySampler
 from remote_loader.testing.synthetic import SyntheticImages
+from tests.helpers import upload_to_new_bucket
 
 N = 500
 
@@ -19,9 +20,8 @@ N = 500
 @pytest.fixture(scope="module")
 def dataset500(seaweed):
     client = seaweed.client()
-    client.create_bucket("map-tests")
-    upload_cv_dataset(SyntheticImages(N, size=(40, 30), formats=("jpeg", "png")), client=client, bucket="map-tests",
-                      base_folder="d", maxcount=25, workers=2, progress=False)
+    upload_to_new_bucket(client, "map-tests", "d", SyntheticImages(N, size=(40, 30), formats=("jpeg", "png")),
+                         maxcount=25, workers=2)
     yield client
     client.close()
 

@@ -11,10 +11,11 @@ from collections import Counter
 import pytest
 from torch.utils.data import DataLoader
 
-from remote_loader import DatasetChanged, RemoteMapDataset, upload_cv_dataset
+from remote_loader import DatasetChanged, RemoteMapDataset
 from remote_loader.format import MANIFEST_NAME, Manifest
 from remote_loader.pipeline.dataset import RemoteDataset
 from remote_loader.testing.synthetic import SyntheticImages
+from tests.helpers import upload_to_new_bucket
 
 
 @pytest.fixture(scope="module")
@@ -22,9 +23,7 @@ def versions(seaweed):
     """The same dataset under "v2" (as uploaded) and "v1" (its manifest rewritten as version 1)."""
     client = seaweed.client()
     bucket = "metadata-tests"
-    client.create_bucket(bucket)
-    ds = SyntheticImages(131, size=(32, 24), num_classes=5)
-    upload_cv_dataset(ds, client=client, bucket=bucket, base_folder="v2", maxcount=9, workers=0, progress=False)
+    upload_to_new_bucket(client, bucket, "v2", SyntheticImages(131, size=(32, 24), num_classes=5), maxcount=9)
     manifest = Manifest.decode(client.get(bucket, f"v2/{MANIFEST_NAME}"))
     assert manifest.version == 2
     for entry in manifest.shards:
