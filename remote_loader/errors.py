@@ -101,6 +101,11 @@ class InvalidRange(StorageError):
     """A byte range lies outside the object."""
 
 
+class PreconditionFailed(StorageError):
+    """A conditional write was refused: the object exists (``if_none_match``) or changed
+    since it was read (``if_match``)."""
+
+
 class TransientStorageError(StorageError):
     """A fault worth retrying: connection reset, 5xx, slow-down, timeout or short read."""
 
@@ -167,8 +172,35 @@ class DatasetChanged(RemoteLoaderError):
         super().__init__(message, bucket=bucket, key=key)
 
 
+class DatasetNotFound(RemoteLoaderError):
+    """No dataset lives at this location: it has no manifest (an upload that has not
+    finished, or plain tars that were never indexed).
+
+    Attributes:
+        bucket: The bucket.
+        key: The manifest's key.
+    """
+
+    bucket: str | None
+    key: str | None
+
+    def __init__(self, message: str = "", *, bucket: str | None = None, key: str | None = None) -> None:
+        super().__init__(message, bucket=bucket, key=key)
+
+
 class DecodeError(RemoteLoaderError):
-    """A field's bytes could not be decoded (not an image, not a label)."""
+    """A field's bytes could not be decoded (not an image, not a label).
+
+    Attributes:
+        key: The sample's key, if known.
+        field: The field, if known.
+    """
+
+    key: str | None
+    field: str | None
+
+    def __init__(self, message: str = "", *, key: str | None = None, field: str | None = None) -> None:
+        super().__init__(message, key=key, field=field)
 
 
 class UploadError(RemoteLoaderError):
@@ -182,3 +214,18 @@ class UploadError(RemoteLoaderError):
 
     def __init__(self, message: str = "", *, index: int | None = None) -> None:
         super().__init__(message, index=index)
+
+
+class UploadConflict(UploadError):
+    """Another upload to the same prefix holds it or finished first; this one stopped
+    without touching the other's objects.
+
+    Attributes:
+        location: The dataset's ``s3://bucket/prefix``.
+    """
+
+    location: str | None
+
+    def __init__(self, message: str = "", *, location: str | None = None) -> None:
+        RemoteLoaderError.__init__(self, message, location=location)
+        self.index = None

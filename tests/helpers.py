@@ -106,3 +106,21 @@ class BlockingImages(SyntheticImages):
                 connection.recv(1)
             raise RuntimeError("released")
         return super().__getitem__(index)
+
+
+class PausingImages(SyntheticImages):
+    """Synthetic images whose sample ``pause_at`` connects to 127.0.0.1:``port`` and waits
+    there until the test closes the connection, then returns normally: an upload held still
+    at a known point, for as long as the test needs."""
+
+    def __init__(self, n: int, pause_at: int, port: int, **kwargs: object) -> None:
+        super().__init__(n, **kwargs)  # type: ignore[arg-type]
+        self.pause_at, self.port = pause_at, port
+
+    def __getitem__(self, index: int):  # type: ignore[override]
+        if index == self.pause_at:
+            import socket
+
+            with socket.create_connection(("127.0.0.1", self.port)) as connection:
+                connection.recv(1)
+        return super().__getitem__(index)

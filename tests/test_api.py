@@ -11,10 +11,10 @@ from remote_loader import ConfigError, StorageConfig, UploadError, make_client
 from remote_loader.storage import Boto3Store, LocalStore, MinioStore, parse_location
 
 EXPECTED = {
-    "AccessDenied", "BucketNotFound", "ConfigError", "CorruptSampleError", "CorruptShard", "DatasetChanged", "DatasetReader",
+    "AccessDenied", "BucketNotFound", "ConfigError", "CorruptSampleError", "CorruptShard", "DatasetChanged", "DatasetNotFound", "DatasetReader",
     "DecodeError", "EndpointUnreachable", "FetchConfig", "Metrics", "RandomResizedCrop", "RemoteDataset", "RemoteMapDataset", "LocalitySampler", "FormatError", "ImageFolder", "IndexOutOfBounds", "InvalidRange",
-    "LocalStore", "ObjectNotFound", "RemoteLoaderError", "StorageConfig", "StorageError", "Store",
-    "TransientStorageError", "UnsupportedVersion", "UploadError", "UploadSummary", "__version__",
+    "LocalStore", "ObjectNotFound", "PreconditionFailed", "RemoteLoaderError", "StorageConfig", "StorageError", "Store",
+    "TransientStorageError", "UnsupportedVersion", "UploadConflict", "UploadError", "UploadSummary", "__version__",
     "make_client", "upload_cv_dataset",
 }
 

@@ -34,7 +34,8 @@ from tests.helpers import FlakyImages, NoisyImages
 
 # ------------------------------------------------------------------ typed errors through workers
 
-FACTS = {"bucket": "b", "key": "k/shard.tar", "code": "SlowDown", "name": "shard.tar", "field": "jpg", "index": 7}
+FACTS = {"bucket": "b", "key": "k/shard.tar", "code": "SlowDown", "name": "shard.tar", "field": "jpg", "index": 7,
+         "location": "s3://b/d"}
 
 
 def _public_errors() -> list[type[errors.RemoteLoaderError]]:

@@ -21,6 +21,7 @@ from remote_loader.errors import (
     ConfigError,
     InvalidRange,
     ObjectNotFound,
+    PreconditionFailed,
     StorageError,
     TransientStorageError,
 )
@@ -219,8 +220,19 @@ class Store(ABC):
         """Return the object's size in bytes."""
 
     @abstractmethod
-    def put(self, bucket: str, key: str, data: bytes | bytearray | memoryview) -> None:
-        """Store ``data`` under ``key`` in one request (atomic: readers see old or new)."""
+    def get_versioned(self, bucket: str, key: str) -> tuple[bytes, str]:
+        """Return the whole object and its version tag (the ETag), for ``put(if_match=...)``."""
+
+    @abstractmethod
+    def put(self, bucket: str, key: str, data: bytes | bytearray | memoryview, *,
+            if_none_match: bool = False, if_match: str | None = None) -> None:
+        """Store ``data`` under ``key`` in one request (atomic: readers see old or new).
+
+        A conditional write (S3's ``If-None-Match: *`` and ``If-Match``) raises
+        ``PreconditionFailed`` when ``if_none_match`` is set and the object exists, or when
+        ``if_match`` is not the object's current version tag. A server that ignores the
+        conditions writes anyway: see docs on concurrent uploads.
+        """
 
     @abstractmethod
     def open_writer(self, bucket: str, key: str, *, part_size: int = DEFAULT_PART_SIZE) -> ObjectWriter:
@@ -301,6 +313,8 @@ def error_for(
             f"access denied to {where} at {endpoint} ({operation}, {code}): check the access key, secret and rights",
             **args,
         )
+    if code in ("PreconditionFailed", "ConditionalRequestConflict") or status == 412:
+        return PreconditionFailed(f"{where}: the object changed or exists; a conditional {operation} was refused", **args)
     if code == "InvalidRange" or status == 416:
         return InvalidRange(f"{where}: requested range lies outside the object ({operation})", **args)
     if code == "NotImplemented" or status == 501:

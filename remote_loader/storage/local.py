@@ -2,16 +2,27 @@
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-from remote_loader.errors import AccessDenied, BucketNotFound, InvalidRange, ObjectNotFound, StorageError
+from remote_loader.errors import (
+    AccessDenied,
+    BucketNotFound,
+    InvalidRange,
+    ObjectNotFound,
+    PreconditionFailed,
+    StorageError,
+)
 from remote_loader.storage.base import DEFAULT_PART_SIZE, ObjectInfo, ObjectWriter, Store, check_range
 
 _PARTIAL = ".rl-partial-"
 """Marks files of unfinished writes; they never show in listings."""
+_LOCK = f"{_PARTIAL}lock"
+"""The lock file of conditional writes, at the top of each bucket."""
 
 
 class LocalStore(Store):
@@ -92,9 +103,29 @@ class LocalStore(Store):
         path.parent.mkdir(parents=True, exist_ok=True)
         return path.with_name(f"{path.name}{_PARTIAL}{uuid.uuid4().hex}")
 
-    def put(self, bucket: str, key: str, data: bytes | bytearray | memoryview) -> None:
-        with self.open_writer(bucket, key) as writer:
-            writer.write(data)
+    def get_versioned(self, bucket: str, key: str) -> tuple[bytes, str]:
+        data = self.get(bucket, key)
+        return data, _etag(data)
+
+    def put(self, bucket: str, key: str, data: bytes | bytearray | memoryview, *,
+            if_none_match: bool = False, if_match: str | None = None) -> None:
+        if not if_none_match and if_match is None:
+            with self.open_writer(bucket, key) as writer:
+                writer.write(data)
+            return
+        target, tmp = self._path(bucket, key), self._partial(bucket, key)
+        tmp.write_bytes(data)
+        # One lock per bucket makes check-and-replace atomic among processes on this host.
+        with (self._bucket_dir(bucket) / _LOCK).open("a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                current = _etag(target.read_bytes()) if target.exists() else None
+                if (if_none_match and current is not None) or (if_match is not None and current != if_match):
+                    raise PreconditionFailed(f"{bucket}/{key}: the object changed or exists; a conditional PUT was"
+                                             " refused", bucket=bucket, key=key, code="PreconditionFailed")
+                os.replace(tmp, target)
+            finally:
+                tmp.unlink(missing_ok=True)
 
     def open_writer(self, bucket: str, key: str, *, part_size: int = DEFAULT_PART_SIZE) -> ObjectWriter:
         return _LocalWriter(self, bucket, key, part_size)
@@ -117,7 +148,7 @@ class LocalStore(Store):
         base = self._bucket_dir(bucket)
         count = 0
         for path in base.rglob(f"*{_PARTIAL}*"):
-            if path.relative_to(base).as_posix().startswith(prefix):
+            if path.name != _LOCK and path.relative_to(base).as_posix().startswith(prefix):
                 path.unlink(missing_ok=True)
                 count += 1
         return count
@@ -126,6 +157,11 @@ class LocalStore(Store):
         if not bucket or "/" in bucket or bucket in (".", ".."):
             raise StorageError(f"invalid bucket name {bucket!r}", bucket=bucket, code="InvalidBucketName")
         (self.root / bucket).mkdir(parents=True, exist_ok=True)
+
+
+def _etag(data: bytes) -> str:
+    """An S3-style ETag (quoted MD5) of a local object."""
+    return f'"{hashlib.md5(data, usedforsecurity=False).hexdigest()}"'
 
 
 class _LocalWriter(ObjectWriter):

@@ -142,9 +142,21 @@ class Boto3Store(RangedStore):
         with self._errors("HEAD", bucket, key):
             return int(self._sdk().head_object(Bucket=bucket, Key=key)["ContentLength"])
 
-    def put(self, bucket: str, key: str, data: bytes | bytearray | memoryview) -> None:
+    def get_versioned(self, bucket: str, key: str) -> tuple[bytes, str]:
+        with self._errors("GET", bucket, key):
+            response = self._sdk().get_object(Bucket=bucket, Key=key)
+            try:
+                return bytes(response["Body"].read()), str(response.get("ETag", ""))
+            finally:
+                response["Body"].close()
+
+    def put(self, bucket: str, key: str, data: bytes | bytearray | memoryview, *,
+            if_none_match: bool = False, if_match: str | None = None) -> None:
+        conditions = {"IfNoneMatch": "*"} if if_none_match else {}
+        if if_match is not None:
+            conditions["IfMatch"] = if_match
         with self._errors("PUT", bucket, key):
-            self._sdk().put_object(Bucket=bucket, Key=key, Body=bytes(data))
+            self._sdk().put_object(Bucket=bucket, Key=key, Body=bytes(data), **conditions)
 
     def open_writer(self, bucket: str, key: str, *, part_size: int = DEFAULT_PART_SIZE) -> ObjectWriter:
         return _Boto3Writer(self, bucket, key, part_size)

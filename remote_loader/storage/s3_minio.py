@@ -119,9 +119,22 @@ class MinioStore(RangedStore):
         with self._errors("HEAD", bucket, key):
             return int(self._sdk().stat_object(bucket, key).size or 0)
 
-    def put(self, bucket: str, key: str, data: bytes | bytearray | memoryview) -> None:
+    def get_versioned(self, bucket: str, key: str) -> tuple[bytes, str]:
+        with self._errors("GET", bucket, key):
+            response = self._sdk().get_object(bucket, key)
+            try:
+                return bytes(response.read()), str(response.headers.get("ETag", ""))
+            finally:
+                response.close()
+                response.release_conn()
+
+    def put(self, bucket: str, key: str, data: bytes | bytearray | memoryview, *,
+            if_none_match: bool = False, if_match: str | None = None) -> None:
+        headers = {"If-None-Match": "*"} if if_none_match else {}
+        if if_match is not None:
+            headers["If-Match"] = if_match
         with self._errors("PUT", bucket, key):
-            self._sdk()._put_object(bucket, key, bytes(data))
+            self._sdk()._put_object(bucket, key, bytes(data), headers or None)
 
     def open_writer(self, bucket: str, key: str, *, part_size: int = DEFAULT_PART_SIZE) -> ObjectWriter:
         return _MinioWriter(self, bucket, key, part_size)

@@ -26,14 +26,17 @@ from remote_loader.upload.sources import is_file_backed, resolve
 STATE_DIR = "_upload"
 _REPORT_EVERY = 16
 
-# Set in each worker process of a pool the uploader owns, so the dataset is sent once per
-# process rather than with every task.
+# Set only in the worker processes of a pool the uploader owns (by ``init_worker``), so the
+# dataset is sent once per process rather than with every task. Tasks run in the caller's
+# process never read them: they get their dataset and progress as arguments, so two uploads
+# in one process share nothing.
 _worker_dataset: Any = None
 _worker_progress: Any = None
 
 
 def init_worker(dataset: Any, progress: Any) -> None:
-    """Process-pool initializer: keep the dataset and the progress queue for later tasks."""
+    """Process-pool initializer (in a pool's worker process only): keep the dataset and the
+    progress queue for later tasks."""
     global _worker_dataset, _worker_progress
     _worker_dataset, _worker_progress = dataset, progress
 
@@ -47,9 +50,9 @@ def shard_name(run: str, task_id: int, part: int) -> str:
     return f"shard-{run}-{task_id:06d}-{part:03d}.tar"
 
 
-def task_record_key(location: Location, task_id: int) -> str:
-    """Key of the record a finished task leaves for resuming."""
-    return location.key(f"{STATE_DIR}/task-{task_id:06d}.msgpack")
+def task_record_key(location: Location, run: str, task_id: int) -> str:
+    """Key of the record a finished task of upload ``run`` leaves for resuming."""
+    return location.key(f"{STATE_DIR}/{run}/task-{task_id:06d}.msgpack")
 
 
 @dataclass(frozen=True)
@@ -161,7 +164,8 @@ class _ShardSequence:
         self._shard = self._upload = None
 
 
-def write_task(spec: TaskSpec, task_id: int, indices: Sequence[int] | np.ndarray, dataset: Any = None) -> TaskResult:
+def write_task(spec: TaskSpec, task_id: int, indices: Sequence[int] | np.ndarray, dataset: Any = None,
+               progress: Any = None) -> TaskResult:
     """Encode the samples ``indices`` of the dataset into shards; upload them and a task record.
 
     Args:
@@ -170,14 +174,20 @@ def write_task(spec: TaskSpec, task_id: int, indices: Sequence[int] | np.ndarray
         indices: Source dataset indices, in the (permuted) order they are written.
         dataset: The dataset, a ``Source`` naming it, or None in a pool whose initializer
             already set it.
+        progress: Where (samples, bytes) counts go (``put``); None in a pool whose
+            initializer set its queue.
     """
-    dataset = _worker_dataset if dataset is None else resolve(dataset)
+    if dataset is None:
+        dataset, progress = _worker_dataset, _worker_progress
+    else:
+        dataset = resolve(dataset)
     policy = RetryPolicy(spec.fetch, Metrics(), spec.store.endpoint)
     # The whole task is the unit of retry: its shards are rewritten under the same names.
-    return policy.call(lambda: _write_task(spec, task_id, indices, dataset))
+    return policy.call(lambda: _write_task(spec, task_id, indices, dataset, progress))
 
 
-def _write_task(spec: TaskSpec, task_id: int, indices: Sequence[int] | np.ndarray, dataset: Any) -> TaskResult:
+def _write_task(spec: TaskSpec, task_id: int, indices: Sequence[int] | np.ndarray, dataset: Any,
+                progress: Any) -> TaskResult:
     result = TaskResult(task_id=task_id, entries=[])
     shards = _ShardSequence(spec, task_id)
     pending_samples = pending_bytes = 0
@@ -196,16 +206,16 @@ def _write_task(spec: TaskSpec, task_id: int, indices: Sequence[int] | np.ndarra
                 fields = {}
             pending_samples += 1
             pending_bytes += sum(len(v) for v in fields.values())
-            if pending_samples >= _REPORT_EVERY and _worker_progress is not None:
-                _worker_progress.put((pending_samples, pending_bytes))
+            if pending_samples >= _REPORT_EVERY and progress is not None:
+                progress.put((pending_samples, pending_bytes))
                 pending_samples = pending_bytes = 0
         shards.close()
     except BaseException:
         shards.abort()
         raise
-    if _worker_progress is not None:
-        _worker_progress.put((pending_samples, pending_bytes))
+    if progress is not None:
+        progress.put((pending_samples, pending_bytes))
     result.entries = shards.entries
     result.fields = sorted(shards.fields)
-    spec.store.put(spec.location.bucket, task_record_key(spec.location, task_id), result.encode())
+    spec.store.put(spec.location.bucket, task_record_key(spec.location, spec.run, task_id), result.encode())
     return result

@@ -15,6 +15,7 @@ from remote_loader import (
     EndpointUnreachable,
     InvalidRange,
     ObjectNotFound,
+    PreconditionFailed,
     StorageConfig,
     StorageError,
     make_client,
@@ -49,6 +50,38 @@ def test_put_replaces_and_empty_objects(store):
     client.put(bucket, "empty", b"")
     assert client.get(bucket, "k") == b"second"
     assert client.get(bucket, "empty") == b"" and client.head(bucket, "empty") == 0
+
+
+def test_conditional_puts_refuse_to_create_twice_or_replace_a_changed_object(store):
+    client, bucket, _ = store
+    client.put(bucket, "state", b"first", if_none_match=True)
+    with pytest.raises(PreconditionFailed) as refused:
+        client.put(bucket, "state", b"second", if_none_match=True)
+    assert refused.value.key == "state"
+    data, tag = client.get_versioned(bucket, "state")
+    assert data == b"first" and tag
+    client.put(bucket, "state", b"third", if_match=tag)
+    with pytest.raises(PreconditionFailed):
+        client.put(bucket, "state", b"fourth", if_match=tag)  # the tag of a version that is gone
+    assert client.get_versioned(bucket, "state")[0] == b"third"
+    with pytest.raises(ObjectNotFound):
+        client.get_versioned(bucket, "missing")
+
+
+def test_concurrent_creates_let_exactly_one_writer_win(store):
+    client, bucket, _ = store
+
+    def create(n: int) -> bool:
+        try:
+            client.put(bucket, "lock", str(n).encode(), if_none_match=True)
+        except PreconditionFailed:
+            return False
+        return True
+
+    with ThreadPoolExecutor(8) as pool:
+        won = list(pool.map(create, range(16)))
+    assert won.count(True) == 1
+    assert client.get(bucket, "lock") == str(won.index(True)).encode()
 
 
 def test_streaming_multipart_put_is_byte_identical(store):

@@ -1,0 +1,181 @@
+"""Uploads that meet: two to one prefix, one to a prefix inside another's, two in one process.
+
+At most one upload to a prefix succeeds, the other stops with ``UploadConflict`` and touches
+nothing of the winner's, and the dataset left behind is whole.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import pytest
+
+from remote_loader import DatasetReader, UploadConflict, upload_cv_dataset
+from remote_loader.testing.synthetic import SyntheticImages
+from tests.helpers import PausingImages
+
+N = 60
+
+
+def _upload(client: Any, bucket: str, folder: str, ds: Any, **options: Any) -> Any:
+    return upload_cv_dataset(ds, client=client, bucket=bucket, base_folder=folder, maxcount=10, workers=0,
+                             progress=False, **options)
+
+
+@contextmanager
+def paused_upload(run: Callable[[int], Any]) -> Iterator[dict[str, Any]]:
+    """Run ``run(port)`` on a thread until its dataset connects to ``port``; on exit, let it
+    go on and wait for it. Yields what it returned or raised, once it has ended."""
+    outcome: dict[str, Any] = {}
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(60)
+
+    def target() -> None:
+        try:
+            outcome["result"] = run(listener.getsockname()[1])
+        except BaseException as exc:  # noqa: BLE001 - the test inspects it
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    try:
+        connection, _ = listener.accept()
+    except BaseException:
+        listener.close()
+        thread.join(60)
+        raise
+    try:
+        yield outcome
+    finally:
+        connection.close()
+        listener.close()
+        thread.join(60)
+    assert not thread.is_alive()
+
+
+def _late_index(seed: int) -> int:
+    """A sample written after the upload claimed its prefix (not one of the first it measures)."""
+    return int(np.random.default_rng(seed).permutation(N)[40])
+
+
+def _samples(client: Any, bucket: str, folder: str) -> dict[str, bytes]:
+    out: dict[str, bytes] = {}
+    for sample in DatasetReader(client, bucket, folder):
+        assert sample["__key__"] not in out
+        out[sample["__key__"]] = bytes(sample["jpg"])
+    return out
+
+
+def _objects(client: Any, bucket: str, folder: str) -> set[str]:
+    return {info.key[len(folder) + 1:] for info in client.list(bucket, folder + "/")}
+
+
+def test_a_second_upload_to_a_prefix_being_written_is_refused(s3):
+    client, bucket = s3
+    first = lambda port: _upload(client, bucket, "d", PausingImages(N, _late_index(1), port, size=(32, 24)), seed=1)
+    with paused_upload(first) as outcome:
+        with pytest.raises(UploadConflict, match=f"s3://{bucket}/d holds an unfinished upload") as refused:
+            _upload(client, bucket, "d", SyntheticImages(N, size=(32, 24)), seed=2)
+        assert refused.value.location == f"s3://{bucket}/d"
+    assert "error" not in outcome, outcome
+    assert outcome["result"].samples == N
+    assert len(_samples(client, bucket, "d")) == N
+
+
+def test_an_upload_overtaken_by_an_overwrite_stops_and_leaves_the_winner_whole(s3):
+    client, bucket = s3
+    slow = lambda port: _upload(client, bucket, "d", PausingImages(N, _late_index(1), port, size=(32, 24)), seed=1)
+    with paused_upload(slow) as outcome:
+        winner = _upload(client, bucket, "d", SyntheticImages(N, size=(32, 24), seed=5), seed=2, overwrite=True)
+        expected = _samples(client, bucket, "d")
+    assert isinstance(outcome.get("error"), UploadConflict), outcome
+    assert f"s3://{bucket}/d" in str(outcome["error"])
+    assert winner.samples == N and _samples(client, bucket, "d") == expected
+    manifest = DatasetReader(client, bucket, "d").manifest
+    names = {manifest.shards[i].name for i in range(len(manifest.shards))}
+    assert _objects(client, bucket, "d") == names | {"manifest.msgpack"}  # neither one's leftovers
+
+
+_RACER = """
+import socket, sys
+from remote_loader import UploadConflict, UploadError, make_client, upload_cv_dataset
+from remote_loader.testing.synthetic import SyntheticImages
+endpoint, key, secret, bucket, port, seed = sys.argv[1:]
+client = make_client(endpoint, key, secret)
+with socket.create_connection(("127.0.0.1", int(port))) as gate:
+    gate.recv(1)  # both racers start together
+try:
+    upload_cv_dataset(SyntheticImages(150, size=(32, 24), seed=int(seed)), client=client, bucket=bucket,
+                      base_folder="race", maxcount=10, workers=0, seed=int(seed), progress=False)
+    print("uploaded")
+except UploadConflict as exc:
+    print("conflict", exc)
+except UploadError as exc:
+    print("refused", exc)
+"""
+
+
+def test_two_processes_racing_to_one_prefix_leave_one_whole_dataset(s3, seaweed):
+    client, bucket = s3
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(60)
+    port = str(listener.getsockname()[1])
+    racers = [subprocess.Popen([sys.executable, "-c", _RACER, seaweed.endpoint_url, seaweed.access_key,
+                                seaweed.secret_key, bucket, port, str(seed)], stdout=subprocess.PIPE, text=True)
+              for seed in (1, 2)]
+    try:
+        gates = [listener.accept()[0] for _ in racers]
+        for gate in gates:
+            gate.sendall(b"go")
+            gate.close()
+        said = [racer.communicate(timeout=120)[0] for racer in racers]
+    finally:
+        listener.close()
+        for racer in racers:
+            racer.kill()
+            racer.wait()
+    assert sorted(line.split()[0] for line in said) in (["conflict", "uploaded"], ["refused", "uploaded"]), said
+    assert all(f"s3://{bucket}/race" in line for line in said if not line.startswith("uploaded"))
+    assert len(_samples(client, bucket, "race")) == 150
+    manifest = DatasetReader(client, bucket, "race").manifest
+    names = {manifest.shards[i].name for i in range(len(manifest.shards))}
+    assert _objects(client, bucket, "race") == names | {"manifest.msgpack"}
+
+
+def test_an_upload_to_a_prefix_does_not_abort_one_to_a_prefix_inside_it(s3):
+    client, bucket = s3
+    inner = lambda port: _upload(client, bucket, "a/b", PausingImages(N, _late_index(3), port, size=(32, 24)), seed=3,
+                                 part_size=5 * 1024 * 1024, maxsize=64 * 1024 * 1024)
+    with paused_upload(inner) as outcome:
+        writer = client.open_writer(bucket, "a/b/shard-00000000-999999-000.tar", part_size=5 * 1024 * 1024)
+        writer.write(b"x" * (5 * 1024 * 1024))  # a multipart upload in flight under a/b
+        _upload(client, bucket, "a", SyntheticImages(N, size=(32, 24)), seed=4)
+        writer.write(b"y")
+        writer.commit()  # fails if the outer upload aborted it
+    assert "error" not in outcome, outcome
+    assert len(_samples(client, bucket, "a")) == N and len(_samples(client, bucket, "a/b")) == N
+
+
+def test_two_uploads_in_one_process_on_threads_keep_their_own_samples(s3):
+    client, bucket = s3
+    sources: list[Any] = [None, SyntheticImages(N, size=(40, 30), seed=12)]
+
+    def first(port: int) -> Any:
+        sources[0] = PausingImages(N, _late_index(0), port, size=(32, 24), seed=11)
+        return _upload(client, bucket, "p0", sources[0], seed=0)
+
+    with paused_upload(first) as outcome:  # the first is mid-task while the second runs whole
+        _upload(client, bucket, "p1", sources[1], seed=1)
+    assert "error" not in outcome, outcome
+    for i, source in enumerate(sources):
+        got = DatasetReader(client, bucket, f"p{i}")
+        stored = {int(s["__key__"]): bytes(s["jpg"]) for s in got}
+        assert len(stored) == N
+        assert all(stored[k] == source.encoded(k) for k in stored), f"upload {i} holds the other's samples"
