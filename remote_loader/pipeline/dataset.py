@@ -26,6 +26,7 @@ from remote_loader.pipeline.position import (
     find_states,
     gather,
     parse,
+    steps_since_snapshot,
 )
 from remote_loader.pipeline.resume import MAX_WORKERS, ResumeState, consumed_per_worker
 from remote_loader.pipeline.source import span_jobs, stream_positions, tar_jobs
@@ -314,6 +315,11 @@ class RemoteDataset(IterableDataset):
 
         Load before the DataLoader starts its workers.
         """
+        replayed = steps_since_snapshot(state)
+        if replayed:
+            raise ConfigError(f"this StatefulDataLoader state was taken {replayed} batches after its workers' last"
+                              " snapshot, so it does not say which samples those batches held: create the"
+                              " StatefulDataLoader with snapshot_every_n_steps=1 (its default)")
         found = find_states(state)
         if not found:
             if not isinstance(state, Mapping):

@@ -273,6 +273,26 @@ def find_states(obj: Any, depth: int = 0) -> list[Any]:
     return [s for child in children for s in find_states(child, depth + 1)]
 
 
+_SINCE_SNAPSHOT = "_steps_since_snapshot"
+"""StatefulDataLoader's count of batches it yielded after its workers' last snapshot."""
+
+
+def steps_since_snapshot(obj: Any, depth: int = 0) -> int:
+    """The most batches any StatefulDataLoader state inside ``obj`` yielded after its last
+    worker snapshot: the steps torchdata would replay on resume."""
+    if isinstance(obj, Mapping):
+        own = obj.get(_SINCE_SNAPSHOT)
+        children: Iterable[Any] = obj.values()
+    elif isinstance(obj, (list, tuple)):
+        own, children = None, obj
+    else:
+        return 0
+    here = own if isinstance(own, int) else 0
+    if depth >= _MAX_DEPTH:
+        return here
+    return max([here, *(steps_since_snapshot(child, depth + 1) for child in children)])
+
+
 @dataclass(frozen=True)
 class Remainder:
     """The rest of an epoch gathered from every worker's state: intervals of positions,

@@ -10,6 +10,7 @@ from collections import Counter
 import pytest
 import torch
 
+from remote_loader import ConfigError
 from tests.pipeline.test_checkpoints import ALL, make
 
 stateful = pytest.importorskip("torchdata.stateful_dataloader", reason="torchdata is not installed (extra: torchdata)")
@@ -89,3 +90,13 @@ def test_a_state_saved_at_the_end_of_an_epoch_starts_the_next_whole(location):
     resumed.load_state_dict(saved(loader.state_dict()))
     dataset.set_epoch(1)
     assert Counter(resumed) == ALL
+
+
+def test_a_state_from_sparse_snapshots_is_refused_not_resumed_wrongly(location):
+    # With snapshot_every_n_steps=5, a state taken after 13 batches holds the workers as they
+    # were 3 batches earlier; resuming from it elastically repeated and lost samples.
+    loader = StatefulDataLoader(make(location), batch_size=8, num_workers=2, snapshot_every_n_steps=5)
+    take(loader, 13)
+    state = saved(loader.state_dict())
+    with pytest.raises(ConfigError, match="snapshot_every_n_steps=1"):
+        make(location).load_state_dict([state])
