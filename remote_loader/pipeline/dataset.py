@@ -219,9 +219,29 @@ class RemoteDataset(IterableDataset):
         """
         if type(epoch) is not int or epoch < 0:
             raise ConfigError(f"epoch must be an integer >= 0, got {epoch!r}")
+        stopped = self._unfinished_epoch()
+        if stopped is not None and stopped != epoch:
+            raise ConfigError(f"the loaded state stopped mid-way through epoch {stopped} and its rest has not been"
+                              f" iterated: set_epoch({stopped}) and finish it first, or make a new dataset to start"
+                              f" epoch {epoch} without it")
         self._shared[_EPOCH] = epoch
         if self._resume is not None and self._resume.epoch != epoch:
             self._resume = None
+
+    def _unfinished_epoch(self) -> int | None:
+        """The epoch of a loaded mid-epoch state whose rest no iteration has taken yet."""
+        position = self._position
+        if position is not None and (position.remaining or any(not delivered for _, delivered in position.extras)):
+            return int(position.header["epoch"])
+        resume = self._resume
+        if resume is None or bool((self._shared[_APPLIED:] >= self._generation).any()):
+            return None
+        if isinstance(resume, Remainder):
+            return resume.epoch if len(resume) else None
+        shares = [self._worker_samples(w, resume.num_workers) for w in range(resume.num_workers)]
+        if all(skip == 0 for skip in resume.skip) or all(s >= n for s, n in zip(resume.skip, shares)):
+            return None  # the start or the end of its epoch: nothing is left behind
+        return resume.epoch
 
     def _split(self) -> tuple[int, int, bool]:
         rank, world_size = current_world(self.rank, self.world_size)

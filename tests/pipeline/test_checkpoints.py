@@ -204,11 +204,26 @@ def test_a_state_from_mid_epoch_needs_its_epoch(location):
     first, states = run(location, 2, 1, stops=STOPS["mid-epoch"])
     dataset = make(location, 0, 2)
     dataset.load_state_dict(states[0])  # rank 0's own, without workers
-    dataset.set_epoch(1)
     with pytest.raises(ConfigError, match=r"stopped mid-way through epoch 0.*set_epoch\(0\)"):
-        next(iter(dataset))
+        dataset.set_epoch(1)
     dataset.set_epoch(0)
     assert Counter(first[0]) + Counter(dataset) == Counter(make(location, 0, 2))
+
+
+@pytest.mark.parametrize("kind", ["gathered positions", "counts"])
+def test_set_epoch_refuses_to_drop_a_loaded_mid_epoch_state(location, kind):
+    first, states = run(location, 1, 2, stops=STOPS["mid-epoch"])
+    dataset = make(location)
+    dataset.load_state_dict(states if kind == "gathered positions" else dataset.state_dict(consumed=30))
+    with pytest.raises(ConfigError, match=r"stopped mid-way through epoch 0.*set_epoch\(0\)"):
+        dataset.set_epoch(1)
+    dataset.set_epoch(0)  # its own epoch: fine, and the rest comes
+    if kind == "gathered positions":
+        assert Counter(first[0]) + Counter(dataset) == ALL
+    else:
+        assert len(list(dataset)) == N - 30
+    dataset.set_epoch(1)  # once the rest was iterated, the next epoch starts whole
+    assert Counter(dataset) == ALL
 
 
 def test_state_in_the_main_process_while_workers_iterate_is_refused(location):
