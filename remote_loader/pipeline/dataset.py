@@ -318,7 +318,7 @@ class RemoteDataset(IterableDataset):
             samples = self._worker_samples(worker, workers)
             items.append(-(-samples // per_item) if keeps_short_batch else samples // per_item)
         taken = consumed_per_worker(items, consumed)
-        return ResumeState(self.epoch, self.seed, workers, [t * per_item for t in taken]).as_dict()
+        return ResumeState(self.epoch, self.seed, workers, [t * per_item for t in taken], self.reader.identity).as_dict()
 
     def load_state_dict(self, state: Any) -> None:
         """Resume an epoch from a checkpoint: the next iteration of that epoch delivers
@@ -373,12 +373,20 @@ class RemoteDataset(IterableDataset):
             if state.header[key] != value:
                 raise ConfigError(f"the state of {state.where} has {key}={state.header[key]!r}, this dataset has"
                                   f" {value!r}: it was saved for another dataset or seed")
+        self._check_identity(state.header.get("dataset"))
         return state
+
+    def _check_identity(self, saved: int | None) -> None:
+        if saved is not None and saved != self.reader.identity:
+            raise ConfigError(f"the state was saved on another upload to {self.reader.location} (manifest"
+                              f" {saved:08x}, now {self.reader.identity:08x}): the dataset was replaced since, so"
+                              " the state's positions name other samples; start the epoch afresh")
 
     def _load_counts(self, state: Any) -> None:
         resume = ResumeState.from_dict(state)
         if resume.seed != self.seed:
             raise ConfigError(f"state was saved with seed {resume.seed}, this dataset has seed {self.seed}")
+        self._check_identity(resume.dataset)
         _, per_item = self._skip_point()
         for worker, skip in enumerate(resume.skip):
             samples = self._worker_samples(worker, resume.num_workers)
@@ -418,7 +426,8 @@ class RemoteDataset(IterableDataset):
         rank, world_size, equalize = self._split()
         total = len(self.reader)
         header = {"epoch": epoch, "seed": self.seed, "shuffle": self.shuffle_shards, "samples": total,
-                  "shards": len(self.reader.counts), "run": 0, "rank": rank, "world_size": world_size,
+                  "shards": len(self.reader.counts), "dataset": self.reader.identity, "run": 0, "rank": rank,
+                  "world_size": world_size,
                   "worker": worker, "num_workers": num_workers}
         position = self._position
         if position is not None:

@@ -243,6 +243,8 @@ def parse(state: Any) -> WorkerState:
               "shuffle": state["shuffle"], "samples": samples, "shards": _int(state, "shards", 0, 2**62),
               "run": _int(state, "run", 0, 2**32), "world_size": _int(state, "world_size", 1, 2**20),
               "num_workers": _int(state, "num_workers", 1, 2**20)}
+    if "dataset" in state:  # the manifest's identity (states saved before it existed lack it)
+        header["dataset"] = _int(state, "dataset", 0, 2**32 - 1)
     header["rank"] = _int(state, "rank", 0, header["world_size"] - 1)
     header["worker"] = _int(state, "worker", 0, header["num_workers"] - 1)
     flat = _ints(state, "remaining", samples)

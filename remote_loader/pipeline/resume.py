@@ -53,9 +53,14 @@ class ResumeState:
     seed: int
     num_workers: int
     skip: list[int]
+    dataset: int | None = None
+    """The manifest's identity (its crc32 trailer); None in states saved before it existed."""
 
     def as_dict(self) -> dict[str, Any]:
-        return {"version": STATE_VERSION, **asdict(self)}
+        state = {"version": STATE_VERSION, **asdict(self)}
+        if self.dataset is None:
+            del state["dataset"]
+        return state
 
     @classmethod
     def from_dict(cls, state: Any) -> ResumeState:
@@ -74,4 +79,5 @@ class ResumeState:
         if not isinstance(skip, (list, tuple)) or len(skip) != num_workers:
             raise ConfigError(f"RemoteDataset state field 'skip' must list one count per worker ({num_workers})")
         counts = [_count({f"skip[{w}]": n}, f"skip[{w}]") for w, n in enumerate(skip)]
-        return cls(epoch, seed, num_workers, counts)
+        dataset = _count(state, "dataset", 0, 2**32 - 1) if "dataset" in state else None
+        return cls(epoch, seed, num_workers, counts, dataset)

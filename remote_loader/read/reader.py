@@ -87,6 +87,14 @@ class DatasetReader:
     def __repr__(self) -> str:
         return f"DatasetReader({self.location}, client={self.client!r})"
 
+    @property
+    def identity(self) -> int:
+        """The manifest's identity (its crc32 trailer): different for any two uploads, so a
+        checkpoint names the dataset it was taken on."""
+        self.manifest
+        assert self._identity is not None
+        return self._identity
+
     @cached_property
     def manifest(self) -> Manifest:
         """The dataset's manifest, fetched on first use (again, if its bytes arrive damaged)."""
