@@ -85,6 +85,11 @@ class ObjectNotFound(StorageError):
     """The object does not exist."""
 
 
+class DatasetNotFound(ObjectNotFound):
+    """No dataset lives at this location: it has no manifest (an upload that has not
+    finished, plain tars never indexed, or a mistyped prefix). ``key`` is the manifest's."""
+
+
 class BucketNotFound(StorageError):
     """The bucket does not exist."""
 
@@ -163,22 +168,6 @@ class DatasetChanged(RemoteLoaderError):
     Attributes:
         bucket: The dataset's bucket.
         key: Its manifest's key.
-    """
-
-    bucket: str | None
-    key: str | None
-
-    def __init__(self, message: str = "", *, bucket: str | None = None, key: str | None = None) -> None:
-        super().__init__(message, bucket=bucket, key=key)
-
-
-class DatasetNotFound(RemoteLoaderError):
-    """No dataset lives at this location: it has no manifest (an upload that has not
-    finished, or plain tars that were never indexed).
-
-    Attributes:
-        bucket: The bucket.
-        key: The manifest's key.
     """
 
     bucket: str | None

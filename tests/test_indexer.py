@@ -12,7 +12,16 @@ import pytest
 import webdataset as wds
 from torch.utils.data import DataLoader
 
-from remote_loader import CorruptShard, RemoteDataset
+from remote_loader import (
+    ConfigError,
+    CorruptShard,
+    DatasetNotFound,
+    DatasetReader,
+    RemoteDataset,
+    UploadError,
+    upload_cv_dataset,
+)
+from tests.helpers import FlakyImages
 from remote_loader.upload.indexer import index_webdataset
 from remote_loader.pipeline.mapstyle import RemoteMapDataset
 from remote_loader.storage import Location
@@ -89,9 +98,32 @@ def test_plain_webdataset_shards_stream_without_an_index(s3, tmp_path, world_siz
     put_dir(client, bucket, "plain", tmp_path)
     got = {}
     for rank in range(world_size):
-        ds = RemoteDataset(client, bucket, "plain", rank=rank, world_size=world_size)
+        ds = RemoteDataset(client, bucket, "plain", rank=rank, world_size=world_size, unindexed=True)
         for sample in DataLoader(ds, batch_size=None, num_workers=num_workers):
             assert sample["__key__"] not in got
             got[sample["__key__"]] = as_bytes(sample)
     assert got == expected
     assert not client.exists(bucket, "plain/manifest.msgpack")
+
+
+def test_a_prefix_without_a_manifest_is_no_dataset_and_says_why(s3, tmp_path):
+    client, bucket = s3
+    write_wds_shards(tmp_path, shards=2)
+    put_dir(client, bucket, "plain", tmp_path)
+    with pytest.raises(DatasetNotFound, match=f"remote-loader index s3://{bucket}/plain.*unindexed=True"):
+        RemoteDataset(client, bucket, "plain")
+    with pytest.raises(UploadError, match="sample 50"):  # an upload that stops part-way leaves shards behind
+        upload_cv_dataset(FlakyImages(60, {50}, size=(32, 24)), client=client, bucket=bucket, base_folder="cut",
+                          maxcount=10, workers=0, shuffle=False, progress=False)
+    assert any(o.key.endswith(".tar") for o in client.list(bucket, "cut/"))
+    for make in (lambda: RemoteDataset(client, bucket, "cut"), lambda: DatasetReader(client, bucket, "cut").manifest,
+                 lambda: RemoteMapDataset(client, bucket, "cut")):
+        with pytest.raises(DatasetNotFound, match="an upload to it has not finished") as caught:
+            make()
+        assert caught.value.key == "cut/manifest.msgpack"
+    with pytest.raises(DatasetNotFound, match="mistyped"):
+        RemoteDataset(client, bucket, "nothing-here")
+    upload_cv_dataset(SyntheticImages(20, size=(32, 24)), client=client, bucket=bucket, base_folder="whole",
+                      maxcount=10, workers=0, progress=False)
+    with pytest.raises(ConfigError, match="unindexed=True is for tars without one"):
+        RemoteDataset(client, bucket, "whole", unindexed=True)

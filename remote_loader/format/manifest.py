@@ -25,6 +25,8 @@ from remote_loader.format.shard import ShardSummary
 
 MANIFEST_VERSION = 2
 MANIFEST_NAME = "manifest.msgpack"
+UPLOAD_STATE = "_upload/state.msgpack"
+"""An unfinished upload's state, beside its shards until the manifest is written."""
 FORMAT_NAME = "remote_loader"
 
 _SHARD_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*(/[A-Za-z0-9_][A-Za-z0-9_.-]*)*$")

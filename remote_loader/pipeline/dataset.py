@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.utils.data import IterableDataset, get_worker_info
 
 from remote_loader.config import FetchConfig
-from remote_loader.errors import ConfigError
+from remote_loader.errors import ConfigError, DatasetNotFound
 from remote_loader.pipeline import stages
 from remote_loader.pipeline.position import (
     Plan,
@@ -83,6 +83,9 @@ class RemoteDataset(IterableDataset):
             again up to ``fetch.max_attempts`` times.
         on_error: For a sample whose bytes stay corrupt: ``"raise"`` CorruptSampleError
             naming shard and key, or ``"skip"`` it and count it in ``metrics.skipped``.
+        unindexed: Stream the ``.tar`` objects under the prefix as plain WebDataset tars,
+            without a manifest (whole tars dealt to ranks and workers; no resume, no
+            equalising). Without it, a prefix with no manifest raises ``DatasetNotFound``.
         **connection: ``endpoint_url``, ``access_key``, ``secret_key``, ``region``,
             ``backend``, with a URL.
 
@@ -106,6 +109,7 @@ class RemoteDataset(IterableDataset):
         fetch: FetchConfig | None = None,
         verify: bool = True,
         on_error: str = "raise",
+        unindexed: bool = False,
         **connection: Any,
     ) -> None:
         if isinstance(client, str):
@@ -120,8 +124,11 @@ class RemoteDataset(IterableDataset):
             raise ConfigError(f"open_shards must be >= 1, got {open_shards}")
         self.fetch = fetch or FetchConfig()
         self.reader = DatasetReader(client, bucket, base_folder, verify=verify, fetch=self.fetch)
-        if self.reader.has_manifest():  # read now, so forked DataLoader workers share its arrays
-            self.reader.counts
+        self.unindexed = unindexed
+        if not unindexed:
+            self.reader.counts  # read now, so forked DataLoader workers share its arrays; DatasetNotFound
+        elif self.reader.has_manifest():
+            raise ConfigError(f"{self.reader.location} has a manifest: unindexed=True is for tars without one")
         self.seed, self.shuffle_shards, self.open_shards = seed, shuffle_shards, open_shards
         self.rank, self.world_size, self.equalize = rank, world_size, equalize
         self.stages: list[stages.Stage] = []
@@ -297,7 +304,7 @@ class RemoteDataset(IterableDataset):
             return self._count_state(consumed, num_workers)
         if self._live is not None:
             return self._live.state()
-        if not self.reader.has_manifest():
+        if self.unindexed:
             raise ConfigError("checkpoints need an indexed dataset: run remote-loader index on it")
         info = get_worker_info()
         if info is None and int(self._shared[_IN_WORKERS]):
@@ -476,7 +483,7 @@ class RemoteDataset(IterableDataset):
         if info is not None:
             self._shared[_IN_WORKERS] = 1
         epoch = self.epoch  # once: the main process may set the next one while this runs
-        if not self.reader.has_manifest():
+        if self.unindexed:
             if self._take_resume(epoch, worker, num_workers, take=False) is not None or self._position is not None:
                 raise ConfigError("resume needs an indexed dataset: run remote-loader index on it")
             return self._iterate(epoch, worker, num_workers, None, 0)
@@ -516,7 +523,8 @@ class RemoteDataset(IterableDataset):
             return span_jobs(self.reader, spans, policy, self.open_shards, self.on_error, progress)
         tars = self.reader.list_tars()
         if not tars:
-            self.reader.manifest  # raises ObjectNotFound naming the missing manifest
+            raise DatasetNotFound(f"no .tar objects under {self.reader.location} to stream unindexed",
+                                  bucket=self.reader.location.bucket, key=self.reader.location.key(""))
         rank, world_size, _ = self._split()
         slots, slot = world_size * num_workers, rank * num_workers + worker
         order = shard_order(len(tars), self.seed, epoch, self.shuffle_shards)

@@ -6,6 +6,7 @@ the CLI build on it.
 
 from __future__ import annotations
 
+import itertools
 import struct
 import threading
 from collections.abc import Iterator
@@ -20,11 +21,12 @@ from remote_loader.errors import (
     CorruptSampleError,
     CorruptShard,
     DatasetChanged,
+    DatasetNotFound,
     FormatError,
     ObjectNotFound,
     StorageError,
 )
-from remote_loader.format import MANIFEST_NAME, Manifest, Sample, ShardEntry, ShardIndex, ShardView
+from remote_loader.format import MANIFEST_NAME, UPLOAD_STATE, Manifest, Sample, ShardEntry, ShardIndex, ShardView
 from remote_loader.format.checksum import crc32
 from remote_loader.read.fetch import fetch_range
 from remote_loader.read.heap import release_free_memory
@@ -100,8 +102,8 @@ class DatasetReader:
         """The dataset's manifest, fetched on first use (again, if its bytes arrive damaged)."""
         data = self._manifest_bytes()
         if data is None:
-            raise ObjectNotFound(f"no dataset at {self.location}: {MANIFEST_NAME} is missing",
-                                 bucket=self.location.bucket, key=self.location.key(MANIFEST_NAME), code="NoSuchKey")
+            raise DatasetNotFound(f"no dataset at {self.location}: {self._why_no_manifest()}",
+                                  bucket=self.location.bucket, key=self.location.key(MANIFEST_NAME), code="NoSuchKey")
         manifest = Manifest.decode(data, name=f"{self.location}/{MANIFEST_NAME}", trailer_checked=True)
         if self._identity is not None and _identity(data) != self._identity:
             raise DatasetChanged(
@@ -160,6 +162,21 @@ class DatasetReader:
                 f"the dataset at {self.location} was {now} while being read ({error}); start the epoch again",
                 bucket=self.location.bucket, key=self.location.key(MANIFEST_NAME),
             ) from None
+
+    def _why_no_manifest(self) -> str:
+        """What lies at a prefix without a manifest, and what to do about it."""
+        policy = self.policy()
+        where = self.location
+        if policy.call(lambda: self.client.exists(where.bucket, where.key(UPLOAD_STATE))):
+            return (f"an upload to it has not finished (it has {UPLOAD_STATE} but no {MANIFEST_NAME}): run the upload"
+                    " again to finish it; its shards are not a dataset until then")
+        listing = policy.call(lambda: [o.key for o in itertools.islice(self.client.list(where.bucket, where.key("")),
+                                                                         1000)])
+        if any(key.endswith(".tar") for key in listing):
+            return (f"it holds .tar objects but no {MANIFEST_NAME}: to read tars written by other tools, index them"
+                    f" once with `remote-loader index {where}` (or stream them unindexed with"
+                    " RemoteDataset(..., unindexed=True))")
+        return f"{MANIFEST_NAME} is missing (is the bucket or prefix mistyped?)"
 
     def has_manifest(self) -> bool:
         """Whether the dataset has a manifest (fetching it if not yet fetched)."""

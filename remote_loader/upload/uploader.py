@@ -37,7 +37,7 @@ from remote_loader.errors import (
     UploadConflict,
     UploadError,
 )
-from remote_loader.format import MANIFEST_NAME, Manifest, ShardEntry, ShardTable
+from remote_loader.format import MANIFEST_NAME, UPLOAD_STATE, Manifest, ShardEntry, ShardTable
 from remote_loader.format.index import unpack
 from remote_loader.format.shard import member_bytes
 from remote_loader.read import Metrics, RetryPolicy
@@ -49,7 +49,7 @@ from remote_loader.upload.tasks import STATE_DIR, TaskResult, TaskSpec, write_ta
 
 log = logging.getLogger("remote_loader")
 
-_STATE = f"{STATE_DIR}/state.msgpack"
+_STATE = UPLOAD_STATE
 _ESTIMATE_SAMPLES = 16
 
 Retry = Callable[[Callable[[], Any]], Any]
