@@ -96,7 +96,7 @@ def _upload(args: argparse.Namespace, store: Any, location: Any, executor: Any) 
 def cmd_index(args: argparse.Namespace) -> int:
     store, location = _open(args)
     bar = tqdm(unit="shard", desc="index", disable=args.quiet or args.json)
-    summary = index_webdataset(store, location, progress=lambda name: bar.update(1))
+    summary = index_webdataset(store, location, progress=lambda name: bar.update(1), force=args.force)
     bar.close()
     data = {"url": str(location), "shards": summary.shards, "samples": summary.samples, "bytes": summary.bytes}
     _emit(args, data, f"indexed {summary.samples} samples in {summary.shards} shards at {location}")
@@ -229,6 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text)
         p.add_argument("url", help="s3://bucket/prefix or a local path")
         p.set_defaults(func=func)
+        if name == "index":
+            p.add_argument("--force", action="store_true",
+                           help="replace the manifest of a dataset uploaded by remote_loader (drops its parameters)")
     for p in sub.choices.values():
         if p.get_default("func") is not None:
             _connection(p)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -127,3 +128,30 @@ def test_a_prefix_without_a_manifest_is_no_dataset_and_says_why(s3, tmp_path):
                       maxcount=10, workers=0, progress=False)
     with pytest.raises(ConfigError, match="unindexed=True is for tars without one"):
         RemoteDataset(client, bucket, "whole", unindexed=True)
+
+
+def test_indexing_an_uploaded_dataset_is_refused_unless_forced(s3, seaweed):
+    client, bucket = s3
+    upload_cv_dataset(SyntheticImages(30, size=(32, 24)), client=client, bucket=bucket, base_folder="up",
+                      maxcount=10, workers=0, progress=False)
+    before = client.get(bucket, "up/manifest.msgpack")
+    with pytest.raises(UploadError, match=r"uploaded by remote_loader.*--force"):
+        index_webdataset(client, Location(bucket, "up"))
+    env = {**os.environ, **seaweed.env()}
+    out = subprocess.run([sys.executable, "-m", "remote_loader.cli", "index", f"s3://{bucket}/up", "--quiet"], env=env,
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and "--force" in out.stderr and "Traceback" not in out.stderr
+    assert client.get(bucket, "up/manifest.msgpack") == before
+    assert not any(o.key.endswith(".index") for o in client.list(bucket, "up/"))
+    assert index_webdataset(client, Location(bucket, "up"), force=True).samples == 30
+
+
+@pytest.mark.parametrize("bad", ["with space.tar", "café.tar", "-dash.tar"])
+def test_tar_names_no_reader_could_open_are_refused_before_anything_is_written(s3, tmp_path, bad):
+    client, bucket = s3
+    write_wds_shards(tmp_path, shards=2)
+    (tmp_path / "data-00001.tar").rename(tmp_path / bad)
+    put_dir(client, bucket, "names", tmp_path)
+    with pytest.raises(UploadError, match=re.escape(repr(bad))):
+        index_webdataset(client, Location(bucket, "names"))
+    assert {o.key for o in client.list(bucket, "names/")} == {"names/data-00000.tar", f"names/{bad}"}

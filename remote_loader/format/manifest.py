@@ -463,8 +463,14 @@ def _decode_names(raw: dict[str, Any], count: int, name: str | None, *, allow_em
     return template
 
 
+def valid_shard_name(object_name: str) -> bool:
+    """Whether a manifest may name this shard object (relative to the dataset's prefix):
+    ASCII letters, digits and ``_ . - /``, no part starting with ``.`` or ``-``."""
+    return bool(_SHARD_NAME.match(object_name)) and ".." not in object_name.split("/")
+
+
 def _check_name(object_name: str, name: str | None) -> None:
-    if not _SHARD_NAME.match(object_name) or ".." in object_name.split("/"):
+    if not valid_shard_name(object_name):
         raise _bad(name, f"shard name {object_name!r} is unsafe")
 
 

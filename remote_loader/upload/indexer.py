@@ -12,9 +12,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
-from remote_loader.errors import UploadError
+from remote_loader.config import FetchConfig
+from remote_loader.errors import ObjectNotFound, PreconditionFailed, UploadConflict, UploadError
 from remote_loader.format import MANIFEST_NAME, Manifest, ShardEntry, ShardTable
 from remote_loader.format.checksum import crc32
+from remote_loader.format.manifest import valid_shard_name
+from remote_loader.read import Metrics, RetryPolicy
 from remote_loader.format.tar import scan_tar
 from remote_loader.storage import Location, Store
 
@@ -30,26 +33,63 @@ class IndexSummary:
 
 
 def index_webdataset(
-    store: Store, location: Location, *, progress: Callable[[str], object] | None = None
+    store: Store, location: Location, *, progress: Callable[[str], object] | None = None, force: bool = False,
+    fetch: FetchConfig | None = None,
 ) -> IndexSummary:
-    """Index every ``*.tar`` under ``location`` and write a manifest; return what was indexed."""
+    """Index every ``*.tar`` under ``location`` and write a manifest; return what was indexed.
+
+    Args:
+        store: The store.
+        location: The prefix holding the tars.
+        progress: Called with each shard's name once it is indexed.
+        force: Replace the manifest of a dataset that ``upload_cv_dataset`` wrote (it would
+            lose the upload's parameters, id and class names); refused without it.
+        fetch: The retry policy of every request.
+    """
+    retry = RetryPolicy(fetch or FetchConfig(), Metrics(), store.endpoint).call
+    manifest_key = location.key(MANIFEST_NAME)
+    try:
+        data, tag = retry(lambda: store.get_versioned(location.bucket, manifest_key))
+        existing: Manifest | None = Manifest.decode(data, name=manifest_key)
+    except ObjectNotFound:
+        existing, tag = None, None
+    if existing is not None and existing.params.get("upload_id") and not force:
+        raise UploadError(f"{location} holds a dataset uploaded by remote_loader (upload {existing.params['upload_id']});"
+                          " indexing it would replace its manifest and drop its parameters and class names:"
+                          " pass force=True (--force) to do it anyway")
     prefix = location.key("")
-    tars = sorted((info.key[len(prefix):], info.size) for info in store.list(location.bucket, prefix)
-                  if info.key.endswith(".tar"))
+    listing = retry(lambda: list(store.list(location.bucket, prefix)))
+    tars = sorted((info.key[len(prefix):], info.size) for info in listing if info.key.endswith(".tar"))
     if not tars:
         raise UploadError(f"no .tar objects under {location}")
+    unreadable = [name for name, _ in tars if not valid_shard_name(name)]
+    if unreadable:
+        shown = ", ".join(repr(n) for n in unreadable[:5]) + (f" and {len(unreadable) - 5} more" if len(unreadable) > 5 else "")
+        raise UploadError(f"{len(unreadable)} .tar names under {location} cannot be shard names (ASCII letters, digits"
+                          f" and _ . - / only, no part starting with . or -): {shown}; rename them, nothing was written")
     entries = []
     fields: set[str] = set()
     for name, size in tars:
         key = location.key(name)
-        index, crc = scan_tar(partial(store.get_range, location.bucket, key), name, size)
-        data = index.encode()
+        index, crc = scan_tar(partial(retry_range, retry, store, location.bucket, key), name, size)
+        encoded = index.encode()
         index_name = name + INDEX_SUFFIX
-        store.put(location.bucket, location.key(index_name), data)
-        entries.append(ShardEntry(name, len(index), size, 0, len(data), crc32(data), crc, index_name))
+        retry(partial(store.put, location.bucket, location.key(index_name), encoded))
+        entries.append(ShardEntry(name, len(index), size, 0, len(encoded), crc32(encoded), crc, index_name))
         fields.update(index.fields)
         if progress:
             progress(name)
     manifest = Manifest(shards=ShardTable.from_entries(entries), fields=tuple(sorted(fields)), params={"indexed": "webdataset"})
-    store.put(location.bucket, location.key(MANIFEST_NAME), manifest.encode())
+    body = manifest.encode()
+    try:  # only over the manifest read above: an upload that finished meanwhile is not replaced
+        retry(lambda: store.put(location.bucket, manifest_key, body, if_none_match=tag is None, if_match=tag))
+    except PreconditionFailed:
+        raise UploadConflict(f"the manifest at {location} changed while it was being indexed; index it again",
+                             location=str(location)) from None
     return IndexSummary(location, len(entries), manifest.num_samples, manifest.num_bytes)
+
+
+def retry_range(retry: Callable[[Callable[[], bytes]], bytes], store: Store, bucket: str, key: str, start: int,
+                end: int) -> bytes:
+    """One ranged GET through the retry policy."""
+    return retry(lambda: store.get_range(bucket, key, start, end))
