@@ -12,6 +12,7 @@ from typing import Any
 from tqdm import tqdm
 
 from remote_loader import bench
+from remote_loader.config import FetchConfig
 from remote_loader.errors import ConfigError, RemoteLoaderError
 from remote_loader.upload.indexer import index_webdataset
 from remote_loader.read.reader import DatasetReader
@@ -26,6 +27,19 @@ def _connection(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--endpoint-url", help="S3 endpoint, e.g. http://127.0.0.1:9000")
     group.add_argument("--region", help="signing region")
     group.add_argument("--backend", choices=("boto3", "minio"), default="boto3", help="S3 client library")
+    group.add_argument("--outage-deadline", type=float, default=None, metavar="SECONDS",
+                       help="how long to retry a failing store before giving up (default 300, or"
+                       " REMOTE_LOADER_OUTAGE_DEADLINE); a store that never answered gets at most 30 s"
+                       " (REMOTE_LOADER_FIRST_CONTACT_DEADLINE)")
+
+
+def _fetch(args: argparse.Namespace) -> FetchConfig:
+    return FetchConfig.from_env(outage_deadline=args.outage_deadline)
+
+
+def _reader(args: argparse.Namespace) -> tuple[DatasetReader, Location]:
+    store, location = _open(args)
+    return DatasetReader(store, location.bucket, location.prefix, fetch=_fetch(args)), location
 
 
 def _open(args: argparse.Namespace) -> tuple[Store, Location]:
@@ -90,13 +104,15 @@ def _upload(args: argparse.Namespace, store: Any, location: Any, executor: Any) 
         shuffle=not args.no_shuffle,
         overwrite=args.overwrite,
         progress=not (args.quiet or args.json),
+        fetch=_fetch(args),
     )
 
 
 def cmd_index(args: argparse.Namespace) -> int:
     store, location = _open(args)
     bar = tqdm(unit="shard", desc="index", disable=args.quiet or args.json)
-    summary = index_webdataset(store, location, progress=lambda name: bar.update(1), force=args.force)
+    summary = index_webdataset(store, location, progress=lambda name: bar.update(1), force=args.force,
+                               fetch=_fetch(args))
     bar.close()
     data = {"url": str(location), "shards": summary.shards, "samples": summary.samples, "bytes": summary.bytes}
     _emit(args, data, f"indexed {summary.samples} samples in {summary.shards} shards at {location}")
@@ -104,8 +120,8 @@ def cmd_index(args: argparse.Namespace) -> int:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    store, location = _open(args)
-    table = DatasetReader(store, location.bucket, location.prefix).manifest.shards
+    reader, _ = _reader(args)
+    table = reader.manifest.shards
     names = (table.names[i] for i in range(len(table)))
     rows = zip(table.size.tolist(), table.samples.tolist(), names)  # columns, not an entry object per shard
     if args.json:
@@ -116,8 +132,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    store, location = _open(args)
-    manifest = DatasetReader(store, location.bucket, location.prefix).manifest
+    reader, location = _reader(args)
+    manifest = reader.manifest
     data = {
         "url": str(location),
         "format_version": manifest.version,
@@ -147,8 +163,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    store, location = _open(args)
-    reader = DatasetReader(store, location.bucket, location.prefix)
+    reader, location = _reader(args)
     reports = []
     bar = tqdm(reader.manifest.shards, unit="shard", desc="verify", disable=args.quiet or args.json)
     for entry in bar:
@@ -169,10 +184,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    store, location = _open(args)
+    reader, location = _reader(args)
+    store = reader.client
     options = {"samples": args.samples, "workers": args.workers, "size": args.size, "min_size": args.min_size,
-               "verify": not args.no_verify}
-    manifest = DatasetReader(store, location.bucket, location.prefix).manifest
+               "verify": not args.no_verify, "fetch": reader.fetch}
+    manifest = reader.manifest
     total = manifest.num_samples if args.samples is None else min(args.samples, manifest.num_samples)
     results = []
     for decode in dict.fromkeys(("none", args.decode)):

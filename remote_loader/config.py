@@ -149,6 +149,10 @@ class FetchConfig:
             refused or reset, timeouts, 5xx, slow-down, short reads) before
             ``EndpointUnreachable``. The default, 5 minutes, rides out a server restart;
             a hung server is detected after this plus one ``StorageConfig.read_timeout``.
+        first_contact_deadline: The same, for an endpoint that has not answered once since
+            this process started (a wrong port, a host that does not resolve): a typo
+            fails in about this long, not after ``outage_deadline``. The smaller of the two
+            applies.
     """
 
     part_size: int = 8 * 1024 * 1024
@@ -159,11 +163,31 @@ class FetchConfig:
     backoff: float = 0.05
     max_backoff: float = 2.0
     outage_deadline: float = 300.0
+    first_contact_deadline: float = 30.0
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> FetchConfig:
+        """The defaults, with ``REMOTE_LOADER_OUTAGE_DEADLINE`` and
+        ``REMOTE_LOADER_FIRST_CONTACT_DEADLINE`` (seconds) when set, then ``overrides``
+        (None values ignored)."""
+        env = os.environ if env is None else env
+        values: dict[str, object] = {}
+        for field_name in ("outage_deadline", "first_contact_deadline"):
+            name = f"REMOTE_LOADER_{field_name.upper()}"
+            if env.get(name):
+                try:
+                    values[field_name] = float(env[name])
+                except ValueError:
+                    raise ConfigError(f"{name} must be a number of seconds, got {env[name]!r}") from None
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)  # type: ignore[arg-type]
 
     def __post_init__(self) -> None:
         if self.part_size < 1 or self.concurrency < 1 or self.prefetch_bytes < 1 or self.range_bytes < 1:
             raise ConfigError("part_size, concurrency, prefetch_bytes and range_bytes must be positive")
         if self.max_attempts < 1 or self.backoff < 0 or self.max_backoff < 0:
             raise ConfigError("max_attempts must be >= 1, backoff and max_backoff >= 0")
-        if not self.outage_deadline >= 0:
-            raise ConfigError(f"outage_deadline must be >= 0 seconds, got {self.outage_deadline}")
+        for name in ("outage_deadline", "first_contact_deadline"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ConfigError(f"{name} must be a number of seconds >= 0, got {value!r}")

@@ -165,6 +165,12 @@ class DatasetReader:
 
     def _why_no_manifest(self) -> str:
         """What lies at a prefix without a manifest, and what to do about it."""
+        try:
+            return self._what_lies_there()
+        except StorageError:  # the missing manifest is the error to report, not this look around
+            return f"{MANIFEST_NAME} is missing"
+
+    def _what_lies_there(self) -> str:
         policy = self.policy()
         where = self.location
         if policy.call(lambda: self.client.exists(where.bucket, where.key(UPLOAD_STATE))):

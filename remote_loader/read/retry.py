@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from remote_loader.config import FetchConfig
-from remote_loader.errors import CorruptShard, EndpointUnreachable, TransientStorageError
+from remote_loader.errors import CorruptShard, EndpointUnreachable, StorageError, TransientStorageError
 from remote_loader.read.metrics import Metrics
 
 T = TypeVar("T")
@@ -67,6 +67,10 @@ class _Outages:
 _OUTAGES = _Outages()
 os.register_at_fork(after_in_child=lambda: globals().update(_OUTAGES=_Outages()))
 
+_ANSWERED: set[str] = set()
+"""Endpoints that answered a request in this process (or the parent it forked from): only
+those get the full outage deadline; the others the first-contact deadline."""
+
 
 @dataclass
 class RetryPolicy:
@@ -99,23 +103,36 @@ class RetryPolicy:
                 attempts += 1
                 first_failure = started if first_failure is None else first_failure
                 failing = time.monotonic() - first_failure
-                _OUTAGES.failing(self.endpoint, first_failure, error, self.config.outage_deadline)
-                if failing >= self.config.outage_deadline:
+                deadline, setting = self._deadline()
+                _OUTAGES.failing(self.endpoint, first_failure, error, deadline)
+                if failing >= deadline:
+                    never = "" if self.endpoint in _ANSWERED else ", and it has never answered: check the endpoint URL"
                     raise EndpointUnreachable(
                         f"{self.endpoint} failed every request for {failing:.1f} s ({attempts} attempts, last: {error});"
-                        f" gave up at FetchConfig.outage_deadline={self.config.outage_deadline:g} s",
+                        f" gave up at FetchConfig.{setting}={deadline:g} s{never}",
                         bucket=bucket if bucket is not None else getattr(error, "bucket", None),
                         key=key if key is not None else getattr(error, "key", None),
                         code=getattr(error, "code", None),
                     ) from None
                 self.metrics.add(retries=1)
                 ceiling = min(self.config.max_backoff, self.config.backoff * 2 ** min(attempts - 1, 30))
-                pause = min(random.uniform(0, ceiling), self.config.outage_deadline - failing)
+                pause = min(random.uniform(0, ceiling), deadline - failing)
                 if self.cancel.wait(pause):
                     raise Cancelled() from None
                 continue
+            except StorageError:
+                _ANSWERED.add(self.endpoint)  # an error answer (404, 403...) is an answer
+                raise
+            _ANSWERED.add(self.endpoint)
             _OUTAGES.answered(self.endpoint)
             return result
+
+    def _deadline(self) -> tuple[float, str]:
+        """How long requests may fail, and the setting that says so."""
+        config = self.config
+        if self.endpoint in _ANSWERED or config.outage_deadline <= config.first_contact_deadline:
+            return config.outage_deadline, "outage_deadline"
+        return config.first_contact_deadline, "first_contact_deadline"
 
     def refetch(self, fetch: Callable[[], P], parse: Callable[[P], T]) -> T:
         """Return ``parse(fetch())``; bytes that ``parse`` finds damaged (``CorruptShard``)

@@ -1,0 +1,83 @@
+"""The retry policy: a store that never answered fails at the first-contact deadline, one
+that answered and then fails is retried until the outage deadline."""
+
+from __future__ import annotations
+
+import http.server
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from remote_loader import ConfigError, DatasetReader, EndpointUnreachable, FetchConfig, RemoteDataset, make_client
+from tests.servers import free_port
+
+NEVER = FetchConfig(outage_deadline=300, first_contact_deadline=0.5, backoff=0.01)
+
+
+@pytest.mark.parametrize("endpoint", [f"http://127.0.0.1:{free_port()}", "http://no-such-host.invalid:9000"],
+                         ids=["closed port", "unresolvable host"])
+def test_a_store_that_never_answered_fails_at_the_first_contact_deadline(endpoint):
+    client = make_client(endpoint, "key", "secret")
+    with pytest.raises(EndpointUnreachable, match=r"first_contact_deadline=0\.5 s, and it has never answered") as caught:
+        RemoteDataset(client, "bkt", "ds", fetch=NEVER)
+    assert endpoint in str(caught.value) and "secret" not in str(caught.value)
+
+
+class _NotFound(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+        body = b"<Error><Code>NoSuchKey</Code><Message>none</Message></Error>"
+        self.send_response(404)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_HEAD(self) -> None:  # noqa: N802 - the stdlib's name
+        self.send_response(404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_a_store_that_answered_once_gets_the_whole_outage_deadline():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _NotFound)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+    client = make_client(endpoint, "key", "secret")
+    fetch = FetchConfig(outage_deadline=1.5, first_contact_deadline=0.2, backoff=0.01)
+    assert not DatasetReader(client, "bkt", "ds", fetch=fetch).has_manifest()  # a 404 is an answer
+    server.shutdown()
+    server.server_close()
+    thread.join(10)
+    with pytest.raises(EndpointUnreachable, match=r"outage_deadline=1\.5 s") as caught:
+        DatasetReader(client, "bkt", "ds", fetch=fetch).has_manifest()
+    assert "never answered" not in str(caught.value)
+
+
+def test_deadlines_come_from_the_environment_and_are_checked():
+    config = FetchConfig.from_env({"REMOTE_LOADER_OUTAGE_DEADLINE": "60", "REMOTE_LOADER_FIRST_CONTACT_DEADLINE": "5"})
+    assert (config.outage_deadline, config.first_contact_deadline) == (60, 5)
+    assert FetchConfig.from_env({"REMOTE_LOADER_OUTAGE_DEADLINE": "60"}, outage_deadline=7).outage_deadline == 7
+    with pytest.raises(ConfigError, match="REMOTE_LOADER_OUTAGE_DEADLINE must be a number"):
+        FetchConfig.from_env({"REMOTE_LOADER_OUTAGE_DEADLINE": "soon"})
+    with pytest.raises(ConfigError, match="first_contact_deadline"):
+        FetchConfig(first_contact_deadline=-1)
+
+
+@pytest.mark.parametrize("how", ["flag", "environment"])
+def test_the_cli_gives_up_on_a_dead_endpoint_at_its_deadline(how):
+    endpoint = f"http://127.0.0.1:{free_port()}"
+    env = {**os.environ, "AWS_ACCESS_KEY_ID": "key", "AWS_SECRET_ACCESS_KEY": "secret"}
+    args = [sys.executable, "-m", "remote_loader.cli", "info", "s3://bkt/ds", "--endpoint-url", endpoint]
+    if how == "flag":
+        args += ["--outage-deadline", "0.5"]
+    else:
+        env["REMOTE_LOADER_FIRST_CONTACT_DEADLINE"] = "0.5"
+    out = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert endpoint in out.stderr and "deadline=0.5 s" in out.stderr and "Traceback" not in out.stderr
