@@ -7,10 +7,19 @@ set of buffers. At most ``2 x threads`` samples are in flight, so memory stays b
 
 from __future__ import annotations
 
+import queue
+import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
 from typing import Any
+
+_JOIN_SECONDS = 1.0
+"""How long shutting a stage down waits for its threads; one still in user code after
+that is left behind (a daemon thread: it never holds up the interpreter's exit)."""
+_POLL_SECONDS = 0.5
 
 
 def describe(sample: Any, position: int) -> str:
@@ -38,19 +47,69 @@ def apply(fn: Callable[[Any], Any], samples: Iterable[Any]) -> Iterator[Any]:
         yield result
 
 
+class _DaemonPool:
+    """Threads that run ``fn(sample)`` for futures. Unlike ``ThreadPoolExecutor``'s, they
+    are daemon threads that nothing joins without a bound, so a user function that never
+    returns cannot keep Ctrl-C from ending the loop or the interpreter from exiting."""
+
+    def __init__(self, threads: int) -> None:
+        self._tasks: queue.SimpleQueue[tuple[Future[Any], Callable[[Any], Any], Any] | None] = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._work, name=f"remote-loader-stage_{i}", daemon=True)
+                         for i in range(threads)]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, fn: Callable[[Any], Any], sample: Any) -> Future[Any]:
+        future: Future[Any] = Future()
+        self._tasks.put((future, fn, sample))
+        return future
+
+    def _work(self) -> None:
+        while True:
+            task = self._tasks.get()
+            if task is None:
+                return
+            future, fn, sample = task
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(sample))
+            except BaseException as error:  # noqa: BLE001 - handed to the consumer
+                future.set_exception(error)
+            del task, future, sample
+
+    def shutdown(self) -> None:
+        """Stop the threads: those between samples end at once; one in user code is given
+        about a second, then left to end by itself."""
+        for _ in self._threads:
+            self._tasks.put(None)
+        deadline = time.monotonic() + _JOIN_SECONDS
+        for thread in self._threads:
+            if thread is not threading.current_thread():  # the last reference may go in a stage thread
+                thread.join(max(0.0, deadline - time.monotonic()))
+
+
+def _result(future: Future[Any]) -> Any:
+    """The future's result, waiting in short steps so that Ctrl-C reaches this thread."""
+    while not future.done():
+        wait_futures([future], timeout=_POLL_SECONDS)
+    return future.result()
+
+
 def threaded_map(fn: Callable[[Any], Any], samples: Iterable[Any], threads: int) -> Iterator[Any]:
     """``fn`` over ``samples`` on ``threads`` threads, results in input order.
 
     An exception in ``fn`` is raised here, at its sample's turn, naming the sample. The
-    threads end when the iteration ends, fails or is abandoned (closed or collected).
+    threads end when the iteration ends, fails or is abandoned (closed or collected); a
+    thread stuck in ``fn`` is not waited for longer than about a second.
     """
-    pool = ThreadPoolExecutor(threads, thread_name_prefix="remote-loader-stage")
+    pool = _DaemonPool(threads)
     pending: deque[tuple[str, Future[Any]]] = deque()
 
     def take() -> Any:
         where, future = pending.popleft()
         try:
-            return future.result()
+            return _result(future)
         except Exception as error:
             name_failure(error, where)
             raise
@@ -65,4 +124,4 @@ def threaded_map(fn: Callable[[Any], Any], samples: Iterable[Any], threads: int)
     finally:
         for _, future in pending:
             future.cancel()
-        pool.shutdown(wait=True, cancel_futures=True)  # waits only for the samples being processed now
+        pool.shutdown()

@@ -3,6 +3,9 @@ threads ended with the iteration; crops fixed by (seed, epoch, key) whatever the
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import threading
 from collections import Counter
 
@@ -120,3 +123,41 @@ def test_crops_depend_on_seed_epoch_and_key_not_on_the_layout(uploaded):
     other_epoch = _crops(uploaded, 0, 0, epoch=1)
     assert sum(not torch.equal(other_epoch[k], reference[k]) for k in reference) > N // 2
     assert Counter(len(c.shape) for c in reference.values()) == Counter({3: N})
+
+
+_BLOCKED_MAP = """
+import sys, threading
+from remote_loader import RemoteDataset, make_client
+endpoint, key, secret = sys.argv[1:4]
+never = threading.Event()
+
+def stuck(sample):
+    if sample["__key__"] == "000007":
+        print("blocked", flush=True)
+        never.wait()  # a user function that never returns
+    return sample
+
+ds = RemoteDataset(make_client(endpoint, key, secret), "thread-tests", "d", shuffle_shards=False).map(stuck, threads=2)
+try:
+    for _ in ds:
+        pass
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+    raise
+"""
+
+
+def test_ctrl_c_ends_a_loop_whose_threaded_map_never_returns(uploaded, seaweed):
+    process = subprocess.Popen([sys.executable, "-c", _BLOCKED_MAP, seaweed.endpoint_url, seaweed.access_key,
+                                seaweed.secret_key], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout is not None
+        assert process.stdout.readline().strip() == "blocked"
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=60)  # before: the loop never saw it, and exit joined the thread
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert "interrupted" in out and "KeyboardInterrupt" in err, err[-2000:]
+    assert process.returncode != 0
