@@ -125,6 +125,13 @@ def _port_free(port: int) -> bool:
     return True
 
 
+def _signal_group(pid: int, signum: int) -> None:
+    try:
+        os.killpg(pid, signum)
+    except ProcessLookupError:
+        pass  # already gone
+
+
 def free_base_port(rng: random.Random | None = None) -> int:
     """Return a base port whose whole block of HTTP and gRPC ports is free on loopback."""
     rng = rng or random.Random()
@@ -191,6 +198,7 @@ class EmbeddedS3:
         """Start the server and return once its S3 port answers ``/healthz``."""
         if self._process is not None:
             return self
+        base = self._claimed_base() if self.port is not None else free_base_port()
         if self.data_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="remote-loader-s3-")
             self.data_dir = self._tmp.name
@@ -211,7 +219,6 @@ class EmbeddedS3:
             )
         )
         identities.chmod(0o600)
-        base = (self.port - _SERVICES["s3"]) if self.port else free_base_port()
         self.port = base + _SERVICES["s3"]
         args = [find_weed(), "mini", f"-dir={data / 'store'}", f"-ip={HOST}", f"-ip.bind={HOST}"]
         for name, offset in _SERVICES.items():
@@ -236,6 +243,23 @@ class EmbeddedS3:
             self.stop()  # a server that failed to start is not left running
             raise
         return self
+
+    def _claimed_base(self) -> int:
+        """The base port of the block around the S3 port asked for, checked to be free:
+        a server that failed to bind would leave its clients talking to another one."""
+        port = self.port
+        low, high = 1024 + _SERVICES["s3"], 65535 - GRPC_OFFSET - max(_SERVICES.values()) + _SERVICES["s3"]
+        if type(port) is not int or not low <= port <= high:
+            raise ConfigError(f"port must be an integer in {low}..{high} (the server also takes the ports around it"
+                              f" and each + {GRPC_OFFSET} for gRPC), got {port!r}")
+        base = port - _SERVICES["s3"]
+        named = {**{f"{n} ({base + o})": base + o for n, o in {**_SERVICES, **_HTTP_ONLY}.items()},
+                 **{f"{n} gRPC ({base + GRPC_OFFSET + o})": base + GRPC_OFFSET + o for n, o in _SERVICES.items()}}
+        taken = [name for name, p in named.items() if not _port_free(p)]
+        if taken:
+            raise ConfigError(f"cannot serve S3 on port {port}: ports in use on {HOST}: {', '.join(taken)}; choose"
+                              " another port or leave it unset for a free one")
+        return base
 
     def kill(self) -> None:
         """SIGKILL the server (its data stays): for trying what a crash does. ``start()`` again
@@ -267,17 +291,28 @@ class EmbeddedS3:
     def stop(self) -> None:
         """Stop the server's whole process group by PID and remove a temporary data directory."""
         process, self._process = self._process, None
+        interrupted: BaseException | None = None
         if process is not None and process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+            _signal_group(process.pid, signal.SIGTERM)
+            deadline = time.monotonic() + 15
+            # Whatever arrives during the wait (a second Ctrl-C), the server is still ended,
+            # at once by SIGKILL, before the interruption goes on.
+            while True:
+                try:
+                    process.wait(timeout=max(0.0, deadline - time.monotonic()))
+                    break
+                except subprocess.TimeoutExpired:
+                    _signal_group(process.pid, signal.SIGKILL)
+                    deadline = time.monotonic() + 15
+                except BaseException as exc:  # noqa: BLE001 - raised again once the server is gone
+                    interrupted = interrupted or exc
+                    _signal_group(process.pid, signal.SIGKILL)
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
             self.data_dir = None
+        if interrupted is not None:
+            raise interrupted
 
     def __enter__(self) -> EmbeddedS3:
         return self.start()
