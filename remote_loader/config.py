@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import os
 import re
 from collections.abc import Mapping
@@ -21,6 +22,49 @@ def _first(env: Mapping[str, str], *names: str) -> str | None:
         if value:
             return value
     return None
+
+
+def require_int(name: str, value: object, low: int | None = None, high: int | None = None) -> int:
+    """``value`` if it is an int (not a bool) within ``low..high``; else a ConfigError naming ``name``."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        number = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise ConfigError(f"{name} must be an integer, got {value!r}") from None
+    if (low is not None and number < low) or (high is not None and number > high):
+        bounds = f">= {low}" if high is None else f"in {low}..{high}" if low is not None else f"<= {high}"
+        raise ConfigError(f"{name} must be {bounds}, got {number}")
+    return number
+
+
+def require_bool(name: str, value: object, *, optional: bool = False) -> bool | None:
+    """``value`` if it is a bool (or None when ``optional``); else a ConfigError naming ``name``."""
+    if isinstance(value, bool) or (optional and value is None):
+        return value if isinstance(value, bool) else None
+    raise ConfigError(f"{name} must be True or False{' or None' if optional else ''}, got {value!r}")
+
+
+def check_world(rank: object, world_size: object) -> tuple[int, int]:
+    """``(rank, world_size)`` checked: ints with ``0 <= rank < world_size``."""
+    size = require_int("world_size", world_size, 1)
+    return require_int("rank", rank, 0, size - 1), size
+
+
+def world_from_env(env: Mapping[str, str] | None = None) -> tuple[int, int]:
+    """Rank and world size from ``RANK`` and ``WORLD_SIZE`` (default 0 and 1), checked."""
+    env = os.environ if env is None else env
+    values = []
+    for name, default in (("RANK", "0"), ("WORLD_SIZE", "1")):
+        text = env.get(name) or default
+        try:
+            values.append(int(text))
+        except ValueError:
+            raise ConfigError(f"the environment variable {name} must be an integer, got {text!r}") from None
+    try:
+        return check_world(*values)
+    except ConfigError as exc:
+        raise ConfigError(f"RANK={values[0]} and WORLD_SIZE={values[1]} in the environment: {exc}") from None
 
 
 def normalize_endpoint(endpoint: str, *, secure: bool = False) -> str:

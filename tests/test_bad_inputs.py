@@ -16,11 +16,14 @@ import pytest
 from remote_loader import (
     AccessDenied,
     BucketNotFound,
+    ConfigError,
     CorruptShard,
     DecodeError,
     IndexOutOfBounds,
+    LocalitySampler,
     LocalStore,
     ObjectNotFound,
+    RandomResizedCrop,
     RemoteDataset,
     RemoteMapDataset,
     StorageError,
@@ -151,3 +154,69 @@ def test_secret_never_reaches_the_logs(seaweed, small, caplog):
         bad.get(bucket, "ok/manifest.msgpack")
     assert caplog.records, "botocore logs at DEBUG: the check must see them"
     assert secret not in caplog.text
+
+
+# ------------------------------------------------------------------ arguments checked where they are given
+
+_UNREACHED = "http://127.0.0.1:9"  # nothing listens: a check that came too late would meet the network
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"rank": 1}, "rank and world_size together"),
+    ({"world_size": 2}, "rank and world_size together"),
+    ({"rank": 2, "world_size": 2}, "rank must be in 0..1"),
+    ({"rank": -1, "world_size": 2}, "rank must be in 0..1"),
+    ({"rank": 0, "world_size": 0}, "world_size must be >= 1"),
+    ({"seed": -1}, "seed must be in 0.."),
+    ({"seed": "a"}, "seed must be an integer"),
+    ({"seed": 1.5}, "seed must be an integer"),
+    ({"open_shards": 0}, "open_shards must be >= 1"),
+    ({"shuffle_shards": "yes"}, "shuffle_shards must be True or False"),
+    ({"equalize": 1}, "equalize must be True or False or None"),
+    ({"on_error": "ignore"}, "on_error must be"),
+])
+def test_remote_dataset_arguments_are_checked_at_construction(kwargs, field):
+    with pytest.raises(ConfigError, match=field) as caught:
+        RemoteDataset(make_client(_UNREACHED, "key", "secret"), "bkt", "ds", **kwargs)
+    one_line(caught.value)
+
+
+def test_rank_and_world_size_from_the_environment_are_checked(monkeypatch, small):
+    client, bucket = small
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="RANK=3 and WORLD_SIZE=2 in the environment: rank must be in 0..1"):
+        len(RemoteDataset(client, bucket, "ok"))
+
+
+@pytest.mark.parametrize("make, field", [
+    (lambda: RandomResizedCrop(0), "size must be >= 1"),
+    (lambda: RandomResizedCrop(224, scale=(0.5, 0.1)), "scale must be"),
+    (lambda: RandomResizedCrop(224, ratio=(0, 1)), "ratio must be"),
+    (lambda: RandomResizedCrop(224, seed=-3), "seed must be in"),
+    (lambda: LocalitySampler([10, 10], window=0, rank=0, world_size=1), "window must be >= 1"),
+    (lambda: LocalitySampler([10, 10], seed=-1, rank=0, world_size=1), "seed must be in"),
+    (lambda: LocalitySampler([10, 10], rank=1), "rank and world_size together"),
+])
+def test_other_constructors_check_their_arguments(make, field):
+    with pytest.raises(ConfigError, match=field):
+        make()
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"workers": -1}, "workers must be >= 0"),
+    ({"seed": -1}, "seed must be in 0.."),
+    ({"maxcount": 0}, "maxcount must be >= 1"),
+    ({"maxsize": "big"}, "maxsize must be a number"),
+    ({"quality": 0}, "quality must be in 1..100"),
+    ({"shuffle": "no"}, "shuffle must be True or False"),
+])
+def test_upload_arguments_are_checked_before_any_request(kwargs, field):
+    with pytest.raises(ConfigError, match=field):
+        upload_cv_dataset(SyntheticImages(4, size=(8, 8)), client=make_client(_UNREACHED, "key", "secret"),
+                          bucket="bkt", base_folder="ds", progress=False, **kwargs)
+
+
+def test_connection_options_with_a_store_are_refused():
+    with pytest.raises(ConfigError, match="endpoint_url: connection options go with a URL"):
+        RemoteDataset(make_client(_UNREACHED, "key", "secret"), "bkt", "ds", endpoint_url="http://elsewhere:9000")

@@ -26,7 +26,8 @@ import torch
 from PIL import Image
 from torch.nn import functional
 
-from remote_loader.errors import DecodeError
+from remote_loader.config import require_int
+from remote_loader.errors import ConfigError, DecodeError
 from remote_loader.pipeline.decode import IMAGE_FIELDS
 
 JPEG_MAGIC = b"\xff\xd8"
@@ -68,7 +69,16 @@ class RandomResizedCrop:
         fast: bool = True,
         seed: int | None = None,
     ) -> None:
-        self.size, self.scale, self.ratio = size, scale, ratio
+        size = require_int("RandomResizedCrop size", size, 1)
+        for name, pair in (("scale", scale), ("ratio", ratio)):
+            if (not isinstance(pair, (tuple, list)) or len(pair) != 2
+                    or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in pair)
+                    or not 0 < pair[0] <= pair[1]):
+                raise ConfigError(f"RandomResizedCrop {name} must be (low, high) with 0 < low <= high, got {pair!r}")
+        if seed is not None:
+            require_int("RandomResizedCrop seed", seed, 0, 2**63 - 1)
+        self.size = size
+        self.scale, self.ratio = (float(scale[0]), float(scale[1])), (float(ratio[0]), float(ratio[1]))
         self.flip, self.reduced, self.fast, self.seed = flip, reduced, fast, seed
         self._rng: np.random.Generator | None = None
 

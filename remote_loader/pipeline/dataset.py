@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -15,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import IterableDataset, get_worker_info
 
-from remote_loader.config import FetchConfig
+from remote_loader.config import FetchConfig, check_world, require_bool, require_int, world_from_env
 from remote_loader.errors import ConfigError, DatasetNotFound
 from remote_loader.pipeline import stages
 from remote_loader.pipeline.position import (
@@ -38,11 +37,14 @@ from remote_loader.storage import Store, open_location
 
 def current_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
     """Rank and world size: as given, else from torch.distributed, else ``RANK`` / ``WORLD_SIZE``."""
+    if (rank is None) != (world_size is None):
+        raise ConfigError(f"give rank and world_size together, or neither (to take both from torch.distributed"
+                          f" or RANK / WORLD_SIZE); got rank={rank!r}, world_size={world_size!r}")
     if rank is not None and world_size is not None:
-        return rank, world_size
+        return check_world(rank, world_size)
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    return world_from_env()
 
 
 _EPOCH, _GENERATION, _IN_WORKERS, _APPLIED = 0, 1, 2, 3  # slots of the shared state
@@ -115,13 +117,21 @@ class RemoteDataset(IterableDataset):
         if isinstance(client, str):
             client, location = open_location(client, **connection)
             bucket, base_folder = location.bucket, location.prefix
+        elif connection:
+            raise ConfigError(f"{', '.join(sorted(connection))}: connection options go with a URL, not a store")
         if on_error not in ("raise", "skip"):
             raise ConfigError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
         self.on_error = on_error
         if bucket is None or base_folder is None:
             raise ConfigError("RemoteDataset needs (client, bucket, base_folder) or an s3:// URL")
-        if open_shards < 1:
-            raise ConfigError(f"open_shards must be >= 1, got {open_shards}")
+        open_shards = require_int("open_shards", open_shards, 1)
+        seed = require_int("seed", seed, 0, 2**63 - 1)
+        require_bool("shuffle_shards", shuffle_shards)
+        require_bool("equalize", equalize, optional=True)
+        require_bool("verify", verify)
+        require_bool("unindexed", unindexed)
+        if rank is not None or world_size is not None:
+            rank, world_size = current_world(rank, world_size)
         self.fetch = fetch or FetchConfig()
         self.reader = DatasetReader(client, bucket, base_folder, verify=verify, fetch=self.fetch)
         self.unindexed = unindexed

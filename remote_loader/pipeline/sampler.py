@@ -7,7 +7,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 from torch.utils.data import Sampler
 
-from remote_loader.errors import ConfigError
+from remote_loader.config import require_int
 from remote_loader.pipeline.dataset import current_world
 from remote_loader.pipeline.mapstyle import RemoteMapDataset
 from remote_loader.pipeline.split import shard_order
@@ -41,8 +41,8 @@ class LocalitySampler(Sampler[int]):
         world_size: int | None = None,
     ) -> None:
         sizes = shard_sizes.reader.counts if isinstance(shard_sizes, RemoteMapDataset) else list(shard_sizes)
-        if window < 1:
-            raise ConfigError(f"window must be >= 1, got {window}")
+        window = require_int("window", window, 1)
+        seed = require_int("seed", seed, 0, 2**63 - 1)
         self.sizes = np.asarray(sizes, dtype=np.int64)
         self.starts = np.concatenate([[0], np.cumsum(self.sizes)[:-1]])
         self.window, self.seed, self.epoch = window, seed, 0
@@ -50,7 +50,7 @@ class LocalitySampler(Sampler[int]):
 
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch whose order the next iteration follows."""
-        self.epoch = epoch
+        self.epoch = require_int("epoch", epoch, 0)
 
     def __len__(self) -> int:
         return -(-int(self.sizes.sum()) // self.world_size)

@@ -26,7 +26,7 @@ import msgpack
 import numpy as np
 from tqdm import tqdm
 
-from remote_loader.config import FetchConfig
+from remote_loader.config import FetchConfig, require_bool, require_int
 from remote_loader.errors import (
     ConfigError,
     FormatError,
@@ -344,8 +344,19 @@ def upload_cv_dataset(
     started = time.perf_counter()
     if on_error not in ("raise", "skip"):
         raise ConfigError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
-    if int(maxcount) < 1 or int(maxsize) < 4096:
-        raise ConfigError(f"maxcount must be >= 1 and maxsize >= 4096 bytes (got {maxcount}, {maxsize})")
+    maxcount = require_int("maxcount", maxcount, 1)
+    if isinstance(maxsize, bool) or not isinstance(maxsize, (int, float)) or not maxsize >= 4096:
+        raise ConfigError(f"maxsize must be a number of bytes >= 4096, got {maxsize!r}")
+    if workers is not None:
+        require_int("workers", workers, 0)
+    seed = require_int("seed", seed, 0, 2**63 - 1)
+    require_int("quality", quality, 1, 100)
+    for name, flag in (("shuffle", shuffle), ("overwrite", overwrite), ("progress", progress)):
+        require_bool(name, flag)
+    if not isinstance(bucket, str) or not bucket:
+        raise ConfigError(f"bucket must be a non-empty string, got {bucket!r}")
+    if not isinstance(base_folder, str):
+        raise ConfigError(f"base_folder must be a string, got {base_folder!r}")
     options = EncodeOptions(image_format=image_format, quality=quality)
     location = Location(bucket=bucket, prefix=base_folder.strip("/"))
     source = ds if isinstance(ds, str) else None
