@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import pickle
+import subprocess
+import sys
 
 import pytest
 
 import remote_loader
-from remote_loader import ConfigError, StorageConfig, UploadError, make_client
+from remote_loader import ConfigError, RemoteDataset, StorageConfig, UploadError, make_client
 from remote_loader.storage import Boto3Store, LocalStore, MinioStore, parse_location
 
 EXPECTED = {
@@ -65,3 +67,45 @@ def test_parse_location():
 def test_errors_pickle_with_their_attributes():
     error = pickle.loads(pickle.dumps(UploadError("sample 3: bad", index=3)))
     assert isinstance(error, UploadError) and error.index == 3 and str(error) == "sample 3: bad"
+
+
+@pytest.mark.parametrize("url, message", [
+    ("s3:/bkt/x", "not a valid URL"),
+    ("S3://bkt/x", "lower case, s3://bkt/x"),
+    ("htp://host:9000", "not a valid URL"),
+    ("http//host", "not a valid URL"),
+    (" s3://bkt/x", "whitespace"),
+    ("s3://bkt/x ", "whitespace"),
+    ("datasets/x", r"did you mean s3://datasets/x\?"),
+    ("http://127.0.0.1:9000", "is an endpoint, not a dataset"),
+    ("s3://KEY:hunter2@bkt/ds", "holds credentials"),
+    ("S3://KEY:hunter2@bkt/ds", "lower case"),
+    ("htp://key:hunter2@host:9000/x", "not a valid URL"),
+    ("file://key:hunter2@host/x", "names a host"),
+])
+def test_mistyped_dataset_urls_are_refused_not_made_into_directories(url, message, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for attempt in (lambda: parse_location(url), lambda: RemoteDataset(url)):
+        with pytest.raises(ConfigError, match=message) as caught:
+            attempt()
+        assert "hunter2" not in str(caught.value) and "\n" not in str(caught.value)
+    assert not list(tmp_path.iterdir())  # nothing was created beside the caller
+
+
+def test_explicit_local_paths_still_name_local_stores(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert parse_location("./bkt/x").bucket == tmp_path.as_posix().lstrip("/").split("/")[0]
+    assert parse_location(f"{tmp_path}/bkt/x").prefix.endswith("bkt/x")
+    assert isinstance(make_client("./root"), LocalStore)
+    with pytest.raises(ConfigError, match="not a valid URL"):
+        make_client("htp://host:9000")
+
+
+def test_cli_refuses_a_mistyped_url_and_writes_nothing(tmp_path):
+    (tmp_path / "images" / "cat").mkdir(parents=True)
+    for url in ("s3:/bkt/x", "datasets/x"):
+        out = subprocess.run([sys.executable, "-m", "remote_loader.cli", "upload", "images", url], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert "did you mean s3://datasets/x?" in out.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["images"]

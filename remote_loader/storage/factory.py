@@ -17,19 +17,62 @@ from remote_loader.storage.s3_boto3 import Boto3Store
 Backend = Literal["boto3", "minio"]
 
 _HOST_PORT = re.compile(r"^[A-Za-z0-9.-]+:\d+$")
+_SCHEMES = ("s3://", "http://", "https://", "file://")
+_SCHEME_LIKE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
+_EXPLICIT_PATH = ("/", "./", "../", "~/")
 
 
-def _is_local(url: str) -> bool:
-    return url.startswith("file://") or not (url.startswith(("http://", "https://", "s3://")) or _HOST_PORT.match(url))
+def redact(url: str) -> str:
+    """``url`` for messages: any ``user:secret@`` part replaced by ``***@``."""
+    return re.sub(r"(?<=//)[^/@]*@", "***@", url)
+
+
+def _kind(url: str, *, endpoint_ok: bool) -> Literal["local", "s3", "endpoint"]:
+    """What ``url`` names: a local directory, an ``s3://`` dataset, or (where ``endpoint_ok``)
+    an http(s) endpoint. Anything that looks like a URL and is not a valid one is refused:
+    a typo must not become a directory named ``s3:`` beside the caller."""
+    if not isinstance(url, str) or not url:
+        raise ConfigError(f"expected a URL or a local path, got {type(url).__name__} {url!r}"[:200])
+    shown = redact(url)
+    if url != url.strip():
+        raise ConfigError(f"{shown!r} has leading or trailing whitespace")
+    lower = url.lower()
+    for scheme in _SCHEMES:
+        if lower.startswith(scheme) and not url.startswith(scheme):
+            raise ConfigError(f"{shown!r}: write the scheme in lower case, {scheme}{shown[len(scheme):]}")
+    if url.startswith("file://"):
+        return "local"
+    if url.startswith("s3://"):
+        if "@" in url[5:].partition("/")[0]:
+            raise ConfigError("the URL holds credentials (key:secret@bucket), which are not used from there: pass"
+                              " access_key and secret_key, or set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY")
+        return "s3"
+    if url.startswith(("http://", "https://")) or (endpoint_ok and _HOST_PORT.match(url)):
+        if not endpoint_ok:
+            raise ConfigError(f"{shown!r} is an endpoint, not a dataset: a dataset is s3://bucket/prefix (the endpoint"
+                              " goes in endpoint_url or AWS_ENDPOINT_URL)")
+        return "endpoint"
+    if url.startswith(_EXPLICIT_PATH) or url in (".", "..", "~"):
+        return "local"
+    if _SCHEME_LIKE.match(url) or "://" in url or url.startswith(("s3:", "http", "file:")) or "//" in url:
+        raise ConfigError(f"{shown!r} is not a valid URL: use s3://bucket/prefix, http(s)://host:port, file:///path,"
+                          " or a local path starting with / or ./")
+    hint = f"did you mean s3://{shown}? " if "/" in url or not endpoint_ok else ""
+    raise ConfigError(f"{shown!r} is neither a URL nor an explicit local path: {hint}(for a local directory write"
+                      f" ./{shown} or an absolute path)")
+
+
+def _is_local(url: str, *, endpoint_ok: bool = False) -> bool:
+    return _kind(url, endpoint_ok=endpoint_ok) == "local"
 
 
 def _local_path(url: str) -> Path:
     if url.startswith("file://"):
         parts = urlsplit(url)
         if parts.netloc not in ("", "localhost"):
-            raise ConfigError(f"file URL {url!r} names a host; use file:///absolute/path")
+            raise ConfigError(f"file URL {redact(url)!r} names a host; use file:///absolute/path")
         return Path(parts.path)
-    return Path(url)
+    return Path(url).expanduser()
 
 
 def make_client(
@@ -62,7 +105,7 @@ def make_client(
     """
     if backend not in BACKENDS or backend == "local":
         raise ConfigError(f"backend must be 'boto3' or 'minio', got {backend!r}")
-    if url is not None and _is_local(url):
+    if url is not None and _is_local(url, endpoint_ok=True):
         return LocalStore(_local_path(url))
     if config is None:
         endpoint = url if url is not None and not url.startswith("s3://") else None
@@ -98,14 +141,12 @@ def parse_location(url: str) -> Location:
     A local path's first component is its bucket and the rest its prefix, matching a
     ``LocalStore`` rooted at ``/``.
     """
-    if url.startswith("s3://"):
+    if _kind(url, endpoint_ok=False) == "s3":
         parts = urlsplit(url)
         bucket, prefix = parts.netloc, parts.path
-    elif _is_local(url):
-        path = _local_path(url).resolve()
-        bucket, _, prefix = path.as_posix().lstrip("/").partition("/")
     else:
-        raise ConfigError(f"dataset URL {url!r} must look like s3://bucket/prefix or file:///path")
+        path = _local_path(url).expanduser().resolve()
+        bucket, _, prefix = path.as_posix().lstrip("/").partition("/")
     prefix = prefix.strip("/")
     if not bucket:
         raise ConfigError(f"dataset URL {url!r} has no bucket")
