@@ -220,3 +220,21 @@ def test_upload_arguments_are_checked_before_any_request(kwargs, field):
 def test_connection_options_with_a_store_are_refused():
     with pytest.raises(ConfigError, match="endpoint_url: connection options go with a URL"):
         RemoteDataset(make_client(_UNREACHED, "key", "secret"), "bkt", "ds", endpoint_url="http://elsewhere:9000")
+
+
+@pytest.mark.parametrize("delta", [+10, -3], ids=["manifest says more", "manifest says fewer"])
+def test_a_manifest_that_disagrees_with_a_shard_index_names_the_shard(small, delta):
+    client, bucket = small
+    raw = manifest_raw(client, bucket)
+    name = raw["shards"][0][0]
+    raw["shards"][0][1] += delta  # the sample count no longer matches the shard's own index
+    client.put(bucket, f"ok/{MANIFEST_NAME}", seal(raw))
+    with pytest.raises(CorruptShard, match=f"shard {name}: its index lists 10 samples, the manifest says") as caught:
+        list(RemoteDataset(client, bucket, "ok", shuffle_shards=False))
+    assert caught.value.name == name
+    with pytest.raises(CorruptShard, match=name):
+        RemoteMapDataset(client, bucket, "ok")[0]
+    skipping = RemoteDataset(client, bucket, "ok", shuffle_shards=False, on_error="skip")
+    keys = [sample["__key__"] for sample in skipping]
+    assert len(keys) == len(set(keys)) == 10  # the other shard, whole; the bad one skipped and counted
+    assert skipping.metrics.skipped == 10 + delta

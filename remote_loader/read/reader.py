@@ -204,7 +204,11 @@ class DatasetReader:
         """Check index bytes against the manifest's crc32 (when verifying) and decode them."""
         if self.verify and crc32(data) != entry.index_crc:
             raise CorruptShard(f"shard {entry.name}: index fails its crc32 check", name=entry.name)
-        return ShardIndex.decode(data, data_end=entry.data_end, name=entry.name)
+        index = ShardIndex.decode(data, data_end=entry.data_end, name=entry.name)
+        if len(index) != entry.samples:
+            raise CorruptShard(f"shard {entry.name}: its index lists {len(index)} samples, the manifest says"
+                               f" {entry.samples}", name=entry.name)
+        return index
 
     def index_range(self, entry: ShardEntry) -> tuple[str, int, int]:
         """Return ``(key, start, end)`` of the object bytes holding a shard's index."""
