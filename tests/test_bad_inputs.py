@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 import logging
 import os
 import pathlib
 import re
 import struct
+import tarfile
 import zlib
 
 import msgpack
 import pytest
+from torch.utils.data import DataLoader
 
 from remote_loader import (
     AccessDenied,
@@ -33,7 +36,9 @@ from remote_loader import (
 )
 from remote_loader.format import MANIFEST_NAME, Manifest
 from remote_loader.pipeline.decode import decode_sample
+from remote_loader.storage import Location
 from remote_loader.testing.synthetic import SyntheticImages
+from remote_loader.upload.indexer import index_webdataset
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "remote_loader"
 
@@ -123,6 +128,11 @@ def test_non_image_bytes_at_decode():
         decode_sample({"__key__": "k1", "__shard__": "s.tar", "jpg": b"<html>not an image</html>"}, "pil")
     with pytest.raises(DecodeError, match="not an integer class"):
         decode_sample({"__key__": "k1", "__shard__": "s.tar", "cls": b"cat"}, "pil")
+    with pytest.raises(DecodeError, match="field 'txt' of sample 'k1' in s.tar is not UTF-8 text") as caught:
+        decode_sample({"__key__": "k1", "__shard__": "s.tar", "txt": b"caf\xe9"}, "pil")
+    assert (caught.value.key, caught.value.field) == ("k1", "txt")
+    with pytest.raises(DecodeError, match="not valid JSON"):
+        decode_sample({"__key__": "k1", "__shard__": "s.tar", "json": b"\xff{"}, "pil")
 
 
 def test_local_keys_cannot_escape_their_bucket(tmp_path):
@@ -238,3 +248,20 @@ def test_a_manifest_that_disagrees_with_a_shard_index_names_the_shard(small, del
     keys = [sample["__key__"] for sample in skipping]
     assert len(keys) == len(set(keys)) == 10  # the other shard, whole; the bad one skipped and counted
     assert skipping.metrics.skipped == 10 + delta
+
+
+def test_a_text_label_that_is_not_utf8_is_a_decode_error_through_workers(s3):
+    client, bucket = s3
+    # A WebDataset tar from another tool, whose txt member is Latin-1: indexed, then decoded in a worker.
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for key, text in (("000", b"plain"), ("001", b"caf\xe9")):
+            member = tarfile.TarInfo(f"{key}.txt")
+            member.size = len(text)
+            tar.addfile(member, io.BytesIO(text))
+    client.put(bucket, "latin/part-0.tar", buffer.getvalue())
+    index_webdataset(client, Location(bucket, "latin"))
+    ds = RemoteDataset(client, bucket, "latin", shuffle_shards=False).decode("pil")
+    with pytest.raises(DecodeError, match="field 'txt' of sample '001'") as caught:
+        list(DataLoader(ds, batch_size=None, num_workers=1))
+    assert (caught.value.key, caught.value.field) == ("001", "txt")

@@ -25,14 +25,14 @@ def _draft(image: Image.Image, min_size: int) -> None:
         image.draft("RGB", (-(-width * min_size // shorter), -(-height * min_size // shorter)))
 
 
-def _image(data: Any, mode: str, where: str, min_size: int | None) -> Any:
+def _image(data: Any, mode: str, where: str, min_size: int | None, facts: dict[str, Any]) -> Any:
     try:
         opened = Image.open(io.BytesIO(data))
         if min_size:
             _draft(opened, min_size)
         image = opened.convert("RGB")
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
-        raise DecodeError(f"{where} is not a decodable image ({type(exc).__name__})") from None
+        raise DecodeError(f"{where} is not a decodable image ({type(exc).__name__})", **facts) from None
     if mode == "pil":
         return image
     array = np.asarray(image)
@@ -62,24 +62,28 @@ def decode_sample(
             out[name] = value
             continue
         where = f"field {name!r} of sample {sample.get('__key__')!r} in {sample.get('__shard__')}"
+        facts = {"key": sample.get("__key__"), "field": name}
         ext = name.rsplit(".", 1)[-1]
         if ext in IMAGE_FIELDS:
             if callable(mode):
                 out[name] = mode(name, value) if rng is None else mode(name, value, rng=rng)
             else:
-                out[name] = bytes(value) if mode == "raw" else _image(value, mode, where, min_size)
+                out[name] = bytes(value) if mode == "raw" else _image(value, mode, where, min_size, facts)
         elif ext == "cls":
             try:
                 out[name] = int(bytes(value))
             except ValueError:
-                raise DecodeError(f"{where} is not an integer class") from None
+                raise DecodeError(f"{where} is not an integer class", **facts) from None
         elif ext == "txt":
-            out[name] = bytes(value).decode("utf-8")
+            try:
+                out[name] = bytes(value).decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise DecodeError(f"{where} is not UTF-8 text (byte {exc.start})", **facts) from None
         elif ext == "json":
             try:
                 out[name] = json.loads(bytes(value))
             except ValueError:
-                raise DecodeError(f"{where} is not valid JSON") from None
+                raise DecodeError(f"{where} is not valid JSON", **facts) from None
         else:
             out[name] = bytes(value)
     return out
