@@ -23,15 +23,38 @@ from remote_loader.errors import (
     UploadConflict,
     UploadError,
 )
-from remote_loader.pipeline.augment import RandomResizedCrop
-from remote_loader.pipeline.dataset import RemoteDataset
-from remote_loader.pipeline.mapstyle import RemoteMapDataset
-from remote_loader.pipeline.sampler import LocalitySampler
+from typing import TYPE_CHECKING, Any
+
 from remote_loader.read import DatasetReader, Metrics
 from remote_loader.storage import LocalStore, Store, make_client
 from remote_loader.upload import ImageFolder, UploadSummary, upload_cv_dataset
 
+if TYPE_CHECKING:
+    from remote_loader.pipeline.augment import RandomResizedCrop
+    from remote_loader.pipeline.dataset import RemoteDataset
+    from remote_loader.pipeline.mapstyle import RemoteMapDataset
+    from remote_loader.pipeline.sampler import LocalitySampler
+
 __version__ = "0.1.0"
+
+# The datasets need torch, which takes about a second to import: they load on first use, so
+# the command line and uploads start at once.
+_LAZY = {
+    "RandomResizedCrop": "remote_loader.pipeline.augment",
+    "RemoteDataset": "remote_loader.pipeline.dataset",
+    "RemoteMapDataset": "remote_loader.pipeline.mapstyle",
+    "LocalitySampler": "remote_loader.pipeline.sampler",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'remote_loader' has no attribute {name!r}")
 
 __all__ = [
     "AccessDenied",

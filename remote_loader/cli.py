@@ -11,7 +11,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from remote_loader import bench
+from remote_loader import __version__
 from remote_loader.config import FetchConfig
 from remote_loader.errors import ConfigError, RemoteLoaderError
 from remote_loader.upload.indexer import index_webdataset
@@ -22,12 +22,35 @@ from remote_loader.storage.factory import Backend
 from remote_loader.upload import load_source, upload_cv_dataset
 
 
+def _count(low: int) -> Any:
+    """An argparse type: an integer >= ``low``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    return parse
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
 def _connection(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("connection (default: AWS_* / MINIO_* environment variables)")
     group.add_argument("--endpoint-url", help="S3 endpoint, e.g. http://127.0.0.1:9000")
     group.add_argument("--region", help="signing region")
     group.add_argument("--backend", choices=("boto3", "minio"), default="boto3", help="S3 client library")
-    group.add_argument("--outage-deadline", type=float, default=None, metavar="SECONDS",
+    group.add_argument("--outage-deadline", type=_seconds, default=None, metavar="SECONDS",
                        help="how long to retry a failing store before giving up (default 300, or"
                        " REMOTE_LOADER_OUTAGE_DEADLINE); a store that never answered gets at most 30 s"
                        " (REMOTE_LOADER_FIRST_CONTACT_DEADLINE)")
@@ -82,8 +105,8 @@ def _dask_client(address: str) -> Any:
         raise ConfigError("--dask needs dask.distributed: pip install 'remote-loader[dask]'") from None
     try:
         return Client(address, timeout=30)
-    except OSError as exc:
-        raise ConfigError(f"cannot reach the Dask scheduler at {address}: {exc}") from None
+    except (OSError, ValueError, TypeError) as exc:
+        raise ConfigError(f"cannot reach the Dask scheduler at {address!r}: {type(exc).__name__}: {exc}"[:300]) from None
 
 
 def _upload(args: argparse.Namespace, store: Any, location: Any, executor: Any) -> Any:
@@ -184,12 +207,16 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from remote_loader import bench  # torch: imported by the one command that streams
+
     reader, location = _reader(args)
     store = reader.client
     options = {"samples": args.samples, "workers": args.workers, "size": args.size, "min_size": args.min_size,
                "verify": not args.no_verify, "fetch": reader.fetch}
     manifest = reader.manifest
     total = manifest.num_samples if args.samples is None else min(args.samples, manifest.num_samples)
+    if total == 0:
+        raise ConfigError(f"{location} holds no samples: nothing to bench")
     results = []
     for decode in dict.fromkeys(("none", args.decode)):
         with tqdm(total=total, unit="sample", desc=f"bench {decode}", disable=args.quiet or args.json) as bar:
@@ -218,17 +245,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="remote-loader", description="Shard datasets into object storage and read them back.")
+    parser.add_argument("--version", action="version", version=f"remote-loader {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("upload", help="pack a dataset into shards in a bucket")
     p.add_argument("source", help="an image-folder tree (class subfolders) or module:function returning a dataset")
     p.add_argument("url", help="destination, s3://bucket/prefix or a local path")
     p.add_argument("--maxsize", type=float, default=1e8, help="maximum shard size in bytes (default 1e8)")
-    p.add_argument("--maxcount", type=int, default=100_000, help="maximum samples per shard")
-    p.add_argument("--workers", type=int, default=None, help="encoding processes (default: CPU count)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the permutation before sharding")
+    p.add_argument("--maxcount", type=_count(1), default=100_000, help="maximum samples per shard")
+    p.add_argument("--workers", type=_count(0), default=None, help="encoding processes (default: CPU count)")
+    p.add_argument("--seed", type=_count(0), default=0, help="seed of the permutation before sharding")
     p.add_argument("--image-format", default="jpeg", choices=("jpeg", "png", "webp"), help="for in-memory images")
-    p.add_argument("--quality", type=int, default=90)
+    p.add_argument("--quality", type=_count(1), default=90, help="1..100 (default 90)")
     p.add_argument("--on-error", default="raise", choices=("raise", "skip"))
     p.add_argument("--no-shuffle", action="store_true", help="keep the source order")
     p.add_argument("--overwrite", action="store_true", help="replace a dataset uploaded with other parameters")
@@ -256,13 +284,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="stream a dataset and say whether storage or decoding limits the rate")
     p.add_argument("url", help="s3://bucket/prefix or a local path")
-    p.add_argument("--samples", type=int, default=None, help="samples per run (default: one epoch)")
-    p.add_argument("--workers", type=int, default=2, help="DataLoader workers")
-    p.add_argument("--decode", choices=bench.DECODES, default="none",
+    p.add_argument("--samples", type=_count(1), default=None, help="samples per run (default: one epoch)")
+    p.add_argument("--workers", type=_count(0), default=2, help="DataLoader workers")
+    p.add_argument("--decode", choices=("none", "pil", "rrc", "rrc-plain"), default="none",
                    help="none: bytes only; pil: decode; rrc: decode + random-resized-crop with reduced-size"
                    " JPEG decoding; rrc-plain: the same without it")
-    p.add_argument("--size", type=int, default=224, help="crop size for rrc")
-    p.add_argument("--min-size", type=int, default=None, help="reduced-size decoding for pil")
+    p.add_argument("--size", type=_count(1), default=224, help="crop size for rrc")
+    p.add_argument("--min-size", type=_count(1), default=None, help="reduced-size decoding for pil")
     p.add_argument("--no-verify", action="store_true", help="skip crc32 checks (to measure what they cost)")
     _connection(p)
     p.add_argument("--json", action="store_true", help="print JSON")
@@ -270,15 +298,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("serve", help="run an embedded S3 server (SeaweedFS) on 127.0.0.1")
-    p.add_argument("--port", type=int, default=None, help="S3 port (default: a free one)")
+    p.add_argument("--port", type=_count(1), default=None, help="S3 port (default: a free one)")
     p.add_argument("--data", default=None, help="data directory (default: temporary)")
     p.add_argument("--bucket", action="append", help="bucket to create (repeatable)")
     p.set_defaults(func=cmd_serve)
+    for command in sub.choices.values():
+        command.set_defaults(command_parser=command)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the command's own usage, not the top-level one, says what it takes
+        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command == "serve":
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     try:

@@ -9,10 +9,12 @@ or after it, for the cost of adding a few numbers.
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 FIELDS = ("gets", "bytes", "retries", "wait_seconds", "user_seconds", "samples", "skipped", "peak_buffered",
           "peak_range_memory")
@@ -49,6 +51,8 @@ class Metrics:
     @staticmethod
     def table(rows: int) -> torch.Tensor:
         """Rows of counters in shared memory: make them before DataLoader workers start."""
+        import torch  # only datasets make tables: the CLI and uploads need not load torch
+
         return torch.zeros(rows, len(FIELDS), dtype=torch.float64).share_memory_()
 
     @classmethod

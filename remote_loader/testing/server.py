@@ -203,7 +203,11 @@ class EmbeddedS3:
             self._tmp = tempfile.TemporaryDirectory(prefix="remote-loader-s3-")
             self.data_dir = self._tmp.name
         data = Path(self.data_dir)
-        data.mkdir(parents=True, exist_ok=True)
+        try:
+            data.mkdir(parents=True, exist_ok=True)
+            (data / "store").mkdir(exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"cannot use {data} as the server's data directory: {exc.strerror}") from None
         identities = data / "identities.json"
         identities.write_text(
             json.dumps(

@@ -88,7 +88,13 @@ def load_source(spec: str) -> Any:
     function = getattr(module, function_name, None)
     if not callable(function):
         raise ConfigError(f"{module_name!r} has no callable {function_name!r}")
-    return function()
+    try:
+        dataset = function()
+    except Exception as exc:
+        raise ConfigError(f"source {spec!r}: {function_name}() raised {type(exc).__name__}: {exc}"[:300]) from None
+    if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")) or isinstance(dataset, (str, bytes)):
+        raise ConfigError(f"source {spec!r} returned a {type(dataset).__name__}, not a dataset (len(ds) and ds[i])")
+    return dataset
 
 
 @dataclass(frozen=True)

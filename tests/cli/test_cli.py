@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+import remote_loader
 from remote_loader import DatasetReader, upload_cv_dataset
 from remote_loader.testing.synthetic import SyntheticImages
 
@@ -117,3 +118,45 @@ def test_bench_reports_rates_and_a_verdict(env, s3):
     shown = run(env, "bench", f"s3://{bucket}/b", "--samples", "20", "--workers", "0")
     assert "bench none" in shown.stderr and "20/20" in shown.stderr and "samples/s" in shown.stdout
     assert run(env, "bench", f"s3://{bucket}/b", "--samples", "20", "--workers", "0", "--quiet").stderr == ""
+
+
+@pytest.mark.parametrize("args, message", [
+    (["upload", "json:loads", "s3://{bucket}/x"], "loads() raised TypeError"),
+    (["upload", "os:getcwd", "s3://{bucket}/x"], "returned a str, not a dataset"),
+    (["upload", "--seed", "-1", "tests.helpers:small_images", "s3://{bucket}/x"], "--seed: must be >= 0"),
+    (["upload", "--dask", "garbage", "tests.helpers:small_images", "s3://{bucket}/x"], "Dask scheduler at 'garbage'"),
+    (["upload", "tests.helpers:small_images", "s3://{bucket}/x", "--maxcont", "5"], "unrecognized arguments: --maxcont"),
+    (["bench", "--workers", "-1", "s3://{bucket}/x"], "--workers: must be >= 0"),
+    (["bench", "--decode", "rrc", "--size", "0", "s3://{bucket}/x"], "--size: must be >= 1"),
+    (["bench", "--samples", "0", "s3://{bucket}/x"], "--samples: must be >= 1"),
+    (["serve", "--data", "/proc/nope"], "cannot use /proc/nope as the server's data directory"),
+    (["serve", "--port", "1"], "port must be an integer in"),
+])
+def test_bad_command_lines_get_one_line_errors_not_tracebacks(env, s3, args, message):
+    _, bucket = s3
+    result = run({**env, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+                 *[a.format(bucket=bucket) for a in args], check=False)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr, result.stderr
+    if "unrecognized" in message:
+        assert "usage: remote-loader upload" in result.stderr  # the command's usage, not the top level's
+
+
+def test_an_overwrite_refusal_names_the_flag(env, s3):
+    _, bucket = s3
+    env = {**env, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    run(env, "upload", "--quiet", "tests.helpers:small_images", f"s3://{bucket}/o")
+    result = run(env, "upload", "--quiet", "--seed", "3", "tests.helpers:small_images", f"s3://{bucket}/o", check=False)
+    assert result.returncode == 2 and "--overwrite" in result.stderr
+
+
+def test_version_and_python_dash_m():
+    assert subprocess.run([str(SCRIPT), "--version"], capture_output=True, text=True).stdout.strip() == \
+        f"remote-loader {remote_loader.__version__}"
+    result = subprocess.run([sys.executable, "-m", "remote_loader", "--help"], capture_output=True, text=True)
+    assert result.returncode == 0 and "upload" in result.stdout
+
+
+def test_help_does_not_import_torch():
+    code = "import sys\nfrom remote_loader import cli\nprint('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
