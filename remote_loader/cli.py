@@ -106,7 +106,7 @@ def _dask_client(address: str) -> Any:
     try:
         return Client(address, timeout=30)
     except (OSError, ValueError, TypeError) as exc:
-        raise ConfigError(f"cannot reach the Dask scheduler at {address!r}: {type(exc).__name__}: {exc}"[:300]) from None
+        raise ConfigError(f"cannot reach the Dask scheduler at {address}: {type(exc).__name__}: {exc}"[:300]) from None
 
 
 def _upload(args: argparse.Namespace, store: Any, location: Any, executor: Any) -> Any:

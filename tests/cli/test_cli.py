@@ -124,7 +124,7 @@ def test_bench_reports_rates_and_a_verdict(env, s3):
     (["upload", "json:loads", "s3://{bucket}/x"], "loads() raised TypeError"),
     (["upload", "os:getcwd", "s3://{bucket}/x"], "returned a str, not a dataset"),
     (["upload", "--seed", "-1", "tests.helpers:small_images", "s3://{bucket}/x"], "--seed: must be >= 0"),
-    (["upload", "--dask", "garbage", "tests.helpers:small_images", "s3://{bucket}/x"], "Dask scheduler at 'garbage'"),
+    (["upload", "--dask", "garbage", "tests.helpers:small_images", "s3://{bucket}/x"], "Dask scheduler at garbage: ValueError"),
     (["upload", "tests.helpers:small_images", "s3://{bucket}/x", "--maxcont", "5"], "unrecognized arguments: --maxcont"),
     (["bench", "--workers", "-1", "s3://{bucket}/x"], "--workers: must be >= 0"),
     (["bench", "--decode", "rrc", "--size", "0", "s3://{bucket}/x"], "--size: must be >= 1"),
