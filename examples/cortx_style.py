@@ -74,7 +74,8 @@ def main() -> None:
                           maxcount=100000, workers=args.workers)
 
         # Now that the dataset is in the bucket, use it in PyTorch.
-        dataset = (RemoteDataset(client, bucket, folder)
+        samples = RemoteDataset(client, bucket, folder)
+        dataset = (samples
                    .decode("pil")  # Decode the data as PIL images
                    .to_tuple("jpg;png", "cls")  # Extract images and labels from the dataset
                    .map_tuple(preproc, lambda x: x)  # Apply data augmentations
@@ -82,14 +83,16 @@ def main() -> None:
                    )
         # A regular PyTorch data loader, as for any other dataset.
         dataloader = ch.utils.data.DataLoader(dataset, num_workers=args.workers, batch_size=None)
-        seen, shapes = 0, set()
-        for image, label in tqdm((x for x in dataloader), total=-(-len(dataset) // 64)):
+        seen, batches, shapes = 0, 0, set()
+        for image, label in tqdm(dataloader):  # len(dataloader): the batches of one epoch
+            batches += 1
             # Train / evaluate ML models on this batch of data
             seen += len(label)
             shapes.add(tuple(image.shape[1:]))
         client.close()
-    print(f"{seen} images in batches of up to 64, each {sorted(shapes)} float tensors; dataset has {len(dataset)}")
-    if seen != len(dataset) or shapes != {(3, SIZE, SIZE)}:
+    print(f"{seen} images in {batches} batches of up to 64, each {sorted(shapes)} float tensors;"
+          f" dataset has {len(samples)}")
+    if seen != len(samples) or batches != len(dataset) or shapes != {(3, SIZE, SIZE)}:
         raise SystemExit("the loader did not deliver one epoch of 224x224 crops")
 
 

@@ -51,7 +51,7 @@ def test_random_access_splits_ranks_exactly_once():
 
 def test_cortx_style_streams_an_epoch_of_crops():
     result = run_example("cortx_style.py", "--images", "70")
-    assert "70 images in batches of up to 64, each [(3, 224, 224)] float tensors; dataset has 70" in result.stdout
+    assert "70 images in 2 batches of up to 64, each [(3, 224, 224)] float tensors; dataset has 70" in result.stdout
 
 
 @pytest.mark.parametrize("name", ["upload_imagefolder.py", "train_ddp.py", "random_access.py", "cortx_style.py"])

@@ -266,15 +266,35 @@ class RemoteDataset(IterableDataset):
         return rank, world_size, equalize
 
     def __len__(self) -> int:
-        """Samples this rank reads per epoch (before select or batching)."""
+        """Items this rank yields per epoch (batches, after ``batched``), whatever the number
+        of DataLoader workers. A TypeError where that cannot be known in advance: after
+        ``select`` (it depends on the samples) and for unindexed tars."""
+        if self.unindexed:
+            raise TypeError("len() of unindexed tars is unknown: their sample counts are read as they stream")
         rank, world_size, equalize = self._split()
-        return rank_size(len(self.reader), rank, world_size, equalize)
+        count: int | None = rank_size(len(self.reader), rank, world_size, equalize)
+        for stage in self.stages:
+            count = None if count is None else stage.outputs(count)
+        if count is None:
+            raise TypeError("len() of a pipeline with select() is unknown: it depends on the samples")
+        return count
+
+    def _align(self) -> int:
+        """The samples each output item holds, when fixed: workers' shares are cut in
+        multiples of it, so batches come out whole and as many as ``len()`` says."""
+        align = 1
+        for stage in self.stages:
+            group = stage.group()
+            if group is None:
+                return 1
+            align *= group
+        return align
 
     def _worker_samples(self, worker: int, num_workers: int) -> int:
         """Samples worker ``worker`` of this rank reads per epoch."""
         rank, world_size, equalize = self._split()
         low, high = worker_bounds(len(self.reader), rank=rank, world_size=world_size, worker=worker,
-                                  num_workers=num_workers, equalize=equalize)
+                                  num_workers=num_workers, equalize=equalize, align=self._align())
         return high - low
 
     # ------------------------------------------------------------------ checkpoints
@@ -469,7 +489,7 @@ class RemoteDataset(IterableDataset):
         whole = Remainder(header, np.array([0]), np.array([total]), 0)
         sequence = resume if isinstance(resume, Remainder) else whole
         low, high = worker_bounds(len(sequence), rank=rank, world_size=world_size, worker=worker,
-                                  num_workers=num_workers, equalize=equalize)
+                                  num_workers=num_workers, equalize=equalize, align=self._align())
         plan = sequence.plan(low, high)
         return plan, {**header, "run": plan.run}, resume
 

@@ -135,9 +135,13 @@ def iter_assign(
 
 
 def worker_bounds(total: int, *, rank: int, world_size: int, worker: int, num_workers: int,
-                  equalize: bool) -> tuple[int, int]:
+                  equalize: bool, align: int = 1) -> tuple[int, int]:
     """Positions ``[low, high)`` of the epoch's virtual sequence that a worker reads (``high``
-    may pass ``total`` when equalising: the sequence wraps around)."""
+    may pass ``total`` when equalising: the sequence wraps around).
+
+    With ``align``, every worker's share but the rank's last is a multiple of it: a
+    pipeline that batches by ``align`` then yields as many batches whatever the number of
+    workers, so its ``len()`` holds."""
     if not 0 <= rank < world_size or not 0 <= worker < num_workers:
         raise ConfigError(f"need 0 <= rank < world_size and 0 <= worker < num_workers; got {rank}/{world_size}, {worker}/{num_workers}")
     if total == 0:
@@ -147,8 +151,10 @@ def worker_bounds(total: int, *, rank: int, world_size: int, worker: int, num_wo
         rank_start, rank_stop = rank * per_rank, (rank + 1) * per_rank
     else:
         rank_start, rank_stop = _bounds(total, world_size, rank)
-    low, high = _bounds(rank_stop - rank_start, num_workers, worker)
-    return rank_start + low, rank_start + high
+    size = rank_stop - rank_start
+    units = -(-size // align)
+    low, high = _bounds(units, num_workers, worker)
+    return rank_start + min(low * align, size), rank_start + min(high * align, size)
 
 
 def rank_size(total: int, rank: int, world_size: int, equalize: bool) -> int:

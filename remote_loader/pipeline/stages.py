@@ -159,6 +159,14 @@ class Stage(ABC):
     def run(self, samples: Iterable[Any], context: Context) -> Iterator[Any]:
         """The stage's output for ``samples``."""
 
+    def outputs(self, inputs: int) -> int | None:
+        """How many items it gives for ``inputs`` samples, or None if that depends on them."""
+        return inputs if self.one_to_one else None
+
+    def group(self) -> int | None:
+        """How many input samples each output item holds (None: not fixed)."""
+        return 1 if self.one_to_one else None
+
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not callable(v))
         return f"{type(self).__name__}({fields})"
@@ -177,6 +185,12 @@ class Shuffle(Stage):
     def run(self, samples: Iterable[Any], context: Context) -> Iterator[Any]:
         seed = (context.seed & (2**64 - 1), context.epoch, context.rank, context.worker, 2)
         return shuffle_stage(samples, self.bufsize, self.initial, seed)
+
+    def outputs(self, inputs: int) -> int | None:
+        return inputs  # it reorders, never drops
+
+    def group(self) -> int | None:
+        return 1
 
 
 class Map(Stage):
@@ -270,6 +284,12 @@ class Batched(Stage):
 
     def run(self, samples: Iterable[Any], context: Context) -> Iterator[Any]:
         return batched_stage(samples, self.batchsize, self.collation_fn, self.partial)
+
+    def outputs(self, inputs: int) -> int | None:
+        return -(-inputs // self.batchsize) if self.partial else inputs // self.batchsize
+
+    def group(self) -> int | None:
+        return self.batchsize
 
 
 # --------------------------------------------------------------------------- stages over (id, item) pairs

@@ -221,3 +221,28 @@ def test_metrics_of_every_worker_reach_the_main_process(uploaded, num_workers):
     after = dataset.metrics.as_dict()
     assert after["samples"] == 97 and after["bytes"] > 0 and after["gets"] >= 5
     assert after["peak_range_memory"] > 0
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create 3 worker processes")  # 2 cores here
+@pytest.mark.parametrize("partial", [True, False])
+@pytest.mark.parametrize("world_size, num_workers", [(1, 0), (1, 2), (1, 3), (2, 2), (3, 1)])
+def test_len_is_what_iteration_yields_after_batching(uploaded, world_size, num_workers, partial):
+    client, bucket, _ = uploaded
+    seen = Counter()
+    for rank in range(world_size):
+        dataset = (RemoteDataset(client, bucket, "few", rank=rank, world_size=world_size, equalize=False)
+                   .map(lambda s: s["__key__"]).shuffle(10).batched(8, collation_fn=list, partial=partial))
+        batches = list(DataLoader(dataset, batch_size=None, num_workers=num_workers))
+        assert len(batches) == len(dataset)  # before: len() counted samples, and workers split batches
+        assert all(len(b) == 8 for b in batches[:-1]) and (partial or len(batches[-1]) == 8)
+        seen.update(k for b in batches for k in b)
+    if partial:
+        assert seen == Counter(f"{i:06d}" for i in range(97))
+
+
+def test_len_is_absent_where_it_cannot_be_known(uploaded):
+    client, bucket, _ = uploaded
+    with pytest.raises(TypeError, match="select"):
+        len(RemoteDataset(client, bucket, "few").select(lambda s: True).batched(4))
+    assert len(RemoteDataset(client, bucket, "few").batched(10)) == 10
+    assert len(RemoteDataset(client, bucket, "few").batched(10, partial=False)) == 9
