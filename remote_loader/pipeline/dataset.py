@@ -199,7 +199,8 @@ class RemoteDataset(IterableDataset):
         return self._with(stages.Decode(mode, min_size, threads))
 
     def to_tuple(self, *fields: str) -> RemoteDataset:
-        """Samples become tuples of these fields (``"jpg;png"``: the first present)."""
+        """Samples become tuples of these fields (``"jpg;png"``: the first present); one
+        string of several names, ``to_tuple("jpg;png cls")``, as in WebDataset, works too."""
         return self._with(stages.ToTuple(fields))
 
     def map(self, fn: Callable[[Any], Any], *, threads: int = 0) -> RemoteDataset:

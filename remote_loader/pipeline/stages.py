@@ -238,8 +238,13 @@ class ToTuple(Stage):
     one_to_one = True
 
     def __init__(self, fields: Sequence[str]) -> None:
-        if not fields or not all(isinstance(f, str) and f for f in fields):
+        if not fields or not all(isinstance(f, str) and f.strip() for f in fields):
             raise ConfigError(f"to_tuple needs one or more field names, got {tuple(fields)!r}")
+        if len(fields) == 1:  # WebDataset's single-string form: to_tuple("jpg;png cls")
+            fields = fields[0].split()
+        elif any(f != f.strip() or " " in f for f in fields):
+            raise ConfigError(f"to_tuple's field names hold spaces: {tuple(fields)!r}; give one string"
+                              " (\"jpg;png cls\") or one argument per field")
         self.fields = tuple(fields)
 
     def run(self, samples: Iterable[Any], context: Context) -> Iterator[Any]:

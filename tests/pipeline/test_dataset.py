@@ -246,3 +246,13 @@ def test_len_is_absent_where_it_cannot_be_known(uploaded):
         len(RemoteDataset(client, bucket, "few").select(lambda s: True).batched(4))
     assert len(RemoteDataset(client, bucket, "few").batched(10)) == 10
     assert len(RemoteDataset(client, bucket, "few").batched(10, partial=False)) == 9
+
+
+def test_to_tuple_takes_webdatasets_single_string_form(uploaded):
+    client, bucket, _ = uploaded
+    spaced = list(RemoteDataset(client, bucket, "few", seed=1).to_tuple("jpg;png cls"))
+    separate = list(RemoteDataset(client, bucket, "few", seed=1).to_tuple("jpg;png", "cls"))
+    assert len(spaced) == 97 and all(len(t) == 2 for t in spaced)
+    assert [(bytes(a), bytes(b)) for a, b in spaced] == [(bytes(a), bytes(b)) for a, b in separate]
+    with pytest.raises(ConfigError, match="hold spaces"):
+        RemoteDataset(client, bucket, "few").to_tuple("jpg cls", "txt")
