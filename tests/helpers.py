@@ -124,3 +124,21 @@ class PausingImages(SyntheticImages):
             with socket.create_connection(("127.0.0.1", self.port)) as connection:
                 connection.recv(1)
         return super().__getitem__(index)
+
+
+FLAKY_MARK = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"remote-loader-flaky-{os.getuid()}")
+
+
+class MarkedImages(SyntheticImages):
+    """Synthetic images whose sample 5 is not an image while the file ``FLAKY_MARK`` exists:
+    a fault the test can take away between two runs of the same upload."""
+
+    def __getitem__(self, index: int):  # type: ignore[override]
+        if index == 5 and os.path.exists(FLAKY_MARK):
+            return b"this is not an image", 0
+        return super().__getitem__(index)
+
+
+def marked_images() -> MarkedImages:
+    """A ``module:function`` source for uploads on a cluster."""
+    return MarkedImages(60, size=(32, 24))

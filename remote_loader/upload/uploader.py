@@ -210,9 +210,13 @@ def _ship(executor: Executor, dataset: Any, source: str | None) -> Any:
     if source is not None:
         return Source(source)
     client = getattr(executor, "_client", None)
-    if type(executor).__module__.startswith("distributed") and client is not None:
+    if _is_dask(executor) and client is not None:
         return client.scatter(dataset, broadcast=True, hash=False)
     return dataset
+
+
+def _is_dask(executor: Executor) -> bool:
+    return type(executor).__module__.startswith("distributed")
 
 
 def _result(future: Future[TaskResult], task_id: int) -> TaskResult:
@@ -255,9 +259,13 @@ def _run(
     assert executor is not None
     bar_progress = _BarProgress(bar)
     shipped = None if own else _ship(executor, dataset, source)
+    # Dask names a task by its arguments unless told otherwise, and would hand a re-run of
+    # a failed upload the same failures: each submission gets a key of its own.
+    unique = {"pure": False} if _is_dask(executor) else {}
     try:
         task_of: dict[Future[TaskResult], int] = {
-            executor.submit(write_task, spec, task_id, indices, shipped): task_id for task_id, indices in pending
+            executor.submit(write_task, spec, task_id, indices, shipped, **unique): task_id
+            for task_id, indices in pending
         }
         futures = set(task_of)
         results = []

@@ -165,3 +165,18 @@ def test_cli_names_an_unreachable_scheduler(seaweed, s3):
     assert result.returncode != 0
     assert f"cannot reach the Dask scheduler at tcp://127.0.0.1:{port}" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_failed_dask_upload_runs_again_on_the_same_client(dask_client, s3):
+    store, bucket = s3
+    run = dict(client=store, bucket=bucket, base_folder="again", maxcount=20, executor=dask_client.get_executor(),
+               progress=False)
+    Path(helpers.FLAKY_MARK).touch()
+    try:
+        with pytest.raises(UploadError, match="sample 5"):
+            upload_cv_dataset("tests.helpers:marked_images", **run)
+    finally:
+        Path(helpers.FLAKY_MARK).unlink()
+    # The same arguments again: before, Dask named the tasks by them and handed back the failures.
+    summary = upload_cv_dataset("tests.helpers:marked_images", **run)
+    assert summary.samples == 60 and len(read_back(store, bucket, "again")) == 60
