@@ -229,12 +229,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    server = EmbeddedS3(data_dir=args.data, port=args.port, buckets=args.bucket or [])
+    if (args.access_key is None) != (args.secret_key is None):
+        raise ConfigError("give --access-key and --secret-key together (or neither, for minioadmin / minioadmin)")
+    keys = {} if args.access_key is None else {"access_key": args.access_key, "secret_key": args.secret_key}
+    server = EmbeddedS3(data_dir=args.data, port=args.port, buckets=args.bucket or [], **keys)
     server.start()
     try:
         print(f"S3 server on {server.endpoint_url} (pid {server.pid}); data in {server.data_dir}")
         print("export these to use it:")
         for name, value in server.env().items():
+            if name == "AWS_SECRET_ACCESS_KEY" and args.secret_key is not None:
+                value = "<the --secret-key you gave>"  # a secret of the user's is not echoed
             print(f"  export {name}={value}")
         print("Ctrl-C stops it.", flush=True)
         signal.sigwait({signal.SIGINT, signal.SIGTERM})
@@ -301,6 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=_count(1), default=None, help="S3 port (default: a free one)")
     p.add_argument("--data", default=None, help="data directory (default: temporary)")
     p.add_argument("--bucket", action="append", help="bucket to create (repeatable)")
+    p.add_argument("--access-key", default=None, help="the identity the server accepts (default minioadmin)")
+    p.add_argument("--secret-key", default=None, help="its secret (default minioadmin)")
     p.set_defaults(func=cmd_serve)
     for command in sub.choices.values():
         command.set_defaults(command_parser=command)

@@ -150,8 +150,9 @@ class EmbeddedS3:
     Args:
         data_dir: Where the server keeps its data; a temporary directory if None.
         port: The S3 port; the other services use the ports around it. Random if None.
-        access_key: The one identity the server accepts.
-        secret_key: Its secret (never shown in reprs).
+        access_key: The one identity the server accepts; by default MinIO's default,
+            ``minioadmin``, so snippets written for a local MinIO work against it too.
+        secret_key: Its secret (never shown in reprs); by default ``minioadmin``.
         buckets: Buckets to create at start.
         max_volumes: How many volumes the server may create. Each bucket takes at least one;
             left to itself, SeaweedFS allows one per GiB of free disk, so a machine with 20 GiB
@@ -164,8 +165,8 @@ class EmbeddedS3:
 
     data_dir: str | None = None
     port: int | None = None
-    access_key: str = "remote-loader"
-    secret_key: str = field(default="remote-loader-secret", repr=False)
+    access_key: str = "minioadmin"
+    secret_key: str = field(default="minioadmin", repr=False)
     buckets: tuple[str, ...] | list[str] = ()
     max_volumes: int = 1000
     _process: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -160,3 +161,28 @@ def test_version_and_python_dash_m():
 def test_help_does_not_import_torch():
     code = "import sys\nfrom remote_loader import cli\nprint('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+
+
+def test_serve_accepts_the_readmes_credentials_and_its_own(tmp_path):
+    from remote_loader import make_client
+    from tests.servers import free_port
+
+    for keys in ([], ["--access-key", "mine", "--secret-key", "hunter2-secret"]):
+        port = free_port()
+        while not 1027 <= port <= 55534:
+            port = free_port()
+        server = subprocess.Popen([str(SCRIPT), "serve", "--port", str(port), "--bucket", "datasets",
+                                   "--data", str(tmp_path / str(port)), *keys], stdout=subprocess.PIPE, text=True)
+        try:
+            assert server.stdout is not None
+            lines = [server.stdout.readline() for _ in range(7)]  # the banner, up to "Ctrl-C stops it."
+            assert "Ctrl-C stops it." in lines[-1], lines
+            assert "hunter2-secret" not in "".join(lines)
+            access, secret = (keys[1], keys[3]) if keys else ("minioadmin", "minioadmin")
+            client = make_client(f"http://127.0.0.1:{port}", access, secret)
+            client.put("datasets", "k", b"v")
+            assert client.get("datasets", "k") == b"v"
+            client.close()
+        finally:
+            server.send_signal(signal.SIGINT)
+            server.communicate(timeout=60)
