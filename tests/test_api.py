@@ -109,3 +109,16 @@ def test_cli_refuses_a_mistyped_url_and_writes_nothing(tmp_path):
         assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     assert "did you mean s3://datasets/x?" in out.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["images"]
+
+
+def test_the_vision_extra_pins_the_torchvision_of_the_tested_torch():
+    import re
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    vision = re.fullmatch(r"torchvision==0\.(\d+)\.(\d+)", extras["vision"][0])
+    torch = re.search(r"^TORCH := torch==2\.(\d+)\.\d+$", (root / "Makefile").read_text(), re.M)
+    assert vision and torch, (extras["vision"], "Makefile TORCH")
+    assert int(vision.group(1)) == int(torch.group(1)) + 15  # torch 2.13 <-> torchvision 0.28
