@@ -106,6 +106,10 @@ class StorageConfig:
         read_timeout: Seconds to wait for bytes on an open connection: it bounds how long
             a request to a hung server can block.
         max_connections: Size of the connection pool per process.
+        profile: The AWS profile whose keys to use when none are given (``AWS_PROFILE``);
+            boto3 reads it through its own chain, the minio backend from the credentials file.
+        credentials_file: The AWS credentials file (``AWS_SHARED_CREDENTIALS_FILE``, else
+            ``~/.aws/credentials``).
     """
 
     endpoint_url: str | None = None
@@ -117,6 +121,8 @@ class StorageConfig:
     connect_timeout: float = 5.0
     read_timeout: float = 20.0
     max_connections: int = 32
+    profile: str | None = None
+    credentials_file: str | None = None
 
     def __post_init__(self) -> None:
         if self.endpoint_url is not None:
@@ -136,7 +142,7 @@ class StorageConfig:
 
         Read: ``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``,
         ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_REGION``,
-        ``AWS_DEFAULT_REGION``, and MinIO's ``MINIO_ENDPOINT`` (with ``MINIO_SECURE``),
+        ``AWS_DEFAULT_REGION``, ``AWS_PROFILE``, ``AWS_SHARED_CREDENTIALS_FILE``, and MinIO's ``MINIO_ENDPOINT`` (with ``MINIO_SECURE``),
         ``MINIO_ACCESS_KEY`` / ``MINIO_ROOT_USER``, ``MINIO_SECRET_KEY`` /
         ``MINIO_ROOT_PASSWORD`` and ``MINIO_REGION``. AWS names win over MinIO names.
         Overrides whose value is None are ignored.
@@ -152,6 +158,8 @@ class StorageConfig:
             "secret_key": _first(env, "AWS_SECRET_ACCESS_KEY", "MINIO_SECRET_KEY", "MINIO_ROOT_PASSWORD"),
             "session_token": _first(env, "AWS_SESSION_TOKEN"),
             "region": _first(env, "AWS_REGION", "AWS_DEFAULT_REGION", "MINIO_REGION") or "us-east-1",
+            "profile": _first(env, "AWS_PROFILE"),
+            "credentials_file": _first(env, "AWS_SHARED_CREDENTIALS_FILE"),
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         if (values["access_key"] is None) != (values["secret_key"] is None):

@@ -1,12 +1,17 @@
 """The S3 backend on the MinIO client (``minio`` 7.2).
 
-Multipart uploads use the client's ``_create_multipart_upload`` family: the public
-``put_object`` only uploads from a pull-style stream, and our writers push parts as a shard
-is produced. The minio requirement is pinned below 8 for that reason.
+Whole objects go through the public ``put_object``. minio 7.2's public API has no way to
+push the parts of a multipart upload as they are produced (``put_object`` pulls them from a
+stream and reads one part ahead, so a part "sent" would not yet be on the server), no
+conditional PUT (its headers become user metadata) and no listing of multipart uploads:
+streaming writers, ``put(if_none_match=..., if_match=...)`` and ``abort_uploads`` use the
+client's ``_create_multipart_upload`` family, ``_put_object`` and ``_list/_abort_multipart_upload``,
+here and nowhere else. The requirement stays below minio 8, the major version tested.
 """
 
 from __future__ import annotations
 
+import io
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -14,6 +19,7 @@ from urllib.parse import urlsplit
 
 import urllib3
 from minio import Minio
+from minio.credentials import AWSConfigProvider
 from minio.datatypes import Part
 from minio.error import InvalidResponseError, MinioException, S3Error, ServerError
 from urllib3.exceptions import HTTPError as Urllib3Error
@@ -62,6 +68,10 @@ class MinioStore(RangedStore):
             maxsize=c.max_connections,
             retries=retries,
         )
+        # Without keys, an AWS profile's (AWS_PROFILE, the credentials file), as boto3 would.
+        profile = None
+        if c.access_key is None and (c.profile or c.credentials_file):
+            profile = AWSConfigProvider(filename=c.credentials_file, profile=c.profile or "default")
         return Minio(
             parts.netloc,
             access_key=c.access_key,
@@ -70,6 +80,7 @@ class MinioStore(RangedStore):
             secure=parts.scheme == "https",
             region=c.region,
             http_client=http,
+            credentials=profile,
         )
 
     @contextmanager
@@ -134,7 +145,10 @@ class MinioStore(RangedStore):
         if if_match is not None:
             headers["If-Match"] = if_match
         with self._errors("PUT", bucket, key):
-            self._sdk()._put_object(bucket, key, bytes(data), headers or None)
+            if headers:  # the one thing put_object cannot send
+                self._sdk()._put_object(bucket, key, bytes(data), headers)
+            else:
+                self._sdk().put_object(bucket, key, io.BytesIO(bytes(data)), len(data))
 
     def open_writer(self, bucket: str, key: str, *, part_size: int = DEFAULT_PART_SIZE) -> ObjectWriter:
         return _MinioWriter(self, bucket, key, part_size)

@@ -200,3 +200,19 @@ def test_errors_are_storage_errors_with_one_line_messages(store):
         client.get(bucket, "missing")
     assert "\n" not in str(info.value) and "Traceback" not in str(info.value)
     assert info.value.__cause__ is None  # the SDK's exception is not chained into the user's traceback
+
+
+def test_the_minio_backend_takes_keys_from_an_aws_profile_when_none_are_given(seaweed, tmp_path):
+    # boto3 reads AWS_PROFILE through its own credential chain; the minio client did not.
+    credentials = tmp_path / "credentials"
+    credentials.write_text(f"[default]\naws_access_key_id = wrong\naws_secret_access_key = wrong\n\n"
+                           f"[loader]\naws_access_key_id = {seaweed.access_key}\n"
+                           f"aws_secret_access_key = {seaweed.secret_key}\n")
+    config = StorageConfig.from_env({"AWS_ENDPOINT_URL": seaweed.endpoint_url, "AWS_PROFILE": "loader",
+                                     "AWS_SHARED_CREDENTIALS_FILE": str(credentials)})
+    assert config.access_key is None and config.profile == "loader"
+    seaweed.client().create_bucket("profiles")
+    client = make_client(config=config, backend="minio")
+    client.put("profiles", "k", b"v")  # before: an anonymous request, AccessDenied
+    assert client.get("profiles", "k") == b"v"
+    client.close()
