@@ -11,7 +11,7 @@ import pytest
 
 from remote_loader import LocalStore, Store, make_client
 from remote_loader.testing.server import EmbeddedS3
-from tests.servers import LocalBucketServer, MotoServer, S3Target, external_target
+from tests.servers import LocalBucketServer, MotoServer, S3Target, external_target, remove_bucket
 
 _counter = itertools.count()
 
@@ -84,8 +84,11 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Stor
         server, backend = request.param.split("-")
         target = _target(request, server)
         client = make_client(target.endpoint_url, target.access_key, target.secret_key, backend=backend)  # type: ignore[arg-type]
-    yield client, new_bucket(client), target
+    bucket = new_bucket(client)
+    yield client, bucket, target
     client.close()
+    if target is not None and target.name == "external":  # a server the tests do not own keeps nothing of theirs
+        remove_bucket(target, bucket)
 
 
 @pytest.fixture
@@ -101,5 +104,8 @@ def roundtrip_s3(request: pytest.FixtureRequest) -> Iterator[tuple[Store, str]]:
     """SeaweedFS, and the external endpoint when one is configured."""
     target = _target(request, request.param)
     store = make_client(target.endpoint_url, target.access_key, target.secret_key)
-    yield store, new_bucket(store)
+    bucket = new_bucket(store)
+    yield store, bucket
     store.close()
+    if target.name == "external":
+        remove_bucket(target, bucket)

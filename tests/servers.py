@@ -116,3 +116,23 @@ def external_target() -> S3Target | None:
         os.environ.get("REMOTE_LOADER_TEST_ACCESS_KEY", "minioadmin"),
         os.environ.get("REMOTE_LOADER_TEST_SECRET_KEY", "minioadmin"),
     )
+
+
+def remove_bucket(target: S3Target, bucket: str) -> None:
+    """Empty and delete a test's bucket on a server the tests do not own (an external one),
+    through the SDK directly: the library has no call to delete buckets."""
+    import boto3
+
+    sdk = boto3.client("s3", endpoint_url=target.endpoint_url, aws_access_key_id=target.access_key,
+                       aws_secret_access_key=target.secret_key, region_name="us-east-1")
+    try:
+        for page in sdk.get_paginator("list_multipart_uploads").paginate(Bucket=bucket):
+            for upload in page.get("Uploads", []):
+                sdk.abort_multipart_upload(Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+        for page in sdk.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+            keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+            if keys:
+                sdk.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
+        sdk.delete_bucket(Bucket=bucket)
+    finally:
+        sdk.close()
