@@ -94,6 +94,8 @@ class BlockingImages(SyntheticImages):
     """Synthetic images whose sample ``block_at`` connects to 127.0.0.1:``port`` and waits
     there until the connection ends: the test learns the upload reached it by accepting."""
 
+    released: Exception | None = RuntimeError("released")
+
     def __init__(self, n: int, block_at: int | None, port: int, **kwargs: object) -> None:
         super().__init__(n, **kwargs)  # type: ignore[arg-type]
         self.block_at, self.port = block_at, port
@@ -104,26 +106,19 @@ class BlockingImages(SyntheticImages):
 
             with socket.create_connection(("127.0.0.1", self.port)) as connection:
                 connection.recv(1)
-            raise RuntimeError("released")
+            if self.released is not None:
+                raise self.released
         return super().__getitem__(index)
 
 
-class PausingImages(SyntheticImages):
-    """Synthetic images whose sample ``pause_at`` connects to 127.0.0.1:``port`` and waits
-    there until the test closes the connection, then returns normally: an upload held still
-    at a known point, for as long as the test needs."""
+class PausingImages(BlockingImages):
+    """``BlockingImages`` whose sample ``pause_at`` returns normally once the test closes the
+    connection: an upload held still at a known point, for as long as the test needs."""
+
+    released = None
 
     def __init__(self, n: int, pause_at: int, port: int, **kwargs: object) -> None:
-        super().__init__(n, **kwargs)  # type: ignore[arg-type]
-        self.pause_at, self.port = pause_at, port
-
-    def __getitem__(self, index: int):  # type: ignore[override]
-        if index == self.pause_at:
-            import socket
-
-            with socket.create_connection(("127.0.0.1", self.port)) as connection:
-                connection.recv(1)
-        return super().__getitem__(index)
+        super().__init__(n, pause_at, port, **kwargs)
 
 
 FLAKY_MARK = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"remote-loader-flaky-{os.getuid()}")

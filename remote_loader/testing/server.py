@@ -118,6 +118,9 @@ def find_weed() -> str:
 
 def _port_free(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        # As servers bind: a port whose old connections linger in TIME_WAIT (a server just
+        # restarted on it) is free; one that something listens on is not.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((HOST, port))
         except OSError:

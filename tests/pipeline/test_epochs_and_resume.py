@@ -130,11 +130,12 @@ def test_spawned_persistent_workers_follow_set_epoch_too(seaweed, dataset):
 def test_a_count_resume_continues_each_workers_stream_but_not_the_interleaving(dataset):
     # What the README promises: the items not yet consumed, each worker's in its own order;
     # the DataLoader's round-robin restarts at worker 0, so the interleaving may differ.
-    dataset.set_epoch(4)
-    full = list(DataLoader(dataset, batch_size=None, num_workers=2))
+    ds = dataset.map(lambda key: key)  # a pipeline of its own: no state other tests loaded
+    ds.set_epoch(4)
+    full = list(DataLoader(ds, batch_size=None, num_workers=2))
     ours = {w: full[w::2] for w in (0, 1)}  # equal shares: items alternate between the workers
-    dataset.load_state_dict(dataset.state_dict(consumed=13, num_workers=2))
-    rest = list(DataLoader(dataset, batch_size=None, num_workers=2))
+    ds.load_state_dict(ds.state_dict(consumed=13, num_workers=2))
+    rest = list(DataLoader(ds, batch_size=None, num_workers=2))
     assert Counter(full[:13]) + Counter(rest) == ALL
     for worker, stream in ours.items():
         assert [k for k in rest if k in set(stream)] == stream[7 - worker:]  # worker 0 gave 7, worker 1 gave 6
