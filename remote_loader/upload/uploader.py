@@ -12,10 +12,9 @@ import logging
 import multiprocessing
 import os
 import queue
-import re
 import secrets
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Iterable
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -29,31 +28,24 @@ from tqdm import tqdm
 from remote_loader.config import FetchConfig, require_bool, require_int
 from remote_loader.errors import (
     ConfigError,
-    FormatError,
-    ObjectNotFound,
-    PreconditionFailed,
     RemoteLoaderError,
     StorageError,
     UploadConflict,
     UploadError,
 )
-from remote_loader.format import MANIFEST_NAME, UPLOAD_STATE, Manifest, ShardEntry, ShardTable
-from remote_loader.format.index import unpack
+from remote_loader.format import MANIFEST_NAME, Manifest, ShardEntry, ShardTable
 from remote_loader.format.shard import member_bytes
 from remote_loader.read import Metrics, RetryPolicy
 from remote_loader.storage import DEFAULT_PART_SIZE, Location, Store
-from remote_loader.upload import tasks
+from remote_loader.upload import claim, tasks
 from remote_loader.upload.encode import EncodeOptions, encode_item
 from remote_loader.upload.sources import Source, load_source
-from remote_loader.upload.tasks import STATE_DIR, TaskResult, TaskSpec, write_task
+from remote_loader.upload.tasks import TaskResult, TaskSpec, write_task
 
 log = logging.getLogger("remote_loader")
 
-_STATE = UPLOAD_STATE
 _ESTIMATE_SAMPLES = 16
 
-Retry = Callable[[Callable[[], Any]], Any]
-"""``RetryPolicy.call``: the request, repeated on retryable faults."""
 
 
 @dataclass(frozen=True)
@@ -131,76 +123,6 @@ def _plan_task_size(dataset: Any, order: np.ndarray, options: EncodeOptions, max
         return maxcount
     per_sample = float(np.mean(sizes)) * 1.1 + 64  # margin for size spread and index bytes
     return max(1, min(maxcount, int((maxsize - 4096) / per_sample)))
-
-
-def _read_versioned(store: Store, retry: Retry, bucket: str, key: str) -> tuple[bytes, str] | None:
-    try:
-        result: tuple[bytes, str] = retry(lambda: store.get_versioned(bucket, key))
-        return result
-    except ObjectNotFound:
-        return None
-
-
-def _read_state(store: Store, retry: Retry, location: Location) -> tuple[dict[str, Any] | None, str | None]:
-    """The upload state at ``location`` (None if there is none or it is not one) and its version tag."""
-    found = _read_versioned(store, retry, location.bucket, location.key(_STATE))
-    if found is None:
-        return None, None
-    try:
-        state = unpack(found[0], what="upload state", name=location.key(_STATE))
-    except FormatError:
-        return None, found[1]
-    valid = (isinstance(state, dict) and isinstance(state.get("params"), dict) and isinstance(state.get("task_size"), int)
-             and isinstance(state.get("run"), str) and re.fullmatch(r"[0-9a-f]{8}", state["run"]) is not None)
-    return (state if valid else None), found[1]
-
-
-def _claim(store: Store, retry: Retry, location: Location, record: bytes, etag: str | None) -> None:
-    """Write the upload state so that only one upload holds the prefix: created only if
-    absent (``etag`` None), else replacing only the version ``etag`` that was read."""
-    try:
-        retry(lambda: store.put(location.bucket, location.key(_STATE), record, if_none_match=etag is None,
-                                if_match=etag))
-    except PreconditionFailed:
-        found = _read_versioned(store, retry, location.bucket, location.key(_STATE))
-        if found is None or found[0] != record:  # a retried PUT that had landed reads back as ours
-            raise UploadConflict(f"another upload to {location} started at the same time; this one stopped"
-                                 " without writing anything", location=str(location)) from None
-
-
-def _kept_results(store: Store, retry: Retry, location: Location, run: str, num_tasks: int) -> dict[int, TaskResult]:
-    """Task results of an earlier run of this upload whose shards all exist with the recorded sizes."""
-    sizes = {info.key: info.size for info in retry(lambda: list(store.list(location.bucket, _own(location, run))))}
-    records = {info.key for info in retry(lambda: list(store.list(location.bucket, location.key(f"{STATE_DIR}/{run}/"))))}
-    kept = {}
-    for task_id in range(num_tasks):
-        key = tasks.task_record_key(location, run, task_id)
-        if key not in records:
-            continue
-        result = TaskResult.decode(retry(partial(store.get, location.bucket, key)), key)
-        if all(e.name.startswith(f"shard-{run}-") and sizes.get(location.key(e.name)) == e.size for e in result.entries):
-            kept[task_id] = result
-    return kept
-
-
-def _own(location: Location, run: str) -> str:
-    """The key prefix of the shards of upload ``run``: every object it writes but its state."""
-    return location.key(f"shard-{run}-")
-
-
-def _delete_run(store: Store, retry: Retry, location: Location, run: str, keep: Collection[str] = ()) -> None:
-    """Delete the shards and task records of upload ``run``, less the shard names in ``keep``."""
-    for prefix in (_own(location, run), location.key(f"{STATE_DIR}/{run}/")):
-        for info in retry(lambda: list(store.list(location.bucket, prefix))):
-            if info.key[len(location.key("")):] not in keep:
-                retry(partial(store.delete, location.bucket, info.key))
-
-
-def _release(store: Store, retry: Retry, location: Location, record: bytes) -> None:
-    """Delete the upload state if it is still this upload's."""
-    found = _read_versioned(store, retry, location.bucket, location.key(_STATE))
-    if found is not None and found[0] == record:
-        retry(partial(store.delete, location.bucket, location.key(_STATE)))
 
 
 def _ship(executor: Executor, dataset: Any, source: str | None) -> Any:
@@ -386,8 +308,8 @@ def upload_cv_dataset(
     # Every request here is retried like a task's, so a 503 or a restart of the store after
     # hours of encoding does not end the upload at its manifest PUT.
     fetch = FetchConfig() if fetch is None else fetch
-    retry: Retry = RetryPolicy(fetch, Metrics(), client.endpoint).call
-    found = _read_versioned(client, retry, bucket, location.key(MANIFEST_NAME))
+    retry: claim.Retry = RetryPolicy(fetch, Metrics(), client.endpoint).call
+    found = claim.read_versioned(client, retry, bucket, location.key(MANIFEST_NAME))
     existing = None if found is None else Manifest.decode(found[0], name=location.key(MANIFEST_NAME))
     if existing is not None:
         if existing.params.get("upload") == params and not overwrite:
@@ -398,7 +320,7 @@ def upload_cv_dataset(
                               " pass overwrite=True (--overwrite) to replace it")
 
     order = np.random.default_rng(seed).permutation(num) if shuffle else np.arange(num)
-    state, state_tag = _read_state(client, retry, location)
+    state, state_tag = claim.read_state(client, retry, location)
     abandoned = None
     if state is not None and state["params"] == params:
         task_size, run = state["task_size"], state["run"]  # resume this upload's interrupted run
@@ -415,16 +337,16 @@ def upload_cv_dataset(
         task_size = _plan_task_size(ds, order, options, int(maxsize), int(maxcount))
         run = secrets.token_hex(4)
         record = msgpack.packb({"params": params, "task_size": task_size, "run": run})
-        _claim(client, retry, location, record, state_tag)
+        claim.take(client, retry, location, record, state_tag)
     try:
-        retry(lambda: client.abort_uploads(bucket, _own(location, run)))
+        retry(lambda: client.abort_uploads(bucket, claim.own(location, run)))
     except StorageError as exc:
         if exc.code != "NotImplemented":
             raise
         log.debug("%s cannot list multipart uploads; unfinished uploads of earlier runs stay", bucket)
 
     num_tasks = -(-num // task_size)
-    kept = _kept_results(client, retry, location, run, num_tasks)
+    kept = claim.kept_results(client, retry, location, run, num_tasks)
     spec = TaskSpec(client, location, options, int(maxsize), int(maxcount), on_error, part_size,
                     max(6, len(str(num - 1))), run, fetch)
     pending = [(t, order[t * task_size : (t + 1) * task_size]) for t in range(num_tasks) if t not in kept]
@@ -451,7 +373,7 @@ def upload_cv_dataset(
         skipped=len(skipped),
         skipped_indices=tuple(skipped),
     )
-    _switch(client, retry, location, manifest.encode(), record, run, None if found is None else found[1])
+    claim.switch(client, retry, location, manifest.encode(), record, run, None if found is None else found[1])
     names = {e.name for e in entries}
     if existing is not None and existing.params.get("upload_id"):
         # The replaced upload's shards, now that no manifest names them (tars indexed in
@@ -461,43 +383,12 @@ def upload_cv_dataset(
             if name not in names:
                 retry(partial(client.delete, bucket, location.key(name)))
     if abandoned is not None:
-        _delete_run(client, retry, location, abandoned)
-    _delete_run(client, retry, location, run, keep=names)
-    _release(client, retry, location, record)
+        claim.delete_run(client, retry, location, abandoned)
+    claim.delete_run(client, retry, location, run, keep=names)
+    claim.release(client, retry, location, record)
     kept_shards = sum(len(r.entries) for r in kept.values())
     return UploadSummary(location, manifest.num_samples, len(entries), manifest.num_bytes, len(skipped),
                          time.perf_counter() - started, kept_shards=kept_shards, skip_reasons=reasons)
-
-
-def _switch(store: Store, retry: Retry, location: Location, manifest: bytes, record: bytes, run: str,
-            replaced: str | None) -> None:
-    """Put the manifest, the switch readers see, if this upload still holds the prefix and the
-    manifest is still the one it read (``replaced``, its tag; None: there was none).
-
-    An upload that lost the prefix to another stops with ``UploadConflict``, having deleted
-    its own shards only (none that the other's manifest names).
-    """
-    key = location.key(MANIFEST_NAME)
-    state = _read_versioned(store, retry, location.bucket, location.key(_STATE))
-    try:
-        if state is None or state[0] != record:
-            raise UploadConflict(f"another upload to {location} took over while this one ran; this one stopped and"
-                                 " removed its own shards", location=str(location))
-        try:
-            retry(lambda: store.put(location.bucket, key, manifest, if_none_match=replaced is None, if_match=replaced))
-        except PreconditionFailed:
-            now = _read_versioned(store, retry, location.bucket, key)
-            if now is not None and now[0] == manifest:  # a retried PUT that had landed
-                return
-            raise UploadConflict(f"another upload to {location} finished first; this one stopped and removed its own"
-                                 " shards", location=str(location)) from None
-    except UploadConflict:
-        now = _read_versioned(store, retry, location.bucket, key)
-        table = None if now is None else Manifest.decode(now[0], name=key).shards
-        keep = set() if table is None else {table.names[i] for i in range(len(table))}
-        _delete_run(store, retry, location, run, keep=keep)
-        _release(store, retry, location, record)
-        raise
 
 
 def _class_names(ds: Any) -> list[str]:
