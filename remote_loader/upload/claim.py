@@ -28,6 +28,7 @@ _STATE = UPLOAD_STATE
 
 
 def read_versioned(store: Store, retry: Retry, bucket: str, key: str) -> tuple[bytes, str] | None:
+    """The object and its version tag (ETag), or None if it does not exist."""
     try:
         result: tuple[bytes, str] = retry(lambda: store.get_versioned(bucket, key))
         return result
