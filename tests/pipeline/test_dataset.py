@@ -163,8 +163,9 @@ def test_decode_min_size_uses_reduced_jpeg_decoding(seaweed):
     full = [s["jpg"].size for s in RemoteDataset(client, bucket, "big", shuffle_shards=False).decode("pil")]
     small = [s["jpg"].size for s in RemoteDataset(client, bucket, "big", shuffle_shards=False).decode("pil", min_size=100)]
     for (fw, fh), (sw, sh) in zip(full, small):
-        assert min(sw, sh) >= 100 and sw < fw and sh < fh
-        assert min(sw, sh) < 2 * 100 or min(fw, fh) < 8 * 100  # the largest scale-down that keeps 100 px
+        # libjpeg's DCT scaling: the largest of 1/2, 1/4, 1/8 that keeps the shorter side >= 100 px
+        k = max(f for f in (2, 4, 8) if -(-min(fw, fh) // f) >= 100)
+        assert (sw, sh) == (-(-fw // k), -(-fh // k)), ((fw, fh), (sw, sh), k)
 
 
 def preproc(image):

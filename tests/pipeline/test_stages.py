@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import pickle
-from functools import partial
 
 import numpy as np
 import pytest
 
 from remote_loader.errors import ConfigError, DecodeError
 from remote_loader.pipeline.stages import (
+    Batched,
+    Context,
+    Shuffle,
     batched_stage,
     map_stage,
     map_tuple_stage,
@@ -55,6 +57,10 @@ def test_batched_partial_and_collation():
     assert list(batched_stage(range(4), 2, sum, True)) == [1, 5]
 
 
-def test_bound_stages_pickle():
-    stage = partial(batched_stage, batchsize=4, collation_fn=None, partial=True)
-    assert list(pickle.loads(pickle.dumps(stage))(range(5))) == [[0, 1, 2, 3], [4]]
+def test_stage_objects_pickle_and_run_after():
+    context = Context(seed=0, epoch=0, rank=0, worker=0)
+    batched = pickle.loads(pickle.dumps(Batched(4, None, True)))
+    assert list(batched.run(range(5), context)) == [[0, 1, 2, 3], [4]]
+    shuffle = Shuffle(8, 8)
+    again = pickle.loads(pickle.dumps(shuffle))
+    assert list(again.run(range(20), context)) == list(shuffle.run(range(20), context))  # same seed, same order
