@@ -533,13 +533,20 @@ class RemoteDataset(IterableDataset):
         data: Iterator[tuple[Any, Any]] = stream_positions(
             self.reader, jobs, policy=policy, open_shards=self.open_shards, seed=(self.seed, epoch, rank, worker, 1),
             on_error=self.on_error, progress=progress)
-        done = progress.done if progress is not None else _ignore
+        names = stages.InFlight()
+        data = names.entering(data)
+        counted = progress.done if progress is not None else _ignore
+
+        def done(ids: Any) -> None:
+            counted(ids)
+            names.left(ids)
+
         skip_after = self._skip_point()[0] if skip else -1
         context = stages.Context(self.seed, epoch, rank, worker)
         for position, stage in enumerate(self.stages):
             if position == skip_after:
                 data = _skip(data, skip, done)
-            data = stages.run_paired(stage, data, context, done)
+            data = stages.run_paired(stage, data, context, done, names)
         if skip_after == len(self.stages):
             data = _skip(data, skip, done)
         yield from _timed(_deliver(data, done), metrics)

@@ -22,7 +22,7 @@ import numpy as np
 
 from remote_loader.errors import ConfigError, DecodeError
 from remote_loader.pipeline.decode import MODES, decode_sample
-from remote_loader.pipeline.threads import apply, threaded_map
+from remote_loader.pipeline.threads import apply, describe, name_failure, threaded_map
 
 
 def map_stage(samples: Iterable[Any], fn: Callable[[Any], Any]) -> Iterator[Any]:
@@ -300,8 +300,37 @@ class Batched(Stage):
 # --------------------------------------------------------------------------- stages over (id, item) pairs
 
 
+class InFlight:
+    """Where each sample inside a pipeline came from, by id: an error in a later stage, whose
+    items are tuples or tensors without a key, still names its sample. Bounded by what the
+    pipeline holds (the shuffle buffer, threads in flight, a partial batch)."""
+
+    def __init__(self) -> None:
+        self._where: dict[Any, str] = {}
+
+    def entering(self, pairs: Iterable[tuple[Any, Any]]) -> Iterator[tuple[Any, Any]]:
+        for i, item in pairs:
+            if isinstance(item, dict) and "__key__" in item:
+                self._where[i] = describe(item, 0)
+            yield i, item
+
+    def left(self, ids: Any) -> None:
+        """Forget samples delivered or dropped (an id, or a batch's list of ids)."""
+        if isinstance(ids, list):
+            for i in ids:
+                self.left(i)
+        else:
+            self._where.pop(ids, None)
+
+    def name(self, ids: Any) -> str | None:
+        first = ids
+        while isinstance(first, list) and first:
+            first = first[0]
+        return self._where.get(first)
+
+
 def run_paired(stage: Stage, pairs: Iterable[tuple[Any, Any]], context: Context,
-               dropped: Callable[[Any], None]) -> Iterator[tuple[Any, Any]]:
+               dropped: Callable[[Any], None], names: InFlight | None = None) -> Iterator[tuple[Any, Any]]:
     """``stage`` over ``(id, item)`` pairs, the ids following their items: so the pipeline's
     end knows which samples it delivers, and a checkpoint knows which are still inside.
 
@@ -316,10 +345,11 @@ def run_paired(stage: Stage, pairs: Iterable[tuple[Any, Any]], context: Context,
         return _batch_pairs(pairs, stage, dropped)
     if not stage.one_to_one:
         raise TypeError(f"no paired form for {stage!r}")
-    return _one_to_one_pairs(stage, pairs, context)
+    return _one_to_one_pairs(stage, pairs, context, names)
 
 
-def _one_to_one_pairs(stage: Stage, pairs: Iterable[tuple[Any, Any]], context: Context) -> Iterator[tuple[Any, Any]]:
+def _one_to_one_pairs(stage: Stage, pairs: Iterable[tuple[Any, Any]], context: Context,
+                      names: InFlight | None) -> Iterator[tuple[Any, Any]]:
     # The stage keeps the order and maps one to one: its k-th output is its k-th input's.
     ids: deque[Any] = deque()
 
@@ -328,7 +358,19 @@ def _one_to_one_pairs(stage: Stage, pairs: Iterable[tuple[Any, Any]], context: C
             ids.append(i)
             yield item
 
-    for out in stage.run(items(), context):
+    outputs = stage.run(items(), context)
+    while True:
+        try:
+            out = next(outputs)
+        except StopIteration:
+            return
+        except Exception as error:
+            # In order, so the failing item is the oldest one in flight; a sample that has
+            # lost its key (after to_tuple) is named by where it came from.
+            where = names.name(ids[0]) if names is not None and ids else None
+            if where is not None and where not in "\n".join(getattr(error, "__notes__", [])):
+                name_failure(error, where)
+            raise
         yield ids.popleft(), out
 
 

@@ -161,3 +161,19 @@ def test_ctrl_c_ends_a_loop_whose_threaded_map_never_returns(uploaded, seaweed):
             process.wait()
     assert "interrupted" in out and "KeyboardInterrupt" in err, err[-2000:]
     assert process.returncode != 0
+
+
+def test_a_failure_after_to_tuple_names_its_sample_not_an_item_number(uploaded):
+    def fail_on_one(pair):
+        image, label = pair
+        if bytes(image)[-20:] == target:
+            raise ValueError("bad augmentation")
+        return pair
+
+    target = bytes(next(s for s in RemoteDataset(uploaded, "thread-tests", "d") if s["__key__"] == "000017")["jpg"])[-20:]
+    for threads in (0, 2):
+        ds = RemoteDataset(uploaded, "thread-tests", "d").to_tuple("jpg", "cls").map(fail_on_one, threads=threads)
+        with pytest.raises(ValueError, match="bad augmentation") as caught:
+            list(ds)
+        notes = "\n".join(getattr(caught.value, "__notes__", []))
+        assert "sample '000017' of shard-" in notes, notes
