@@ -16,7 +16,7 @@ from remote_loader.config import FetchConfig
 from remote_loader.errors import ObjectNotFound, PreconditionFailed, UploadConflict, UploadError
 from remote_loader.format import MANIFEST_NAME, Manifest, ShardEntry, ShardTable
 from remote_loader.format.checksum import crc32
-from remote_loader.format.manifest import valid_shard_name
+from remote_loader.format.names import valid_shard_name
 from remote_loader.read import Metrics, RetryPolicy
 from remote_loader.format.tar import scan_tar
 from remote_loader.storage import Location, Store
