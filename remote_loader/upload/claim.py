@@ -36,18 +36,20 @@ def read_versioned(store: Store, retry: Retry, bucket: str, key: str) -> tuple[b
         return None
 
 
-def read_state(store: Store, retry: Retry, location: Location) -> tuple[dict[str, Any] | None, str | None]:
-    """The upload state at ``location`` (None if there is none or it is not one) and its version tag."""
+def read_state(store: Store, retry: Retry,
+               location: Location) -> tuple[dict[str, Any] | None, str | None, bytes | None]:
+    """The upload state at ``location`` (None if there is none or it is not one), its version
+    tag, and its bytes as stored (what ``switch`` and ``release`` recognise it by)."""
     found = read_versioned(store, retry, location.bucket, location.key(_STATE))
     if found is None:
-        return None, None
+        return None, None, None
     try:
         state = unpack(found[0], what="upload state", name=location.key(_STATE))
     except FormatError:
-        return None, found[1]
+        return None, found[1], found[0]
     valid = (isinstance(state, dict) and isinstance(state.get("params"), dict) and isinstance(state.get("task_size"), int)
              and isinstance(state.get("run"), str) and re.fullmatch(r"[0-9a-f]{8}", state["run"]) is not None)
-    return (state if valid else None), found[1]
+    return (state if valid else None), found[1], found[0]
 
 
 def take(store: Store, retry: Retry, location: Location, record: bytes, etag: str | None) -> None:

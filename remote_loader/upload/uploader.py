@@ -320,11 +320,11 @@ def upload_cv_dataset(
                               " pass overwrite=True (--overwrite) to replace it")
 
     order = np.random.default_rng(seed).permutation(num) if shuffle else np.arange(num)
-    state, state_tag = claim.read_state(client, retry, location)
+    state, state_tag, stored = claim.read_state(client, retry, location)
     abandoned = None
-    if state is not None and state["params"] == params:
+    if state is not None and stored is not None and state["params"] == params:
         task_size, run = state["task_size"], state["run"]  # resume this upload's interrupted run
-        record = msgpack.packb(state)
+        record = stored
     else:
         if state_tag is not None:
             if not overwrite:
