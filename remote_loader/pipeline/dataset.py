@@ -249,7 +249,7 @@ class RemoteDataset(IterableDataset):
     def _unfinished_epoch(self) -> int | None:
         """The epoch of a loaded mid-epoch state whose rest no iteration has taken yet."""
         position = self._position
-        if position is not None and (position.remaining or any(not delivered for _, delivered in position.extras)):
+        if position is not None and position.unfinished:
             return int(position.header["epoch"])
         resume = self._resume
         if resume is None or bool((self._shared[_APPLIED:] >= self._generation).any()):
@@ -480,7 +480,7 @@ class RemoteDataset(IterableDataset):
                     self._position = None
                 plan = position.plan()
                 return plan, {**header, "run": plan.run}, None
-            if position.remaining or any(not delivered for _, delivered in position.extras):
+            if position.unfinished:
                 raise ConfigError(f"the loaded state stopped mid-way through epoch {position.header['epoch']}, but"
                                   f" this iteration is epoch {epoch}: call set_epoch({position.header['epoch']}) first")
             if take:

@@ -205,6 +205,11 @@ class WorkerState:
                     self.header["run"])
 
     @property
+    def unfinished(self) -> bool:
+        """Whether the worker stopped with samples not yet delivered (mid-epoch)."""
+        return bool(self.remaining) or any(not delivered for _, delivered in self.extras)
+
+    @property
     def where(self) -> str:
         h = self.header
         return f"rank {h['rank']} worker {h['worker']}"

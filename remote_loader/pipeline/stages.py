@@ -306,12 +306,12 @@ class InFlight:
     pipeline holds (the shuffle buffer, threads in flight, a partial batch)."""
 
     def __init__(self) -> None:
-        self._where: dict[Any, str] = {}
+        self._where: dict[Any, Any] = {}  # id -> the sample dict's key and shard, formatted on failure only
 
     def entering(self, pairs: Iterable[tuple[Any, Any]]) -> Iterator[tuple[Any, Any]]:
         for i, item in pairs:
             if isinstance(item, dict) and "__key__" in item:
-                self._where[i] = describe(item, 0)
+                self._where[i] = (item["__key__"], item.get("__shard__"))
             yield i, item
 
     def left(self, ids: Any) -> None:
@@ -326,7 +326,8 @@ class InFlight:
         first = ids
         while isinstance(first, list) and first:
             first = first[0]
-        return self._where.get(first)
+        where = self._where.get(first)
+        return None if where is None else describe({"__key__": where[0], "__shard__": where[1]}, 0)
 
 
 def run_paired(stage: Stage, pairs: Iterable[tuple[Any, Any]], context: Context,

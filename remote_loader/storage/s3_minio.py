@@ -148,7 +148,8 @@ class MinioStore(RangedStore):
             if headers:  # the one thing put_object cannot send
                 self._sdk()._put_object(bucket, key, bytes(data), headers)
             else:
-                self._sdk().put_object(bucket, key, io.BytesIO(bytes(data)), len(data))
+                payload = bytes(data)
+                self._sdk().put_object(bucket, key, io.BytesIO(payload), len(payload))
 
     def open_writer(self, bucket: str, key: str, *, part_size: int = DEFAULT_PART_SIZE) -> ObjectWriter:
         return _MinioWriter(self, bucket, key, part_size)

@@ -13,13 +13,14 @@ from dataclasses import dataclass
 from functools import partial
 
 from remote_loader.config import FetchConfig
-from remote_loader.errors import ObjectNotFound, PreconditionFailed, UploadConflict, UploadError
+from remote_loader.errors import PreconditionFailed, UploadConflict, UploadError
 from remote_loader.format import MANIFEST_NAME, Manifest, ShardEntry, ShardTable
 from remote_loader.format.checksum import crc32
 from remote_loader.format.names import valid_shard_name
 from remote_loader.read import Metrics, RetryPolicy
 from remote_loader.format.tar import scan_tar
 from remote_loader.storage import Location, Store
+from remote_loader.upload.claim import read_versioned
 
 INDEX_SUFFIX = ".index"
 
@@ -48,11 +49,9 @@ def index_webdataset(
     """
     retry = RetryPolicy(fetch or FetchConfig(), Metrics(), store.endpoint).call
     manifest_key = location.key(MANIFEST_NAME)
-    try:
-        data, tag = retry(lambda: store.get_versioned(location.bucket, manifest_key))
-        existing: Manifest | None = Manifest.decode(data, name=manifest_key)
-    except ObjectNotFound:
-        existing, tag = None, None
+    found = read_versioned(store, retry, location.bucket, manifest_key)
+    existing = None if found is None else Manifest.decode(found[0], name=manifest_key)
+    tag = None if found is None else found[1]
     if existing is not None and existing.params.get("upload_id") and not force:
         raise UploadError(f"{location} holds a dataset uploaded by remote_loader (upload {existing.params['upload_id']});"
                           " indexing it would replace its manifest and drop its parameters and class names:"
@@ -71,7 +70,7 @@ def index_webdataset(
     fields: set[str] = set()
     for name, size in tars:
         key = location.key(name)
-        index, crc = scan_tar(partial(retry_range, retry, store, location.bucket, key), name, size)
+        index, crc = scan_tar(partial(_retried_range, retry, store, location.bucket, key), name, size)
         encoded = index.encode()
         index_name = name + INDEX_SUFFIX
         retry(partial(store.put, location.bucket, location.key(index_name), encoded))
@@ -89,7 +88,7 @@ def index_webdataset(
     return IndexSummary(location, len(entries), manifest.num_samples, manifest.num_bytes)
 
 
-def retry_range(retry: Callable[[Callable[[], bytes]], bytes], store: Store, bucket: str, key: str, start: int,
+def _retried_range(retry: Callable[[Callable[[], bytes]], bytes], store: Store, bucket: str, key: str, start: int,
                 end: int) -> bytes:
     """One ranged GET through the retry policy."""
     return retry(lambda: store.get_range(bucket, key, start, end))
