@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.bench-installed
 PEERS := mosaicml-streaming==0.13.0 litdata==0.2.76
 
-.PHONY: demo test lint venv clean bench
+.PHONY: demo test lint docs venv clean bench
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,7 +31,11 @@ lint: $(STAMP)
 	$(BIN)/lint-imports
 	$(BIN)/mypy
 
-test: $(STAMP) lint
+# The docs site, warnings as errors; its code blocks run in the tests (tests/test_docs.py).
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict --quiet
+
+test: $(STAMP) lint docs
 	$(BIN)/python -m pytest -q
 
 $(BENCH_STAMP): $(STAMP) benchmarks/requirements.txt
@@ -44,4 +48,4 @@ bench: $(BENCH_STAMP)
 	$(BIN)/python benchmarks/suite/run.py $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache *.egg-info
+	rm -rf $(VENV) .pytest_cache .mypy_cache *.egg-info site

@@ -128,7 +128,7 @@ def test_spawned_persistent_workers_follow_set_epoch_too(seaweed, dataset):
 
 
 def test_a_count_resume_continues_each_workers_stream_but_not_the_interleaving(dataset):
-    # What the README promises: the items not yet consumed, each worker's in its own order;
+    # What docs/checkpointing.md promises: the items not yet consumed, each worker's in its own order;
     # the DataLoader's round-robin restarts at worker 0, so the interleaving may differ.
     ds = dataset.map(lambda key: key)  # a pipeline of its own: no state other tests loaded
     ds.set_epoch(4)

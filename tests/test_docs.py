@@ -1,0 +1,118 @@
+"""Every code block of the README and the guide pages runs here, so none goes stale.
+
+Each page runs top to bottom in one namespace, in a fresh directory, against its own
+embedded S3 server with MinIO's default keys: the endpoint the pages write,
+``127.0.0.1:9000``, is replaced by the server's, and ``AWS_ENDPOINT_URL`` and the
+keys are set for the ``s3://`` forms. Fences say what a block is:
+
+- ``python``: executed.
+- ``bash``: each line is a ``remote-loader`` command, run (as ``python -m remote_loader``)
+  and expected to succeed.
+- ``console``: commands for the reader's own machine (installing, ``make``, ``torchrun``
+  across nodes, a long-running server); shown, not run.
+- ``text`` or no language: output and layouts, not code.
+
+A ``python`` block inside an HTML comment is set-up the page does not show (a process
+group, files to index); it runs like the others.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from remote_loader.testing.server import EmbeddedS3
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCUMENTED_ENDPOINT = "127.0.0.1:9000"  # with or without http://
+KINDS = {"python", "bash", "console", "text", ""}
+WITHOUT_CODE = {"index.md", "performance.md", "FORMAT.md", "api.md"}
+
+_FENCE = re.compile(r"^```([\w-]*)\n(.*?)^```\n", re.M | re.S)
+_COMMENT = re.compile(r"<!--.*?-->", re.S)
+
+
+@dataclass(frozen=True)
+class Block:
+    kind: str
+    code: str
+    line: int
+    hidden: bool
+
+
+def blocks(text: str) -> list[Block]:
+    hidden = [m.span() for m in _COMMENT.finditer(text)]
+    return [
+        Block(m.group(1), m.group(2), text.count("\n", 0, m.start()) + 1,
+              any(a <= m.start() < b for a, b in hidden))
+        for m in _FENCE.finditer(text)
+    ]
+
+
+def test_pages_are_found_and_every_fence_says_what_it_is() -> None:
+    assert len(PAGES) >= 10, PAGES
+    unknown = [(page.name, b.line, b.kind) for page in PAGES for b in blocks(page.read_text()) if b.kind not in KINDS]
+    assert not unknown, f"fences with a language the docs test does not know: {unknown}"
+
+
+def test_the_block_reader_sees_hidden_set_up_and_line_numbers() -> None:
+    text = "a\n```python\nx = 1\n```\n<!--\n```python\ny = 2\n```\n-->\n```\nout\n```\n"
+    assert blocks(text) == [Block("python", "x = 1\n", 2, False), Block("python", "y = 2\n", 6, True), Block("", "out\n", 10, False)]
+
+
+def test_the_readme_stays_short() -> None:
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 300
+
+
+@pytest.fixture
+def server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[EmbeddedS3]:
+    with EmbeddedS3(data_dir=str(tmp_path / "s3")) as server:
+        for name, value in {"AWS_ENDPOINT_URL": server.endpoint_url, "AWS_ACCESS_KEY_ID": server.access_key,
+                            "AWS_SECRET_ACCESS_KEY": server.secret_key, "AWS_DEFAULT_REGION": "us-east-1"}.items():
+            monkeypatch.setenv(name, value)
+        work = tmp_path / "work"
+        work.mkdir()
+        monkeypatch.chdir(work)
+        monkeypatch.syspath_prepend(str(work))
+        yield server
+
+
+def _run_command(line: str, where: str, endpoint: str) -> None:
+    words = shlex.split(line.replace(DOCUMENTED_ENDPOINT, endpoint.removeprefix("http://")), comments=True)
+    if not words:
+        return
+    assert words[0] == "remote-loader", f"{where}: a bash block holds only remote-loader commands (use console for others): {line}"
+    done = subprocess.run([sys.executable, "-m", "remote_loader", *words[1:]], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert done.returncode == 0, f"{where}: {line}\n{done.stdout}\n{done.stderr}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
+def test_every_code_block_of_the_page_runs(page: Path, server: EmbeddedS3) -> None:
+    namespace: dict[str, object] = {"__name__": "__docs__"}
+    ran = 0
+    for block in blocks(page.read_text()):
+        where = f"{page.name}:{block.line}"
+        if block.kind == "python":
+            code = block.code.replace(DOCUMENTED_ENDPOINT, server.endpoint_url.removeprefix("http://"))
+            exec(compile(code, where, "exec"), namespace)  # noqa: S102 - the page's own code
+            ran += 1
+        elif block.kind == "bash":
+            for number, line in enumerate(block.code.splitlines()):
+                _run_command(line, f"{page.name}:{block.line + 1 + number}", server.endpoint_url)
+            ran += 1
+    assert ran or page.name in WITHOUT_CODE, f"{page.name} has no code block that runs"
+
+
+def test_only_the_pages_meant_to_have_no_code_have_none() -> None:
+    without = {page.name for page in PAGES if not any(b.kind in ("python", "bash") for b in blocks(page.read_text()))}
+    assert without == WITHOUT_CODE
