@@ -1,6 +1,6 @@
 """remote_loader: train vision models on datasets in S3-compatible object storage."""
 
-from remote_loader.config import FetchConfig, StorageConfig
+from remote_loader.config import FetchConfig, RetryConfig, StorageConfig
 from remote_loader.errors import (
     AccessDenied,
     BucketNotFound,
@@ -80,6 +80,7 @@ __all__ = [
     "RandomResizedCrop",
     "RemoteDataset",
     "RemoteLoaderError",
+    "RetryConfig",
     "RemoteMapDataset",
     "StorageConfig",
     "StorageError",

@@ -127,7 +127,7 @@ def _upload(args: argparse.Namespace, store: Any, location: Any, executor: Any) 
         shuffle=not args.no_shuffle,
         overwrite=args.overwrite,
         progress=not (args.quiet or args.json),
-        fetch=_fetch(args),
+        retry=_fetch(args).retry,
     )
 
 
@@ -135,7 +135,7 @@ def cmd_index(args: argparse.Namespace) -> int:
     store, location = _open(args)
     bar = tqdm(unit="shard", desc="index", disable=args.quiet or args.json)
     summary = index_webdataset(store, location, progress=lambda name: bar.update(1), force=args.force,
-                               fetch=_fetch(args))
+                               retry=_fetch(args).retry)
     bar.close()
     data = {"url": str(location), "shards": summary.shards, "samples": summary.samples, "bytes": summary.bytes}
     _emit(args, data, f"indexed {summary.samples} samples in {summary.shards} shards at {location}")

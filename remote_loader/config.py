@@ -173,9 +173,62 @@ class StorageConfig:
         return replace(self, endpoint_url=endpoint_url)
 
 
+def _check_seconds(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise ConfigError(f"{name} must be a number of seconds >= 0, got {value!r}")
+
+
 @dataclass(frozen=True)
+class RetryConfig:
+    """How every request to the store is retried (connection refused or reset, timeouts,
+    5xx, slow-down, short reads): exponential backoff with full jitter until it succeeds
+    or has failed for a deadline, then ``EndpointUnreachable``.
+
+    Attributes:
+        backoff: Base seconds of the exponential backoff between attempts.
+        max_backoff: Longest pause between two attempts.
+        outage_deadline: Seconds a request is retried while the store fails it. The
+            default, 5 minutes, rides out a server restart; a hung server is detected
+            after this plus one ``StorageConfig.read_timeout``.
+        first_contact_deadline: The same, for an endpoint that has not answered once since
+            this process started (a wrong port, a host that does not resolve): a typo
+            fails in about this long, not after ``outage_deadline``. The smaller of the two
+            applies.
+    """
+
+    backoff: float = 0.05
+    max_backoff: float = 2.0
+    outage_deadline: float = 300.0
+    first_contact_deadline: float = 30.0
+
+    def __post_init__(self) -> None:
+        for name in ("backoff", "max_backoff", "outage_deadline", "first_contact_deadline"):
+            _check_seconds(name, getattr(self, name))
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> RetryConfig:
+        """The defaults, with ``REMOTE_LOADER_OUTAGE_DEADLINE`` and
+        ``REMOTE_LOADER_FIRST_CONTACT_DEADLINE`` (seconds) when set, then ``overrides``
+        (None values ignored)."""
+        env = os.environ if env is None else env
+        values: dict[str, object] = {}
+        for field_name in ("outage_deadline", "first_contact_deadline"):
+            name = f"REMOTE_LOADER_{field_name.upper()}"
+            if env.get(name):
+                try:
+                    values[field_name] = float(env[name])
+                except ValueError:
+                    raise ConfigError(f"{name} must be a number of seconds, got {env[name]!r}") from None
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)  # type: ignore[arg-type]
+
+
+_RETRY_FIELDS = ("backoff", "max_backoff", "outage_deadline", "first_contact_deadline")
+
+
+@dataclass(frozen=True, init=False)
 class FetchConfig:
-    """How shards are fetched ahead of use, and the one retry policy.
+    """How shards are fetched ahead of use: the shape of the reads and their memory.
 
     The shard data a process holds at once is at most ``prefetch_bytes + (open_shards +
     2) * range_bytes`` (ranges rounded up to whole MiB): ranges being fetched, the
@@ -193,53 +246,52 @@ class FetchConfig:
         range_bytes: Largest range read from one shard at a time: a worker's part of a
             shard is read as consecutive ranges of about this size (whole samples), so
             memory does not grow with the shard size.
-        max_attempts: Fetches of bytes that fail their checksum before they are reported
-            as corrupt (``CorruptShard`` / ``CorruptSampleError``, or skipped).
-        backoff: Base seconds of the exponential backoff between attempts (with full jitter).
-        max_backoff: Longest pause between two attempts.
-        outage_deadline: Seconds a request is retried while the store fails it (connection
-            refused or reset, timeouts, 5xx, slow-down, short reads) before
-            ``EndpointUnreachable``. The default, 5 minutes, rides out a server restart;
-            a hung server is detected after this plus one ``StorageConfig.read_timeout``.
-        first_contact_deadline: The same, for an endpoint that has not answered once since
-            this process started (a wrong port, a host that does not resolve): a typo
-            fails in about this long, not after ``outage_deadline``. The smaller of the two
-            applies.
+        refetch_attempts: Fetches of bytes that fail their checksum before they are
+            reported as corrupt (``CorruptShard`` / ``CorruptSampleError``, or skipped).
+        retry: How each request is retried (``RetryConfig``).
+
+    The keywords ``max_attempts`` (now ``refetch_attempts``) and ``backoff``,
+    ``max_backoff``, ``outage_deadline``, ``first_contact_deadline`` (now in ``retry``) are
+    still accepted, with a ``DeprecationWarning``, and read back as properties.
     """
 
     part_size: int = 8 * 1024 * 1024
     concurrency: int = 8
     prefetch_bytes: int = 32 * 1024 * 1024
     range_bytes: int = 8 * 1024 * 1024
-    max_attempts: int = 5
-    backoff: float = 0.05
-    max_backoff: float = 2.0
-    outage_deadline: float = 300.0
-    first_contact_deadline: float = 30.0
+    refetch_attempts: int = 5
+    retry: RetryConfig = field(default_factory=RetryConfig)
+
+    def __init__(self, part_size: int = 8 * 1024 * 1024, concurrency: int = 8, prefetch_bytes: int = 32 * 1024 * 1024,
+                 range_bytes: int = 8 * 1024 * 1024, refetch_attempts: int = 5, retry: RetryConfig | None = None,
+                 **deprecated: float) -> None:
+        unknown = set(deprecated) - {"max_attempts", *_RETRY_FIELDS}
+        if unknown:
+            raise TypeError(f"FetchConfig() got an unexpected keyword argument {sorted(unknown)[0]!r}")
+        if retry is not None and not isinstance(retry, RetryConfig):
+            raise ConfigError(f"retry must be a RetryConfig, got {type(retry).__name__}")
+        if deprecated:
+            import warnings
+
+            warnings.warn(f"FetchConfig({', '.join(sorted(deprecated))}=...) is deprecated: use refetch_attempts"
+                          " and retry=RetryConfig(...)", DeprecationWarning, stacklevel=2)
+            refetch_attempts = int(deprecated.pop("max_attempts", refetch_attempts))
+            retry = replace(retry or RetryConfig(), **deprecated)
+        for name, value in (("part_size", part_size), ("concurrency", concurrency), ("prefetch_bytes", prefetch_bytes),
+                            ("range_bytes", range_bytes), ("refetch_attempts", refetch_attempts)):
+            object.__setattr__(self, name, require_int(name, value, low=1))
+        object.__setattr__(self, "retry", retry or RetryConfig())
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> FetchConfig:
-        """The defaults, with ``REMOTE_LOADER_OUTAGE_DEADLINE`` and
-        ``REMOTE_LOADER_FIRST_CONTACT_DEADLINE`` (seconds) when set, then ``overrides``
-        (None values ignored)."""
-        env = os.environ if env is None else env
-        values: dict[str, object] = {}
-        for field_name in ("outage_deadline", "first_contact_deadline"):
-            name = f"REMOTE_LOADER_{field_name.upper()}"
-            if env.get(name):
-                try:
-                    values[field_name] = float(env[name])
-                except ValueError:
-                    raise ConfigError(f"{name} must be a number of seconds, got {env[name]!r}") from None
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)  # type: ignore[arg-type]
+        """The defaults, with the retry deadlines of ``RetryConfig.from_env``; ``overrides``
+        name FetchConfig's or RetryConfig's fields (None values ignored)."""
+        retry = RetryConfig.from_env(env, **{k: v for k, v in overrides.items() if k in _RETRY_FIELDS})
+        return cls(retry=retry, **{k: v for k, v in overrides.items() if k not in _RETRY_FIELDS and v is not None})  # type: ignore[arg-type]
 
-    def __post_init__(self) -> None:
-        if self.part_size < 1 or self.concurrency < 1 or self.prefetch_bytes < 1 or self.range_bytes < 1:
-            raise ConfigError("part_size, concurrency, prefetch_bytes and range_bytes must be positive")
-        if self.max_attempts < 1 or self.backoff < 0 or self.max_backoff < 0:
-            raise ConfigError("max_attempts must be >= 1, backoff and max_backoff >= 0")
-        for name in ("outage_deadline", "first_contact_deadline"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-                raise ConfigError(f"{name} must be a number of seconds >= 0, got {value!r}")
+    # The deprecated names, read back (one release).
+    max_attempts = property(lambda self: self.refetch_attempts)
+    backoff = property(lambda self: self.retry.backoff)
+    max_backoff = property(lambda self: self.retry.max_backoff)
+    outage_deadline = property(lambda self: self.retry.outage_deadline)
+    first_contact_deadline = property(lambda self: self.retry.first_contact_deadline)

@@ -114,7 +114,8 @@ class FaultProxy:
             handler.send_header("Content-Type", "application/xml")
             handler.send_header("Content-Length", str(len(payload)))
             handler.end_headers()
-            handler.wfile.write(payload)
+            if handler.command != "HEAD":  # an answer to HEAD has headers only
+                handler.wfile.write(payload)
             return
         if fault == "delay":
             time.sleep(self.delay)  # the injected fault itself: a slow answer
@@ -134,10 +135,12 @@ class FaultProxy:
         for key, value in response.getheaders():
             if key.lower() not in ("connection", "transfer-encoding", "content-length"):
                 handler.send_header(key, value)
+        if handler.command == "HEAD":  # the object's length, as upstream gave it; no body
+            handler.send_header("Content-Length", response.getheader("Content-Length") or "0")
+            handler.end_headers()
+            return
         handler.send_header("Content-Length", str(len(data)))
         handler.end_headers()
-        if handler.command == "HEAD":
-            return
         if fault in ("truncate", "reset_mid_body") and len(data) > 1 and response.status in (200, 206):
             handler.wfile.write(data[: len(data) // 2])
             handler.wfile.flush()

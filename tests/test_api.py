@@ -15,7 +15,7 @@ from remote_loader.storage import Boto3Store, LocalStore, MinioStore, parse_loca
 EXPECTED = {
     "AccessDenied", "BucketNotFound", "ConfigError", "CorruptSampleError", "CorruptShard", "DatasetChanged", "DatasetNotFound", "DatasetReader",
     "DecodeError", "EndpointUnreachable", "FetchConfig", "Metrics", "RandomResizedCrop", "RemoteDataset", "RemoteMapDataset", "LocalitySampler", "FormatError", "ImageFolder", "IndexOutOfBounds", "InvalidRange",
-    "LocalStore", "ObjectNotFound", "PreconditionFailed", "RemoteLoaderError", "StorageConfig", "StorageError", "Store",
+    "LocalStore", "ObjectNotFound", "PreconditionFailed", "RemoteLoaderError", "RetryConfig", "StorageConfig", "StorageError", "Store",
     "TransientStorageError", "UnsupportedVersion", "UploadConflict", "UploadError", "UploadSummary", "__version__",
     "make_client", "upload_cv_dataset",
 }

@@ -15,11 +15,11 @@ from collections import Counter
 import pytest
 from torch.utils.data import DataLoader
 
-from remote_loader import CorruptSampleError, DatasetReader, FetchConfig, RemoteDataset, RemoteMapDataset, StorageConfig, make_client, upload_cv_dataset
+from remote_loader import CorruptSampleError, DatasetReader, FetchConfig, RemoteDataset, RemoteMapDataset, RetryConfig, StorageConfig, make_client, upload_cv_dataset
 from remote_loader.testing.synthetic import SyntheticImages
 from tests.faultproxy import FAULTS, FaultProxy
 
-FAULTY_FETCH = FetchConfig(part_size=64 * 1024, concurrency=4, max_attempts=10, backoff=0.001)
+FAULTY_FETCH = FetchConfig(part_size=64 * 1024, concurrency=4, refetch_attempts=10, retry=RetryConfig(backoff=0.001))
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +82,7 @@ def test_flipped_sample_is_refetched_or_skipped(seaweed, clean):
     proxy = FaultProxy(seaweed.endpoint_url, {"flip": 0.3}, seed=5)
     try:
         dataset = RemoteDataset(through(proxy, seaweed, "boto3"), "fault-tests", "d",
-                                fetch=FetchConfig(part_size=64 * 1024, max_attempts=10, backoff=0.0))
+                                fetch=FetchConfig(part_size=64 * 1024, refetch_attempts=10, retry=RetryConfig(backoff=0.0)))
         got = Counter((s["__key__"], bytes(s["jpg"]), bytes(s["cls"])) for s in dataset)
     finally:
         proxy.close()
@@ -110,7 +110,7 @@ def rotten(seaweed):
 
 def test_bytes_that_stay_corrupt_raise_naming_shard_and_key(rotten):
     client, bucket, shard, key = rotten
-    dataset = RemoteDataset(client, bucket, "d", fetch=FetchConfig(max_attempts=3, backoff=0.0))
+    dataset = RemoteDataset(client, bucket, "d", fetch=FetchConfig(refetch_attempts=3, retry=RetryConfig(backoff=0.0)))
     with pytest.raises(CorruptSampleError) as info:
         list(dataset)
     assert (info.value.name, info.value.key) == (shard, key)
@@ -119,7 +119,7 @@ def test_bytes_that_stay_corrupt_raise_naming_shard_and_key(rotten):
 
 def test_skip_counts_samples_that_stay_corrupt(rotten):
     client, bucket, _, key = rotten
-    dataset = RemoteDataset(client, bucket, "d", on_error="skip", fetch=FetchConfig(max_attempts=3, backoff=0.0))
+    dataset = RemoteDataset(client, bucket, "d", on_error="skip", fetch=FetchConfig(refetch_attempts=3, retry=RetryConfig(backoff=0.0)))
     keys = [s["__key__"] for s in dataset]
     assert len(keys) == 59 and key not in keys
     assert dataset.metrics.skipped == 1 and dataset.metrics.retries == 2
@@ -153,7 +153,7 @@ def test_map_dataset_heals_flipped_bytes(seaweed, clean):
     proxy = FaultProxy(seaweed.endpoint_url, {"flip": 0.3}, seed=8)
     try:
         ds = RemoteMapDataset(through(proxy, seaweed, "boto3"), "fault-tests", "d",
-                              fetch=FetchConfig(max_attempts=10, backoff=0.0))
+                              fetch=FetchConfig(refetch_attempts=10, retry=RetryConfig(backoff=0.0)))
         got = Counter()
         for start in range(0, len(ds), 64):
             got.update((s["__key__"], s["jpg"], s["cls"]) for s in ds.__getitems__(list(range(start, min(start + 64, len(ds))))))

@@ -17,7 +17,7 @@ from collections import Counter
 import pytest
 from torch.utils.data import DataLoader
 
-from remote_loader import EndpointUnreachable, FetchConfig, RemoteDataset, StorageConfig, make_client, upload_cv_dataset
+from remote_loader import EndpointUnreachable, FetchConfig, RemoteDataset, RetryConfig, StorageConfig, make_client, upload_cv_dataset
 from remote_loader.testing.server import EmbeddedS3
 from remote_loader.testing.synthetic import SyntheticImages
 
@@ -92,7 +92,7 @@ def test_server_killed_and_restarted_mid_epoch_loses_nothing(server, workers, ca
 def test_hung_server_gives_endpoint_unreachable_within_the_deadline(server):
     before = frozenset(threading.enumerate())
     dataset = RemoteDataset(_client(server, read_timeout=2), "outages", "d",
-                            fetch=FetchConfig(**SLOW_FETCH, outage_deadline=10))
+                            fetch=FetchConfig(**SLOW_FETCH, retry=RetryConfig(outage_deadline=10)))
     stream = iter(dataset)
     for _ in range(100):
         next(stream)

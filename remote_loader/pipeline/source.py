@@ -76,7 +76,7 @@ def stream_positions(
     (less those skipped under ``on_error="skip"``, which are counted and logged).
     """
     rng = np.random.default_rng(list(seed))
-    with Prefetcher(reader.client, reader.location.bucket, jobs, policy) as prefetcher:
+    with Prefetcher(reader.location.bucket, jobs, policy) as prefetcher:
         fetched = iter(prefetcher)
         reading: list[OpenRange] = []
         bases: dict[OpenRange, int] = progress.open if progress is not None else {}

@@ -21,7 +21,6 @@ import numpy as np
 
 from remote_loader.read.metrics import Metrics
 from remote_loader.read.retry import Cancelled, RetryPolicy
-from remote_loader.storage import Store
 
 T = TypeVar("T")
 
@@ -29,27 +28,18 @@ _POLL = 0.5  # longest single wait: every wait re-checks whether the fetcher fai
 _CLOSE_WITHIN = 1.0  # close() waits this long for threads; one stuck in a GET is left to its timeout
 
 
-def fetch_range(store: Store, bucket: str, key: str, start: int, end: int, policy: RetryPolicy) -> bytes:
-    """One ranged GET under the retry policy, counted in its metrics."""
-
-    def call() -> bytes:
-        policy.metrics.add(gets=1)
-        return store.get_range(bucket, key, start, end)
-
-    data = policy.call(call, bucket=bucket, key=key)
+def fetch_range(policy: RetryPolicy, bucket: str, key: str, start: int, end: int) -> bytes:
+    """One ranged GET through the policy's retrying store, counted in its metrics."""
+    policy.metrics.add(gets=1)
+    data = policy.store.get_range(bucket, key, start, end)
     policy.metrics.add(bytes=len(data))
     return data
 
 
-def fetch_range_into(store: Store, bucket: str, key: str, start: int, end: int, out: memoryview,
-                     policy: RetryPolicy) -> None:
-    """One ranged GET received into ``out``, under the retry policy, counted in its metrics."""
-
-    def call() -> None:
-        policy.metrics.add(gets=1)
-        store.get_range_into(bucket, key, start, end, out)
-
-    policy.call(call, bucket=bucket, key=key)
+def fetch_range_into(policy: RetryPolicy, bucket: str, key: str, start: int, end: int, out: memoryview) -> None:
+    """One ranged GET received into ``out`` through the policy's retrying store, counted in its metrics."""
+    policy.metrics.add(gets=1)
+    policy.store.get_range_into(bucket, key, start, end, out)
     policy.metrics.add(bytes=end - start)
 
 
@@ -175,7 +165,7 @@ class Prefetcher:
     The budget bounds the bytes of ranges not yet handed out; a range leaves it when the
     iterator hands it to the consumer, who then owns that memory.
 
-    Every request goes through ``policy`` (retries up to its outage deadline). An exception
+    Every request goes through ``policy.store`` (retried up to its outage deadline). An exception
     in any background thread reaches the consumer, in job order where it belongs to a job.
     ``close()`` (also on leaving a ``with`` block, or when an iteration is abandoned) stops
     the threads and returns within about a second even if GETs hang: a thread stuck in a
@@ -183,8 +173,8 @@ class Prefetcher:
     fetcher, which are never reused after close.
     """
 
-    def __init__(self, store: Store, bucket: str, jobs: Iterable[Job], policy: RetryPolicy) -> None:
-        self.store, self.bucket, self.policy = store, bucket, policy
+    def __init__(self, bucket: str, jobs: Iterable[Job], policy: RetryPolicy) -> None:
+        self.bucket, self.policy = bucket, policy
         self.config, self.metrics = policy.config, policy.metrics
         self._jobs = iter(jobs)
         self._slots: deque[_Slot | None] = deque()  # None marks the end of the jobs
@@ -309,7 +299,7 @@ class Prefetcher:
     def _fetch_part(self, fetched: Fetched, number: int, start: int, end: int) -> None:
         try:
             out = fetched.buffer[start - fetched.start : end - fetched.start]
-            fetch_range_into(self.store, self.bucket, fetched.key, start, end, out, self.policy)
+            fetch_range_into(self.policy, self.bucket, fetched.key, start, end, out)
         except BaseException as exc:
             fetched.errors[number] = exc
         finally:

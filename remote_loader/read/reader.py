@@ -11,7 +11,7 @@ import struct
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, partial
 from typing import Any
 
 import numpy as np
@@ -80,11 +80,8 @@ class DatasetReader:
         self._identity: int | None = None  # of the manifest read
 
     def policy(self, metrics: Metrics | None = None, cancel: threading.Event | None = None) -> RetryPolicy:
-        """The retry policy for requests on behalf of this reader."""
-        policy = RetryPolicy(self.fetch, metrics or Metrics(), self.client.endpoint)
-        if cancel is not None:
-            policy.cancel = cancel
-        return policy
+        """The requests on behalf of this reader: a retrying store, counted in ``metrics``."""
+        return RetryPolicy(self.fetch, metrics or Metrics(), self.client, cancel)
 
     def __repr__(self) -> str:
         return f"DatasetReader({self.location}, client={self.client!r})"
@@ -139,8 +136,7 @@ class DatasetReader:
             return data
 
         try:
-            return policy.refetch(lambda: policy.call(lambda: self.client.get(self.location.bucket, key),
-                                                      bucket=self.location.bucket, key=key), parse)
+            return policy.refetch(partial(policy.store.get, self.location.bucket, key), parse)
         except ObjectNotFound:
             return None
 
@@ -171,13 +167,11 @@ class DatasetReader:
             return f"{MANIFEST_NAME} is missing"
 
     def _what_lies_there(self) -> str:
-        policy = self.policy()
-        where = self.location
-        if policy.call(lambda: self.client.exists(where.bucket, where.key(UPLOAD_STATE))):
+        store, where = self.policy().store, self.location
+        if store.exists(where.bucket, where.key(UPLOAD_STATE)):
             return (f"an upload to it has not finished (it has {UPLOAD_STATE} but no {MANIFEST_NAME}): run the upload"
                     " again to finish it; its shards are not a dataset until then")
-        listing = policy.call(lambda: [o.key for o in itertools.islice(self.client.list(where.bucket, where.key("")),
-                                                                         1000)])
+        listing = [o.key for o in itertools.islice(store.list(where.bucket, where.key("")), 1000)]
         if any(key.endswith(".tar") for key in listing):
             return (f"it holds .tar objects but no {MANIFEST_NAME}: to read tars written by other tools, index them"
                     f" once with `remote-loader index {where}` (or stream them unindexed with"
@@ -195,7 +189,7 @@ class DatasetReader:
     def list_tars(self) -> list[tuple[str, int]]:
         """``(name, size)`` of every ``.tar`` object under the prefix, in name order."""
         prefix = self.location.key("")
-        return sorted((o.key[len(prefix) :], o.size) for o in self.client.list(self.location.bucket, prefix) if o.key.endswith(".tar"))
+        return sorted((o.key[len(prefix) :], o.size) for o in self.policy().store.list(self.location.bucket, prefix) if o.key.endswith(".tar"))
 
     def __len__(self) -> int:
         return int(self.counts.sum())
@@ -220,13 +214,13 @@ class DatasetReader:
         again while its bytes fail their checksum)."""
         key, start, end = self.index_range(entry)
         policy = policy or self.policy()
-        return policy.refetch(lambda: fetch_range(self.client, self.location.bucket, key, start, end, policy),
-                              lambda data: self.parse_index(entry, data))
+        return policy.refetch(partial(fetch_range, policy, self.location.bucket, key, start, end),
+                              partial(self.parse_index, entry))
 
     def get(self, name: str) -> bytes:
         """A whole object of the dataset, under the retry policy."""
         key = self.location.key(name)
-        return self.policy().call(lambda: self.client.get(self.location.bucket, key), bucket=self.location.bucket, key=key)
+        return self.policy().store.get(self.location.bucket, key)
 
     def _index_of(self, entry: ShardEntry, shard: memoryview) -> ShardIndex:
         """The index of a shard whose bytes are at hand: sliced from them, or fetched if kept apart."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from functools import partial
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -79,7 +80,7 @@ def read_run(reader: DatasetReader, shard: int, index: ShardIndex, positions: li
         return [own(view.sample(j)) for j in positions]
 
     try:
-        return policy.refetch(lambda: fetch_range(reader.client, reader.location.bucket, key, start, end, policy), parse)
+        return policy.refetch(partial(fetch_range, policy, reader.location.bucket, key, start, end), parse)
     except DAMAGE as error:
         reader.check_unchanged(error)
         raise

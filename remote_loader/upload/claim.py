@@ -2,7 +2,8 @@
 interrupted run resume, the conditional switch of the manifest, and the clean-up of the
 upload's own objects (never another upload's).
 
-Conditional writes make the claim and the switch safe between processes: the state is
+Every function takes a store whose requests retry (a ``RetryingStore``). Conditional
+writes make the claim and the switch safe between processes: the state is
 created with ``If-None-Match: *`` and replaced only with ``If-Match``; the manifest is
 created the same way, or replaced with ``If-Match`` on the version the upload read.
 """
@@ -10,8 +11,7 @@ created the same way, or replaced with ``If-Match`` on the version the upload re
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Collection
-from functools import partial
+from collections.abc import Collection
 from typing import Any
 
 from remote_loader.errors import FormatError, ObjectNotFound, PreconditionFailed, UploadConflict
@@ -21,26 +21,22 @@ from remote_loader.storage import Location, Store
 from remote_loader.upload import tasks
 from remote_loader.upload.tasks import STATE_DIR, TaskResult
 
-Retry = Callable[[Callable[[], Any]], Any]
-"""``RetryPolicy.call``: the request, repeated on retryable faults."""
-
 _STATE = UPLOAD_STATE
 
 
-def read_versioned(store: Store, retry: Retry, bucket: str, key: str) -> tuple[bytes, str] | None:
+def read_versioned(store: Store, bucket: str, key: str) -> tuple[bytes, str] | None:
     """The object and its version tag (ETag), or None if it does not exist."""
     try:
-        result: tuple[bytes, str] = retry(lambda: store.get_versioned(bucket, key))
+        result: tuple[bytes, str] = store.get_versioned(bucket, key)
         return result
     except ObjectNotFound:
         return None
 
 
-def read_state(store: Store, retry: Retry,
-               location: Location) -> tuple[dict[str, Any] | None, str | None, bytes | None]:
+def read_state(store: Store, location: Location) -> tuple[dict[str, Any] | None, str | None, bytes | None]:
     """The upload state at ``location`` (None if there is none or it is not one), its version
     tag, and its bytes as stored (what ``switch`` and ``release`` recognise it by)."""
-    found = read_versioned(store, retry, location.bucket, location.key(_STATE))
+    found = read_versioned(store, location.bucket, location.key(_STATE))
     if found is None:
         return None, None, None
     try:
@@ -52,29 +48,28 @@ def read_state(store: Store, retry: Retry,
     return (state if valid else None), found[1], found[0]
 
 
-def take(store: Store, retry: Retry, location: Location, record: bytes, etag: str | None) -> None:
+def take(store: Store, location: Location, record: bytes, etag: str | None) -> None:
     """Write the upload state so that only one upload holds the prefix: created only if
     absent (``etag`` None), else replacing only the version ``etag`` that was read."""
     try:
-        retry(lambda: store.put(location.bucket, location.key(_STATE), record, if_none_match=etag is None,
-                                if_match=etag))
+        store.put(location.bucket, location.key(_STATE), record, if_none_match=etag is None, if_match=etag)
     except PreconditionFailed:
-        found = read_versioned(store, retry, location.bucket, location.key(_STATE))
+        found = read_versioned(store, location.bucket, location.key(_STATE))
         if found is None or found[0] != record:  # a retried PUT that had landed reads back as ours
             raise UploadConflict(f"another upload to {location} started at the same time; this one stopped"
                                  " without writing anything", location=str(location)) from None
 
 
-def kept_results(store: Store, retry: Retry, location: Location, run: str, num_tasks: int) -> dict[int, TaskResult]:
+def kept_results(store: Store, location: Location, run: str, num_tasks: int) -> dict[int, TaskResult]:
     """Task results of an earlier run of this upload whose shards all exist with the recorded sizes."""
-    sizes = {info.key: info.size for info in retry(lambda: list(store.list(location.bucket, own(location, run))))}
-    records = {info.key for info in retry(lambda: list(store.list(location.bucket, location.key(f"{STATE_DIR}/{run}/"))))}
+    sizes = {info.key: info.size for info in store.list(location.bucket, own(location, run))}
+    records = {info.key for info in store.list(location.bucket, location.key(f"{STATE_DIR}/{run}/"))}
     kept = {}
     for task_id in range(num_tasks):
         key = tasks.task_record_key(location, run, task_id)
         if key not in records:
             continue
-        result = TaskResult.decode(retry(partial(store.get, location.bucket, key)), key)
+        result = TaskResult.decode(store.get(location.bucket, key), key)
         if all(e.name.startswith(f"shard-{run}-") and sizes.get(location.key(e.name)) == e.size for e in result.entries):
             kept[task_id] = result
     return kept
@@ -85,22 +80,22 @@ def own(location: Location, run: str) -> str:
     return location.key(f"shard-{run}-")
 
 
-def delete_run(store: Store, retry: Retry, location: Location, run: str, keep: Collection[str] = ()) -> None:
+def delete_run(store: Store, location: Location, run: str, keep: Collection[str] = ()) -> None:
     """Delete the shards and task records of upload ``run``, less the shard names in ``keep``."""
     for prefix in (own(location, run), location.key(f"{STATE_DIR}/{run}/")):
-        for info in retry(lambda: list(store.list(location.bucket, prefix))):
+        for info in list(store.list(location.bucket, prefix)):
             if info.key[len(location.key("")):] not in keep:
-                retry(partial(store.delete, location.bucket, info.key))
+                store.delete(location.bucket, info.key)
 
 
-def release(store: Store, retry: Retry, location: Location, record: bytes) -> None:
+def release(store: Store, location: Location, record: bytes) -> None:
     """Delete the upload state if it is still this upload's."""
-    found = read_versioned(store, retry, location.bucket, location.key(_STATE))
+    found = read_versioned(store, location.bucket, location.key(_STATE))
     if found is not None and found[0] == record:
-        retry(partial(store.delete, location.bucket, location.key(_STATE)))
+        store.delete(location.bucket, location.key(_STATE))
 
 
-def switch(store: Store, retry: Retry, location: Location, manifest: bytes, record: bytes, run: str,
+def switch(store: Store, location: Location, manifest: bytes, record: bytes, run: str,
             replaced: str | None) -> None:
     """Put the manifest, the switch readers see, if this upload still holds the prefix and the
     manifest is still the one it read (``replaced``, its tag; None: there was none).
@@ -109,23 +104,23 @@ def switch(store: Store, retry: Retry, location: Location, manifest: bytes, reco
     its own shards only (none that the other's manifest names).
     """
     key = location.key(MANIFEST_NAME)
-    state = read_versioned(store, retry, location.bucket, location.key(_STATE))
+    state = read_versioned(store, location.bucket, location.key(_STATE))
     try:
         if state is None or state[0] != record:
             raise UploadConflict(f"another upload to {location} took over while this one ran; this one stopped and"
                                  " removed its own shards", location=str(location))
         try:
-            retry(lambda: store.put(location.bucket, key, manifest, if_none_match=replaced is None, if_match=replaced))
+            store.put(location.bucket, key, manifest, if_none_match=replaced is None, if_match=replaced)
         except PreconditionFailed:
-            now = read_versioned(store, retry, location.bucket, key)
+            now = read_versioned(store, location.bucket, key)
             if now is not None and now[0] == manifest:  # a retried PUT that had landed
                 return
             raise UploadConflict(f"another upload to {location} finished first; this one stopped and removed its own"
                                  " shards", location=str(location)) from None
     except UploadConflict:
-        now = read_versioned(store, retry, location.bucket, key)
+        now = read_versioned(store, location.bucket, key)
         table = None if now is None else Manifest.decode(now[0], name=key).shards
         keep = set() if table is None else {table.names[i] for i in range(len(table))}
-        delete_run(store, retry, location, run, keep=keep)
-        release(store, retry, location, record)
+        delete_run(store, location, run, keep=keep)
+        release(store, location, record)
         raise

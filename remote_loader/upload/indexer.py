@@ -12,14 +12,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
-from remote_loader.config import FetchConfig
+from remote_loader.config import RetryConfig
 from remote_loader.errors import PreconditionFailed, UploadConflict, UploadError
 from remote_loader.format import MANIFEST_NAME, Manifest, ShardEntry, ShardTable
 from remote_loader.format.checksum import crc32
 from remote_loader.format.names import valid_shard_name
-from remote_loader.read import Metrics, RetryPolicy
 from remote_loader.format.tar import scan_tar
 from remote_loader.storage import Location, Store
+from remote_loader.storage.retrying import Retry, RetryingStore
 from remote_loader.upload.claim import read_versioned
 
 INDEX_SUFFIX = ".index"
@@ -35,7 +35,7 @@ class IndexSummary:
 
 def index_webdataset(
     store: Store, location: Location, *, progress: Callable[[str], object] | None = None, force: bool = False,
-    fetch: FetchConfig | None = None,
+    retry: RetryConfig | None = None,
 ) -> IndexSummary:
     """Index every ``*.tar`` under ``location`` and write a manifest; return what was indexed.
 
@@ -45,11 +45,11 @@ def index_webdataset(
         progress: Called with each shard's name once it is indexed.
         force: Replace the manifest of a dataset that ``upload_cv_dataset`` wrote (it would
             lose the upload's parameters, id and class names); refused without it.
-        fetch: The retry policy of every request.
+        retry: How every request is retried.
     """
-    retry = RetryPolicy(fetch or FetchConfig(), Metrics(), store.endpoint).call
+    store = RetryingStore(store, Retry(retry or RetryConfig(), store.endpoint))
     manifest_key = location.key(MANIFEST_NAME)
-    found = read_versioned(store, retry, location.bucket, manifest_key)
+    found = read_versioned(store, location.bucket, manifest_key)
     existing = None if found is None else Manifest.decode(found[0], name=manifest_key)
     tag = None if found is None else found[1]
     if existing is not None and existing.params.get("upload_id") and not force:
@@ -57,7 +57,7 @@ def index_webdataset(
                           " indexing it would replace its manifest and drop its parameters and class names:"
                           " pass force=True (--force) to do it anyway")
     prefix = location.key("")
-    listing = retry(lambda: list(store.list(location.bucket, prefix)))
+    listing = store.list(location.bucket, prefix)
     tars = sorted((info.key[len(prefix):], info.size) for info in listing if info.key.endswith(".tar"))
     if not tars:
         raise UploadError(f"no .tar objects under {location}")
@@ -70,10 +70,10 @@ def index_webdataset(
     fields: set[str] = set()
     for name, size in tars:
         key = location.key(name)
-        index, crc = scan_tar(partial(_retried_range, retry, store, location.bucket, key), name, size)
+        index, crc = scan_tar(partial(store.get_range, location.bucket, key), name, size)
         encoded = index.encode()
         index_name = name + INDEX_SUFFIX
-        retry(partial(store.put, location.bucket, location.key(index_name), encoded))
+        store.put(location.bucket, location.key(index_name), encoded)
         entries.append(ShardEntry(name, len(index), size, 0, len(encoded), crc32(encoded), crc, index_name))
         fields.update(index.fields)
         if progress:
@@ -81,14 +81,9 @@ def index_webdataset(
     manifest = Manifest(shards=ShardTable.from_entries(entries), fields=tuple(sorted(fields)), params={"indexed": "webdataset"})
     body = manifest.encode()
     try:  # only over the manifest read above: an upload that finished meanwhile is not replaced
-        retry(lambda: store.put(location.bucket, manifest_key, body, if_none_match=tag is None, if_match=tag))
+        store.put(location.bucket, manifest_key, body, if_none_match=tag is None, if_match=tag)
     except PreconditionFailed:
         raise UploadConflict(f"the manifest at {location} changed while it was being indexed; index it again",
                              location=str(location)) from None
     return IndexSummary(location, len(entries), manifest.num_samples, manifest.num_bytes)
 
-
-def _retried_range(retry: Callable[[Callable[[], bytes]], bytes], store: Store, bucket: str, key: str, start: int,
-                end: int) -> bytes:
-    """One ranged GET through the retry policy."""
-    return retry(lambda: store.get_range(bucket, key, start, end))

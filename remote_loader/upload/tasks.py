@@ -9,17 +9,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import msgpack
 import numpy as np
 
-from remote_loader.config import FetchConfig
+from remote_loader.config import RetryConfig
 from remote_loader.errors import RemoteLoaderError, UploadError
 from remote_loader.format import ShardEntry, ShardWriter
 from remote_loader.format.index import require, unpack
-from remote_loader.read import Metrics, RetryPolicy
 from remote_loader.storage import Location, ObjectWriter, Store
+from remote_loader.storage.retrying import Retry
 from remote_loader.upload.encode import EncodeOptions, encode_item
 from remote_loader.upload.sources import is_file_backed, resolve
 
@@ -68,7 +69,7 @@ class TaskSpec:
     part_size: int
     key_width: int
     run: str
-    fetch: FetchConfig = field(default_factory=FetchConfig)
+    retry: RetryConfig = field(default_factory=RetryConfig)
 
 
 @dataclass
@@ -181,9 +182,9 @@ def write_task(spec: TaskSpec, task_id: int, indices: Sequence[int] | np.ndarray
         dataset, progress = _worker_dataset, _worker_progress
     else:
         dataset = resolve(dataset)
-    policy = RetryPolicy(spec.fetch, Metrics(), spec.store.endpoint)
-    # The whole task is the unit of retry: its shards are rewritten under the same names.
-    return policy.call(lambda: _write_task(spec, task_id, indices, dataset, progress))
+    # The whole task is the unit of retry, its task record included: its shards are written
+    # again under the same names. Its requests go to the store itself, so retries do not nest.
+    return Retry(spec.retry, spec.store.endpoint).call(partial(_write_task, spec, task_id, indices, dataset, progress))
 
 
 def _write_task(spec: TaskSpec, task_id: int, indices: Sequence[int] | np.ndarray, dataset: Any,

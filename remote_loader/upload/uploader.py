@@ -14,18 +14,18 @@ import os
 import queue
 import secrets
 import time
+import warnings
 from collections.abc import Iterable
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from functools import partial
 from typing import Any
 
 import msgpack
 import numpy as np
 from tqdm import tqdm
 
-from remote_loader.config import FetchConfig, require_bool, require_int
+from remote_loader.config import FetchConfig, RetryConfig, require_bool, require_int
 from remote_loader.errors import (
     ConfigError,
     RemoteLoaderError,
@@ -35,8 +35,8 @@ from remote_loader.errors import (
 )
 from remote_loader.format import MANIFEST_NAME, Manifest, ShardEntry, ShardTable
 from remote_loader.format.shard import member_bytes
-from remote_loader.read import Metrics, RetryPolicy
 from remote_loader.storage import DEFAULT_PART_SIZE, Location, Store
+from remote_loader.storage.retrying import Retry, RetryingStore
 from remote_loader.upload import claim, tasks
 from remote_loader.upload.encode import EncodeOptions, encode_item
 from remote_loader.upload.sources import Source, load_source
@@ -228,9 +228,10 @@ def upload_cv_dataset(
     shuffle: bool = True,
     executor: Executor | None = None,
     part_size: int = DEFAULT_PART_SIZE,
-    fetch: FetchConfig | None = None,
+    retry: RetryConfig | None = None,
     overwrite: bool = False,
     progress: bool = True,
+    fetch: FetchConfig | None = None,
 ) -> UploadSummary:
     """Pack a torchvision-style dataset into shards in ``s3://bucket/base_folder/``.
 
@@ -257,12 +258,13 @@ def upload_cv_dataset(
             (scattered, or built there from ``ds`` given as a source spec); any other
             executor receives it with every task.
         part_size: Multipart part size in bytes.
-        fetch: The retry policy of every request (``backoff``, ``max_backoff``,
-            ``outage_deadline``); a failing task is written again as a whole.
+        retry: How every request is retried (``RetryConfig``: backoff and deadlines); a
+            task that fails on an outage is written again as a whole.
         overwrite: Replace a dataset uploaded there. The new shards are written beside
             the old dataset, the manifest is switched in one PUT, and only then are the
             old shards deleted: a failed overwrite leaves the old dataset readable.
         progress: Show a progress bar.
+        fetch: Deprecated: its ``retry`` is used when ``retry`` is not given.
 
     Returns:
         What was uploaded, with throughput.
@@ -307,9 +309,15 @@ def upload_cv_dataset(
     }
     # Every request here is retried like a task's, so a 503 or a restart of the store after
     # hours of encoding does not end the upload at its manifest PUT.
-    fetch = FetchConfig() if fetch is None else fetch
-    retry: claim.Retry = RetryPolicy(fetch, Metrics(), client.endpoint).call
-    found = claim.read_versioned(client, retry, bucket, location.key(MANIFEST_NAME))
+    if fetch is not None:
+        warnings.warn("upload_cv_dataset(fetch=...) is deprecated: pass retry=RetryConfig(...)", DeprecationWarning,
+                      stacklevel=2)
+        retry = retry or fetch.retry
+    retry = RetryConfig() if retry is None else retry
+    if not isinstance(retry, RetryConfig):
+        raise ConfigError(f"retry must be a RetryConfig, got {type(retry).__name__}")
+    store = RetryingStore(client, Retry(retry, client.endpoint))
+    found = claim.read_versioned(store, bucket, location.key(MANIFEST_NAME))
     existing = None if found is None else Manifest.decode(found[0], name=location.key(MANIFEST_NAME))
     if existing is not None:
         if existing.params.get("upload") == params and not overwrite:
@@ -320,7 +328,7 @@ def upload_cv_dataset(
                               " pass overwrite=True (--overwrite) to replace it")
 
     order = np.random.default_rng(seed).permutation(num) if shuffle else np.arange(num)
-    state, state_tag, stored = claim.read_state(client, retry, location)
+    state, state_tag, stored = claim.read_state(store, location)
     abandoned = None
     if state is not None and stored is not None and state["params"] == params:
         task_size, run = state["task_size"], state["run"]  # resume this upload's interrupted run
@@ -337,18 +345,18 @@ def upload_cv_dataset(
         task_size = _plan_task_size(ds, order, options, int(maxsize), int(maxcount))
         run = secrets.token_hex(4)
         record = msgpack.packb({"params": params, "task_size": task_size, "run": run})
-        claim.take(client, retry, location, record, state_tag)
+        claim.take(store, location, record, state_tag)
     try:
-        retry(lambda: client.abort_uploads(bucket, claim.own(location, run)))
+        store.abort_uploads(bucket, claim.own(location, run))
     except StorageError as exc:
         if exc.code != "NotImplemented":
             raise
         log.debug("%s cannot list multipart uploads; unfinished uploads of earlier runs stay", bucket)
 
     num_tasks = -(-num // task_size)
-    kept = claim.kept_results(client, retry, location, run, num_tasks)
+    kept = claim.kept_results(store, location, run, num_tasks)
     spec = TaskSpec(client, location, options, int(maxsize), int(maxcount), on_error, part_size,
-                    max(6, len(str(num - 1))), run, fetch)
+                    max(6, len(str(num - 1))), run, retry)
     pending = [(t, order[t * task_size : (t + 1) * task_size]) for t in range(num_tasks) if t not in kept]
     done_samples = sum(sum(e.samples for e in r.entries) + len(r.skipped) for r in kept.values())
     with tqdm(total=num, initial=done_samples, unit="img", disable=not progress, desc="upload") as bar:
@@ -373,7 +381,7 @@ def upload_cv_dataset(
         skipped=len(skipped),
         skipped_indices=tuple(skipped),
     )
-    claim.switch(client, retry, location, manifest.encode(), record, run, None if found is None else found[1])
+    claim.switch(store, location, manifest.encode(), record, run, None if found is None else found[1])
     names = {e.name for e in entries}
     if existing is not None and existing.params.get("upload_id"):
         # The replaced upload's shards, now that no manifest names them (tars indexed in
@@ -381,11 +389,11 @@ def upload_cv_dataset(
         old = existing.shards.names
         for name in (old[i] for i in range(len(old))):
             if name not in names:
-                retry(partial(client.delete, bucket, location.key(name)))
+                store.delete(bucket, location.key(name))
     if abandoned is not None:
-        claim.delete_run(client, retry, location, abandoned)
-    claim.delete_run(client, retry, location, run, keep=names)
-    claim.release(client, retry, location, record)
+        claim.delete_run(store, location, abandoned)
+    claim.delete_run(store, location, run, keep=names)
+    claim.release(store, location, record)
     kept_shards = sum(len(r.entries) for r in kept.values())
     return UploadSummary(location, manifest.num_samples, len(entries), manifest.num_bytes, len(skipped),
                          time.perf_counter() - started, kept_shards=kept_shards, skip_reasons=reasons)

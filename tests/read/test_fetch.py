@@ -37,7 +37,7 @@ def test_prefetcher_delivers_every_range_byte_identical_in_job_order(tmp_path):
     jobs = [Job(key, lambda s=start, e=end: (s, e, (s, e))) for key, start, end in spans]
     config = FetchConfig(part_size=1 << 20, concurrency=3, prefetch_bytes=4 << 20)
     metrics = Metrics()
-    with Prefetcher(store, "b", jobs, RetryPolicy(config, metrics, store.endpoint)) as prefetcher:
+    with Prefetcher("b", jobs, RetryPolicy(config, metrics, store)) as prefetcher:
         got = []
         for fetched in prefetcher:
             fetched.wait()
@@ -61,7 +61,7 @@ def test_a_failure_in_the_scheduler_reaches_the_consumer(tmp_path):
     store = _store(tmp_path)
     jobs = [Job("obj0", lambda: (0, 1000, None)), Job("obj1", lambda: (0, 1 << 62, None)), Job("obj2", lambda: (0, 10, None))]
     config = FetchConfig(part_size=1 << 20, concurrency=2)
-    with Prefetcher(store, "b", jobs, RetryPolicy(config, Metrics(), store.endpoint)) as prefetcher:
+    with Prefetcher("b", jobs, RetryPolicy(config, Metrics(), store)) as prefetcher:
         ranges = iter(prefetcher)
         first = next(ranges)
         first.wait()
@@ -77,7 +77,7 @@ def test_an_error_locating_a_range_is_raised_in_job_order(tmp_path):
         raise TransientStorageError("index GET failed", bucket="b", key="obj1")
 
     jobs = [Job("obj0", lambda: (0, 10, None)), Job("obj1", broken)]
-    with Prefetcher(store, "b", jobs, RetryPolicy(FetchConfig(), Metrics(), store.endpoint)) as prefetcher:
+    with Prefetcher("b", jobs, RetryPolicy(FetchConfig(), Metrics(), store)) as prefetcher:
         ranges = iter(prefetcher)
         assert next(ranges).key == "obj0"
         with pytest.raises(TransientStorageError) as caught:
@@ -101,7 +101,7 @@ def test_close_returns_within_a_second_while_a_request_hangs(tmp_path):
     hanging = HangingStore(tmp_path)
     before = set(threading.enumerate())  # other tests' threads may still be ending
     jobs = [Job(f"obj{i}", lambda: (0, 100_000, None)) for i in range(3)]
-    prefetcher = Prefetcher(hanging, "b", jobs, RetryPolicy(FetchConfig(concurrency=2), Metrics(), hanging.endpoint))
+    prefetcher = Prefetcher("b", jobs, RetryPolicy(FetchConfig(concurrency=2), Metrics(), hanging))
     ranges = iter(prefetcher)
     next(ranges)
     assert entered.wait(10)

@@ -11,10 +11,10 @@ import threading
 
 import pytest
 
-from remote_loader import ConfigError, DatasetReader, EndpointUnreachable, FetchConfig, RemoteDataset, make_client
+from remote_loader import ConfigError, DatasetReader, EndpointUnreachable, FetchConfig, RemoteDataset, RetryConfig, make_client
 from tests.servers import free_port
 
-NEVER = FetchConfig(outage_deadline=300, first_contact_deadline=0.5, backoff=0.01)
+NEVER = FetchConfig(retry=RetryConfig(outage_deadline=300, first_contact_deadline=0.5, backoff=0.01))
 
 
 @pytest.mark.parametrize("endpoint", [f"http://127.0.0.1:{free_port()}", "http://no-such-host.invalid:9000"],
@@ -49,7 +49,7 @@ def test_a_store_that_answered_once_gets_the_whole_outage_deadline():
     thread.start()
     endpoint = f"http://127.0.0.1:{server.server_address[1]}"
     client = make_client(endpoint, "key", "secret")
-    fetch = FetchConfig(outage_deadline=1.5, first_contact_deadline=0.2, backoff=0.01)
+    fetch = FetchConfig(retry=RetryConfig(outage_deadline=1.5, first_contact_deadline=0.2, backoff=0.01))
     assert not DatasetReader(client, "bkt", "ds", fetch=fetch).has_manifest()  # a 404 is an answer
     server.shutdown()
     server.server_close()
@@ -66,7 +66,7 @@ def test_deadlines_come_from_the_environment_and_are_checked():
     with pytest.raises(ConfigError, match="REMOTE_LOADER_OUTAGE_DEADLINE must be a number"):
         FetchConfig.from_env({"REMOTE_LOADER_OUTAGE_DEADLINE": "soon"})
     with pytest.raises(ConfigError, match="first_contact_deadline"):
-        FetchConfig(first_contact_deadline=-1)
+        RetryConfig(first_contact_deadline=-1)
 
 
 @pytest.mark.parametrize("how", ["flag", "environment"])

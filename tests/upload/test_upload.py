@@ -22,7 +22,7 @@ from remote_loader import (
     ConfigError,
     DatasetReader,
     EndpointUnreachable,
-    FetchConfig,
+    RetryConfig,
     UploadError,
     make_client,
     upload_cv_dataset,
@@ -257,6 +257,6 @@ def test_an_upload_to_a_dead_endpoint_gives_up_at_its_outage_deadline():
     client = make_client(endpoint, "key", "secret")
     with pytest.raises(EndpointUnreachable, match=r"outage_deadline=0\.5 s") as caught:
         upload_cv_dataset(SyntheticImages(4, size=(8, 8)), client=client, bucket="b", base_folder="d", workers=0,
-                          progress=False, fetch=FetchConfig(outage_deadline=0.5, backoff=0.01))
+                          progress=False, retry=RetryConfig(outage_deadline=0.5, backoff=0.01))
     assert endpoint in str(caught.value) and "secret" not in str(caught.value)
     client.close()

@@ -1,0 +1,234 @@
+"""The one retry policy of every request the library makes: a ``Store`` that retries.
+
+A request that fails with a fault worth retrying (connection refused or reset, a timeout,
+5xx, slow-down, a short read) is repeated with exponential backoff and full jitter until it
+succeeds or until it has failed for ``RetryConfig.outage_deadline`` seconds: long enough to
+ride out a server restart. Then ``EndpointUnreachable`` names the endpoint and how long it
+was tried. An endpoint that has not answered once in this process gets
+``first_contact_deadline`` instead. The SDKs' own retries are off
+(``StorageConfig.max_attempts=1``), so attempts do not multiply across layers. Waits
+between attempts end at once when the retry is cancelled (an iterator being closed), so
+shutting down never waits for a backoff.
+
+``RetryingStore`` wraps any store so that each of its requests runs under one ``Retry``;
+the readers, the uploader and the indexer make their requests through one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from functools import partial
+from typing import TypeVar
+
+from remote_loader.config import RetryConfig
+from remote_loader.errors import EndpointUnreachable, StorageError, TransientStorageError
+from remote_loader.storage.base import DEFAULT_PART_SIZE, ObjectInfo, ObjectWriter, Store
+
+T = TypeVar("T")
+
+log = logging.getLogger("remote_loader")
+
+_RETRYABLE = (TransientStorageError, EndpointUnreachable)
+_NOTICE_SECONDS = 1.0  # a request failing this long means an outage, worth a log line
+
+
+class Cancelled(Exception):
+    """The request's consumer went away (its iterator was closed): stop retrying."""
+
+
+class _Outages:
+    """Per-process record of which endpoints are failing, for one log line at the start and
+    one at the end of each outage rather than one per attempt."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._since: dict[str, float] = {}
+
+    def failing(self, endpoint: str, since: float, error: BaseException, deadline: float) -> None:
+        if time.monotonic() - since < _NOTICE_SECONDS:
+            return
+        with self._lock:
+            if endpoint in self._since:
+                return
+            self._since[endpoint] = since
+        log.warning("storage at %s is failing (%s); retrying for up to %.0f s (RetryConfig.outage_deadline)",
+                    endpoint, error, deadline)
+
+    def answered(self, endpoint: str) -> None:
+        if not self._since:  # the common case: no outage, no lock
+            return
+        with self._lock:
+            since = self._since.pop(endpoint, None)
+        if since is not None:
+            log.warning("storage at %s answers again after %.1f s", endpoint, time.monotonic() - since)
+
+
+_OUTAGES = _Outages()
+os.register_at_fork(after_in_child=lambda: globals().update(_OUTAGES=_Outages()))
+
+_ANSWERED: set[str] = set()
+"""Endpoints that answered a request in this process (or the parent it forked from): only
+those get the full outage deadline; the others the first-contact deadline."""
+
+
+def _nothing() -> None:
+    pass
+
+
+@dataclass
+class Retry:
+    """Attempts, backoff with jitter and an outage deadline for requests to one endpoint.
+
+    Args:
+        config: Backoff and deadlines.
+        endpoint: Named in errors and log lines (never with credentials).
+        cancel: Set it to make waiting requests give up at once with ``Cancelled``.
+        on_retry: Called once per repeated attempt (to count retries).
+    """
+
+    config: RetryConfig
+    endpoint: str
+    cancel: threading.Event = field(default_factory=threading.Event)
+    on_retry: Callable[[], None] = _nothing
+
+    def call(self, request: Callable[[], T], *, bucket: str | None = None, key: str | None = None) -> T:
+        """Return ``request()``, repeating it on retryable faults until the deadline."""
+        first_failure: float | None = None
+        attempts = 0
+        while True:
+            if self.cancel.is_set():
+                raise Cancelled()
+            started = time.monotonic()
+            try:
+                result = request()
+            except _RETRYABLE as error:
+                attempts += 1
+                first_failure = started if first_failure is None else first_failure
+                failing = time.monotonic() - first_failure
+                deadline, setting = self._deadline()
+                _OUTAGES.failing(self.endpoint, first_failure, error, deadline)
+                if failing >= deadline:
+                    never = "" if self.endpoint in _ANSWERED else ", and it has never answered: check the endpoint URL"
+                    raise EndpointUnreachable(
+                        f"{self.endpoint} failed every request for {failing:.1f} s ({attempts} attempts, last: {error});"
+                        f" gave up at RetryConfig.{setting}={deadline:g} s{never}",
+                        bucket=bucket if bucket is not None else getattr(error, "bucket", None),
+                        key=key if key is not None else getattr(error, "key", None),
+                        code=getattr(error, "code", None),
+                    ) from None
+                self.on_retry()
+                ceiling = min(self.config.max_backoff, self.config.backoff * 2 ** min(attempts - 1, 30))
+                pause = min(random.uniform(0, ceiling), deadline - failing)
+                if self.cancel.wait(pause):
+                    raise Cancelled() from None
+                continue
+            except StorageError:
+                _ANSWERED.add(self.endpoint)  # an error answer (404, 403...) is an answer
+                raise
+            _ANSWERED.add(self.endpoint)
+            _OUTAGES.answered(self.endpoint)
+            return result
+
+    def _deadline(self) -> tuple[float, str]:
+        """How long requests may fail, and the setting that says so."""
+        config = self.config
+        if self.endpoint in _ANSWERED or config.outage_deadline <= config.first_contact_deadline:
+            return config.outage_deadline, "outage_deadline"
+        return config.first_contact_deadline, "first_contact_deadline"
+
+
+class RetryingStore(Store):
+    """``inner`` with every request run under ``retry``.
+
+    A listing is read whole under the retry (a failure part-way lists again from the
+    start), then yielded. A streaming upload retries each of its requests; its parts are
+    kept in memory until sent, so a part is sent again as it was.
+    """
+
+    def __init__(self, inner: Store, retry: Retry) -> None:
+        super().__init__()
+        self.inner = inner
+        self.retry = retry
+
+    @property
+    def endpoint(self) -> str:
+        return self.inner.endpoint
+
+    def __repr__(self) -> str:
+        return f"RetryingStore({self.inner!r})"
+
+    def get(self, bucket: str, key: str) -> bytes:
+        return self.retry.call(partial(self.inner.get, bucket, key), bucket=bucket, key=key)
+
+    def get_range(self, bucket: str, key: str, start: int, end: int) -> bytes:
+        return self.retry.call(partial(self.inner.get_range, bucket, key, start, end), bucket=bucket, key=key)
+
+    def get_range_into(self, bucket: str, key: str, start: int, end: int, out: memoryview) -> None:
+        self.retry.call(partial(self.inner.get_range_into, bucket, key, start, end, out), bucket=bucket, key=key)
+
+    def get_tail(self, bucket: str, key: str, length: int) -> bytes:
+        return self.retry.call(partial(self.inner.get_tail, bucket, key, length), bucket=bucket, key=key)
+
+    def head(self, bucket: str, key: str) -> int:
+        return self.retry.call(partial(self.inner.head, bucket, key), bucket=bucket, key=key)
+
+    def exists(self, bucket: str, key: str) -> bool:
+        return self.retry.call(partial(self.inner.exists, bucket, key), bucket=bucket, key=key)
+
+    def get_versioned(self, bucket: str, key: str) -> tuple[bytes, str]:
+        return self.retry.call(partial(self.inner.get_versioned, bucket, key), bucket=bucket, key=key)
+
+    def put(self, bucket: str, key: str, data: bytes | bytearray | memoryview, *,
+            if_none_match: bool = False, if_match: str | None = None) -> None:
+        self.retry.call(partial(self.inner.put, bucket, key, data, if_none_match=if_none_match, if_match=if_match),
+                        bucket=bucket, key=key)
+
+    def open_writer(self, bucket: str, key: str, *, part_size: int = DEFAULT_PART_SIZE) -> ObjectWriter:
+        return _RetryingWriter(self.inner.open_writer(bucket, key, part_size=part_size), self.retry)
+
+    def list(self, bucket: str, prefix: str = "") -> Iterator[ObjectInfo]:
+        return iter(self.retry.call(lambda: list(self.inner.list(bucket, prefix)), bucket=bucket))
+
+    def delete(self, bucket: str, key: str) -> None:
+        self.retry.call(partial(self.inner.delete, bucket, key), bucket=bucket, key=key)
+
+    def abort_uploads(self, bucket: str, prefix: str = "") -> int:
+        return self.retry.call(partial(self.inner.abort_uploads, bucket, prefix), bucket=bucket)
+
+    def create_bucket(self, bucket: str) -> None:
+        self.retry.call(partial(self.inner.create_bucket, bucket), bucket=bucket)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class _RetryingWriter(ObjectWriter):
+    """An ``ObjectWriter`` whose requests (the inner writer's) each run under a retry."""
+
+    def __init__(self, inner: ObjectWriter, retry: Retry) -> None:
+        super().__init__(inner.bucket, inner.key, inner.part_size)
+        self._inner, self._retry = inner, retry
+
+    def _call(self, request: Callable[[], None]) -> None:
+        self._retry.call(request, bucket=self.bucket, key=self.key)
+
+    def _put_whole(self, data: bytes) -> None:
+        self._call(partial(self._inner._put_whole, data))
+
+    def _start(self) -> None:
+        self._call(self._inner._start)
+
+    def _upload_part(self, number: int, part: bytes) -> None:
+        self._call(partial(self._inner._upload_part, number, part))
+
+    def _complete(self) -> None:
+        self._call(self._inner._complete)
+
+    def _abort_upload(self) -> None:
+        self._call(self._inner._abort_upload)

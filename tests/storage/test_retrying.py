@@ -1,0 +1,113 @@
+"""The retry layer: every request of a ``RetryingStore`` rides out the faults a real store
+throws (through a fault-injecting proxy in front of SeaweedFS), and the settings that
+drive it have one home, ``RetryConfig``."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import pytest
+
+from remote_loader import ConfigError, FetchConfig, RetryConfig, TransientStorageError, make_client, upload_cv_dataset
+from remote_loader.storage import Store
+from remote_loader.storage.retrying import Cancelled, Retry, RetryingStore
+from remote_loader.testing.synthetic import SyntheticImages
+from tests.faultproxy import FaultProxy
+
+FAULTS = {"error_500": 0.3, "slow_down_503": 0.2, "reset_before": 0.2}
+METHODS = ("GET", "PUT", "POST", "DELETE", "HEAD")
+PART = 5 * 1024 * 1024
+
+
+def _every_request(store: Store, bucket: str) -> list[object]:
+    """One of each request a store makes, with what each returned."""
+    big = bytes(range(256)) * (PART // 256) + b"tail"
+    store.create_bucket(bucket)
+    store.put(bucket, "a/one", b"0123456789")
+    with store.open_writer(bucket, "a/big", part_size=PART) as writer:
+        writer.write(big)
+    _, tag = store.get_versioned(bucket, "a/one")
+    store.put(bucket, "a/one", b"abcdefghij", if_match=tag)
+    results: list[object] = [
+        bytes(store.get(bucket, "a/one")),
+        bytes(store.get_range(bucket, "a/one", 2, 5)),
+        bytes(store.get_tail(bucket, "a/one", 3)),
+        store.head(bucket, "a/big"),
+        store.exists(bucket, "a/none"),
+        [info.key for info in store.list(bucket, "a/")],
+        bytes(store.get(bucket, "a/big")) == big,
+    ]
+    out = bytearray(4)
+    store.get_range_into(bucket, "a/big", PART, PART + 4, memoryview(out))
+    results.append(bytes(out))
+    store.delete(bucket, "a/one")
+    results.append(store.abort_uploads(bucket, "a/"))
+    results.append([info.key for info in store.list(bucket, "a/")])
+    return results
+
+
+EXPECTED = [b"abcdefghij", b"cde", b"hij", PART + 4, False, ["a/big", "a/one"], True, b"tail", 0, ["a/big"]]
+
+
+def test_every_request_of_a_retrying_store_rides_out_faults(seaweed):
+    proxy = FaultProxy(seaweed.endpoint_url, FAULTS, seed=4, methods=METHODS)
+    retries = []
+    try:
+        raw = make_client(proxy.endpoint_url, seaweed.access_key, seaweed.secret_key)
+        store = RetryingStore(raw, Retry(RetryConfig(backoff=0.001, max_backoff=0.01), raw.endpoint,
+                                         on_retry=lambda: retries.append(1)))
+        assert _every_request(store, "retrying-layer") == EXPECTED
+    finally:
+        proxy.close()
+    assert sum(proxy.injected.values()) >= 5 and len(retries) == sum(proxy.injected.values())
+
+
+def test_the_same_requests_without_the_layer_fail(seaweed):
+    proxy = FaultProxy(seaweed.endpoint_url, FAULTS, seed=4, methods=METHODS)
+    try:
+        raw = make_client(proxy.endpoint_url, seaweed.access_key, seaweed.secret_key)
+        with pytest.raises(TransientStorageError):
+            _every_request(raw, "retrying-layer-raw")
+    finally:
+        proxy.close()
+
+
+def test_a_cancelled_retry_stops_before_the_next_attempt(seaweed):
+    cancel = threading.Event()
+    cancel.set()
+    store = RetryingStore(seaweed.client(), Retry(RetryConfig(), seaweed.endpoint_url, cancel))
+    with pytest.raises(Cancelled):
+        store.get("any", "key")
+
+
+def test_the_retry_settings_live_in_retry_config_and_the_old_names_still_work():
+    config = FetchConfig(range_bytes=1 << 20, refetch_attempts=3, retry=RetryConfig(outage_deadline=9))
+    assert (config.retry.outage_deadline, config.refetch_attempts, config.range_bytes) == (9, 3, 1 << 20)
+    with pytest.warns(DeprecationWarning, match="refetch_attempts and retry=RetryConfig"):
+        old = FetchConfig(max_attempts=2, outage_deadline=7, backoff=0.5)
+    assert old == FetchConfig(refetch_attempts=2, retry=RetryConfig(outage_deadline=7, backoff=0.5))
+    assert (old.max_attempts, old.outage_deadline, old.backoff) == (2, 7, 0.5)
+    with pytest.raises(TypeError, match="'outage'"):
+        FetchConfig(outage=3)  # type: ignore[call-arg]
+    with pytest.raises(ConfigError, match="retry must be a RetryConfig"):
+        FetchConfig(retry={"outage_deadline": 3})  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="range_bytes"):
+        FetchConfig(range_bytes=0)
+    with pytest.raises(ConfigError, match="backoff"):
+        RetryConfig(backoff=-1)
+
+
+def test_an_upload_given_the_old_fetch_argument_warns_and_uses_its_retry(seaweed):
+    client = seaweed.client()
+    client.create_bucket("retry-deprecated")
+    with pytest.warns(DeprecationWarning, match="retry=RetryConfig"):
+        summary = upload_cv_dataset(SyntheticImages(4, size=(20, 20)), client=client, bucket="retry-deprecated",
+                                    base_folder="d", workers=0, progress=False,
+                                    fetch=FetchConfig(retry=RetryConfig(outage_deadline=5)))
+    assert summary.samples == 4
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ConfigError, match="retry must be a RetryConfig"):
+            upload_cv_dataset(SyntheticImages(4), client=client, bucket="retry-deprecated", base_folder="e",
+                              workers=0, progress=False, retry=5)  # type: ignore[arg-type]
