@@ -131,10 +131,11 @@ class Progress:
         self._lock = threading.Lock()
         self._taken = 0  # samples of the plan the cutter took
         self._cut: deque[tuple[int, int]] = deque()  # (position, samples) of ranges cut, not yet opened
-        self.open: dict[Any, int] = {}  # open range -> position of its sample 0
-        self.pending: set[int] = set()  # emitted by the source, not yet delivered
+        self._open: dict[Any, int] = {}  # open range -> position of its sample 0
+        self._pending: set[int] = set()  # emitted by the source, not yet delivered
 
     def took(self, samples: int, ranges: Sequence[tuple[int, int]]) -> None:
+        """The cutter took ``samples`` of the plan and cut them into ``ranges`` ``(position, samples)``."""
         with self._lock:
             self._cut.extend(ranges)
             self._taken += samples
@@ -144,10 +145,23 @@ class Progress:
         with self._lock:
             return self._cut.popleft()[0]
 
+    def opened(self, reading: Any, base: int) -> None:
+        """The source opened a range (any object with ``next`` and ``stop`` sample numbers)
+        whose sample 0 is at position ``base``."""
+        self._open[reading] = base
+
+    def closed(self, reading: Any) -> None:
+        """The source read a range to its end."""
+        self._open.pop(reading, None)
+
+    def emitted(self, position: int) -> None:
+        """The source gave the pipeline the sample at ``position``."""
+        self._pending.add(position)
+
     def done(self, ids: int | list[Any]) -> None:
         """Samples delivered (or dropped by a stage): an item's id, or a batch's ids."""
         if isinstance(ids, int):
-            self.pending.discard(ids)
+            self._pending.discard(ids)
         else:
             for i in ids:
                 self.done(i)
@@ -159,8 +173,8 @@ class Progress:
             taken = self._taken
         parts = list(_rest(self.plan.rows, taken))
         parts += [(p, p + n) for p, n in cut]
-        parts += [(base + r.next, base + r.stop) for r, base in self.open.items()]
-        parts += runs(self.pending)
+        parts += [(base + r.next, base + r.stop) for r, base in self._open.items()]
+        parts += runs(self._pending)
         return merge(parts)
 
     def state(self) -> dict[str, Any]:

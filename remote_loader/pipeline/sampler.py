@@ -8,7 +8,7 @@ import numpy as np
 from torch.utils.data import Sampler
 
 from remote_loader.config import require_int
-from remote_loader.pipeline.dataset import current_world
+from remote_loader.pipeline.split import current_world
 from remote_loader.pipeline.mapstyle import RemoteMapDataset
 from remote_loader.pipeline.split import shard_order
 

@@ -79,7 +79,7 @@ def stream_positions(
     with Prefetcher(reader.location.bucket, jobs, policy) as prefetcher:
         fetched = iter(prefetcher)
         reading: list[OpenRange] = []
-        bases: dict[OpenRange, int] = progress.open if progress is not None else {}
+        bases: dict[OpenRange, int] = {}
         exhausted = False
         try:
             while True:
@@ -95,6 +95,8 @@ def stream_positions(
                     else:
                         reading.append(opened)
                         bases[opened] = base
+                        if progress is not None:
+                            progress.opened(opened, base)
                 if not reading:
                     return
                 current = reading[int(rng.integers(len(reading)))] if len(reading) > 1 else reading[0]
@@ -103,11 +105,13 @@ def stream_positions(
                 if current.done:
                     reading.remove(current)
                     bases.pop(current, None)
+                    if progress is not None:
+                        progress.closed(current)
                     current.close()
                 if sample is not None:
                     policy.metrics.add(samples=1)
                     if progress is not None:
-                        progress.pending.add(position)
+                        progress.emitted(position)
                     yield position, sample
         finally:
             fetched.close()

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from remote_loader.config import check_world, world_from_env
 from remote_loader.errors import ConfigError
 
 
@@ -36,6 +37,20 @@ class Span:
     def __len__(self) -> int:
         return self.end - self.start
 
+
+
+def current_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """Rank and world size: as given, else from torch.distributed, else ``RANK`` / ``WORLD_SIZE``."""
+    if (rank is None) != (world_size is None):
+        raise ConfigError(f"give rank and world_size together, or neither (to take both from torch.distributed"
+                          f" or RANK / WORLD_SIZE); got rank={rank!r}, world_size={world_size!r}")
+    if rank is not None and world_size is not None:
+        return check_world(rank, world_size)
+    import torch.distributed as dist  # only when the world is not given: the rest of this module is numpy
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return world_from_env()
 
 def shard_order(num_shards: int, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
     """The epoch's shard order: a permutation drawn from (seed, epoch), or manifest order."""

@@ -150,6 +150,8 @@ class Stage(ABC):
 
     one_to_one: ClassVar[bool] = False
     """Every input sample gives exactly one output sample."""
+    reorders: ClassVar[bool] = False
+    """It changes the order of samples (a shuffle)."""
     seeded: bool = False
     """It draws randomness from the iteration's context."""
     threads: int = 0
@@ -167,6 +169,18 @@ class Stage(ABC):
         """How many input samples each output item holds (None: not fixed)."""
         return 1 if self.one_to_one else None
 
+    def batch(self) -> tuple[int, bool] | None:
+        """``(size, partial)`` for a stage that groups samples into batches, else None."""
+        return None
+
+    def paired(self, pairs: Iterable[tuple[Any, Any]], context: Context, dropped: Callable[[Any], None],
+               names: InFlight | None) -> Iterator[tuple[Any, Any]]:
+        """The stage over ``(id, item)`` pairs (see ``run_paired``); a stage that maps one
+        sample to one in order gets this form for free."""
+        if not self.one_to_one:
+            raise TypeError(f"no paired form for {self!r}")
+        return _one_to_one_pairs(self, pairs, context, names)
+
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not callable(v))
         return f"{type(self).__name__}({fields})"
@@ -176,6 +190,7 @@ class Shuffle(Stage):
     """A seeded shuffle buffer of ``bufsize`` samples; output starts at ``initial``."""
 
     seeded = True
+    reorders = True
 
     def __init__(self, bufsize: int, initial: int) -> None:
         if type(bufsize) is not int or type(initial) is not int or bufsize < 1 or not 0 <= initial <= bufsize:
@@ -191,6 +206,10 @@ class Shuffle(Stage):
 
     def group(self) -> int | None:
         return 1
+
+    def paired(self, pairs: Iterable[tuple[Any, Any]], context: Context, dropped: Callable[[Any], None],
+               names: InFlight | None) -> Iterator[tuple[Any, Any]]:
+        return self.run(pairs, context)  # it moves items without looking at them
 
 
 class Map(Stage):
@@ -276,6 +295,10 @@ class Select(Stage):
     def run(self, samples: Iterable[Any], context: Context) -> Iterator[Any]:
         return select_stage(samples, self.predicate)
 
+    def paired(self, pairs: Iterable[tuple[Any, Any]], context: Context, dropped: Callable[[Any], None],
+               names: InFlight | None) -> Iterator[tuple[Any, Any]]:
+        return _select_pairs(pairs, self.predicate, dropped)
+
 
 class Batched(Stage):
     """Groups of ``batchsize`` samples, collated by ``collation_fn``."""
@@ -295,6 +318,13 @@ class Batched(Stage):
 
     def group(self) -> int | None:
         return self.batchsize
+
+    def batch(self) -> tuple[int, bool] | None:
+        return self.batchsize, self.partial
+
+    def paired(self, pairs: Iterable[tuple[Any, Any]], context: Context, dropped: Callable[[Any], None],
+               names: InFlight | None) -> Iterator[tuple[Any, Any]]:
+        return _batch_pairs(pairs, self, dropped)
 
 
 # --------------------------------------------------------------------------- stages over (id, item) pairs
@@ -338,15 +368,7 @@ def run_paired(stage: Stage, pairs: Iterable[tuple[Any, Any]], context: Context,
     An id is a sample's position, or a batch's list of ids. ``dropped(id)`` is called for
     what a stage discards (``select``, a short last batch without ``partial``).
     """
-    if isinstance(stage, Shuffle):  # it moves items without looking at them
-        return stage.run(pairs, context)
-    if isinstance(stage, Select):
-        return _select_pairs(pairs, stage.predicate, dropped)
-    if isinstance(stage, Batched):
-        return _batch_pairs(pairs, stage, dropped)
-    if not stage.one_to_one:
-        raise TypeError(f"no paired form for {stage!r}")
-    return _one_to_one_pairs(stage, pairs, context, names)
+    return stage.paired(pairs, context, dropped, names)
 
 
 def _one_to_one_pairs(stage: Stage, pairs: Iterable[tuple[Any, Any]], context: Context,

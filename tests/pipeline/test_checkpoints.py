@@ -70,7 +70,7 @@ def run(client, ranks, workers, stops=None, states=None, **options):
                     items = list(stream)
                 else:
                     # Stop points are fractions of the worker's share (0: before its first item).
-                    share = copy_._live.plan.rows
+                    share = copy_._checkpoints.live.plan.rows
                     total = sum(b - a for a, b in share) // (options.get("batch") or 1)
                     items = list(itertools.islice(stream, stops(rank, worker, total)))
                 keys += flat(items)
