@@ -6,7 +6,7 @@ import copy
 import itertools
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -18,9 +18,9 @@ from remote_loader.pipeline import stages
 from remote_loader.pipeline.checkpoint import Checkpoints, Layout
 from remote_loader.pipeline.position import Progress
 from remote_loader.pipeline.resume import MAX_WORKERS
-from remote_loader.pipeline.source import span_jobs, stream_positions, tar_jobs
+from remote_loader.pipeline.source import ShardSource
 from remote_loader.pipeline.split import current_world, plan_spans, rank_size, shard_order
-from remote_loader.read import DatasetReader, Job, Metrics, RetryPolicy
+from remote_loader.read import DatasetReader, Metrics
 from remote_loader.read.heap import release_free_memory
 from remote_loader.storage import Store, open_location
 
@@ -295,11 +295,9 @@ class RemoteDataset(IterableDataset):
         info = get_worker_info()
         metrics = Metrics(self._metrics[1 + worker if info else 0].numpy())
         policy = self.reader.policy(metrics, cancel=threading.Event())
-        jobs = self._jobs(epoch, worker, num_workers, policy, progress)
-        release_free_memory()  # the split's temporaries, so that a worker keeps only its share
-        data: Iterator[tuple[Any, Any]] = stream_positions(
-            self.reader, jobs, policy=policy, open_shards=self.open_shards, seed=(self.seed, epoch, rank, worker, 1),
-            on_error=self.on_error, progress=progress)
+        source = ShardSource(self.reader, policy, open_shards=self.open_shards, seed=(self.seed, epoch, rank, worker, 1),
+                             on_error=self.on_error, progress=progress)
+        data: Iterator[tuple[Any, Any]] = self._samples(source, epoch, worker, num_workers, progress)
         names = stages.InFlight()
         data = names.entering(data)
         counted = progress.done if progress is not None else _ignore
@@ -318,14 +316,15 @@ class RemoteDataset(IterableDataset):
             data = _skip(data, skip, done)
         yield from _timed(_deliver(data, done), metrics)
 
-    def _jobs(self, epoch: int, worker: int, num_workers: int, policy: RetryPolicy,
-              progress: Progress | None) -> Iterable[Job]:
-        """What this worker fetches: its plan's spans, or for plain WebDataset tars without a
+    def _samples(self, source: ShardSource, epoch: int, worker: int, num_workers: int,
+                 progress: Progress | None) -> Iterator[tuple[int, Any]]:
+        """What this worker reads: its plan's spans, or for plain WebDataset tars without a
         manifest, whole tars dealt round-robin to ranks x workers in the epoch's order."""
         if progress is not None:
             counts = self.reader.counts
             spans = plan_spans(counts, shard_order(len(counts), self.seed, epoch, self.shuffle_shards), progress.plan.rows)
-            return span_jobs(self.reader, spans, policy, self.open_shards, self.on_error, progress)
+            release_free_memory()  # the split's temporaries, so that a worker keeps only its share
+            return source.spans(spans)
         tars = self.reader.list_tars()
         if not tars:
             raise DatasetNotFound(f"no .tar objects under {self.reader.location} to stream unindexed",
@@ -333,7 +332,7 @@ class RemoteDataset(IterableDataset):
         layout = self._layout()
         slots, slot = layout.world_size * num_workers, layout.rank * num_workers + worker
         order = shard_order(len(tars), self.seed, epoch, self.shuffle_shards)
-        return tar_jobs(self.reader, [tars[k] for position, k in enumerate(order) if position % slots == slot])
+        return source.tars([tars[k] for position, k in enumerate(order) if position % slots == slot])
 
 
 def _failing(error: Exception) -> Iterator[Any]:

@@ -1,11 +1,17 @@
-"""The sample source of one worker: its spans fetched ahead, mixed across open shards."""
+"""The sample source of one worker: its spans fetched ahead, mixed across open shards.
+
+``ShardSource`` is the one object the pipeline asks for samples: it plans the ranges of a
+worker's spans (or whole unindexed tars), has the prefetcher fetch them, and yields their
+samples mixed across open ranges, each with its position in the epoch, telling the
+worker's ``Progress`` what it took, cut, opened and emitted. The functions below are its
+pieces.
+"""
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Iterator, Sequence
 from functools import partial
-from typing import Any
 
 import numpy as np
 
@@ -15,11 +21,11 @@ from remote_loader.pipeline.split import Span
 from remote_loader.read.fetch import Job, Prefetcher
 from remote_loader.read.reader import DatasetReader
 from remote_loader.read.retry import RetryPolicy
-from remote_loader.read.shards import IndexCache, OpenRange, locate_span
+from remote_loader.read.shards import IndexCache, OpenRange, RangePlan, TarRead, locate_span
 
 
-def _whole(name: str, size: int) -> tuple[int, int, Any]:
-    return 0, size, name
+def _whole(name: str, size: int) -> tuple[int, int, RangePlan]:
+    return 0, size, TarRead(name)
 
 
 def split_spans(reader: DatasetReader, spans: Iterable[Span], range_bytes: int, group: int,
@@ -43,7 +49,7 @@ def split_spans(reader: DatasetReader, spans: Iterable[Span], range_bytes: int, 
 
 
 def span_jobs(reader: DatasetReader, spans: Iterable[Span], policy: RetryPolicy, open_shards: int = 1,
-              on_error: str = "raise", progress: Progress | None = None) -> Iterator[Job]:
+              on_error: str = "raise", progress: Progress | None = None) -> Iterator[Job[RangePlan]]:
     """Jobs fetching the samples of ``spans`` of an indexed dataset, in ranges of about
     ``range_bytes``, made as the prefetcher reaches them."""
     shards = reader.manifest.shards
@@ -52,14 +58,14 @@ def span_jobs(reader: DatasetReader, spans: Iterable[Span], policy: RetryPolicy,
         yield Job(reader.location.key(shards.names[s.shard]), partial(locate_span, cache, s.shard, s.start, s.end, on_error))
 
 
-def tar_jobs(reader: DatasetReader, tars: Sequence[tuple[str, int]]) -> list[Job]:
+def tar_jobs(reader: DatasetReader, tars: Sequence[tuple[str, int]]) -> list[Job[RangePlan]]:
     """Jobs fetching whole unindexed tars ``(name, size)``."""
     return [Job(reader.location.key(name), partial(_whole, name, size)) for name, size in tars]
 
 
 def stream_positions(
     reader: DatasetReader,
-    jobs: Iterable[Job],
+    jobs: Iterable[Job[RangePlan]],
     *,
     policy: RetryPolicy,
     open_shards: int,
@@ -115,3 +121,34 @@ def stream_positions(
                     yield position, sample
         finally:
             fetched.close()
+
+
+class ShardSource:
+    """One worker's samples, each with its position (-1 for unindexed tars).
+
+    Args:
+        reader: The dataset.
+        policy: The worker's requests (retrying store, metrics, cancel).
+        open_shards: Ranges read at once, each next sample drawn from one of them.
+        seed: Draws which open range gives the next sample.
+        on_error: ``"skip"`` skips damaged samples and shards (counted, logged).
+        progress: Told of every range cut and opened and every sample emitted.
+    """
+
+    def __init__(self, reader: DatasetReader, policy: RetryPolicy, *, open_shards: int, seed: Sequence[int],
+                 on_error: str = "raise", progress: Progress | None = None) -> None:
+        self.reader, self.policy, self.open_shards, self.seed = reader, policy, open_shards, seed
+        self.on_error, self.progress = on_error, progress
+
+    def spans(self, spans: Iterable[Span]) -> Iterator[tuple[int, Sample]]:
+        """The samples of ``spans`` of an indexed dataset, read in ranges of about ``range_bytes``."""
+        jobs = span_jobs(self.reader, spans, self.policy, self.open_shards, self.on_error, self.progress)
+        return self._stream(jobs)
+
+    def tars(self, tars: Sequence[tuple[str, int]]) -> Iterator[tuple[int, Sample]]:
+        """The samples of whole unindexed tars ``(name, size)``, each read sequentially."""
+        return self._stream(tar_jobs(self.reader, tars))
+
+    def _stream(self, jobs: Iterable[Job[RangePlan]]) -> Iterator[tuple[int, Sample]]:
+        return stream_positions(self.reader, jobs, policy=self.policy, open_shards=self.open_shards, seed=self.seed,
+                                on_error=self.on_error, progress=self.progress)

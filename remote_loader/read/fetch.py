@@ -15,7 +15,7 @@ from collections.abc import Callable, Generator, Iterable
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, TypeVar
+from typing import Generic, TypeVar
 
 import numpy as np
 
@@ -23,6 +23,7 @@ from remote_loader.read.metrics import Metrics
 from remote_loader.read.retry import Cancelled, RetryPolicy
 
 T = TypeVar("T")
+C = TypeVar("C")  # what a job says about its range, handed unread to the consumer
 
 _POLL = 0.5  # longest single wait: every wait re-checks whether the fetcher failed or closed
 _CLOSE_WITHIN = 1.0  # close() waits this long for threads; one stuck in a GET is left to its timeout
@@ -44,15 +45,16 @@ def fetch_range_into(policy: RetryPolicy, bucket: str, key: str, start: int, end
 
 
 @dataclass
-class Job:
-    """One object to fetch part of; ``locate()`` returns ``(start, end, context)``."""
+class Job(Generic[C]):
+    """One object to fetch part of; ``locate()`` returns ``(start, end, context)``, the
+    byte range and what the consumer needs to read it (the fetcher never looks inside)."""
 
     key: str
-    locate: Callable[[], tuple[int, int, Any]]
+    locate: Callable[[], tuple[int, int, C]]
 
 
 @dataclass
-class Fetched:
+class Fetched(Generic[C]):
     """A range being fetched: ``buffer`` receives bytes ``[start, end)`` of ``key`` part by part.
 
     The consumer may read a prefix of the range as soon as it has arrived: ``wait(upto)``
@@ -63,7 +65,7 @@ class Fetched:
     key: str
     start: int
     end: int
-    context: Any
+    context: C
     buffer: memoryview = field(repr=False)
     bounds: list[int] = field(default_factory=list, repr=False)  # where each part starts
     parts: list[threading.Event] = field(default_factory=list, repr=False)
@@ -127,12 +129,12 @@ class _Buffers:
                 self._live -= len(buffer)
 
 
-class _Slot:
-    def __init__(self, job: Job) -> None:
+class _Slot(Generic[C]):
+    def __init__(self, job: Job[C]) -> None:
         self.job = job
         self.located = threading.Event()
         self.error: BaseException | None = None
-        self.fetched: Fetched | None = None
+        self.fetched: Fetched[C] | None = None
 
 
 def _in_daemon_thread(call: Callable[[], T]) -> Future[T]:
@@ -155,7 +157,7 @@ class FetcherClosed(Exception):
     """Raised in a waiter when the fetcher was closed under it."""
 
 
-class Prefetcher:
+class Prefetcher(Generic[C]):
     """Fetch ``jobs`` in order, ahead of the consumer, within ``config.prefetch_bytes``.
 
     Iterate to get ``Fetched`` ranges in job order, each as soon as its GETs are under
@@ -173,17 +175,17 @@ class Prefetcher:
     fetcher, which are never reused after close.
     """
 
-    def __init__(self, bucket: str, jobs: Iterable[Job], policy: RetryPolicy) -> None:
+    def __init__(self, bucket: str, jobs: Iterable[Job[C]], policy: RetryPolicy) -> None:
         self.bucket, self.policy = bucket, policy
         self.config, self.metrics = policy.config, policy.metrics
         self._jobs = iter(jobs)
-        self._slots: deque[_Slot | None] = deque()  # None marks the end of the jobs
+        self._slots: deque[_Slot[C] | None] = deque()  # None marks the end of the jobs
         self._cond = threading.Condition()
         self._held = 0
         self._closed = False
         self._failure: BaseException | None = None
         self._buffers = _Buffers(_KEEP_BUFFERS, self.metrics)
-        self._parts: list[tuple[int, int, int, int, Fetched]] = []  # heap: (part number, seq, start, end, range)
+        self._parts: list[tuple[int, int, int, int, Fetched[C]]] = []  # heap: (part number, seq, start, end, range)
         self._seq = 0
         self._submitted = 0  # ranges queued so far
         self._getters = [threading.Thread(target=self._get, name=f"remote-loader-get-{i}", daemon=True)
@@ -230,7 +232,7 @@ class Prefetcher:
 
     def _schedule_jobs(self) -> None:
         # Indexes are located a few jobs ahead, in parallel: the consumer opens several ranges at once.
-        pending: deque[tuple[_Slot, Future[tuple[int, int, Any]]]] = deque()
+        pending: deque[tuple[_Slot[C], Future[tuple[int, int, C]]]] = deque()
         while True:
             while len(pending) < _LOCATE_AHEAD and not self._closed:
                 job = next(self._jobs, None)
@@ -260,7 +262,7 @@ class Prefetcher:
             self._slots.append(None)
             self._cond.notify_all()
 
-    def _submit(self, slot: _Slot, start: int, end: int, context: Any) -> None:
+    def _submit(self, slot: _Slot[C], start: int, end: int, context: C) -> None:
         """Queue the parts of a located range. The first ranges start with a small part, so the
         first samples come early; later ones use whole parts (each GET has a fixed cost)."""
         head = min(_FIRST_PART, self.config.part_size) if self._submitted < _LOCATE_AHEAD else self.config.part_size
@@ -296,7 +298,7 @@ class Prefetcher:
         except BaseException as exc:
             self._fail(exc)
 
-    def _fetch_part(self, fetched: Fetched, number: int, start: int, end: int) -> None:
+    def _fetch_part(self, fetched: Fetched[C], number: int, start: int, end: int) -> None:
         try:
             out = fetched.buffer[start - fetched.start : end - fetched.start]
             fetch_range_into(self.policy, self.bucket, fetched.key, start, end, out)
@@ -305,7 +307,7 @@ class Prefetcher:
         finally:
             fetched.parts[number].set()
 
-    def __iter__(self) -> Generator[Fetched, None, None]:
+    def __iter__(self) -> Generator[Fetched[C], None, None]:
         try:
             while True:
                 with self._cond:

@@ -13,8 +13,9 @@ import threading
 import time
 from functools import partial
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import NamedTuple
 
 from remote_loader.errors import CorruptSampleError, CorruptShard, ObjectNotFound
 from remote_loader.format import Sample, ShardEntry, ShardIndex, ShardView
@@ -86,6 +87,42 @@ def read_run(reader: DatasetReader, shard: int, index: ShardIndex, positions: li
         raise
 
 
+class _Opened(NamedTuple):
+    view: ShardView | None
+    shard_index: ShardIndex | None  # None: nothing to refetch a sample by (an unindexed tar, or nothing to read)
+    shard: int
+    next: int
+    stop: int
+
+
+@dataclass(frozen=True)
+class SpanRead:
+    """Samples ``[first, stop)`` of shard number ``shard``, located with its index."""
+
+    shard: int
+    entry: ShardEntry
+    first: int
+    stop: int
+    index: ShardIndex
+
+    def open(self, fetched: Fetched[RangePlan], reader: DatasetReader, wait: Callable[[int | None], None]) -> _Opened:
+        view = ShardView(fetched.buffer, self.index, name=self.entry.name, verify=reader.verify, base=fetched.start,
+                         first=self.first, stop=self.stop)
+        return _Opened(view, self.index, self.shard, self.first, self.stop)
+
+
+@dataclass(frozen=True)
+class TarRead:
+    """A whole unindexed WebDataset tar, indexed from its bytes once they are in."""
+
+    name: str
+
+    def open(self, fetched: Fetched[RangePlan], reader: DatasetReader, wait: Callable[[int | None], None]) -> _Opened:
+        wait(None)
+        index, _ = scan_tar(lambda start, end: memoryview(fetched.buffer)[start:end], self.name, len(fetched.buffer))
+        return _Opened(ShardView(fetched.buffer, index, name=self.name, verify=False), None, -1, 0, len(index))
+
+
 @dataclass(frozen=True)
 class Skipped:
     """A range whose shard could not be read, skipped under ``on_error="skip"``."""
@@ -93,6 +130,13 @@ class Skipped:
     name: str
     samples: int
     reason: str
+
+    def open(self, fetched: Fetched[RangePlan], reader: DatasetReader, wait: Callable[[int | None], None]) -> _Opened:
+        return _Opened(None, None, -1, 0, 0)
+
+
+RangePlan = SpanRead | TarRead | Skipped
+"""What a fetched range holds and how to read it: each kind opens itself."""
 
 
 def skip(what: str, samples: int, error: BaseException, policy: RetryPolicy) -> None:
@@ -102,31 +146,16 @@ def skip(what: str, samples: int, error: BaseException, policy: RetryPolicy) -> 
 
 
 class OpenRange:
-    """A range being read while its parts arrive; a whole unindexed tar is indexed from its bytes here.
+    """A range being read while its parts arrive, opened as its plan says (``SpanRead``, ``TarRead``, ``Skipped``).
 
     ``next_sample()`` gives the range's samples in order, fetching damaged ones again;
     with ``on_error="skip"`` it returns None for one it skipped (all the rest of the range
     if the shard is gone).
     """
 
-    def __init__(self, reader: DatasetReader, fetched: Fetched, policy: RetryPolicy, on_error: str) -> None:
+    def __init__(self, reader: DatasetReader, fetched: Fetched[RangePlan], policy: RetryPolicy, on_error: str) -> None:
         self.reader, self.fetched, self.policy, self.on_error = reader, fetched, policy, on_error
-        self.index: ShardIndex | None = None
-        context = fetched.context
-        if isinstance(context, Skipped):
-            self.next, self.stop = 0, 0
-            return
-        if isinstance(context, str):  # an unindexed WebDataset tar
-            self._wait(None)
-            index, _ = scan_tar(lambda start, end: memoryview(fetched.buffer)[start:end], context, len(fetched.buffer))
-            self.view = ShardView(fetched.buffer, index, name=context, verify=False)
-            self.shard, self.next, self.stop = -1, 0, len(index)
-            return
-        shard, entry, first, stop, self.index = context
-        self.shard = shard
-        self.view = ShardView(fetched.buffer, self.index, name=entry.name, verify=reader.verify, base=fetched.start,
-                              first=first, stop=stop)
-        self.next, self.stop = first, stop
+        self.view, self.index, self.shard, self.next, self.stop = fetched.context.open(fetched, reader, self._wait)
 
     @property
     def done(self) -> bool:
@@ -138,6 +167,7 @@ class OpenRange:
         self.policy.metrics.add(wait_seconds=time.perf_counter() - waited)
 
     def next_sample(self) -> Sample | None:
+        assert self.view is not None, "next_sample() of a range with nothing to read"
         j = self.next
         self.next += 1
         try:
@@ -163,11 +193,11 @@ class OpenRange:
             return None
 
     def close(self) -> None:
-        self.view = None  # type: ignore[assignment]  # no view of the buffer may outlive it
+        self.view = None  # no view of the buffer may outlive it
         self.fetched.release()
 
 
-def locate_span(cache: IndexCache, shard: int, first: int, stop: int, on_error: str) -> tuple[int, int, Any]:
+def locate_span(cache: IndexCache, shard: int, first: int, stop: int, on_error: str) -> tuple[int, int, RangePlan]:
     """The byte range of samples ``[first, stop)`` of a shard, from its cached index; with
     ``on_error="skip"``, an empty range standing for a shard whose index cannot be read."""
     entry = cache.reader.manifest.shards[shard]
@@ -178,4 +208,4 @@ def locate_span(cache: IndexCache, shard: int, first: int, stop: int, on_error: 
             raise
         skip(f"shard {entry.name}", stop - first, error, cache.policy)
         return 0, 0, Skipped(entry.name, stop - first, str(error))
-    return index.start(first, stop), index.extent(first, stop), (shard, entry, first, stop, index)
+    return index.start(first, stop), index.extent(first, stop), SpanRead(shard, entry, first, stop, index)
