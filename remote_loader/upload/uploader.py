@@ -9,14 +9,11 @@ arguments keeps the finished tasks' shards and writes the rest.
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
-import queue
 import secrets
 import time
 import warnings
-from collections.abc import Iterable
-from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, wait
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -28,7 +25,6 @@ from tqdm import tqdm
 from remote_loader.config import FetchConfig, RetryConfig, require_bool, require_int
 from remote_loader.errors import (
     ConfigError,
-    RemoteLoaderError,
     StorageError,
     UploadConflict,
     UploadError,
@@ -39,8 +35,9 @@ from remote_loader.storage import DEFAULT_PART_SIZE, Location, Store
 from remote_loader.storage.retrying import Retry, RetryingStore
 from remote_loader.upload import claim, tasks
 from remote_loader.upload.encode import EncodeOptions, encode_item
-from remote_loader.upload.sources import Source, load_source
-from remote_loader.upload.tasks import TaskResult, TaskSpec, write_task
+from remote_loader.upload.executors import run_tasks
+from remote_loader.upload.sources import load_source
+from remote_loader.upload.tasks import TaskSpec
 
 log = logging.getLogger("remote_loader")
 
@@ -89,24 +86,6 @@ class UploadSummary:
         ) + "".join(f"\n  skipped: {reason}" for reason in self.skip_reasons[:10])
 
 
-class _BarProgress:
-    """Stands in for the worker progress queue when tasks run in this process."""
-
-    def __init__(self, bar: tqdm) -> None:
-        self.bar = bar
-        self.bytes = 0
-
-    def put(self, item: tuple[int, int]) -> None:
-        self.bytes += item[1]
-        self.bar.update(item[0])
-        self.bar.set_postfix_str(_rate(self.bytes, self.bar), refresh=False)
-
-
-def _rate(nbytes: int, bar: tqdm) -> str:
-    elapsed = max(bar.format_dict.get("elapsed", 0.0), 1e-9)
-    return f"{nbytes / 1e6:.1f} MB, {nbytes / 1e6 / elapsed:.1f} MB/s"
-
-
 def _plan_task_size(dataset: Any, order: np.ndarray, options: EncodeOptions, maxsize: int, maxcount: int) -> int:
     """Samples per task: ``maxcount``, or fewer when ``maxsize`` binds, judged from a few samples.
 
@@ -123,93 +102,6 @@ def _plan_task_size(dataset: Any, order: np.ndarray, options: EncodeOptions, max
         return maxcount
     per_sample = float(np.mean(sizes)) * 1.1 + 64  # margin for size spread and index bytes
     return max(1, min(maxcount, int((maxsize - 4096) / per_sample)))
-
-
-def _ship(executor: Executor, dataset: Any, source: str | None) -> Any:
-    """What a caller's executor sends with each task so that the dataset reaches each of its
-    workers once: the source spec (each worker builds the dataset), or, on a Dask cluster,
-    the dataset scattered once to every worker; any other executor gets the dataset itself."""
-    if source is not None:
-        return Source(source)
-    client = getattr(executor, "_client", None)
-    if _is_dask(executor) and client is not None:
-        return client.scatter(dataset, broadcast=True, hash=False)
-    return dataset
-
-
-def _is_dask(executor: Executor) -> bool:
-    return type(executor).__module__.startswith("distributed")
-
-
-def _result(future: Future[TaskResult], task_id: int) -> TaskResult:
-    """A task's result; its own error as it is, a failure of the executor as an UploadError."""
-    try:
-        return future.result()
-    except RemoteLoaderError:
-        raise
-    except Exception as exc:
-        raise UploadError(f"task {task_id} did not complete: the executor failed ({type(exc).__name__}: {exc});"
-                          " finished tasks are kept: run the same upload again to resume") from exc
-
-
-def _run(
-    pending: Iterable[tuple[int, np.ndarray]],
-    spec: TaskSpec,
-    dataset: Any,
-    workers: int,
-    executor: Executor | None,
-    bar: tqdm,
-    source: str | None = None,
-) -> list[TaskResult]:
-    pending = list(pending)
-    if not pending:
-        return []
-    if executor is None and workers <= 0:
-        in_process = _BarProgress(bar)
-        return [write_task(spec, task_id, indices, dataset, in_process) for task_id, indices in pending]
-    progress: Any = None
-    own = executor is None
-    if own:
-        context = multiprocessing.get_context()
-        progress = context.Queue()
-        executor = ProcessPoolExecutor(
-            max_workers=min(workers, len(pending)),
-            mp_context=context,
-            initializer=tasks.init_worker,
-            initargs=(dataset, progress),
-        )
-    assert executor is not None
-    bar_progress = _BarProgress(bar)
-    shipped = None if own else _ship(executor, dataset, source)
-    # Dask names a task by its arguments unless told otherwise, and would hand a re-run of
-    # a failed upload the same failures: each submission gets a key of its own.
-    unique = {"pure": False} if _is_dask(executor) else {}
-    try:
-        task_of: dict[Future[TaskResult], int] = {
-            executor.submit(write_task, spec, task_id, indices, shipped, **unique): task_id
-            for task_id, indices in pending
-        }
-        futures = set(task_of)
-        results = []
-        while futures:
-            done, futures = wait(futures, timeout=0.2, return_when=FIRST_COMPLETED)
-            for future in done:
-                result = _result(future, task_of[future])
-                results.append(result)
-                if not own:  # a caller's executor has no progress queue: count whole tasks
-                    samples = sum(e.samples for e in result.entries) + len(result.skipped)
-                    bar_progress.put((samples, sum(e.size for e in result.entries)))
-            while progress is not None:
-                try:
-                    bar_progress.put(progress.get_nowait())
-                except queue.Empty:
-                    break
-        return results
-    finally:
-        if own:
-            executor.shutdown(wait=True, cancel_futures=True)
-            progress.close()
-            progress.join_thread()
 
 
 def upload_cv_dataset(
@@ -360,7 +252,7 @@ def upload_cv_dataset(
     pending = [(t, order[t * task_size : (t + 1) * task_size]) for t in range(num_tasks) if t not in kept]
     done_samples = sum(sum(e.samples for e in r.entries) + len(r.skipped) for r in kept.values())
     with tqdm(total=num, initial=done_samples, unit="img", disable=not progress, desc="upload") as bar:
-        results = _run(pending, spec, ds, (os.cpu_count() or 1) if workers is None else workers, executor, bar, source)
+        results = run_tasks(pending, spec, ds, (os.cpu_count() or 1) if workers is None else workers, executor, bar, source)
     by_task = {**kept, **{r.task_id: r for r in results}}
     entries: list[ShardEntry] = [e for t in sorted(by_task) for e in by_task[t].entries]
     skipped = sorted(i for r in by_task.values() for i in r.skipped)

@@ -8,10 +8,8 @@ import numpy as np
 import pytest
 
 from remote_loader.errors import ConfigError, DecodeError
-from remote_loader.pipeline.stages import (
-    Batched,
-    Context,
-    Shuffle,
+from remote_loader.pipeline.stages import Batched, Context, Shuffle
+from remote_loader.pipeline.streams import (
     batched_stage,
     map_stage,
     map_tuple_stage,

@@ -1,0 +1,128 @@
+"""Where an upload's tasks run: in the caller's process, on a process pool of the upload's
+own (whose workers receive the dataset once, at start), or on the caller's executor, such
+as a Dask cluster's (which receives the dataset once per worker, scattered or built there
+from a source spec)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import queue
+from collections.abc import Iterable
+from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, wait
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from remote_loader.errors import RemoteLoaderError, UploadError
+from remote_loader.upload import tasks
+from remote_loader.upload.sources import Source
+from remote_loader.upload.tasks import TaskResult, TaskSpec, write_task
+
+
+class _BarProgress:
+    """Stands in for the worker progress queue when tasks run in this process."""
+
+    def __init__(self, bar: tqdm) -> None:
+        self.bar = bar
+        self.bytes = 0
+
+    def put(self, item: tuple[int, int]) -> None:
+        self.bytes += item[1]
+        self.bar.update(item[0])
+        self.bar.set_postfix_str(_rate(self.bytes, self.bar), refresh=False)
+
+
+def _rate(nbytes: int, bar: tqdm) -> str:
+    elapsed = max(bar.format_dict.get("elapsed", 0.0), 1e-9)
+    return f"{nbytes / 1e6:.1f} MB, {nbytes / 1e6 / elapsed:.1f} MB/s"
+
+
+def _ship(executor: Executor, dataset: Any, source: str | None) -> Any:
+    """What a caller's executor sends with each task so that the dataset reaches each of its
+    workers once: the source spec (each worker builds the dataset), or, on a Dask cluster,
+    the dataset scattered once to every worker; any other executor gets the dataset itself."""
+    if source is not None:
+        return Source(source)
+    client = getattr(executor, "_client", None)
+    if _is_dask(executor) and client is not None:
+        return client.scatter(dataset, broadcast=True, hash=False)
+    return dataset
+
+
+def _is_dask(executor: Executor) -> bool:
+    return type(executor).__module__.startswith("distributed")
+
+
+def _result(future: Future[TaskResult], task_id: int) -> TaskResult:
+    """A task's result; its own error as it is, a failure of the executor as an UploadError."""
+    try:
+        return future.result()
+    except RemoteLoaderError:
+        raise
+    except Exception as exc:
+        raise UploadError(f"task {task_id} did not complete: the executor failed ({type(exc).__name__}: {exc});"
+                          " finished tasks are kept: run the same upload again to resume") from exc
+
+
+def run_tasks(
+    pending: Iterable[tuple[int, np.ndarray]],
+    spec: TaskSpec,
+    dataset: Any,
+    workers: int,
+    executor: Executor | None,
+    bar: tqdm,
+    source: str | None = None,
+) -> list[TaskResult]:
+    """Write the ``pending`` tasks ``(task id, sample indices)``: in this process
+    (``workers=0``), on a pool of ``workers`` processes of its own, or on ``executor``,
+    counting progress on ``bar``; return their results."""
+    pending = list(pending)
+    if not pending:
+        return []
+    if executor is None and workers <= 0:
+        in_process = _BarProgress(bar)
+        return [write_task(spec, task_id, indices, dataset, in_process) for task_id, indices in pending]
+    progress: Any = None
+    own = executor is None
+    if own:
+        context = multiprocessing.get_context()
+        progress = context.Queue()
+        executor = ProcessPoolExecutor(
+            max_workers=min(workers, len(pending)),
+            mp_context=context,
+            initializer=tasks.init_worker,
+            initargs=(dataset, progress),
+        )
+    assert executor is not None
+    bar_progress = _BarProgress(bar)
+    shipped = None if own else _ship(executor, dataset, source)
+    # Dask names a task by its arguments unless told otherwise, and would hand a re-run of
+    # a failed upload the same failures: each submission gets a key of its own.
+    unique = {"pure": False} if _is_dask(executor) else {}
+    try:
+        task_of: dict[Future[TaskResult], int] = {
+            executor.submit(write_task, spec, task_id, indices, shipped, **unique): task_id
+            for task_id, indices in pending
+        }
+        futures = set(task_of)
+        results = []
+        while futures:
+            done, futures = wait(futures, timeout=0.2, return_when=FIRST_COMPLETED)
+            for future in done:
+                result = _result(future, task_of[future])
+                results.append(result)
+                if not own:  # a caller's executor has no progress queue: count whole tasks
+                    samples = sum(e.samples for e in result.entries) + len(result.skipped)
+                    bar_progress.put((samples, sum(e.size for e in result.entries)))
+            while progress is not None:
+                try:
+                    bar_progress.put(progress.get_nowait())
+                except queue.Empty:
+                    break
+        return results
+    finally:
+        if own:
+            executor.shutdown(wait=True, cancel_futures=True)
+            progress.close()
+            progress.join_thread()
