@@ -157,44 +157,16 @@ os.register_at_fork(after_in_child=lambda: globals().update(_CONNECT_LOCK=thread
 class Store(ABC):
     """An object store: buckets of keys holding bytes.
 
-    Instances pickle (for DataLoader and upload workers): SDK clients are created lazily in
-    each process and dropped when pickled.
+    Instances pickle (for DataLoader and upload workers).
     """
 
     list_page_size = 1000
     """Keys per LIST request where the SDK lets us choose (boto3)."""
 
-    def __init__(self) -> None:
-        self._client: Any = None
-        self._pid = -1
-
     @property
     def endpoint(self) -> str:
         """Where the store is, for messages (never with credentials)."""
         return type(self).__name__
-
-    def _sdk(self) -> Any:
-        """Return this process's SDK client, creating it on first use after a fork or unpickle.
-
-        Threads asking at once share one new client: creating several would each load the
-        SDK's service models, which takes long in a freshly started DataLoader worker.
-        """
-        if self._client is None or self._pid != os.getpid():
-            with _CONNECT_LOCK:
-                if self._client is None or self._pid != os.getpid():
-                    self._client = self._connect()
-                    self._pid = os.getpid()
-        return self._client
-
-    def _connect(self) -> Any:
-        """Create the SDK client (backends that have one override this)."""
-        return None
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_client"] = None
-        state["_pid"] = -1
-        return state
 
     @abstractmethod
     def get(self, bucket: str, key: str) -> bytes:
@@ -264,7 +236,6 @@ class Store(ABC):
 
     def close(self) -> None:
         """Release connections held by this process."""
-        self._client = None
 
     def __enter__(self) -> Store:
         return self
@@ -275,7 +246,41 @@ class Store(ABC):
 
 
 class RangedStore(Store):
-    """A store whose reads are HTTP GETs with an optional ``Range`` header (the S3 backends)."""
+    """A store whose reads are HTTP GETs with an optional ``Range`` header (the S3 backends).
+
+    Its SDK client is created lazily in each process (after a fork, or in a spawned worker
+    that unpickled the store) and dropped when the store is pickled.
+    """
+
+    def __init__(self) -> None:
+        self._sdk_client: Any = None
+        self._pid = -1
+
+    def _sdk(self) -> Any:
+        """Return this process's SDK client, creating it on first use after a fork or unpickle.
+
+        Threads asking at once share one new client: creating several would each load the
+        SDK's service models, which takes long in a freshly started DataLoader worker.
+        """
+        if self._sdk_client is None or self._pid != os.getpid():
+            with _CONNECT_LOCK:
+                if self._sdk_client is None or self._pid != os.getpid():
+                    self._sdk_client = self._connect()
+                    self._pid = os.getpid()
+        return self._sdk_client
+
+    @abstractmethod
+    def _connect(self) -> Any:
+        """Create the SDK client."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_sdk_client"] = None
+        state["_pid"] = -1
+        return state
+
+    def close(self) -> None:
+        self._sdk_client = None
 
     @abstractmethod
     def _read(self, bucket: str, key: str, byte_range: str | None) -> bytes:

@@ -193,8 +193,8 @@ class Boto3Store(RangedStore):
                 raise
 
     def close(self) -> None:
-        if self._client is not None:
-            self._client.close()
+        if self._sdk_client is not None:
+            self._sdk_client.close()
         super().close()
 
 

@@ -187,8 +187,8 @@ class MinioStore(RangedStore):
                 raise
 
     def close(self) -> None:
-        if self._client is not None:
-            self._client._http.clear()
+        if self._sdk_client is not None:
+            self._sdk_client._http.clear()
         super().close()
 
 
