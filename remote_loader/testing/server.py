@@ -135,11 +135,24 @@ def _signal_group(pid: int, signum: int) -> None:
         pass  # already gone
 
 
+def _ephemeral_low() -> int:
+    """The first port the kernel hands to outgoing connections (Linux's default: 32768)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_base_port(rng: random.Random | None = None) -> int:
-    """Return a base port whose whole block of HTTP and gRPC ports is free on loopback."""
+    """Return a base port whose whole block of HTTP and gRPC ports is free on loopback.
+
+    The block lies below the ephemeral range: a port there can be free when checked and
+    taken by some client's outgoing connection a moment later, before the server binds it.
+    """
     rng = rng or random.Random()
+    top = min(30000, _ephemeral_low()) - GRPC_OFFSET - _SPAN
     for _ in range(200):
-        base = rng.randrange(20000, 30000 - _SPAN)
+        base = rng.randrange(min(10000, top - 1000), top)
         ports = [base + i for i in range(_SPAN)] + [base + GRPC_OFFSET + i for i in _SERVICES.values()]
         if all(_port_free(p) for p in ports):
             return base
