@@ -16,7 +16,6 @@ from remote_loader.config import FetchConfig
 from remote_loader.errors import ConfigError, RemoteLoaderError
 from remote_loader.upload.indexer import index_webdataset
 from remote_loader.read.reader import DatasetReader
-from remote_loader.testing.server import EmbeddedS3
 from remote_loader.storage import Location, Store, open_location
 from remote_loader.storage.factory import Backend
 from remote_loader.upload import load_source, upload_cv_dataset
@@ -232,6 +231,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if (args.access_key is None) != (args.secret_key is None):
         raise ConfigError("give --access-key and --secret-key together (or neither, for minioadmin / minioadmin)")
     keys = {} if args.access_key is None else {"access_key": args.access_key, "secret_key": args.secret_key}
+    from remote_loader.testing.server import EmbeddedS3  # the test server, only for `serve`
+
     server = EmbeddedS3(data_dir=args.data, port=args.port, buckets=args.bucket or [], **keys)
     server.start()
     try:

@@ -158,9 +158,9 @@ def test_version_and_python_dash_m():
     assert result.returncode == 0 and "upload" in result.stdout
 
 
-def test_help_does_not_import_torch():
-    code = "import sys\nfrom remote_loader import cli\nprint('torch' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+def test_the_cli_imports_neither_torch_nor_the_test_server_until_a_command_needs_them():
+    code = "import sys\nfrom remote_loader import cli\nprint('torch' in sys.modules, 'remote_loader.testing.server' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False False"
 
 
 def test_serve_accepts_the_readmes_credentials_and_its_own(tmp_path):
