@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from remote_loader.pipeline.augment import RandomResizedCrop
     from remote_loader.pipeline.dataset import RemoteDataset
     from remote_loader.pipeline.mapstyle import RemoteMapDataset
-    from remote_loader.pipeline.sampler import LocalitySampler
+    from remote_loader.pipeline.sampler import LocalitySampler, UniformSampler
 
 __version__ = "0.1.0"
 
@@ -44,6 +44,7 @@ _LAZY = {
     "RemoteDataset": "remote_loader.pipeline.dataset",
     "RemoteMapDataset": "remote_loader.pipeline.mapstyle",
     "LocalitySampler": "remote_loader.pipeline.sampler",
+    "UniformSampler": "remote_loader.pipeline.sampler",
 }
 
 
@@ -89,6 +90,7 @@ __all__ = [
     "UnsupportedVersion",
     "UploadConflict",
     "UploadError",
+    "UniformSampler",
     "UploadSummary",
     "__version__",
     "make_client",

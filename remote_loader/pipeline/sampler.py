@@ -1,73 +1,249 @@
-"""``LocalitySampler``: random order for a map-style dataset that keeps batches to few shards."""
+"""Samplers for ``RemoteMapDataset`` whose memory grows with the number of shards, never with
+the number of samples: each rank's part of an epoch is produced block by block, from a
+position, so a billion-sample epoch needs no table of indices, and a resume is a position.
+
+- ``LocalitySampler`` shuffles the shards, then the samples within windows of a few shards,
+  so a batch touches few shards and its samples merge into few GETs.
+- ``UniformSampler`` is a uniform shuffle of all samples: a seeded bijection of
+  ``[0, N)`` (a Feistel network, walked until it lands inside ``[0, N)``).
+
+Both split an epoch's order into ``world_size`` contiguous parts of ``ceil(N / world_size)``
+positions (the last wraps around to the start, repeating fewer than ``world_size``
+samples), take ``set_epoch``, and resume mid-epoch from ``state_dict()``, theirs or their
+iterator's (which torchdata's ``StatefulDataLoader`` saves and restores).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from abc import abstractmethod
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 from torch.utils.data import Sampler
 
 from remote_loader.config import require_int
-from remote_loader.pipeline.split import current_world
+from remote_loader.errors import ConfigError
 from remote_loader.pipeline.mapstyle import RemoteMapDataset
-from remote_loader.pipeline.split import shard_order
+from remote_loader.pipeline.split import current_world, shard_order
+
+_BLOCK = 1 << 16  # positions turned into indices at a time
 
 
-class LocalitySampler(Sampler[int]):
+class _Positions:
+    """Indices of positions ``[position, stop)`` of one epoch's order, a block at a time.
+    Its state is the next position."""
+
+    def __init__(self, sampler: _EpochSampler, epoch: int, start: int, stop: int, position: int) -> None:
+        self.sampler, self.epoch, self.start, self.stop, self.position = sampler, epoch, start, stop, position
+        self._block: list[int] = []  # the indices of positions [_first, _first + len(_block))
+        self._first = 0
+
+    def __iter__(self) -> _Positions:
+        return self
+
+    def __next__(self) -> int:
+        if self.position >= self.stop:
+            raise StopIteration
+        offset = self.position - self._first
+        if not 0 <= offset < len(self._block):
+            upto = min(self.stop, self.position + _BLOCK)
+            positions = np.arange(self.position, upto, dtype=np.int64) % self.sampler.total
+            self._block, self._first, offset = self.sampler.indices(self.epoch, positions).tolist(), self.position, 0
+        self.position += 1
+        return self._block[offset]
+
+    @property
+    def delivered(self) -> int:
+        """Indices handed out so far in this rank's part."""
+        return self.position - self.start
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.sampler._state(self.epoch, self.delivered)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        epoch, delivered = self.sampler._check_state(state)
+        self.epoch, self.position, self._block = epoch, self.start + delivered, []
+
+
+class _EpochSampler(Sampler[int]):
+    """An epoch's order of ``total`` samples, split into equal contiguous parts per rank."""
+
+    total: int
+
+    def __init__(self, total: int, seed: int, rank: int | None, world_size: int | None) -> None:
+        self.total = total
+        self.seed = require_int("seed", seed, 0, 2**63 - 1)
+        self.rank, self.world_size = current_world(rank, world_size)
+        self.epoch = 0
+        self._resume: int | None = None  # positions of this rank delivered, from load_state_dict
+        self._live: _Positions | None = None
+
+    def set_epoch(self, epoch: int) -> None:
+        """Choose the epoch whose order the next iteration follows."""
+        epoch = require_int("epoch", epoch, 0)
+        if self._resume is not None and epoch != self.epoch:
+            raise ConfigError(f"a state of epoch {self.epoch} is loaded and not yet iterated: set_epoch({self.epoch})"
+                              " and finish it first")
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return -(-self.total // self.world_size)
+
+    def __iter__(self) -> Iterator[int]:
+        start = self.rank * len(self)
+        delivered, self._resume = self._resume or 0, None
+        self._live = _Positions(self, self.epoch, start, start + len(self), start + delivered)
+        return self._live
+
+    @abstractmethod
+    def indices(self, epoch: int, positions: np.ndarray) -> np.ndarray:
+        """The sample indices at ``positions`` (each in ``[0, total)``) of ``epoch``'s order."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this rank's iteration stands: its epoch and how many indices it handed out
+        (none yet, before the first iteration)."""
+        delivered = self._live.delivered if self._live is not None else (self._resume or 0)
+        return self._state(self.epoch, delivered)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Make the next iteration of the state's epoch go on after the indices it had handed out."""
+        self.epoch, self._resume = self._check_state(state)
+        self._live = None
+
+    def _state(self, epoch: int, delivered: int) -> dict[str, Any]:
+        return {"sampler": type(self).__name__, "epoch": epoch, "seed": self.seed, "total": self.total,
+                "world_size": self.world_size, "delivered": delivered}
+
+    def _check_state(self, state: Mapping[str, Any]) -> tuple[int, int]:
+        if not isinstance(state, Mapping):
+            raise ConfigError(f"a {type(self).__name__} state is a dict, got {type(state).__name__}")
+        expected = {"sampler": type(self).__name__, "seed": self.seed, "total": self.total, "world_size": self.world_size}
+        for key, value in expected.items():
+            if state.get(key) != value:
+                raise ConfigError(f"the sampler state has {key}={state.get(key)!r}, this sampler has {value!r}")
+        epoch = require_int("epoch", state.get("epoch"), 0)
+        delivered = require_int("delivered", state.get("delivered"), 0, len(self))
+        return epoch, delivered
+
+
+def _sizes(shard_sizes: Sequence[int] | RemoteMapDataset) -> np.ndarray:
+    if isinstance(shard_sizes, RemoteMapDataset):
+        return shard_sizes.reader.counts
+    sizes = np.asarray(shard_sizes, dtype=np.int64)
+    if sizes.ndim != 1 or (sizes < 0).any():
+        raise ConfigError("shard_sizes must be a list of sample counts >= 0, one per shard")
+    return sizes
+
+
+class LocalitySampler(_EpochSampler):
     """Each epoch: shuffle the shards, then shuffle samples within windows of ``window`` shards.
 
     A batch then draws from about ``window`` shards instead of from ``batch`` shards, so
     ``RemoteMapDataset.__getitems__`` merges its samples into fewer, larger GETs. Larger
-    windows mix better and cost more GETs per batch; ``window`` = number of shards is a
-    uniform shuffle. The epoch's order is split into equal contiguous parts, one per rank
-    (the last part wraps around to the start, repeating fewer than ``world_size`` samples).
+    windows mix better and cost more GETs per batch. Memory: a few arrays of one number per
+    shard, and one window's samples.
 
     Args:
-        shard_sizes: Samples per shard in manifest order (``[s.samples for s in
-            ds.reader.manifest.shards]``), or a ``RemoteMapDataset``.
+        shard_sizes: Samples per shard in manifest order, or a ``RemoteMapDataset``.
         window: Shards whose samples are mixed together.
         seed: Seed of every epoch's order.
         rank: This rank; default from torch.distributed or ``RANK``.
         world_size: Number of ranks; default from torch.distributed or ``WORLD_SIZE``.
     """
 
-    def __init__(
-        self,
-        shard_sizes: Sequence[int] | RemoteMapDataset,
-        *,
-        window: int = 4,
-        seed: int = 0,
-        rank: int | None = None,
-        world_size: int | None = None,
-    ) -> None:
-        sizes = shard_sizes.reader.counts if isinstance(shard_sizes, RemoteMapDataset) else list(shard_sizes)
-        window = require_int("window", window, 1)
-        seed = require_int("seed", seed, 0, 2**63 - 1)
-        self.sizes = np.asarray(sizes, dtype=np.int64)
-        self.starts = np.concatenate([[0], np.cumsum(self.sizes)[:-1]])
-        self.window, self.seed, self.epoch = window, seed, 0
-        self.rank, self.world_size = current_world(rank, world_size)
+    def __init__(self, shard_sizes: Sequence[int] | RemoteMapDataset, *, window: int = 4, seed: int = 0,
+                 rank: int | None = None, world_size: int | None = None) -> None:
+        self.window = require_int("window", window, 1)
+        self.sizes = _sizes(shard_sizes)
+        self.starts = np.concatenate([[0], np.cumsum(self.sizes)[:-1]]).astype(np.int64)
+        super().__init__(int(self.sizes.sum()), seed, rank, world_size)
+        self._layout: tuple[int, np.ndarray, np.ndarray] | None = None  # epoch, shard order, window ends
+        self._window: tuple[int, int, np.ndarray] | None = None  # epoch, window, its samples in order
 
-    def set_epoch(self, epoch: int) -> None:
-        """Choose the epoch whose order the next iteration follows."""
-        self.epoch = require_int("epoch", epoch, 0)
+    def _epoch_layout(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        if self._layout is None or self._layout[0] != epoch:
+            shards = shard_order(len(self.sizes), self.seed, epoch)
+            ends = np.cumsum(self.sizes[shards])[np.minimum(np.arange(self.window, len(shards) + self.window,
+                                                                      self.window), len(shards)) - 1]
+            self._layout = (epoch, shards, ends)
+        return self._layout[1], self._layout[2]
 
-    def __len__(self) -> int:
-        return -(-int(self.sizes.sum()) // self.world_size)
+    def _window_order(self, epoch: int, w: int, shards: np.ndarray) -> np.ndarray:
+        if self._window is None or self._window[:2] != (epoch, w):
+            group = shards[w * self.window : (w + 1) * self.window]
+            samples = np.concatenate([np.arange(self.starts[s], self.starts[s] + self.sizes[s]) for s in group])
+            rng = np.random.default_rng([self.seed, epoch, 1, w])
+            self._window = (epoch, w, rng.permutation(samples))
+        return self._window[2]
+
+    def indices(self, epoch: int, positions: np.ndarray) -> np.ndarray:
+        shards, ends = self._epoch_layout(epoch)
+        windows = np.searchsorted(ends, positions, side="right")
+        out = np.empty(len(positions), dtype=np.int64)
+        for w in np.unique(windows):
+            chosen = windows == w
+            first = int(ends[w - 1]) if w > 0 else 0
+            out[chosen] = self._window_order(epoch, int(w), shards)[positions[chosen] - first]
+        return out
 
     def order(self) -> np.ndarray:
-        """The whole epoch's order of sample indices (before the split across ranks)."""
-        rng = np.random.default_rng([self.seed, self.epoch, 1])
-        shards = shard_order(len(self.sizes), self.seed, self.epoch)
-        parts = []
-        for w in range(0, len(shards), self.window):
-            group = shards[w : w + self.window]
-            indices = np.concatenate([np.arange(self.starts[s], self.starts[s] + self.sizes[s]) for s in group])
-            parts.append(rng.permutation(indices))
-        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        """The whole epoch's order of sample indices, before the split across ranks (for
+        small datasets and tests: it is as large as the dataset)."""
+        return self.indices(self.epoch, np.arange(self.total, dtype=np.int64))
 
-    def __iter__(self) -> Iterator[int]:
-        order = self.order()
-        per_rank = len(self)
-        positions = np.arange(self.rank * per_rank, (self.rank + 1) * per_rank) % max(1, len(order))
-        return iter(order[positions].tolist())
+
+_MASK64 = np.uint64(2**64 - 1)
+
+
+def _mix(z: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser: a bijective scramble of 64-bit words."""
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+class UniformSampler(_EpochSampler):
+    """A uniform random order of all samples each epoch, without a table of indices.
+
+    The order is a bijection of ``[0, N)`` drawn from ``(seed, epoch)``: a 6-round Feistel
+    network on the smallest even number of bits that holds ``N``, applied again while it
+    lands outside ``[0, N)`` (fewer than 4 times on average). Every rank computes only its
+    own positions, a block at a time.
+
+    Args:
+        dataset: A ``RemoteMapDataset``, or the number of samples.
+        seed: Seed of every epoch's order.
+        rank: This rank; default from torch.distributed or ``RANK``.
+        world_size: Number of ranks; default from torch.distributed or ``WORLD_SIZE``.
+    """
+
+    rounds = 6
+
+    def __init__(self, dataset: RemoteMapDataset | int, *, seed: int = 0, rank: int | None = None,
+                 world_size: int | None = None) -> None:
+        total = len(dataset) if isinstance(dataset, RemoteMapDataset) else require_int("dataset", dataset, 0, 2**62)
+        super().__init__(total, seed, rank, world_size)
+        half = 1
+        while 1 << (2 * half) < max(total, 2):
+            half += 1
+        self._half = np.uint64(half)
+        self._low = np.uint64((1 << half) - 1)
+
+    def _keys(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch, 2]).integers(0, 2**63, size=self.rounds, dtype=np.uint64)
+
+    def _permute(self, x: np.ndarray, keys: np.ndarray) -> np.ndarray:
+        left, right = x >> self._half, x & self._low
+        for key in keys:
+            left, right = right, left ^ (_mix(right ^ key) & self._low)
+        return (left << self._half) | right
+
+    def indices(self, epoch: int, positions: np.ndarray) -> np.ndarray:
+        keys = self._keys(epoch)
+        out = self._permute(positions.astype(np.uint64), keys)
+        outside = out >= np.uint64(self.total)
+        while outside.any():
+            out[outside] = self._permute(out[outside], keys)
+            outside = out >= np.uint64(self.total)
+        return out.astype(np.int64)

@@ -1,0 +1,141 @@
+"""The map-style samplers on their own (no server): exact splits across ranks, the same order
+for the same seed and epoch, resume from a position, and memory that follows the shards.
+Their use with a ``RemoteMapDataset`` is in test_mapstyle.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from remote_loader import ConfigError, LocalitySampler, UniformSampler
+
+SIZES = [7, 3, 10, 0, 5, 12, 1]  # 38 samples, an empty shard among them
+
+
+def _make(kind: str, rank: int = 0, world: int = 1, seed: int = 2, **options):
+    if kind == "locality":
+        return LocalitySampler(SIZES, seed=seed, rank=rank, world_size=world, **options)
+    return UniformSampler(sum(SIZES), seed=seed, rank=rank, world_size=world)
+
+
+@pytest.mark.parametrize("kind", ["locality", "uniform"])
+@pytest.mark.parametrize("world", [1, 2, 3, 5, 38, 40])
+def test_ranks_get_equal_parts_that_cover_the_epoch(kind, world):
+    parts = [list(_make(kind, r, world)) for r in range(world)]
+    per_rank = -(-38 // world)
+    assert all(len(p) == per_rank == len(_make(kind, r, world)) for r, p in enumerate(parts))
+    counts = Counter(i for p in parts for i in p)
+    assert set(counts) == set(range(38))
+    assert sum(counts.values()) - 38 == per_rank * world - 38 < world  # the wrap repeats fewer than world_size
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 15, 16, 17, 255, 256, 257, 1000, 4097])
+def test_the_uniform_order_is_a_permutation_of_every_size(n):
+    assert sorted(UniformSampler(n, seed=n, rank=0, world_size=1)) == list(range(n))
+
+
+@pytest.mark.parametrize("kind", ["locality", "uniform"])
+def test_the_order_follows_seed_and_epoch_only(kind):
+    sampler = _make(kind)
+    first = list(sampler)
+    assert list(_make(kind)) == first and list(sampler) == first
+    sampler.set_epoch(1)
+    assert list(sampler) != first
+    assert list(_make(kind, seed=3)) != first
+
+
+def test_uniform_positions_are_spread_evenly():
+    firsts = Counter(next(iter(UniformSampler(10, seed=seed, rank=0, world_size=1))) for seed in range(3000))
+    assert set(firsts) == set(range(10)) and max(firsts.values()) < 400 and min(firsts.values()) > 200
+
+
+def test_locality_keeps_a_window_of_shards_together():
+    sizes = [100] * 12
+    order = list(LocalitySampler(sizes, window=3, seed=1, rank=0, world_size=1))
+    for w in range(4):  # each run of 300 positions holds the samples of 3 whole shards
+        shards = {i // 100 for i in order[w * 300 : (w + 1) * 300]}
+        assert len(shards) == 3
+
+
+@pytest.mark.parametrize("kind", ["locality", "uniform"])
+@pytest.mark.parametrize("stop", [0, 1, 17, 19])
+def test_a_state_resumes_the_rest_of_the_rank_part_exactly(kind, stop):
+    sampler = _make(kind, rank=1, world=2)
+    sampler.set_epoch(4)
+    whole = list(sampler)
+    iterator = iter(sampler)
+    taken = [next(iterator) for _ in range(stop)]
+    for state in (sampler.state_dict(), iterator.state_dict()):
+        fresh = _make(kind, rank=1, world=2)
+        fresh.load_state_dict(state)
+        assert taken + list(fresh) == whole  # the epoch comes with the state
+        resumed = iter(_make(kind, rank=1, world=2))
+        resumed.load_state_dict(state)  # what StatefulDataLoader does with the iterator's state
+        assert taken + list(resumed) == whole
+
+
+def test_a_loaded_state_applies_once_and_holds_its_epoch():
+    sampler = _make("uniform")
+    iterator = iter(sampler)
+    [next(iterator) for _ in range(5)]
+    state = sampler.state_dict()
+    fresh = _make("uniform")
+    fresh.load_state_dict(state)
+    with pytest.raises(ConfigError, match="set_epoch"):
+        fresh.set_epoch(1)
+    assert len(list(fresh)) == 33 and len(list(fresh)) == 38
+
+
+@pytest.mark.parametrize("state, message", [
+    ([1, 2], "is a dict"),
+    ({"sampler": "LocalitySampler"}, "sampler="),
+    ({**UniformSampler(38, rank=0, world_size=1).state_dict(), "seed": 9}, "seed=9"),
+    ({**UniformSampler(38, rank=0, world_size=1).state_dict(), "total": 39}, "total=39"),
+    ({**UniformSampler(38, rank=0, world_size=1).state_dict(), "delivered": 39}, "delivered"),
+    ({**UniformSampler(38, rank=0, world_size=1).state_dict(), "delivered": True}, "delivered"),
+    ({**UniformSampler(38, rank=0, world_size=1).state_dict(), "epoch": -1}, "epoch"),
+])
+def test_hostile_states_are_refused_naming_the_field(state, message):
+    with pytest.raises(ConfigError, match=message):
+        UniformSampler(38, rank=0, world_size=1).load_state_dict(state)
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ConfigError, match="shard_sizes"):
+        LocalitySampler([3, -1], rank=0, world_size=1)
+    with pytest.raises(ConfigError, match="dataset"):
+        UniformSampler(-5, rank=0, world_size=1)
+
+
+_SCALE = """
+import resource, sys, time
+import numpy as np
+from remote_loader.pipeline.sampler import LocalitySampler, UniformSampler
+sizes = np.full(1_000_000, 1000, dtype=np.int64)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+sampler = LocalitySampler(sizes, window=4, rank=7, world_size=8) if sys.argv[1] == "locality" else \\
+    UniformSampler(10**9, rank=7, world_size=8)
+iterator = iter(sampler)
+first = [next(iterator) for _ in range(10_000)]
+assert len(set(first)) == 10_000 and all(0 <= i < 10**9 for i in first)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
+"""
+
+
+@pytest.mark.parametrize("kind", ["locality", "uniform"])
+def test_a_billion_samples_need_memory_for_the_shards_only(kind):
+    # Memory, not time: a list of a billion indices would take 8 GB; a rank's first
+    # indices here take a few arrays of one number per shard.
+    done = subprocess.run([sys.executable, "-c", _SCALE, kind], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout) < 100, f"{done.stdout.strip()} MB added"
+
+
+def test_locality_order_is_as_large_as_the_dataset_only_when_asked():
+    sampler = LocalitySampler(SIZES, window=2, seed=5, rank=0, world_size=1)
+    assert sampler.order().tolist() == list(sampler)
+    assert isinstance(sampler.order(), np.ndarray)
