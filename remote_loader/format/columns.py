@@ -1,5 +1,9 @@
 """The manifest's column arrays: the narrowest little-endian unsigned type for a column,
-its encoding, and its checked decoding with ``numpy.frombuffer`` (no copy)."""
+its encoding, and its checked decoding with ``numpy.frombuffer`` (no copy).
+
+A column must be stored in the narrowest of the four types that holds its values: a reader
+refuses a wider one, so a manifest's size, and the memory it takes to open, follow from
+its values, whoever wrote it."""
 
 from __future__ import annotations
 
@@ -51,4 +55,9 @@ def array(column: Any, count: int, what: str, name: str | None) -> np.ndarray:
     dtype = DTYPES[column["dtype"]]
     if len(column["data"]) != count * dtype.itemsize:
         raise manifest_error(name, f"{what} holds {len(column['data'])} bytes; {count} values of {dtype.str} need {count * dtype.itemsize}")
-    return np.frombuffer(column["data"], dtype=dtype)
+    values = np.frombuffer(column["data"], dtype=dtype)
+    top = int(values.max()) if count else 0
+    if dtype.itemsize > 1 and top < 1 << (4 * dtype.itemsize):  # the next narrower type holds every value
+        raise manifest_error(name, f"{what} is stored as {dtype.str} but its values fit {narrow(values).dtype.str}:"
+                                   " a column takes the narrowest type that holds it")
+    return values

@@ -130,9 +130,13 @@ def decode_names(raw: dict[str, Any], count: int, name: str | None, *, allow_emp
         or not isinstance(parts, list) or not all(isinstance(p, str) and NAME_CHARS.match(p) for p in parts)
         or not isinstance(widths, list) or not all(isinstance(w, int) and 1 <= w <= 20 for w in widths)
         or not isinstance(numbers, list) or not len(parts) == len(widths) + 1 == len(numbers) + 1
-        or not all(parts[1:-1])
     ):
         raise manifest_error(name, "names are neither a blob with offsets nor a template of parts, widths and numbers")
+    if not all(p and not p[0].isdigit() for p in parts[1:-1]):
+        raise manifest_error(name, f"template parts {parts!r}: every part between two numbers must be non-empty and"
+                                   " start with a character that is not a digit, or two rows could render one name")
+    if not widths and count > 1:
+        raise manifest_error(name, f"a template without numbers names one shard, not {count}")
     arrays = tuple(array(column, count, f"names number column {j}", name) for j, column in enumerate(numbers))
     template = TemplateNames(tuple(parts), tuple(widths), arrays, count)
     if not increasing(arrays):

@@ -199,7 +199,7 @@ def check_table(table: ShardTable, name: str | None) -> None:
     samples = c["samples"]
     if int(samples.min()) < 1:
         raise manifest_error(name, f"shard {table.names[int(np.argmin(samples))]} has no samples")
-    if int(samples.max()) >= LIMIT // count:
+    if int(samples.max()) * count >= LIMIT:  # n * max(samples) < 2**63: the total fits a signed 64-bit integer
         raise manifest_error(name, "its sample counts overflow 64 bits")
     for column in ("size", "index_offset", "index_size"):
         if int(c[column].max()) >= LIMIT:
@@ -207,7 +207,12 @@ def check_table(table: ShardTable, name: str | None) -> None:
     offset, size = c["index_offset"].astype(np.uint64), c["size"].astype(np.uint64)
     outside = (offset < 1024) | (offset + c["index_size"] > size)
     if isinstance(table.index_names, BlobNames):
-        outside &= np.diff(table.index_names.offsets) == 0  # an index kept apart starts its own object
+        apart = np.diff(table.index_names.offsets) > 0
+        if (apart & (offset != 0)).any():  # an index kept apart is its own object, from byte 0
+            entry = table[int(np.argmax(apart & (offset != 0)))]
+            raise manifest_error(name, f"shard {entry.name} keeps its index in {entry.index_name} at offset"
+                                       f" {entry.index_offset}; an index kept apart starts at offset 0")
+        outside &= ~apart
     if outside.any():
         entry = table[int(np.argmax(outside))]
         raise IndexOutOfBounds(

@@ -128,7 +128,7 @@ def test_duplicate_shard_is_refused():
         Manifest.decode(edit(1, shards=[row, row]), name="m")
     raw = msgpack.unpackb(manifest(2, INDEXED).encode()[:-4])
     raw["names"]["blob"] = b"train/a.tar" * 2
-    raw["names"]["offsets"] = {"dtype": "<u8", "data": np.array([0, 11, 22], "<u8").tobytes()}
+    raw["names"]["offsets"] = {"dtype": "<u1", "data": np.array([0, 11, 22], "<u1").tobytes()}
     with pytest.raises(CorruptShard, match="twice"):
         Manifest.decode(seal(msgpack.packb(raw, use_bin_type=True)), name="m")
 
@@ -136,7 +136,14 @@ def test_duplicate_shard_is_refused():
 # ---------------------------------------------------------------------------- version 2 from its spec
 
 
-def column(values, dtype="<u8") -> dict:
+def narrowest(values) -> str:
+    """The type the spec has writers pick: the narrowest of the four that holds every value."""
+    top = max(values, default=0)
+    return next(f"<u{w}" for w in (1, 2, 4, 8) if top < 2 ** (8 * w))
+
+
+def column(values, dtype=None) -> dict:
+    dtype = dtype or narrowest(values)
     return {"dtype": dtype, "data": np.asarray(values, dtype=dtype).tobytes()}
 
 
@@ -148,14 +155,14 @@ def spec_manifest(**changes) -> bytes:
         "fields": ["cls", "jpg"],
         "shards": 3,
         "columns": {
-            "samples": column([1000, 1000, 7], "<u2"),
-            "size": column([1_000_000, 1_100_000, 9_000], "<u4"),
-            "index_offset": column([990_000, 1_090_000, 7_000], "<u4"),
-            "index_size": column([9_000, 9_500, 120], "<u4"),
-            "index_crc": column([1, 2, 3], "<u4"),
-            "crc32": column([4, 5, 6], "<u4"),
+            "samples": column([1000, 1000, 7]),
+            "size": column([1_000_000, 1_100_000, 9_000]),
+            "index_offset": column([990_000, 1_090_000, 7_000]),
+            "index_size": column([9_000, 9_500, 120]),
+            "index_crc": column([1, 2, 3]),
+            "crc32": column([4, 5, 6]),
         },
-        "names": {"parts": ["part-", "/shard-", ".tar"], "widths": [2, 5], "numbers": [column([0, 0, 1], "<u1"), column([0, 12345, 7], "<u4")]},
+        "names": {"parts": ["part-", "/shard-", ".tar"], "widths": [2, 5], "numbers": [column([0, 0, 1]), column([0, 12345, 7])]},
         "params": {},
         "skipped": 0,
         "skipped_indices": [],
@@ -177,7 +184,7 @@ def test_a_blob_named_manifest_with_separate_indexes_written_from_the_spec_opens
     m = Manifest.decode(spec_manifest(
         shards=2,
         columns={"samples": column([3, 4]), "size": column([5000, 6000]), "index_offset": column([0, 5000]),
-                 "index_size": column([100, 200]), "index_crc": column([1, 2], "<u4"), "crc32": column([3, 4], "<u4")},
+                 "index_size": column([100, 200]), "index_crc": column([1, 2]), "crc32": column([3, 4])},
         names={"blob": blob, "offsets": column([0, 5, 14])},
         index_names={"blob": b"a.tar.index", "offsets": column([0, 11, 11])},
     ), name="spec")
@@ -202,11 +209,11 @@ def _columns(**changes) -> dict:
         ({"shards": 4}, "3 values|4 values"),
         ({"shards": -1}, "negative shard count"),
         ({"columns": _columns(samples=column([2**62, 2**62, 1]))}, "overflow"),
-        ({"columns": _columns(samples=column([1, 0, 1], "<u2"))}, "has no samples"),
+        ({"columns": _columns(samples=column([1, 0, 1]))}, "has no samples"),
         ({"columns": _columns(size=column([2**63, 1_100_000, 9000]))}, "over 63 bits"),
         ({"names": {"parts": ["part-", "/shard-", ".tar"], "widths": [2, 5], "numbers": [column([0, 0, 1], "<u1")]}}, "neither a blob"),
         ({"names": {"parts": ["../", "/", ".tar"], "widths": [2, 5], "numbers": [column([0, 0, 1]), column([1, 2, 3])]}}, "unsafe"),
-        ({"names": {"parts": ["x", "", ".tar"], "widths": [2, 5], "numbers": [column([0, 0, 1]), column([1, 2, 3])]}}, "neither a blob"),
+        ({"names": {"parts": ["x", "", ".tar"], "widths": [2, 5], "numbers": [column([0, 0, 1]), column([1, 2, 3])]}}, "non-empty"),
         ({"names": {"parts": ["a-", "/b-", ".tar"], "widths": [2, 5], "numbers": [column([0, 0, 0]), column([1, 1, 3])]}}, "strictly increasing"),
         ({"names": {"blob": b"a.tarb.tarc.tar", "offsets": column([0, 5, 10])}}, "names offsets holds"),
         ({"names": {"blob": b"a.tarb.tarc.tar", "offsets": column([0, 10, 5, 15])}}, "in order"),
@@ -222,7 +229,7 @@ def test_malformed_version_2_columns_name_the_manifest(changes, message):
 
 def test_index_outside_its_shard_is_refused():
     with pytest.raises(IndexOutOfBounds, match="shard-12345"):
-        Manifest.decode(spec_manifest(columns=_columns(index_offset=column([990_000, 1_095_000, 7_000], "<u4"))), name="m")
+        Manifest.decode(spec_manifest(columns=_columns(index_offset=column([990_000, 1_095_000, 7_000]))), name="m")
 
 
 def test_a_huge_claimed_count_fails_before_any_large_allocation():
@@ -234,3 +241,82 @@ def test_a_huge_claimed_count_fails_before_any_large_allocation():
     finally:
         tracemalloc.stop()
     assert peak < 1_000_000
+
+
+# ---------------------------------------------------------------------------- points a reader written from the spec alone raised
+
+
+def test_a_template_without_numbers_names_one_shard_only():
+    one = {"samples": column([5]), "size": column([9000]), "index_offset": column([7000]), "index_size": column([100]),
+           "index_crc": column([1]), "crc32": column([2])}
+    assert Manifest.decode(spec_manifest(shards=1, columns=one, names={"parts": ["only.tar"], "widths": [], "numbers": []}),
+                           name="m").shards.names[0] == "only.tar"
+    with pytest.raises(CorruptShard, match="without numbers names one shard, not 3"):
+        Manifest.decode(spec_manifest(names={"parts": ["same.tar"], "widths": [], "numbers": []}), name="m")
+
+
+def test_a_part_between_numbers_that_starts_with_a_digit_is_refused():
+    # Rows (1, 13) and (11, 3) both render s1113.tar with these parts: increasing rows alone
+    # do not make names unique when a part between two numbers starts with a digit.
+    two = {"samples": column([5, 5]), "size": column([9000, 9000]), "index_offset": column([7000, 7000]),
+           "index_size": column([100, 100]), "index_crc": column([1, 2]), "crc32": column([3, 4])}
+    names = {"parts": ["s", "1", ".tar"], "widths": [1, 1], "numbers": [column([1, 11]), column([13, 3])]}
+    with pytest.raises(CorruptShard, match="start with a character that is not a digit"):
+        Manifest.decode(spec_manifest(shards=2, columns=two, names=names), name="m")
+    names["parts"] = ["s", "-1", ".tar"]  # a part that only ends in digits is fine: s1-113.tar, s11-13.tar
+    assert list(Manifest.decode(spec_manifest(shards=2, columns=two, names=names), name="m").shards.names) == \
+        ["s1-113.tar", "s11-13.tar"]
+
+
+@pytest.mark.parametrize("bad", [".hidden.tar", "-x.tar", "\u00e9.tar", "a//b.tar", "a/../b.tar", "a/.b.tar", "a b.tar"])
+def test_names_follow_the_specs_rule_exactly(bad):
+    good = ["a.tar", "_x/b-1.c.tar", "0/9.tar"]
+    blob = "".join([bad, *good[1:]]).encode()
+    offsets = np.cumsum([0, *(len(n.encode()) for n in [bad, *good[1:]])])
+    with pytest.raises(CorruptShard, match="unsafe"):
+        Manifest.decode(spec_manifest(names={"blob": blob, "offsets": column(offsets)}), name="m")
+    blob = "".join(good).encode()
+    offsets = np.cumsum([0, *(len(n) for n in good)])
+    assert list(Manifest.decode(spec_manifest(names={"blob": blob, "offsets": column(offsets)}), name="m").shards.names) == good
+
+
+def test_the_sample_total_may_reach_just_below_two_to_the_63():
+    top = (2**63 - 1) // 3  # 3 x top = 2**63 - 2 fits a signed 64-bit integer
+    fits = _columns(samples=column([top, top, top]))
+    assert Manifest.decode(spec_manifest(columns=fits), name="m").num_samples == 3 * top
+    with pytest.raises(CorruptShard, match="overflow"):
+        Manifest.decode(spec_manifest(columns=_columns(samples=column([top, top, top + 1]))), name="m")
+
+
+def test_an_index_kept_apart_starts_at_offset_0_of_its_object():
+    columns = {"samples": column([3, 4]), "size": column([5000, 6000]), "index_offset": column([64, 5000]),
+               "index_size": column([100, 200]), "index_crc": column([1, 2]), "crc32": column([3, 4])}
+    names = {"blob": b"a.tardir/b.tar", "offsets": column([0, 5, 14])}
+    with pytest.raises(CorruptShard, match="a.tar keeps its index in a.tar.index at offset 64"):
+        Manifest.decode(spec_manifest(shards=2, columns=columns, names=names,
+                                      index_names={"blob": b"a.tar.index", "offsets": column([0, 11, 11])}), name="m")
+
+
+@pytest.mark.parametrize("key", ["params", "skipped", "skipped_indices"])
+def test_params_and_skipped_are_required(key):
+    raw = msgpack.unpackb(spec_manifest()[:-4])
+    del raw[key]
+    with pytest.raises(CorruptShard, match=key):
+        Manifest.decode(seal(msgpack.packb(raw, use_bin_type=True)), name="m")
+
+
+def test_the_epoch_shard_order_is_the_generator_the_spec_names():
+    from remote_loader.pipeline.split import shard_order
+
+    assert shard_order(1000, 7, 3).tolist() == np.random.default_rng([7, 3]).permutation(1000).tolist()
+
+
+def test_a_column_wider_than_its_values_need_is_refused():
+    wide = _columns(samples=column([1000, 1000, 7], "<u8"))
+    with pytest.raises(CorruptShard, match="column 'samples' is stored as <u8 but its values fit <u2"):
+        Manifest.decode(spec_manifest(columns=wide), name="m")
+    names = {"parts": ["part-", "/shard-", ".tar"], "widths": [2, 5], "numbers": [column([0, 0, 1], "<u2"), column([0, 12345, 7])]}
+    with pytest.raises(CorruptShard, match="names number column 0 is stored as <u2"):
+        Manifest.decode(spec_manifest(names=names), name="m")
+    assert Manifest.decode(spec_manifest(shards=0, columns={c: column([]) for c in _columns()},
+                                         names={"blob": b"", "offsets": column([0])}), name="m").num_samples == 0
