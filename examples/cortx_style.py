@@ -66,7 +66,7 @@ def main() -> None:
         # or, as here, from the AWS_* / MINIO_* environment variables.
         client = make_client()
         location = parse_location(args.url)
-        bucket, folder = location.bucket, location.prefix
+        bucket, folder = location.bucket, location.base_folder
 
         # Pack and upload any computer vision dataset; it only needs to be done once.
         ds = ImageFolder(args.source) if args.source else SyntheticImages(args.images, output="pil")

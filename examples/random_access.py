@@ -59,8 +59,8 @@ def local_story(args: argparse.Namespace) -> None:
     location = parse_location(args.url)
     client = make_client()
     upload_cv_dataset(SyntheticImages(args.images, num_classes=4, size=(96, 72)), client=client,
-                      bucket=location.bucket, base_folder=location.prefix, maxcount=25, workers=0, progress=False)
-    sequential = list(DatasetReader(client, location.bucket, location.prefix))
+                      bucket=location.bucket, base_folder=location.base_folder, maxcount=25, workers=0, progress=False)
+    sequential = list(DatasetReader(client, location.bucket, location.base_folder))
     client.close()
     world_size = 2
     parts = [read_part(args.url, rank, world_size, epoch=0, workers=args.workers, batch_size=args.batch_size)

@@ -186,9 +186,9 @@ def local_story(args: argparse.Namespace) -> None:
     location = parse_location(args.url)
     client = make_client()
     images = SyntheticImages(args.images, num_classes=4, size=(96, 72))
-    upload_cv_dataset(images, client=client, bucket=location.bucket, base_folder=location.prefix, maxcount=24,
+    upload_cv_dataset(images, client=client, bucket=location.bucket, base_folder=location.base_folder, maxcount=24,
                       workers=0, progress=False)
-    keys = sorted(sample["__key__"] for sample in DatasetReader(client, location.bucket, location.prefix))
+    keys = sorted(sample["__key__"] for sample in DatasetReader(client, location.bucket, location.base_folder))
     client.close()
     with tempfile.TemporaryDirectory() as tmp:
         args.checkpoint, args.log_keys = Path(tmp) / "checkpoint.pt", Path(tmp)

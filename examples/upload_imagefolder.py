@@ -71,10 +71,10 @@ def main() -> None:
         folder = ImageFolder(root)
         location = parse_location(args.url)
         client = make_client()
-        summary = upload_cv_dataset(folder, client=client, bucket=location.bucket, base_folder=location.prefix,
+        summary = upload_cv_dataset(folder, client=client, bucket=location.bucket, base_folder=location.base_folder,
                                     maxsize=args.maxsize, maxcount=args.maxcount, workers=args.workers,
                                     progress=not args.json)
-        reader = DatasetReader(client, location.bucket, location.prefix)
+        reader = DatasetReader(client, location.bucket, location.base_folder)
         matched = check_round_trip(reader, folder)
         report = {"url": args.url, "files": len(folder), "classes": len(folder.classes), "samples": summary.samples,
                   "shards": summary.shards, "identical": matched, "mb_per_s": round(summary.mb_per_s, 2)}

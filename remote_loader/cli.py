@@ -61,7 +61,7 @@ def _fetch(args: argparse.Namespace) -> FetchConfig:
 
 def _reader(args: argparse.Namespace) -> tuple[DatasetReader, Location]:
     store, location = _open(args)
-    return DatasetReader(store, location.bucket, location.prefix, fetch=_fetch(args)), location
+    return DatasetReader(store, location.bucket, location.base_folder, fetch=_fetch(args)), location
 
 
 def _open(args: argparse.Namespace) -> tuple[Store, Location]:
@@ -115,7 +115,7 @@ def _upload(args: argparse.Namespace, store: Any, location: Any, executor: Any) 
         executor=executor,
         client=store,
         bucket=location.bucket,
-        base_folder=location.prefix,
+        base_folder=location.base_folder,
         maxsize=args.maxsize,
         maxcount=args.maxcount,
         workers=args.workers,
@@ -219,7 +219,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     results = []
     for decode in dict.fromkeys(("none", args.decode)):
         with tqdm(total=total, unit="sample", desc=f"bench {decode}", disable=args.quiet or args.json) as bar:
-            results.append(bench.run(store, location.bucket, location.prefix, decode=decode, progress=bar.update,
+            results.append(bench.run(store, location.bucket, location.base_folder, decode=decode, progress=bar.update,
                                      **options))
     summary = bench.verdict(results[0], results[1] if len(results) > 1 else None)
     data = {"url": str(location), "workers": args.workers, "runs": [r.as_dict() for r in results], "verdict": summary}

@@ -56,10 +56,12 @@ def test_make_client_picks_the_backend(tmp_path):
 
 
 def test_parse_location():
-    assert (parse_location("s3://bkt/a/b/").bucket, parse_location("s3://bkt/a/b/").prefix) == ("bkt", "a/b")
-    assert parse_location("s3://bkt").prefix == ""
+    assert (parse_location("s3://bkt/a/b/").bucket, parse_location("s3://bkt/a/b/").base_folder) == ("bkt", "a/b")
+    assert parse_location("s3://bkt").base_folder == ""
+    with pytest.warns(DeprecationWarning, match="base_folder"):
+        assert parse_location("s3://bkt/a").prefix == "a"  # the old name, for one release
     local = parse_location("file:///data/bkt/x")
-    assert (local.bucket, local.prefix) == ("data", "bkt/x")
+    assert (local.bucket, local.base_folder) == ("data", "bkt/x")
     with pytest.raises(ConfigError):
         parse_location("http://host/bucket")
 
@@ -95,7 +97,7 @@ def test_mistyped_dataset_urls_are_refused_not_made_into_directories(url, messag
 def test_explicit_local_paths_still_name_local_stores(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert parse_location("./bkt/x").bucket == tmp_path.as_posix().lstrip("/").split("/")[0]
-    assert parse_location(f"{tmp_path}/bkt/x").prefix.endswith("bkt/x")
+    assert parse_location(f"{tmp_path}/bkt/x").base_folder.endswith("bkt/x")
     assert isinstance(make_client("./root"), LocalStore)
     with pytest.raises(ConfigError, match="not a valid URL"):
         make_client("htp://host:9000")

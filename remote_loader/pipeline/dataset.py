@@ -81,7 +81,7 @@ class RemoteDataset(IterableDataset):
     ) -> None:
         if isinstance(client, str):
             client, location = open_location(client, **connection)
-            bucket, base_folder = location.bucket, location.prefix
+            bucket, base_folder = location.bucket, location.base_folder
         elif connection:
             raise ConfigError(f"{', '.join(sorted(connection))}: connection options go with a URL, not a store")
         if on_error not in ("raise", "skip"):

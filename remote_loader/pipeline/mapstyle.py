@@ -57,7 +57,7 @@ class RemoteMapDataset(Dataset):
     ) -> None:
         if isinstance(client, str):
             client, location = open_location(client, **connection)
-            bucket, base_folder = location.bucket, location.prefix
+            bucket, base_folder = location.bucket, location.base_folder
         if bucket is None or base_folder is None:
             raise ConfigError("RemoteMapDataset needs (client, bucket, base_folder) or an s3:// URL")
         if cache_shards < 1 or merge_gap < 0:

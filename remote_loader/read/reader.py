@@ -74,7 +74,7 @@ class DatasetReader:
     def __init__(self, client: Store, bucket: str, base_folder: str, *, verify: bool = True,
                  fetch: FetchConfig | None = None) -> None:
         self.client = client
-        self.location = Location(bucket=bucket, prefix=base_folder.strip("/"))
+        self.location = Location(bucket=bucket, base_folder=base_folder.strip("/"))
         self.verify = verify
         self.fetch = fetch or FetchConfig()
         self._identity: int | None = None  # of the manifest read

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,17 +124,24 @@ def make_client(
 
 @dataclass(frozen=True)
 class Location:
-    """A dataset's place: the bucket and the key prefix ("folder") inside it."""
+    """A dataset's place: the bucket and its folder inside it (``base_folder``, the key
+    prefix of its objects), as every dataset and upload call names them."""
 
     bucket: str
-    prefix: str
+    base_folder: str
 
     def key(self, name: str) -> str:
         """Return the full key of object ``name`` inside the dataset's folder."""
-        return f"{self.prefix}/{name}" if self.prefix else name
+        return f"{self.base_folder}/{name}" if self.base_folder else name
+
+    @property
+    def prefix(self) -> str:
+        """Deprecated name of ``base_folder`` (one release)."""
+        warnings.warn("Location.prefix is deprecated: use Location.base_folder", DeprecationWarning, stacklevel=2)
+        return self.base_folder
 
     def __str__(self) -> str:
-        return f"s3://{self.bucket}/{self.prefix}"
+        return f"s3://{self.bucket}/{self.base_folder}"
 
 
 def parse_location(url: str) -> Location:
@@ -150,7 +159,7 @@ def parse_location(url: str) -> Location:
     prefix = prefix.strip("/")
     if not bucket:
         raise ConfigError(f"dataset URL {url!r} has no bucket")
-    return Location(bucket=bucket, prefix=prefix)
+    return Location(bucket=bucket, base_folder=prefix)
 
 
 def open_location(

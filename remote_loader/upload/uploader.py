@@ -182,7 +182,7 @@ def upload_cv_dataset(
     if not isinstance(base_folder, str):
         raise ConfigError(f"base_folder must be a string, got {base_folder!r}")
     options = EncodeOptions(image_format=image_format, quality=quality)
-    location = Location(bucket=bucket, prefix=base_folder.strip("/"))
+    location = Location(bucket=bucket, base_folder=base_folder.strip("/"))
     source = ds if isinstance(ds, str) else None
     if source is not None:
         ds = load_source(source)
