@@ -44,8 +44,9 @@ class RemoteDataset(IterableDataset):
         world_size: Number of ranks; default from torch.distributed, else ``WORLD_SIZE``.
         equalize: Give every rank the same sample count by wrapping around (repeating at
             most ``world_size - 1`` samples); default on when ``world_size > 1``.
-        fetch: Part size, concurrency, prefetch byte budget and the retry policy (its
-            ``outage_deadline`` bounds how long a failing store is retried).
+        fetch: Part size, concurrency, prefetch byte budget, checksum refetches, and in
+            ``fetch.retry`` how requests are retried (``RetryConfig.outage_deadline`` bounds
+            how long a failing store is retried).
         verify: Check every member's crc32 (on by default). Bytes that fail are fetched
             again up to ``fetch.max_attempts`` times.
         on_error: For a sample whose bytes stay corrupt: ``"raise"`` CorruptSampleError

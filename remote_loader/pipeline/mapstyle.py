@@ -37,7 +37,8 @@ class RemoteMapDataset(Dataset):
         transform: Applied to each sample dict.
         cache_shards: Shard indexes kept in memory.
         merge_gap: Largest gap in bytes bridged when merging ranges of one shard.
-        fetch: The retry policy and concurrency (``concurrency`` GETs at once for a batch).
+        fetch: Concurrency (``concurrency`` GETs at once for a batch), checksum refetches, and
+            in ``fetch.retry`` how requests are retried.
         verify: Check member crc32s.
         **connection: ``endpoint_url``, ``access_key``, ... with a URL.
     """

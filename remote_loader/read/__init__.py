@@ -1,5 +1,5 @@
-"""The read path: the retry policy, ranged-GET prefetch under a byte budget, shard indexes
-and their cache, checksum refetch, and metrics."""
+"""The read path: requests through a retrying store, ranged-GET prefetch under a byte
+budget, shard indexes and their cache, checksum refetch, and metrics."""
 
 from remote_loader.read.fetch import Fetched, Job, Prefetcher
 from remote_loader.read.metrics import Metrics

@@ -63,7 +63,7 @@ class DatasetReader:
         bucket: The bucket.
         base_folder: The dataset's key prefix.
         verify: Check crc32s of indexes and sample members as they are read.
-        fetch: The retry policy's settings (backoff, outage deadline, refetches).
+        fetch: Checksum refetches and, in ``fetch.retry``, how requests are retried.
 
     Example:
         >>> reader = DatasetReader(client, "bucket", "imagenet-val")  # doctest: +SKIP
@@ -218,7 +218,7 @@ class DatasetReader:
                               partial(self.parse_index, entry))
 
     def get(self, name: str) -> bytes:
-        """A whole object of the dataset, under the retry policy."""
+        """A whole object of the dataset, its GET retried."""
         key = self.location.key(name)
         return self.policy().store.get(self.location.bucket, key)
 
