@@ -165,12 +165,12 @@ def test_the_cli_imports_neither_torch_nor_the_test_server_until_a_command_needs
 
 def test_serve_accepts_the_readmes_credentials_and_its_own(tmp_path):
     from remote_loader import make_client
-    from tests.servers import free_port
+    from remote_loader.testing.server import free_base_port
 
     for keys in ([], ["--access-key", "mine", "--secret-key", "hunter2-secret"]):
-        port = free_port()
-        while not 1027 <= port <= 55534:
-            port = free_port()
+        # A block whose every port (gRPC ones included) is free and below the ephemeral
+        # range, where an outgoing connection could take one before the server binds it.
+        port = free_base_port() + 3  # the S3 port of the block
         server = subprocess.Popen([str(SCRIPT), "serve", "--port", str(port), "--bucket", "datasets",
                                    "--data", str(tmp_path / str(port)), *keys], stdout=subprocess.PIPE, text=True)
         try:
