@@ -1,0 +1,94 @@
+"""remote_loader across a network: one process streaming one epoch bytes-only (defaults, no
+DataLoader workers) from the embedded SeaweedFS directly (loopback) and through
+``shaper.py`` under each of its profiles; samples/s, the ratio to loopback, and the time to
+the first sample (construction included). Each run is a fresh process; medians of
+``--repeats``.
+
+    python benchmarks/network.py [--images 3000] [--repeats 2] [--fetch '{"prefetch_bytes": 134217728}']
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from remote_loader import upload_cv_dataset
+from remote_loader.testing.server import EmbeddedS3
+from remote_loader.testing.synthetic import SyntheticImages
+
+SHAPER = Path(__file__).with_name("shaper.py")
+
+_CHILD = textwrap.dedent("""
+    import json, sys, time
+    from remote_loader import FetchConfig, RemoteDataset, make_client
+    endpoint, key, secret, fetch = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+    started = time.perf_counter()
+    ds = RemoteDataset(make_client(endpoint, key, secret), "net", "d", seed=1, fetch=FetchConfig(**fetch))
+    first, count, nbytes = None, 0, 0
+    for sample in ds:
+        if first is None:
+            first = time.perf_counter() - started
+        count += 1
+        nbytes += len(sample["jpg"])
+    seconds = time.perf_counter() - started
+    print(json.dumps({"samples": count, "seconds": seconds, "first": first, "mb": nbytes / 1e6}))
+""")
+
+
+def _run(endpoint: str, server: EmbeddedS3, fetch: dict[str, int]) -> dict[str, float]:
+    done = subprocess.run([sys.executable, "-c", _CHILD, endpoint, server.access_key, server.secret_key, json.dumps(fetch)],
+                          capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        raise RuntimeError(done.stderr[-2000:])
+    return json.loads(done.stdout)
+
+
+def measure(profile: str, server: EmbeddedS3, repeats: int, fetch: dict[str, int]) -> dict[str, float]:
+    shaper = None
+    endpoint = server.endpoint_url
+    if profile != "loopback":
+        shaper = subprocess.Popen([sys.executable, str(SHAPER), "--upstream", f"127.0.0.1:{server.port}",
+                                   "--profile", profile], stdout=subprocess.PIPE, text=True)
+        assert shaper.stdout is not None
+        endpoint = f"http://127.0.0.1:{shaper.stdout.readline().split()[1]}"
+    try:
+        runs = [_run(endpoint, server, fetch) for _ in range(repeats)]
+    finally:
+        if shaper is not None:
+            os.kill(shaper.pid, signal.SIGTERM)
+            shaper.wait(30)
+    return {"rate": statistics.median(r["samples"] / r["seconds"] for r in runs),
+            "first": statistics.median(r["first"] for r in runs), "samples": runs[0]["samples"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--images", type=int, default=3000)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--fetch", default="{}", help='FetchConfig fields as JSON, e.g. {"prefetch_bytes": 134217728}')
+    parser.add_argument("--profiles", nargs="+", default=["loopback", "s3-same-region", "s3-cross-region"])
+    args = parser.parse_args()
+    fetch = json.loads(args.fetch)
+    with EmbeddedS3(buckets=["net"]) as server:
+        upload_cv_dataset(SyntheticImages(args.images), client=server.client(), bucket="net", base_folder="d",
+                          maxsize=64e6, workers=2, progress=False)
+        print(f"{args.images} JPEGs of ~110 KB in ~64 MB shards; one process, FetchConfig({args.fetch or 'defaults'});"
+              f" medians of {args.repeats}")
+        print("| profile | samples/s | vs loopback | first sample (s) |")
+        print("|---|---|---|---|")
+        base = None
+        for profile in args.profiles:
+            result = measure(profile, server, args.repeats, fetch)
+            base = base or result["rate"]
+            print(f"| {profile} | {result['rate']:,.0f} | {result['rate'] / base:.2f}x | {result['first']:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""A network between a loader and its S3 server, on loopback: a TCP relay that delays every
+byte by a one-way latency in each direction and caps each connection's bandwidth.
+
+A request then costs a round trip (2 x latency) before its first byte, and a connection
+carries at most ``bandwidth`` bytes/s, as a connection to S3 across a network does. Run it
+as its own process (so its work does not share the measured loader's interpreter):
+
+    python benchmarks/shaper.py --listen 18000 --upstream 127.0.0.1:9000 --profile s3-same-region
+
+It prints ``ready <port>`` once it listens, and runs until killed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from dataclasses import dataclass
+
+CHUNK = 256 * 1024
+
+
+@dataclass(frozen=True)
+class Profile:
+    latency: float  # seconds, each way
+    bandwidth: float  # bytes/s per connection and direction; 0: no cap
+
+
+PROFILES = {
+    "s3-same-region": Profile(0.010, 90e6),
+    "s3-cross-region": Profile(0.040, 50e6),
+}
+
+
+async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, profile: Profile) -> None:
+    """Forward ``reader`` to ``writer``: each chunk leaves ``latency`` after it arrived, and
+    no sooner than the bandwidth allows after the previous one."""
+    queue: asyncio.Queue[tuple[float, bytes] | None] = asyncio.Queue()
+
+    async def deliver() -> None:
+        free_at = 0.0  # when the link has sent what it was given
+        while (item := await queue.get()) is not None:
+            arrived, data = item
+            start = max(arrived + profile.latency, free_at)
+            if start > time.monotonic():
+                await asyncio.sleep(start - time.monotonic())
+            writer.write(data)
+            await writer.drain()
+            free_at = start + (len(data) / profile.bandwidth if profile.bandwidth else 0.0)
+        writer.close()
+
+    sender = asyncio.create_task(deliver())
+    try:
+        while data := await reader.read(CHUNK):
+            queue.put_nowait((time.monotonic(), data))
+    except ConnectionError:
+        pass
+    finally:
+        queue.put_nowait(None)
+        try:
+            await sender
+        except ConnectionError:
+            pass
+
+
+async def _serve(listen: int, upstream: tuple[str, int], profile: Profile) -> None:
+    async def relay(client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        try:
+            server_reader, server_writer = await asyncio.open_connection(*upstream)
+        except OSError:
+            client_writer.close()
+            return
+        await asyncio.gather(_pump(client_reader, server_writer, profile), _pump(server_reader, client_writer, profile))
+
+    server = await asyncio.start_server(relay, "127.0.0.1", listen)
+    print(f"ready {server.sockets[0].getsockname()[1]}", flush=True)
+    async with server:
+        await server.serve_forever()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--listen", type=int, default=0, help="port on 127.0.0.1 (0: any free one)")
+    parser.add_argument("--upstream", required=True, help="host:port of the S3 server")
+    parser.add_argument("--profile", choices=sorted(PROFILES), required=True)
+    args = parser.parse_args()
+    host, _, port = args.upstream.rpartition(":")
+    asyncio.run(_serve(args.listen, (host, int(port)), PROFILES[args.profile]))
+
+
+if __name__ == "__main__":
+    main()
