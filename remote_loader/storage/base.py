@@ -211,8 +211,9 @@ class Store(ABC):
         """Start a streaming (multipart) upload of ``key``."""
 
     @abstractmethod
-    def list(self, bucket: str, prefix: str = "") -> Iterator[ObjectInfo]:
-        """Yield every object whose key starts with ``prefix``, in key order, across pages."""
+    def list(self, bucket: str, prefix: str = "", *, start_after: str | None = None) -> Iterator[ObjectInfo]:
+        """Yield every object whose key starts with ``prefix``, in key order, across pages;
+        with ``start_after``, only those whose key sorts after it (S3's ``StartAfter``)."""
 
     @abstractmethod
     def delete(self, bucket: str, key: str) -> None:

@@ -130,14 +130,14 @@ class LocalStore(Store):
     def open_writer(self, bucket: str, key: str, *, part_size: int = DEFAULT_PART_SIZE) -> ObjectWriter:
         return _LocalWriter(self, bucket, key, part_size)
 
-    def list(self, bucket: str, prefix: str = "") -> Iterator[ObjectInfo]:
+    def list(self, bucket: str, prefix: str = "", *, start_after: str | None = None) -> Iterator[ObjectInfo]:
         base = self._bucket_dir(bucket)
         found = []
         for dirpath, _, filenames in os.walk(base):
             rel = Path(dirpath).relative_to(base).as_posix()
             for name in filenames:
                 key = name if rel == "." else f"{rel}/{name}"
-                if _PARTIAL not in name and key.startswith(prefix):
+                if _PARTIAL not in name and key.startswith(prefix) and (start_after is None or key > start_after):
                     found.append(ObjectInfo(key=key, size=(Path(dirpath) / name).stat().st_size))
         yield from sorted(found, key=lambda o: o.key)
 

@@ -146,9 +146,9 @@ class Retry:
 class RetryingStore(Store):
     """``inner`` with every request run under ``retry``.
 
-    A listing is read whole under the retry (a failure part-way lists again from the
-    start), then yielded. A streaming upload retries each of its requests; its parts are
-    kept in memory until sent, so a part is sent again as it was.
+    A listing is yielded as its pages arrive; one that fails part-way goes on after the
+    last key it yielded. A streaming upload retries each of its
+    requests; its parts are kept in memory until sent, so a part is sent again as it was.
     """
 
     def __init__(self, inner: Store, retry: Retry) -> None:
@@ -192,8 +192,25 @@ class RetryingStore(Store):
     def open_writer(self, bucket: str, key: str, *, part_size: int = DEFAULT_PART_SIZE) -> ObjectWriter:
         return _RetryingWriter(self.inner.open_writer(bucket, key, part_size=part_size), self.retry)
 
-    def list(self, bucket: str, prefix: str = "") -> Iterator[ObjectInfo]:
-        return iter(self.retry.call(lambda: list(self.inner.list(bucket, prefix)), bucket=bucket))
+    def list(self, bucket: str, prefix: str = "", *, start_after: str | None = None) -> Iterator[ObjectInfo]:
+        # Lazy, page by page: a listing that fails part-way goes on after the last key it
+        # yielded (S3's StartAfter), so a long listing survives faults between its pages.
+        last = start_after
+        pages: Iterator[ObjectInfo] | None = None
+
+        def next_object() -> ObjectInfo | None:
+            nonlocal pages
+            if pages is None:
+                pages = iter(self.inner.list(bucket, prefix, start_after=last))
+            try:
+                return next(pages, None)
+            except BaseException:
+                pages = None  # the next attempt lists again after ``last``
+                raise
+
+        while (found := self.retry.call(next_object, bucket=bucket)) is not None:
+            last = found.key
+            yield found
 
     def delete(self, bucket: str, key: str) -> None:
         self.retry.call(partial(self.inner.delete, bucket, key), bucket=bucket, key=key)

@@ -161,10 +161,11 @@ class Boto3Store(RangedStore):
     def open_writer(self, bucket: str, key: str, *, part_size: int = DEFAULT_PART_SIZE) -> ObjectWriter:
         return _Boto3Writer(self, bucket, key, part_size)
 
-    def list(self, bucket: str, prefix: str = "") -> Iterator[ObjectInfo]:
+    def list(self, bucket: str, prefix: str = "", *, start_after: str | None = None) -> Iterator[ObjectInfo]:
         with self._errors("LIST", bucket, prefix or None):
+            after = {} if start_after is None else {"StartAfter": start_after}
             pages = self._sdk().get_paginator("list_objects_v2").paginate(
-                Bucket=bucket, Prefix=prefix, PaginationConfig={"PageSize": self.list_page_size}
+                Bucket=bucket, Prefix=prefix, PaginationConfig={"PageSize": self.list_page_size}, **after
             )
             for page in pages:
                 for item in page.get("Contents", []):

@@ -154,9 +154,9 @@ class MinioStore(RangedStore):
     def open_writer(self, bucket: str, key: str, *, part_size: int = DEFAULT_PART_SIZE) -> ObjectWriter:
         return _MinioWriter(self, bucket, key, part_size)
 
-    def list(self, bucket: str, prefix: str = "") -> Iterator[ObjectInfo]:
+    def list(self, bucket: str, prefix: str = "", *, start_after: str | None = None) -> Iterator[ObjectInfo]:
         with self._errors("LIST", bucket, prefix or None):
-            for item in self._sdk().list_objects(bucket, prefix=prefix, recursive=True):
+            for item in self._sdk().list_objects(bucket, prefix=prefix, recursive=True, start_after=start_after):
                 if not item.is_dir:
                     yield ObjectInfo(key=item.object_name or "", size=int(item.size or 0))
 

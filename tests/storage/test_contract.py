@@ -125,6 +125,9 @@ def test_list_is_complete_sorted_and_paginated(store):
     assert [o.key for o in listed] == sorted(k for k in keys if k.startswith("p/"))
     assert all(o.size == len(o.key) for o in listed)
     assert [o.key for o in client.list(bucket, "nothing/")] == []
+    after = [o.key for o in client.list(bucket, "p/", start_after="p/004")]  # where a failed listing goes on
+    assert after == sorted(k for k in keys if k.startswith("p/") and k > "p/004")
+    assert [o.key for o in client.list(bucket, "p/", start_after="p/zzz")] == []
 
 
 def test_list_past_one_thousand_keys(store):

@@ -111,3 +111,27 @@ def test_an_upload_given_the_old_fetch_argument_warns_and_uses_its_retry(seaweed
         with pytest.raises(ConfigError, match="retry must be a RetryConfig"):
             upload_cv_dataset(SyntheticImages(4), client=client, bucket="retry-deprecated", base_folder="e",
                               workers=0, progress=False, retry=5)  # type: ignore[arg-type]
+
+
+def test_a_listing_rides_out_faults_between_its_pages_and_stays_lazy(seaweed):
+    bucket = "retrying-listing"
+    client = seaweed.client()
+    client.create_bucket(bucket)
+    expected = [f"k/{i:03d}" for i in range(30)]
+    for key in expected:
+        client.put(bucket, key, b"x")
+    for rates, seed in ((FAULTS, 7), ({}, 0)):
+        proxy = FaultProxy(seaweed.endpoint_url, rates, seed=seed, methods=("GET",))
+        try:
+            raw = make_client(proxy.endpoint_url, seaweed.access_key, seaweed.secret_key)
+            raw.list_page_size = 4  # 8 pages: faults land between them
+            store = RetryingStore(raw, Retry(RetryConfig(backoff=0.001, max_backoff=0.01), raw.endpoint))
+            assert [info.key for info in store.list(bucket, "k/")] == expected  # none twice, none lost
+            if not rates:
+                before = proxy.requests
+                assert next(iter(store.list(bucket, "k/"))).key == "k/000"
+                assert proxy.requests - before == 1  # the first key needs the first page only
+            else:
+                assert sum(proxy.injected.values()) >= 2
+        finally:
+            proxy.close()
