@@ -48,7 +48,7 @@ class RemoteDataset(IterableDataset):
             ``fetch.retry`` how requests are retried (``RetryConfig.outage_deadline`` bounds
             how long a failing store is retried).
         verify: Check every member's crc32 (on by default). Bytes that fail are fetched
-            again up to ``fetch.max_attempts`` times.
+            again up to ``fetch.refetch_attempts`` times.
         on_error: For a sample whose bytes stay corrupt: ``"raise"`` CorruptSampleError
             naming shard and key, or ``"skip"`` it and count it in ``metrics.skipped``.
         unindexed: Stream the ``.tar`` objects under the prefix as plain WebDataset tars,

@@ -119,7 +119,7 @@ class RemoteMapDataset(Dataset):
 
     def _fetch_run(self, shard: int, positions: list[int]) -> list[Sample]:
         """One GET covering samples ``positions`` (sorted) of one shard; fetched again if its
-        bytes fail their checksums, up to ``fetch.max_attempts``."""
+        bytes fail their checksums, up to ``fetch.refetch_attempts``."""
         return read_run(self.reader, shard, self._index(shard), positions, self._policy)
 
     def _runs(self, located: list[tuple[int, int]]) -> list[tuple[int, list[int]]]:

@@ -70,7 +70,7 @@ def own(sample: Sample) -> Sample:
 
 def read_run(reader: DatasetReader, shard: int, index: ShardIndex, positions: list[int], policy: RetryPolicy) -> list[Sample]:
     """Samples ``positions`` (sorted) of one shard with one GET, fetched again while their
-    bytes fail their checksums (up to ``max_attempts`` fetches)."""
+    bytes fail their checksums (up to ``refetch_attempts`` fetches)."""
     entry = reader.manifest.shards[shard]
     first, stop = positions[0], positions[-1] + 1
     start, end = index.start(first, stop), index.extent(first, stop)
