@@ -139,3 +139,35 @@ def test_locality_order_is_as_large_as_the_dataset_only_when_asked():
     sampler = LocalitySampler(SIZES, window=2, seed=5, rank=0, world_size=1)
     assert sampler.order().tolist() == list(sampler)
     assert isinstance(sampler.order(), np.ndarray)
+
+
+class _Indices:
+    """A map-style dataset whose sample i is i."""
+
+    def __len__(self) -> int:
+        return 1000
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+@pytest.mark.parametrize("kind", ["locality", "uniform"])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_stateful_dataloader_resumes_the_samplers_exactly_once(kind, workers):
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+
+    def make():
+        if kind == "locality":
+            return LocalitySampler([100] * 10, window=2, seed=1, rank=0, world_size=1)
+        return UniformSampler(1000, seed=1, rank=0, world_size=1)
+
+    sampler = make()
+    sampler.set_epoch(2)
+    loader = stateful.StatefulDataLoader(_Indices(), batch_size=8, sampler=sampler, num_workers=workers)
+    batches = iter(loader)
+    seen = [i for _ in range(7) for i in next(batches).tolist()]
+    state = loader.state_dict()
+    resumed = stateful.StatefulDataLoader(_Indices(), batch_size=8, sampler=make(), num_workers=workers)
+    resumed.load_state_dict(state)  # the sampler's iterator state: its epoch and position, nothing replayed
+    rest = [i for batch in resumed for i in batch.tolist()]
+    assert seen + rest == list(sampler)  # the epoch-2 order, each index once
