@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, overload
 
 import numpy as np
@@ -48,15 +48,7 @@ class ShardEntry:
     @classmethod
     def from_summary(cls, name: str, summary: ShardSummary) -> ShardEntry:
         """Build the entry of a shard just written under ``name``."""
-        return cls(
-            name=name,
-            samples=summary.samples,
-            size=summary.size,
-            index_offset=summary.index_offset,
-            index_size=summary.index_size,
-            index_crc=summary.index_crc,
-            crc32=summary.crc32,
-        )
+        return cls(name=name, **asdict(summary))
 
     @property
     def data_end(self) -> int:

@@ -83,8 +83,9 @@ class Layout:
         after = reorders[-1] + 1 if reorders else 0
         tail = list(self.stages[after:])
         per_item = 1
-        if tail and tail[-1].batch() is not None:
-            per_item = tail[-1].group() or 1
+        batch = tail[-1].batch() if tail else None
+        if batch is not None:
+            per_item = batch[0]
             tail = tail[:-1]
         if not all(s.one_to_one for s in tail):
             raise ConfigError(

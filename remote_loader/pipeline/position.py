@@ -150,6 +150,10 @@ class Progress:
         whose sample 0 is at position ``base``."""
         self._open[reading] = base
 
+    def position(self, reading: Any) -> int:
+        """The position of the sample an open range gave last."""
+        return self._open[reading] + reading.next - 1
+
     def closed(self, reading: Any) -> None:
         """The source read a range to its end."""
         self._open.pop(reading, None)

@@ -85,7 +85,6 @@ def stream_positions(
     with Prefetcher(reader.location.bucket, jobs, policy) as prefetcher:
         fetched = iter(prefetcher)
         reading: list[OpenRange] = []
-        bases: dict[OpenRange, int] = {}
         exhausted = False
         try:
             while True:
@@ -95,22 +94,20 @@ def stream_positions(
                         exhausted = True
                         continue
                     opened = OpenRange(reader, item, policy, on_error)
-                    base = progress.opening() - opened.next if progress is not None else -1
+                    base = progress.opening() - opened.next if progress is not None else -1  # of its sample 0
                     if opened.done:
                         opened.close()
-                    else:
-                        reading.append(opened)
-                        bases[opened] = base
-                        if progress is not None:
-                            progress.opened(opened, base)
+                        continue
+                    reading.append(opened)
+                    if progress is not None:
+                        progress.opened(opened, base)
                 if not reading:
                     return
                 current = reading[int(rng.integers(len(reading)))] if len(reading) > 1 else reading[0]
                 sample = current.next_sample()
-                position = bases[current] + current.next - 1 if progress is not None else -1
+                position = progress.position(current) if progress is not None else -1
                 if current.done:
                     reading.remove(current)
-                    bases.pop(current, None)
                     if progress is not None:
                         progress.closed(current)
                     current.close()

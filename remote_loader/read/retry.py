@@ -45,10 +45,6 @@ class RetryPolicy:
         self.store = RetryingStore(store, Retry(config.retry, store.endpoint, self.cancel,
                                                 on_retry=lambda: metrics.add(retries=1)))
 
-    @property
-    def endpoint(self) -> str:
-        return self.store.endpoint
-
     def refetch(self, fetch: Callable[[], P], parse: Callable[[P], T]) -> T:
         """Return ``parse(fetch())``; bytes that ``parse`` finds damaged (``CorruptShard``)
         are fetched again, up to ``config.refetch_attempts`` fetches in all."""
