@@ -24,19 +24,12 @@ import numpy as np
 import torch
 
 from remote_loader.errors import ConfigError
-from remote_loader.pipeline.position import (
-    Plan,
-    Progress,
-    Remainder,
-    WorkerState,
-    find_states,
-    gather,
-    parse,
-    steps_since_snapshot,
-)
+from remote_loader.pipeline.position import Plan, Progress
+from remote_loader.pipeline.replay import Replay, check_rows
 from remote_loader.pipeline.resume import MAX_WORKERS, ResumeState, consumed_per_worker
 from remote_loader.pipeline.split import worker_bounds
 from remote_loader.pipeline.stages import Stage
+from remote_loader.pipeline.states import Remainder, WorkerState, find_states, gather, parse, steps_since_snapshot
 from remote_loader.read import DatasetReader
 
 _EPOCH, _GENERATION, _IN_WORKERS, _APPLIED = 0, 1, 2, 3  # slots of the shared state
@@ -93,6 +86,14 @@ class Layout:
                 "map_tuple, to_tuple), optionally ending with batched; select or an inner batched breaks that"
             )
         return after, per_item
+
+    def replay_point(self) -> tuple[int, bool]:
+        """(stages before the replay point, the end of the last shuffle or batched; whether
+        a replay's placeholders can pass every stage before it, none of which looks at a
+        sample's content), see ``replay.py``."""
+        marks = [i for i, s in enumerate(self.stages) if s.reorders or s.batch() is not None]
+        point = marks[-1] + 1 if marks else 0
+        return point, all(s.one_to_one or s.reorders or s.batch() is not None for s in self.stages[:point])
 
     def check(self, state: WorkerState) -> WorkerState:
         expected = {"seed": self.seed, "shuffle": self.shuffle, "samples": len(self.reader),
@@ -175,8 +176,8 @@ class Checkpoints:
                               " use torchdata's StatefulDataLoader and its state_dict(), or pass consumed= and"
                               " num_workers= for a plain DataLoader")
         worker, workers = (worker_info.id, worker_info.num_workers) if worker_info else (0, 1)
-        plan, header, _ = self.plan(layout, self.epoch, worker, workers, take=False)
-        return Progress(plan, header).state()  # the next iteration's, nothing delivered yet
+        plan, header, _, replay = self.plan(layout, self.epoch, worker, workers, take=False)
+        return Progress(plan, header, replay).state()  # the next iteration's, nothing delivered yet
 
     def count_state(self, layout: Layout, consumed: int, num_workers: int) -> dict[str, Any]:
         """The state after ``consumed`` items came out of a DataLoader with ``num_workers``."""
@@ -200,8 +201,9 @@ class Checkpoints:
         replayed = steps_since_snapshot(state)
         if replayed:
             raise ConfigError(f"this StatefulDataLoader state was taken {replayed} batches after its workers' last"
-                              " snapshot, so it does not say which samples those batches held: create the"
-                              " StatefulDataLoader with snapshot_every_n_steps=1 (its default)")
+                              " snapshot, so it does not say which samples those batches held: on the same ranks"
+                              " and workers give it to the loader's load_state_dict, which replays them; to resume"
+                              " on others, take states with snapshot_every_n_steps=1 (its default)")
         found = find_states(state)
         if not found:
             if not isinstance(state, Mapping):
@@ -268,9 +270,9 @@ class Checkpoints:
         return resume
 
     def plan(self, layout: Layout, epoch: int, worker: int, num_workers: int, *,
-             take: bool) -> tuple[Plan, dict[str, Any], ResumeState | Remainder | None]:
-        """What this worker reads in this iteration, the header of its states, and the
-        resume loaded in the main process that applies."""
+             take: bool) -> tuple[Plan, dict[str, Any], ResumeState | Remainder | None, Replay | None]:
+        """What this worker reads in this iteration, the header of its states, the resume
+        loaded in the main process that applies, and the replay of its own state's run."""
         header = layout.header(epoch, worker, num_workers)
         position = self.position
         if position is not None:
@@ -283,25 +285,35 @@ class Checkpoints:
                                       " workers, give load_state_dict every rank's state")
                 if take:
                     self.position = None
-                plan = position.plan()
-                return plan, {**header, "run": plan.run}, None
+                if position.record is None:  # a state saved before records: its rest, in position order
+                    plan = position.plan()
+                    return plan, {**header, "run": plan.run}, None, None
+                plan, replay = position.replay(placeholders=layout.replay_point()[1])
+                if plan.run == 0:
+                    check_rows(position.record, self._share(layout, None, worker, num_workers).rows, position.where)
+                return plan, {**header, "run": plan.run}, None, replay
             if position.unfinished:
                 raise ConfigError(f"the loaded state stopped mid-way through epoch {position.header['epoch']}, but"
                                   f" this iteration is epoch {epoch}: call set_epoch({position.header['epoch']}) first")
             if take:
                 self.position = None  # a finished epoch: the next one starts afresh
         resume = self.take_resume(epoch, worker, num_workers, take)
-        # The sequence divided: the rest of an epoch gathered from states, or the whole epoch.
+        plan = self._share(layout, resume if isinstance(resume, Remainder) else None, worker, num_workers)
+        return plan, {**header, "run": plan.run}, resume, None
+
+    @staticmethod
+    def _share(layout: Layout, remainder: Remainder | None, worker: int, num_workers: int) -> Plan:
+        """This worker's share of the sequence divided: the rest of an epoch gathered from
+        states, or the whole epoch."""
         total = len(layout.reader)
-        whole = Remainder(header, np.array([0]), np.array([total]), 0)
-        sequence = resume if isinstance(resume, Remainder) else whole
+        sequence = remainder if remainder is not None else Remainder({}, np.array([0]), np.array([total]), 0)
         low, high = worker_bounds(len(sequence), rank=layout.rank, world_size=layout.world_size, worker=worker,
                                   num_workers=num_workers, equalize=layout.equalize, align=layout.align())
-        plan = sequence.plan(low, high)
-        return plan, {**header, "run": plan.run}, resume
+        return sequence.plan(low, high)
 
     def start(self, layout: Layout, epoch: int, worker: int, num_workers: int) -> tuple[Progress, int]:
         """The progress of a new iteration, and how many samples a count state skips."""
-        plan, header, resume = self.plan(layout, epoch, worker, num_workers, take=True)
-        self.live = Progress(plan, header)
-        return self.live, resume.skip[worker] if isinstance(resume, ResumeState) else 0
+        plan, header, resume, replay = self.plan(layout, epoch, worker, num_workers, take=True)
+        skip = resume.skip[worker] if isinstance(resume, ResumeState) else 0
+        self.live = Progress(plan, header, replay, recorded=not skip)
+        return self.live, skip

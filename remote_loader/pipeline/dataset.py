@@ -7,6 +7,7 @@ import itertools
 import threading
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
 import torch
@@ -17,6 +18,7 @@ from remote_loader.errors import ConfigError, DatasetNotFound
 from remote_loader.pipeline import stages
 from remote_loader.pipeline.checkpoint import Checkpoints, Layout
 from remote_loader.pipeline.position import Progress
+from remote_loader.pipeline.replay import replay_point
 from remote_loader.pipeline.resume import MAX_WORKERS
 from remote_loader.pipeline.source import ShardSource
 from remote_loader.pipeline.split import current_world, plan_spans, rank_size, shard_order
@@ -308,13 +310,21 @@ class RemoteDataset(IterableDataset):
             names.left(ids)
 
         skip_after = layout.skip_point()[0] if skip else -1
+        replay_at, passing = -1, None
+        if progress is not None:
+            replay_at = layout.replay_point()[0]
+            passing = partial(replay_point, progress=progress, done=done, where=f"rank {rank} worker {worker}")
         context = stages.Context(self.seed, epoch, rank, worker)
         for position, stage in enumerate(self.stages):
             if position == skip_after:
                 data = _skip(data, skip, done)
+            if position == replay_at and passing is not None:
+                data = passing(data)
             data = stages.run_paired(stage, data, context, done, names)
         if skip_after == len(self.stages):
             data = _skip(data, skip, done)
+        if replay_at == len(self.stages) and passing is not None:
+            data = passing(data)
         yield from _timed(_deliver(data, done), metrics)
 
     def _samples(self, source: ShardSource, epoch: int, worker: int, num_workers: int,

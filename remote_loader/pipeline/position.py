@@ -13,31 +13,30 @@ pipeline (in the shuffle buffer, a stage's threads or a partial batch). Its stat
 those as merged intervals, so its size grows with ``open_shards`` and the shuffle buffer,
 never with the dataset.
 
-The states of every worker of every rank together give the rest of the epoch: the union
-of what each has not delivered, less the samples whose extra read was delivered. That set,
-in position order, is divided among the new ranks and workers as an epoch's sequence is.
+The states of every worker of every rank together give the rest of the epoch (gathered
+in ``states.py``): the union of what each has not delivered, less the samples whose extra
+read was delivered. That set, in position order, is divided among the new ranks and
+workers as an epoch's sequence is. A state also records its run, so that the worker
+itself can replay it exactly (``replay.py``).
 """
 
 from __future__ import annotations
 
 import threading
-import zlib
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from itertools import pairwise
 from typing import Any
 
 import numpy as np
 
-from remote_loader.errors import ConfigError
+from remote_loader.pipeline.intervals import contains, merge, runs, without
+from remote_loader.pipeline.replay import Record, Replay
 from remote_loader.pipeline.split import laps
 
 STATE_VERSION = 2
 MARK = "remote_loader_state"
 """The key that marks a worker's position state (its value is the state's version)."""
-_HEADER = ("epoch", "seed", "shuffle", "samples", "shards", "run", "rank", "world_size", "worker", "num_workers")
-_MAX_DEPTH = 8  # how deep load_state_dict looks for worker states inside a loader's state
 
 
 @dataclass(frozen=True)
@@ -81,58 +80,25 @@ def _pieces(starts: np.ndarray, stops: np.ndarray, ends: np.ndarray, first: int,
     return out
 
 
-def merge(intervals: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Sorted, merged union of intervals."""
-    out: list[list[int]] = []
-    for a, b in sorted((a, b) for a, b in intervals if a < b):
-        if out and a <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], b)
-        else:
-            out.append([a, b])
-    return [(a, b) for a, b in out]
-
-
-def runs(positions: Iterable[int]) -> list[tuple[int, int]]:
-    """Sorted positions as intervals of consecutive ones."""
-    out: list[list[int]] = []
-    for p in sorted(positions):
-        if out and p == out[-1][1]:
-            out[-1][1] = p + 1
-        else:
-            out.append([p, p + 1])
-    return [(a, b) for a, b in out]
-
-
-def _without(intervals: list[tuple[int, int]], points: Iterable[int]) -> list[tuple[int, int]]:
-    """``intervals`` (sorted, disjoint) less ``points``."""
-    out = list(intervals)
-    for p in sorted(set(points)):
-        starts = [a for a, _ in out]
-        k = int(np.searchsorted(starts, p, side="right")) - 1
-        if k >= 0 and out[k][0] <= p < out[k][1]:
-            a, b = out[k]
-            out[k : k + 1] = [x for x in ((a, p), (p + 1, b)) if x[0] < x[1]]
-    return out
-
-
-def _contains(intervals: list[tuple[int, int]], p: int) -> bool:
-    k = int(np.searchsorted([a for a, _ in intervals], p, side="right")) - 1
-    return k >= 0 and intervals[k][0] <= p < intervals[k][1]
-
-
 class Progress:
     """Where one worker's iteration stands. The cutter (on the prefetcher's thread) reports
     what it took from the plan and cut into ranges; the source, on the consumer's thread,
     reports the ranges it opens and the samples it emits; the pipeline's end, the samples
     delivered or dropped."""
 
-    def __init__(self, plan: Plan, header: dict[str, Any]) -> None:
+    def __init__(self, plan: Plan, header: dict[str, Any], replay: Replay | None = None, recorded: bool = True) -> None:
         self.plan, self.header = plan, header
+        self.replay = replay  # a replayed run (replay.py); its state is the loaded one until the replay ends
+        self.replaying = replay is not None
+        self.recorded = recorded  # whether states record the run for a replay (not after a count-based skip)
         self._lock = threading.Lock()
         self._taken = 0  # samples of the plan the cutter took
         self._cut: deque[tuple[int, int]] = deque()  # (position, samples) of ranges cut, not yet opened
         self._open: dict[Any, int] = {}  # open range -> position of its sample 0
         self._pending: set[int] = set()  # emitted by the source, not yet delivered
+        self._passing: deque[Any] = deque()  # ids past the replay point, not yet finished
+        self._items = 0  # items finished past the replay point
+        self._skips: list[tuple[int, int, bool]] = []  # (position, samples, at_open) skipped under on_error="skip"
 
     def took(self, samples: int, ranges: Sequence[tuple[int, int]]) -> None:
         """The cutter took ``samples`` of the plan and cut them into ``ranges`` ``(position, samples)``."""
@@ -154,6 +120,14 @@ class Progress:
         """The position of the sample an open range gave last."""
         return self._open[reading] + reading.next - 1
 
+    def next_position(self, reading: Any) -> int:
+        """The position of the sample an open range gives next."""
+        return self._open[reading] + reading.next
+
+    def skipped(self, position: int, samples: int, at_open: bool = False) -> None:
+        """The source skipped ``samples`` from ``position`` (a whole range when it opened)."""
+        self._skips.append((position, samples, at_open))
+
     def closed(self, reading: Any) -> None:
         """The source read a range to its end."""
         self._open.pop(reading, None)
@@ -162,13 +136,27 @@ class Progress:
         """The source gave the pipeline the sample at ``position``."""
         self._pending.add(position)
 
+    def passed(self, ids: Any) -> None:
+        """An item passed the replay point (the end of the last shuffle or batched)."""
+        self._passing.append(ids)
+
+    def finished(self) -> None:
+        """An item finished at the replay point (a replay dropped it there)."""
+        self._items += 1
+
     def done(self, ids: int | list[Any]) -> None:
         """Samples delivered (or dropped by a stage): an item's id, or a batch's ids."""
+        if self._passing and self._passing[0] == ids:  # items past the replay point finish in order
+            self._passing.popleft()
+            self._items += 1
+        self._discard(ids)
+
+    def _discard(self, ids: int | list[Any]) -> None:
         if isinstance(ids, int):
             self._pending.discard(ids)
         else:
             for i in ids:
-                self.done(i)
+                self._discard(i)
 
     def remaining(self) -> list[tuple[int, int]]:
         """Positions of the plan not yet delivered, as sorted merged intervals."""
@@ -182,7 +170,10 @@ class Progress:
         return merge(parts)
 
     def state(self) -> dict[str, Any]:
-        return encode(self.header, self.remaining(), self.plan.extras)
+        if self.replay is not None and self.replaying:  # nothing new delivered yet: the state loaded
+            return encode(self.header, self.replay.undelivered, self.plan.extras, self.replay.record)
+        record = Record(self.plan.rows, self._items, tuple(self._skips)) if self.recorded else None
+        return encode(self.header, self.remaining(), self.plan.extras, record)
 
 
 def _rest(rows: Sequence[tuple[int, int]], taken: int) -> Iterable[tuple[int, int]]:
@@ -194,179 +185,14 @@ def _rest(rows: Sequence[tuple[int, int]], taken: int) -> Iterable[tuple[int, in
         taken = 0
 
 
-def encode(header: dict[str, Any], remaining: list[tuple[int, int]], extras: Iterable[int]) -> dict[str, Any]:
-    """A worker's state: its header, and the positions it has not delivered, its extras
-    apart (each with whether it was delivered)."""
+def encode(header: dict[str, Any], remaining: list[tuple[int, int]], extras: Iterable[int],
+           record: Record | None = None) -> dict[str, Any]:
+    """A worker's state: its header, the positions it has not delivered, its extras apart
+    (each with whether it was delivered), and the record of its run (``replay.py``)."""
     extras = sorted(extras)
-    flags = [0 if _contains(remaining, e) else 1 for e in extras]
-    kept = _without(remaining, extras)
+    flags = [0 if contains(remaining, e) else 1 for e in extras]
+    kept = without(remaining, extras)
     return {MARK: STATE_VERSION, **header,
             "remaining": [x for interval in kept for x in interval],
-            "extras": [x for pair in zip(extras, flags) for x in pair]}
-
-
-# --------------------------------------------------------------------------- reading states
-
-
-@dataclass(frozen=True)
-class WorkerState:
-    """One worker's state, checked."""
-
-    header: dict[str, Any]
-    remaining: list[tuple[int, int]]
-    extras: list[tuple[int, bool]]  # (position, delivered)
-
-    def plan(self) -> Plan:
-        """The plan resuming this worker alone: its undelivered positions, in order."""
-        undelivered = [p for p, delivered in self.extras if not delivered]
-        return Plan(tuple(merge([*self.remaining, *((p, p + 1) for p in undelivered)])), frozenset(undelivered),
-                    self.header["run"])
-
-    @property
-    def unfinished(self) -> bool:
-        """Whether the worker stopped with samples not yet delivered (mid-epoch)."""
-        return bool(self.remaining) or any(not delivered for _, delivered in self.extras)
-
-    @property
-    def where(self) -> str:
-        h = self.header
-        return f"rank {h['rank']} worker {h['worker']}"
-
-
-def _int(state: Mapping[str, Any], name: str, low: int, high: int) -> int:
-    value = state.get(name)
-    if type(value) is not int or not low <= value <= high:  # bool, float and str are refused too
-        raise ConfigError(f"RemoteDataset state field {name!r} must be an integer in {low}..{high}, got {value!r}")
-    return value
-
-
-def _ints(state: Mapping[str, Any], name: str, samples: int) -> list[int]:
-    values = state.get(name)
-    if not isinstance(values, (list, tuple)) or len(values) % 2:
-        raise ConfigError(f"RemoteDataset state field {name!r} must be a flat list of pairs of integers")
-    if not all(type(v) is int and 0 <= v <= samples for v in values):
-        bad = next(v for v in values if type(v) is not int or not 0 <= v <= samples)
-        raise ConfigError(f"RemoteDataset state field {name!r} holds {bad!r}, not a position in 0..{samples}")
-    return list(values)
-
-
-def parse(state: Any) -> WorkerState:
-    """Check a worker state's every field; raise ConfigError naming the first bad one."""
-    if not isinstance(state, Mapping) or MARK not in state:
-        raise ConfigError("not a RemoteDataset worker state")
-    if state[MARK] != STATE_VERSION:
-        raise ConfigError(f"RemoteDataset worker state version {state[MARK]!r} is not {STATE_VERSION}")
-    missing = [k for k in (*_HEADER, "remaining", "extras") if k not in state]
-    if missing:
-        raise ConfigError(f"RemoteDataset worker state lacks {', '.join(missing)}")
-    if type(state["shuffle"]) is not bool:
-        raise ConfigError(f"RemoteDataset state field 'shuffle' must be true or false, got {state['shuffle']!r}")
-    samples = _int(state, "samples", 0, 2**62)
-    header = {"epoch": _int(state, "epoch", 0, 2**62), "seed": _int(state, "seed", -(2**63), 2**64 - 1),
-              "shuffle": state["shuffle"], "samples": samples, "shards": _int(state, "shards", 0, 2**62),
-              "run": _int(state, "run", 0, 2**32), "world_size": _int(state, "world_size", 1, 2**20),
-              "num_workers": _int(state, "num_workers", 1, 2**20)}
-    if "dataset" in state:  # the manifest's identity (states saved before it existed lack it)
-        header["dataset"] = _int(state, "dataset", 0, 2**32 - 1)
-    header["rank"] = _int(state, "rank", 0, header["world_size"] - 1)
-    header["worker"] = _int(state, "worker", 0, header["num_workers"] - 1)
-    flat = _ints(state, "remaining", samples)
-    remaining = list(zip(flat[::2], flat[1::2]))
-    if any(a >= b for a, b in remaining) or any(b1 >= a2 for (_, b1), (a2, _) in pairwise(remaining)):
-        raise ConfigError("RemoteDataset state field 'remaining' must hold sorted, disjoint, non-empty intervals")
-    flat = _ints(state, "extras", samples)
-    if any(p >= samples for p in flat[::2]) or any(d not in (0, 1) for d in flat[1::2]):
-        raise ConfigError("RemoteDataset state field 'extras' must pair positions below 'samples' with 0 or 1")
-    if len(flat) // 2 >= header["world_size"] + 1:
-        raise ConfigError(f"RemoteDataset state lists {len(flat) // 2} extras; a run of {header['world_size']} ranks has fewer")
-    return WorkerState(header, remaining, [(p, bool(d)) for p, d in zip(flat[::2], flat[1::2])])
-
-
-def find_states(obj: Any, depth: int = 0) -> list[Any]:
-    """The worker states inside ``obj``: one, a list of them, or the state dicts of
-    StatefulDataLoaders (any nesting of dicts and lists, up to a few levels)."""
-    if isinstance(obj, Mapping):
-        if MARK in obj:
-            return [obj]
-        children: Iterable[Any] = obj.values()
-    elif isinstance(obj, (list, tuple)):
-        children = obj
-    else:
-        return []
-    if depth >= _MAX_DEPTH:
-        return []
-    return [s for child in children for s in find_states(child, depth + 1)]
-
-
-_SINCE_SNAPSHOT = "_steps_since_snapshot"
-"""StatefulDataLoader's count of batches it yielded after its workers' last snapshot."""
-
-
-def steps_since_snapshot(obj: Any, depth: int = 0) -> int:
-    """The most batches any StatefulDataLoader state inside ``obj`` yielded after its last
-    worker snapshot: the steps torchdata would replay on resume."""
-    if isinstance(obj, Mapping):
-        own = obj.get(_SINCE_SNAPSHOT)
-        children: Iterable[Any] = obj.values()
-    elif isinstance(obj, (list, tuple)):
-        own, children = None, obj
-    else:
-        return 0
-    here = own if isinstance(own, int) else 0
-    if depth >= _MAX_DEPTH:
-        return here
-    return max([here, *(steps_since_snapshot(child, depth + 1) for child in children)])
-
-
-@dataclass(frozen=True)
-class Remainder:
-    """The rest of an epoch gathered from every worker's state: intervals of positions,
-    sorted; the new run's ranks and workers divide it as they would an epoch."""
-
-    header: dict[str, Any]
-    starts: np.ndarray
-    stops: np.ndarray
-    run: int
-
-    @property
-    def epoch(self) -> int:
-        return int(self.header["epoch"])
-
-    def __len__(self) -> int:
-        return int((self.stops - self.starts).sum())
-
-    def plan(self, low: int, high: int) -> Plan:
-        return divide(self.starts, self.stops, low, high, self.run)
-
-
-def gather(states: Sequence[WorkerState]) -> Remainder:
-    """The rest of the epoch the states of all workers of all ranks leave (checks that they
-    are all there, from one run, and do not overlap)."""
-    if not states:
-        raise ConfigError("no RemoteDataset worker state found: pass every rank's state (the loader's state_dict)")
-    first = states[0].header
-    for s in states:
-        for key in ("epoch", "seed", "shuffle", "samples", "shards", "run", "world_size", "num_workers"):
-            if s.header[key] != first[key]:
-                raise ConfigError(f"states are from different runs: {s.where} has {key}={s.header[key]!r},"
-                                  f" rank {first['rank']} worker {first['worker']} has {first[key]!r}")
-    seen: dict[tuple[int, int], WorkerState] = {}
-    for s in states:
-        slot = (s.header["rank"], s.header["worker"])
-        if slot in seen:
-            raise ConfigError(f"the state of {s.where} is given twice")
-        seen[slot] = s
-    missing = [f"rank {r} worker {w}" for r in range(first["world_size"]) for w in range(first["num_workers"])
-               if (r, w) not in seen]
-    if missing:
-        raise ConfigError(f"states lack {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}: gather the"
-                          f" state of every rank ({first['world_size']} ranks x {first['num_workers']} workers)")
-    intervals = sorted(interval for s in states for interval in s.remaining)
-    for (_, b1), (a2, _) in pairwise(intervals):
-        if a2 < b1:
-            raise ConfigError(f"states overlap at position {a2}: they are not from one checkpoint of one run")
-    delivered = [p for s in states for p, done in s.extras if done]
-    rest = _without(merge(intervals), delivered)
-    array = np.array(rest, dtype=np.int64).reshape(-1, 2)
-    run = zlib.crc32(np.array([first["epoch"], *array.ravel()], dtype=np.int64).tobytes()) or 1
-    return Remainder(dict(first), array[:, 0].copy(), array[:, 1].copy(), run)
+            "extras": [x for pair in zip(extras, flags) for x in pair],
+            **(record.encode() if record is not None else {})}

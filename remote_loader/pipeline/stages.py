@@ -30,6 +30,7 @@ from remote_loader.pipeline.streams import (
     to_tuple_stage,
 )
 from remote_loader.pipeline.threads import apply, describe, name_failure, threaded_map
+from remote_loader.read.shards import REPLAYED
 
 
 @dataclass(frozen=True)
@@ -315,7 +316,7 @@ def _one_to_one_pairs(stage: Stage, pairs: Iterable[tuple[Any, Any]], context: C
 def _select_pairs(pairs: Iterable[tuple[Any, Any]], predicate: Callable[[Any], bool],
                   dropped: Callable[[Any], None]) -> Iterator[tuple[Any, Any]]:
     for i, item in pairs:
-        if predicate(item):
+        if item is REPLAYED or predicate(item):  # a replay's placeholder is dropped at the replay point
             yield i, item
         else:
             dropped(i)
@@ -326,6 +327,11 @@ def _batch_pairs(pairs: Iterable[tuple[Any, Any]], stage: Batched, dropped: Call
         if len(batch) < stage.batchsize and not stage.partial:
             return [i for i, _ in batch], None  # the short last batch, dropped below
         items = [item for _, item in batch]
+        if any(item is REPLAYED for item in items):  # a replay's batches hold placeholders only, or none
+            if not all(item is REPLAYED for item in items):
+                raise ConfigError("a resumed run batched delivered samples with undelivered ones: it did not replay"
+                                  " the run its state was taken in (the pipeline differs from the one that saved it)")
+            return [i for i, _ in batch], REPLAYED
         return [i for i, _ in batch], stage.collation_fn(items) if stage.collation_fn else items
 
     for ids, batch in batched_stage(pairs, stage.batchsize, collate, partial=True):

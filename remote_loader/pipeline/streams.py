@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from remote_loader.errors import ConfigError, DecodeError
+from remote_loader.read.shards import REPLAYED
 
 
 def map_stage(samples: Iterable[Any], fn: Callable[[Any], Any]) -> Iterator[Any]:
@@ -24,18 +25,24 @@ def select_stage(samples: Iterable[Any], predicate: Callable[[Any], bool]) -> It
             yield sample
 
 
-def map_tuple_stage(samples: Iterable[Sequence[Any]], fns: Sequence[Callable[[Any], Any] | None]) -> Iterator[tuple[Any, ...]]:
+def map_tuple_stage(samples: Iterable[Sequence[Any]], fns: Sequence[Callable[[Any], Any] | None]) -> Iterator[Any]:
     """Apply ``fns[i]`` to element ``i`` of each tuple (None leaves an element as it is)."""
     for sample in samples:
+        if sample is REPLAYED:  # a replay's placeholder passes every stage unchanged
+            yield sample
+            continue
         if len(sample) != len(fns):
             raise ConfigError(f"map_tuple got {len(fns)} functions for a sample of {len(sample)} elements")
         yield tuple(x if fn is None else fn(x) for fn, x in zip(fns, sample))
 
 
-def to_tuple_stage(samples: Iterable[dict[str, Any]], fields: Sequence[str]) -> Iterator[tuple[Any, ...]]:
+def to_tuple_stage(samples: Iterable[dict[str, Any]], fields: Sequence[str]) -> Iterator[Any]:
     """Turn dict samples into tuples; ``"jpg;png"`` takes the first of those fields present."""
     choices = [spec.split(";") for spec in fields]
     for sample in samples:
+        if sample is REPLAYED:
+            yield sample
+            continue
         row = []
         for options in choices:
             for name in options:

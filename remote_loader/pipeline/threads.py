@@ -16,6 +16,8 @@ from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from typing import Any
 
+from remote_loader.read.shards import REPLAYED
+
 _JOIN_SECONDS = 1.0
 """How long shutting a stage down waits for its threads; one still in user code after
 that is left behind (a daemon thread: it never holds up the interpreter's exit)."""
@@ -37,8 +39,12 @@ def name_failure(error: BaseException, where: str) -> None:
 
 
 def apply(fn: Callable[[Any], Any], samples: Iterable[Any]) -> Iterator[Any]:
-    """``fn`` over ``samples`` in this thread; a failure names its sample."""
+    """``fn`` over ``samples`` in this thread; a failure names its sample. A replay's
+    placeholders (``REPLAYED``) pass unchanged, here and in every stage."""
     for position, sample in enumerate(samples):
+        if sample is REPLAYED:
+            yield sample
+            continue
         try:
             result = fn(sample)
         except Exception as error:
@@ -96,6 +102,12 @@ def _result(future: Future[Any]) -> Any:
     return future.result()
 
 
+def _passed(sample: Any) -> Future[Any]:
+    future: Future[Any] = Future()
+    future.set_result(sample)
+    return future
+
+
 def threaded_map(fn: Callable[[Any], Any], samples: Iterable[Any], threads: int) -> Iterator[Any]:
     """``fn`` over ``samples`` on ``threads`` threads, results in input order.
 
@@ -116,7 +128,7 @@ def threaded_map(fn: Callable[[Any], Any], samples: Iterable[Any], threads: int)
 
     try:
         for position, sample in enumerate(samples):
-            pending.append((describe(sample, position), pool.submit(fn, sample)))
+            pending.append((describe(sample, position), _passed(sample) if sample is REPLAYED else pool.submit(fn, sample)))
             if len(pending) >= 2 * threads:
                 yield take()
         while pending:

@@ -135,7 +135,37 @@ class Skipped:
         return _Opened(None, None, -1, 0, 0)
 
 
-RangePlan = SpanRead | TarRead | Skipped
+class Placeholder:
+    """The type of ``REPLAYED``, the placeholder sample (see ``Replayed``)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "REPLAYED"
+
+    def __reduce__(self) -> str:
+        return "REPLAYED"  # the one instance, also through pickle
+
+
+REPLAYED = Placeholder()
+"""A placeholder for a sample delivered before a state was taken, which a resumed worker
+replays through its pipeline without fetching, decoding or giving it to user functions."""
+
+
+@dataclass(frozen=True)
+class Replayed:
+    """Samples ``[first, stop)`` of a shard that a resumed worker had delivered: nothing is
+    fetched, and each reads as ``REPLAYED``."""
+
+    shard: int
+    first: int
+    stop: int
+
+    def open(self, fetched: Fetched[RangePlan], reader: DatasetReader, wait: Callable[[int | None], None]) -> _Opened:
+        return _Opened(None, None, self.shard, self.first, self.stop)
+
+
+RangePlan = SpanRead | TarRead | Skipped | Replayed
 """What a fetched range holds and how to read it: each kind opens itself."""
 
 
@@ -148,7 +178,8 @@ def skip(what: str, samples: int, error: BaseException, policy: RetryPolicy) -> 
 class OpenRange:
     """A range being read while its parts arrive, opened as its plan says (``SpanRead``, ``TarRead``, ``Skipped``).
 
-    ``next_sample()`` gives the range's samples in order, fetching damaged ones again;
+    ``next_sample()`` gives the range's samples in order (``REPLAYED`` for each of a
+    ``Replayed`` range), fetching damaged ones again;
     with ``on_error="skip"`` it returns None for one it skipped (all the rest of the range
     if the shard is gone).
     """
@@ -166,10 +197,11 @@ class OpenRange:
         self.fetched.wait(upto)
         self.policy.metrics.add(wait_seconds=time.perf_counter() - waited)
 
-    def next_sample(self) -> Sample | None:
-        assert self.view is not None, "next_sample() of a range with nothing to read"
+    def next_sample(self) -> Sample | Placeholder | None:
         j = self.next
         self.next += 1
+        if self.view is None:  # a range of delivered samples, replayed (``Replayed``)
+            return REPLAYED
         try:
             if self.index is not None:
                 self._wait(self.index.extent(j, j + 1))

@@ -13,7 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from remote_loader.errors import ConfigError
-from remote_loader.pipeline.position import Progress, Remainder, divide, gather, merge, parse, runs
+from remote_loader.pipeline.intervals import merge, runs
+from remote_loader.pipeline.position import Progress, divide
+from remote_loader.pipeline.states import Remainder, gather, parse
 from remote_loader.pipeline.split import worker_bounds
 
 

@@ -1,0 +1,198 @@
+"""Reading checkpoint states: a worker's state checked field by field, the worker states
+inside a loader's state, and the rest of an epoch gathered from every worker's state
+(see ``position.py`` for what a state holds).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from itertools import pairwise
+from typing import Any
+
+import numpy as np
+
+from remote_loader.errors import ConfigError
+from remote_loader.pipeline.intervals import merge, without
+from remote_loader.pipeline.position import MARK, STATE_VERSION, Plan, divide
+from remote_loader.pipeline.replay import Record, Replay, parse_record
+
+_HEADER = ("epoch", "seed", "shuffle", "samples", "shards", "run", "rank", "world_size", "worker", "num_workers")
+_MAX_DEPTH = 8  # how deep load_state_dict looks for worker states inside a loader's state
+
+
+@dataclass(frozen=True)
+class WorkerState:
+    """One worker's state, checked."""
+
+    header: dict[str, Any]
+    remaining: list[tuple[int, int]]
+    extras: list[tuple[int, bool]]  # (position, delivered)
+    record: Record | None = None  # of its run, to replay it (states saved before records existed lack it)
+
+    def undelivered(self) -> list[tuple[int, int]]:
+        """The positions not delivered, extras included, as sorted merged intervals."""
+        return merge([*self.remaining, *((p, p + 1) for p, delivered in self.extras if not delivered)])
+
+    def plan(self) -> Plan:
+        """The plan resuming this worker alone from its undelivered positions, in order."""
+        return Plan(tuple(self.undelivered()), frozenset(p for p, delivered in self.extras if not delivered),
+                    self.header["run"])
+
+    def replay(self, placeholders: bool) -> tuple[Plan, Replay]:
+        """The plan of the run this state was taken in, and how to replay it to that point."""
+        assert self.record is not None
+        return (Plan(self.record.rows, frozenset(p for p, _ in self.extras), self.header["run"]),
+                Replay(self.undelivered(), self.record, placeholders))
+
+    @property
+    def unfinished(self) -> bool:
+        """Whether the worker stopped with samples not yet delivered (mid-epoch)."""
+        return bool(self.remaining) or any(not delivered for _, delivered in self.extras)
+
+    @property
+    def where(self) -> str:
+        h = self.header
+        return f"rank {h['rank']} worker {h['worker']}"
+
+
+def _int(state: Mapping[str, Any], name: str, low: int, high: int) -> int:
+    value = state.get(name)
+    if type(value) is not int or not low <= value <= high:  # bool, float and str are refused too
+        raise ConfigError(f"RemoteDataset state field {name!r} must be an integer in {low}..{high}, got {value!r}")
+    return value
+
+
+def _ints(state: Mapping[str, Any], name: str, samples: int) -> list[int]:
+    values = state.get(name)
+    if not isinstance(values, (list, tuple)) or len(values) % 2:
+        raise ConfigError(f"RemoteDataset state field {name!r} must be a flat list of pairs of integers")
+    if not all(type(v) is int and 0 <= v <= samples for v in values):
+        bad = next(v for v in values if type(v) is not int or not 0 <= v <= samples)
+        raise ConfigError(f"RemoteDataset state field {name!r} holds {bad!r}, not a position in 0..{samples}")
+    return list(values)
+
+
+def parse(state: Any) -> WorkerState:
+    """Check a worker state's every field; raise ConfigError naming the first bad one."""
+    if not isinstance(state, Mapping) or MARK not in state:
+        raise ConfigError("not a RemoteDataset worker state")
+    if state[MARK] != STATE_VERSION:
+        raise ConfigError(f"RemoteDataset worker state version {state[MARK]!r} is not {STATE_VERSION}")
+    missing = [k for k in (*_HEADER, "remaining", "extras") if k not in state]
+    if missing:
+        raise ConfigError(f"RemoteDataset worker state lacks {', '.join(missing)}")
+    if type(state["shuffle"]) is not bool:
+        raise ConfigError(f"RemoteDataset state field 'shuffle' must be true or false, got {state['shuffle']!r}")
+    samples = _int(state, "samples", 0, 2**62)
+    header = {"epoch": _int(state, "epoch", 0, 2**62), "seed": _int(state, "seed", -(2**63), 2**64 - 1),
+              "shuffle": state["shuffle"], "samples": samples, "shards": _int(state, "shards", 0, 2**62),
+              "run": _int(state, "run", 0, 2**32), "world_size": _int(state, "world_size", 1, 2**20),
+              "num_workers": _int(state, "num_workers", 1, 2**20)}
+    if "dataset" in state:  # the manifest's identity (states saved before it existed lack it)
+        header["dataset"] = _int(state, "dataset", 0, 2**32 - 1)
+    header["rank"] = _int(state, "rank", 0, header["world_size"] - 1)
+    header["worker"] = _int(state, "worker", 0, header["num_workers"] - 1)
+    flat = _ints(state, "remaining", samples)
+    remaining = list(zip(flat[::2], flat[1::2]))
+    if any(a >= b for a, b in remaining) or any(b1 >= a2 for (_, b1), (a2, _) in pairwise(remaining)):
+        raise ConfigError("RemoteDataset state field 'remaining' must hold sorted, disjoint, non-empty intervals")
+    flat = _ints(state, "extras", samples)
+    if any(p >= samples for p in flat[::2]) or any(d not in (0, 1) for d in flat[1::2]):
+        raise ConfigError("RemoteDataset state field 'extras' must pair positions below 'samples' with 0 or 1")
+    if len(flat) // 2 >= header["world_size"] + 1:
+        raise ConfigError(f"RemoteDataset state lists {len(flat) // 2} extras; a run of {header['world_size']} ranks has fewer")
+    extras = [(p, bool(d)) for p, d in zip(flat[::2], flat[1::2])]
+    undelivered = merge([*remaining, *((p, p + 1) for p, d in extras if not d)])
+    return WorkerState(header, remaining, extras, parse_record(state, samples, undelivered))
+
+
+def find_states(obj: Any, depth: int = 0) -> list[Any]:
+    """The worker states inside ``obj``: one, a list of them, or the state dicts of
+    StatefulDataLoaders (any nesting of dicts and lists, up to a few levels)."""
+    if isinstance(obj, Mapping):
+        if MARK in obj:
+            return [obj]
+        children: Iterable[Any] = obj.values()
+    elif isinstance(obj, (list, tuple)):
+        children = obj
+    else:
+        return []
+    if depth >= _MAX_DEPTH:
+        return []
+    return [s for child in children for s in find_states(child, depth + 1)]
+
+
+_SINCE_SNAPSHOT = "_steps_since_snapshot"
+"""StatefulDataLoader's count of batches it yielded after its workers' last snapshot."""
+
+
+def steps_since_snapshot(obj: Any, depth: int = 0) -> int:
+    """The most batches any StatefulDataLoader state inside ``obj`` yielded after its last
+    worker snapshot: the steps torchdata would replay on resume."""
+    if isinstance(obj, Mapping):
+        own = obj.get(_SINCE_SNAPSHOT)
+        children: Iterable[Any] = obj.values()
+    elif isinstance(obj, (list, tuple)):
+        own, children = None, obj
+    else:
+        return 0
+    here = own if isinstance(own, int) else 0
+    if depth >= _MAX_DEPTH:
+        return here
+    return max([here, *(steps_since_snapshot(child, depth + 1) for child in children)])
+
+
+@dataclass(frozen=True)
+class Remainder:
+    """The rest of an epoch gathered from every worker's state: intervals of positions,
+    sorted; the new run's ranks and workers divide it as they would an epoch."""
+
+    header: dict[str, Any]
+    starts: np.ndarray
+    stops: np.ndarray
+    run: int
+
+    @property
+    def epoch(self) -> int:
+        return int(self.header["epoch"])
+
+    def __len__(self) -> int:
+        return int((self.stops - self.starts).sum())
+
+    def plan(self, low: int, high: int) -> Plan:
+        return divide(self.starts, self.stops, low, high, self.run)
+
+
+def gather(states: Sequence[WorkerState]) -> Remainder:
+    """The rest of the epoch the states of all workers of all ranks leave (checks that they
+    are all there, from one run, and do not overlap)."""
+    if not states:
+        raise ConfigError("no RemoteDataset worker state found: pass every rank's state (the loader's state_dict)")
+    first = states[0].header
+    for s in states:
+        for key in ("epoch", "seed", "shuffle", "samples", "shards", "run", "world_size", "num_workers"):
+            if s.header[key] != first[key]:
+                raise ConfigError(f"states are from different runs: {s.where} has {key}={s.header[key]!r},"
+                                  f" rank {first['rank']} worker {first['worker']} has {first[key]!r}")
+    seen: dict[tuple[int, int], WorkerState] = {}
+    for s in states:
+        slot = (s.header["rank"], s.header["worker"])
+        if slot in seen:
+            raise ConfigError(f"the state of {s.where} is given twice")
+        seen[slot] = s
+    missing = [f"rank {r} worker {w}" for r in range(first["world_size"]) for w in range(first["num_workers"])
+               if (r, w) not in seen]
+    if missing:
+        raise ConfigError(f"states lack {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}: gather the"
+                          f" state of every rank ({first['world_size']} ranks x {first['num_workers']} workers)")
+    intervals = sorted(interval for s in states for interval in s.remaining)
+    for (_, b1), (a2, _) in pairwise(intervals):
+        if a2 < b1:
+            raise ConfigError(f"states overlap at position {a2}: they are not from one checkpoint of one run")
+    delivered = [p for s in states for p, done in s.extras if done]
+    rest = without(merge(intervals), delivered)
+    array = np.array(rest, dtype=np.int64).reshape(-1, 2)
+    run = zlib.crc32(np.array([first["epoch"], *array.ravel()], dtype=np.int64).tobytes()) or 1
+    return Remainder(dict(first), array[:, 0].copy(), array[:, 1].copy(), run)
