@@ -1,12 +1,12 @@
 """The S3 backend on the MinIO client (``minio`` 7.2).
 
-Whole objects go through the public ``put_object``. minio 7.2's public API has no way to
-push the parts of a multipart upload as they are produced (``put_object`` pulls them from a
-stream and reads one part ahead, so a part "sent" would not yet be on the server), no
-conditional PUT (its headers become user metadata) and no listing of multipart uploads:
-streaming writers, ``put(if_none_match=..., if_match=...)`` and ``abort_uploads`` use the
-client's ``_create_multipart_upload`` family, ``_put_object`` and ``_list/_abort_multipart_upload``,
-here and nowhere else. The requirement stays below minio 8, the major version tested.
+It uses only minio's public API. Reads, whole-object writes, listings and deletes are the
+client's own calls. minio 7.2 has no public call for a conditional PUT (``put_object``
+turns its headers into user metadata), for pushing the parts of a multipart upload as
+they are produced (``put_object`` pulls them from a stream) or for listing multipart
+uploads: those requests go on URLs the client presigns (``get_presigned_url``, or
+``minio.signer.presign_v4`` for a bucket), through the store's own connection pool, and
+their XML is read here.
 """
 
 from __future__ import annotations
@@ -14,14 +14,16 @@ from __future__ import annotations
 import io
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import datetime, timedelta, timezone
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlencode, urlsplit, urlunsplit
+from xml.etree import ElementTree
 
 import urllib3
 from minio import Minio
-from minio.credentials import AWSConfigProvider
-from minio.datatypes import Part
+from minio.credentials import AWSConfigProvider, Provider, StaticProvider
 from minio.error import InvalidResponseError, MinioException, S3Error, ServerError
+from minio.signer import presign_v4
 from urllib3.exceptions import HTTPError as Urllib3Error
 from urllib3.exceptions import MaxRetryError, NewConnectionError
 
@@ -30,6 +32,13 @@ from remote_loader.errors import ConfigError, EndpointUnreachable, StorageError,
 from remote_loader.storage.base import DEFAULT_PART_SIZE, ObjectInfo, ObjectWriter, RangedStore, error_for
 
 _MAX_ABORT_ROUNDS = 100
+_PRESIGNED_FOR = timedelta(minutes=15)  # a request is sent at once; a part may take minutes on a slow link
+
+
+def _xml(data: bytes, *names: str) -> list[str]:
+    """The text of every element named one of ``names`` (namespaces ignored), in order."""
+    root = ElementTree.fromstring(data)
+    return [(e.text or "") for e in root.iter() if e.tag.rsplit("}", 1)[-1] in names]
 
 
 class MinioStore(RangedStore):
@@ -44,6 +53,9 @@ class MinioStore(RangedStore):
         if config.endpoint_url is None:
             raise ConfigError("the minio backend needs an endpoint URL (AWS_ENDPOINT_URL or MINIO_ENDPOINT)")
         self.config = config
+        # Made with the client, in each process (see RangedStore).
+        self._pool: urllib3.PoolManager | None = None
+        self._provider: Provider | None = None
 
     @property
     def endpoint(self) -> str:
@@ -69,19 +81,50 @@ class MinioStore(RangedStore):
             retries=retries,
         )
         # Without keys, an AWS profile's (AWS_PROFILE, the credentials file), as boto3 would.
-        profile = None
-        if c.access_key is None and (c.profile or c.credentials_file):
-            profile = AWSConfigProvider(filename=c.credentials_file, profile=c.profile or "default")
-        return Minio(
-            parts.netloc,
-            access_key=c.access_key,
-            secret_key=c.secret_key,
-            session_token=c.session_token,
-            secure=parts.scheme == "https",
-            region=c.region,
-            http_client=http,
-            credentials=profile,
-        )
+        provider: Provider | None = None
+        if c.access_key is not None and c.secret_key is not None:
+            provider = StaticProvider(c.access_key, c.secret_key, c.session_token)
+        elif c.profile or c.credentials_file:
+            provider = AWSConfigProvider(filename=c.credentials_file, profile=c.profile or "default")
+        self._pool, self._provider = http, provider
+        return Minio(parts.netloc, secure=parts.scheme == "https", region=c.region, http_client=http,
+                     credentials=provider)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**super().__getstate__(), "_pool": None, "_provider": None}
+
+    def _signed(self, method: str, bucket: str, key: str | None, *, query: dict[str, str] | None = None,
+                body: bytes | None = None, headers: dict[str, str] | None = None) -> urllib3.BaseHTTPResponse:
+        """Send a request minio 7.2 has no public call for, on a URL presigned by its public
+        API, through this store's connection pool (see the module's docstring). An S3 error
+        is raised as minio's ``S3Error``, whatever the status (CompleteMultipartUpload can
+        fail with 200)."""
+        client = self._sdk()  # this process's client, pool and credentials
+        assert self._pool is not None
+        if key is not None:
+            url = client.get_presigned_url(method, bucket, key, expires=_PRESIGNED_FOR, extra_query_params=query)
+        else:
+            url = self._presign_bucket(method, bucket, query or {})
+        response = self._pool.request(method, url, body=body, headers=headers)
+        data = response.data
+        if response.status >= 300 or b"<Error>" in data[:256]:
+            if data.lstrip()[:1] == b"<":
+                raise S3Error.fromxml(response)
+            raise ServerError(f"{method} answered HTTP {response.status}", response.status)
+        return response
+
+    def _presign_bucket(self, method: str, bucket: str, query: dict[str, str]) -> str:
+        """A presigned URL of the bucket itself (``get_presigned_url`` wants an object)."""
+        parts = urlsplit(self.config.endpoint_url or "")
+        url = parts._replace(path=quote(f"/{bucket}"), query=urlencode(query), fragment="")
+        credentials = self._provider.retrieve() if self._provider is not None else None
+        if credentials is None:
+            return urlunsplit(url)
+        if credentials.session_token:
+            url = url._replace(query=urlencode({**query, "X-Amz-Security-Token": credentials.session_token}))
+        signed = presign_v4(method=method, url=url, region=self.config.region, credentials=credentials,
+                            date=datetime.now(timezone.utc), expires=int(_PRESIGNED_FOR.total_seconds()))
+        return urlunsplit(signed)
 
     @contextmanager
     def _errors(self, operation: str, bucket: str | None = None, key: str | None = None) -> Iterator[None]:
@@ -146,7 +189,7 @@ class MinioStore(RangedStore):
             headers["If-Match"] = if_match
         with self._errors("PUT", bucket, key):
             if headers:  # the one thing put_object cannot send
-                self._sdk()._put_object(bucket, key, bytes(data), headers)
+                self._signed("PUT", bucket, key, body=bytes(data), headers=headers)
             else:
                 payload = bytes(data)
                 self._sdk().put_object(bucket, key, io.BytesIO(payload), len(payload))
@@ -167,14 +210,14 @@ class MinioStore(RangedStore):
     def abort_uploads(self, bucket: str, prefix: str = "") -> int:
         count = 0
         with self._errors("abort multipart uploads", bucket, prefix or None):
-            client = self._sdk()
             # Aborted uploads leave the listing, so list again until it is empty.
             for _ in range(_MAX_ABORT_ROUNDS):
-                uploads = client._list_multipart_uploads(bucket, prefix=prefix).uploads
+                listing = self._signed("GET", bucket, None, query={"uploads": "", "prefix": prefix}).data
+                uploads = list(zip(_xml(listing, "Key"), _xml(listing, "UploadId")))
                 if not uploads:
                     break
-                for upload in uploads:
-                    client._abort_multipart_upload(bucket, upload.object_name, upload.upload_id)
+                for key, upload_id in uploads:
+                    self._signed("DELETE", bucket, key, query={"uploadId": upload_id})
                     count += 1
         return count
 
@@ -187,8 +230,8 @@ class MinioStore(RangedStore):
                 raise
 
     def close(self) -> None:
-        if self._sdk_client is not None:
-            self._sdk_client._http.clear()
+        if self._pool is not None:
+            self._pool.clear()
         super().close()
 
 
@@ -197,24 +240,32 @@ class _MinioWriter(ObjectWriter):
         super().__init__(bucket, key, part_size)
         self._store = store
         self._upload_id = ""
-        self._etags: list[Part] = []
+        self._etags: list[tuple[int, str]] = []
 
     def _put_whole(self, data: bytes) -> None:
         self._store.put(self.bucket, self.key, data)
 
     def _start(self) -> None:
         with self._store._errors("create multipart upload", self.bucket, self.key):
-            self._upload_id = self._store._sdk()._create_multipart_upload(self.bucket, self.key, {})
+            created = self._store._signed("POST", self.bucket, self.key, query={"uploads": ""})
+            (self._upload_id,) = _xml(created.data, "UploadId")
 
     def _upload_part(self, number: int, part: bytes) -> None:
         with self._store._errors("upload part", self.bucket, self.key):
-            etag = self._store._sdk()._upload_part(self.bucket, self.key, part, None, self._upload_id, number)
-        self._etags.append(Part(number, etag))
+            sent = self._store._signed("PUT", self.bucket, self.key, body=part,
+                                       query={"partNumber": str(number), "uploadId": self._upload_id})
+        self._etags.append((number, sent.headers.get("ETag", "")))
 
     def _complete(self) -> None:
+        root = ElementTree.Element("CompleteMultipartUpload")
+        for number, etag in self._etags:
+            element = ElementTree.SubElement(root, "Part")
+            ElementTree.SubElement(element, "PartNumber").text = str(number)
+            ElementTree.SubElement(element, "ETag").text = etag
         with self._store._errors("complete multipart upload", self.bucket, self.key):
-            self._store._sdk()._complete_multipart_upload(self.bucket, self.key, self._upload_id, self._etags)
+            self._store._signed("POST", self.bucket, self.key, query={"uploadId": self._upload_id},
+                                body=ElementTree.tostring(root), headers={"Content-Type": "application/xml"})
 
     def _abort_upload(self) -> None:
         with self._store._errors("abort multipart upload", self.bucket, self.key):
-            self._store._sdk()._abort_multipart_upload(self.bucket, self.key, self._upload_id)
+            self._store._signed("DELETE", self.bucket, self.key, query={"uploadId": self._upload_id})
