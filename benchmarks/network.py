@@ -38,7 +38,8 @@ _CHILD = textwrap.dedent("""
         count += 1
         nbytes += len(sample["jpg"])
     seconds = time.perf_counter() - started
-    print(json.dumps({"samples": count, "seconds": seconds, "first": first, "mb": nbytes / 1e6}))
+    print(json.dumps({"samples": count, "seconds": seconds, "first": first, "mb": nbytes / 1e6,
+                      "gets": ds.metrics.gets_in_flight, "buffered": ds.metrics.peak_buffered / 2**20}))
 """)
 
 
@@ -58,14 +59,20 @@ def measure(profile: str, server: EmbeddedS3, repeats: int, fetch: dict[str, int
                                    "--profile", profile], stdout=subprocess.PIPE, text=True)
         assert shaper.stdout is not None
         endpoint = f"http://127.0.0.1:{shaper.stdout.readline().split()[1]}"
+    relay_cpu = 0.0
     try:
         runs = [_run(endpoint, server, fetch) for _ in range(repeats)]
+        if shaper is not None:  # user + system seconds the relay spent moving the bytes of every run
+            fields = Path(f"/proc/{shaper.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            relay_cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     finally:
         if shaper is not None:
             os.kill(shaper.pid, signal.SIGTERM)
             shaper.wait(30)
     return {"rate": statistics.median(r["samples"] / r["seconds"] for r in runs),
-            "first": statistics.median(r["first"] for r in runs), "samples": runs[0]["samples"]}
+            "first": statistics.median(r["first"] for r in runs), "samples": runs[0]["samples"],
+            "gets": max(r["gets"] for r in runs), "buffered": max(r["buffered"] for r in runs),
+            "relay_cpu": relay_cpu / sum(r["seconds"] for r in runs)}
 
 
 def main() -> None:
@@ -81,13 +88,15 @@ def main() -> None:
                           maxsize=64e6, workers=2, progress=False)
         print(f"{args.images} JPEGs of ~110 KB in ~64 MB shards; one process, FetchConfig({args.fetch or 'defaults'});"
               f" medians of {args.repeats}")
-        print("| profile | samples/s | vs loopback | first sample (s) |")
-        print("|---|---|---|---|")
+        print("| profile | samples/s | vs loopback | first sample (s) | GETs in flight (most) | peak prefetched MiB"
+              " | relay CPU (cores) |")
+        print("|---|---|---|---|---|---|---|")
         base = None
         for profile in args.profiles:
             result = measure(profile, server, args.repeats, fetch)
             base = base or result["rate"]
-            print(f"| {profile} | {result['rate']:,.0f} | {result['rate'] / base:.2f}x | {result['first']:.2f} |", flush=True)
+            print(f"| {profile} | {result['rate']:,.0f} | {result['rate'] / base:.2f}x | {result['first']:.2f} |"
+                  f" {result['gets']} | {result['buffered']:.0f} | {result['relay_cpu']:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

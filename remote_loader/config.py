@@ -233,16 +233,21 @@ class FetchConfig:
     The shard data a process holds at once is at most ``prefetch_bytes + (open_shards +
     2) * range_bytes`` (ranges rounded up to whole MiB): ranges being fetched, the
     ``open_shards`` ranges being read, and two free buffers kept for reuse. With the
-    defaults and ``open_shards=4``: 80 MiB. A range larger than ``prefetch_bytes`` (one
-    sample bigger than that) is fetched alone. A process's loader memory adds the shuffle
+    defaults and ``open_shards=4``: 176 MiB. The fetcher starts with 8 GETs in flight and
+    a 32 MiB budget (80 MiB in all) and reaches toward ``concurrency`` and
+    ``prefetch_bytes`` only while the reader waits for bytes and each step brings them in
+    faster: across a network, where every GET costs a round trip. A range larger than
+    ``prefetch_bytes`` (one sample bigger than that) is fetched alone. A process's loader memory adds the shuffle
     buffer's samples and, per threaded stage, ``2 x threads`` samples in flight.
 
     Attributes:
         part_size: Bytes per ranged GET; a shard is fetched as parallel parts of this size.
-        concurrency: Ranged GETs in flight at once (threads per process).
+        concurrency: The most ranged GETs in flight at once (threads per process); the
+            fetcher starts with up to 8 and adds more while they pay (see above).
         prefetch_bytes: Bound on bytes being fetched or fetched and not yet opened by the
-            reader. A single range larger than this is still fetched, alone. A worker's
-            memory for shard data is at most this plus the ``open_shards`` ranges it reads.
+            reader; the fetcher starts with up to 32 MiB of it. A single range larger than
+            this is still fetched, alone. A worker's memory for shard data is at most this
+            plus the ``open_shards`` ranges it reads.
         range_bytes: Largest range read from one shard at a time: a worker's part of a
             shard is read as consecutive ranges of about this size (whole samples), so
             memory does not grow with the shard size.
@@ -256,13 +261,13 @@ class FetchConfig:
     """
 
     part_size: int = 8 * 1024 * 1024
-    concurrency: int = 8
-    prefetch_bytes: int = 32 * 1024 * 1024
+    concurrency: int = 16
+    prefetch_bytes: int = 128 * 1024 * 1024
     range_bytes: int = 8 * 1024 * 1024
     refetch_attempts: int = 5
     retry: RetryConfig = field(default_factory=RetryConfig)
 
-    def __init__(self, part_size: int = 8 * 1024 * 1024, concurrency: int = 8, prefetch_bytes: int = 32 * 1024 * 1024,
+    def __init__(self, part_size: int = 8 * 1024 * 1024, concurrency: int = 16, prefetch_bytes: int = 128 * 1024 * 1024,
                  range_bytes: int = 8 * 1024 * 1024, refetch_attempts: int = 5, retry: RetryConfig | None = None,
                  **deprecated: float) -> None:
         unknown = set(deprecated) - {"max_attempts", *_RETRY_FIELDS}

@@ -17,9 +17,9 @@ if TYPE_CHECKING:
     import torch
 
 FIELDS = ("gets", "bytes", "retries", "wait_seconds", "user_seconds", "samples", "skipped", "peak_buffered",
-          "peak_range_memory")
+          "peak_range_memory", "gets_in_flight")
 _INDEX = {name: i for i, name in enumerate(FIELDS)}
-_PEAKS = ("peak_buffered", "peak_range_memory")
+_PEAKS = ("peak_buffered", "peak_range_memory", "gets_in_flight")
 _FLOATS = ("wait_seconds", "user_seconds")
 
 
@@ -38,6 +38,8 @@ class Metrics:
             to the reader (bounded by ``FetchConfig.prefetch_bytes``).
         peak_range_memory: Most bytes of range buffers alive at once: in flight, being
             read, or kept for reuse (see ``FetchConfig`` for the bound).
+        gets_in_flight: The most ranged GETs the fetcher let run at once: it starts low
+            and reaches further while the consumer waits for bytes (``Prefetcher``).
 
     Peaks are per process; summed over workers they are the most any one held.
     """

@@ -8,8 +8,11 @@ import time
 
 import pytest
 
-from remote_loader import FetchConfig, LocalStore, TransientStorageError
+from remote_loader import FetchConfig, LocalStore, RemoteDataset, TransientStorageError, make_client
 from remote_loader.read import Fetched, Job, Metrics, Prefetcher, RetryPolicy
+from remote_loader.testing.synthetic import SyntheticImages
+from tests.faultproxy import FaultProxy
+from tests.helpers import upload_to_new_bucket
 
 
 def test_wait_returns_for_arrived_parts_and_raises_only_for_a_failed_one():
@@ -116,3 +119,22 @@ def test_close_returns_within_a_second_while_a_request_hangs(tmp_path):
     while ours() and time.monotonic() < deadline:
         time.sleep(0.05)  # polling for the released threads to end, not synchronising on time
     assert not ours()
+
+
+def test_the_fetcher_reaches_further_when_every_get_costs_a_round_trip(seaweed):
+    # Each GET waits 30 ms at a proxy before the server answers, as across a network: with
+    # the first 8 GETs in flight the reader waits for bytes, so the fetcher lets more run.
+    store = seaweed.client()
+    upload_to_new_bucket(store, "fetch-latency", "d", SyntheticImages(400), maxcount=100)
+    proxy = FaultProxy(seaweed.endpoint_url, {"delay": 1.0}, delay=0.03)
+    try:
+        client = make_client(proxy.endpoint_url, seaweed.access_key, seaweed.secret_key)
+        fetch = FetchConfig(part_size=128 << 10, range_bytes=1 << 20, concurrency=32, prefetch_bytes=16 << 20)
+        dataset = RemoteDataset(client, "fetch-latency", "d", fetch=fetch)
+        keys = [sample["__key__"] for sample in dataset]
+        client.close()
+    finally:
+        proxy.close()
+        store.close()
+    assert len(keys) == len(set(keys)) == 400
+    assert 8 < dataset.metrics.gets_in_flight <= 32
