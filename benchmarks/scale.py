@@ -37,7 +37,7 @@ from remote_loader.testing.server import EmbeddedS3
 PER_SHARD = 1000
 BUCKET = "scale"
 RUN = "5ca1ab1e"
-AHEAD = 48  # shards each worker may fetch ahead of its first batch (32 MiB of 1 MB shards, and more)
+AHEAD = 160  # shards each worker may fetch ahead of its first batch (the 128 MiB budget of 1 MB shards, and more)
 RANDOM = 40
 
 _COMMON = textwrap.dedent("""
@@ -84,15 +84,30 @@ _CHILD = _COMMON + textwrap.dedent("""
         seconds = time.perf_counter() - t0
         print(json.dumps({"seconds": seconds, "rss_mb": memory()["rss"] - before["rss"], "samples": n}))
     elif mode == "first-batch":
+        from remote_loader import FetchConfig
         workers, rank, world = int(args[0]), int(args[1]), int(args[2])
+        fetch, bufsize = json.loads(args[3]) if len(args) > 3 else {}, int(args[4]) if len(args) > 4 else 1000
         t0 = time.perf_counter()
-        ds = RemoteDataset(client, "scale", prefix, rank=rank, world_size=world).shuffle(1000).batched(64, collation_fn=len)
-        loader = DataLoader(ds, batch_size=None, num_workers=workers)
+        if fetch.get("bare"):  # a DataLoader worker that only forks and hands out ints: the floor
+            class Bare(torch.utils.data.IterableDataset):
+                def __iter__(self):
+                    for i in range(10**6):
+                        yield list(range(64)) if i % 64 == 0 else None
+            loader = DataLoader(Bare(), batch_size=None, num_workers=workers, collate_fn=lambda b: len(b))
+        else:
+            ds = (RemoteDataset(client, "scale", prefix, rank=rank, world_size=world, fetch=FetchConfig(**fetch))
+                  .shuffle(bufsize).batched(64, collation_fn=len))
+            loader = DataLoader(ds, batch_size=None, num_workers=workers)
         batches = iter(loader)
         assert next(batches) == 64
         seconds = time.perf_counter() - t0
-        pids = children()
-        print(json.dumps({"seconds": seconds, "main": memory(), "workers": [memory(p) for p in pids]}))
+        workers = []
+        for pid in children():
+            try:
+                workers.append(memory(pid))
+            except OSError:  # a helper process that ended meanwhile
+                pass
+        print(json.dumps({"seconds": seconds, "main": memory(), "workers": workers}))
         del batches
     elif mode == "random":
         ds = RemoteMapDataset(client, "scale", prefix, cache_shards=len(args) + 1)
@@ -177,6 +192,13 @@ def main() -> None:
             row["first_batch"] = median("first-batch", 2, 0, 1)
             row["random"] = median("random", *samples)
             if count == max(args.sizes):
+                # Where a worker's private memory goes: the same first batch without the
+                # prefetch budget (1 MiB ranges, one GET), then also without the shuffle buffer.
+                lean = json.dumps({"prefetch_bytes": 1 << 20, "range_bytes": 1 << 20, "part_size": 1 << 20,
+                                   "concurrency": 1})
+                row["breakdown"] = {"bare": median("first-batch", 2, 0, 1, json.dumps({"bare": 1})),
+                                    "lean": median("first-batch", 2, 0, 1, lean),
+                                    "lean_small_buffer": median("first-batch", 2, 0, 1, lean, 64)}
                 row["one_process"] = median("first-batch", 0, 0, 2)
                 row["ranks"] = [median("first-batch", 4, rank, 2) for rank in (0, 1)]
             results[str(count)] = row
@@ -205,6 +227,13 @@ def report(results: dict[str, Any]) -> str:
             f"| {row['random']['cold_ms']:.1f} / {row['random']['warm_ms']:.1f} ms |"
         )
     largest = results[max(results, key=int)]
+    if "breakdown" in largest:
+        parts = {"default": largest["first_batch"], **largest["breakdown"]}
+        uss = {name: statistics.mean(w["uss"] for w in run["workers"]) for name, run in parts.items()}
+        lines.append("")
+        lines.append(f"Worker USS at the first batch, largest size: {uss['default']:.0f} MB; with 1 MiB ranges and one GET"
+                     f" {uss['lean']:.0f} MB; and a 64-sample shuffle buffer {uss['lean_small_buffer']:.0f} MB; a bare"
+                     f" forked worker handing out ints {uss['bare']:.0f} MB")
     if "ranks" in largest:
         one = largest["one_process"]["main"]["pss"]
         ranks = largest["ranks"]
