@@ -43,7 +43,9 @@ $(BENCH_STAMP): $(STAMP) benchmarks/requirements.txt
 	$(BIN)/python -m pip install --quiet --no-deps $(PEERS)
 	touch $(BENCH_STAMP)
 
-# The peer benchmark (not part of `make test`): about 30 minutes on 2 cores.
+# The peer benchmark (not part of `make test`): about 2 hours on 2 cores, every system at 0, 2 and 4
+# workers on each server, directly and through the network shaper's two profiles;
+# BENCH_ARGS='--profiles loopback --workers 0 2' gives the half-hour run.
 bench: $(BENCH_STAMP)
 	$(BIN)/python benchmarks/suite/run.py $(BENCH_ARGS)
 

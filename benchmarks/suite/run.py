@@ -3,16 +3,19 @@
     make bench                                   # everything, default settings
     python benchmarks/suite/run.py --images 1000 --repeats 3 --servers localbucket
     python benchmarks/suite/run.py --endpoint http://127.0.0.1:9000   # any S3 server (AWS_* credentials)
+    python benchmarks/suite/run.py --servers seaweedfs --profiles loopback s3-same-region --workers 0 2 4
 
 Builds the JPEG dataset (``data.py``), converts it with each system's own writer (E),
-then measures each system on each server, ``--repeats`` times in alternation, each run a
-fresh process, each system at each of ``--workers`` DataLoader worker counts (0 and 2) and
-compared at its better one, set up as its own documentation shows (``systems.configuration``,
-recorded in the results): A (bytes only, one shuffled epoch), B (Pillow decode + augment,
-batches of 64; remote_loader runs it as a user transform on threads) and remote_loader's
-fused path, C (time to first batch) and the steady-state rate after it, D (peak RSS of the
-process tree, sampled every 50 ms). It also measures this machine's limits (GET
-throughput, Pillow decode + augment from local files) and remote_loader's scaling.
+then measures each system on each server, directly and through ``benchmarks/shaper.py``
+under each of ``--profiles`` (a network's latency and per-connection bandwidth),
+``--repeats`` times in alternation, each run a fresh process, each system at each of
+``--workers`` DataLoader worker counts (0, 2 and 4) and compared at its best one, set up as
+its own documentation shows (``systems.configuration``, recorded in the results): A (bytes
+only, one shuffled epoch), B (Pillow decode + augment, batches of 64; remote_loader runs it
+as a user transform on threads) and remote_loader's fused path, C (time to first batch)
+and the steady-state rate after it, D (peak RSS of the process tree, sampled every 50 ms).
+It also measures this machine's limits (GET throughput, Pillow decode + augment from local
+files) and remote_loader's scaling.
 Writes ``results.json``, ``results.md`` and ``results.png`` to ``--out``.
 """
 
@@ -160,13 +163,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images", type=int, default=4000, help="dataset size (mean ~110 KB per JPEG)")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--workers", type=int, nargs="+", default=[0, 2],
-                        help="DataLoader worker counts; each system is compared at its better one")
+    parser.add_argument("--workers", type=int, nargs="+", default=[0, 2, 4],
+                        help="DataLoader worker counts; each system is compared at its best one")
     parser.add_argument("--servers", nargs="+", default=["seaweedfs", "localbucket"],
                         choices=["seaweedfs", "localbucket"])
     parser.add_argument("--endpoint", help="measure on this S3 endpoint instead (credentials from AWS_*)")
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
+    parser.add_argument("--profiles", nargs="+", default=["loopback", "s3-same-region", "s3-cross-region"],
+                        help="network profiles of benchmarks/shaper.py to measure through (loopback: directly)")
     parser.add_argument("--no-scaling", action="store_true", help="skip remote_loader's scaling runs")
     parser.add_argument("--no-limits", action="store_true", help="skip the machine-limit measurements")
     parser.add_argument("--data", type=Path, default=Path(tempfile.gettempdir()) / "remote-loader-bench-data")
@@ -194,6 +199,14 @@ def main() -> None:
                 continue
             print(f"server {name}", flush=True)
             with start() as (target, pid):
+                for profile in [p for p in args.profiles if p != "loopback"]:  # each through the relay
+                    with servers.shaped(target, profile) as through:
+                        label = f"{name} via {profile}"
+                        print(f"server {label}", flush=True)
+                        results["servers"][label] = {
+                            "systems": bench_server(label, through, items_file, len(items), args)}
+                if "loopback" not in args.profiles:
+                    continue
                 server: dict[str, Any] = {"systems": bench_server(name, target, items_file, len(items), args)}
                 if not args.no_limits:
                     server["get_limits"] = limits.get_throughput(target, "remote_loader-0", mean_kb * 1e3)

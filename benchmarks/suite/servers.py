@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import signal
@@ -70,3 +71,22 @@ def external(endpoint: str) -> Iterator[tuple[Target, int | None]]:
     except client.exceptions.BucketAlreadyOwnedByYou:
         pass
     yield target, None
+
+
+SHAPER = Path(__file__).resolve().parents[1] / "shaper.py"
+
+
+@contextmanager
+def shaped(target: Target, profile: str) -> Iterator[Target]:
+    """``target`` seen through ``benchmarks/shaper.py`` under ``profile`` (latency and a
+    per-connection bandwidth cap); the relay is stopped by its PID."""
+    upstream = target.endpoint.removeprefix("http://")
+    relay = subprocess.Popen([sys.executable, str(SHAPER), "--upstream", upstream, "--profile", profile],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert relay.stdout is not None
+        port = relay.stdout.readline().split()[1]  # the relay says where it listens once it does
+        yield dataclasses.replace(target, endpoint=f"http://127.0.0.1:{port}")
+    finally:
+        os.kill(relay.pid, signal.SIGTERM)
+        relay.wait(timeout=30)
