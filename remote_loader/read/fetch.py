@@ -20,6 +20,7 @@ from typing import Generic, TypeVar
 import numpy as np
 
 from remote_loader.read.metrics import Metrics
+from remote_loader.read.reach import Reach
 from remote_loader.read.retry import Cancelled, RetryPolicy
 
 T = TypeVar("T")
@@ -27,12 +28,6 @@ C = TypeVar("C")  # what a job says about its range, handed unread to the consum
 
 _POLL = 0.5  # longest single wait: every wait re-checks whether the fetcher failed or closed
 _CLOSE_WITHIN = 1.0  # close() waits this long for threads; one stuck in a GET is left to its timeout
-_START_GETS = 8  # GETs in flight at first (at most ``concurrency``)
-_START_BYTES = 32 * 1024 * 1024  # budget at first (at most ``prefetch_bytes``)
-_WINDOW = 0.25  # seconds between looks at how long the consumer waited for bytes
-_STARVED = 0.05  # the share of a window spent waiting that makes the fetcher reach further
-_GROWTH = 2.0
-_PAYS = 1.1  # growing goes on while each step brings bytes in at least this much faster
 
 
 def fetch_range(policy: RetryPolicy, bucket: str, key: str, start: int, end: int) -> bytes:
@@ -173,15 +168,10 @@ class Prefetcher(Generic[C]):
     ranges not yet handed out; a range leaves it when the iterator hands it to the
     consumer, who then owns that memory.
 
-    How far it reaches adapts to the store: it starts with up to 8 GETs in flight and a
-    32 MiB budget (less if ``config`` says less), and after every two quarters of a second
-    in which the consumer spent more than 5% of its time waiting for bytes while the
-    fetcher was held back by either limit, it doubles both, up to ``config.concurrency`` and
-    ``config.prefetch_bytes``, for as long as each step brings bytes in at least 10%
-    faster. Across a network each GET costs a round trip, and the limits grow until
-    enough are in flight to cover it (the bandwidth-delay product); on a nearby store
-    that is busy, more GETs bring nothing and the limits stay. ``metrics.gets_in_flight``
-    keeps the highest GET limit reached.
+    How far it reaches adapts to the store (``reach.py``): it starts with up to 8 GETs in
+    flight and a 32 MiB budget and raises both, up to ``config.concurrency`` and
+    ``config.prefetch_bytes``, while the consumer waits for bytes and each step brings
+    them in faster. ``metrics.gets_in_flight`` keeps the highest GET limit reached.
 
     Every request goes through ``policy.store`` (retried up to its outage deadline). An exception
     in any background thread reaches the consumer, in job order where it belongs to a job.
@@ -205,16 +195,9 @@ class Prefetcher(Generic[C]):
         self._seq = 0
         self._submitted = 0  # ranges queued so far
         self._active = 0  # GETs under way
-        self._limit_gets = min(_START_GETS, self.config.concurrency)
-        self._limit_bytes = min(_START_BYTES, self.config.prefetch_bytes)
+        self._reach = Reach(self.config.concurrency, self.config.prefetch_bytes)
         self._budget_blocked = False  # the scheduler waits for budget
-        # Each window: (start, the consumer's wait seconds and the bytes received then), from the first hand-out.
-        self._window: tuple[float, float, int] | None = None
-        self._rate = 0.0  # bytes per second received in the last window
-        self._grown = False  # the limits grew at the end of the last window
-        self._starved = False  # the reader waited while a limit held the fetcher back, in the last window
-        self._settled = False  # growing stopped paying: the limits stay
-        self.metrics.peak("gets_in_flight", self._limit_gets)
+        self.metrics.peak("gets_in_flight", self._reach.gets)
         self._getters = [threading.Thread(target=self._get, name=f"remote-loader-get-{i}", daemon=True)
                          for i in range(self.config.concurrency)]
         for getter in self._getters:
@@ -232,7 +215,7 @@ class Prefetcher(Generic[C]):
     def _reserve(self, size: int) -> bool:
         with self._cond:
             # A range larger than the whole budget is fetched alone rather than never.
-            while not self._closed and self._held and self._held + size > self._limit_bytes:
+            while not self._closed and self._held and self._held + size > self._reach.bytes:
                 self._budget_blocked = True
                 self._cond.wait()
             self._budget_blocked = False
@@ -318,7 +301,7 @@ class Prefetcher(Generic[C]):
         try:
             while True:
                 with self._cond:
-                    while not self._closed and (not self._parts or self._active >= self._limit_gets):
+                    while not self._closed and (not self._parts or self._active >= self._reach.gets):
                         self._cond.wait()
                     if self._closed:
                         return
@@ -335,33 +318,10 @@ class Prefetcher(Generic[C]):
             self._fail(exc)
 
     def _adapt(self) -> None:
-        """Reach further if, in the window that just ended, the consumer waited for bytes
-        while a limit held the fetcher back; stop once reaching further did not bring
-        bytes in faster (called with the lock held)."""
-        if self._window is None or self._settled:
-            return
-        now = time.monotonic()
-        started, waited_before, received_before = self._window
-        if now - started < _WINDOW:
-            return
-        waited, received = self.metrics.wait_seconds, self.metrics.bytes
-        self._window = (now, waited, received)
-        rate, before = (received - received_before) / (now - started), self._rate
-        self._rate = rate
-        if self._grown:
-            self._grown = False
-            if rate < _PAYS * before:  # the store, not the latency, is the limit: stay here
-                self._settled = True
-                return
-        held_back = (bool(self._parts) and self._active >= self._limit_gets) or self._budget_blocked
-        starved = waited - waited_before >= _STARVED * (now - started) and held_back
-        self._starved, previous = starved, self._starved
-        if not (starved and previous):  # two windows running: a stall at the start or a slow GET is no sign
-            return
-        self._starved, self._grown = False, True
-        self._limit_gets = min(self.config.concurrency, int(self._limit_gets * _GROWTH))
-        self._limit_bytes = min(self.config.prefetch_bytes, int(self._limit_bytes * _GROWTH))
-        self.metrics.peak("gets_in_flight", self._limit_gets)
+        """Let the reach look at the window that may have ended (called with the lock held)."""
+        held_back = (bool(self._parts) and self._active >= self._reach.gets) or self._budget_blocked
+        if self._reach.look(time.monotonic(), self.metrics.wait_seconds, self.metrics.bytes, held_back):
+            self.metrics.peak("gets_in_flight", self._reach.gets)
 
     def _fetch_part(self, fetched: Fetched[C], number: int, start: int, end: int) -> None:
         try:
@@ -388,8 +348,8 @@ class Prefetcher(Generic[C]):
                 self.metrics.add(wait_seconds=time.perf_counter() - waited)
                 if slot.fetched is not None:
                     self._release(slot.fetched.end - slot.fetched.start)
-                if self._window is None:  # waiting for the very first bytes is not a sign of a slow store
-                    self._window = (time.monotonic(), self.metrics.wait_seconds, self.metrics.bytes)
+                with self._cond:
+                    self._reach.start(time.monotonic(), self.metrics.wait_seconds, self.metrics.bytes)
                 if slot.error is not None:
                     raise slot.error
                 assert slot.fetched is not None
