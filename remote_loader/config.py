@@ -236,7 +236,9 @@ class FetchConfig:
     defaults and ``open_shards=4``: 176 MiB. The fetcher starts with 8 GETs in flight and
     a 32 MiB budget (80 MiB in all) and reaches toward ``concurrency`` and
     ``prefetch_bytes`` only while the reader waits for bytes and each step brings them in
-    faster: across a network, where every GET costs a round trip. A range larger than
+    faster: across a network, where every GET costs a round trip. At the start of an
+    epoch the first MiB of the first four shards is fetched while their indexes arrive
+    (4 MiB more, until copied into their ranges). A range larger than
     ``prefetch_bytes`` (one sample bigger than that) is fetched alone. A process's loader memory adds the shuffle
     buffer's samples and, per threaded stage, ``2 x threads`` samples in flight.
 

@@ -74,7 +74,9 @@ def span_jobs(reader: DatasetReader, spans: Iterable[Span], policy: RetryPolicy,
         if replay is not None and replay.placeholders and not replay.any_live(s.position, s.position + len(s)):
             yield Job(key, partial(_replayed, s, replay.skipped_at_open(s.position)))
         else:
-            yield Job(key, partial(locate_span, cache, s.shard, s.start, s.end, on_error))
+            # A shard's first sample lies just past its start: fetch from there while its index arrives.
+            head = (0, int(shards.size[s.shard])) if s.start == 0 else None
+            yield Job(key, partial(locate_span, cache, s.shard, s.start, s.end, on_error), head)
 
 
 def tar_jobs(reader: DatasetReader, tars: Sequence[tuple[str, int]]) -> list[Job[RangePlan]]:

@@ -19,7 +19,7 @@ from typing import Generic, TypeVar
 
 import numpy as np
 
-from remote_loader.read.metrics import Metrics
+from remote_loader.read.buffers import Buffers, in_daemon_thread
 from remote_loader.read.reach import Reach
 from remote_loader.read.retry import Cancelled, RetryPolicy
 
@@ -48,10 +48,16 @@ def fetch_range_into(policy: RetryPolicy, bucket: str, key: str, start: int, end
 @dataclass
 class Job(Generic[C]):
     """One object to fetch part of; ``locate()`` returns ``(start, end, context)``, the
-    byte range and what the consumer needs to read it (the fetcher never looks inside)."""
+    byte range and what the consumer needs to read it (the fetcher never looks inside).
+
+    ``head``, when given, is ``(offset, size)``: the range starts at ``offset`` or a little
+    after it, in an object of ``size`` bytes. The first ranges then fetch their first bytes
+    while ``locate()`` is still running (an index GET), saving a round trip.
+    """
 
     key: str
     locate: Callable[[], tuple[int, int, C]]
+    head: tuple[int, int] | None = None
 
 
 @dataclass
@@ -94,40 +100,8 @@ class Fetched(Generic[C]):
 
 _LOCATE_AHEAD = 4  # ranges located (index GETs) ahead of the one being queued
 _FIRST_PART = 1 << 20  # the first part of a range is small: its samples are needed first
-_ROUND = 1 << 20  # range buffers are allocated in MiB steps, so they fit later ranges
-_KEEP_BUFFERS = 2  # free range buffers kept for reuse; more would be idle memory
-
-
-class _Buffers:
-    """Range buffers kept for reuse: fresh memory costs a page fault per 4 KiB on first write.
-
-    New buffers are uninitialised numpy arrays: a bytearray would be zeroed first, holding
-    the GIL; an empty array takes its page faults in the socket reads, which release it.
-    """
-
-    def __init__(self, keep: int, metrics: Metrics) -> None:
-        self.keep, self.metrics = keep, metrics
-        self._free: list[np.ndarray] = []
-        self._lock = threading.Lock()
-        self._live = 0  # bytes of buffers allocated and not dropped: in flight, being read, or kept
-
-    def take(self, size: int) -> np.ndarray:
-        with self._lock:
-            fits = [i for i, b in enumerate(self._free) if len(b) >= size]
-            if fits:
-                return self._free.pop(min(fits, key=lambda i: len(self._free[i])))
-        buffer = np.empty(-(-size // _ROUND) * _ROUND, dtype=np.uint8)
-        with self._lock:
-            self._live += len(buffer)
-            self.metrics.peak("peak_range_memory", self._live)
-        return buffer
-
-    def give(self, buffer: np.ndarray) -> None:
-        with self._lock:
-            if len(self._free) < self.keep:
-                self._free.append(buffer)
-            else:
-                self._live -= len(buffer)
+_SECOND_PART = 2 << 20  # and the first ranges' second part is not much larger
+_Head = tuple[int, int, Future[bytes]]  # bytes [start, end) of an object, fetched before their range was located
 
 
 class _Slot(Generic[C]):
@@ -136,22 +110,6 @@ class _Slot(Generic[C]):
         self.located = threading.Event()
         self.error: BaseException | None = None
         self.fetched: Fetched[C] | None = None
-
-
-def _in_daemon_thread(call: Callable[[], T]) -> Future[T]:
-    """Run ``call`` in a daemon thread of its own. Not a ThreadPoolExecutor: the interpreter
-    joins those at exit, so one stuck in a request to a hung server would delay Ctrl-C."""
-    future: Future[T] = Future()
-
-    def run() -> None:
-        if future.set_running_or_notify_cancel():
-            try:
-                future.set_result(call())
-            except BaseException as exc:
-                future.set_exception(exc)
-
-    threading.Thread(target=run, name="remote-loader-locate", daemon=True).start()
-    return future
 
 
 class FetcherClosed(Exception):
@@ -190,7 +148,7 @@ class Prefetcher(Generic[C]):
         self._held = 0
         self._closed = False
         self._failure: BaseException | None = None
-        self._buffers = _Buffers(_KEEP_BUFFERS, self.metrics)
+        self._buffers = Buffers(self.metrics)
         self._parts: list[tuple[int, int, int, int, Fetched[C]]] = []  # heap: (part number, seq, start, end, range)
         self._seq = 0
         self._submitted = 0  # ranges queued so far
@@ -243,21 +201,25 @@ class Prefetcher(Generic[C]):
             self._fail(exc)
 
     def _schedule_jobs(self) -> None:
-        # Indexes are located a few jobs ahead, in parallel: the consumer opens several ranges at once.
-        pending: deque[tuple[_Slot[C], Future[tuple[int, int, C]]]] = deque()
+        # Indexes are located a few jobs ahead, in parallel: the consumer opens several ranges
+        # at once. The first ranges' heads are fetched meanwhile, where their jobs say where they lie.
+        pending: deque[tuple[_Slot[C], Future[tuple[int, int, C]], _Head | None]] = deque()
+        taken = 0
         while True:
             while len(pending) < _LOCATE_AHEAD and not self._closed:
                 job = next(self._jobs, None)
                 if job is None:
                     break
                 slot = _Slot(job)
-                pending.append((slot, _in_daemon_thread(job.locate)))
+                early = self._fetch_head(job) if taken < _LOCATE_AHEAD else None
+                taken += 1
+                pending.append((slot, in_daemon_thread(job.locate), early))
                 with self._cond:
                     self._slots.append(slot)
                     self._cond.notify_all()
             if not pending or self._closed:
                 break
-            slot, located = pending.popleft()
+            slot, located, early = pending.popleft()
             while not wait([located], timeout=_POLL).done:
                 if self._closed:
                     return
@@ -269,29 +231,53 @@ class Prefetcher(Generic[C]):
                 return
             if not self._reserve(end - start):
                 return
-            self._submit(slot, start, end, context)
+            self._submit(slot, start, end, context, early)
         with self._cond:
             self._slots.append(None)
             self._cond.notify_all()
 
-    def _submit(self, slot: _Slot[C], start: int, end: int, context: C) -> None:
-        """Queue the parts of a located range. The first ranges start with a small part, so the
-        first samples come early; later ones use whole parts (each GET has a fixed cost)."""
-        head = min(_FIRST_PART, self.config.part_size) if self._submitted < _LOCATE_AHEAD else self.config.part_size
+    def _fetch_head(self, job: Job[C]) -> _Head | None:
+        if job.head is None:
+            return None
+        offset, stop = job.head[0], min(job.head[1], job.head[0] + _FIRST_PART)
+        return offset, stop, in_daemon_thread(partial(fetch_range, self.policy, self.bucket, job.key, offset, stop))
+
+    def _submit(self, slot: _Slot[C], start: int, end: int, context: C, early: _Head | None = None) -> None:
+        """Queue the parts of a located range. The first ranges start with small parts, so the
+        first samples come early; later ones use whole parts (each GET has a fixed cost). A
+        head fetched early (``Job.head``) is the first part when the range starts inside it."""
+        size, head = self.config.part_size, early if early is not None and early[0] <= start < early[1] else None
+        first = min(end, head[1]) if head is not None else start + min(_FIRST_PART, size)
+        if self._submitted < _LOCATE_AHEAD or head is not None:
+            bounds = [b for b in [start, first, *range(first + min(_SECOND_PART, size), end, size)] if b < end]
+        else:
+            bounds = list(range(start, end, size))
         self._submitted += 1
-        bounds = [start, *range(start + head, end, self.config.part_size)]
-        bounds = [b for b in bounds if b < end]
         backing = self._buffers.take(end - start)
         fetched = Fetched(slot.job.key, start, end, context, backing.data[: end - start], bounds,
                           [threading.Event() for _ in bounds], [None] * len(bounds),
                           partial(self._give_back, backing), self.check)
         slot.fetched = fetched
         slot.located.set()
+        if head is not None:
+            offset, _, future = head
+            future.add_done_callback(partial(self._take_head, fetched, start - offset, first - offset))
         with self._cond:
             for number, (part, stop) in enumerate(zip(bounds, [*bounds[1:], end])):
-                heapq.heappush(self._parts, (number, self._seq, part, stop, fetched))
-                self._seq += 1
+                if number or head is None:
+                    heapq.heappush(self._parts, (number, self._seq, part, stop, fetched))
+                    self._seq += 1
             self._cond.notify_all()
+
+    @staticmethod
+    def _take_head(fetched: Fetched[C], skip: int, stop: int, early: Future[bytes]) -> None:
+        """Fill a range's first part from its head fetched early (in the thread that fetched it)."""
+        try:
+            fetched.buffer[: stop - skip] = memoryview(early.result())[skip:stop]
+        except BaseException as exc:
+            fetched.errors[0] = exc
+        finally:
+            fetched.parts[0].set()
 
     def _give_back(self, backing: np.ndarray) -> None:
         if not self._closed:  # after close a stuck GET may still write into it

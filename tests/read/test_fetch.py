@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from remote_loader import FetchConfig, LocalStore, RemoteDataset, TransientStorageError, make_client
+from remote_loader import AccessDenied, FetchConfig, LocalStore, RemoteDataset, TransientStorageError, make_client
 from remote_loader.read import Fetched, Job, Metrics, Prefetcher, RetryPolicy
 from remote_loader.testing.synthetic import SyntheticImages
 from tests.faultproxy import FaultProxy
@@ -48,6 +48,66 @@ def test_prefetcher_delivers_every_range_byte_identical_in_job_order(tmp_path):
             fetched.release()
     assert got == [(key, blobs[key][start:end]) for key, start, end in spans]
     assert metrics.bytes == sum(end - start for _, start, end in spans)
+
+
+def test_the_first_ranges_fetch_their_heads_while_they_are_located(tmp_path):
+    """A job that says where its range starts (``head``) has its first bytes requested
+    before ``locate()`` returns (an index GET, across a network a round trip): ``locate``
+    here waits until its head was requested. The bytes come out the same wherever the
+    located range lies against the head: inside it, ending within it, past it."""
+    heads_requested: dict[str, threading.Event] = {}
+
+    class Recording(LocalStore):
+        def get_range(self, bucket, key, start, end):
+            if start == 0:
+                heads_requested[key].set()
+            return super().get_range(bucket, key, start, end)
+
+    store = Recording(tmp_path)
+    store.create_bucket("b")
+    sizes = {"big": 5_000_000, "small": 300_000, "tail": 3_000_000, "later": 2_000_000, "last": 100}
+    blobs = {key: os.urandom(size) for key, size in sizes.items()}
+    for key, data in blobs.items():
+        store.put("b", key, data)
+        heads_requested[key] = threading.Event()
+    spans = {"big": (512, 4_000_000), "small": (512, 1000), "tail": (2_000_000, 3_000_000),
+             "later": (0, 2_000_000), "last": (0, 100)}
+    in_time: dict[str, bool] = {}
+
+    def locate(key: str) -> tuple[int, int, None]:
+        in_time[key] = heads_requested[key].wait(5) if key in ("big", "small", "tail", "later") else True
+        return (*spans[key], None)
+
+    jobs = [Job(key, lambda k=key: locate(k), (0, sizes[key])) for key in sizes]
+    config = FetchConfig(part_size=1 << 20, concurrency=4, prefetch_bytes=16 << 20)
+    with Prefetcher("b", jobs, RetryPolicy(config, Metrics(), store)) as prefetcher:
+        got = {}
+        for fetched in prefetcher:
+            fetched.wait()
+            got[fetched.key] = bytes(fetched.buffer)
+            fetched.release()
+    assert got == {key: blobs[key][start:end] for key, (start, end) in spans.items()}
+    assert in_time == {key: True for key in sizes}
+
+
+def test_a_head_that_fails_fails_its_range_where_it_is_read(tmp_path):
+    class Refusing(LocalStore):
+        def get_range(self, bucket, key, start, end):
+            if key == "obj1":
+                raise AccessDenied("access denied to obj1", bucket=bucket, key=key)
+            return super().get_range(bucket, key, start, end)
+
+    store = Refusing(tmp_path)
+    _store(tmp_path)
+    jobs = [Job(f"obj{i}", lambda: (10, 1000, None), (0, 100_000)) for i in range(3)]
+    with Prefetcher("b", jobs, RetryPolicy(FetchConfig(), Metrics(), store)) as prefetcher:
+        ranges = iter(prefetcher)
+        first = next(ranges)
+        first.wait()
+        first.release()
+        second = next(ranges)
+        with pytest.raises(AccessDenied, match="obj1"):
+            second.wait()
 
 
 def _store(tmp_path, objects: int = 3, size: int = 100_000) -> LocalStore:

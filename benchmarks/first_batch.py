@@ -1,0 +1,123 @@
+"""The first batch, request by request: one process (no DataLoader workers) opens a dataset
+and takes its first batch, directly (loopback) and through ``shaper.py`` under each of its
+profiles. For every request sent before the first batch it prints when it was sent and when
+its response headers arrived, and counts the round trips on the critical path: the chain of
+requests each of which was sent only after the one before it had answered (through the
+relay only: on loopback answers come before the next request is ready, so every request
+would look dependent).
+
+    python benchmarks/first_batch.py [--images 2000] [--repeats 3] [--batch 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from remote_loader import upload_cv_dataset
+from remote_loader.testing.server import EmbeddedS3
+from remote_loader.testing.synthetic import SyntheticImages
+
+SHAPER = Path(__file__).with_name("shaper.py")
+
+# botocore's events mark when a request leaves (before-send) and when its response headers
+# are back (after-call); a GET's body arrives after that.
+_CHILD = textwrap.dedent("""
+    import json, sys, threading, time
+    from remote_loader import RemoteDataset, make_client
+    endpoint, key, secret, batch = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    requests, current = [], threading.local()  # a thread sends one request at a time
+    def sent(request, **_):
+        current.request = {"what": request.method + " " + request.url.rsplit("/", 1)[-1].split("?")[0]
+                           + (" " + request.headers["Range"].decode() if "Range" in request.headers else ""),
+                           "sent": time.perf_counter() - started, "answered": None}
+        requests.append(current.request)
+    def answered(**_):
+        current.request["answered"] = time.perf_counter() - started
+    started = time.perf_counter()
+    client = make_client(endpoint, key, secret)
+    events = client._sdk().meta.events
+    events.register("before-send.s3", sent)
+    events.register("after-call.s3", answered)
+    started = time.perf_counter()
+    ds = RemoteDataset(client, "net", "d", seed=1).batched(batch, collation_fn=list)
+    batches = iter(ds)  # kept: dropping it closes the pipeline, which this must not time
+    first = next(batches)
+    seconds = time.perf_counter() - started
+    assert len(first) == batch
+    print(json.dumps({"seconds": seconds, "requests": [r for r in requests if r["sent"] < seconds]}))
+""")
+
+
+def round_trips(requests: list[dict]) -> int:
+    """The longest chain of requests each sent after the previous one answered."""
+    depth: list[int] = []
+    for r in requests:
+        before = [d for other, d in zip(requests, depth) if other["answered"] is not None and other["answered"] <= r["sent"]]
+        depth.append(1 + max(before, default=0))
+    answered = [d for r, d in zip(requests, depth) if r["answered"] is not None]
+    return max(answered, default=0)
+
+
+def _run(endpoint: str, server: EmbeddedS3, batch: int) -> dict:
+    done = subprocess.run([sys.executable, "-c", _CHILD, endpoint, server.access_key, server.secret_key, str(batch)],
+                          capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        raise RuntimeError(done.stderr[-2000:])
+    return json.loads(done.stdout)
+
+
+def measure(profile: str, server: EmbeddedS3, repeats: int, batch: int) -> list[dict]:
+    shaper = None
+    endpoint = server.endpoint_url
+    if profile != "loopback":
+        shaper = subprocess.Popen([sys.executable, str(SHAPER), "--upstream", f"127.0.0.1:{server.port}",
+                                   "--profile", profile], stdout=subprocess.PIPE, text=True)
+        assert shaper.stdout is not None
+        endpoint = f"http://127.0.0.1:{shaper.stdout.readline().split()[1]}"
+    try:
+        return [_run(endpoint, server, batch) for _ in range(repeats)]
+    finally:
+        if shaper is not None:
+            os.kill(shaper.pid, signal.SIGTERM)
+            shaper.wait(30)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--images", type=int, default=2000)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--profiles", nargs="+", default=["loopback", "s3-same-region", "s3-cross-region"])
+    args = parser.parse_args()
+    with EmbeddedS3(buckets=["net"]) as server:
+        upload_cv_dataset(SyntheticImages(args.images), client=server.client(), bucket="net", base_folder="d",
+                          maxsize=64e6, workers=2, progress=False)
+        print(f"{args.images} JPEGs of ~110 KB in ~64 MB shards; one process, defaults; first batch of {args.batch};"
+              f" medians of {args.repeats}")
+        rows = []
+        for profile in args.profiles:
+            runs = measure(profile, server, args.repeats, args.batch)
+            median = sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]
+            trips = "-" if profile == "loopback" else round_trips(median["requests"])
+            print(f"\n{profile}: first batch {median['seconds']:.3f} s, {trips} round trips,"
+                  f" {len(median['requests'])} requests (the median run):")
+            for r in median["requests"]:
+                answered = "-" if r["answered"] is None else f"{r['answered'] * 1000:7.1f}"
+                print(f"  sent {r['sent'] * 1000:7.1f} ms  answered {answered} ms  {r['what']}")
+            rows.append((profile, statistics.median(r["seconds"] for r in runs),
+                         "-" if profile == "loopback" else f"{statistics.median(round_trips(r['requests']) for r in runs):.0f}"))
+        print("\n| profile | first batch (s) | round trips |\n|---|---|---|")
+        for profile, seconds, trips in rows:
+            print(f"| {profile} | {seconds:.3f} | {trips} |")
+
+
+if __name__ == "__main__":
+    main()

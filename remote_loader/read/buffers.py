@@ -1,0 +1,66 @@
+"""Memory and threads of the prefetcher: range buffers kept for reuse, and daemon threads
+that a hung request cannot hold the interpreter's exit on."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import TypeVar
+
+import numpy as np
+
+from remote_loader.read.metrics import Metrics
+
+T = TypeVar("T")
+
+_ROUND = 1 << 20  # range buffers are allocated in MiB steps, so they fit later ranges
+_KEEP_BUFFERS = 2  # free range buffers kept for reuse; more would be idle memory
+
+
+class Buffers:
+    """Range buffers kept for reuse: fresh memory costs a page fault per 4 KiB on first write.
+
+    New buffers are uninitialised numpy arrays: a bytearray would be zeroed first, holding
+    the GIL; an empty array takes its page faults in the socket reads, which release it.
+    """
+
+    def __init__(self, metrics: Metrics, keep: int = _KEEP_BUFFERS) -> None:
+        self.keep, self.metrics = keep, metrics
+        self._free: list[np.ndarray] = []
+        self._lock = threading.Lock()
+        self._live = 0  # bytes of buffers allocated and not dropped: in flight, being read, or kept
+
+    def take(self, size: int) -> np.ndarray:
+        with self._lock:
+            fits = [i for i, b in enumerate(self._free) if len(b) >= size]
+            if fits:
+                return self._free.pop(min(fits, key=lambda i: len(self._free[i])))
+        buffer = np.empty(-(-size // _ROUND) * _ROUND, dtype=np.uint8)
+        with self._lock:
+            self._live += len(buffer)
+            self.metrics.peak("peak_range_memory", self._live)
+        return buffer
+
+    def give(self, buffer: np.ndarray) -> None:
+        with self._lock:
+            if len(self._free) < self.keep:
+                self._free.append(buffer)
+            else:
+                self._live -= len(buffer)
+
+
+def in_daemon_thread(call: Callable[[], T]) -> Future[T]:
+    """Run ``call`` in a daemon thread of its own. Not a ThreadPoolExecutor: the interpreter
+    joins those at exit, so one stuck in a request to a hung server would delay Ctrl-C."""
+    future: Future[T] = Future()
+
+    def run() -> None:
+        if future.set_running_or_notify_cancel():
+            try:
+                future.set_result(call())
+            except BaseException as exc:
+                future.set_exception(exc)
+
+    threading.Thread(target=run, name="remote-loader-locate", daemon=True).start()
+    return future
