@@ -345,16 +345,19 @@ class Prefetcher(Generic[C]):
             raise
 
     def close(self) -> None:
-        """Stop fetching and end the threads, waiting about a second at most."""
+        """Stop fetching and end the threads, waiting about a second at most. Safe from any
+        thread, the fetcher's own included: a pipeline dropped unclosed may be collected there."""
         with self._cond:
             if self._closed:
                 return
             self._closed = True
+            self._parts.clear()  # queued parts hold their ranges, which hold this fetcher
             self._cond.notify_all()
         self.policy.cancel.set()  # requests waiting to retry give up at once
         deadline = time.monotonic() + _CLOSE_WITHIN
         for thread in [*self._getters, self._scheduler]:
-            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread is not threading.current_thread():
+                thread.join(max(0.0, deadline - time.monotonic()))
 
     def __enter__(self) -> Prefetcher:
         return self

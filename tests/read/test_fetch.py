@@ -10,6 +10,7 @@ import pytest
 
 from remote_loader import AccessDenied, FetchConfig, LocalStore, RemoteDataset, TransientStorageError, make_client
 from remote_loader.read import Fetched, Job, Metrics, Prefetcher, RetryPolicy
+from remote_loader.read.fetch import FetcherClosed
 from remote_loader.testing.synthetic import SyntheticImages
 from tests.faultproxy import FaultProxy
 from tests.helpers import upload_to_new_bucket
@@ -108,6 +109,26 @@ def test_a_head_that_fails_fails_its_range_where_it_is_read(tmp_path):
         second = next(ranges)
         with pytest.raises(AccessDenied, match="obj1"):
             second.wait()
+
+
+def test_close_works_from_the_fetchers_own_threads(tmp_path):
+    """A pipeline dropped without being closed is finalised wherever the garbage collector
+    runs, one of the fetcher's threads included: closing from there ends the fetch too."""
+    _store(tmp_path)
+    prefetchers: list[Prefetcher] = []
+
+    class ClosingStore(LocalStore):
+        def get_range_into(self, bucket, key, start, end, out):
+            prefetchers[0].close()  # as a finaliser run by the collector in this getter would
+            super().get_range_into(bucket, key, start, end, out)
+
+    jobs = [Job(f"obj{i}", lambda: (0, 100_000, None)) for i in range(3)]
+    prefetcher = Prefetcher("b", jobs, RetryPolicy(FetchConfig(concurrency=2), Metrics(), ClosingStore(tmp_path)))
+    prefetchers.append(prefetcher)
+    with pytest.raises(FetcherClosed):
+        for fetched in prefetcher:
+            fetched.wait()
+    assert not prefetcher._parts  # nothing queued holds a range (and through it the fetcher) any more
 
 
 def _store(tmp_path, objects: int = 3, size: int = 100_000) -> LocalStore:
