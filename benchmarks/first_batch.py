@@ -13,19 +13,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import statistics
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
+
+from shaper import relayed
 
 from remote_loader import upload_cv_dataset
 from remote_loader.testing.server import EmbeddedS3
 from remote_loader.testing.synthetic import SyntheticImages
 
-SHAPER = Path(__file__).with_name("shaper.py")
 
 # botocore's events mark when a request leaves (before-send) and when its response headers
 # are back (after-call); a GET's body arrives after that.
@@ -75,19 +73,8 @@ def _run(endpoint: str, server: EmbeddedS3, batch: int) -> dict:
 
 
 def measure(profile: str, server: EmbeddedS3, repeats: int, batch: int) -> list[dict]:
-    shaper = None
-    endpoint = server.endpoint_url
-    if profile != "loopback":
-        shaper = subprocess.Popen([sys.executable, str(SHAPER), "--upstream", f"127.0.0.1:{server.port}",
-                                   "--profile", profile], stdout=subprocess.PIPE, text=True)
-        assert shaper.stdout is not None
-        endpoint = f"http://127.0.0.1:{shaper.stdout.readline().split()[1]}"
-    try:
+    with relayed(server.endpoint_url, profile) as (endpoint, _):
         return [_run(endpoint, server, batch) for _ in range(repeats)]
-    finally:
-        if shaper is not None:
-            os.kill(shaper.pid, signal.SIGTERM)
-            shaper.wait(30)
 
 
 def main() -> None:

@@ -12,18 +12,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+from shaper import relayed
+
 from remote_loader import upload_cv_dataset
 from remote_loader.testing.server import EmbeddedS3
 from remote_loader.testing.synthetic import SyntheticImages
 
-SHAPER = Path(__file__).with_name("shaper.py")
 
 _CHILD = textwrap.dedent("""
     import json, sys, time
@@ -52,23 +52,12 @@ def _run(endpoint: str, server: EmbeddedS3, fetch: dict[str, int]) -> dict[str, 
 
 
 def measure(profile: str, server: EmbeddedS3, repeats: int, fetch: dict[str, int]) -> dict[str, float]:
-    shaper = None
-    endpoint = server.endpoint_url
-    if profile != "loopback":
-        shaper = subprocess.Popen([sys.executable, str(SHAPER), "--upstream", f"127.0.0.1:{server.port}",
-                                   "--profile", profile], stdout=subprocess.PIPE, text=True)
-        assert shaper.stdout is not None
-        endpoint = f"http://127.0.0.1:{shaper.stdout.readline().split()[1]}"
     relay_cpu = 0.0
-    try:
+    with relayed(server.endpoint_url, profile) as (endpoint, relay):
         runs = [_run(endpoint, server, fetch) for _ in range(repeats)]
-        if shaper is not None:  # user + system seconds the relay spent moving the bytes of every run
-            fields = Path(f"/proc/{shaper.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        if relay is not None:  # user + system seconds the relay spent moving the bytes of every run
+            fields = Path(f"/proc/{relay}/stat").read_text().rsplit(")", 1)[1].split()
             relay_cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    finally:
-        if shaper is not None:
-            os.kill(shaper.pid, signal.SIGTERM)
-            shaper.wait(30)
     return {"rate": statistics.median(r["samples"] / r["seconds"] for r in runs),
             "first": statistics.median(r["first"] for r in runs), "samples": runs[0]["samples"],
             "gets": max(r["gets"] for r in runs), "buffered": max(r["buffered"] for r in runs),

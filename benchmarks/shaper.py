@@ -7,14 +7,21 @@ as its own process (so its work does not share the measured loader's interpreter
 
     python benchmarks/shaper.py --listen 18000 --upstream 127.0.0.1:9000 --profile s3-same-region
 
-It prints ``ready <port>`` once it listens, and runs until killed.
+It prints ``ready <port>`` once it listens, and runs until killed. From another benchmark,
+``with relayed(endpoint, profile) as (endpoint, pid):`` runs one for the block.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import signal
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 CHUNK = 256 * 1024
@@ -76,6 +83,25 @@ async def _serve(listen: int, upstream: tuple[str, int], profile: Profile) -> No
     print(f"ready {server.sockets[0].getsockname()[1]}", flush=True)
     async with server:
         await server.serve_forever()
+
+
+@contextmanager
+def relayed(endpoint: str, profile: str) -> Iterator[tuple[str, int | None]]:
+    """``endpoint`` seen through a relay under ``profile`` (itself for ``loopback``): yields
+    the endpoint to use and the relay's PID, and stops the relay by its PID on leaving."""
+    if profile == "loopback":
+        yield endpoint, None
+        return
+    relay = subprocess.Popen([sys.executable, __file__, "--upstream", endpoint.removeprefix("http://"),
+                              "--profile", profile], stdout=subprocess.PIPE, text=True)
+    try:
+        assert relay.stdout is not None
+        yield f"http://127.0.0.1:{relay.stdout.readline().split()[1]}", relay.pid
+    finally:
+        os.kill(relay.pid, signal.SIGTERM)
+        relay.wait(30)
+        if relay.stdout is not None:
+            relay.stdout.close()
 
 
 def main() -> None:
