@@ -246,7 +246,7 @@ class Prefetcher(Generic[C]):
         """Queue the parts of a located range. The first ranges start with small parts, so the
         first samples come early; later ones use whole parts (each GET has a fixed cost). A
         head fetched early (``Job.head``) is the first part when the range starts inside it."""
-        size, head = self.config.part_size, early if early is not None and early[0] <= start < early[1] else None
+        size, head = self.config.part_size, early if early is not None and early[0] <= start < min(end, early[1]) else None
         first = min(end, head[1]) if head is not None else start + min(_FIRST_PART, size)
         if self._submitted < _LOCATE_AHEAD or head is not None:
             bounds = [b for b in [start, first, *range(first + min(_SECOND_PART, size), end, size)] if b < end]

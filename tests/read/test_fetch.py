@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -51,11 +52,11 @@ def test_prefetcher_delivers_every_range_byte_identical_in_job_order(tmp_path):
     assert metrics.bytes == sum(end - start for _, start, end in spans)
 
 
-def test_the_first_ranges_fetch_their_heads_while_they_are_located(tmp_path):
+def test_the_first_ranges_fetch_their_heads_while_they_are_located(tmp_path, caplog):
     """A job that says where its range starts (``head``) has its first bytes requested
     before ``locate()`` returns (an index GET, across a network a round trip): ``locate``
     here waits until its head was requested. The bytes come out the same wherever the
-    located range lies against the head: inside it, ending within it, past it."""
+    located range lies against the head: inside it, ending within it, past it, or empty."""
     heads_requested: dict[str, threading.Event] = {}
 
     class Recording(LocalStore):
@@ -66,17 +67,17 @@ def test_the_first_ranges_fetch_their_heads_while_they_are_located(tmp_path):
 
     store = Recording(tmp_path)
     store.create_bucket("b")
-    sizes = {"big": 5_000_000, "small": 300_000, "tail": 3_000_000, "later": 2_000_000, "last": 100}
+    sizes = {"big": 5_000_000, "small": 300_000, "tail": 3_000_000, "empty": 50_000, "last": 100}
     blobs = {key: os.urandom(size) for key, size in sizes.items()}
     for key, data in blobs.items():
         store.put("b", key, data)
         heads_requested[key] = threading.Event()
     spans = {"big": (512, 4_000_000), "small": (512, 1000), "tail": (2_000_000, 3_000_000),
-             "later": (0, 2_000_000), "last": (0, 100)}
+             "empty": (0, 0), "last": (0, 100)}  # empty: a shard skipped whole, its head unused
     in_time: dict[str, bool] = {}
 
     def locate(key: str) -> tuple[int, int, None]:
-        in_time[key] = heads_requested[key].wait(5) if key in ("big", "small", "tail", "later") else True
+        in_time[key] = heads_requested[key].wait(5) if key != "last" else True
         return (*spans[key], None)
 
     jobs = [Job(key, lambda k=key: locate(k), (0, sizes[key])) for key in sizes]
@@ -89,6 +90,7 @@ def test_the_first_ranges_fetch_their_heads_while_they_are_located(tmp_path):
             fetched.release()
     assert got == {key: blobs[key][start:end] for key, (start, end) in spans.items()}
     assert in_time == {key: True for key in sizes}
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]  # no callback failed on the side
 
 
 def test_a_head_that_fails_fails_its_range_where_it_is_read(tmp_path):
