@@ -86,7 +86,7 @@ class Manifest:
         return data + struct.pack("<I", crc32(data))
 
     @classmethod
-    def decode(cls, data: bytes | memoryview, *, name: str | None = None, trailer_checked: bool = False) -> Manifest:
+    def decode(cls, data: bytes | bytearray | memoryview, *, name: str | None = None, trailer_checked: bool = False) -> Manifest:
         """Parse and validate manifest bytes (version 1 or 2); ``trailer_checked`` skips the
         crc32 check that the caller has just made.
 
@@ -96,9 +96,10 @@ class Manifest:
             IndexOutOfBounds: A shard entry's index lies outside its object.
         """
         what = "manifest"
-        if len(data) < 5 or not trailer_checked and struct.unpack("<I", data[-4:])[0] != crc32(data[:-4]):
+        body = memoryview(data)[:-4]  # a view: a 25 MB manifest is not copied to be checked and parsed
+        if len(data) < 5 or not trailer_checked and struct.unpack("<I", data[-4:])[0] != crc32(body):
             raise CorruptShard(f"manifest {name} is truncated or fails its crc32 check", name=name)
-        raw = unpack(data[:-4], what=what, name=name)
+        raw = unpack(body, what=what, name=name)
         if require(raw, "format", str, what=what, name=name) != FORMAT_NAME:
             raise CorruptShard(f"{name} is not a {FORMAT_NAME} manifest", name=name)
         version = require(raw, "version", int, what=what, name=name)

@@ -7,8 +7,11 @@ the CLI build on it.
 from __future__ import annotations
 
 import itertools
+import math
 import struct
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cached_property, partial
@@ -23,8 +26,10 @@ from remote_loader.errors import (
     DatasetChanged,
     DatasetNotFound,
     FormatError,
+    InvalidRange,
     ObjectNotFound,
     StorageError,
+    TransientStorageError,
 )
 from remote_loader.format import MANIFEST_NAME, UPLOAD_STATE, Manifest, Sample, ShardEntry, ShardIndex, ShardView
 from remote_loader.format.checksum import crc32
@@ -35,7 +40,7 @@ from remote_loader.read.retry import RetryPolicy
 from remote_loader.storage import Location, Store
 
 
-def _identity(manifest: bytes) -> int:
+def _identity(manifest: bytes | bytearray) -> int:
     """The manifest's own crc32 trailer: it differs between any two uploads (the upload id,
     the shard names, the time). Not the crc32 of all its bytes: with the trailer that is a
     constant of the CRC."""
@@ -53,6 +58,62 @@ class ShardReport:
     @property
     def ok(self) -> bool:
         return not self.problems
+
+
+_FIRST = 4 << 20
+_MIN_PART = 1 << 20
+_PART_SECONDS = 0.05
+
+
+def fetch_whole(policy: RetryPolicy, bucket: str, key: str) -> bytes | bytearray:
+    """A whole object in one GET if it is at most 4 MiB (a manifest of up to ~170,000
+    shards), else in parallel ranged GETs: on a link that carries ~90 MB/s per connection,
+    a 25 MB manifest (a million shards) takes ~0.3 s in one GET, ~0.16 s this way.
+
+    The first GET asks for the object's first 4 MiB and learns the object's size from the
+    same response. From how long those took, the rest is split into as many ranges as
+    would each take about 50 ms in one GET (at least 1 MiB each, at most ``concurrency``),
+    fetched at once: one range on loopback, where more would only cost CPU; 8-16 across
+    a network. The parts may come from two versions of an object replaced meanwhile: the
+    caller's checksum finds that, or a part that comes back short, and raises
+    ``CorruptShard`` for the caller to fetch it all again.
+    """
+    policy.metrics.add(gets=1)
+    started = time.perf_counter()
+    first, size = policy.store.get_first_bytes(bucket, key, _FIRST)
+    took = time.perf_counter() - started
+    policy.metrics.add(bytes=len(first))
+    if len(first) >= size:
+        return first
+    out = bytearray(size)
+    view = memoryview(out)
+    view[:len(first)] = first
+    start, rest = len(first), size - len(first)
+    one_get = took * rest / len(first)  # an over-estimate: ``took`` includes a round trip
+    parts = max(1, min(policy.config.concurrency, rest // _MIN_PART, math.ceil(one_get / _PART_SECONDS)))
+    bounds = [start + rest * k // parts for k in range(parts + 1)]
+    del first
+
+    def part(k: int) -> None:
+        try:
+            policy.store.inner.get_range_into(bucket, key, bounds[k], bounds[k + 1], view[bounds[k]:bounds[k + 1]])
+        except (InvalidRange, TransientStorageError) as error:
+            if isinstance(error, TransientStorageError) and error.code != "ShortRead":
+                raise  # retried
+            raise CorruptShard(f"s3://{bucket}/{key} changed while it was read in ranges (now shorter than {size} bytes)",
+                               name=key) from None
+
+    def one(k: int) -> None:
+        policy.metrics.add(gets=1)
+        policy.store.retry.call(partial(part, k), bucket=bucket, key=key)
+        policy.metrics.add(bytes=bounds[k + 1] - bounds[k])
+
+    if parts == 1:
+        one(0)
+    else:
+        with ThreadPoolExecutor(parts, thread_name_prefix="remote_loader-manifest") as pool:
+            list(pool.map(one, range(parts)))
+    return out
 
 
 class DatasetReader:
@@ -125,18 +186,18 @@ class DatasetReader:
         state.pop("counts", None)
         return state
 
-    def _manifest_bytes(self) -> bytes | None:
+    def _manifest_bytes(self) -> bytes | bytearray | None:
         """The manifest's bytes (fetched again while damaged), or None if there is none."""
         key = self.location.key(MANIFEST_NAME)
         policy = self.policy()
 
-        def parse(data: bytes) -> bytes:
-            if len(data) < 5 or struct.unpack("<I", data[-4:])[0] != crc32(data[:-4]):
+        def parse(data: bytes | bytearray) -> bytes | bytearray:
+            if len(data) < 5 or struct.unpack("<I", data[-4:])[0] != crc32(memoryview(data)[:-4]):
                 raise CorruptShard(f"manifest {self.location}/{MANIFEST_NAME} fails its crc32 check", name=key)
             return data
 
         try:
-            return policy.refetch(partial(policy.store.get, self.location.bucket, key), parse)
+            return policy.refetch(partial(fetch_whole, policy, self.location.bucket, key), parse)
         except ObjectNotFound:
             return None
 

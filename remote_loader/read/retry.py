@@ -46,12 +46,11 @@ class RetryPolicy:
                                                 on_retry=lambda: metrics.add(retries=1)))
 
     def refetch(self, fetch: Callable[[], P], parse: Callable[[P], T]) -> T:
-        """Return ``parse(fetch())``; bytes that ``parse`` finds damaged (``CorruptShard``)
-        are fetched again, up to ``config.refetch_attempts`` fetches in all."""
+        """Return ``parse(fetch())``; bytes that ``parse`` (or ``fetch`` itself) finds damaged
+        (``CorruptShard``) are fetched again, up to ``config.refetch_attempts`` fetches in all."""
         for attempt in range(1, self.config.refetch_attempts + 1):
-            data = fetch()
             try:
-                return parse(data)
+                return parse(fetch())
             except CorruptShard:
                 if attempt == self.config.refetch_attempts:
                     raise

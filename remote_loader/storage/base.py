@@ -187,6 +187,16 @@ class Store(ABC):
     def get_tail(self, bucket: str, key: str, length: int) -> bytes:
         """Return the last ``length`` bytes of the object (all of it if shorter)."""
 
+    def get_first_bytes(self, bucket: str, key: str, length: int) -> tuple[bytes, int]:
+        """Return the first ``length`` bytes of the object (all of it if shorter) and the
+        object's size: a reader of a large object learns how to split the rest of it.
+
+        The default makes a HEAD and a ranged GET; the S3 backends make one GET and read
+        the size from its ``Content-Range``.
+        """
+        size = self.head(bucket, key)
+        return self.get_range(bucket, key, 0, min(length, size)), size
+
     @abstractmethod
     def head(self, bucket: str, key: str) -> int:
         """Return the object's size in bytes."""
@@ -284,21 +294,38 @@ class RangedStore(Store):
         self._sdk_client = None
 
     @abstractmethod
-    def _read(self, bucket: str, key: str, byte_range: str | None) -> bytes:
-        """GET the object, or the part ``byte_range`` (an HTTP Range value) names."""
+    def _read(self, bucket: str, key: str, byte_range: str | None) -> tuple[bytes, str | None]:
+        """GET the object, or the part ``byte_range`` (an HTTP Range value) names; with
+        the response's ``Content-Range`` header, if it has one."""
 
     def get(self, bucket: str, key: str) -> bytes:
-        return self._read(bucket, key, None)
+        return self._read(bucket, key, None)[0]
 
     def get_range(self, bucket: str, key: str, start: int, end: int) -> bytes:
         if end <= start:
             return b""
-        return check_range(bucket, key, start, end, self._read(bucket, key, f"bytes={start}-{end - 1}"))
+        return check_range(bucket, key, start, end, self._read(bucket, key, f"bytes={start}-{end - 1}")[0])
 
     def get_tail(self, bucket: str, key: str, length: int) -> bytes:
         if length <= 0:
             return b""
-        return self._read(bucket, key, f"bytes=-{length}")
+        return self._read(bucket, key, f"bytes=-{length}")[0]
+
+    def get_first_bytes(self, bucket: str, key: str, length: int) -> tuple[bytes, int]:
+        if length <= 0:
+            return b"", self.head(bucket, key)
+        try:
+            data, content_range = self._read(bucket, key, f"bytes=0-{length - 1}")
+        except InvalidRange:  # the object is empty: no byte 0 to start from
+            return b"", self.head(bucket, key)
+        total = content_range.rpartition("/")[2] if content_range else ""
+        if total.isdigit():
+            size = int(total)
+        elif content_range is None:  # a 200: the server sent the whole object
+            size = len(data)
+        else:  # a size the server did not know ("*")
+            size = self.head(bucket, key)
+        return check_range(bucket, key, 0, min(length, size), data[:length]), size
 
 _ACCESS_CODES = {"AccessDenied", "SignatureDoesNotMatch", "InvalidAccessKeyId", "InvalidToken", "ExpiredToken", "AllAccessDisabled"}
 _TRANSIENT_CODES = {"SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout", "Throttling", "ThrottlingException", "RequestTimeTooSkewed"}

@@ -110,13 +110,14 @@ class Boto3Store(RangedStore):
         except bce.BotoCoreError as exc:
             raise StorageError(f"{operation} failed: {type(exc).__name__}", bucket=bucket, key=key) from None
 
-    def _read(self, bucket: str, key: str, byte_range: str | None) -> bytes:
+    def _read(self, bucket: str, key: str, byte_range: str | None) -> tuple[bytes, str | None]:
         operation = "GET" if byte_range is None else f"GET {byte_range}"
         extra = {} if byte_range is None else {"Range": byte_range}
         with self._errors(operation, bucket, key):
-            body = self._sdk().get_object(Bucket=bucket, Key=key, **extra)["Body"]
+            response = self._sdk().get_object(Bucket=bucket, Key=key, **extra)
+            body = response["Body"]
             try:
-                return bytes(body.read())
+                return bytes(body.read()), response.get("ContentRange")
             finally:
                 body.close()
 

@@ -158,13 +158,13 @@ class MinioStore(RangedStore):
         except (MinioException, ValueError) as exc:
             raise StorageError(f"{operation} failed: {type(exc).__name__}", bucket=bucket, key=key) from None
 
-    def _read(self, bucket: str, key: str, byte_range: str | None) -> bytes:
+    def _read(self, bucket: str, key: str, byte_range: str | None) -> tuple[bytes, str | None]:
         operation = "GET" if byte_range is None else f"GET {byte_range}"
         extra = {} if byte_range is None else {"request_headers": {"Range": byte_range}}
         with self._errors(operation, bucket, key):
             response = self._sdk().get_object(bucket, key, **extra)
             try:
-                return bytes(response.read())
+                return bytes(response.read()), response.headers.get("Content-Range")
             finally:
                 response.close()
                 response.release_conn()

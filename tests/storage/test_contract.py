@@ -45,6 +45,22 @@ def test_put_get_head_and_ranges(store):
     assert client.exists(bucket, "a/obj.bin") and not client.exists(bucket, "a/other")
 
 
+def test_the_first_bytes_come_with_the_objects_size(store):
+    client, bucket, _ = store
+    data = os.urandom(100_000)
+    client.put(bucket, "a/obj.bin", data)
+    client.put(bucket, "a/empty", b"")
+    assert client.get_first_bytes(bucket, "a/obj.bin", 777) == (data[:777], len(data))
+    assert client.get_first_bytes(bucket, "a/obj.bin", 100_000) == (data, len(data))
+    assert client.get_first_bytes(bucket, "a/obj.bin", 200_000) == (data, len(data))
+    assert client.get_first_bytes(bucket, "a/obj.bin", 0) == (b"", len(data))
+    assert client.get_first_bytes(bucket, "a/empty", 0) == (b"", 0)
+    assert client.get_first_bytes(bucket, "a/empty", 777) == (b"", 0)
+    with pytest.raises(ObjectNotFound) as missing:
+        client.get_first_bytes(bucket, "a/other", 777)
+    assert missing.value.key == "a/other"
+
+
 def test_put_replaces_and_empty_objects(store):
     client, bucket, _ = store
     client.put(bucket, "k", b"first")

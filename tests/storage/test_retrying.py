@@ -33,6 +33,7 @@ def _every_request(store: Store, bucket: str) -> list[object]:
         bytes(store.get(bucket, "a/one")),
         bytes(store.get_range(bucket, "a/one", 2, 5)),
         bytes(store.get_tail(bucket, "a/one", 3)),
+        store.get_first_bytes(bucket, "a/big", 4),
         store.head(bucket, "a/big"),
         store.exists(bucket, "a/none"),
         [info.key for info in store.list(bucket, "a/")],
@@ -47,7 +48,7 @@ def _every_request(store: Store, bucket: str) -> list[object]:
     return results
 
 
-EXPECTED = [b"abcdefghij", b"cde", b"hij", PART + 4, False, ["a/big", "a/one"], True, b"tail", 0, ["a/big"]]
+EXPECTED = [b"abcdefghij", b"cde", b"hij", (bytes(range(4)), PART + 4), PART + 4, False, ["a/big", "a/one"], True, b"tail", 0, ["a/big"]]
 
 
 def test_every_request_of_a_retrying_store_rides_out_faults(seaweed):
