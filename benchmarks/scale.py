@@ -14,6 +14,9 @@ Every manifest lists its shards under template names; only the shards a run read
 as copies of one real shard (1,000 samples of a ``cls`` field).
 
     python benchmarks/scale.py [--sizes 1000 100000 1000000] [--repeats 3]
+
+``--profile s3-same-region`` (or ``s3-cross-region``) runs every child through
+``shaper.py``'s relay; ``--first-batch-only`` measures only the first batch.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ import numpy as np
 from remote_loader.format import Manifest, ShardEntry, ShardTable, ShardWriter
 from remote_loader.pipeline.split import iter_assign
 from remote_loader.testing.server import EmbeddedS3
+
+from shaper import PROFILES, relayed  # type: ignore[import-not-found]
 
 PER_SHARD = 1000
 BUCKET = "scale"
@@ -154,8 +159,8 @@ def needed(count: int, layouts: list[tuple[int, int, int]], samples: list[int]) 
     return shards
 
 
-def child(server: EmbeddedS3, prefix: str, mode: str, *args: Any) -> dict[str, Any]:
-    out = subprocess.run([sys.executable, "-c", _CHILD, server.endpoint_url, server.access_key, server.secret_key,
+def child(server: EmbeddedS3, endpoint: str, prefix: str, mode: str, *args: Any) -> dict[str, Any]:
+    out = subprocess.run([sys.executable, "-c", _CHILD, endpoint, server.access_key, server.secret_key,
                           prefix, mode, *map(str, args)], capture_output=True, text=True, timeout=600)
     if out.returncode:
         raise RuntimeError(f"{mode} on {prefix} failed:\n{out.stderr[-3000:]}")
@@ -167,10 +172,13 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[1_000, 100_000, 1_000_000])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--profile", choices=["loopback", *sorted(PROFILES)], default="loopback")
+    parser.add_argument("--first-batch-only", action="store_true")
     args = parser.parse_args()
     body, entry = one_shard()
     results: dict[str, Any] = {}
-    with EmbeddedS3(buckets=[BUCKET]) as server, ThreadPoolExecutor(8) as pool:
+    with (EmbeddedS3(buckets=[BUCKET]) as server, ThreadPoolExecutor(8) as pool,
+          relayed(server.endpoint_url, args.profile) as (endpoint, _)):
         client = server.client()
         for count in args.sizes:
             prefix = f"n{count}"
@@ -182,11 +190,16 @@ def main() -> None:
             list(pool.map(lambda s: client.put(BUCKET, f"{prefix}/shard-{RUN}-{s:06d}-000.tar", body), shards))
 
             def median(mode: str, *extra: Any) -> dict[str, Any]:
-                runs = [child(server, prefix, mode, *extra) for _ in range(args.repeats)]
+                runs = [child(server, endpoint, prefix, mode, *extra) for _ in range(args.repeats)]
                 return {k: statistics.median(r[k] for r in runs) for k in runs[0] if isinstance(runs[0][k], float)} | {
                     k: runs[-1][k] for k in runs[0] if not isinstance(runs[0][k], float)}
 
             row: dict[str, Any] = {"manifest_mb": len(data) / 1e6, "samples": count * PER_SHARD}
+            if args.first_batch_only:
+                row["first_batch"] = median("first-batch", 2, 0, 1)
+                results[str(count)] = row
+                print(json.dumps({count: row}), flush=True)
+                continue
             row["open_stream"] = median("open-stream")
             row["open_map"] = median("open-map")
             row["first_batch"] = median("first-batch", 2, 0, 1)
@@ -211,6 +224,13 @@ def main() -> None:
 
 
 def report(results: dict[str, Any]) -> str:
+    if "open_stream" not in next(iter(results.values())):
+        smallest = results[min(results, key=int)]["first_batch"]["seconds"]
+        lines = ["| shards (samples) | manifest | first batch (2 workers) | against the smallest |", "|---|---|---|---|"]
+        lines += [f"| {int(count):,d} ({row['samples']:,d}) | {row['manifest_mb']:.1f} MB "
+                  f"| {row['first_batch']['seconds']:.2f} s | {row['first_batch']['seconds'] / smallest:.2f}x |"
+                  for count, row in results.items()]
+        return "\n".join(lines)
     lines = [
         "| shards (samples) | manifest | open RemoteDataset | open RemoteMapDataset | first batch (2 workers) "
         "| USS per worker | ds[i] cold / warm |",

@@ -21,7 +21,7 @@ from remote_loader.pipeline.position import Progress
 from remote_loader.pipeline.replay import replay_point
 from remote_loader.pipeline.resume import MAX_WORKERS
 from remote_loader.pipeline.source import ShardSource
-from remote_loader.pipeline.split import current_world, plan_spans, rank_size, shard_order
+from remote_loader.pipeline.split import EpochOrders, current_world, plan_spans, rank_size, shard_order
 from remote_loader.read import DatasetReader, Metrics
 from remote_loader.read.heap import release_free_memory
 from remote_loader.storage import Store, open_location
@@ -112,6 +112,9 @@ class RemoteDataset(IterableDataset):
         self.stages: list[stages.Stage] = []
         self._metrics = Metrics.table(1 + MAX_WORKERS)  # row 0: this process; row 1 + w: worker w
         self._checkpoints = Checkpoints()
+        self._orders = EpochOrders()  # shared by the pipeline's copies
+        if not unindexed:
+            self._orders.get(self.reader.counts, seed, 0, shuffle_shards)  # before DataLoader workers fork
 
     def __copy__(self) -> RemoteDataset:
         """A shallow copy with its own view of the checkpoints (what it loaded and its live
@@ -204,6 +207,8 @@ class RemoteDataset(IterableDataset):
         if type(epoch) is not int or epoch < 0:
             raise ConfigError(f"epoch must be an integer >= 0, got {epoch!r}")
         self._checkpoints.set_epoch(epoch, self._layout())
+        if not self.unindexed:
+            self._orders.get(self.reader.counts, self.seed, epoch, self.shuffle_shards)  # before workers fork
 
     def _layout(self) -> Layout:
         """This rank's place in the world now, with the dataset and the stages."""
@@ -333,7 +338,9 @@ class RemoteDataset(IterableDataset):
         manifest, whole tars dealt round-robin to ranks x workers in the epoch's order."""
         if progress is not None:
             counts = self.reader.counts
-            spans = plan_spans(counts, shard_order(len(counts), self.seed, epoch, self.shuffle_shards), progress.plan.rows)
+            order, ends = self._orders.get(counts, self.seed, epoch, self.shuffle_shards, keep=False)
+            spans = plan_spans(counts, order, progress.plan.rows, ends)
+            del order, ends
             release_free_memory()  # the split's temporaries, so that a worker keeps only its share
             return source.spans(spans)
         tars = self.reader.list_tars()

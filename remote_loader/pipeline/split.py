@@ -59,6 +59,38 @@ def shard_order(num_shards: int, seed: int, epoch: int, shuffle: bool = True) ->
     return np.random.default_rng([seed, epoch]).permutation(num_shards)
 
 
+class EpochOrders:
+    """The epoch's shard order and where each shard ends in the epoch's virtual sequence,
+    kept for the last epoch asked.
+
+    The main process asks when a dataset is made and at ``set_epoch``, so the DataLoader
+    workers it forks next share those pages instead of each permuting every shard (at 1M
+    shards: ~20 ms and ~7 MB per worker). Not pickled: a spawned worker makes its own.
+    """
+
+    def __init__(self) -> None:
+        self._last: tuple[tuple[int, int, int, bool], np.ndarray, np.ndarray] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"_last": None}
+
+    def get(self, counts: np.ndarray, seed: int, epoch: int, shuffle: bool,
+            keep: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """``(order, ends)``: ``shard_order(...)``, and ``cumsum(counts[order])``; kept for
+        the next call unless ``keep`` is false (a worker reads each epoch once)."""
+        key = (len(counts), seed, epoch, shuffle)
+        last = self._last
+        if last is not None and last[0] == key:
+            return last[1], last[2]
+        order = shard_order(len(counts), seed, epoch, shuffle)
+        if len(counts) < 2**31:
+            order = order.astype(np.int32)
+        ends = np.cumsum(counts[order])
+        if keep:
+            self._last = key, order, ends
+        return order, ends
+
+
 def laps(total: int, start: int, stop: int) -> list[tuple[int, int]]:
     """Positions ``[start, stop)`` of a sequence of ``total`` that wraps around, as
     intervals of ``[0, total)``: the first is the primary read, any further ones repeat."""
@@ -71,14 +103,17 @@ def laps(total: int, start: int, stop: int) -> list[tuple[int, int]]:
     return out
 
 
-def plan_spans(counts: np.ndarray, order: np.ndarray, rows: Sequence[tuple[int, int]]) -> Iterator[Span]:
+def plan_spans(counts: np.ndarray, order: np.ndarray, rows: Sequence[tuple[int, int]],
+               ends: np.ndarray | None = None) -> Iterator[Span]:
     """Spans covering the intervals ``rows`` of the virtual sequence, in that order, made
     lazily: only the order of the shards in the rows is kept (4 bytes a shard), so a
-    worker's share of a million shards costs one small array, not an object per shard."""
+    worker's share of a million shards costs one small array, not an object per shard.
+    ``ends``, if known, is ``cumsum(counts[order])``."""
     rows = [(a, b) for a, b in rows if a < b]
     if not rows:
         return iter(())
-    ends = np.cumsum(counts[order])
+    if ends is None:
+        ends = np.cumsum(counts[order])
     index_type = np.int32 if len(counts) < 2**31 else np.int64
     kept = []
     for first, last in rows:

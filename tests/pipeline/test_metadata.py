@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader
 
 from remote_loader import DatasetChanged, RemoteMapDataset
 from remote_loader.format import MANIFEST_NAME, Manifest
+from remote_loader.pipeline import split
 from remote_loader.pipeline.dataset import RemoteDataset
 from remote_loader.testing.synthetic import SyntheticImages
 from tests.helpers import upload_to_new_bucket
@@ -87,3 +88,29 @@ def test_pickles_carry_no_manifest_and_a_spawned_worker_checks_it_fetched_the_sa
     finally:
         client.put(bucket, f"v2/{MANIFEST_NAME}", original)
     assert len(pickle.loads(pickle.dumps(stream))) == 131
+
+
+@pytest.mark.parametrize("epoch", [0, 3])
+def test_forked_workers_take_the_epochs_shard_order_from_the_main_process(versions, monkeypatch, epoch):
+    """Made at construction (epoch 0) and at set_epoch, before the workers fork: a worker
+    that had to permute the shards itself would fail here."""
+    client, bucket = versions
+    expected = keys(RemoteDataset(client, bucket, "v2", seed=11).shuffle(20), 0) if epoch == 0 else None
+    dataset = RemoteDataset(client, bucket, "v2", seed=11)
+    if epoch:
+        fresh = RemoteDataset(client, bucket, "v2", seed=11)
+        fresh.set_epoch(epoch)
+        expected = keys(fresh.shuffle(20), 0)
+        dataset.set_epoch(epoch)
+
+    def refuse(*args: object) -> None:
+        raise AssertionError("a worker permuted the shards itself")
+
+    monkeypatch.setattr(split, "shard_order", refuse)
+    got = list(DataLoader(dataset.shuffle(20).map(lambda s: s["__key__"]), batch_size=None, num_workers=2,
+                          multiprocessing_context=multiprocessing.get_context("fork")))
+    assert Counter(got) == Counter(f"{i:06d}" for i in range(131))
+    assert sorted(got) == sorted(expected)
+    in_process = list(DataLoader(dataset.shuffle(20).map(lambda s: s["__key__"]), batch_size=None, num_workers=0))
+    assert in_process == expected  # the same order as one made afresh
+    assert dataset._orders._last is not None and pickle.loads(pickle.dumps(dataset))._orders._last is None
