@@ -75,8 +75,9 @@ def fetch_whole(policy: RetryPolicy, bucket: str, key: str) -> bytes | bytearray
     would each take about 50 ms in one GET (at least 1 MiB each, at most ``concurrency``),
     fetched at once: one range on loopback, where more would only cost CPU; 8-16 across
     a network. The parts may come from two versions of an object replaced meanwhile: the
-    caller's checksum finds that, or a part that comes back short, and raises
-    ``CorruptShard`` for the caller to fetch it all again.
+    caller's checksum finds that, as does a part that comes back short from an object no
+    longer that long (``CorruptShard``: the caller fetches it all again). Any other fault
+    of a part is retried for that part alone.
     """
     policy.metrics.add(gets=1)
     started = time.perf_counter()
@@ -98,9 +99,10 @@ def fetch_whole(policy: RetryPolicy, bucket: str, key: str) -> bytes | bytearray
         try:
             policy.store.inner.get_range_into(bucket, key, bounds[k], bounds[k + 1], view[bounds[k]:bounds[k + 1]])
         except (InvalidRange, TransientStorageError) as error:
-            if isinstance(error, TransientStorageError) and error.code != "ShortRead":
-                raise  # retried
-            raise CorruptShard(f"s3://{bucket}/{key} changed while it was read in ranges (now shorter than {size} bytes)",
+            if isinstance(error, TransientStorageError) and (
+                    error.code != "ShortRead" or policy.store.inner.head(bucket, key) == size):
+                raise  # a fault of this range alone: retried
+            raise CorruptShard(f"s3://{bucket}/{key} changed while it was read in ranges (no longer {size} bytes)",
                                name=key) from None
 
     def one(k: int) -> None:
