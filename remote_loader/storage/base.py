@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import suppress
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
@@ -56,8 +57,12 @@ class ObjectWriter(ABC):
     """A streaming upload of one object: ``write`` chunks, then ``commit`` or ``abort``.
 
     A multipart upload starts only once a first full part exists; a small object gets one
-    PUT. Used as a context manager, it commits on success and aborts on an exception, so a
-    failed upload never leaves a partial object under its key.
+    PUT. A full part is sent on a thread of the writer's own while the caller fills the
+    next one, so encoding and sending overlap: at most one part is being sent and one
+    filled (two parts of memory). Parts go out in order, one at a time; a part that failed
+    raises at the next ``write`` or at ``commit``. Used as a context manager, it commits on
+    success and aborts on an exception, so a failed upload never leaves a partial object
+    under its key.
     """
 
     def __init__(self, bucket: str, key: str, part_size: int) -> None:
@@ -71,6 +76,9 @@ class ObjectWriter(ABC):
         self._parts = 0
         self._started = False
         self._done = False
+        self._sender: ThreadPoolExecutor | None = None
+        self._sending: Future[None] | None = None
+        self._failed: BaseException | None = None  # a part that could not be sent
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         """Append ``data``; full parts are sent as they fill."""
@@ -84,14 +92,40 @@ class ObjectWriter(ABC):
             self._send(part)
 
     def _send(self, part: bytes) -> None:
+        """Send ``part`` on the writer's thread once the part before it is sent."""
         if not self._started:
             self._start()
             self._started = True
+        try:
+            self._sent()
+        except BaseException as error:
+            self._failed = error
+            self.abort()  # the object cannot be whole any more: free what the store holds for it
+            raise
         self._parts += 1
-        self._upload_part(self._parts, part)
+        if self._sender is None:
+            self._sender = ThreadPoolExecutor(1, thread_name_prefix="remote_loader-part")
+        self._sending = self._sender.submit(self._upload_part, self._parts, part)
+
+    def _sent(self) -> None:
+        """Wait until the part being sent is sent; raise its error."""
+        sending, self._sending = self._sending, None
+        if sending is not None:
+            sending.result()
+
+    def _stop_sending(self) -> None:
+        """Wait for the part being sent, whatever its fate, and end the writer's thread."""
+        with suppress(Exception):
+            self._sent()
+        if self._sender is not None:
+            self._sender.shutdown()
+            self._sender = None
 
     def commit(self) -> None:
         """Send what is buffered and make the object visible under its key."""
+        if self._failed is not None:
+            raise StorageError(f"s3://{self.bucket}/{self.key} cannot be committed: a part failed ({self._failed})",
+                               bucket=self.bucket, key=self.key)
         if self._done:
             return
         self._done = True
@@ -100,13 +134,19 @@ class ObjectWriter(ABC):
             self._put_whole(tail)
             return
         try:
+            self._sent()
             if tail:
-                self._send(tail)
+                self._parts += 1
+                self._upload_part(self._parts, tail)
             self._complete()
-        except BaseException:
+        except BaseException as error:
+            self._failed = error
+            self._stop_sending()
             with suppress(StorageError):
                 self._abort_upload()
             raise
+        finally:
+            self._stop_sending()
 
     def abort(self) -> None:
         """Drop everything written; no object appears."""
@@ -114,6 +154,7 @@ class ObjectWriter(ABC):
             return
         self._done = True
         self._buffer = bytearray()
+        self._stop_sending()
         if self._started:
             self._abort_upload()
 

@@ -185,7 +185,11 @@ class _LocalWriter(ObjectWriter):
 
     def _complete(self) -> None:
         self._file.close()
-        os.replace(self._tmp, self._target)
+        try:
+            os.replace(self._tmp, self._target)
+        except FileNotFoundError:  # abort_uploads removed it meanwhile, as S3 forgets an aborted upload
+            raise StorageError(f"s3://{self.bucket}/{self.key}: its upload was aborted before it completed",
+                               bucket=self.bucket, key=self.key, code="NoSuchUpload") from None
 
     def _abort_upload(self) -> None:
         self._file.close()

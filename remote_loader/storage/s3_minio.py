@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from datetime import datetime, timedelta, timezone
 from typing import Any
 from urllib.parse import quote, urlencode, urlsplit, urlunsplit
@@ -109,7 +109,8 @@ class MinioStore(RangedStore):
         data = response.data
         if response.status >= 300 or b"<Error>" in data[:256]:
             if data.lstrip()[:1] == b"<":
-                raise S3Error.fromxml(response)
+                with suppress(ElementTree.ParseError):  # else not S3's XML: the status says what there is
+                    raise S3Error.fromxml(response)
             raise ServerError(f"{method} answered HTTP {response.status}", response.status)
         return response
 

@@ -6,6 +6,7 @@ import ast
 import inspect
 import os
 import pickle
+import threading
 from contextlib import suppress
 from concurrent.futures import ThreadPoolExecutor
 
@@ -119,6 +120,24 @@ def test_failed_writer_leaves_no_object_and_no_upload(store):
         raise RuntimeError("producer failed")
     assert not client.exists(bucket, "broken/obj")
     assert client.abort_uploads(bucket, "broken/") == 0
+
+
+def test_a_part_sent_while_the_next_fills_fails_the_writer_and_leaves_no_object(store):
+    """Parts go out on the writer's thread; one that fails (its upload was aborted under
+    it, by another process's clean-up) raises in the caller by commit, which leaves nothing."""
+    client, bucket, _ = store
+    threads = set(threading.enumerate())
+    writer = client.open_writer(bucket, "cut/obj", part_size=5 * MiB)
+    writer.write(os.urandom(6 * MiB))  # part 1 is on its way
+    assert client.abort_uploads(bucket, "cut/") == 1
+    with pytest.raises(StorageError):
+        writer.write(os.urandom(5 * MiB))  # part 2: raises here if part 1 failed already
+        writer.commit()
+    with pytest.raises(StorageError, match="cannot be committed: a part failed"):
+        writer.commit()  # again, after the error was caught: never a silent success
+    assert not client.exists(bucket, "cut/obj")
+    assert client.abort_uploads(bucket, "cut/") == 0
+    assert not [t for t in set(threading.enumerate()) - threads if t.name.startswith("remote_loader-part")]
 
 
 def test_abort_uploads_finds_abandoned_multipart_uploads(store):
