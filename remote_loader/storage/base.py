@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import suppress
 from abc import ABC, abstractmethod
@@ -53,14 +54,19 @@ def check_range(bucket: str, key: str, start: int, end: int, data: bytes, got: i
     return data
 
 
+PARTS_IN_FLIGHT = 4
+"""Parts of one streaming upload sent at once, while the next one fills."""
+
+
 class ObjectWriter(ABC):
     """A streaming upload of one object: ``write`` chunks, then ``commit`` or ``abort``.
 
     A multipart upload starts only once a first full part exists; a small object gets one
-    PUT. A full part is sent on a thread of the writer's own while the caller fills the
-    next one, so encoding and sending overlap: at most one part is being sent and one
-    filled (two parts of memory). Parts go out in order, one at a time; a part that failed
-    raises at the next ``write`` or at ``commit``. Used as a context manager, it commits on
+    PUT. Full parts are sent on threads of the writer's own while the caller fills the
+    next one, so encoding and sending overlap and a connection's bandwidth does not cap a
+    shard's: at most ``PARTS_IN_FLIGHT`` parts are being sent and one filled (that many
+    parts of memory, plus one). A part that failed raises at the next ``write`` or at
+    ``commit``, and the writer aborts. Used as a context manager, it commits on
     success and aborts on an exception, so a failed upload never leaves a partial object
     under its key.
     """
@@ -77,7 +83,7 @@ class ObjectWriter(ABC):
         self._started = False
         self._done = False
         self._sender: ThreadPoolExecutor | None = None
-        self._sending: Future[None] | None = None
+        self._sending: deque[Future[None]] = deque()
         self._failed: BaseException | None = None  # a part that could not be sent
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
@@ -92,31 +98,31 @@ class ObjectWriter(ABC):
             self._send(part)
 
     def _send(self, part: bytes) -> None:
-        """Send ``part`` on the writer's thread once the part before it is sent."""
+        """Send ``part`` on one of the writer's threads, once fewer than ``PARTS_IN_FLIGHT`` are."""
         if not self._started:
             self._start()
             self._started = True
         try:
-            self._sent()
+            self._sent(PARTS_IN_FLIGHT - 1)
         except BaseException as error:
             self._failed = error
             self.abort()  # the object cannot be whole any more: free what the store holds for it
             raise
         self._parts += 1
         if self._sender is None:
-            self._sender = ThreadPoolExecutor(1, thread_name_prefix="remote_loader-part")
-        self._sending = self._sender.submit(self._upload_part, self._parts, part)
+            self._sender = ThreadPoolExecutor(PARTS_IN_FLIGHT, thread_name_prefix="remote_loader-part")
+        self._sending.append(self._sender.submit(self._upload_part, self._parts, part))
 
-    def _sent(self) -> None:
-        """Wait until the part being sent is sent; raise its error."""
-        sending, self._sending = self._sending, None
-        if sending is not None:
-            sending.result()
+    def _sent(self, leave: int = 0) -> None:
+        """Wait until at most ``leave`` parts are being sent, oldest first; raise the error of one that failed."""
+        while len(self._sending) > leave:
+            self._sending.popleft().result()
 
     def _stop_sending(self) -> None:
-        """Wait for the part being sent, whatever its fate, and end the writer's thread."""
-        with suppress(Exception):
-            self._sent()
+        """Wait for the parts being sent, whatever their fate, and end the writer's threads."""
+        while self._sending:
+            with suppress(Exception):
+                self._sending.popleft().result()
         if self._sender is not None:
             self._sender.shutdown()
             self._sender = None
@@ -168,7 +174,8 @@ class ObjectWriter(ABC):
 
     @abstractmethod
     def _upload_part(self, number: int, part: bytes) -> None:
-        """Upload part ``number`` (from 1)."""
+        """Upload part ``number`` (from 1); parts are sent from several threads at once, in
+        any order. Every part but the last is ``part_size`` bytes."""
 
     @abstractmethod
     def _complete(self) -> None:

@@ -181,7 +181,7 @@ class _LocalWriter(ObjectWriter):
         pass
 
     def _upload_part(self, number: int, part: bytes) -> None:
-        self._file.write(part)
+        os.pwrite(self._file.fileno(), part, (number - 1) * self.part_size)  # parts arrive in any order
 
     def _complete(self) -> None:
         self._file.close()

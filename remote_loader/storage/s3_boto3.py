@@ -224,7 +224,8 @@ class _Boto3Writer(ObjectWriter):
     def _complete(self) -> None:
         with self._store._errors("complete multipart upload", self.bucket, self.key):
             self._store._sdk().complete_multipart_upload(
-                Bucket=self.bucket, Key=self.key, UploadId=self._upload_id, MultipartUpload={"Parts": self._etags}
+                Bucket=self.bucket, Key=self.key, UploadId=self._upload_id,
+                MultipartUpload={"Parts": sorted(self._etags, key=lambda p: p["PartNumber"])}
             )
 
     def _abort_upload(self) -> None:

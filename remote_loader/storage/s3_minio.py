@@ -259,7 +259,7 @@ class _MinioWriter(ObjectWriter):
 
     def _complete(self) -> None:
         root = ElementTree.Element("CompleteMultipartUpload")
-        for number, etag in self._etags:
+        for number, etag in sorted(self._etags):
             element = ElementTree.SubElement(root, "Part")
             ElementTree.SubElement(element, "PartNumber").text = str(number)
             ElementTree.SubElement(element, "ETag").text = etag

@@ -279,9 +279,7 @@ def upload_cv_dataset(
         # The replaced upload's shards, now that no manifest names them (tars indexed in
         # place by ``remote-loader index`` are the user's own and stay).
         old = existing.shards.names
-        for name in (old[i] for i in range(len(old))):
-            if name not in names:
-                store.delete(bucket, location.key(name))
+        claim.delete_all(store, bucket, [location.key(old[i]) for i in range(len(old)) if old[i] not in names])
     if abandoned is not None:
         claim.delete_run(store, location, abandoned)
     claim.delete_run(store, location, run, keep=names)

@@ -105,7 +105,7 @@ def test_concurrent_creates_let_exactly_one_writer_win(store):
 
 def test_streaming_multipart_put_is_byte_identical(store):
     client, bucket, _ = store
-    chunks = [os.urandom(777_777) for _ in range(16)]  # 12.4 MB in odd-sized writes -> 3 parts
+    chunks = [os.urandom(777_777) for _ in range(40)]  # 31 MB in odd-sized writes -> 6 parts, 4 sent at once
     with client.open_writer(bucket, "big/obj", part_size=5 * MiB) as writer:
         for chunk in chunks:
             writer.write(chunk)
