@@ -169,3 +169,48 @@ def test_ctrl_c_gets_through_while_the_server_hangs(server):
     assert "interrupted" in out and "KeyboardInterrupt" in err, err[-2000:]
     assert took < 5, took
     print(f"\nCtrl-C to exit: {took:.2f} s")
+
+
+_CTRL_C_UPLOAD = textwrap.dedent("""
+    import sys
+    from remote_loader import StorageConfig, make_client, upload_cv_dataset
+    from remote_loader.testing.synthetic import SyntheticImages
+    endpoint, key, secret = sys.argv[1:4]
+
+    class Telling(SyntheticImages):
+        def __getitem__(self, index):
+            if index == 150:  # ~16 MB encoded: parts are on their way
+                print("uploading", flush=True)
+            return super().__getitem__(index)
+
+    client = make_client(config=StorageConfig(endpoint_url=endpoint, access_key=key, secret_key=secret))
+    try:
+        upload_cv_dataset(Telling(2000), client=client, bucket="outages", base_folder="ctrl-c-upload", workers=0,
+                          part_size=5 * 1024 * 1024, progress=False)
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+        raise
+""")
+
+
+def test_ctrl_c_gets_through_an_upload_whose_parts_hang(server):
+    """Parts go out on the writer's threads: a Ctrl-C while they hang on a stopped server
+    ends the process at once (the next upload of that prefix aborts what was left)."""
+    process = subprocess.Popen([sys.executable, "-c", _CTRL_C_UPLOAD, server.endpoint_url, server.access_key,
+                                server.secret_key], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout is not None
+        assert process.stdout.readline().strip() == "uploading"
+        os.killpg(server.pid, signal.SIGSTOP)
+        process.send_signal(signal.SIGINT)
+        sent = time.monotonic()
+        out, err = process.communicate(timeout=60)
+        took = time.monotonic() - sent
+    finally:
+        os.killpg(server.pid, signal.SIGCONT)
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert "interrupted" in out and "KeyboardInterrupt" in err, err[-2000:]
+    assert took < 5, took
+    print(f"\nCtrl-C to exit, parts in flight: {took:.2f} s")

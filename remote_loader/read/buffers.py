@@ -1,18 +1,13 @@
-"""Memory and threads of the prefetcher: range buffers kept for reuse, and daemon threads
-that a hung request cannot hold the interpreter's exit on."""
+"""Memory of the prefetcher: range buffers kept for reuse."""
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
-from concurrent.futures import Future
-from typing import TypeVar
 
 import numpy as np
 
 from remote_loader.read.metrics import Metrics
 
-T = TypeVar("T")
 
 _ROUND = 1 << 20  # range buffers are allocated in MiB steps, so they fit later ranges
 _KEEP_BUFFERS = 2  # free range buffers kept for reuse; more would be idle memory
@@ -50,17 +45,3 @@ class Buffers:
                 self._live -= len(buffer)
 
 
-def in_daemon_thread(call: Callable[[], T]) -> Future[T]:
-    """Run ``call`` in a daemon thread of its own. Not a ThreadPoolExecutor: the interpreter
-    joins those at exit, so one stuck in a request to a hung server would delay Ctrl-C."""
-    future: Future[T] = Future()
-
-    def run() -> None:
-        if future.set_running_or_notify_cancel():
-            try:
-                future.set_result(call())
-            except BaseException as exc:
-                future.set_exception(exc)
-
-    threading.Thread(target=run, name="remote-loader-locate", daemon=True).start()
-    return future

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import os
 import threading
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import suppress
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from contextlib import suppress
 from dataclasses import dataclass
+from functools import partial
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 from remote_loader.errors import (
     AccessDenied,
@@ -27,6 +28,8 @@ from remote_loader.errors import (
     StorageError,
     TransientStorageError,
 )
+
+T = TypeVar("T")
 
 DEFAULT_PART_SIZE = 16 * 1024 * 1024
 MIN_PART_SIZE = 5 * 1024 * 1024
@@ -52,6 +55,22 @@ def check_range(bucket: str, key: str, start: int, end: int, data: bytes, got: i
             code="ShortRead",
         )
     return data
+
+
+def in_daemon_thread(call: Callable[[], T], name: str = "remote-loader-request") -> Future[T]:
+    """Run ``call`` in a daemon thread of its own. Not a ThreadPoolExecutor: the interpreter
+    joins those at exit, so one stuck in a request to a hung server would delay Ctrl-C."""
+    future: Future[T] = Future()
+
+    def run() -> None:
+        if future.set_running_or_notify_cancel():
+            try:
+                future.set_result(call())
+            except BaseException as exc:
+                future.set_exception(exc)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
 
 
 PARTS_IN_FLIGHT = 4
@@ -82,7 +101,6 @@ class ObjectWriter(ABC):
         self._parts = 0
         self._started = False
         self._done = False
-        self._sender: ThreadPoolExecutor | None = None
         self._sending: deque[Future[None]] = deque()
         self._failed: BaseException | None = None  # a part that could not be sent
 
@@ -109,9 +127,7 @@ class ObjectWriter(ABC):
             self.abort()  # the object cannot be whole any more: free what the store holds for it
             raise
         self._parts += 1
-        if self._sender is None:
-            self._sender = ThreadPoolExecutor(PARTS_IN_FLIGHT, thread_name_prefix="remote_loader-part")
-        self._sending.append(self._sender.submit(self._upload_part, self._parts, part))
+        self._sending.append(in_daemon_thread(partial(self._upload_part, self._parts, part), "remote-loader-part"))
 
     def _sent(self, leave: int = 0) -> None:
         """Wait until at most ``leave`` parts are being sent, oldest first; raise the error of one that failed."""
@@ -119,13 +135,10 @@ class ObjectWriter(ABC):
             self._sending.popleft().result()
 
     def _stop_sending(self) -> None:
-        """Wait for the parts being sent, whatever their fate, and end the writer's threads."""
+        """Wait for the parts being sent, whatever their fate."""
         while self._sending:
             with suppress(Exception):
                 self._sending.popleft().result()
-        if self._sender is not None:
-            self._sender.shutdown()
-            self._sender = None
 
     def commit(self) -> None:
         """Send what is buffered and make the object visible under its key."""
@@ -154,12 +167,21 @@ class ObjectWriter(ABC):
         finally:
             self._stop_sending()
 
-    def abort(self) -> None:
-        """Drop everything written; no object appears."""
+    def abort(self, *, interrupted: bool = False) -> None:
+        """Drop everything written; no object appears.
+
+        ``interrupted`` (Ctrl-C, a process being stopped): return at once, neither waiting
+        for parts being sent nor asking the store to drop what it holds, which a store that
+        hangs would make wait until the outage deadline. The next upload of the prefix, or
+        ``Store.abort_uploads``, drops it.
+        """
         if self._done:
             return
         self._done = True
         self._buffer = bytearray()
+        if interrupted:
+            self._sending.clear()
+            return
         self._stop_sending()
         if self._started:
             self._abort_upload()
@@ -195,7 +217,7 @@ class ObjectWriter(ABC):
             self.commit()
             return
         with suppress(StorageError):  # the exception in flight says more than a failed clean-up
-            self.abort()
+            self.abort(interrupted=not issubclass(exc_type, Exception))
 
 
 _CONNECT_LOCK = threading.Lock()

@@ -195,7 +195,7 @@ class _LocalWriter(ObjectWriter):
         self._file.close()
         self._tmp.unlink(missing_ok=True)
 
-    def abort(self) -> None:
-        super().abort()
+    def abort(self, *, interrupted: bool = False) -> None:
+        super().abort(interrupted=interrupted)
         if not self._file.closed:  # nothing was sent as a part: the file is still open
             self._abort_upload()

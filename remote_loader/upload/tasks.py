@@ -159,9 +159,9 @@ class _ShardSequence:
         self.entries.append(ShardEntry.from_summary(shard_name(self.spec.run, self.task_id, len(self.entries)), summary))
         self._shard = self._upload = None
 
-    def abort(self) -> None:
+    def abort(self, *, interrupted: bool = False) -> None:
         if self._upload is not None:
-            self._upload.abort()
+            self._upload.abort(interrupted=interrupted)
         self._shard = self._upload = None
 
 
@@ -211,8 +211,8 @@ def _write_task(spec: TaskSpec, task_id: int, indices: Sequence[int] | np.ndarra
                 progress.put((pending_samples, pending_bytes))
                 pending_samples = pending_bytes = 0
         shards.close()
-    except BaseException:
-        shards.abort()
+    except BaseException as error:
+        shards.abort(interrupted=not isinstance(error, Exception))
         raise
     if progress is not None:
         progress.put((pending_samples, pending_bytes))

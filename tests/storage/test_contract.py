@@ -137,7 +137,7 @@ def test_a_part_sent_while_the_next_fills_fails_the_writer_and_leaves_no_object(
         writer.commit()  # again, after the error was caught: never a silent success
     assert not client.exists(bucket, "cut/obj")
     assert client.abort_uploads(bucket, "cut/") == 0
-    assert not [t for t in set(threading.enumerate()) - threads if t.name.startswith("remote_loader-part")]
+    assert not [t for t in set(threading.enumerate()) - threads if t.name.startswith("remote-loader-part")]
 
 
 def test_abort_uploads_finds_abandoned_multipart_uploads(store):
