@@ -150,16 +150,18 @@ _CTRL_C = textwrap.dedent("""
 """)
 
 
-def test_ctrl_c_gets_through_while_the_server_hangs(server):
-    process = subprocess.Popen([sys.executable, "-c", _CTRL_C, server.endpoint_url, server.access_key, server.secret_key],
+def _ctrl_c_while_the_server_hangs(server, script: str, ready: str) -> float:
+    """Run ``script``; once it prints ``ready``, stop the server and press Ctrl-C: the
+    seconds until the process has ended with KeyboardInterrupt."""
+    process = subprocess.Popen([sys.executable, "-c", script, server.endpoint_url, server.access_key, server.secret_key],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert process.stdout is not None
-        assert process.stdout.readline().strip() == "streaming"
+        assert process.stdout.readline().strip() == ready
         os.killpg(server.pid, signal.SIGSTOP)
         process.send_signal(signal.SIGINT)
         sent = time.monotonic()
-        out, err = process.communicate(timeout=30)
+        out, err = process.communicate(timeout=60)
         took = time.monotonic() - sent
     finally:
         os.killpg(server.pid, signal.SIGCONT)
@@ -167,6 +169,11 @@ def test_ctrl_c_gets_through_while_the_server_hangs(server):
             process.kill()
             process.wait()
     assert "interrupted" in out and "KeyboardInterrupt" in err, err[-2000:]
+    return took
+
+
+def test_ctrl_c_gets_through_while_the_server_hangs(server):
+    took = _ctrl_c_while_the_server_hangs(server, _CTRL_C, "streaming")
     assert took < 5, took
     print(f"\nCtrl-C to exit: {took:.2f} s")
 
@@ -196,21 +203,6 @@ _CTRL_C_UPLOAD = textwrap.dedent("""
 def test_ctrl_c_gets_through_an_upload_whose_parts_hang(server):
     """Parts go out on the writer's threads: a Ctrl-C while they hang on a stopped server
     ends the process at once (the next upload of that prefix aborts what was left)."""
-    process = subprocess.Popen([sys.executable, "-c", _CTRL_C_UPLOAD, server.endpoint_url, server.access_key,
-                                server.secret_key], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert process.stdout is not None
-        assert process.stdout.readline().strip() == "uploading"
-        os.killpg(server.pid, signal.SIGSTOP)
-        process.send_signal(signal.SIGINT)
-        sent = time.monotonic()
-        out, err = process.communicate(timeout=60)
-        took = time.monotonic() - sent
-    finally:
-        os.killpg(server.pid, signal.SIGCONT)
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-    assert "interrupted" in out and "KeyboardInterrupt" in err, err[-2000:]
+    took = _ctrl_c_while_the_server_hangs(server, _CTRL_C_UPLOAD, "uploading")
     assert took < 5, took
     print(f"\nCtrl-C to exit, parts in flight: {took:.2f} s")
