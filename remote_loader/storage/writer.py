@@ -1,0 +1,185 @@
+"""Streaming uploads: ``ObjectWriter``, what ``Store.open_writer`` returns, sends an object
+part by part while its caller produces the next part, on daemon threads."""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from contextlib import suppress
+from functools import partial
+from types import TracebackType
+from typing import TypeVar
+
+from remote_loader.errors import ConfigError, StorageError
+
+T = TypeVar("T")
+
+DEFAULT_PART_SIZE = 16 * 1024 * 1024
+MIN_PART_SIZE = 5 * 1024 * 1024
+"""S3 refuses multipart parts smaller than 5 MiB (except the last)."""
+
+
+def in_daemon_thread(call: Callable[[], T], name: str = "remote-loader-request") -> Future[T]:
+    """Run ``call`` in a daemon thread of its own. Not a ThreadPoolExecutor: the interpreter
+    joins those at exit, so one stuck in a request to a hung server would delay Ctrl-C."""
+    future: Future[T] = Future()
+
+    def run() -> None:
+        if future.set_running_or_notify_cancel():
+            try:
+                future.set_result(call())
+            except BaseException as exc:
+                future.set_exception(exc)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
+
+
+PARTS_IN_FLIGHT = 4
+"""Parts of one streaming upload sent at once, while the next one fills."""
+
+
+class ObjectWriter(ABC):
+    """A streaming upload of one object: ``write`` chunks, then ``commit`` or ``abort``.
+
+    A multipart upload starts only once a first full part exists; a small object gets one
+    PUT. Full parts are sent on threads of the writer's own while the caller fills the
+    next one, so encoding and sending overlap and a connection's bandwidth does not cap a
+    shard's: at most ``PARTS_IN_FLIGHT`` parts are being sent and one filled (that many
+    parts of memory, plus one). A part that failed raises at the next ``write`` or at
+    ``commit``, and the writer aborts. Used as a context manager, it commits on
+    success and aborts on an exception, so a failed upload never leaves a partial object
+    under its key.
+    """
+
+    def __init__(self, bucket: str, key: str, part_size: int) -> None:
+        if part_size < MIN_PART_SIZE:
+            raise ConfigError(f"part_size must be >= {MIN_PART_SIZE} bytes, got {part_size}")
+        self.bucket = bucket
+        self.key = key
+        self.part_size = part_size
+        self.size = 0
+        self._buffer = bytearray()
+        self._parts = 0
+        self._started = False
+        self._done = False
+        self._sending: deque[Future[None]] = deque()
+        self._failed: BaseException | None = None  # a part that could not be sent
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        """Append ``data``; full parts are sent as they fill."""
+        if self._done:
+            raise ValueError(f"writer for s3://{self.bucket}/{self.key} is already finished")
+        self._buffer += data
+        self.size += len(data)
+        while len(self._buffer) >= self.part_size:
+            part = bytes(self._buffer[: self.part_size])
+            del self._buffer[: self.part_size]
+            self._send(part)
+
+    def _send(self, part: bytes) -> None:
+        """Send ``part`` on one of the writer's threads, once fewer than ``PARTS_IN_FLIGHT`` are."""
+        if not self._started:
+            self._start()
+            self._started = True
+        try:
+            self._sent(PARTS_IN_FLIGHT - 1)
+        except BaseException as error:
+            self._failed = error
+            self.abort()  # the object cannot be whole any more: free what the store holds for it
+            raise
+        self._parts += 1
+        self._sending.append(in_daemon_thread(partial(self._upload_part, self._parts, part), "remote-loader-part"))
+
+    def _sent(self, leave: int = 0) -> None:
+        """Wait until at most ``leave`` parts are being sent, oldest first; raise the error of one that failed."""
+        while len(self._sending) > leave:
+            self._sending.popleft().result()
+
+    def _stop_sending(self) -> None:
+        """Wait for the parts being sent, whatever their fate."""
+        while self._sending:
+            with suppress(Exception):
+                self._sending.popleft().result()
+
+    def commit(self) -> None:
+        """Send what is buffered and make the object visible under its key."""
+        if self._failed is not None:
+            raise StorageError(f"s3://{self.bucket}/{self.key} cannot be committed: a part failed ({self._failed})",
+                               bucket=self.bucket, key=self.key)
+        if self._done:
+            return
+        self._done = True
+        tail, self._buffer = bytes(self._buffer), bytearray()
+        if not self._started:
+            self._put_whole(tail)
+            return
+        try:
+            self._sent()
+            if tail:
+                self._parts += 1
+                self._upload_part(self._parts, tail)
+            self._complete()
+        except BaseException as error:
+            self._failed = error
+            self._stop_sending()
+            with suppress(StorageError):
+                self._abort_upload()
+            raise
+        finally:
+            self._stop_sending()
+
+    def abort(self, *, interrupted: bool = False) -> None:
+        """Drop everything written; no object appears.
+
+        ``interrupted`` (Ctrl-C, a process being stopped): return at once, neither waiting
+        for parts being sent nor asking the store to drop what it holds, which a store that
+        hangs would make wait until the outage deadline. The next upload of the prefix, or
+        ``Store.abort_uploads``, drops it.
+        """
+        if self._done:
+            return
+        self._done = True
+        self._buffer = bytearray()
+        if interrupted:
+            self._sending.clear()
+            return
+        self._stop_sending()
+        if self._started:
+            self._abort_upload()
+
+    @abstractmethod
+    def _put_whole(self, data: bytes) -> None:
+        """Store a small object in one PUT."""
+
+    @abstractmethod
+    def _start(self) -> None:
+        """Create the multipart upload."""
+
+    @abstractmethod
+    def _upload_part(self, number: int, part: bytes) -> None:
+        """Upload part ``number`` (from 1); parts are sent from several threads at once, in
+        any order. Every part but the last is ``part_size`` bytes."""
+
+    @abstractmethod
+    def _complete(self) -> None:
+        """Complete the multipart upload: the object appears."""
+
+    @abstractmethod
+    def _abort_upload(self) -> None:
+        """Abandon the multipart upload and free what the store holds for it."""
+
+    def __enter__(self) -> ObjectWriter:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc_type is None:
+            self.commit()
+            return
+        with suppress(StorageError):  # the exception in flight says more than a failed clean-up
+            self.abort(interrupted=not issubclass(exc_type, Exception))
