@@ -150,16 +150,21 @@ _CTRL_C = textwrap.dedent("""
 """)
 
 
-def _ctrl_c_while_the_server_hangs(server, script: str, ready: str) -> float:
-    """Run ``script``; once it prints ``ready``, stop the server and press Ctrl-C: the
-    seconds until the process has ended with KeyboardInterrupt."""
-    process = subprocess.Popen([sys.executable, "-c", script, server.endpoint_url, server.access_key, server.secret_key],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def _ctrl_c_while_the_server_hangs(server, script: str, ready: str, *args: str, itself: bool = False) -> float:
+    """Run ``script``; once it prints ``ready``, stop the server and press Ctrl-C (or, if the
+    script interrupts ``itself``, tell it on stdin that the server is stopped): the seconds
+    until the process has ended with KeyboardInterrupt."""
+    process = subprocess.Popen([sys.executable, "-c", script, server.endpoint_url, server.access_key, server.secret_key,
+                                *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        assert process.stdout is not None
+        assert process.stdout is not None and process.stdin is not None
         assert process.stdout.readline().strip() == ready
         os.killpg(server.pid, signal.SIGSTOP)
-        process.send_signal(signal.SIGINT)
+        if itself:
+            process.stdin.write("stopped\n")
+            process.stdin.flush()
+        else:
+            process.send_signal(signal.SIGINT)
         sent = time.monotonic()
         out, err = process.communicate(timeout=60)
         took = time.monotonic() - sent
@@ -206,3 +211,47 @@ def test_ctrl_c_gets_through_an_upload_whose_parts_hang(server):
     took = _ctrl_c_while_the_server_hangs(server, _CTRL_C_UPLOAD, "uploading")
     assert took < 5, took
     print(f"\nCtrl-C to exit, parts in flight: {took:.2f} s")
+
+
+_CTRL_C_WRITER = textwrap.dedent("""
+    import os, signal, sys, threading
+    from remote_loader import StorageConfig, make_client
+    endpoint, key, secret, where = sys.argv[1:5]
+    client = make_client(config=StorageConfig(endpoint_url=endpoint, access_key=key, secret_key=secret))
+    part = 5 * 1024 * 1024
+    try:
+        with client.open_writer("outages", "ctrl-c-writer", part_size=part) as writer:
+            writer.write(os.urandom(part + 1))  # the multipart upload exists, part 1 is on its way
+            print("writing", flush=True)
+            sys.stdin.readline()  # the server is stopped now
+
+            def waiting_for_a_part():
+                frame = sys._current_frames().get(threading.main_thread().ident)
+                while frame is not None and frame.f_code.co_name != "_sent":
+                    frame = frame.f_back
+                return frame is not None
+
+            def interrupt_once_the_parts_hang():
+                # The writer waits for the oldest of PARTS_IN_FLIGHT hung parts before sending another.
+                while not waiting_for_a_part():
+                    threading.Event().wait(0.01)
+                os.kill(os.getpid(), signal.SIGINT)
+
+            threading.Thread(target=interrupt_once_the_parts_hang, daemon=True).start()
+            if where == "write":
+                writer.write(os.urandom(8 * part))  # blocks once PARTS_IN_FLIGHT parts hang
+            else:
+                writer.write(os.urandom(3 * part))  # PARTS_IN_FLIGHT parts on their way; commit waits for them
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+        raise
+""")
+
+
+@pytest.mark.parametrize("where", ["write", "commit"])
+def test_ctrl_c_gets_through_a_writer_waiting_for_hung_parts(server, where):
+    """The caller waits for a part to finish before sending another, and commit for all of
+    them; Ctrl-C there returns at once instead of waiting for the parts, then for the abort."""
+    took = _ctrl_c_while_the_server_hangs(server, _CTRL_C_WRITER, "writing", where, itself=True)
+    assert took < 10, took
+    print(f"\nCtrl-C while {where} waits for hung parts, to exit: {took:.2f} s")

@@ -89,7 +89,10 @@ class ObjectWriter(ABC):
             self._sent(PARTS_IN_FLIGHT - 1)
         except BaseException as error:
             self._failed = error
-            self.abort()  # the object cannot be whole any more: free what the store holds for it
+            # The object cannot be whole any more: free what the store holds for it, unless
+            # this is Ctrl-C while parts hang. The error in flight says more than a failed abort.
+            with suppress(StorageError):
+                self.abort(interrupted=not isinstance(error, Exception))
             raise
         self._parts += 1
         self._sending.append(in_daemon_thread(partial(self._upload_part, self._parts, part), "remote-loader-part"))
@@ -125,12 +128,13 @@ class ObjectWriter(ABC):
             self._complete()
         except BaseException as error:
             self._failed = error
+            if not isinstance(error, Exception):  # Ctrl-C: as abort(interrupted=True)
+                self._sending.clear()
+                raise
             self._stop_sending()
             with suppress(StorageError):
                 self._abort_upload()
             raise
-        finally:
-            self._stop_sending()
 
     def abort(self, *, interrupted: bool = False) -> None:
         """Drop everything written; no object appears.
