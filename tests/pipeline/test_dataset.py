@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 
 import numpy as np
@@ -152,6 +153,11 @@ def test_threads_end_when_iteration_is_abandoned(uploaded):
     next(iterator)
     assert threading.active_count() > before
     iterator.close()
+    # close() joins the pipeline's threads but not a daemon thread finishing its request (it
+    # never waits on a store that may hang): those end on their own, soon.
+    deadline = time.monotonic() + 10
+    while threading.active_count() > before and time.monotonic() < deadline:
+        time.sleep(0.01)  # polling for threads to end, not synchronising on time
     assert threading.active_count() == before
 
 
