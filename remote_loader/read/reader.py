@@ -11,7 +11,6 @@ import math
 import struct
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cached_property, partial
@@ -38,6 +37,7 @@ from remote_loader.read.heap import release_free_memory
 from remote_loader.read.metrics import Metrics
 from remote_loader.read.retry import RetryPolicy
 from remote_loader.storage import Location, Store
+from remote_loader.storage.writer import in_daemon_thread
 
 
 def _identity(manifest: bytes | bytearray) -> int:
@@ -112,9 +112,9 @@ def fetch_whole(policy: RetryPolicy, bucket: str, key: str) -> bytes | bytearray
 
     if parts == 1:
         one(0)
-    else:
-        with ThreadPoolExecutor(parts, thread_name_prefix="remote_loader-manifest") as pool:
-            list(pool.map(one, range(parts)))
+    else:  # daemon threads, as the prefetcher's: Ctrl-C does not wait for a range stuck on a hung store
+        for sent in [in_daemon_thread(partial(one, k), "remote-loader-manifest") for k in range(parts)]:
+            sent.result()
     return out
 
 
