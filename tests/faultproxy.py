@@ -29,7 +29,8 @@ class FaultProxy:
     """Forward to ``upstream`` (``http://host:port``) with faults at ``rates`` (kind -> probability).
 
     Only requests whose method is in ``methods`` meet faults. ``injected`` counts faults by
-    kind; ``requests`` counts every forwarded request.
+    kind; ``requests`` counts every forwarded request; ``bodies`` lists, for each request
+    with a body, its method, its length and whether it waited for ``100 Continue``.
     """
 
     def __init__(self, upstream: str, rates: dict[str, float], *, seed: int = 0, methods: tuple[str, ...] = ("GET",),
@@ -42,6 +43,7 @@ class FaultProxy:
         self.rates, self.seed, self.methods, self.delay = rates, seed, methods, delay
         self.injected: Counter[str] = Counter()
         self.requests = 0
+        self.bodies: list[tuple[str, int, bool]] = []
         self._seen: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._connections: set[socket.socket] = set()
@@ -105,6 +107,10 @@ class FaultProxy:
     def _handle(self, handler: BaseHTTPRequestHandler) -> None:
         length = int(handler.headers.get("Content-Length") or 0)
         body = handler.rfile.read(length) if length else b""
+        if length:
+            with self._lock:
+                self.bodies.append((handler.command, length,
+                                    handler.headers.get("Expect", "").lower() == "100-continue"))
         fault = self._fault(handler)
         if fault == "reset_before":
             return self._reset(handler)

@@ -24,6 +24,8 @@ from remote_loader import (
     make_client,
 )
 from remote_loader.storage import MinioStore, s3_minio
+from tests.conftest import new_bucket
+from tests.faultproxy import FaultProxy
 
 MiB = 1024 * 1024
 
@@ -277,3 +279,25 @@ def test_the_minio_backend_takes_keys_from_an_aws_profile_when_none_are_given(se
     client.put("profiles", "k", b"v")  # before: an anonymous request, AccessDenied
     assert client.get("profiles", "k") == b"v"
     client.close()
+
+
+@pytest.mark.parametrize("backend", ["boto3", "minio"])
+def test_small_bodies_go_at_once_and_large_ones_after_100_continue(seaweed, backend):
+    """Waiting for ``100 Continue`` costs a round trip: a task record, the upload state or a
+    small shard is sent at once; a body of 2 MiB or more may wait, so a refused one is not sent."""
+    proxy = FaultProxy(seaweed.endpoint_url, {})
+    try:
+        client = make_client(proxy.endpoint_url, seaweed.access_key, seaweed.secret_key, backend=backend)
+        bucket = new_bucket(client)
+        client.put(bucket, "small", b"x" * 1000)
+        client.put(bucket, "state", b"claimed", if_none_match=True)
+        client.put(bucket, "almost", b"x" * (2 * MiB - 1))
+        with client.open_writer(bucket, "big", part_size=5 * MiB) as writer:
+            writer.write(os.urandom(5 * MiB + 10))
+        assert client.get(bucket, "state") == b"claimed" and client.head(bucket, "big") == 5 * MiB + 10
+        client.close()
+    finally:
+        proxy.close()
+    waited = {length: expect for method, length, expect in proxy.bodies if method == "PUT"}
+    assert waited[1000] is waited[7] is waited[2 * MiB - 1] is waited[10] is False, proxy.bodies
+    assert set(waited) >= {1000, 7, 2 * MiB - 1, 5 * MiB, 10}
