@@ -49,7 +49,9 @@ class ObjectWriter(ABC):
     PUT. Full parts are sent on threads of the writer's own while the caller fills the
     next one, so encoding and sending overlap and a connection's bandwidth does not cap a
     shard's: at most ``PARTS_IN_FLIGHT`` parts are being sent and one filled (that many
-    parts of memory, plus one). A part that failed raises at the next ``write`` or at
+    parts of memory, plus one). The request that creates the upload goes out on a thread
+    too, and the parts wait for it there, not the caller; at commit the last part goes out
+    with those still in flight. A part that failed raises at the next ``write`` or at
     ``commit``, and the writer aborts. Used as a context manager, it commits on
     success and aborts on an exception, so a failed upload never leaves a partial object
     under its key.
@@ -64,7 +66,7 @@ class ObjectWriter(ABC):
         self.size = 0
         self._buffer = bytearray()
         self._parts = 0
-        self._started = False
+        self._creating: Future[None] | None = None  # the request creating the multipart upload
         self._done = False
         self._sending: deque[Future[None]] = deque()
         self._failed: BaseException | None = None  # a part that could not be sent
@@ -82,9 +84,8 @@ class ObjectWriter(ABC):
 
     def _send(self, part: bytes) -> None:
         """Send ``part`` on one of the writer's threads, once fewer than ``PARTS_IN_FLIGHT`` are."""
-        if not self._started:
-            self._start()
-            self._started = True
+        if self._creating is None:
+            self._creating = in_daemon_thread(self._start, "remote-loader-part")
         try:
             self._sent(PARTS_IN_FLIGHT - 1)
         except BaseException as error:
@@ -94,8 +95,29 @@ class ObjectWriter(ABC):
             with suppress(StorageError):
                 self.abort(interrupted=not isinstance(error, Exception))
             raise
+        self._part(part)
+
+    def _part(self, part: bytes) -> None:
+        """Send ``part`` as the next part, on a thread that waits for the upload to exist."""
+        assert self._creating is not None
         self._parts += 1
-        self._sending.append(in_daemon_thread(partial(self._upload_part, self._parts, part), "remote-loader-part"))
+        creating, number = self._creating, self._parts
+
+        def send() -> None:
+            creating.result()  # a failed create fails every part with its error
+            self._upload_part(number, part)
+
+        self._sending.append(in_daemon_thread(send, "remote-loader-part"))
+
+    def _created(self) -> bool:
+        """Whether the multipart upload was created (waiting for the request if it is out)."""
+        if self._creating is None:
+            return False
+        try:
+            self._creating.result()
+            return True
+        except Exception:
+            return False
 
     def _sent(self, leave: int = 0) -> None:
         """Wait until at most ``leave`` parts are being sent, oldest first; raise the error of one that failed."""
@@ -117,14 +139,13 @@ class ObjectWriter(ABC):
             return
         self._done = True
         tail, self._buffer = bytes(self._buffer), bytearray()
-        if not self._started:
+        if self._creating is None:
             self._put_whole(tail)
             return
         try:
+            if tail:  # with the parts still on their way: each may take a connection's bandwidth
+                self._part(tail)
             self._sent()
-            if tail:
-                self._parts += 1
-                self._upload_part(self._parts, tail)
             self._complete()
         except BaseException as error:
             self._failed = error
@@ -132,8 +153,9 @@ class ObjectWriter(ABC):
                 self._sending.clear()
                 raise
             self._stop_sending()
-            with suppress(StorageError):
-                self._abort_upload()
+            if self._created():
+                with suppress(StorageError):
+                    self._abort_upload()
             raise
 
     def abort(self, *, interrupted: bool = False) -> None:
@@ -152,7 +174,7 @@ class ObjectWriter(ABC):
             self._sending.clear()
             return
         self._stop_sending()
-        if self._started:
+        if self._created():
             self._abort_upload()
 
     @abstractmethod

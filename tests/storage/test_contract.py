@@ -7,6 +7,7 @@ import inspect
 import os
 import pickle
 import threading
+import time
 from contextlib import suppress
 from concurrent.futures import ThreadPoolExecutor
 
@@ -130,8 +131,10 @@ def test_a_part_sent_while_the_next_fills_fails_the_writer_and_leaves_no_object(
     client, bucket, _ = store
     threads = set(threading.enumerate())
     writer = client.open_writer(bucket, "cut/obj", part_size=5 * MiB)
-    writer.write(os.urandom(6 * MiB))  # part 1 is on its way
-    assert client.abort_uploads(bucket, "cut/") == 1
+    writer.write(os.urandom(6 * MiB))  # the upload is being created, part 1 waits for it
+    deadline = time.monotonic() + 10
+    while not client.abort_uploads(bucket, "cut/") and time.monotonic() < deadline:
+        pass  # the create is on the writer's thread: abort the upload once it exists
     with pytest.raises(StorageError):
         writer.write(os.urandom(5 * MiB))  # part 2: raises here if part 1 failed already
         writer.commit()
@@ -301,3 +304,22 @@ def test_small_bodies_go_at_once_and_large_ones_after_100_continue(seaweed, back
     waited = {length: expect for method, length, expect in proxy.bodies if method == "PUT"}
     assert waited[1000] is waited[7] is waited[2 * MiB - 1] is waited[10] is False, proxy.bodies
     assert set(waited) >= {1000, 7, 2 * MiB - 1, 5 * MiB, 10}
+
+
+
+@pytest.mark.parametrize("backend", ["boto3", "minio"])
+def test_a_writer_whose_upload_cannot_be_created_fails_with_the_stores_error(seaweed, backend):
+    """The create goes out on the writer's thread: its error (here, a wrong secret) reaches
+    the caller by commit, and the writer stays failed."""
+    threads = set(threading.enumerate())
+    client = make_client(seaweed.endpoint_url, seaweed.access_key, "wrong-" + seaweed.secret_key, backend=backend)
+    writer = client.open_writer("refused", "obj", part_size=5 * MiB)
+    with pytest.raises(AccessDenied) as refused:
+        writer.write(os.urandom(6 * MiB))
+        writer.write(os.urandom(5 * MiB))
+        writer.commit()
+    assert refused.value.key == "obj" and "\n" not in str(refused.value) and "wrong-" not in str(refused.value)
+    with pytest.raises(StorageError, match="cannot be committed: a part failed"):
+        writer.commit()
+    client.close()
+    assert not [t for t in set(threading.enumerate()) - threads if t.name.startswith("remote-loader-part")]
