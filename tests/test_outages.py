@@ -255,3 +255,54 @@ def test_ctrl_c_gets_through_a_writer_waiting_for_hung_parts(server, where):
     took = _ctrl_c_while_the_server_hangs(server, _CTRL_C_WRITER, "writing", where, itself=True)
     assert took < 10, took
     print(f"\nCtrl-C while {where} waits for hung parts, to exit: {took:.2f} s")
+
+
+_CTRL_C_WAITING_IN = textwrap.dedent("""
+    import os, signal, sys, threading
+    from remote_loader import RemoteMapDataset, RetryConfig, StorageConfig, make_client
+    from remote_loader.storage.retrying import Retry, RetryingStore
+    from remote_loader.upload import claim
+    endpoint, key, secret, where = sys.argv[1:5]
+    client = make_client(config=StorageConfig(endpoint_url=endpoint, access_key=key, secret_key=secret))
+    if where == "__getitems__":
+        ds = RemoteMapDataset(client, "outages", "d")
+        call = lambda: ds.__getitems__(list(range(0, len(ds), 3)))  # every index cold: GETs on the batch's threads
+    else:
+        keys = [f"ctrl-c-delete/{i}" for i in range(40)]
+        for k in keys:
+            client.put("outages", k, b"x")
+        store = RetryingStore(client, Retry(RetryConfig(), client.endpoint))
+        call = lambda: claim.delete_all(store, "outages", keys)  # an upload's clean-up
+
+    def waiting_in_call():
+        # The main thread waits (threading's ``wait``) for the requests, inside ``where``.
+        frame = sys._current_frames().get(threading.main_thread().ident)
+        if frame is None or frame.f_code.co_name != "wait":
+            return False
+        while frame is not None and frame.f_code.co_name != where:
+            frame = frame.f_back
+        return frame is not None
+
+    def interrupt_once_waiting():
+        while not waiting_in_call():
+            threading.Event().wait(0.01)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    try:
+        print("ready", flush=True)
+        sys.stdin.readline()  # the server is stopped now
+        threading.Thread(target=interrupt_once_waiting, daemon=True).start()
+        call()
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+        raise
+""")
+
+
+@pytest.mark.parametrize("where", ["__getitems__", "delete_all"])
+def test_ctrl_c_gets_through_requests_on_a_batchs_threads(server, where):
+    """A map-style batch and an upload's clean-up send their requests on threads; Ctrl-C
+    while those hang on a stopped server ends the process at once."""
+    took = _ctrl_c_while_the_server_hangs(server, _CTRL_C_WAITING_IN, "ready", where, itself=True)
+    assert took < 10, took
+    print(f"\nCtrl-C while {where} waits for hung requests, to exit: {took:.2f} s")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from functools import cached_property
 from typing import Any
 
@@ -17,6 +16,7 @@ from remote_loader.format import Sample, ShardIndex
 from remote_loader.read import DatasetReader, Metrics
 from remote_loader.read.shards import IndexCache, read_run
 from remote_loader.storage import Store, open_location
+from remote_loader.storage.daemon import map_on_daemon_threads
 
 
 class RemoteMapDataset(Dataset):
@@ -76,12 +76,11 @@ class RemoteMapDataset(Dataset):
         return np.cumsum(self.reader.counts)
 
     def _reset(self) -> None:
-        """Per-process state: a forked child must not use the parent's pool (its threads
-        do not exist there) nor a lock a parent thread may have held at the fork."""
+        """Per-process state: a forked child must not use a lock a parent thread may have
+        held at the fork."""
         self._pid = os.getpid()
         self._policy = self.reader.policy(self.metrics)
         self._indexes = IndexCache(self.reader, self._policy, keep=self.cache_shards)
-        self._pool: ThreadPoolExecutor | None = None
 
     def _own(self) -> None:
         if self._pid != os.getpid():
@@ -89,7 +88,7 @@ class RemoteMapDataset(Dataset):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for name in ("_indexes", "_pool", "_policy", "_pid"):
+        for name in ("_indexes", "_policy", "_pid"):
             state.pop(name)
         state.pop("_ends", None)  # recomputed from the manifest, which the worker fetches once
         return state
@@ -127,9 +126,17 @@ class RemoteMapDataset(Dataset):
         by_shard: dict[int, list[int]] = {}
         for shard, j in located:
             by_shard.setdefault(shard, []).append(j)
+        # The indexes of a batch's shards, fetched at once (a cold batch of 20 shards takes
+        # one round trip, not 20), on daemon threads: Ctrl-C does not wait for a hung store.
+        self._own()
+        indexes = {shard: self._indexes.cached(shard) for shard in by_shard}
+        missing = [shard for shard, index in indexes.items() if index is None]
+        indexes.update(zip(missing, map_on_daemon_threads(self._indexes.get, missing, self.fetch.concurrency,
+                                                          "remote-loader-map")))
         runs = []
         for shard, positions in by_shard.items():
-            index = self._index(shard)
+            index = indexes[shard]
+            assert index is not None
             positions = sorted(set(positions))
             run = [positions[0]]
             for j in positions[1:]:
@@ -153,15 +160,12 @@ class RemoteMapDataset(Dataset):
         located = [self.locate(int(i)) for i in indices]
         runs = self._runs(located)
         self._own()
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.fetch.concurrency, thread_name_prefix="remote-loader-map")
         fetched: dict[tuple[int, int], Sample] = {}
-        for (shard, positions), samples in zip(runs, self._pool.map(lambda run: self._fetch_run(*run), runs)):
+        # On daemon threads that last the batch: Ctrl-C on a store that hangs does not wait for them.
+        for (shard, positions), samples in zip(runs, map_on_daemon_threads(
+                lambda run: self._fetch_run(*run), runs, self.fetch.concurrency, "remote-loader-map")):
             fetched.update(((shard, j), s) for j, s in zip(positions, samples))
         return [self._apply(fetched[where]) for where in located]
 
     def close(self) -> None:
-        """End the batch-fetching threads of this process."""
-        if self._pool is not None and self._pid == os.getpid():
-            self._pool.shutdown()
-            self._pool = None
+        """Nothing to end: a batch's threads end with the batch. Kept for code that calls it."""

@@ -22,7 +22,7 @@ import numpy as np
 from remote_loader.read.buffers import Buffers
 from remote_loader.read.reach import Reach
 from remote_loader.read.retry import Cancelled, RetryPolicy
-from remote_loader.storage.writer import in_daemon_thread
+from remote_loader.storage.daemon import in_daemon_thread
 
 T = TypeVar("T")
 C = TypeVar("C")  # what a job says about its range, handed unread to the consumer

@@ -37,7 +37,7 @@ from remote_loader.read.heap import release_free_memory
 from remote_loader.read.metrics import Metrics
 from remote_loader.read.retry import RetryPolicy
 from remote_loader.storage import Location, Store
-from remote_loader.storage.writer import in_daemon_thread
+from remote_loader.storage.daemon import in_daemon_thread
 
 
 def _identity(manifest: bytes | bytearray) -> int:

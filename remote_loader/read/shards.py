@@ -50,6 +50,11 @@ class IndexCache:
         self._indexes: OrderedDict[int, ShardIndex] = OrderedDict()
         self._lock = threading.Lock()
 
+    def cached(self, shard: int) -> ShardIndex | None:
+        """The shard's index if it is kept, else None (nothing is fetched)."""
+        with self._lock:
+            return self._indexes.get(shard)
+
     def get(self, shard: int) -> ShardIndex:
         with self._lock:
             if shard in self._indexes:

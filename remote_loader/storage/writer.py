@@ -3,7 +3,6 @@ part by part while its caller produces the next part, on daemon threads."""
 
 from __future__ import annotations
 
-import threading
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
@@ -11,31 +10,13 @@ from concurrent.futures import Future
 from contextlib import suppress
 from functools import partial
 from types import TracebackType
-from typing import TypeVar
 
 from remote_loader.errors import ConfigError, StorageError
-
-T = TypeVar("T")
+from remote_loader.storage.daemon import in_daemon_thread
 
 DEFAULT_PART_SIZE = 16 * 1024 * 1024
 MIN_PART_SIZE = 5 * 1024 * 1024
 """S3 refuses multipart parts smaller than 5 MiB (except the last)."""
-
-
-def in_daemon_thread(call: Callable[[], T], name: str = "remote-loader-request") -> Future[T]:
-    """Run ``call`` in a daemon thread of its own. Not a ThreadPoolExecutor: the interpreter
-    joins those at exit, so one stuck in a request to a hung server would delay Ctrl-C."""
-    future: Future[T] = Future()
-
-    def run() -> None:
-        if future.set_running_or_notify_cancel():
-            try:
-                future.set_result(call())
-            except BaseException as exc:
-                future.set_exception(exc)
-
-    threading.Thread(target=run, name=name, daemon=True).start()
-    return future
 
 
 PARTS_IN_FLIGHT = 4

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Collection, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
 
@@ -20,6 +19,7 @@ from remote_loader.errors import FormatError, ObjectNotFound, PreconditionFailed
 from remote_loader.format import MANIFEST_NAME, UPLOAD_STATE, Manifest
 from remote_loader.format.index import unpack
 from remote_loader.storage import Location, Store
+from remote_loader.storage.daemon import map_on_daemon_threads
 from remote_loader.upload import tasks
 from remote_loader.upload.tasks import STATE_DIR, TaskResult
 
@@ -84,9 +84,9 @@ def own(location: Location, run: str) -> str:
 
 def delete_all(store: Store, bucket: str, keys: Iterable[str]) -> None:
     """Delete ``keys``, 16 at once: each DELETE costs a round trip, and an overwrite may
-    leave thousands of old shards."""
-    with ThreadPoolExecutor(16, thread_name_prefix="remote_loader-delete") as pool:
-        list(pool.map(partial(store.delete, bucket), keys))
+    leave thousands of old shards. On daemon threads: Ctrl-C on a store that hangs does
+    not wait for them."""
+    map_on_daemon_threads(partial(store.delete, bucket), list(keys), 16, "remote-loader-delete")
 
 
 def delete_run(store: Store, location: Location, run: str, keep: Collection[str] = ()) -> None:

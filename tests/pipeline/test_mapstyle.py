@@ -114,8 +114,8 @@ def test_map_dataset_pickles_into_workers_with_a_cold_cache(dataset500):
 
 
 def test_map_dataset_used_in_the_parent_then_forked_into_workers(dataset500):
-    """A validation pass in the parent starts its batch pool; forked workers must not use it
-    (its threads do not exist there) but start their own."""
+    """A validation pass in the parent fetches on threads and fills its caches; forked
+    workers (where those threads do not exist) fetch their batches on threads of their own."""
     ds = RemoteMapDataset(dataset500, "map-tests", "d", transform=lambda s: s["__key__"])
     parent = ds.__getitems__(list(range(0, 100)))
     loader = DataLoader(ds, batch_size=50, num_workers=2, multiprocessing_context="fork", timeout=120)
