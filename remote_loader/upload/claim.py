@@ -18,7 +18,7 @@ from typing import Any
 from remote_loader.errors import FormatError, ObjectNotFound, PreconditionFailed, UploadConflict
 from remote_loader.format import MANIFEST_NAME, UPLOAD_STATE, Manifest
 from remote_loader.format.index import unpack
-from remote_loader.storage import Location, Store
+from remote_loader.storage import Location, ObjectInfo, Store
 from remote_loader.storage.daemon import map_on_daemon_threads
 from remote_loader.upload import tasks
 from remote_loader.upload.tasks import STATE_DIR, TaskResult
@@ -64,8 +64,9 @@ def take(store: Store, location: Location, record: bytes, etag: str | None) -> N
 
 def kept_results(store: Store, location: Location, run: str, num_tasks: int) -> dict[int, TaskResult]:
     """Task results of an earlier run of this upload whose shards all exist with the recorded sizes."""
-    sizes = {info.key: info.size for info in store.list(location.bucket, own(location, run))}
-    records = {info.key for info in store.list(location.bucket, location.key(f"{STATE_DIR}/{run}/"))}
+    shards, records_ = _listings(store, location.bucket, [own(location, run), location.key(f"{STATE_DIR}/{run}/")])
+    sizes = {info.key: info.size for info in shards}
+    records = {info.key for info in records_}
     kept = {}
     for task_id in range(num_tasks):
         key = tasks.task_record_key(location, run, task_id)
@@ -75,6 +76,12 @@ def kept_results(store: Store, location: Location, run: str, num_tasks: int) -> 
         if all(e.name.startswith(f"shard-{run}-") and sizes.get(location.key(e.name)) == e.size for e in result.entries):
             kept[task_id] = result
     return kept
+
+
+def _listings(store: Store, bucket: str, prefixes: list[str]) -> list[list[ObjectInfo]]:
+    """The objects under each of ``prefixes``, listed at once (a round trip each across a network)."""
+    return map_on_daemon_threads(lambda prefix: list(store.list(bucket, prefix)), prefixes, len(prefixes),
+                                 "remote-loader-list")
 
 
 def own(location: Location, run: str) -> str:
@@ -91,8 +98,9 @@ def delete_all(store: Store, bucket: str, keys: Iterable[str]) -> None:
 
 def delete_run(store: Store, location: Location, run: str, keep: Collection[str] = ()) -> None:
     """Delete the shards and task records of upload ``run``, less the shard names in ``keep``."""
-    found = [info.key for prefix in (own(location, run), location.key(f"{STATE_DIR}/{run}/"))
-             for info in store.list(location.bucket, prefix)]
+    found = [info.key for listing in _listings(store, location.bucket, [own(location, run),
+                                                                         location.key(f"{STATE_DIR}/{run}/")])
+             for info in listing]
     delete_all(store, location.bucket, [key for key in found if key[len(location.key("")):] not in keep])
 
 

@@ -13,9 +13,11 @@ import os
 import secrets
 import time
 import warnings
+from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from functools import partial
 from typing import Any
 
 import msgpack
@@ -32,6 +34,7 @@ from remote_loader.errors import (
 from remote_loader.format import MANIFEST_NAME, Manifest, ShardEntry, ShardTable
 from remote_loader.format.shard import member_bytes
 from remote_loader.storage import DEFAULT_PART_SIZE, Location, Store
+from remote_loader.storage.daemon import in_daemon_thread, map_on_daemon_threads
 from remote_loader.storage.retrying import Retry, RetryingStore
 from remote_loader.upload import claim, tasks
 from remote_loader.upload.encode import EncodeOptions, encode_item
@@ -209,6 +212,8 @@ def upload_cv_dataset(
     if not isinstance(retry, RetryConfig):
         raise ConfigError(f"retry must be a RetryConfig, got {type(retry).__name__}")
     store = RetryingStore(client, Retry(retry, client.endpoint))
+    # The manifest and the upload state, read at once: across a network each read is a round trip.
+    reading_state = in_daemon_thread(partial(claim.read_state, store, location))
     found = claim.read_versioned(store, bucket, location.key(MANIFEST_NAME))
     existing = None if found is None else Manifest.decode(found[0], name=location.key(MANIFEST_NAME))
     if existing is not None:
@@ -220,7 +225,7 @@ def upload_cv_dataset(
                               " pass overwrite=True (--overwrite) to replace it")
 
     order = np.random.default_rng(seed).permutation(num) if shuffle else np.arange(num)
-    state, state_tag, stored = claim.read_state(store, location)
+    state, state_tag, stored = reading_state.result()
     abandoned = None
     if state is not None and stored is not None and state["params"] == params:
         task_size, run = state["task_size"], state["run"]  # resume this upload's interrupted run
@@ -238,15 +243,15 @@ def upload_cv_dataset(
         run = secrets.token_hex(4)
         record = msgpack.packb({"params": params, "task_size": task_size, "run": run})
         claim.take(store, location, record, state_tag)
+    aborting = in_daemon_thread(partial(store.abort_uploads, bucket, claim.own(location, run)))  # while listing
+    num_tasks = -(-num // task_size)
+    kept = claim.kept_results(store, location, run, num_tasks)
     try:
-        store.abort_uploads(bucket, claim.own(location, run))
+        aborting.result()
     except StorageError as exc:
         if exc.code != "NotImplemented":
             raise
         log.debug("%s cannot list multipart uploads; unfinished uploads of earlier runs stay", bucket)
-
-    num_tasks = -(-num // task_size)
-    kept = claim.kept_results(store, location, run, num_tasks)
     spec = TaskSpec(client, location, options, int(maxsize), int(maxcount), on_error, part_size,
                     max(6, len(str(num - 1))), run, retry)
     pending = [(t, order[t * task_size : (t + 1) * task_size]) for t in range(num_tasks) if t not in kept]
@@ -275,14 +280,17 @@ def upload_cv_dataset(
     )
     claim.switch(store, location, manifest.encode(), record, run, None if found is None else found[1])
     names = {e.name for e in entries}
+    # The clean-ups, at once: this run's leftovers, and now that no manifest names them, the
+    # replaced upload's shards (tars indexed in place by ``remote-loader index`` are the
+    # user's own and stay) and an abandoned run's objects. The state goes last.
+    cleanups: list[Callable[[], None]] = [partial(claim.delete_run, store, location, run, keep=names)]
     if existing is not None and existing.params.get("upload_id"):
-        # The replaced upload's shards, now that no manifest names them (tars indexed in
-        # place by ``remote-loader index`` are the user's own and stay).
         old = existing.shards.names
-        claim.delete_all(store, bucket, [location.key(old[i]) for i in range(len(old)) if old[i] not in names])
+        cleanups.append(partial(claim.delete_all, store, bucket,
+                                [location.key(old[i]) for i in range(len(old)) if old[i] not in names]))
     if abandoned is not None:
-        claim.delete_run(store, location, abandoned)
-    claim.delete_run(store, location, run, keep=names)
+        cleanups.append(partial(claim.delete_run, store, location, abandoned))
+    map_on_daemon_threads(lambda cleanup: cleanup(), cleanups, len(cleanups), "remote-loader-clean-up")
     claim.release(store, location, record)
     kept_shards = sum(len(r.entries) for r in kept.values())
     return UploadSummary(location, manifest.num_samples, len(entries), manifest.num_bytes, len(skipped),
