@@ -96,12 +96,17 @@ def delete_all(store: Store, bucket: str, keys: Iterable[str]) -> None:
     map_on_daemon_threads(partial(store.delete, bucket), list(keys), 16, "remote-loader-delete")
 
 
-def delete_run(store: Store, location: Location, run: str, keep: Collection[str] = ()) -> None:
-    """Delete the shards and task records of upload ``run``, less the shard names in ``keep``."""
+def run_keys(store: Store, location: Location, run: str, keep: Collection[str] = ()) -> list[str]:
+    """The shards and task records of upload ``run``, less the shard names in ``keep``."""
     found = [info.key for listing in _listings(store, location.bucket, [own(location, run),
                                                                          location.key(f"{STATE_DIR}/{run}/")])
              for info in listing]
-    delete_all(store, location.bucket, [key for key in found if key[len(location.key("")):] not in keep])
+    return [key for key in found if key[len(location.key("")):] not in keep]
+
+
+def delete_run(store: Store, location: Location, run: str, keep: Collection[str] = ()) -> None:
+    """Delete the shards and task records of upload ``run``, less the shard names in ``keep``."""
+    delete_all(store, location.bucket, run_keys(store, location, run, keep))
 
 
 def release(store: Store, location: Location, record: bytes) -> None:

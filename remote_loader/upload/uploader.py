@@ -13,7 +13,6 @@ import os
 import secrets
 import time
 import warnings
-from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -280,17 +279,18 @@ def upload_cv_dataset(
     )
     claim.switch(store, location, manifest.encode(), record, run, None if found is None else found[1])
     names = {e.name for e in entries}
-    # The clean-ups, at once: this run's leftovers, and now that no manifest names them, the
-    # replaced upload's shards (tars indexed in place by ``remote-loader index`` are the
-    # user's own and stay) and an abandoned run's objects. The state goes last.
-    cleanups: list[Callable[[], None]] = [partial(claim.delete_run, store, location, run, keep=names)]
+    # One clean-up: this run's leftovers and, now that no manifest names them, the replaced
+    # upload's shards (tars indexed in place by ``remote-loader index`` are the user's own
+    # and stay) and an abandoned run's objects; listed at once, deleted 16 at a time. The
+    # state goes last.
+    runs = [run] if abandoned is None else [run, abandoned]
+    leftovers = [key for keys in map_on_daemon_threads(
+        lambda r: claim.run_keys(store, location, r, keep=names if r == run else ()), runs, len(runs),
+        "remote-loader-list") for key in keys]
     if existing is not None and existing.params.get("upload_id"):
         old = existing.shards.names
-        cleanups.append(partial(claim.delete_all, store, bucket,
-                                [location.key(old[i]) for i in range(len(old)) if old[i] not in names]))
-    if abandoned is not None:
-        cleanups.append(partial(claim.delete_run, store, location, abandoned))
-    map_on_daemon_threads(lambda cleanup: cleanup(), cleanups, len(cleanups), "remote-loader-clean-up")
+        leftovers += [location.key(old[i]) for i in range(len(old)) if old[i] not in names]
+    claim.delete_all(store, bucket, leftovers)
     claim.release(store, location, record)
     kept_shards = sum(len(r.entries) for r in kept.values())
     return UploadSummary(location, manifest.num_samples, len(entries), manifest.num_bytes, len(skipped),
