@@ -213,31 +213,39 @@ def test_ctrl_c_gets_through_an_upload_whose_parts_hang(server):
     print(f"\nCtrl-C to exit, parts in flight: {took:.2f} s")
 
 
-_CTRL_C_WRITER = textwrap.dedent("""
+_INTERRUPT = textwrap.dedent("""
     import os, signal, sys, threading
+
+    def interrupt_once_waiting_in(name, innermost=None):
+        # SIGINT to this process once the main thread is inside ``name`` (and, if given, in ``innermost``).
+        def waiting():
+            frame = sys._current_frames().get(threading.main_thread().ident)
+            if frame is None or innermost is not None and frame.f_code.co_name != innermost:
+                return False
+            while frame is not None and frame.f_code.co_name != name:
+                frame = frame.f_back
+            return frame is not None
+
+        def watch():
+            while not waiting():
+                threading.Event().wait(0.01)
+            os.kill(os.getpid(), signal.SIGINT)
+
+        threading.Thread(target=watch, daemon=True).start()
+""")
+
+_CTRL_C_WRITER = _INTERRUPT + textwrap.dedent("""
     from remote_loader import StorageConfig, make_client
     endpoint, key, secret, where = sys.argv[1:5]
     client = make_client(config=StorageConfig(endpoint_url=endpoint, access_key=key, secret_key=secret))
     part = 5 * 1024 * 1024
     try:
         with client.open_writer("outages", "ctrl-c-writer", part_size=part) as writer:
-            writer.write(os.urandom(part + 1))  # the multipart upload exists, part 1 is on its way
+            writer.write(os.urandom(part + 1))  # the upload is being created, part 1 on its way after it
             print("writing", flush=True)
             sys.stdin.readline()  # the server is stopped now
-
-            def waiting_for_a_part():
-                frame = sys._current_frames().get(threading.main_thread().ident)
-                while frame is not None and frame.f_code.co_name != "_sent":
-                    frame = frame.f_back
-                return frame is not None
-
-            def interrupt_once_the_parts_hang():
-                # The writer waits for the oldest of PARTS_IN_FLIGHT hung parts before sending another.
-                while not waiting_for_a_part():
-                    threading.Event().wait(0.01)
-                os.kill(os.getpid(), signal.SIGINT)
-
-            threading.Thread(target=interrupt_once_the_parts_hang, daemon=True).start()
+            # The writer waits for the oldest of PARTS_IN_FLIGHT hung parts before sending another.
+            interrupt_once_waiting_in("_sent")
             if where == "write":
                 writer.write(os.urandom(8 * part))  # blocks once PARTS_IN_FLIGHT parts hang
             else:
@@ -257,8 +265,7 @@ def test_ctrl_c_gets_through_a_writer_waiting_for_hung_parts(server, where):
     print(f"\nCtrl-C while {where} waits for hung parts, to exit: {took:.2f} s")
 
 
-_CTRL_C_WAITING_IN = textwrap.dedent("""
-    import os, signal, sys, threading
+_CTRL_C_WAITING_IN = _INTERRUPT + textwrap.dedent("""
     from remote_loader import RemoteMapDataset, RetryConfig, StorageConfig, make_client
     from remote_loader.storage.retrying import Retry, RetryingStore
     from remote_loader.upload import claim
@@ -274,24 +281,10 @@ _CTRL_C_WAITING_IN = textwrap.dedent("""
         store = RetryingStore(client, Retry(RetryConfig(), client.endpoint))
         call = lambda: claim.delete_all(store, "outages", keys)  # an upload's clean-up
 
-    def waiting_in_call():
-        # The main thread waits (threading's ``wait``) for the requests, inside ``where``.
-        frame = sys._current_frames().get(threading.main_thread().ident)
-        if frame is None or frame.f_code.co_name != "wait":
-            return False
-        while frame is not None and frame.f_code.co_name != where:
-            frame = frame.f_back
-        return frame is not None
-
-    def interrupt_once_waiting():
-        while not waiting_in_call():
-            threading.Event().wait(0.01)
-        os.kill(os.getpid(), signal.SIGINT)
-
     try:
         print("ready", flush=True)
         sys.stdin.readline()  # the server is stopped now
-        threading.Thread(target=interrupt_once_waiting, daemon=True).start()
+        interrupt_once_waiting_in(where, "wait")  # threading's wait, for the requests on threads
         call()
     except KeyboardInterrupt:
         print("interrupted", flush=True)
