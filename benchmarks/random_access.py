@@ -1,21 +1,28 @@
 """Random access: samples/s of RemoteMapDataset.__getitems__ batches of 64, and GETs per batch
-for the locality-aware sampler at several window sizes against a uniform sampler.
+for the locality-aware sampler at several window sizes against a uniform sampler; and a
+first batch with every index still to fetch (median of 5 fresh datasets).
 
-    python benchmarks/random_access.py --images 2000 --maxcount 100
+    python benchmarks/random_access.py --images 2000 --maxcount 100 [--profile s3-same-region]
+
+``--profile`` reads through ``shaper.py``'s relay (a round trip per request, a bandwidth
+cap per connection).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import numpy as np
 
-from remote_loader import upload_cv_dataset
+from remote_loader import make_client, upload_cv_dataset
 from remote_loader.pipeline.mapstyle import RemoteMapDataset
 from remote_loader.pipeline.sampler import LocalitySampler
 from remote_loader.testing.server import EmbeddedS3
 from remote_loader.testing.synthetic import SyntheticImages
+
+from shaper import PROFILES, relayed  # type: ignore[import-not-found]
 
 BATCH = 64
 
@@ -33,16 +40,27 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--images", type=int, default=2000)
     parser.add_argument("--maxcount", type=int, default=100)
+    parser.add_argument("--profile", choices=["loopback", *sorted(PROFILES)], default="loopback")
     args = parser.parse_args()
-    with EmbeddedS3(buckets=["bench"]) as server:
-        client = server.client()
-        upload_cv_dataset(SyntheticImages(args.images), client=client, bucket="bench", base_folder="ra",
+    with EmbeddedS3(buckets=["bench"]) as server, relayed(server.endpoint_url, args.profile) as (endpoint, _):
+        upload_cv_dataset(SyntheticImages(args.images), client=server.client(), bucket="bench", base_folder="ra",
                           maxcount=args.maxcount, workers=2, progress=False)
+        client = make_client(endpoint, server.access_key, server.secret_key)
+        cold = []
+        for seed in range(5):
+            fresh = RemoteMapDataset(make_client(endpoint, server.access_key, server.secret_key), "bench", "ra")
+            order = np.random.default_rng(seed).permutation(len(fresh)).tolist()
+            started = time.perf_counter()
+            fresh.__getitems__(order[:BATCH])
+            cold.append(time.perf_counter() - started)
+            fresh.reader.client.close()
         ds = RemoteMapDataset(client, "bench", "ra", cache_shards=1000)
         ds.__getitems__(list(range(0, len(ds), args.maxcount)))  # every shard index cached: count sample GETs
         rows = [("uniform", np.random.default_rng(0).permutation(len(ds)).tolist())]
         rows += [(f"locality k={k}", list(LocalitySampler(ds, window=k, seed=0))) for k in (1, 4, 16)]
-        print(f"{len(ds)} samples of ~110 KB in {len(ds.reader.manifest.shards)} shards, batches of {BATCH}")
+        print(f"{len(ds)} samples of ~110 KB in {len(ds.reader.manifest.shards)} shards, batches of {BATCH},"
+              f" {args.profile}")
+        print(f"first batch, every index to fetch: {statistics.median(cold):.3f} s")
         for name, order in rows:
             rate, gets = run(ds, order)
             # Randomness: how many shards a batch draws from (uniform: nearly all of them).
@@ -50,6 +68,7 @@ def main() -> None:
                               for b in range(0, len(order) - BATCH + 1, BATCH)])
             print(f"{name:15s} {rate:8.0f} samples/s {gets:6.1f} GETs per batch {spread:5.1f} shards per batch")
         ds.close()
+        client.close()
 
 
 if __name__ == "__main__":
