@@ -260,3 +260,24 @@ def test_an_upload_to_a_dead_endpoint_gives_up_at_its_outage_deadline():
                           progress=False, retry=RetryConfig(outage_deadline=0.5, backoff=0.01))
     assert endpoint in str(caught.value) and "secret" not in str(caught.value)
     client.close()
+
+
+def test_a_task_record_whose_shard_is_missing_is_written_again(s3):
+    """A task's record goes out while its last shard's upload completes, so a record may
+    land for a shard that never appeared: a resumed upload trusts a record only for shards
+    listed at their recorded sizes, and writes that task again."""
+    client, bucket = s3
+    args = dict(client=client, bucket=bucket, base_folder="half", maxcount=10, shuffle=False, workers=0, progress=False)
+    with pytest.raises(UploadError, match="sample 35"):
+        upload_cv_dataset(FlakyImages(40, {35}, size=(32, 24)), **args)  # tasks 0-2 finished, task 3 stopped
+    records = sorted(o.key for o in client.list(bucket, "half/_upload/") if "/task-" in o.key)
+    assert [r.rsplit("/", 1)[1] for r in records] == ["task-000000.msgpack", "task-000001.msgpack", "task-000002.msgpack"]
+    (shard,) = [o.key for o in client.list(bucket, "half/shard-") if "-000001-" in o.key]
+    client.delete(bucket, shard)  # task 1's record is there, its shard is not
+    summary = upload_cv_dataset(SyntheticImages(40, size=(32, 24)), **args)
+    assert summary.kept_shards == 2 and summary.shards == 4 and summary.samples == 40
+    samples, seen = read_back(client, bucket, "half")
+    assert set(seen) == set(range(40)) and set(seen.values()) == {1}
+    assert client.exists(bucket, shard)
+    upload_cv_dataset(SyntheticImages(40, size=(32, 24)), **{**args, "base_folder": "whole"})
+    assert samples == read_back(client, bucket, "whole")[0]  # byte for byte what one clean run writes
