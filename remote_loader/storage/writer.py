@@ -5,10 +5,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable
 from concurrent.futures import Future
 from contextlib import suppress
-from functools import partial
 from types import TracebackType
 
 from remote_loader.errors import ConfigError, StorageError
