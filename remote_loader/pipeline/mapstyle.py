@@ -158,8 +158,7 @@ class RemoteMapDataset(Dataset):
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         """Fetch a batch: samples of one shard close together share a GET; runs go in parallel."""
         located = [self.locate(int(i)) for i in indices]
-        runs = self._runs(located)
-        self._own()
+        runs = self._runs(located)  # makes this process's caches its own, as a forked worker needs
         fetched: dict[tuple[int, int], Sample] = {}
         # On daemon threads that last the batch: Ctrl-C on a store that hangs does not wait for them.
         for (shard, positions), samples in zip(runs, map_on_daemon_threads(

@@ -37,7 +37,7 @@ from remote_loader.read.heap import release_free_memory
 from remote_loader.read.metrics import Metrics
 from remote_loader.read.retry import RetryPolicy
 from remote_loader.storage import Location, Store
-from remote_loader.storage.daemon import in_daemon_thread
+from remote_loader.storage.daemon import map_on_daemon_threads
 
 
 def _identity(manifest: bytes | bytearray) -> int:
@@ -110,11 +110,8 @@ def fetch_whole(policy: RetryPolicy, bucket: str, key: str) -> bytes | bytearray
         policy.store.retry.call(partial(part, k), bucket=bucket, key=key)
         policy.metrics.add(bytes=bounds[k + 1] - bounds[k])
 
-    if parts == 1:
-        one(0)
-    else:  # daemon threads, as the prefetcher's: Ctrl-C does not wait for a range stuck on a hung store
-        for sent in [in_daemon_thread(partial(one, k), "remote-loader-manifest") for k in range(parts)]:
-            sent.result()
+    # On daemon threads, as the prefetcher's: Ctrl-C does not wait for a range stuck on a hung store.
+    map_on_daemon_threads(one, range(parts), parts, "remote-loader-manifest")
     return out
 
 

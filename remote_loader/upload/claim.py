@@ -64,13 +64,13 @@ def take(store: Store, location: Location, record: bytes, etag: str | None) -> N
 
 def kept_results(store: Store, location: Location, run: str, num_tasks: int) -> dict[int, TaskResult]:
     """Task results of an earlier run of this upload whose shards all exist with the recorded sizes."""
-    shards, records_ = _listings(store, location.bucket, [own(location, run), location.key(f"{STATE_DIR}/{run}/")])
+    shards, records = _listings(store, location.bucket, [own(location, run), location.key(f"{STATE_DIR}/{run}/")])
     sizes = {info.key: info.size for info in shards}
-    records = {info.key for info in records_}
+    recorded = {info.key for info in records}
     kept = {}
     for task_id in range(num_tasks):
         key = tasks.task_record_key(location, run, task_id)
-        if key not in records:
+        if key not in recorded:
             continue
         result = TaskResult.decode(store.get(location.bucket, key), key)
         if all(e.name.startswith(f"shard-{run}-") and sizes.get(location.key(e.name)) == e.size for e in result.entries):
