@@ -13,15 +13,14 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
-from concurrent.futures import wait as wait_futures
 from typing import Any
 
 from remote_loader.read.shards import REPLAYED
+from remote_loader.storage.daemon import wait_result
 
 _JOIN_SECONDS = 1.0
 """How long shutting a stage down waits for its threads; one still in user code after
 that is left behind (a daemon thread: it never holds up the interpreter's exit)."""
-_POLL_SECONDS = 0.5
 
 
 def describe(sample: Any, position: int) -> str:
@@ -95,13 +94,6 @@ class _DaemonPool:
                 thread.join(max(0.0, deadline - time.monotonic()))
 
 
-def _result(future: Future[Any]) -> Any:
-    """The future's result, waiting in short steps so that Ctrl-C reaches this thread."""
-    while not future.done():
-        wait_futures([future], timeout=_POLL_SECONDS)
-    return future.result()
-
-
 def _passed(sample: Any) -> Future[Any]:
     future: Future[Any] = Future()
     future.set_result(sample)
@@ -121,7 +113,7 @@ def threaded_map(fn: Callable[[Any], Any], samples: Iterable[Any], threads: int)
     def take() -> Any:
         where, future = pending.popleft()
         try:
-            return _result(future)
+            return wait_result(future)
         except Exception as error:
             name_failure(error, where)
             raise

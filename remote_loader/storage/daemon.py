@@ -15,6 +15,17 @@ from typing import TypeVar
 T = TypeVar("T")
 R = TypeVar("R")
 
+_STEP = 0.5
+
+
+def wait_result(future: Future[T]) -> T:
+    """``future.result()``, waited for in steps of 0.5 s. A wait without a timeout can miss
+    Ctrl-C: a SIGINT that lands as the thread is about to block is handled only once the
+    wait ends, which for a request to a hung store is its read timeout."""
+    while not future.done():
+        wait([future], timeout=_STEP)
+    return future.result()
+
 
 def in_daemon_thread(call: Callable[[], T], name: str = "remote-loader-request") -> Future[T]:
     """Run ``call`` in a daemon thread of its own; its outcome in the future."""
@@ -59,7 +70,9 @@ def map_on_daemon_threads(call: Callable[[T], R], items: Sequence[T], threads: i
 
     workers = [in_daemon_thread(work, name) for _ in range(min(threads, len(items)))]
     try:
-        done, _ = wait(workers, return_when=FIRST_EXCEPTION)
+        done: set[Future[None]] = set()
+        while len(done) < len(workers) and not any(w.exception() is not None for w in done):
+            done, _ = wait(workers, timeout=_STEP, return_when=FIRST_EXCEPTION)  # in steps, as wait_result
         for worker in done:
             worker.result()  # the first error raises; the threads still in a request are left to end
     finally:

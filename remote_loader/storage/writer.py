@@ -10,7 +10,7 @@ from contextlib import suppress
 from types import TracebackType
 
 from remote_loader.errors import ConfigError, StorageError
-from remote_loader.storage.daemon import in_daemon_thread
+from remote_loader.storage.daemon import in_daemon_thread, wait_result
 
 DEFAULT_PART_SIZE = 16 * 1024 * 1024
 MIN_PART_SIZE = 5 * 1024 * 1024
@@ -93,7 +93,7 @@ class ObjectWriter(ABC):
         if self._creating is None:
             return False
         try:
-            self._creating.result()
+            wait_result(self._creating)
             return True
         except Exception:
             return False
@@ -101,13 +101,13 @@ class ObjectWriter(ABC):
     def _sent(self, leave: int = 0) -> None:
         """Wait until at most ``leave`` parts are being sent, oldest first; raise the error of one that failed."""
         while len(self._sending) > leave:
-            self._sending.popleft().result()
+            wait_result(self._sending.popleft())
 
     def _stop_sending(self) -> None:
         """Wait for the parts being sent, whatever their fate."""
         while self._sending:
             with suppress(Exception):
-                self._sending.popleft().result()
+                wait_result(self._sending.popleft())
 
     def commit(self) -> None:
         """Send what is buffered and make the object visible under its key."""

@@ -20,7 +20,7 @@ from remote_loader.errors import RemoteLoaderError, UploadError
 from remote_loader.format import ShardEntry, ShardWriter
 from remote_loader.format.index import require, unpack
 from remote_loader.storage import Location, ObjectWriter, Store
-from remote_loader.storage.daemon import in_daemon_thread
+from remote_loader.storage.daemon import in_daemon_thread, wait_result
 from remote_loader.storage.retrying import Retry
 from remote_loader.upload.encode import EncodeOptions, encode_item
 from remote_loader.upload.sources import is_file_backed, resolve
@@ -164,7 +164,7 @@ class _ShardSequence:
         self._upload.commit()
         self._shard = self._upload = None
         if recording is not None:
-            recording.result()
+            wait_result(recording)
 
     def abort(self, *, interrupted: bool = False) -> None:
         if self._upload is not None:

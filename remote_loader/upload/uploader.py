@@ -33,7 +33,7 @@ from remote_loader.errors import (
 from remote_loader.format import MANIFEST_NAME, Manifest, ShardEntry, ShardTable
 from remote_loader.format.shard import member_bytes
 from remote_loader.storage import DEFAULT_PART_SIZE, Location, Store
-from remote_loader.storage.daemon import in_daemon_thread, map_on_daemon_threads
+from remote_loader.storage.daemon import in_daemon_thread, map_on_daemon_threads, wait_result
 from remote_loader.storage.retrying import Retry, RetryingStore
 from remote_loader.upload import claim, tasks
 from remote_loader.upload.encode import EncodeOptions, encode_item
@@ -224,7 +224,7 @@ def upload_cv_dataset(
                               " pass overwrite=True (--overwrite) to replace it")
 
     order = np.random.default_rng(seed).permutation(num) if shuffle else np.arange(num)
-    state, state_tag, stored = reading_state.result()
+    state, state_tag, stored = wait_result(reading_state)
     abandoned = None
     if state is not None and stored is not None and state["params"] == params:
         task_size, run = state["task_size"], state["run"]  # resume this upload's interrupted run
@@ -246,7 +246,7 @@ def upload_cv_dataset(
     num_tasks = -(-num // task_size)
     kept = claim.kept_results(store, location, run, num_tasks)
     try:
-        aborting.result()
+        wait_result(aborting)
     except StorageError as exc:
         if exc.code != "NotImplemented":
             raise
