@@ -237,6 +237,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server.start()
     try:
         print(f"S3 server on {server.endpoint_url} (pid {server.pid}); data in {server.data_dir}")
+        internal = ", ".join(f"{name} {port}" for name, port in server.ports.items() if name != "s3")
+        print(f"its internal services take these loopback ports too, and refuse requests without the server's"
+              f" own keys: {internal}")
         print("export these to use it:")
         for name, value in server.env().items():
             if name == "AWS_SECRET_ACCESS_KEY" and args.secret_key is not None:
@@ -326,7 +329,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args))
     except RemoteLoaderError as exc:
         print(f"remote-loader: error: {exc}", file=sys.stderr)
-        return 2
+        return 2 if isinstance(exc, ConfigError) else 1  # argparse's convention: 2 for what the user typed
     except KeyboardInterrupt:
         return 130
 

