@@ -51,7 +51,7 @@ def _connection(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--backend", choices=("boto3", "minio"), default="boto3", help="S3 client library")
     group.add_argument("--outage-deadline", type=_seconds, default=None, metavar="SECONDS",
                        help="how long to retry a failing store before giving up (default 300, or"
-                       " REMOTE_LOADER_OUTAGE_DEADLINE); a store that never answered gets at most 30 s"
+                       " REMOTE_LOADER_OUTAGE_DEADLINE); a store that never answered gets at most 5 s"
                        " (REMOTE_LOADER_FIRST_CONTACT_DEADLINE)")
 
 

@@ -22,6 +22,7 @@ from remote_loader.errors import (
     StorageError,
     TransientStorageError,
 )
+from remote_loader.storage.contact import answered, note_answer
 from remote_loader.storage.writer import DEFAULT_PART_SIZE, MIN_PART_SIZE, ObjectWriter
 
 __all__ = ["DEFAULT_PART_SIZE", "MIN_PART_SIZE", "ObjectInfo", "ObjectWriter", "RangedStore", "Store", "check_range",
@@ -187,7 +188,14 @@ class RangedStore(Store):
         state = self.__dict__.copy()
         state["_sdk_client"] = None
         state["_pid"] = -1
+        state["_answered"] = answered(self.endpoint)  # into a spawned worker: see storage/contact.py
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        had_answered = state.pop("_answered", False)
+        self.__dict__.update(state)
+        if had_answered:
+            note_answer(self.endpoint)
 
     def close(self) -> None:
         self._sdk_client = None

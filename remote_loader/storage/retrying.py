@@ -29,6 +29,7 @@ from typing import TypeVar
 from remote_loader.config import RetryConfig
 from remote_loader.errors import EndpointUnreachable, StorageError, TransientStorageError
 from remote_loader.storage.base import DEFAULT_PART_SIZE, ObjectInfo, ObjectWriter, Store
+from remote_loader.storage.contact import answered, note_answer
 
 T = TypeVar("T")
 
@@ -50,15 +51,16 @@ class _Outages:
         self._lock = threading.Lock()
         self._since: dict[str, float] = {}
 
-    def failing(self, endpoint: str, since: float, error: BaseException, deadline: float) -> None:
+    def failing(self, endpoint: str, since: float, error: BaseException, deadline: float, setting: str) -> None:
         if time.monotonic() - since < _NOTICE_SECONDS:
             return
         with self._lock:
             if endpoint in self._since:
                 return
             self._since[endpoint] = since
-        log.warning("storage at %s is failing (%s); retrying for up to %.0f s (RetryConfig.outage_deadline)",
-                    endpoint, error, deadline)
+        never = "" if answered(endpoint) else ", and it has never answered"
+        log.warning("storage at %s is failing (%s)%s; retrying for up to %g s (RetryConfig.%s)",
+                    endpoint, error, never, deadline, setting)
 
     def answered(self, endpoint: str) -> None:
         if not self._since:  # the common case: no outage, no lock
@@ -71,11 +73,6 @@ class _Outages:
 
 _OUTAGES = _Outages()
 os.register_at_fork(after_in_child=lambda: globals().update(_OUTAGES=_Outages()))
-
-_ANSWERED: set[str] = set()
-"""Endpoints that answered a request in this process (or the parent it forked from): only
-those get the full outage deadline; the others the first-contact deadline."""
-
 
 def _nothing() -> None:
     pass
@@ -112,9 +109,9 @@ class Retry:
                 first_failure = started if first_failure is None else first_failure
                 failing = time.monotonic() - first_failure
                 deadline, setting = self._deadline()
-                _OUTAGES.failing(self.endpoint, first_failure, error, deadline)
+                _OUTAGES.failing(self.endpoint, first_failure, error, deadline, setting)
                 if failing >= deadline:
-                    never = "" if self.endpoint in _ANSWERED else ", and it has never answered: check the endpoint URL"
+                    never = "" if answered(self.endpoint) else ", and it has never answered: check the endpoint URL"
                     raise EndpointUnreachable(
                         f"{self.endpoint} failed every request for {failing:.1f} s ({attempts} attempts, last: {error});"
                         f" gave up at RetryConfig.{setting}={deadline:g} s{never}",
@@ -129,16 +126,16 @@ class Retry:
                     raise Cancelled() from None
                 continue
             except StorageError:
-                _ANSWERED.add(self.endpoint)  # an error answer (404, 403...) is an answer
+                note_answer(self.endpoint)  # an error answer (404, 403...) is an answer
                 raise
-            _ANSWERED.add(self.endpoint)
+            note_answer(self.endpoint)
             _OUTAGES.answered(self.endpoint)
             return result
 
     def _deadline(self) -> tuple[float, str]:
         """How long requests may fail, and the setting that says so."""
         config = self.config
-        if self.endpoint in _ANSWERED or config.outage_deadline <= config.first_contact_deadline:
+        if answered(self.endpoint) or config.outage_deadline <= config.first_contact_deadline:
             return config.outage_deadline, "outage_deadline"
         return config.first_contact_deadline, "first_contact_deadline"
 

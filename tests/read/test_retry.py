@@ -81,3 +81,36 @@ def test_the_cli_gives_up_on_a_dead_endpoint_at_its_deadline(how):
     out = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 1, out.stderr
     assert endpoint in out.stderr and "deadline=0.5 s" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_by_default_a_mistyped_endpoint_fails_in_seconds_naming_it_and_the_setting(caplog):
+    endpoint = f"http://127.0.0.1:{free_port()}"
+    client = make_client(endpoint, "key", "secret")
+    assert RetryConfig().first_contact_deadline == 5
+    with caplog.at_level("WARNING", logger="remote_loader"):
+        with pytest.raises(EndpointUnreachable, match=r"first_contact_deadline=5 s, and it has never answered") as caught:
+            DatasetReader(client, "bkt", "ds").has_manifest()
+    assert endpoint in str(caught.value)
+    warnings = [r.getMessage() for r in caplog.records if "is failing" in r.getMessage()]
+    assert warnings and "RetryConfig.first_contact_deadline" in warnings[0] and "outage_deadline" not in warnings[0]
+    assert "never answered" in warnings[0] and endpoint in warnings[0]
+
+
+_SPAWNED_CHILD = """
+import pickle, sys
+from remote_loader.storage.contact import answered
+store = pickle.loads(sys.stdin.buffer.read())
+print(answered(store.endpoint))
+"""
+
+
+def test_a_store_pickled_into_another_process_carries_whether_its_endpoint_answered(s3):
+    import pickle
+
+    store, bucket = s3
+    fresh = make_client(f"http://127.0.0.1:{free_port()}", "key", "secret")  # never contacted
+    assert not DatasetReader(store, bucket, "nothing").has_manifest()  # a 404: an answer
+    for client, expected in ((store, "True"), (fresh, "False")):
+        out = subprocess.run([sys.executable, "-c", _SPAWNED_CHILD], input=pickle.dumps(client), capture_output=True,
+                             timeout=60)
+        assert out.stdout.decode().strip() == expected, out.stderr.decode()
