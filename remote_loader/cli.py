@@ -69,6 +69,12 @@ def _open(args: argparse.Namespace) -> tuple[Store, Location]:
     return open_location(args.url, endpoint_url=args.endpoint_url, region=args.region, backend=backend)
 
 
+def _shown(text: str) -> str:
+    """``text`` for a terminal: control characters (a class name from a hostile upload could
+    hold escape sequences) shown as escapes, never sent as they are."""
+    return text if text.isprintable() else text.encode("unicode_escape", "backslashreplace").decode("ascii")
+
+
 def _emit(args: argparse.Namespace, data: Any, text: str) -> None:
     print(json.dumps(data, indent=2, sort_keys=True) if args.json else text)
 
@@ -172,11 +178,12 @@ def cmd_info(args: argparse.Namespace) -> int:
         [
             f"dataset   {location}",
             f"samples   {manifest.num_samples:,d} in {len(manifest.shards):,d} shards, {manifest.num_bytes / 1e6:,.1f} MB",
-            f"fields    {', '.join(manifest.fields)}",
+            f"fields    {_shown(', '.join(manifest.fields))}",
             f"skipped   {manifest.skipped}",
-            f"classes   {len(classes)}" + (f" ({', '.join(classes[:5])}{', ...' if len(classes) > 5 else ''})" if classes else ""),
-            f"upload    {', '.join(f'{k}={v}' for k, v in sorted(upload.items()))}",
-            f"created   {manifest.params.get('created', '?')}",
+            f"classes   {len(classes)}" + (f" ({_shown(', '.join(map(str, classes[:5])))}"
+                                           f"{', ...' if len(classes) > 5 else ''})" if classes else ""),
+            f"upload    {_shown(', '.join(f'{k}={v}' for k, v in sorted(upload.items())))}",
+            f"created   {_shown(str(manifest.params.get('created', '?')))}",
             f"format    version {manifest.version}",
         ]
     )

@@ -139,6 +139,11 @@ class CorruptShard(FormatError):
     """A shard, its index or a manifest is truncated, malformed or fails its checksum."""
 
 
+class TruncatedShard(CorruptShard):
+    """A shard or its index is not the size the manifest says: it was truncated or replaced
+    (the store answered, with fewer bytes than asked for or another object size)."""
+
+
 class CorruptSampleError(CorruptShard):
     """One sample's bytes fail their checksum.
 

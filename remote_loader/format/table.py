@@ -196,6 +196,13 @@ def check_table(table: ShardTable, name: str | None) -> None:
     for column in ("size", "index_offset", "index_size"):
         if int(c[column].max()) >= LIMIT:
             raise manifest_error(name, f"column {column!r} holds a value over 63 bits")
+    # Each sample is at least one tar member, a 512-byte header: no shard holds more samples
+    # than its size allows. (The size itself is checked against the object when its index is read.)
+    crowded = samples.astype(np.uint64) * np.uint64(512) > c["size"].astype(np.uint64)
+    if crowded.any():
+        entry = table[int(np.argmax(crowded))]
+        raise manifest_error(name, f"shard {entry.name} claims {entry.samples:,d} samples in {entry.size:,d} bytes;"
+                                   " each sample takes at least 512")
     offset, size = c["index_offset"].astype(np.uint64), c["size"].astype(np.uint64)
     outside = (offset < 1024) | (offset + c["index_size"] > size)
     if isinstance(table.index_names, BlobNames):

@@ -10,7 +10,7 @@ import numpy as np
 
 from remote_loader.errors import CorruptShard
 from remote_loader.format.checksum import crc32
-from remote_loader.format.index import BLOCK, INDEX_MEMBER, ShardIndex
+from remote_loader.format.index import BLOCK, INDEX_MEMBER, KEY_RULE, ShardIndex, bad_key, check_field_name
 
 _PART = 8 * 1024 * 1024
 
@@ -76,6 +76,18 @@ def _split_name(path: str) -> tuple[str, str] | None:
     return (f"{directory}/{key}" if directory else key), field
 
 
+def _check_member(name: str, path: str, key: str, field: str) -> None:
+    """Refuse a member whose name cannot be a sample's key and field, naming the tar and the
+    member (its ``repr``: control characters and undecodable bytes show escaped)."""
+    try:
+        check_field_name(field)
+    except ValueError as error:
+        raise CorruptShard(f"{name}: member {path!r} cannot be read as a sample: {error}", name=name) from None
+    if bad_key([key]) is not None:
+        raise CorruptShard(f"{name}: member {path!r} cannot be read as a sample: its key {key!r} is refused ({KEY_RULE})",
+                           name=name)
+
+
 def scan_tar(fetch: Callable[[int, int], bytes | memoryview], name: str, size: int) -> tuple[ShardIndex, int]:
     """Read a tar shard once, through ``fetch(start, end)``, and return its index and whole crc32."""
     stream = _Stream(fetch, name, size)
@@ -101,10 +113,11 @@ def scan_tar(fetch: Callable[[int, int], bytes | memoryview], name: str, size: i
         if split is None:
             stream.crc_of(padded)
             continue
+        key, field = split
+        _check_member(name, path, key, field)
         offset = stream.pos
         crc = stream.crc_of(info.size)
         stream.crc_of(padded - info.size)
-        key, field = split
         if not keys or keys[-1] != key or field in rows[-1]:
             keys.append(key)
             rows.append({})

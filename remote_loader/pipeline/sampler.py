@@ -3,7 +3,10 @@ the number of samples: each rank's part of an epoch is produced block by block, 
 position, so a billion-sample epoch needs no table of indices, and a resume is a position.
 
 - ``LocalitySampler`` shuffles the shards, then the samples within windows of a few shards,
-  so a batch touches few shards and its samples merge into few GETs.
+  so a batch touches few shards and its samples merge into few GETs. The order inside a
+  window is a seeded bijection too, so no window is ever built as a table: a manifest
+  claiming a billion samples in one shard costs nothing until that shard's index says
+  otherwise.
 - ``UniformSampler`` is a uniform shuffle of all samples: a seeded bijection of
   ``[0, N)`` (a Feistel network, walked until it lands inside ``[0, N)``).
 
@@ -111,9 +114,13 @@ class _EpochSampler(Sampler[int]):
         self.epoch, self._resume = self._check_state(state)
         self._live = None
 
+    order_version = 1
+    """Which definition of the order a state was taken with: a state of another one would
+    resume at a position naming other samples."""
+
     def _state(self, epoch: int, delivered: int) -> dict[str, Any]:
-        return {"sampler": type(self).__name__, "epoch": epoch, "seed": self.seed, "total": self.total,
-                "world_size": self.world_size, "delivered": delivered}
+        return {"sampler": type(self).__name__, "order": self.order_version, "epoch": epoch, "seed": self.seed,
+                "total": self.total, "world_size": self.world_size, "delivered": delivered}
 
     def _check_state(self, state: Mapping[str, Any]) -> tuple[int, int]:
         if not isinstance(state, Mapping):
@@ -122,6 +129,10 @@ class _EpochSampler(Sampler[int]):
         for key, value in expected.items():
             if state.get(key) != value:
                 raise ConfigError(f"the sampler state has {key}={state.get(key)!r}, this sampler has {value!r}")
+        if state.get("order", 1) != self.order_version:
+            raise ConfigError(f"the sampler state was taken with order {state.get('order', 1)!r} of"
+                              f" {type(self).__name__}, this version draws order {self.order_version}: its position"
+                              " would name other samples; start the epoch afresh")
         epoch = require_int("epoch", state.get("epoch"), 0)
         delivered = require_int("delivered", state.get("delivered"), 0, len(self))
         return epoch, delivered
@@ -152,6 +163,8 @@ class LocalitySampler(_EpochSampler):
         world_size: Number of ranks; default from torch.distributed or ``WORLD_SIZE``.
     """
 
+    order_version = 2  # 1 (0.1.0) permuted each window as a table of its samples
+
     def __init__(self, shard_sizes: Sequence[int] | RemoteMapDataset, *, window: int = 4, seed: int = 0,
                  rank: int | None = None, world_size: int | None = None) -> None:
         self.window = require_int("window", window, 1)
@@ -159,7 +172,6 @@ class LocalitySampler(_EpochSampler):
         self.starts = np.concatenate([[0], np.cumsum(self.sizes)[:-1]]).astype(np.int64)
         super().__init__(int(self.sizes.sum()), seed, rank, world_size)
         self._layout: tuple[int, np.ndarray, np.ndarray] | None = None  # epoch, shard order, window ends
-        self._window: tuple[int, int, np.ndarray] | None = None  # epoch, window, its samples in order
 
     def _epoch_layout(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         if self._layout is None or self._layout[0] != epoch:
@@ -169,13 +181,16 @@ class LocalitySampler(_EpochSampler):
             self._layout = (epoch, shards, ends)
         return self._layout[1], self._layout[2]
 
-    def _window_order(self, epoch: int, w: int, shards: np.ndarray) -> np.ndarray:
-        if self._window is None or self._window[:2] != (epoch, w):
-            group = shards[w * self.window : (w + 1) * self.window]
-            samples = np.concatenate([np.arange(self.starts[s], self.starts[s] + self.sizes[s]) for s in group])
-            rng = np.random.default_rng([self.seed, epoch, 1, w])
-            self._window = (epoch, w, rng.permutation(samples))
-        return self._window[2]
+    def _in_window(self, epoch: int, w: int, shards: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+        """The samples at ``offsets`` of window ``w``'s order: a seeded bijection of the
+        window's samples (its shards' samples, one after another), computed for these
+        offsets only."""
+        group = shards[w * self.window : (w + 1) * self.window]
+        ends = np.cumsum(self.sizes[group])
+        keys = np.random.default_rng([self.seed, epoch, 1, w]).integers(0, 2**63, size=_Bijection.rounds, dtype=np.uint64)
+        drawn = _Bijection(int(ends[-1]), keys)(offsets)
+        k = np.searchsorted(ends, drawn, side="right")
+        return self.starts[group[k]] + drawn - (ends[k] - self.sizes[group[k]])
 
     def indices(self, epoch: int, positions: np.ndarray) -> np.ndarray:
         shards, ends = self._epoch_layout(epoch)
@@ -184,7 +199,7 @@ class LocalitySampler(_EpochSampler):
         for w in np.unique(windows):
             chosen = windows == w
             first = int(ends[w - 1]) if w > 0 else 0
-            out[chosen] = self._window_order(epoch, int(w), shards)[positions[chosen] - first]
+            out[chosen] = self._in_window(epoch, int(w), shards, positions[chosen] - first)
         return out
 
     def order(self) -> np.ndarray:
@@ -203,6 +218,35 @@ def _mix(z: np.ndarray) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
+class _Bijection:
+    """A seeded bijection of ``[0, n)``: a Feistel network of ``rounds`` rounds on the smallest
+    even number of bits that holds ``n``, applied again while it lands outside ``[0, n)``
+    (fewer than 4 times on average). Any element is computed alone, in constant memory."""
+
+    rounds = 6
+
+    def __init__(self, n: int, keys: np.ndarray) -> None:
+        half = 1
+        while 1 << (2 * half) < max(n, 2):
+            half += 1
+        self.n, self.keys = n, keys
+        self._half, self._low = np.uint64(half), np.uint64((1 << half) - 1)
+
+    def _permute(self, x: np.ndarray) -> np.ndarray:
+        left, right = x >> self._half, x & self._low
+        for key in self.keys:
+            left, right = right, left ^ (_mix(right ^ key) & self._low)
+        return (left << self._half) | right
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        out = self._permute(x.astype(np.uint64))
+        outside = out >= np.uint64(self.n)
+        while outside.any():
+            out[outside] = self._permute(out[outside])
+            outside = out >= np.uint64(self.n)
+        return out.astype(np.int64)
+
+
 class UniformSampler(_EpochSampler):
     """A uniform random order of all samples each epoch, without a table of indices.
 
@@ -218,32 +262,11 @@ class UniformSampler(_EpochSampler):
         world_size: Number of ranks; default from torch.distributed or ``WORLD_SIZE``.
     """
 
-    rounds = 6
-
     def __init__(self, dataset: RemoteMapDataset | int, *, seed: int = 0, rank: int | None = None,
                  world_size: int | None = None) -> None:
         total = len(dataset) if isinstance(dataset, RemoteMapDataset) else require_int("dataset", dataset, 0, 2**62)
         super().__init__(total, seed, rank, world_size)
-        half = 1
-        while 1 << (2 * half) < max(total, 2):
-            half += 1
-        self._half = np.uint64(half)
-        self._low = np.uint64((1 << half) - 1)
-
-    def _keys(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng([self.seed, epoch, 2]).integers(0, 2**63, size=self.rounds, dtype=np.uint64)
-
-    def _permute(self, x: np.ndarray, keys: np.ndarray) -> np.ndarray:
-        left, right = x >> self._half, x & self._low
-        for key in keys:
-            left, right = right, left ^ (_mix(right ^ key) & self._low)
-        return (left << self._half) | right
 
     def indices(self, epoch: int, positions: np.ndarray) -> np.ndarray:
-        keys = self._keys(epoch)
-        out = self._permute(positions.astype(np.uint64), keys)
-        outside = out >= np.uint64(self.total)
-        while outside.any():
-            out[outside] = self._permute(out[outside], keys)
-            outside = out >= np.uint64(self.total)
-        return out.astype(np.int64)
+        keys = np.random.default_rng([self.seed, epoch, 2]).integers(0, 2**63, size=_Bijection.rounds, dtype=np.uint64)
+        return _Bijection(self.total, keys)(positions)

@@ -28,11 +28,11 @@ from remote_loader.errors import (
     InvalidRange,
     ObjectNotFound,
     StorageError,
-    TransientStorageError,
+    TruncatedShard,
 )
 from remote_loader.format import MANIFEST_NAME, UPLOAD_STATE, Manifest, Sample, ShardEntry, ShardIndex, ShardView
 from remote_loader.format.checksum import crc32
-from remote_loader.read.fetch import fetch_range
+from remote_loader.format.tar import scan_tar
 from remote_loader.read.heap import release_free_memory
 from remote_loader.read.metrics import Metrics
 from remote_loader.read.retry import RetryPolicy
@@ -63,6 +63,9 @@ class ShardReport:
 _FIRST = 4 << 20
 _MIN_PART = 1 << 20
 _PART_SECONDS = 0.05
+MAX_MANIFEST_BYTES = 1 << 31
+"""The largest manifest a reader takes (a billion samples make about 25 MB): an object under
+the manifest's name larger than this is refused before a buffer is made for it."""
 
 
 def fetch_whole(policy: RetryPolicy, bucket: str, key: str) -> bytes | bytearray:
@@ -86,6 +89,9 @@ def fetch_whole(policy: RetryPolicy, bucket: str, key: str) -> bytes | bytearray
     policy.metrics.add(bytes=len(first))
     if len(first) >= size:
         return first
+    if size > MAX_MANIFEST_BYTES:
+        raise CorruptShard(f"s3://{bucket}/{key} is {size:,d} bytes, larger than any manifest this reader takes"
+                           f" ({MAX_MANIFEST_BYTES:,d}): it is not a remote_loader manifest", name=key)
     out = bytearray(size)
     view = memoryview(out)
     view[:len(first)] = first
@@ -98,10 +104,7 @@ def fetch_whole(policy: RetryPolicy, bucket: str, key: str) -> bytes | bytearray
     def part(k: int) -> None:
         try:
             policy.store.inner.get_range_into(bucket, key, bounds[k], bounds[k + 1], view[bounds[k]:bounds[k + 1]])
-        except (InvalidRange, TransientStorageError) as error:
-            if isinstance(error, TransientStorageError) and (
-                    error.code != "ShortRead" or policy.store.inner.head(bucket, key) == size):
-                raise  # a fault of this range alone: retried
+        except InvalidRange:  # the object ends before this range: it was replaced meanwhile
             raise CorruptShard(f"s3://{bucket}/{key} changed while it was read in ranges (no longer {size} bytes)",
                                name=key) from None
 
@@ -271,11 +274,40 @@ class DatasetReader:
 
     def read_index(self, entry: ShardEntry, policy: RetryPolicy | None = None) -> ShardIndex:
         """Fetch and decode one shard's index with a single ranged GET (retried, and fetched
-        again while its bytes fail their checksum)."""
-        key, start, end = self.index_range(entry)
+        again while its bytes fail their checksum).
+
+        The GET also gives the object's size, checked against the manifest's before the
+        index is believed: every sample range is then checked to lie inside the real object,
+        so no size the manifest or the index claims is fetched or allocated unchecked. An
+        index kept apart (a tar indexed in place) costs a HEAD of its tar for that.
+
+        Raises:
+            TruncatedShard: The shard or its index is not the size the manifest says.
+        """
         policy = policy or self.policy()
-        return policy.refetch(partial(fetch_range, policy, self.location.bucket, key, start, end),
-                              partial(self.parse_index, entry))
+        return policy.refetch(partial(self._index_bytes, entry, policy), partial(self.parse_index, entry))
+
+    def _index_bytes(self, entry: ShardEntry, policy: RetryPolicy) -> bytes:
+        key, start, end = self.index_range(entry)
+        bucket = self.location.bucket
+        policy.metrics.add(gets=1)
+        try:
+            data, size = policy.store.get_range_and_size(bucket, key, start, end)
+        except InvalidRange as error:
+            raise TruncatedShard(f"shard {entry.name}: {error}; the manifest says its index lies at bytes"
+                                 f" {start}-{end - 1}: the object was truncated or replaced", name=entry.name) from None
+        policy.metrics.add(bytes=len(data))
+        if entry.index_name:
+            objects = [(entry.index_name, size, entry.index_size),
+                       (entry.name, policy.store.head(bucket, self.location.key(entry.name)), entry.size)]
+        else:
+            objects = [(entry.name, size, entry.size)]
+        for name, real, said in objects:
+            if real != said:
+                raise TruncatedShard(f"{'index ' if name != entry.name else ''}{self.location}/{name} is {real:,d}"
+                                     f" bytes; the manifest says {said:,d}: it was truncated or replaced",
+                                     name=entry.name)
+        return data
 
     def get(self, name: str) -> bytes:
         """A whole object of the dataset, its GET retried."""
@@ -322,6 +354,22 @@ class DatasetReader:
                     view.sample(i)
                 except CorruptSampleError as exc:
                     report.problems.append(f"sample {exc.key!r} field {exc.field!r} fails its crc32 check")
+            mismatch = _index_against_tar(view.index, data, entry.name)
+            if mismatch:
+                report.problems.append(mismatch)
         except (FormatError, ObjectNotFound) as exc:
             report.problems.append(str(exc))
         return report
+
+
+def _index_against_tar(index: ShardIndex, data: bytes, name: str) -> str | None:
+    """What an index says that the shard's own tar headers do not (each member's name, offset
+    and size), or None: an index rewritten to point a sample at another's bytes, with
+    checksums to match, passes every other check."""
+    scanned, _ = scan_tar(lambda start, end: memoryview(data)[start:end], name, len(data))
+    if list(scanned.keys) != list(index.keys):
+        return "its index lists other samples than its tar members"
+    for i, key in enumerate(index.keys):
+        if {m[:3] for m in index.members(i)} != {m[:3] for m in scanned.members(i)}:
+            return f"sample {key!r}: its index points at other bytes than its tar members {key}.*"
+    return None

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from remote_loader.config import FetchConfig
-from remote_loader.errors import CorruptShard
+from remote_loader.errors import CorruptShard, TruncatedShard
 from remote_loader.read.metrics import Metrics
 from remote_loader.storage import Store
 from remote_loader.storage.retrying import Cancelled, Retry, RetryingStore
@@ -47,12 +47,14 @@ class RetryPolicy:
 
     def refetch(self, fetch: Callable[[], P], parse: Callable[[P], T]) -> T:
         """Return ``parse(fetch())``; bytes that ``parse`` (or ``fetch`` itself) finds damaged
-        (``CorruptShard``) are fetched again, up to ``config.refetch_attempts`` fetches in all."""
+        (``CorruptShard``) are fetched again, up to ``config.refetch_attempts`` fetches in all.
+        An object of the wrong size (``TruncatedShard``) is read once more only: a second
+        answer of the same store settles it."""
         for attempt in range(1, self.config.refetch_attempts + 1):
             try:
                 return parse(fetch())
-            except CorruptShard:
-                if attempt == self.config.refetch_attempts:
+            except CorruptShard as error:
+                if attempt == self.config.refetch_attempts or (isinstance(error, TruncatedShard) and attempt >= 2):
                     raise
                 self.metrics.add(retries=1)
         raise AssertionError("unreachable")

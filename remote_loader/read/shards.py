@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from remote_loader.errors import CorruptSampleError, CorruptShard, ObjectNotFound
+from remote_loader.errors import CorruptSampleError, CorruptShard, InvalidRange, ObjectNotFound, TruncatedShard
 from remote_loader.format import Sample, ShardEntry, ShardIndex, ShardView
 from remote_loader.format.tar import scan_tar
 from remote_loader.read.fetch import Fetched, fetch_range
@@ -68,6 +68,13 @@ class IndexCache:
         return index
 
 
+def truncated(name: str, error: InvalidRange) -> TruncatedShard:
+    """The error of a shard that ended before a range its index names: the store answered
+    with fewer bytes than asked for, so the object is shorter than the manifest says."""
+    return TruncatedShard(f"shard {name} is shorter than its index says ({error}): it was truncated or replaced",
+                          name=name)
+
+
 def own(sample: Sample) -> Sample:
     """Copy a sample's fields out of the range buffer, which is reused once the range is read."""
     return {k: bytes(v) if isinstance(v, memoryview) else v for k, v in sample.items()}
@@ -85,8 +92,14 @@ def read_run(reader: DatasetReader, shard: int, index: ShardIndex, positions: li
         view = ShardView(data, index, name=entry.name, verify=reader.verify, base=start, first=first, stop=stop)
         return [own(view.sample(j)) for j in positions]
 
+    def fetch() -> bytes:
+        try:
+            return fetch_range(policy, reader.location.bucket, key, start, end)
+        except InvalidRange as error:
+            raise truncated(entry.name, error) from None
+
     try:
-        return policy.refetch(partial(fetch_range, policy, reader.location.bucket, key, start, end), parse)
+        return policy.refetch(fetch, parse)
     except DAMAGE as error:
         reader.check_unchanged(error)
         raise
@@ -213,11 +226,12 @@ class OpenRange:
             return own(self.view.sample(j))
         except CorruptSampleError:
             pass
-        except ObjectNotFound as error:  # the shard went away under us
+        except (ObjectNotFound, InvalidRange) as error:  # the shard went away under us, or shrank
             self.reader.check_unchanged(error)
+            damage = truncated(self.view.name, error) if isinstance(error, InvalidRange) else error
             if self.on_error != "skip":
-                raise
-            skip(f"the rest of shard {self.view.name}", self.stop - j, error, self.policy)
+                raise damage from None
+            skip(f"the rest of shard {self.view.name}", self.stop - j, damage, self.policy)
             self.next = self.stop
             return None
         assert self.index is not None  # unindexed tars are not verified

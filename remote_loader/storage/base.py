@@ -38,11 +38,15 @@ class ObjectInfo:
 
 
 def check_range(bucket: str, key: str, start: int, end: int, data: bytes, got: int | None = None) -> bytes:
-    """Return ``data`` if it holds exactly ``end - start`` bytes (or ``got`` says so), else raise a retryable error."""
+    """Return ``data`` if it holds exactly ``end - start`` bytes (or ``got`` says so), else
+    raise ``InvalidRange``: a whole answer with fewer bytes than asked for means the object
+    ends before ``end`` (a body cut off by the network raises a transient error on its
+    own). Not retried: the store answered, the object is shorter."""
     received = len(data) if got is None else got
     if received != end - start:
-        raise TransientStorageError(
-            f"short read of s3://{bucket}/{key} bytes {start}-{end - 1}: got {received} of {end - start} bytes",
+        raise InvalidRange(
+            f"s3://{bucket}/{key} ends before byte {end}: bytes {start}-{end - 1} asked for, {received} of"
+            f" {end - start} received",
             bucket=bucket,
             key=key,
             code="ShortRead",
@@ -96,6 +100,15 @@ class Store(ABC):
         """
         size = self.head(bucket, key)
         return self.get_range(bucket, key, 0, min(length, size)), size
+
+    def get_range_and_size(self, bucket: str, key: str, start: int, end: int) -> tuple[bytes, int]:
+        """Return bytes ``[start, end)`` of the object and the object's size, so a reader
+        checks a size it was told (a manifest's) against the object's own before using it.
+
+        The default makes a HEAD and a ranged GET; the S3 backends read the size from the
+        GET's ``Content-Range``.
+        """
+        return self.get_range(bucket, key, start, end), self.head(bucket, key)
 
     @abstractmethod
     def head(self, bucket: str, key: str) -> int:
@@ -217,6 +230,14 @@ class RangedStore(Store):
         if length <= 0:
             return b""
         return self._read(bucket, key, f"bytes=-{length}")[0]
+
+    def get_range_and_size(self, bucket: str, key: str, start: int, end: int) -> tuple[bytes, int]:
+        if end <= start:
+            return b"", self.head(bucket, key)
+        data, content_range = self._read(bucket, key, f"bytes={start}-{end - 1}")
+        total = content_range.rpartition("/")[2] if content_range else ""
+        size = int(total) if total.isdigit() else self.head(bucket, key)
+        return check_range(bucket, key, start, end, data), size
 
     def get_first_bytes(self, bucket: str, key: str, length: int) -> tuple[bytes, int]:
         if length <= 0:

@@ -87,6 +87,17 @@ class LocalStore(Store):
             f.seek(start)
             return check_range(bucket, key, start, end, f.read(end - start))
 
+    def get_range_and_size(self, bucket: str, key: str, start: int, end: int) -> tuple[bytes, int]:
+        path, size = self._open(bucket, key)
+        if end <= start:
+            return b"", size
+        if start < 0 or end > size:
+            raise InvalidRange(f"{bucket}/{key}: range {start}-{end} lies outside its {size} bytes", bucket=bucket,
+                               key=key, code="ShortRead")
+        with path.open("rb") as f:
+            f.seek(start)
+            return check_range(bucket, key, start, end, f.read(end - start)), size
+
     def get_tail(self, bucket: str, key: str, length: int) -> bytes:
         if length <= 0:
             return b""

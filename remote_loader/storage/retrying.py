@@ -172,6 +172,9 @@ class RetryingStore(Store):
     def get_tail(self, bucket: str, key: str, length: int) -> bytes:
         return self.retry.call(partial(self.inner.get_tail, bucket, key, length), bucket=bucket, key=key)
 
+    def get_range_and_size(self, bucket: str, key: str, start: int, end: int) -> tuple[bytes, int]:
+        return self.retry.call(partial(self.inner.get_range_and_size, bucket, key, start, end), bucket=bucket, key=key)
+
     def get_first_bytes(self, bucket: str, key: str, length: int) -> tuple[bytes, int]:
         return self.retry.call(partial(self.inner.get_first_bytes, bucket, key, length), bucket=bucket, key=key)
 

@@ -280,12 +280,29 @@ def test_names_follow_the_specs_rule_exactly(bad):
     assert list(Manifest.decode(spec_manifest(names={"blob": blob, "offsets": column(offsets)}), name="m").shards.names) == good
 
 
+def _big_shards(n: int, samples: list[int]) -> bytes:
+    """A manifest of ``n`` shards of 2**62 bytes each, with these sample counts."""
+    size = 2**62
+    columns = {"samples": column(samples), "size": column([size] * n), "index_offset": column([size - 2000] * n),
+               "index_size": column([1000] * n), "index_crc": column([1] * n), "crc32": column([2] * n)}
+    names = {"parts": ["s", ".tar"], "widths": [4], "numbers": [column(list(range(n)))]}
+    return spec_manifest(shards=n, columns=columns, names=names)
+
+
 def test_the_sample_total_may_reach_just_below_two_to_the_63():
-    top = (2**63 - 1) // 3  # 3 x top = 2**63 - 2 fits a signed 64-bit integer
-    fits = _columns(samples=column([top, top, top]))
-    assert Manifest.decode(spec_manifest(columns=fits), name="m").num_samples == 3 * top
+    # Each shard holds at most size / 512 samples (one tar header each), and sizes are below
+    # 2**63: 1023 shards of 2**53 samples fit (2**63 - 2**53); one sample more overflows.
+    top = 2**53
+    assert Manifest.decode(_big_shards(1023, [top] * 1023), name="m").num_samples == 1023 * top
     with pytest.raises(CorruptShard, match="overflow"):
-        Manifest.decode(spec_manifest(columns=_columns(samples=column([top, top, top + 1]))), name="m")
+        Manifest.decode(_big_shards(1024, [top] * 1024), name="m")
+
+
+def test_a_shard_claiming_more_samples_than_its_size_holds_is_refused():
+    columns = _columns(samples=column([1000, 1000, 18]))  # 9,000 bytes hold at most 17 samples of 512
+    with pytest.raises(CorruptShard, match=r"part-01/shard-00007.tar claims 18 samples in 9,000 bytes"):
+        Manifest.decode(spec_manifest(columns=columns), name="m")
+    assert Manifest.decode(spec_manifest(columns=_columns(samples=column([1000, 1000, 17]))), name="m")
 
 
 def test_an_index_kept_apart_starts_at_offset_0_of_its_object():

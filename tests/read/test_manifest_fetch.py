@@ -30,7 +30,7 @@ def small_parts(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _manifest(shards: int, field: str) -> bytes:
-    values = {"samples": 1000, "size": 100_000, "index_offset": 90_000, "index_size": 1_000, "index_crc": 7, "crc32": 9}
+    values = {"samples": 100, "size": 100_000, "index_offset": 90_000, "index_size": 1_000, "index_crc": 7, "crc32": 9}
     columns = {c: np.full(shards, v, dtype=np.uint64) for c, v in values.items()}
     table = ShardTable.from_template(columns, ("shard-", ".tar"), (6,), (np.arange(shards),))
     return Manifest(shards=table, fields=(field,)).encode()

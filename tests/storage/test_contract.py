@@ -18,6 +18,7 @@ from remote_loader import (
     BucketNotFound,
     EndpointUnreachable,
     InvalidRange,
+    TransientStorageError,
     ObjectNotFound,
     PreconditionFailed,
     StorageConfig,
@@ -63,6 +64,23 @@ def test_the_first_bytes_come_with_the_objects_size(store):
     with pytest.raises(ObjectNotFound) as missing:
         client.get_first_bytes(bucket, "a/other", 777)
     assert missing.value.key == "a/other"
+
+
+def test_a_range_comes_with_the_objects_size_and_one_past_its_end_is_an_invalid_range(store):
+    client, bucket, _ = store
+    data = os.urandom(10_000)
+    client.put(bucket, "a/obj.bin", data)
+    assert client.get_range_and_size(bucket, "a/obj.bin", 100, 2_000) == (data[100:2_000], 10_000)
+    assert client.get_range_and_size(bucket, "a/obj.bin", 5, 5) == (b"", 10_000)
+    # A whole answer with fewer bytes than asked for: the object ends first. Not a fault to
+    # retry (TransientStorageError) but InvalidRange, on every path that reads a range.
+    for read in (lambda: client.get_range(bucket, "a/obj.bin", 9_000, 12_000),
+                 lambda: client.get_range_into(bucket, "a/obj.bin", 9_000, 12_000, memoryview(bytearray(3_000))),
+                 lambda: client.get_range_and_size(bucket, "a/obj.bin", 9_000, 12_000),
+                 lambda: client.get_range(bucket, "a/obj.bin", 20_000, 20_010)):
+        with pytest.raises(InvalidRange) as short:
+            read()
+        assert short.value.key == "a/obj.bin" and not isinstance(short.value, TransientStorageError)
 
 
 def test_put_replaces_and_empty_objects(store):
