@@ -137,3 +137,21 @@ class MarkedImages(SyntheticImages):
 def marked_images() -> MarkedImages:
     """A ``module:function`` source for uploads on a cluster."""
     return MarkedImages(60, size=(32, 24))
+
+
+class BlockingImages(SyntheticImages):
+    """Synthetic images whose reads in any process but the one that made it record that
+    process's id in ``directory`` and then block (up to two minutes): upload workers stuck
+    mid-task, for a test to kill their parent under them."""
+
+    def __init__(self, n: int, directory: str, **kwargs: object) -> None:
+        super().__init__(n, **kwargs)  # type: ignore[arg-type]
+        self.directory, self.owner = directory, os.getpid()
+
+    def __getitem__(self, index: int):  # type: ignore[override]
+        if os.getpid() != self.owner:
+            open(os.path.join(self.directory, str(os.getpid())), "w").close()
+            import threading
+
+            threading.Event().wait(120)
+        return super().__getitem__(index)

@@ -7,6 +7,10 @@ task object, so a re-run of an interrupted upload keeps the shards already finis
 
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.connection
+import os
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -38,9 +42,26 @@ _worker_progress: Any = None
 
 def init_worker(dataset: Any, progress: Any) -> None:
     """Process-pool initializer (in a pool's worker process only): keep the dataset and the
-    progress queue for later tasks."""
+    progress queue for later tasks, and end this process when the upload's process ends."""
     global _worker_dataset, _worker_progress
     _worker_dataset, _worker_progress = dataset, progress
+    _exit_with_parent()
+
+
+def _exit_with_parent() -> None:
+    """End this worker as soon as the process that started it is gone, however it went
+    (SIGKILL, out of memory): an orphaned worker would go on encoding and uploading for
+    nobody. A thread waits on multiprocessing's parent sentinel, a pipe that reads as
+    closed once the parent's end of it is gone: no polling, on every start method."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os._exit(1)  # nothing of this process's work can be delivered any more
+
+    threading.Thread(target=watch, name="remote-loader-parent-watch", daemon=True).start()
 
 
 def shard_name(run: str, task_id: int, part: int) -> str:

@@ -281,3 +281,57 @@ def test_a_task_record_whose_shard_is_missing_is_written_again(s3):
     assert client.exists(bucket, shard)
     upload_cv_dataset(SyntheticImages(40, size=(32, 24)), **{**args, "base_folder": "whole"})
     assert samples == read_back(client, bucket, "whole")[0]  # byte for byte what one clean run writes
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _within(seconds: float, condition) -> bool:
+    """Whether ``condition()`` holds within ``seconds``, checked every 50 ms (a bound on a
+    process's exit, which nothing here can be notified of)."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_upload_workers_end_when_the_upload_is_killed(seaweed, s3, tmp_path, start_method):
+    client, bucket = s3
+    script = textwrap.dedent(f"""
+        import multiprocessing
+        from remote_loader import make_client, upload_cv_dataset
+        from tests.helpers import BlockingImages
+
+        if __name__ == "__main__":
+            multiprocessing.set_start_method({start_method!r})
+            client = make_client({seaweed.endpoint_url!r}, {seaweed.access_key!r}, {seaweed.secret_key!r})
+            upload_cv_dataset(BlockingImages(64, {str(tmp_path)!r}, size=(16, 16)), client=client, bucket={bucket!r},
+                              base_folder="killed", maxcount=8, workers=2, progress=False)
+    """)
+    (tmp_path / "upload.py").write_text(script)
+    upload = subprocess.Popen([sys.executable, str(tmp_path / "upload.py")], cwd=Path(__file__).resolve().parents[2],
+                              env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    workers: list[int] = []
+    try:
+        assert _within(120, lambda: len(os.listdir(tmp_path)) >= 3), "the upload's two workers never started a task"
+        workers = [int(name) for name in os.listdir(tmp_path) if name.isdigit()]
+        assert len(workers) == 2 and all(_alive(pid) for pid in workers)
+        upload.kill()  # SIGKILL: no clean-up runs in the upload's process
+        upload.wait(30)
+        assert _within(10, lambda: not any(_alive(pid) for pid in workers)), "orphaned workers kept running"
+    finally:
+        if upload.poll() is None:
+            upload.kill()
+        for pid in workers:
+            if _alive(pid):
+                os.kill(pid, 9)
