@@ -230,11 +230,16 @@ _RETRY_FIELDS = ("backoff", "max_backoff", "outage_deadline", "first_contact_dea
 class FetchConfig:
     """How shards are fetched ahead of use: the shape of the reads and their memory.
 
-    The shard data a process holds at once is at most ``prefetch_bytes + (open_shards +
-    2) * range_bytes`` (ranges rounded up to whole MiB): ranges being fetched, the
-    ``open_shards`` ranges being read, and two free buffers kept for reuse. With the
-    defaults and ``open_shards=4``: 176 MiB. The fetcher starts with 8 GETs in flight and
-    a 32 MiB budget (80 MiB in all) and reaches toward ``concurrency`` and
+    The shard data a process holds at once is at most ``range_memory(open_shards,
+    largest_sample)``: ``max(prefetch_bytes, R) + (open_shards + 2) * R`` plus 4 MiB, where
+    a range ``R`` is ``range_bytes`` or, when one sample is larger, that sample (rounded up
+    to whole MiB): ranges being fetched, the ``open_shards`` ranges being read, two free
+    buffers kept for reuse, and the heads of the first shards. With the defaults,
+    ``open_shards=4`` and samples under 8 MiB: 180 MiB; with 40 MB samples, 404 MiB. A
+    range holds as many samples as ``range_bytes`` holds at its shard's average sample
+    size: with sizes that vary much within a shard, a range of its largest samples is
+    larger than ``R``. The fetcher starts with 8 GETs in flight and
+    a 32 MiB budget (84 MiB in all) and reaches toward ``concurrency`` and
     ``prefetch_bytes`` only while the reader waits for bytes and each step brings them in
     faster: across a network, where every GET costs a round trip. At the start of an
     epoch the first MiB of the first four shards is fetched while their indexes arrive
@@ -295,6 +300,13 @@ class FetchConfig:
         name FetchConfig's or RetryConfig's fields (None values ignored)."""
         retry = RetryConfig.from_env(env, **{k: v for k, v in overrides.items() if k in _RETRY_FIELDS})
         return cls(retry=retry, **{k: v for k, v in overrides.items() if k not in _RETRY_FIELDS and v is not None})  # type: ignore[arg-type]
+
+    def range_memory(self, open_shards: int, largest_sample: int = 0) -> int:
+        """The most bytes of shard data a process holds at once with ``open_shards`` and
+        samples of at most ``largest_sample`` bytes (see the class's docstring)."""
+        mib = 1 << 20
+        ranges = -(-max(self.range_bytes, largest_sample) // mib) * mib
+        return max(self.prefetch_bytes, ranges) + (open_shards + 2) * ranges + 4 * mib
 
     # The deprecated names, read back (one release).
     max_attempts = property(lambda self: self.refetch_attempts)

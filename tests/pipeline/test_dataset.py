@@ -263,3 +263,34 @@ def test_to_tuple_takes_webdatasets_single_string_form(uploaded):
     assert [(bytes(a), bytes(b)) for a, b in spaced] == [(bytes(a), bytes(b)) for a, b in separate]
     with pytest.raises(ConfigError, match="hold spaces"):
         RemoteDataset(client, bucket, "few").to_tuple("jpg cls", "txt")
+
+
+def test_range_memory_with_samples_larger_than_a_range_stays_within_the_documented_sum(seaweed):
+    """Samples of 3 MB with 1 MiB ranges: each range is one sample, and the bound counts ranges
+    of that size (the formula with range_bytes alone, 8 MiB here, did not hold)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (1000, 1000, 3), dtype=np.uint8)).save(
+        out, format="PNG", compress_level=0)
+    big = out.getvalue()
+
+    class Large:
+        def __len__(self) -> int:
+            return 24
+
+        def __getitem__(self, i: int) -> tuple[bytes, int]:
+            return big, i % 3
+
+    client = seaweed.client()
+    upload_to_new_bucket(client, "memory-large", "d", Large(), maxcount=6)
+    fetch = FetchConfig(part_size=1 << 20, range_bytes=1 << 20, prefetch_bytes=4 << 20)
+    dataset = RemoteDataset(client, "memory-large", "d", open_shards=2, fetch=fetch)
+    assert len(list(dataset)) == 24
+    bound = fetch.range_memory(open_shards=2, largest_sample=len(big))
+    assert bound == (4 + 4 * 3 + 4) << 20
+    assert 0 < dataset.metrics.peak_range_memory <= bound, dataset.metrics
+    client.close()
