@@ -16,7 +16,13 @@ world and the pipeline's stages.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+import fcntl
+import os
+import tempfile
+import uuid
+import weakref
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +38,10 @@ from remote_loader.pipeline.stages import Stage
 from remote_loader.pipeline.states import Remainder, WorkerState, find_states, gather, parse, steps_since_snapshot
 from remote_loader.read import DatasetReader
 
-_EPOCH, _GENERATION, _IN_WORKERS, _APPLIED = 0, 1, 2, 3  # slots of the shared state
+# Slots of the shared state. _EPOCH: the epoch set_epoch chose (or a loaded state's); _AUTO:
+# 1 while set_epoch was never called, each iteration then taking the next epoch; _NEXT: that
+# next epoch; _PASS_*: the pass of DataLoader workers that took an epoch last, and which.
+_EPOCH, _GENERATION, _IN_WORKERS, _AUTO, _NEXT, _PASS_SEED, _PASS_COUNT, _PASS_EPOCH, _APPLIED = range(9)
 
 
 @dataclass(frozen=True)
@@ -112,15 +121,54 @@ class Layout:
                               " the state's positions name other samples; start the epoch afresh")
 
 
-class Checkpoints:
-    """A dataset's states: the one loaded, the live iteration's, and the shared counters."""
+def _remove(path: str, owner: int) -> None:
+    if os.getpid() == owner:  # not a forked child that exits normally
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
-    def __init__(self, epoch: int = 0) -> None:
+
+class _FileLock:
+    """A lock among a process and the DataLoader workers it starts, forked or spawned: an
+    exclusive ``flock`` on a file named when the lock is made (created on first use, removed
+    with the lock in the process that made it). A multiprocessing lock is tied to one start
+    method, and the loader's is not known when a dataset is made."""
+
+    def __init__(self) -> None:
+        self.path = os.path.join(tempfile.gettempdir(), f"remote-loader-epochs-{uuid.uuid4().hex}")
+        weakref.finalize(self, _remove, self.path, os.getpid())
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"path": self.path}  # a copy uses the file, never removes it
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        with open(self.path, "a") as file:
+            fcntl.flock(file, fcntl.LOCK_EX)
+            yield  # closing the file releases the lock
+
+
+class Checkpoints:
+    """A dataset's states: the one loaded, the live iteration's, and the shared counters.
+
+    Epochs: until ``set_epoch`` is called, every iteration takes the next epoch by itself
+    (0, 1, 2...; after a loaded state, that state's epoch and then the ones after it). A
+    DataLoader's workers each begin their own iteration; those of one pass agree on its
+    epoch through the shared state, under a lock: the first to begin takes the next epoch,
+    the others find the pass recorded (a pass is known by the loader's base seed, and for
+    persistent workers by how many iterations each worker began). After ``set_epoch(e)``,
+    iterations follow ``e`` exactly.
+    """
+
+    def __init__(self, epoch: int = 0, auto: bool = True) -> None:
         # Made before DataLoader workers fork or spawn, so what the main process sets later
         # reaches persistent workers: the epoch, how many states were loaded (the
         # generation), whether workers iterated, and per worker the generation it applied.
         self.shared = torch.zeros(_APPLIED + MAX_WORKERS, dtype=torch.int64).share_memory_()
-        self.shared[_EPOCH] = epoch
+        self.shared[_EPOCH] = self.shared[_NEXT] = epoch
+        self.shared[_AUTO] = int(auto)
+        self.shared[_PASS_SEED] = -1
+        self.lock = _FileLock()
+        self.passes = 0  # iterations begun in this process (a persistent worker's count them)
         self.resume: ResumeState | Remainder | None = None
         self.generation = 0  # of the resume this copy holds
         self.position: WorkerState | None = None  # one worker's own state, loaded in its process
@@ -132,8 +180,39 @@ class Checkpoints:
         return state
 
     @property
+    def auto(self) -> bool:
+        """Whether iterations take the next epoch by themselves (``set_epoch`` never called)."""
+        return bool(int(self.shared[_AUTO]))
+
+    @property
     def epoch(self) -> int:
-        return int(self.shared[_EPOCH])
+        """The epoch the next iteration follows."""
+        return int(self.shared[_NEXT if self.auto else _EPOCH])
+
+    @property
+    def current(self) -> int:
+        """The epoch of the iteration under way (the latest begun), else of the next one."""
+        if self.auto and int(self.shared[_PASS_SEED]) != -1:
+            return int(self.shared[_PASS_EPOCH])
+        return self.epoch
+
+    def begin(self, worker_info: Any) -> int:
+        """The epoch of an iteration beginning now in this process (see the class's docstring)."""
+        count, self.passes = self.passes, self.passes + 1
+        if not self.auto:
+            return int(self.shared[_EPOCH])
+        # Each iteration in the main process is a pass of its own; DataLoader workers of one
+        # pass share the loader's base seed, and persistent ones their count of iterations.
+        key = (-2, count) if worker_info is None else ((int(worker_info.seed) - int(worker_info.id)) % 2**62, count)
+        with self.lock.held():
+            if worker_info is not None and (int(self.shared[_PASS_SEED]), int(self.shared[_PASS_COUNT])) == key:
+                return int(self.shared[_PASS_EPOCH])
+            position, epoch = self.position, int(self.shared[_NEXT])
+            if position is not None:  # this worker's own state: its epoch, or the next if it had finished it
+                epoch = int(position.header["epoch"]) + (0 if position.unfinished else 1)
+            self.shared[_PASS_SEED], self.shared[_PASS_COUNT] = key
+            self.shared[_PASS_EPOCH], self.shared[_NEXT] = epoch, epoch + 1
+            return epoch
 
     def set_epoch(self, epoch: int, layout: Layout) -> None:
         stopped = self.unfinished_epoch(layout)
@@ -142,6 +221,7 @@ class Checkpoints:
                               f" iterated: set_epoch({stopped}) and finish it first, or make a new dataset to start"
                               f" epoch {epoch} without it")
         self.shared[_EPOCH] = epoch
+        self.shared[_AUTO] = 0
         if self.resume is not None and self.resume.epoch != epoch:
             self.resume = None
 
@@ -190,7 +270,7 @@ class Checkpoints:
             samples = layout.worker_samples(worker, workers)
             items.append(-(-samples // per_item) if keeps_short_batch else samples // per_item)
         taken = consumed_per_worker(items, consumed)
-        return ResumeState(self.epoch, layout.seed, workers, [t * per_item for t in taken],
+        return ResumeState(self.current, layout.seed, workers, [t * per_item for t in taken],
                            layout.reader.identity).as_dict()
 
     # ------------------------------------------------------------------ loading states
@@ -228,7 +308,7 @@ class Checkpoints:
             self.position, self.live = parsed[0], None  # this rank's own, without DataLoader workers
             return
         remainder = gather(parsed)
-        self._install(remainder, remainder.epoch)
+        self._install(remainder, remainder.epoch, finished=not len(remainder))
 
     def _load_counts(self, layout: Layout, state: Any) -> None:
         resume = ResumeState.from_dict(state)
@@ -236,17 +316,19 @@ class Checkpoints:
             raise ConfigError(f"state was saved with seed {resume.seed}, this dataset has seed {layout.seed}")
         layout.check_identity(resume.dataset)
         _, per_item = layout.skip_point()
-        for worker, skip in enumerate(resume.skip):
-            samples = layout.worker_samples(worker, resume.num_workers)
+        shares = [layout.worker_samples(worker, resume.num_workers) for worker in range(len(resume.skip))]
+        for worker, (skip, samples) in enumerate(zip(resume.skip, shares)):
             if skip > -(-samples // per_item) * per_item:
                 raise ConfigError(f"state skips {skip} samples of worker {worker}, which has {samples} in epoch"
                                   f" {resume.epoch}: it was saved for another dataset or split")
-        self._install(resume, resume.epoch)
+        self._install(resume, resume.epoch, finished=all(s >= n for s, n in zip(resume.skip, shares)))
 
-    def _install(self, resume: ResumeState | Remainder, epoch: int) -> None:
+    def _install(self, resume: ResumeState | Remainder, epoch: int, finished: bool) -> None:
         """Hold a resume for the next iteration of ``epoch`` in this process and in
-        DataLoader workers started from now on."""
+        DataLoader workers started from now on; an iteration that takes its epoch by itself
+        takes the next one if the state's epoch was ``finished``."""
         self.shared[_EPOCH] = epoch
+        self.shared[_NEXT] = epoch + 1 if finished else epoch
         self.resume, self.position, self.live = resume, None, None
         self.shared[_GENERATION] += 1
         self.generation = int(self.shared[_GENERATION])

@@ -132,7 +132,8 @@ class RemoteDataset(IterableDataset):
 
     @property
     def epoch(self) -> int:
-        """The epoch whose order the next iteration follows (see ``set_epoch``)."""
+        """The epoch whose order the next iteration follows: until ``set_epoch`` is called,
+        each iteration takes the next one by itself (see ``set_epoch``)."""
         return self._checkpoints.epoch
 
     def __repr__(self) -> str:
@@ -144,7 +145,7 @@ class RemoteDataset(IterableDataset):
         clone = copy.copy(self)
         clone.stages = [*self.stages, stage]
         clone._metrics = Metrics.table(1 + MAX_WORKERS)
-        clone._checkpoints = Checkpoints(self.epoch)
+        clone._checkpoints = Checkpoints(self.epoch, auto=self._checkpoints.auto)
         return clone
 
     def shuffle(self, bufsize: int, initial: int | None = None) -> RemoteDataset:
@@ -200,9 +201,12 @@ class RemoteDataset(IterableDataset):
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch whose order the next iteration follows.
 
-        It reaches DataLoader workers too, persistent ones included (the epoch lives in
-        shared memory). A loaded resume state applies to the first iteration of its own
-        epoch only.
+        Without it, each iteration (each pass of a DataLoader, persistent workers or not)
+        takes the next epoch by itself: 0, 1, 2..., or after ``load_state_dict`` the state's
+        epoch and then the ones after it. Once called, iterations follow the epoch set, exactly:
+        call it before every epoch. It reaches DataLoader workers too, persistent ones
+        included (the epoch lives in shared memory). A loaded resume state applies to the
+        first iteration of its own epoch only.
         """
         if type(epoch) is not int or epoch < 0:
             raise ConfigError(f"epoch must be an integer >= 0, got {epoch!r}")
@@ -288,7 +292,7 @@ class RemoteDataset(IterableDataset):
         if num_workers > MAX_WORKERS:
             raise ConfigError(f"RemoteDataset supports up to {MAX_WORKERS} DataLoader workers, got {num_workers}")
         self._checkpoints.iterating_in(info)
-        epoch = self.epoch  # once: the main process may set the next one while this runs
+        epoch = self._checkpoints.begin(info)  # once: the main process may set the next one while this runs
         if self.unindexed:
             checkpoints = self._checkpoints
             if checkpoints.take_resume(epoch, worker, num_workers, take=False) is not None or checkpoints.position is not None:

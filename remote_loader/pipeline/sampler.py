@@ -79,22 +79,29 @@ class _EpochSampler(Sampler[int]):
         self.seed = require_int("seed", seed, 0, 2**63 - 1)
         self.rank, self.world_size = current_world(rank, world_size)
         self.epoch = 0
+        self._auto = True  # set_epoch never called: each iteration takes the next epoch
+        self._iterated = False  # an iteration of ``epoch`` began (in auto mode the next takes epoch + 1)
         self._resume: int | None = None  # positions of this rank delivered, from load_state_dict
         self._live: _Positions | None = None
 
     def set_epoch(self, epoch: int) -> None:
-        """Choose the epoch whose order the next iteration follows."""
+        """Choose the epoch whose order the next iteration follows. Without it, each
+        iteration takes the next epoch by itself (0, 1, 2...; after ``load_state_dict``,
+        the state's epoch, then the ones after it); once called, iterations follow it exactly."""
         epoch = require_int("epoch", epoch, 0)
         if self._resume is not None and epoch != self.epoch:
             raise ConfigError(f"a state of epoch {self.epoch} is loaded and not yet iterated: set_epoch({self.epoch})"
                               " and finish it first")
-        self.epoch = epoch
+        self.epoch, self._auto = epoch, False
 
     def __len__(self) -> int:
         return -(-self.total // self.world_size)
 
     def __iter__(self) -> Iterator[int]:
         start = self.rank * len(self)
+        if self._auto and self._iterated and self._resume is None:
+            self.epoch += 1
+        self._iterated = True
         delivered, self._resume = self._resume or 0, None
         self._live = _Positions(self, self.epoch, start, start + len(self), start + delivered)
         return self._live
@@ -112,7 +119,9 @@ class _EpochSampler(Sampler[int]):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Make the next iteration of the state's epoch go on after the indices it had handed out."""
         self.epoch, self._resume = self._check_state(state)
-        self._live = None
+        self._live, self._iterated = None, False
+        if self._resume == len(self) and self._auto:  # a finished epoch: an iteration taking its own starts the next
+            self.epoch, self._resume = self.epoch + 1, None
 
     order_version = 1
     """Which definition of the order a state was taken with: a state of another one would

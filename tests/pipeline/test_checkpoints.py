@@ -40,9 +40,11 @@ def make(client, rank=0, world_size=1, equalize=False, batch=None, keep=None):
 
 @contextlib.contextmanager
 def as_worker(dataset, worker: int, num_workers: int) -> Iterator[None]:
-    """Run in this process as DataLoader worker ``worker`` of ``num_workers`` would."""
+    """Run in this process as DataLoader worker ``worker`` of ``num_workers`` would (a pass's
+    workers get seeds base + id, the base the loader's own)."""
     saved = torch_worker._worker_info
-    torch_worker._worker_info = torch_worker.WorkerInfo(id=worker, num_workers=num_workers, seed=0, dataset=dataset)
+    torch_worker._worker_info = torch_worker.WorkerInfo(id=worker, num_workers=num_workers, seed=1000 + worker,
+                                                        dataset=dataset)
     try:
         yield
     finally:

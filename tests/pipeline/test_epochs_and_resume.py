@@ -140,3 +140,91 @@ def test_a_count_resume_continues_each_workers_stream_but_not_the_interleaving(d
     for worker, stream in ours.items():
         assert [k for k in rest if k in set(stream)] == stream[7 - worker:]  # worker 0 gave 7, worker 1 gave 6
     assert rest[:2] == [full[14], full[13]]  # the first pair swapped: worker 0 comes first again
+
+
+# --------------------------------------------------------------------------- epochs without set_epoch
+
+
+def _fresh(dataset, **options):
+    """A new pipeline over the module's dataset, set_epoch never called."""
+    return RemoteDataset(dataset.reader.client, "epoch-resume-tests", "d", seed=3, **options).map(lambda s: s["__key__"])
+
+
+def _explicit(dataset, epochs):
+    ds = _fresh(dataset)
+    orders = []
+    for epoch in epochs:
+        ds.set_epoch(epoch)
+        orders.append(list(ds))
+    return orders
+
+
+@pytest.mark.parametrize("how", ["directly", "workers", "persistent workers"])
+def test_without_set_epoch_each_iteration_takes_the_next_epoch(dataset, how):
+    ds = _fresh(dataset)
+    assert ds.epoch == 0
+    if how == "directly":
+        passes = [list(ds) for _ in range(3)]
+    else:
+        loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=how == "persistent workers")
+        passes = [list(loader) for _ in range(3)]
+    assert ds.epoch == 3
+    assert all(Counter(order) == ALL for order in passes)
+    assert passes[0] != passes[1] != passes[2] != passes[0]
+    # The same order within an epoch whatever the workers: DataLoader interleaves their streams.
+    expected = _explicit(dataset, range(3))
+    if how == "directly":
+        assert passes == expected
+    else:
+        assert [sorted(p) for p in passes] == [sorted(e) for e in expected]
+        assert passes == [list(DataLoader(_at(dataset, e), batch_size=None, num_workers=2)) for e in range(3)]
+
+
+def _at(dataset, epoch):
+    ds = _fresh(dataset)
+    ds.set_epoch(epoch)
+    return ds
+
+
+def test_set_epoch_then_follows_the_epoch_set_exactly(dataset):
+    ds = _fresh(dataset)
+    first = list(ds)  # epoch 0, taken by itself
+    ds.set_epoch(5)
+    again = [list(ds), list(ds)]
+    assert again[0] == again[1] == _explicit(dataset, [5])[0] != first
+    assert ds.epoch == 5
+
+
+def test_loaders_with_other_worker_counts_take_the_next_epoch_each(dataset):
+    ds = _fresh(dataset)
+    orders = [list(DataLoader(ds, batch_size=None, num_workers=workers)) for workers in (2, 1, 0, 2)]
+    assert all(Counter(order) == ALL for order in orders)
+    assert [sorted(o) for o in orders] == [sorted(e) for e in _explicit(dataset, range(4))]
+    assert len({tuple(o) for o in orders}) == 4
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_resume_without_set_epoch_continues_its_epoch_then_the_next(dataset, persistent):
+    ds = _fresh(dataset)
+    loader = DataLoader(ds, batch_size=None, num_workers=2)
+    list(loader)  # epoch 0
+    stream = iter(loader)  # epoch 1, stopped after 80 items
+    before = [next(stream) for _ in range(80)]
+    state = ds.state_dict(consumed=80, num_workers=2)
+    del stream
+    resumed = _fresh(dataset)
+    resumed.load_state_dict(state)
+    assert resumed.epoch == 1
+    loader = DataLoader(resumed, batch_size=None, num_workers=2, persistent_workers=persistent)
+    rest = list(loader)
+    assert Counter(before) + Counter(rest) == ALL and len(rest) == N - 80
+    after = list(loader)
+    assert after == list(DataLoader(_at(dataset, 2), batch_size=None, num_workers=2)) and resumed.epoch == 3
+
+
+def test_spawned_persistent_workers_take_the_next_epoch_too(dataset):
+    ds = RemoteDataset(dataset.reader.client, "epoch-resume-tests", "d", seed=3).to_tuple("__key__")  # picklable
+    loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True, multiprocessing_context="spawn")
+    orders = [[key for (key,) in loader] for _ in range(2)]
+    assert all(Counter(o) == ALL for o in orders) and orders[0] != orders[1]
+    assert [sorted(o) for o in orders] == [sorted(e) for e in _explicit(dataset, range(2))]

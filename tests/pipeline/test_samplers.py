@@ -41,6 +41,7 @@ def test_the_uniform_order_is_a_permutation_of_every_size(n):
 @pytest.mark.parametrize("kind", ["locality", "uniform"])
 def test_the_order_follows_seed_and_epoch_only(kind):
     sampler = _make(kind)
+    sampler.set_epoch(0)
     first = list(sampler)
     assert list(_make(kind)) == first and list(sampler) == first
     sampler.set_epoch(1)
@@ -69,10 +70,16 @@ def test_a_state_resumes_the_rest_of_the_rank_part_exactly(kind, stop):
     whole = list(sampler)
     iterator = iter(sampler)
     taken = [next(iterator) for _ in range(stop)]
-    for state in (sampler.state_dict(), iterator.state_dict()):
+    states = (sampler.state_dict(), iterator.state_dict())
+    sampler.set_epoch(5)
+    following = list(sampler)
+    for state in states:
         fresh = _make(kind, rank=1, world=2)
         fresh.load_state_dict(state)
-        assert taken + list(fresh) == whole  # the epoch comes with the state
+        if stop < len(whole):
+            assert taken + list(fresh) == whole  # the epoch comes with the state
+        else:  # a finished epoch: the next iteration, which takes its epoch by itself, starts the next one
+            assert list(fresh) == following
         resumed = iter(_make(kind, rank=1, world=2))
         resumed.load_state_dict(state)  # what StatefulDataLoader does with the iterator's state
         assert taken + list(resumed) == whole
@@ -171,3 +178,28 @@ def test_a_stateful_dataloader_resumes_the_samplers_exactly_once(kind, workers):
     resumed.load_state_dict(state)  # the sampler's iterator state: its epoch and position, nothing replayed
     rest = [i for batch in resumed for i in batch.tolist()]
     assert seen + rest == list(sampler)  # the epoch-2 order, each index once
+
+
+@pytest.mark.parametrize("kind", ["locality", "uniform"])
+def test_without_set_epoch_each_iteration_takes_the_next_epoch(kind):
+    def make():
+        return LocalitySampler(SIZES, window=2, seed=4, rank=0, world_size=1) if kind == "locality" else \
+            UniformSampler(sum(SIZES), seed=4, rank=0, world_size=1)
+
+    sampler = make()
+    passes = [list(sampler) for _ in range(3)]
+    explicit = make()
+    expected = []
+    for epoch in range(3):
+        explicit.set_epoch(epoch)
+        expected.append(list(explicit))
+    assert passes == expected and len({tuple(p) for p in passes}) == 3
+    explicit.set_epoch(7)
+    assert list(explicit) == list(explicit)  # set: followed exactly
+    stopped = make()
+    list(stopped)
+    it = iter(stopped)  # epoch 1, stopped after 10
+    head = [next(it) for _ in range(10)]
+    resumed = make()
+    resumed.load_state_dict(stopped.state_dict())
+    assert head + list(resumed) == expected[1] and list(resumed) == expected[2]

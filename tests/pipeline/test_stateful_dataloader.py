@@ -131,3 +131,21 @@ def test_sparse_snapshots_resume_twice_and_through_a_select_after_the_shuffle(lo
                                       snapshot_every_n_steps=4)
     third_loader.load_state_dict(saved(second_loader.state_dict()))
     assert first + second + list(third_loader) == whole
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_without_set_epoch_a_resume_continues_its_epoch_then_takes_the_next(location, workers):
+    loader = StatefulDataLoader(make(location), batch_size=None, num_workers=workers)
+    first = list(loader)  # epoch 0
+    before, _ = take(loader, 30)  # epoch 1, stopped
+    state = saved(loader.state_dict())
+    dataset = make(location)
+    resumed = StatefulDataLoader(dataset, batch_size=None, num_workers=workers)
+    resumed.load_state_dict(state)
+    rest = list(resumed)
+    assert Counter(before) + Counter(rest) == ALL
+    nxt = list(resumed)  # epoch 2, whole
+    reference = make(location)
+    reference.set_epoch(2)
+    assert Counter(nxt) == ALL and sorted(nxt) == sorted(reference) and nxt != first
+    assert nxt == list(StatefulDataLoader(reference, batch_size=None, num_workers=workers))
