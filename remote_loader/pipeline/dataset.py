@@ -36,7 +36,8 @@ class RemoteDataset(IterableDataset):
     samples of ``open_shards`` shards at once.
 
     Args:
-        client: A store from ``make_client``, or an ``s3://bucket/prefix`` URL.
+        client: A store from ``make_client``, a boto3 S3 client or ``minio.Minio`` of your own (see
+            docs/storage.md), or an ``s3://bucket/prefix`` URL.
         bucket: The bucket (omit with a URL).
         base_folder: The dataset's prefix (omit with a URL).
         seed: Seed of the shard order, the shard mixing and the shuffle buffer.
@@ -66,7 +67,7 @@ class RemoteDataset(IterableDataset):
 
     def __init__(
         self,
-        client: Store | str,
+        client: Store | str | Any,
         bucket: str | None = None,
         base_folder: str | None = None,
         *,

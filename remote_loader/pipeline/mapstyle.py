@@ -31,7 +31,7 @@ class RemoteMapDataset(Dataset):
     shards (the manifest), not of samples.
 
     Args:
-        client: A store, or an ``s3://bucket/prefix`` URL.
+        client: A store, a boto3 S3 client or ``minio.Minio`` of your own, or an ``s3://bucket/prefix`` URL.
         bucket: The bucket (omit with a URL).
         base_folder: The dataset's prefix (omit with a URL).
         transform: Applied to each sample dict.
@@ -45,7 +45,7 @@ class RemoteMapDataset(Dataset):
 
     def __init__(
         self,
-        client: Store | str,
+        client: Store | str | Any,
         bucket: str | None = None,
         base_folder: str | None = None,
         *,

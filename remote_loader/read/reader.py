@@ -36,7 +36,7 @@ from remote_loader.format.tar import scan_tar
 from remote_loader.read.heap import release_free_memory
 from remote_loader.read.metrics import Metrics
 from remote_loader.read.retry import RetryPolicy
-from remote_loader.storage import Location, Store
+from remote_loader.storage import Location, Store, as_store
 from remote_loader.storage.daemon import map_on_daemon_threads
 
 
@@ -122,7 +122,7 @@ class DatasetReader:
     """A dataset in a bucket, read through its manifest.
 
     Args:
-        client: The store.
+        client: The store (``make_client``), or a boto3 S3 client or ``minio.Minio`` of your own.
         bucket: The bucket.
         base_folder: The dataset's key prefix.
         verify: Check crc32s of indexes and sample members as they are read.
@@ -134,9 +134,9 @@ class DatasetReader:
         ...     sample["__key__"], bytes(sample["jpg"])[:2]
     """
 
-    def __init__(self, client: Store, bucket: str, base_folder: str, *, verify: bool = True,
+    def __init__(self, client: Store | Any, bucket: str, base_folder: str, *, verify: bool = True,
                  fetch: FetchConfig | None = None) -> None:
-        self.client = client
+        self.client = as_store(client, bucket)
         self.location = Location(bucket=bucket, base_folder=base_folder.strip("/"))
         self.verify = verify
         self.fetch = fetch or FetchConfig()

@@ -173,12 +173,31 @@ class RangedStore(Store):
     """A store whose reads are HTTP GETs with an optional ``Range`` header (the S3 backends).
 
     Its SDK client is created lazily in each process (after a fork, or in a spawned worker
-    that unpickled the store) and dropped when the store is pickled.
+    that unpickled the store) and dropped when the store is pickled. A store made around a
+    caller's own SDK client (``make_client(boto3_client)``) uses that client in the process
+    that gave it, and makes its own in any other.
     """
 
     def __init__(self) -> None:
         self._sdk_client: Any = None
         self._pid = -1
+        self._borrowed = False  # made around a caller's client (``lend``)
+
+    def lend(self, client: Any) -> None:
+        """Use the caller's SDK ``client`` for this store's requests in this process. It is
+        the caller's: never closed here, never pickled; another process (a DataLoader or
+        upload worker, forked or spawned) makes a client of its own for the same endpoint
+        and region, with the credentials of its environment."""
+        self._sdk_client, self._pid, self._borrowed = client, os.getpid(), True
+
+    def _borrowed_elsewhere(self) -> str:
+        """Why a store made around a caller's client has no credentials in this process."""
+        return (f"the {type(self).__name__.removesuffix('Store').lower()} client passed to remote_loader was made in"
+                f" another process and cannot be sent to this one (pid {os.getpid()}: a DataLoader or upload worker):"
+                f" here a client of its own is made for {self.endpoint}, with credentials from the environment"
+                " (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE), and none are set; pass"
+                " remote_loader.make_client(endpoint, access_key, secret_key) instead, whose keys travel, or use"
+                " num_workers=0 (upload: workers=0)")
 
     def _sdk(self) -> Any:
         """Return this process's SDK client, creating it on first use after a fork or unpickle.
@@ -211,7 +230,12 @@ class RangedStore(Store):
             note_answer(self.endpoint)
 
     def close(self) -> None:
-        self._sdk_client = None
+        if not (self._borrowed and self._pid == os.getpid()):  # a caller's client stays theirs to close
+            self._sdk_client = None
+
+    def _own_client(self) -> Any:
+        """This process's client if the store made it (None for a caller's), to close."""
+        return None if self._sdk_client is None or (self._borrowed and self._pid == os.getpid()) else self._sdk_client
 
     @abstractmethod
     def _read(self, bucket: str, key: str, byte_range: str | None) -> tuple[bytes, str | None]:

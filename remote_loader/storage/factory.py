@@ -7,7 +7,7 @@ import warnings
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from remote_loader.config import BACKENDS, StorageConfig
@@ -120,6 +120,25 @@ def make_client(
 
         return MinioStore(config)
     return Boto3Store(config)
+
+
+def as_store(client: Any, bucket: str) -> Store:
+    """The store behind what a caller gave as ``client``: a store from ``make_client`` as it
+    is, or a caller's own boto3 S3 client or ``minio.Minio``, used as it is in this process
+    (``RangedStore.lend``: another process, such as a DataLoader worker, makes its own client
+    for the same endpoint, with its environment's credentials). ``bucket`` is the one the
+    caller works in (minio names its endpoint only for a bucket)."""
+    if isinstance(client, Store):
+        return client
+    kind = f"{type(client).__module__}.{type(client).__name__}"
+    if kind.startswith("botocore.client.") and hasattr(client, "meta"):
+        return Boto3Store.around(client)
+    if kind == "minio.api.Minio":
+        from remote_loader.storage.s3_minio import MinioStore  # minio is imported only by those who use it
+
+        return MinioStore.around(client, bucket)
+    raise ConfigError(f"client must be a store from remote_loader.make_client, a boto3 S3 client or a minio.Minio,"
+                      f" got {kind}")
 
 
 @dataclass(frozen=True)

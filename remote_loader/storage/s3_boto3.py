@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
+from urllib.parse import urlsplit
 
 import boto3
 import botocore.exceptions as bce
@@ -12,7 +13,7 @@ from botocore.config import Config
 from urllib3.exceptions import HTTPError as Urllib3Error
 
 from remote_loader.config import StorageConfig
-from remote_loader.errors import AccessDenied, EndpointUnreachable, StorageError, TransientStorageError
+from remote_loader.errors import AccessDenied, ConfigError, EndpointUnreachable, StorageError, TransientStorageError
 from remote_loader.storage.base import DEFAULT_PART_SIZE, ObjectInfo, ObjectWriter, RangedStore, check_range, error_for
 
 _UNREACHABLE = (bce.EndpointConnectionError, bce.ConnectTimeoutError, bce.ProxyConnectionError)
@@ -65,6 +66,22 @@ class Boto3Store(RangedStore):
         super().__init__()
         self.config = config
 
+    @classmethod
+    def around(cls, client: Any) -> Boto3Store:
+        """A store using a caller's boto3 S3 client in this process (see ``RangedStore.lend``),
+        configured from the client's public attributes: endpoint, region, timeouts, pool size."""
+        meta = client.meta
+        if meta.service_model.service_name != "s3":
+            raise ConfigError(f"a boto3 client for {meta.service_model.service_name!r} is not an S3 client")
+        endpoint = meta.endpoint_url
+        on_aws = (urlsplit(endpoint).hostname or "").endswith(".amazonaws.com")
+        config = StorageConfig(endpoint_url=None if on_aws else endpoint, region=meta.region_name or "us-east-1",
+                               connect_timeout=meta.config.connect_timeout, read_timeout=meta.config.read_timeout,
+                               max_connections=meta.config.max_pool_connections)
+        store = cls(config)
+        store.lend(client)
+        return store
+
     @property
     def endpoint(self) -> str:
         return self.config.endpoint_url or "AWS S3"
@@ -74,6 +91,8 @@ class Boto3Store(RangedStore):
 
     def _connect(self) -> Any:
         c = self.config
+        if self._borrowed and c.access_key is None and _session().get_credentials() is None:
+            raise ConfigError(self._borrowed_elsewhere())
         client = _session().client(
             "s3",
             endpoint_url=c.endpoint_url,
@@ -212,8 +231,9 @@ class Boto3Store(RangedStore):
                 raise
 
     def close(self) -> None:
-        if self._sdk_client is not None:
-            self._sdk_client.close()
+        own = self._own_client()
+        if own is not None:
+            own.close()
         super().close()
 
 

@@ -12,11 +12,12 @@ their XML is read here.
 from __future__ import annotations
 
 import io
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from datetime import datetime, timedelta, timezone
 from typing import Any
-from urllib.parse import quote, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 from xml.etree import ElementTree
 
 import urllib3
@@ -28,7 +29,7 @@ from urllib3.exceptions import HTTPError as Urllib3Error
 from urllib3.exceptions import MaxRetryError, NewConnectionError
 
 from remote_loader.config import StorageConfig
-from remote_loader.errors import ConfigError, EndpointUnreachable, StorageError, TransientStorageError
+from remote_loader.errors import ConfigError, EndpointUnreachable, RemoteLoaderError, StorageError, TransientStorageError
 from remote_loader.storage.base import DEFAULT_PART_SIZE, ObjectInfo, ObjectWriter, RangedStore, error_for
 
 _MAX_ABORT_ROUNDS = 100
@@ -57,6 +58,28 @@ class MinioStore(RangedStore):
         self._pool: urllib3.PoolManager | None = None
         self._provider: Provider | None = None
 
+    @classmethod
+    def around(cls, client: Minio, bucket: str) -> MinioStore:
+        """A store using a caller's ``minio.Minio`` in this process (see ``RangedStore.lend``).
+
+        minio 7.2 shows its endpoint and region only in what its public API makes: both are
+        read from a URL it presigns for ``bucket`` (which asks the store for the bucket's
+        region when the client was not given one). Requests minio has no call for go through
+        a pool of this store's own, on URLs the client presigns; listing unfinished uploads
+        is one the store cannot make with a borrowed client (``NotImplemented``).
+        """
+        try:
+            url = urlsplit(client.get_presigned_url("GET", bucket, "remote-loader-probe", expires=timedelta(minutes=1)))
+        except (MinioException, ValueError, Urllib3Error) as exc:
+            raise ConfigError(f"the minio client could not name its endpoint for bucket {bucket!r}"
+                              f" ({type(exc).__name__}: {exc})"[:300]) from None
+        credential = dict(parse_qsl(url.query)).get("X-Amz-Credential", "").split("/")
+        region = credential[2] if len(credential) == 5 else "us-east-1"
+        store = cls(StorageConfig(endpoint_url=f"{url.scheme}://{url.netloc}", region=region))
+        store._pool = store._new_pool()
+        store.lend(client)
+        return store
+
     @property
     def endpoint(self) -> str:
         return self.config.endpoint_url or ""
@@ -64,9 +87,8 @@ class MinioStore(RangedStore):
     def __repr__(self) -> str:
         return f"MinioStore(endpoint_url={self.config.endpoint_url!r}, region={self.config.region!r})"
 
-    def _connect(self) -> Any:
+    def _new_pool(self) -> urllib3.PoolManager:
         c = self.config
-        parts = urlsplit(c.endpoint_url or "")
         retries = urllib3.Retry(
             total=c.max_attempts - 1,
             backoff_factor=0.2,
@@ -75,11 +97,21 @@ class MinioStore(RangedStore):
             allowed_methods=None,  # S3 GET/PUT/DELETE of whole objects and parts are idempotent
             raise_on_status=False,
         )
-        http = urllib3.PoolManager(
+        return urllib3.PoolManager(
             timeout=urllib3.Timeout(connect=c.connect_timeout, read=c.read_timeout),
             maxsize=c.max_connections,
             retries=retries,
         )
+
+    def _connect(self) -> Any:
+        c = self.config
+        if self._borrowed and c.access_key is None:  # another process than the caller's: keys from its environment
+            found = StorageConfig.from_env(endpoint_url=c.endpoint_url, region=c.region)
+            if found.access_key is None and not found.profile:
+                raise ConfigError(self._borrowed_elsewhere())
+            c = self.config = found
+        parts = urlsplit(c.endpoint_url or "")
+        http = self._new_pool()
         # Without keys, an AWS profile's (AWS_PROFILE, the credentials file), as boto3 would.
         provider: Provider | None = None
         if c.access_key is not None and c.secret_key is not None:
@@ -133,6 +165,8 @@ class MinioStore(RangedStore):
         endpoint = self.config.endpoint_url
         try:
             yield
+        except RemoteLoaderError:  # ours already (a ConfigError is also a ValueError)
+            raise
         except S3Error as exc:
             status = exc.response.status if exc.response is not None else None
             raise error_for(exc.code or "", status, operation=operation, bucket=bucket, key=key, endpoint=endpoint) from None
@@ -209,6 +243,9 @@ class MinioStore(RangedStore):
             self._sdk().remove_object(bucket, key)
 
     def abort_uploads(self, bucket: str, prefix: str = "") -> int:
+        if self._borrowed and self._pid == os.getpid():
+            raise StorageError(f"s3://{bucket}: unfinished uploads cannot be listed through a minio client of the"
+                               " caller's (minio 7.2 has no public call for it)", bucket=bucket, code="NotImplemented")
         count = 0
         with self._errors("abort multipart uploads", bucket, prefix or None):
             # Aborted uploads leave the listing, so list again until it is empty.

@@ -32,7 +32,7 @@ from remote_loader.errors import (
 )
 from remote_loader.format import MANIFEST_NAME, Manifest, ShardEntry, ShardTable
 from remote_loader.format.shard import member_bytes
-from remote_loader.storage import DEFAULT_PART_SIZE, Location, Store
+from remote_loader.storage import DEFAULT_PART_SIZE, Location, Store, as_store
 from remote_loader.storage.daemon import in_daemon_thread, map_on_daemon_threads, wait_result
 from remote_loader.storage.retrying import Retry, RetryingStore
 from remote_loader.upload import claim, tasks
@@ -109,7 +109,7 @@ def _plan_task_size(dataset: Any, order: np.ndarray, options: EncodeOptions, max
 def upload_cv_dataset(
     ds: Any,
     *,
-    client: Store,
+    client: Store | Any,
     bucket: str,
     base_folder: str,
     maxsize: float = 1e8,
@@ -135,7 +135,9 @@ def upload_cv_dataset(
             dict of ints/floats/strs, or None. Or a source spec naming one: an image-folder
             directory or ``"module:function"`` (called with no arguments); a cluster's
             workers then build the dataset themselves instead of receiving it.
-        client: The store (see ``make_client``).
+        client: The store (see ``make_client``), or a boto3 S3 client or ``minio.Minio`` of
+            your own (used as it is in this process; worker processes make their own client
+            for its endpoint, with the credentials of their environment).
         bucket: Bucket to write to (must exist).
         base_folder: Key prefix of the dataset.
         maxsize: Maximum shard size in bytes.
@@ -210,6 +212,7 @@ def upload_cv_dataset(
     retry = RetryConfig() if retry is None else retry
     if not isinstance(retry, RetryConfig):
         raise ConfigError(f"retry must be a RetryConfig, got {type(retry).__name__}")
+    client = as_store(client, bucket)
     store = RetryingStore(client, Retry(retry, client.endpoint))
     # The manifest and the upload state, read at once: across a network each read is a round trip.
     reading_state = in_daemon_thread(partial(claim.read_state, store, location))
