@@ -81,6 +81,8 @@ def _emit(args: argparse.Namespace, data: Any, text: str) -> None:
 
 def cmd_upload(args: argparse.Namespace) -> int:
     store, location = _open(args)
+    if location.path:  # a local destination is a directory: made, as a bucket would have to be
+        store.create_bucket(location.bucket)
     dask = _dask_client(args.dask) if args.dask else None
     try:
         summary = _upload(args, store, location, dask.get_executor() if dask else None)

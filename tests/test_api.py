@@ -10,7 +10,7 @@ import pytest
 
 import remote_loader
 from remote_loader import ConfigError, RemoteDataset, StorageConfig, UploadError, make_client
-from remote_loader.storage import Boto3Store, LocalStore, MinioStore, parse_location
+from remote_loader.storage import Boto3Store, Location, LocalStore, MinioStore, parse_location
 
 EXPECTED = {
     "AccessDenied", "BucketNotFound", "ConfigError", "CorruptSampleError", "CorruptShard", "DatasetChanged", "DatasetNotFound", "DatasetReader",
@@ -61,7 +61,7 @@ def test_parse_location():
     with pytest.warns(DeprecationWarning, match="base_folder"):
         assert parse_location("s3://bkt/a").prefix == "a"  # the old name, for one release
     local = parse_location("file:///data/bkt/x")
-    assert (local.bucket, local.base_folder) == ("data", "bkt/x")
+    assert (local.bucket, local.base_folder, str(local)) == ("x", "", "/data/bkt/x")
     with pytest.raises(ConfigError):
         parse_location("http://host/bucket")
 
@@ -96,8 +96,8 @@ def test_mistyped_dataset_urls_are_refused_not_made_into_directories(url, messag
 
 def test_explicit_local_paths_still_name_local_stores(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert parse_location("./bkt/x").bucket == tmp_path.as_posix().lstrip("/").split("/")[0]
-    assert parse_location(f"{tmp_path}/bkt/x").base_folder.endswith("bkt/x")
+    assert parse_location("./bkt/x") == parse_location(f"{tmp_path}/bkt/x") == Location("x", "")
+    assert str(parse_location("./bkt/x")) == f"{tmp_path}/bkt/x"
     assert isinstance(make_client("./root"), LocalStore)
     with pytest.raises(ConfigError, match="not a valid URL"):
         make_client("htp://host:9000")

@@ -10,7 +10,7 @@ shard) is still read.
 from __future__ import annotations
 
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +31,18 @@ UPLOAD_STATE = "_upload/state.msgpack"
 """An unfinished upload's state, beside its shards until the manifest is written."""
 FORMAT_NAME = "remote_loader"
 _MAX_SKIPPED_LISTED = 10_000
+
+
+def datasets_inside(keys: Iterable[str], prefix: str) -> list[str]:
+    """The folders below ``prefix`` that hold a dataset (a manifest, or an unfinished upload's
+    state), from a listing of ``keys``: tars inside them are those datasets' own, never tars
+    to index as one dataset at ``prefix``."""
+    found = set()
+    for key in keys:
+        for marker in (f"/{MANIFEST_NAME}", f"/{UPLOAD_STATE}"):
+            if key.endswith(marker) and key.startswith(prefix) and len(key) > len(prefix) + len(marker):
+                found.add(key[: -len(marker)])
+    return sorted(found)
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from remote_loader.errors import (
     TruncatedShard,
 )
 from remote_loader.format import MANIFEST_NAME, UPLOAD_STATE, Manifest, Sample, ShardEntry, ShardIndex, ShardView
+from remote_loader.format.manifest import datasets_inside
 from remote_loader.format.checksum import crc32
 from remote_loader.format.tar import scan_tar
 from remote_loader.read.heap import release_free_memory
@@ -137,7 +138,8 @@ class DatasetReader:
     def __init__(self, client: Store | Any, bucket: str, base_folder: str, *, verify: bool = True,
                  fetch: FetchConfig | None = None) -> None:
         self.client = as_store(client, bucket)
-        self.location = Location(bucket=bucket, base_folder=base_folder.strip("/"))
+        base_folder = base_folder.strip("/")
+        self.location = Location(bucket, base_folder, self.client.path_of(bucket, base_folder))
         self.verify = verify
         self.fetch = fetch or FetchConfig()
         self._identity: int | None = None  # of the manifest read
@@ -235,6 +237,12 @@ class DatasetReader:
             return (f"an upload to it has not finished (it has {UPLOAD_STATE} but no {MANIFEST_NAME}): run the upload"
                     " again to finish it; its shards are not a dataset until then")
         listing = [o.key for o in itertools.islice(store.list(where.bucket, where.key("")), 1000)]
+        inside = datasets_inside(listing, where.key(""))
+        if inside:
+            shown = ", ".join(str(Location(where.bucket, d, f"{where.path}/{d[len(where.key('')):]}" if where.path else ""))
+                              for d in inside[:5])
+            return (f"it holds no dataset itself, but {len(inside)}{'+' if len(listing) == 1000 else ''} below it:"
+                    f" {shown}{', ...' if len(inside) > 5 else ''}; name one of those")
         if any(key.endswith(".tar") for key in listing):
             return (f"it holds .tar objects but no {MANIFEST_NAME}: to read tars written by other tools, index them"
                     f" once with `remote-loader index {where}` (or stream them unindexed with"

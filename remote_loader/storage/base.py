@@ -72,6 +72,11 @@ class Store(ABC):
         """Where the store is, for messages (never with credentials)."""
         return type(self).__name__
 
+    def path_of(self, bucket: str, prefix: str) -> str:
+        """The local path of a dataset's folder, for messages; "" for a store that is not a
+        directory (its datasets are named ``s3://bucket/prefix``)."""
+        return ""
+
     @abstractmethod
     def get(self, bucket: str, key: str) -> bytes:
         """Return the whole object."""

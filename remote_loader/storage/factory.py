@@ -5,7 +5,7 @@ from __future__ import annotations
 import warnings
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -144,10 +144,12 @@ def as_store(client: Any, bucket: str) -> Store:
 @dataclass(frozen=True)
 class Location:
     """A dataset's place: the bucket and its folder inside it (``base_folder``, the key
-    prefix of its objects), as every dataset and upload call names them."""
+    prefix of its objects), as every dataset and upload call names them. A local dataset
+    also keeps the path it was named by (``path``): messages show that path, not a bucket."""
 
     bucket: str
     base_folder: str
+    path: str = field(default="", compare=False)
 
     def key(self, name: str) -> str:
         """Return the full key of object ``name`` inside the dataset's folder."""
@@ -160,25 +162,24 @@ class Location:
         return self.base_folder
 
     def __str__(self) -> str:
-        return f"s3://{self.bucket}/{self.base_folder}"
+        return self.path or f"s3://{self.bucket}/{self.base_folder}"
 
 
 def parse_location(url: str) -> Location:
-    """Split ``s3://bucket/prefix`` (or ``file:///root/bucket/prefix``, a path) into a Location.
-
-    A local path's first component is its bucket and the rest its prefix, matching a
-    ``LocalStore`` rooted at ``/``.
+    """Split ``s3://bucket/prefix`` into a Location; a local path (``./data/ds``,
+    ``/data/ds``, ``file:///data/ds``) is the dataset's directory: a ``LocalStore`` rooted at
+    its parent holds it as its bucket (``open_location``), so nothing outside it is written.
     """
     if _kind(url, endpoint_ok=False) == "s3":
         parts = urlsplit(url)
-        bucket, prefix = parts.netloc, parts.path
-    else:
-        path = _local_path(url).expanduser().resolve()
-        bucket, _, prefix = path.as_posix().lstrip("/").partition("/")
-    prefix = prefix.strip("/")
-    if not bucket:
-        raise ConfigError(f"dataset URL {url!r} has no bucket")
-    return Location(bucket=bucket, base_folder=prefix)
+        bucket, prefix = parts.netloc, parts.path.strip("/")
+        if not bucket:
+            raise ConfigError(f"dataset URL {url!r} has no bucket")
+        return Location(bucket=bucket, base_folder=prefix)
+    path = _local_path(url).expanduser().resolve()
+    if path == path.parent:
+        raise ConfigError(f"{url!r} is the file system's root, not a dataset's directory")
+    return Location(bucket=path.name, base_folder="", path=path.as_posix())
 
 
 def open_location(
@@ -190,8 +191,9 @@ def open_location(
     region: str | None = None,
     backend: Backend = "boto3",
 ) -> tuple[Store, Location]:
-    """Return the store and location of a dataset URL (``s3://...`` or a local path)."""
+    """Return the store and location of a dataset URL (``s3://...`` or a local path: the
+    store is rooted at the path's parent and the path is its bucket)."""
     location = parse_location(url)
     if _is_local(url):
-        return LocalStore("/"), location
+        return LocalStore(Path(location.path).parent), location
     return make_client(endpoint_url or url, access_key, secret_key, region=region, backend=backend), location

@@ -46,6 +46,9 @@ class LocalStore(Store):
     def __repr__(self) -> str:
         return f"LocalStore(root={str(self.root)!r})"
 
+    def path_of(self, bucket: str, prefix: str) -> str:
+        return (self.root / bucket / prefix).as_posix().rstrip("/")
+
     def _bucket_dir(self, bucket: str) -> Path:
         if not bucket or "/" in bucket or bucket in (".", "..") or "\0" in bucket:
             raise StorageError(f"invalid bucket name {bucket!r}", bucket=bucket, code="InvalidBucketName")

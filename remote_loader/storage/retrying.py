@@ -160,6 +160,9 @@ class RetryingStore(Store):
     def __repr__(self) -> str:
         return f"RetryingStore({self.inner!r})"
 
+    def path_of(self, bucket: str, prefix: str) -> str:
+        return self.inner.path_of(bucket, prefix)
+
     def get(self, bucket: str, key: str) -> bytes:
         return self.retry.call(partial(self.inner.get, bucket, key), bucket=bucket, key=key)
 

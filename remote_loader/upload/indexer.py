@@ -18,6 +18,7 @@ from remote_loader.format import MANIFEST_NAME, Manifest, ShardEntry, ShardTable
 from remote_loader.format.checksum import crc32
 from remote_loader.format.names import valid_shard_name
 from remote_loader.format.tar import scan_tar
+from remote_loader.format.manifest import datasets_inside
 from remote_loader.storage import Location, Store
 from remote_loader.storage.retrying import Retry, RetryingStore
 from remote_loader.upload.claim import read_versioned
@@ -57,7 +58,13 @@ def index_webdataset(
                           " indexing it would replace its manifest and drop its parameters and class names:"
                           " pass force=True (--force) to do it anyway")
     prefix = location.key("")
-    listing = store.list(location.bucket, prefix)
+    listing = list(store.list(location.bucket, prefix))
+    inside = datasets_inside((info.key for info in listing), prefix)
+    if inside:
+        shown = ", ".join(f"s3://{location.bucket}/{d}" for d in inside[:5]) + (", ..." if len(inside) > 5 else "")
+        raise UploadError(f"{location} holds {len(inside)} dataset{'s' if len(inside) > 1 else ''} below it ({shown}):"
+                          " indexing it would write into them and make one dataset of their shards; index a folder"
+                          " that holds only tars, nothing was written")
     tars = sorted((info.key[len(prefix):], info.size) for info in listing if info.key.endswith(".tar"))
     if not tars:
         raise UploadError(f"no .tar objects under {location}")

@@ -186,7 +186,8 @@ def upload_cv_dataset(
     if not isinstance(base_folder, str):
         raise ConfigError(f"base_folder must be a string, got {base_folder!r}")
     options = EncodeOptions(image_format=image_format, quality=quality)
-    location = Location(bucket=bucket, base_folder=base_folder.strip("/"))
+    client = as_store(client, bucket)
+    location = Location(bucket, base_folder.strip("/"), client.path_of(bucket, base_folder.strip("/")))
     source = ds if isinstance(ds, str) else None
     if source is not None:
         ds = load_source(source)
@@ -212,7 +213,6 @@ def upload_cv_dataset(
     retry = RetryConfig() if retry is None else retry
     if not isinstance(retry, RetryConfig):
         raise ConfigError(f"retry must be a RetryConfig, got {type(retry).__name__}")
-    client = as_store(client, bucket)
     store = RetryingStore(client, Retry(retry, client.endpoint))
     # The manifest and the upload state, read at once: across a network each read is a round trip.
     reading_state = in_daemon_thread(partial(claim.read_state, store, location))

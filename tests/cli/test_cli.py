@@ -196,3 +196,64 @@ def test_serve_accepts_the_readmes_credentials_and_its_own(tmp_path):
         finally:
             server.send_signal(signal.SIGINT)
             server.communicate(timeout=60)
+
+
+def _local_tars(directory: Path, count: int = 2) -> None:
+    import io
+    import tarfile
+
+    directory.mkdir(parents=True, exist_ok=True)
+    images = SyntheticImages(count * 3, size=(16, 16))
+    for t in range(count):
+        with tarfile.open(directory / f"part-{t}.tar", "w", format=tarfile.USTAR_FORMAT) as tar:
+            for i in range(t * 3, t * 3 + 3):
+                for name, data in ((f"{i:04d}.jpg", images.encoded(i)), (f"{i:04d}.cls", b"1")):
+                    info = tarfile.TarInfo(name)
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+
+
+@pytest.mark.parametrize("relative", [True, False])
+def test_local_paths_are_paths_everywhere_in_the_cli(image_folder, tmp_path, monkeypatch, relative):
+    tree, _ = image_folder
+    work = tmp_path / "work"
+    work.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "MINIO_"))}
+    dataset = "some/dir/ds" if relative else str(work / "some/dir/ds")
+    here = {"cwd": work}
+    out = subprocess.run([str(SCRIPT), "upload", str(tree), f"./{dataset}" if relative else dataset, "--workers", "0",
+                          "--quiet"], env=env, capture_output=True, text=True, timeout=300, **here)
+    assert out.returncode == 0, out.stderr
+    made = work / "some/dir/ds"
+    assert (made / "manifest.msgpack").is_file()  # the path is the dataset: nothing above it written
+    assert sorted(p.name for p in work.iterdir()) == ["some"] and sorted(p.name for p in (work / "some").iterdir()) == ["dir"]
+    for command in ("ls", "info", "verify"):
+        done = subprocess.run([str(SCRIPT), command, f"./{dataset}" if relative else dataset], env=env,
+                              capture_output=True, text=True, timeout=300, **here)
+        assert done.returncode == 0, (command, done.stderr)
+    assert str(made) in subprocess.run([str(SCRIPT), "info", str(made)], env=env, capture_output=True, text=True,
+                                       timeout=300).stdout
+    tars = work / "tars/wds"  # plain tars: the advice names the path, and following it works
+    _local_tars(tars)
+    target = "./tars/wds" if relative else str(tars)
+    advice = subprocess.run([str(SCRIPT), "ls", target], env=env, capture_output=True, text=True, timeout=300, **here)
+    assert advice.returncode == 1 and f"remote-loader index {tars}" in advice.stderr, advice.stderr
+    done = subprocess.run([str(SCRIPT), "index", target, "--quiet"], env=env, capture_output=True, text=True,
+                          timeout=300, **here)
+    assert done.returncode == 0 and "indexed 6 samples in 2 shards" in done.stdout, done.stderr
+    assert sorted(p.name for p in tars.iterdir()) == [".rl-partial-lock", "manifest.msgpack", "part-0.tar",
+                                                      "part-0.tar.index", "part-1.tar", "part-1.tar.index"]
+
+
+def test_advice_at_a_bucket_holding_datasets_never_merges_them(env, s3, tmp_path):
+    client, bucket = s3
+    for name in ("a", "b"):
+        upload_cv_dataset(SyntheticImages(6, size=(16, 16)), client=client, bucket=bucket, base_folder=f"sets/{name}",
+                          maxcount=3, workers=0, progress=False)
+    before = sorted(o.key for o in client.list(bucket))
+    shown = run(env, "ls", f"s3://{bucket}/sets", check=False)
+    assert shown.returncode == 1 and "index" not in shown.stderr, shown.stderr
+    assert f"2 below it: s3://{bucket}/sets/a, s3://{bucket}/sets/b; name one of those" in shown.stderr
+    refused = run(env, "index", f"s3://{bucket}/sets", "--quiet", check=False)
+    assert refused.returncode == 1 and "holds 2 datasets below it" in refused.stderr, refused.stderr
+    assert sorted(o.key for o in client.list(bucket)) == before
