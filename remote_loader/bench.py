@@ -80,7 +80,7 @@ def run(
     first = 0.0
     count = 0
     for item in loader:
-        brought = len(item[1]) if decode.startswith("rrc") else 1
+        brought = min(len(item[1]) if decode.startswith("rrc") else 1, total - count)  # the last batch counts up to total
         count += brought
         if progress is not None:
             progress(brought)

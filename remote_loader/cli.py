@@ -99,6 +99,9 @@ def cmd_upload(args: argparse.Namespace) -> int:
         "mb_per_s": round(summary.mb_per_s, 2),
         "samples_per_s": round(summary.samples_per_s, 1),
         "kept_shards": summary.kept_shards,
+        "kept_samples": summary.kept_samples,
+        "uploaded_samples": summary.uploaded_samples,
+        "uploaded_shards": summary.uploaded_shards,
     }
     _emit(args, data, str(summary))
     return 0
@@ -176,14 +179,15 @@ def cmd_info(args: argparse.Namespace) -> int:
     }
     upload = dict(manifest.params.get("upload", {}))
     classes = manifest.params.get("classes") or []
+    unknown = "unknown (tars indexed in place)" if manifest.params.get("indexed") else "unknown (not recorded at upload)"
     text = "\n".join(
         [
             f"dataset   {location}",
             f"samples   {manifest.num_samples:,d} in {len(manifest.shards):,d} shards, {manifest.num_bytes / 1e6:,.1f} MB",
             f"fields    {_shown(', '.join(manifest.fields))}",
             f"skipped   {manifest.skipped}",
-            f"classes   {len(classes)}" + (f" ({_shown(', '.join(map(str, classes[:5])))}"
-                                           f"{', ...' if len(classes) > 5 else ''})" if classes else ""),
+            f"classes   " + (f"{len(classes)} ({_shown(', '.join(map(str, classes[:5])))}"
+                                 f"{', ...' if len(classes) > 5 else ''})" if classes else unknown),
             f"upload    {_shown(', '.join(f'{k}={v}' for k, v in sorted(upload.items())))}",
             f"created   {_shown(str(manifest.params.get('created', '?')))}",
             f"format    version {manifest.version}",

@@ -139,7 +139,7 @@ def marked_images() -> MarkedImages:
     return MarkedImages(60, size=(32, 24))
 
 
-class BlockingImages(SyntheticImages):
+class StuckInWorkers(SyntheticImages):
     """Synthetic images whose reads in any process but the one that made it record that
     process's id in ``directory`` and then block (up to two minutes): upload workers stuck
     mid-task, for a test to kill their parent under them."""
@@ -155,3 +155,8 @@ class BlockingImages(SyntheticImages):
 
             threading.Event().wait(120)
         return super().__getitem__(index)
+
+
+def flaky_images() -> FlakyImages:
+    """30 small synthetic images, 3 of them not images (``module:function`` for CLI tests)."""
+    return FlakyImages(30, {3, 11, 29}, size=(32, 24))

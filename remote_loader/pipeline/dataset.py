@@ -335,7 +335,7 @@ class RemoteDataset(IterableDataset):
             data = _skip(data, skip, done)
         if replay_at == len(self.stages) and passing is not None:
             data = passing(data)
-        yield from _timed(_deliver(data, done), metrics)
+        yield from _timed(_deliver(data, done, metrics), metrics)
 
     def _samples(self, source: ShardSource, epoch: int, worker: int, num_workers: int,
                  progress: Progress | None) -> Iterator[tuple[int, Any]]:
@@ -374,11 +374,17 @@ def _skip(pairs: Iterator[tuple[Any, Any]], count: int, done: Callable[[Any], No
     yield from pairs
 
 
-def _deliver(pairs: Iterator[tuple[Any, Any]], done: Callable[[Any], None]) -> Iterator[Any]:
-    """The items; each one's samples count as delivered as it leaves."""
+def _deliver(pairs: Iterator[tuple[Any, Any]], done: Callable[[Any], None], metrics: Metrics) -> Iterator[Any]:
+    """The items; each one's samples count as delivered as it leaves (``metrics.samples``)."""
     for ids, item in pairs:
         done(ids)
+        metrics.add(samples=_leaves(ids))
         yield item
+
+
+def _leaves(ids: Any) -> int:
+    """How many samples an item's ids name: one id, or a batch's (nested) list of them."""
+    return sum(_leaves(i) for i in ids) if isinstance(ids, list) else 1
 
 
 def _timed(data: Iterator[Any], metrics: Metrics) -> Iterator[Any]:

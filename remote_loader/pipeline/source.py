@@ -148,8 +148,6 @@ def stream_positions(
                 if sample is not None:
                     if replay is not None and replay.placeholders and not replay.live(position):
                         sample = REPLAYED
-                    else:
-                        policy.metrics.add(samples=1)
                     if progress is not None:
                         progress.emitted(position)
                     yield position, sample

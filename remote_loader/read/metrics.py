@@ -32,7 +32,9 @@ class Metrics:
         retries: Requests repeated after a transient fault or a failed checksum.
         wait_seconds: Time the consumer waited for storage.
         user_seconds: Time spent in the pipeline's stages (decode, user code).
-        samples: Samples produced by the source.
+        samples: Samples the pipeline delivered (counted as its items leave it; with
+            DataLoader workers, as they reach the DataLoader, which holds up to
+            ``prefetch_factor`` items per worker before your loop takes them).
         skipped: Samples skipped by ``on_error="skip"`` (corrupt bytes, a damaged or missing shard).
         peak_buffered: Most bytes of ranges fetched or being fetched and not yet handed
             to the reader (bounded by ``FetchConfig.prefetch_bytes``).

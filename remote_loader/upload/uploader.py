@@ -58,8 +58,13 @@ class UploadSummary:
         bytes: Their total size.
         skipped: Source samples skipped by ``on_error="skip"``.
         seconds: Wall time of this call.
-        kept_shards: Shards found complete from an earlier, interrupted run and kept.
+        kept_shards: Shards found complete from an earlier, interrupted run and kept (all of
+            them when the dataset was there already).
         skip_reasons: Why samples were skipped, one line each (the first 100).
+        kept_samples: Samples of the kept shards.
+        kept_bytes: Bytes of the kept shards.
+
+    The rates (``samples_per_s``, ``mb_per_s``) are of what this call uploaded, not of what it kept.
     """
 
     location: Location
@@ -70,21 +75,42 @@ class UploadSummary:
     seconds: float
     kept_shards: int = 0
     skip_reasons: tuple[str, ...] = ()
+    kept_samples: int = 0
+    kept_bytes: int = 0
+
+    @property
+    def uploaded_samples(self) -> int:
+        """Samples this call uploaded."""
+        return self.samples - self.kept_samples
+
+    @property
+    def uploaded_shards(self) -> int:
+        """Shards this call uploaded."""
+        return self.shards - self.kept_shards
+
+    @property
+    def uploaded_bytes(self) -> int:
+        """Bytes this call uploaded."""
+        return self.bytes - self.kept_bytes
 
     @property
     def mb_per_s(self) -> float:
-        return self.bytes / 1e6 / self.seconds if self.seconds > 0 else 0.0
+        return self.uploaded_bytes / 1e6 / self.seconds if self.seconds > 0 else 0.0
 
     @property
     def samples_per_s(self) -> float:
-        return self.samples / self.seconds if self.seconds > 0 else 0.0
+        return self.uploaded_samples / self.seconds if self.seconds > 0 else 0.0
 
     def __str__(self) -> str:
-        kept = f", kept {self.kept_shards} shards from an earlier run" if self.kept_shards else ""
+        whole = f"{self.samples} samples in {self.shards} shards ({self.bytes / 1e6:.1f} MB)"
+        if not self.uploaded_shards:
+            return f"{self.location} already holds this dataset, {whole}: nothing to upload ({self.seconds:.1f} s)"
+        kept = (f"; kept {self.kept_shards} shards ({self.kept_samples} samples) from an earlier run, the dataset"
+                f" now {whole}") if self.kept_shards else ""
         return (
-            f"uploaded {self.samples} samples in {self.shards} shards ({self.bytes / 1e6:.1f} MB) to {self.location}"
-            f" in {self.seconds:.1f} s: {self.samples_per_s:.0f} samples/s, {self.mb_per_s:.1f} MB/s;"
-            f" skipped {self.skipped}{kept}"
+            f"uploaded {self.uploaded_samples} samples in {self.uploaded_shards} shards"
+            f" ({self.uploaded_bytes / 1e6:.1f} MB) to {self.location} in {self.seconds:.1f} s:"
+            f" {self.samples_per_s:.0f} samples/s, {self.mb_per_s:.1f} MB/s; skipped {self.skipped}{kept}"
         ) + "".join(f"\n  skipped: {reason}" for reason in self.skip_reasons[:10])
 
 
@@ -221,7 +247,8 @@ def upload_cv_dataset(
     if existing is not None:
         if existing.params.get("upload") == params and not overwrite:
             return UploadSummary(location, existing.num_samples, len(existing.shards), existing.num_bytes,
-                                 existing.skipped, time.perf_counter() - started, kept_shards=len(existing.shards))
+                                 existing.skipped, time.perf_counter() - started, kept_shards=len(existing.shards),
+                                 kept_samples=existing.num_samples, kept_bytes=existing.num_bytes)
         if not overwrite:
             raise UploadError(f"{location} already holds a dataset uploaded with other parameters;"
                               " pass overwrite=True (--overwrite) to replace it")
@@ -229,13 +256,13 @@ def upload_cv_dataset(
     order = np.random.default_rng(seed).permutation(num) if shuffle else np.arange(num)
     state, state_tag, stored = wait_result(reading_state)
     abandoned = None
-    if state is not None and stored is not None and state["params"] == params:
+    if state is not None and stored is not None and _resumable(state["params"], params):
         task_size, run = state["task_size"], state["run"]  # resume this upload's interrupted run
         record = stored
     else:
         if state_tag is not None:
             if not overwrite:
-                seen = f" (run {state['run']}, seed {state['params'].get('seed')})" if state else ""
+                seen = f" (run {state['run']}: {_differences(state['params'], params)})" if state else ""
                 raise UploadConflict(
                     f"{location} holds an unfinished upload with other parameters{seen}, which may still be running:"
                     " wait for it, re-run it with its own parameters to finish it, or pass overwrite=True"
@@ -260,6 +287,7 @@ def upload_cv_dataset(
     done_samples = sum(sum(e.samples for e in r.entries) + len(r.skipped) for r in kept.values())
     with tqdm(total=num, initial=done_samples, unit="img", disable=not progress, desc="upload") as bar:
         results = run_tasks(pending, spec, ds, (os.cpu_count() or 1) if workers is None else workers, executor, bar, source)
+        bar.update(num - bar.n)  # every task is done: the last counts may still be in the workers' queue
     by_task = {**kept, **{r.task_id: r for r in results}}
     entries: list[ShardEntry] = [e for t in sorted(by_task) for e in by_task[t].entries]
     skipped = sorted(i for r in by_task.values() for i in r.skipped)
@@ -295,9 +323,27 @@ def upload_cv_dataset(
         leftovers += [location.key(old[i]) for i in range(len(old)) if old[i] not in names]
     claim.delete_all(store, bucket, leftovers)
     claim.release(store, location, record)
-    kept_shards = sum(len(r.entries) for r in kept.values())
+    kept_entries = [e for r in kept.values() for e in r.entries]
     return UploadSummary(location, manifest.num_samples, len(entries), manifest.num_bytes, len(skipped),
-                         time.perf_counter() - started, kept_shards=kept_shards, skip_reasons=reasons)
+                         time.perf_counter() - started, kept_shards=len(kept_entries), skip_reasons=reasons,
+                         kept_samples=sum(e.samples for e in kept_entries), kept_bytes=sum(e.size for e in kept_entries))
+
+
+def _resumable(unfinished: dict[str, Any], params: dict[str, Any]) -> bool:
+    """Whether an upload with ``params`` may finish an unfinished run made with ``unfinished``:
+    the same parameters, or the same but ``on_error`` going from raise to skip (its finished
+    tasks met no bad sample; the usual next step after a run that stopped at one)."""
+    if unfinished == params:
+        return True
+    return unfinished.get("on_error") == "raise" and params["on_error"] == "skip" and \
+        {**unfinished, "on_error": "skip"} == params
+
+
+def _differences(unfinished: dict[str, Any], params: dict[str, Any]) -> str:
+    """What an unfinished run's parameters and these differ in, for the refusal's message."""
+    keys = sorted(set(unfinished) | set(params))
+    return ", ".join(f"{k}={unfinished.get(k)!r} there, {params.get(k)!r} here" for k in keys
+                     if unfinished.get(k) != params.get(k)) or "the same"
 
 
 def _class_names(ds: Any) -> list[str]:

@@ -241,6 +241,8 @@ def test_local_paths_are_paths_everywhere_in_the_cli(image_folder, tmp_path, mon
     done = subprocess.run([str(SCRIPT), "index", target, "--quiet"], env=env, capture_output=True, text=True,
                           timeout=300, **here)
     assert done.returncode == 0 and "indexed 6 samples in 2 shards" in done.stdout, done.stderr
+    info = subprocess.run([str(SCRIPT), "info", target], env=env, capture_output=True, text=True, timeout=300, **here)
+    assert "classes   unknown (tars indexed in place)" in info.stdout, info.stdout  # not "0"
     assert sorted(p.name for p in tars.iterdir()) == [".rl-partial-lock", "manifest.msgpack", "part-0.tar",
                                                       "part-0.tar.index", "part-1.tar", "part-1.tar.index"]
 

@@ -294,3 +294,12 @@ def test_range_memory_with_samples_larger_than_a_range_stays_within_the_document
     assert bound == (4 + 4 * 3 + 4) << 20
     assert 0 < dataset.metrics.peak_range_memory <= bound, dataset.metrics
     client.close()
+
+
+def test_metrics_count_the_samples_delivered_not_those_prefetched(uploaded):
+    client, bucket, _ = uploaded
+    dataset = RemoteDataset(client, bucket, "few").shuffle(50).batched(10, collation_fn=len)
+    stream = iter(dataset)
+    assert next(stream) == 10
+    assert dataset.metrics.samples == 10  # the shuffle buffer holds 50 more, read but not delivered
+    assert sum(stream) == 87 and dataset.metrics.samples == 97

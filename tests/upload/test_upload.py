@@ -212,6 +212,14 @@ def test_upload_killed_mid_shard_resumes(seaweed, s3, tmp_path):
         part_size=5 * 1024 * 1024, progress=False,
     )
     assert summary.kept_shards == 3 and summary.shards == 5 and summary.samples == n
+    # What this call did, apart from what it kept: its rate is over what it uploaded.
+    assert (summary.kept_samples, summary.uploaded_samples, summary.uploaded_shards) == (180, 120, 2)
+    assert summary.samples_per_s == pytest.approx(120 / summary.seconds)
+    assert str(summary).startswith(f"uploaded 120 samples in 2 shards") and "kept 3 shards (180 samples)" in str(summary)
+    again = upload_cv_dataset(ds, client=client, bucket=bucket, base_folder="killed", maxcount=per_shard, maxsize=1e9,
+                              workers=2, part_size=5 * 1024 * 1024, progress=False)
+    assert (again.uploaded_samples, again.samples_per_s, again.mb_per_s) == (0, 0.0, 0.0)
+    assert "already holds this dataset, 300 samples in 5 shards" in str(again) and "nothing to upload" in str(again)
     assert raw.list_multipart_uploads(Bucket=bucket, Prefix="killed/").get("Uploads", []) == []
     reader = DatasetReader(client, bucket, "killed")
     assert all(reader.check_shard(entry).ok for entry in reader.manifest.shards)
@@ -310,12 +318,12 @@ def test_upload_workers_end_when_the_upload_is_killed(seaweed, s3, tmp_path, sta
     script = textwrap.dedent(f"""
         import multiprocessing
         from remote_loader import make_client, upload_cv_dataset
-        from tests.helpers import BlockingImages
+        from tests.helpers import StuckInWorkers
 
         if __name__ == "__main__":
             multiprocessing.set_start_method({start_method!r})
             client = make_client({seaweed.endpoint_url!r}, {seaweed.access_key!r}, {seaweed.secret_key!r})
-            upload_cv_dataset(BlockingImages(64, {str(tmp_path)!r}, size=(16, 16)), client=client, bucket={bucket!r},
+            upload_cv_dataset(StuckInWorkers(64, {str(tmp_path)!r}, size=(16, 16)), client=client, bucket={bucket!r},
                               base_folder="killed", maxcount=8, workers=2, progress=False)
     """)
     (tmp_path / "upload.py").write_text(script)
@@ -335,3 +343,39 @@ def test_upload_workers_end_when_the_upload_is_killed(seaweed, s3, tmp_path, sta
         for pid in workers:
             if _alive(pid):
                 os.kill(pid, 9)
+
+
+def test_a_run_stopped_at_a_bad_sample_is_finished_by_a_run_that_skips_it(s3, capsys):
+    client, bucket = s3
+    ds = FlakyImages(40, {37}, size=(16, 16))
+    with pytest.raises(UploadError, match="sample 37"):
+        upload_cv_dataset(ds, client=client, bucket=bucket, base_folder="f", maxcount=10, workers=0, progress=False,
+                          shuffle=False)
+    summary = upload_cv_dataset(ds, client=client, bucket=bucket, base_folder="f", maxcount=10, workers=0,
+                                progress=False, shuffle=False, on_error="skip")
+    assert summary.skipped == 1 and summary.samples == 39 and summary.kept_shards == 3  # the tasks before it stay
+    again = upload_cv_dataset(ds, client=client, bucket=bucket, base_folder="f", maxcount=10, workers=0,
+                              progress=False, shuffle=False, on_error="skip")
+    assert again.uploaded_samples == 0
+    with pytest.raises(UploadError, match="other parameters"):
+        upload_cv_dataset(ds, client=client, bucket=bucket, base_folder="f", maxcount=10, workers=0, progress=False,
+                          shuffle=False)
+
+
+def test_another_runs_parameters_are_named_in_the_refusal(s3):
+    client, bucket = s3
+    ds = FlakyImages(40, {37}, size=(16, 16))
+    with pytest.raises(UploadError):
+        upload_cv_dataset(ds, client=client, bucket=bucket, base_folder="g", maxcount=10, workers=0, progress=False)
+    with pytest.raises(UploadError, match=r"unfinished upload with other parameters \(run [0-9a-f]{8}: seed=0 there,"
+                                          r" 3 here\)"):
+        upload_cv_dataset(ds, client=client, bucket=bucket, base_folder="g", maxcount=10, workers=0, progress=False,
+                          seed=3)
+
+
+def test_the_progress_bar_ends_at_its_total(s3, capsys):
+    client, bucket = s3
+    upload_cv_dataset(SyntheticImages(100, size=(16, 16)), client=client, bucket=bucket, base_folder="p", maxcount=1,
+                      workers=2, progress=True)
+    final = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]
+    assert "100/100" in final, final
