@@ -9,6 +9,7 @@ import multiprocessing
 import queue
 from collections.abc import Iterable
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 import numpy as np
@@ -54,15 +55,34 @@ def _is_dask(executor: Executor) -> bool:
     return type(executor).__module__.startswith("distributed")
 
 
-def _result(future: Future[TaskResult], task_id: int) -> TaskResult:
-    """A task's result; its own error as it is, a failure of the executor as an UploadError."""
+def _result(future: Future[TaskResult], task_id: int, own: bool) -> TaskResult:
+    """A task's result; its own error as it is, a failure of the executor as an UploadError
+    that names the likely cause."""
     try:
         return future.result()
     except RemoteLoaderError:
         raise
+    except BrokenProcessPool as exc:
+        if own:
+            raise UploadError(_broken_pool()) from exc
+        raise UploadError(f"task {task_id} did not complete: the executor's processes ended ({exc})") from exc
     except Exception as exc:
         raise UploadError(f"task {task_id} did not complete: the executor failed ({type(exc).__name__}: {exc});"
                           " finished tasks are kept: run the same upload again to resume") from exc
+
+
+def _broken_pool() -> str:
+    """Why the upload's own worker processes ended before finishing: under spawn or
+    forkserver, most often a script that starts the upload at import, which each worker
+    then runs again; otherwise a worker killed (out of memory)."""
+    method = multiprocessing.get_start_method()
+    if method in ("spawn", "forkserver"):
+        return (f"the upload's worker processes ended before finishing their tasks. With the {method!r} start method"
+                " (the default on macOS and Windows) each worker imports your main script again: if the script starts"
+                " the upload at import, every worker tries to start one too and fails. Put the code that starts the"
+                ' upload under `if __name__ == "__main__":` (see the worker errors above), or pass workers=0')
+    return ("the upload's worker processes ended before finishing their tasks (one was killed: out of memory, or a"
+            " signal); finished tasks are kept: run the same upload again to resume, with fewer workers if memory ran out")
 
 
 def run_tasks(
@@ -110,7 +130,7 @@ def run_tasks(
         while futures:
             done, futures = wait(futures, timeout=0.2, return_when=FIRST_COMPLETED)
             for future in done:
-                result = _result(future, task_of[future])
+                result = _result(future, task_of[future], own)
                 results.append(result)
                 if not own:  # a caller's executor has no progress queue: count whole tasks
                     samples = sum(e.samples for e in result.entries) + len(result.skipped)

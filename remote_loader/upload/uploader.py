@@ -9,6 +9,7 @@ arguments keeps the finished tasks' shards and writes the rest.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import secrets
 import time
@@ -196,6 +197,10 @@ def upload_cv_dataset(
             different dataset is already there.
     """
     started = time.perf_counter()
+    if getattr(multiprocessing.current_process(), "_inheriting", False):  # multiprocessing's own test of this
+        raise ConfigError("upload_cv_dataset was called while a worker process was starting: with the spawn or"
+                          " forkserver start method each worker imports your main script again; put the code that"
+                          ' starts the upload under `if __name__ == "__main__":`')
     if on_error not in ("raise", "skip"):
         raise ConfigError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
     maxcount = require_int("maxcount", maxcount, 1)

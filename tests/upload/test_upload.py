@@ -379,3 +379,25 @@ def test_the_progress_bar_ends_at_its_total(s3, capsys):
                       workers=2, progress=True)
     final = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]
     assert "100/100" in final, final
+
+
+def test_an_unguarded_script_under_spawn_is_told_to_guard_its_upload(seaweed, s3, tmp_path):
+    """What a README snippet pasted into a file does on macOS or Windows (spawn): each worker
+    imports the script again; the error names the guard, and advises no resume."""
+    _, bucket = s3
+    script = tmp_path / "unguarded.py"
+    script.write_text(textwrap.dedent(f"""
+        import multiprocessing
+        multiprocessing.set_start_method("spawn", force=True)
+        from remote_loader import make_client, upload_cv_dataset
+        from remote_loader.testing.synthetic import SyntheticImages
+        client = make_client({seaweed.endpoint_url!r}, {seaweed.access_key!r}, {seaweed.secret_key!r})
+        upload_cv_dataset(SyntheticImages(40, size=(16, 16)), client=client, bucket={bucket!r}, base_folder="u",
+                          maxcount=10, workers=2, progress=False)
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode != 0
+    last = out.stderr.strip().splitlines()[-1]
+    assert "UploadError" in last and 'if __name__ == "__main__":' in last and "resume" not in last, out.stderr[-3000:]
+    assert "upload_cv_dataset was called while a worker process was starting" in out.stderr  # the workers' own error
