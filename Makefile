@@ -33,7 +33,7 @@ lint: $(STAMP)
 
 # The docs site, warnings as errors; its code blocks run in the tests (tests/test_docs.py).
 docs: $(STAMP)
-	$(BIN)/mkdocs build --strict --quiet
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 test: $(STAMP) lint docs
 	$(BIN)/python -m pytest -q

@@ -9,7 +9,7 @@ each epoch); DataLoader workers split the rank's part further. The checkpoint ho
 model, the optimizer and every rank's loader state, so a run stopped in the middle of an
 epoch resumes with exactly the samples it had not seen.
 
-With torchdata installed (``pip install remote-loader[torchdata]``) the loader is a
+With torchdata installed (the ``torchdata`` extra: ``pip install '.[torchdata]'``) the loader is a
 ``StatefulDataLoader``: its ``state_dict()`` holds each worker's position, with no
 counting. A resume on the same ranks and workers gives each rank's loader its own state
 back; on other numbers of ranks or workers every rank's dataset gets all the states

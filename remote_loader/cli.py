@@ -112,7 +112,7 @@ def _dask_client(address: str) -> Any:
     try:
         from distributed import Client  # the optional extra, imported only for --dask
     except ImportError:
-        raise ConfigError("--dask needs dask.distributed: pip install 'remote-loader[dask]'") from None
+        raise ConfigError("--dask needs dask.distributed: pip install 'dask[distributed]' (remote_loader's dask extra)") from None
     try:
         return Client(address, timeout=30)
     except (OSError, ValueError, TypeError) as exc:

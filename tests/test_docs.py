@@ -1,9 +1,13 @@
 """Every code block of the README and the guide pages runs here, so none goes stale.
 
-Each page runs top to bottom in one namespace, in a fresh directory, against its own
-embedded S3 server with MinIO's default keys: the endpoint the pages write,
-``127.0.0.1:9000``, is replaced by the server's, and ``AWS_ENDPOINT_URL`` and the
-keys are set for the ``s3://`` forms. Fences say what a block is:
+Each page runs top to bottom in one namespace named ``__main__`` (as a reader's script or
+session), in a fresh directory, against one embedded S3 server with MinIO's default keys
+that every page shares, in the order of the site, as a reader who follows them all would:
+the endpoint the pages write, ``127.0.0.1:9000``, is replaced by the server's, and
+``AWS_ENDPOINT_URL`` and the keys are set for the ``s3://`` forms. Every setup a page
+needs is a block the reader sees: nothing runs from an HTML comment. The README's code
+also runs as a script under the ``spawn`` start method (macOS, Windows), where only code
+under ``if __name__ == "__main__":`` may start processes. Fences say what a block is:
 
 - ``python``: executed.
 - ``bash``: each line is a ``remote-loader`` command, run (as ``python -m remote_loader``)
@@ -11,9 +15,6 @@ keys are set for the ``s3://`` forms. Fences say what a block is:
 - ``console``: commands for the reader's own machine (installing, ``make``, ``torchrun``
   across nodes, a long-running server); shown, not run.
 - ``text`` or no language: output and layouts, not code.
-
-A ``python`` block inside an HTML comment is set-up the page does not show (a process
-group, files to index); it runs like the others.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 DOCUMENTED_ENDPOINT = "127.0.0.1:9000"  # with or without http://
 KINDS = {"python", "bash", "console", "text", ""}
-WITHOUT_CODE = {"index.md", "performance.md", "FORMAT.md", "api.md"}
+WITHOUT_CODE = {"performance.md", "FORMAT.md", "api.md"}
 
 _FENCE = re.compile(r"^```([\w-]*)\n(.*?)^```\n", re.M | re.S)
 _COMMENT = re.compile(r"<!--.*?-->", re.S)
@@ -64,26 +65,41 @@ def test_pages_are_found_and_every_fence_says_what_it_is() -> None:
     assert not unknown, f"fences with a language the docs test does not know: {unknown}"
 
 
-def test_the_block_reader_sees_hidden_set_up_and_line_numbers() -> None:
+def test_the_block_reader_sees_hidden_blocks_and_line_numbers() -> None:
     text = "a\n```python\nx = 1\n```\n<!--\n```python\ny = 2\n```\n-->\n```\nout\n```\n"
     assert blocks(text) == [Block("python", "x = 1\n", 2, False), Block("python", "y = 2\n", 6, True), Block("", "out\n", 10, False)]
+
+
+def test_no_page_hides_code_from_its_reader() -> None:
+    hidden = [(page.name, b.line) for page in PAGES for b in blocks(page.read_text()) if b.hidden]
+    assert not hidden, f"blocks in HTML comments, which a reader cannot follow: {hidden}"
 
 
 def test_the_readme_stays_short() -> None:
     assert len((ROOT / "README.md").read_text().splitlines()) <= 300
 
 
-@pytest.fixture
-def server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[EmbeddedS3]:
-    with EmbeddedS3(data_dir=str(tmp_path / "s3")) as server:
-        for name, value in {"AWS_ENDPOINT_URL": server.endpoint_url, "AWS_ACCESS_KEY_ID": server.access_key,
-                            "AWS_SECRET_ACCESS_KEY": server.secret_key, "AWS_DEFAULT_REGION": "us-east-1"}.items():
-            monkeypatch.setenv(name, value)
-        work = tmp_path / "work"
-        work.mkdir()
-        monkeypatch.chdir(work)
-        monkeypatch.syspath_prepend(str(work))
+@pytest.fixture(scope="module")
+def shared_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedS3]:
+    """One server for every page, as a reader following the whole guide has."""
+    with EmbeddedS3(data_dir=str(tmp_path_factory.mktemp("docs-s3"))) as server:
         yield server
+
+
+def _environment(server: EmbeddedS3) -> dict[str, str]:
+    return {"AWS_ENDPOINT_URL": server.endpoint_url, "AWS_ACCESS_KEY_ID": server.access_key,
+            "AWS_SECRET_ACCESS_KEY": server.secret_key, "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+@pytest.fixture
+def server(shared_server: EmbeddedS3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[EmbeddedS3]:
+    for name, value in _environment(shared_server).items():
+        monkeypatch.setenv(name, value)
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    monkeypatch.syspath_prepend(str(work))
+    yield shared_server
 
 
 def _run_command(line: str, where: str, endpoint: str) -> None:
@@ -98,7 +114,7 @@ def _run_command(line: str, where: str, endpoint: str) -> None:
 
 @pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
 def test_every_code_block_of_the_page_runs(page: Path, server: EmbeddedS3) -> None:
-    namespace: dict[str, object] = {"__name__": "__docs__"}
+    namespace: dict[str, object] = {"__name__": "__main__"}
     ran = 0
     for block in blocks(page.read_text()):
         where = f"{page.name}:{block.line}"
@@ -116,3 +132,21 @@ def test_every_code_block_of_the_page_runs(page: Path, server: EmbeddedS3) -> No
 def test_only_the_pages_meant_to_have_no_code_have_none() -> None:
     without = {page.name for page in PAGES if not any(b.kind in ("python", "bash") for b in blocks(page.read_text()))}
     assert without == WITHOUT_CODE
+
+
+_SPAWN = """import multiprocessing
+multiprocessing.set_start_method("spawn", force=True)  # as on macOS and Windows: workers import this script
+"""
+
+
+def test_the_readme_runs_as_a_script_under_spawn(shared_server: EmbeddedS3, tmp_path: Path) -> None:
+    """A reader on macOS or Windows who pastes the README's blocks into a file: DataLoader and
+    upload workers import the script again, which only the guard keeps from starting anew."""
+    code = "".join(b.code for b in blocks((ROOT / "README.md").read_text()) if b.kind == "python")
+    script = tmp_path / "readme.py"
+    script.write_text(_SPAWN + code.replace(DOCUMENTED_ENDPOINT, shared_server.endpoint_url.removeprefix("http://"))
+                      .replace('base_folder="synthetic"', 'base_folder="spawned"')
+                      .replace('"datasets", "synthetic"', '"datasets", "spawned"'))
+    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, **_environment(shared_server)})
+    assert out.returncode == 0, out.stderr[-3000:]

@@ -72,7 +72,7 @@ class ShardWriter:
     Args:
         sink: Called with each chunk of the shard, in order (a file's or an upload's ``write``).
 
-    Example:
+    Examples:
         >>> import io
         >>> out = io.BytesIO()
         >>> w = ShardWriter(out.write)

