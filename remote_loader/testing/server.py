@@ -10,7 +10,8 @@ a gRPC port of loopback; left to their defaults they would answer anyone on the 
 (the filer's HTTP port lists, reads, writes and deletes every object). Here each start
 makes its own keys: the HTTP ports refuse a request without a token signed with them
 (SeaweedFS's JWT keys), and the gRPC ports a connection without a client certificate of the
-server's own CA (mutual TLS). The keys live in the process's environment and, for the
+server's own CA (mutual TLS); the admin service's web page is off (its HTTP port answers
+health checks and metrics only). The keys live in the process's environment and, for the
 certificates, in the data directory (0700).
 """
 
@@ -176,7 +177,7 @@ def free_base_port(rng: random.Random | None = None) -> int:
 def service_ports(base: int) -> dict[str, int]:
     """Every port a server with base port ``base`` listens on, by service (``s3`` is the one
     that serves data; the others are SeaweedFS's internal services, guarded by its keys)."""
-    ports = {name: base + offset for name, offset in _SERVICES.items() if name != "admin"}  # its web page is off
+    ports = {name: base + offset for name, offset in _SERVICES.items()}  # admin's: health and metrics only
     ports.update({f"{name} gRPC": base + GRPC_OFFSET + offset for name, offset in _SERVICES.items()})
     return ports
 
@@ -369,8 +370,13 @@ class EmbeddedS3:
         self._remove_sockets()
 
     def _wait_healthy(self, timeout: float) -> None:
+        """Wait for the S3 port's health check, then the admin service's (the last to listen):
+        once started, the server listens on every port of ``ports``."""
         deadline = time.monotonic() + timeout
-        url = f"{self.endpoint_url}/healthz"
+        for url in (f"{self.endpoint_url}/healthz", f"http://{HOST}:{self.ports['admin']}/health"):
+            self._wait_for(url, deadline, timeout)
+
+    def _wait_for(self, url: str, deadline: float, timeout: float) -> None:
         while time.monotonic() < deadline:
             if self._process is not None and self._process.poll() is not None:
                 log = Path(self.data_dir or ".") / "weed.log"

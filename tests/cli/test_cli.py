@@ -184,8 +184,8 @@ def test_serve_accepts_the_readmes_credentials_and_its_own(tmp_path):
             lines = [server.stdout.readline() for _ in range(8)]  # the banner, up to "Ctrl-C stops it."
             assert "Ctrl-C stops it." in lines[-1], lines
             base = port - 3  # every port the server takes is named: S3, and the internal services'
-            for name, taken in {"master": base, "volume": base + 1, "filer": base + 2, "filer gRPC": base + 10002,
-                                "admin gRPC": base + 10004}.items():
+            for name, taken in {"master": base, "volume": base + 1, "filer": base + 2, "admin": base + 4,
+                                "filer gRPC": base + 10002, "admin gRPC": base + 10004}.items():
                 assert f"{name} {taken}" in lines[1], lines[1]
             assert "hunter2-secret" not in "".join(lines)
             access, secret = (keys[1], keys[3]) if keys else ("minioadmin", "minioadmin")

@@ -28,14 +28,17 @@ ALL = Counter(f"{i:06d}" for i in range(N))
 BUFSIZE = 40
 
 
-def make(client, rank=0, world_size=1, equalize=False, batch=None, keep=None):
+def make(client, rank=0, world_size=1, equalize=False, batch=None, keep=None, epoch=0):
     # Small ranges, so a shard is read in several and a stop leaves ranges cut but not opened.
     fetch = FetchConfig(range_bytes=4096, part_size=4096, prefetch_bytes=16384)
     ds = (RemoteDataset(client, "checkpoint-tests", "d", seed=5, open_shards=3, rank=rank, world_size=world_size,
                         equalize=equalize, fetch=fetch)
           .shuffle(BUFSIZE, initial=BUFSIZE).map(itemgetter("__key__")))
     ds = ds.select(keep) if keep else ds
-    return ds.batched(batch, collation_fn=list) if batch else ds
+    ds = ds.batched(batch, collation_fn=list) if batch else ds
+    if epoch is not None:  # set: a loaded state of a finished epoch then gives its (empty) rest
+        ds.set_epoch(epoch)
+    return ds
 
 
 @contextlib.contextmanager

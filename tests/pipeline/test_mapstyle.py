@@ -77,8 +77,9 @@ def test_locality_sampler_order_split_and_coverage():
     assert len(parts[0]) == len(parts[1]) == 250
     assert sorted(parts[0] + parts[1]) == list(range(500))
     sampler = LocalitySampler(sizes, window=4, seed=3, rank=0, world_size=1)
+    sampler.set_epoch(0)
     first = list(sampler)
-    assert first == list(sampler)
+    assert first == list(sampler)  # an epoch set: followed exactly
     sampler.set_epoch(1)
     assert first != list(sampler)
     # A window of 4 shards: the first 100 indices come from exactly 4 shards.

@@ -135,17 +135,27 @@ def test_sparse_snapshots_resume_twice_and_through_a_select_after_the_shuffle(lo
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_without_set_epoch_a_resume_continues_its_epoch_then_takes_the_next(location, workers):
-    loader = StatefulDataLoader(make(location), batch_size=None, num_workers=workers)
+    loader = StatefulDataLoader(make(location, epoch=None), batch_size=None, num_workers=workers)
     first = list(loader)  # epoch 0
     before, _ = take(loader, 30)  # epoch 1, stopped
     state = saved(loader.state_dict())
-    dataset = make(location)
+    dataset = make(location, epoch=None)
     resumed = StatefulDataLoader(dataset, batch_size=None, num_workers=workers)
     resumed.load_state_dict(state)
     rest = list(resumed)
     assert Counter(before) + Counter(rest) == ALL
     nxt = list(resumed)  # epoch 2, whole
-    reference = make(location)
-    reference.set_epoch(2)
+    reference = make(location, epoch=2)
     assert Counter(nxt) == ALL and sorted(nxt) == sorted(reference) and nxt != first
     assert nxt == list(StatefulDataLoader(reference, batch_size=None, num_workers=workers))
+
+
+def test_without_set_epoch_a_state_saved_at_an_epochs_end_starts_the_next(location):
+    loader = StatefulDataLoader(make(location, epoch=None), batch_size=None, num_workers=2)
+    first = list(loader)
+    state = saved(loader.state_dict())
+    dataset = make(location, epoch=None)  # set_epoch never called
+    resumed = StatefulDataLoader(dataset, batch_size=None, num_workers=2)
+    resumed.load_state_dict(state)
+    nxt = list(resumed)
+    assert Counter(nxt) == ALL and nxt != first

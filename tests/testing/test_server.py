@@ -127,7 +127,7 @@ def listening_ports(pid: int) -> set[int]:
 
 def test_the_server_listens_on_the_ports_it_names_and_no_other(seaweed):
     assert listening_ports(seaweed.pid) == set(seaweed.ports.values())
-    assert len(seaweed.ports) == 9 and seaweed.ports["s3"] == seaweed.port
+    assert len(seaweed.ports) == 10 and seaweed.ports["s3"] == seaweed.port
 
 
 def _http(method: str, url: str, body: bytes | None = None) -> tuple[int, bytes]:
