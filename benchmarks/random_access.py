@@ -17,8 +17,8 @@ import time
 import numpy as np
 
 from remote_loader import make_client, upload_cv_dataset
-from remote_loader.pipeline.mapstyle import RemoteMapDataset
-from remote_loader.pipeline.sampler import LocalitySampler
+from remote_loader.mapstyle.dataset import RemoteMapDataset
+from remote_loader.mapstyle.samplers import LocalitySampler
 from remote_loader.testing.server import EmbeddedS3
 from remote_loader.testing.synthetic import SyntheticImages
 

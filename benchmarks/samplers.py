@@ -24,7 +24,7 @@ _CHILD = textwrap.dedent("""
     kind, shards, per_shard, first = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     sizes = np.full(shards, per_shard, dtype=np.int64)   # what a RemoteMapDataset's manifest gives
     import torch
-    from remote_loader.pipeline.sampler import LocalitySampler, UniformSampler
+    from remote_loader.mapstyle.samplers import LocalitySampler, UniformSampler
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     started = time.perf_counter()
     if kind == "locality":

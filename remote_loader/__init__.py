@@ -17,6 +17,7 @@ from remote_loader.errors import (
     ObjectNotFound,
     PreconditionFailed,
     RemoteLoaderError,
+    ResumeError,
     StorageError,
     TransientStorageError,
     TruncatedShard,
@@ -33,8 +34,8 @@ from remote_loader.upload import ImageFolder, UploadSummary, upload_cv_dataset
 if TYPE_CHECKING:
     from remote_loader.pipeline.augment import RandomResizedCrop
     from remote_loader.pipeline.dataset import RemoteDataset
-    from remote_loader.pipeline.mapstyle import RemoteMapDataset
-    from remote_loader.pipeline.sampler import LocalitySampler, UniformSampler
+    from remote_loader.mapstyle.dataset import RemoteMapDataset
+    from remote_loader.mapstyle.samplers import LocalitySampler, UniformSampler
 
 __version__ = "0.1.0"
 
@@ -43,9 +44,9 @@ __version__ = "0.1.0"
 _LAZY = {
     "RandomResizedCrop": "remote_loader.pipeline.augment",
     "RemoteDataset": "remote_loader.pipeline.dataset",
-    "RemoteMapDataset": "remote_loader.pipeline.mapstyle",
-    "LocalitySampler": "remote_loader.pipeline.sampler",
-    "UniformSampler": "remote_loader.pipeline.sampler",
+    "RemoteMapDataset": "remote_loader.mapstyle",
+    "LocalitySampler": "remote_loader.mapstyle",
+    "UniformSampler": "remote_loader.mapstyle",
 }
 
 
@@ -82,6 +83,7 @@ __all__ = [
     "RandomResizedCrop",
     "RemoteDataset",
     "RemoteLoaderError",
+    "ResumeError",
     "RetryConfig",
     "RemoteMapDataset",
     "StorageConfig",

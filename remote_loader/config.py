@@ -24,17 +24,21 @@ def _first(env: Mapping[str, str], *names: str) -> str | None:
     return None
 
 
-def require_int(name: str, value: object, low: int | None = None, high: int | None = None) -> int:
-    """``value`` if it is an int (not a bool) within ``low..high``; else a ConfigError naming ``name``."""
+def require_int(name: str, value: object, low: int | None = None, high: int | None = None, *,
+                error: type[ConfigError] = ConfigError, exact: bool = False) -> int:
+    """``value`` if it is an int (not a bool) within ``low..high``; else ``error`` (a
+    ConfigError) naming ``name``. ``exact``: only ``int`` itself, as a state dict decoded
+    from JSON or msgpack holds (not a numpy integer)."""
+    bounds = "" if low is None and high is None else f" >= {low}" if high is None else \
+        f" in {low}..{high}" if low is not None else f" <= {high}"
     try:
-        if isinstance(value, bool):
+        if isinstance(value, bool) or (exact and type(value) is not int):
             raise TypeError
         number = operator.index(value)  # type: ignore[arg-type]
     except TypeError:
-        raise ConfigError(f"{name} must be an integer, got {value!r}") from None
+        raise error(f"{name} must be an integer{bounds}, got {value!r}") from None
     if (low is not None and number < low) or (high is not None and number > high):
-        bounds = f">= {low}" if high is None else f"in {low}..{high}" if low is not None else f"<= {high}"
-        raise ConfigError(f"{name} must be {bounds}, got {number}")
+        raise error(f"{name} must be an integer{bounds}, got {number}")
     return number
 
 
@@ -314,3 +318,17 @@ class FetchConfig:
     max_backoff = property(lambda self: self.retry.max_backoff)
     outage_deadline = property(lambda self: self.retry.outage_deadline)
     first_contact_deadline = property(lambda self: self.retry.first_contact_deadline)
+
+
+def current_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """Rank and world size: as given, else from torch.distributed, else ``RANK`` / ``WORLD_SIZE``."""
+    if (rank is None) != (world_size is None):
+        raise ConfigError(f"give rank and world_size together, or neither (to take both from torch.distributed"
+                          f" or RANK / WORLD_SIZE); got rank={rank!r}, world_size={world_size!r}")
+    if rank is not None and world_size is not None:
+        return check_world(rank, world_size)
+    import torch.distributed as dist  # only when the world is not given, and by datasets, which import torch anyway
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return world_from_env()

@@ -59,6 +59,12 @@ class ConfigError(RemoteLoaderError, ValueError):
     """An argument or configuration value is invalid."""
 
 
+class ResumeError(ConfigError):
+    """A checkpoint state cannot resume this dataset: malformed, from another dataset, seed or
+    split, or taken where it cannot resume exactly (a ``ConfigError``, so code catching
+    those catches it too)."""
+
+
 # --------------------------------------------------------------------------- storage
 
 

@@ -16,7 +16,7 @@ EXPECTED = {
     "AccessDenied", "BucketNotFound", "ConfigError", "CorruptSampleError", "CorruptShard", "DatasetChanged", "DatasetNotFound", "DatasetReader",
     "DecodeError", "EndpointUnreachable", "FetchConfig", "Metrics", "RandomResizedCrop", "RemoteDataset", "RemoteMapDataset", "LocalitySampler", "FormatError", "ImageFolder", "IndexOutOfBounds", "InvalidRange",
     "LocalStore", "ObjectNotFound", "PreconditionFailed", "RemoteLoaderError", "RetryConfig", "StorageConfig", "StorageError", "Store",
-    "TransientStorageError", "TruncatedShard", "UnsupportedVersion", "UniformSampler", "UploadConflict", "UploadError", "UploadSummary", "__version__",
+    "ResumeError", "TransientStorageError", "TruncatedShard", "UnsupportedVersion", "UniformSampler", "UploadConflict", "UploadError", "UploadSummary", "__version__",
     "make_client", "upload_cv_dataset",
 }
 

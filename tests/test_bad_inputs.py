@@ -174,13 +174,13 @@ _UNREACHED = "http://127.0.0.1:9"  # nothing listens: a check that came too late
 @pytest.mark.parametrize("kwargs, field", [
     ({"rank": 1}, "rank and world_size together"),
     ({"world_size": 2}, "rank and world_size together"),
-    ({"rank": 2, "world_size": 2}, "rank must be in 0..1"),
-    ({"rank": -1, "world_size": 2}, "rank must be in 0..1"),
-    ({"rank": 0, "world_size": 0}, "world_size must be >= 1"),
-    ({"seed": -1}, "seed must be in 0.."),
+    ({"rank": 2, "world_size": 2}, "rank must be an integer in 0..1"),
+    ({"rank": -1, "world_size": 2}, "rank must be an integer in 0..1"),
+    ({"rank": 0, "world_size": 0}, "world_size must be an integer >= 1"),
+    ({"seed": -1}, "seed must be an integer in 0.."),
     ({"seed": "a"}, "seed must be an integer"),
     ({"seed": 1.5}, "seed must be an integer"),
-    ({"open_shards": 0}, "open_shards must be >= 1"),
+    ({"open_shards": 0}, "open_shards must be an integer >= 1"),
     ({"shuffle_shards": "yes"}, "shuffle_shards must be True or False"),
     ({"equalize": 1}, "equalize must be True or False or None"),
     ({"on_error": "ignore"}, "on_error must be"),
@@ -195,17 +195,17 @@ def test_rank_and_world_size_from_the_environment_are_checked(monkeypatch, small
     client, bucket = small
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ConfigError, match="RANK=3 and WORLD_SIZE=2 in the environment: rank must be in 0..1"):
+    with pytest.raises(ConfigError, match="RANK=3 and WORLD_SIZE=2 in the environment: rank must be an integer in 0..1"):
         len(RemoteDataset(client, bucket, "ok"))
 
 
 @pytest.mark.parametrize("make, field", [
-    (lambda: RandomResizedCrop(0), "size must be >= 1"),
+    (lambda: RandomResizedCrop(0), "size must be an integer >= 1"),
     (lambda: RandomResizedCrop(224, scale=(0.5, 0.1)), "scale must be"),
     (lambda: RandomResizedCrop(224, ratio=(0, 1)), "ratio must be"),
-    (lambda: RandomResizedCrop(224, seed=-3), "seed must be in"),
-    (lambda: LocalitySampler([10, 10], window=0, rank=0, world_size=1), "window must be >= 1"),
-    (lambda: LocalitySampler([10, 10], seed=-1, rank=0, world_size=1), "seed must be in"),
+    (lambda: RandomResizedCrop(224, seed=-3), "seed must be an integer in"),
+    (lambda: LocalitySampler([10, 10], window=0, rank=0, world_size=1), "window must be an integer >= 1"),
+    (lambda: LocalitySampler([10, 10], seed=-1, rank=0, world_size=1), "seed must be an integer in"),
     (lambda: LocalitySampler([10, 10], rank=1), "rank and world_size together"),
 ])
 def test_other_constructors_check_their_arguments(make, field):
@@ -214,11 +214,11 @@ def test_other_constructors_check_their_arguments(make, field):
 
 
 @pytest.mark.parametrize("kwargs, field", [
-    ({"workers": -1}, "workers must be >= 0"),
-    ({"seed": -1}, "seed must be in 0.."),
-    ({"maxcount": 0}, "maxcount must be >= 1"),
+    ({"workers": -1}, "workers must be an integer >= 0"),
+    ({"seed": -1}, "seed must be an integer in 0.."),
+    ({"maxcount": 0}, "maxcount must be an integer >= 1"),
     ({"maxsize": "big"}, "maxsize must be a number"),
-    ({"quality": 0}, "quality must be in 1..100"),
+    ({"quality": 0}, "quality must be an integer in 1..100"),
     ({"shuffle": "no"}, "shuffle must be True or False"),
 ])
 def test_upload_arguments_are_checked_before_any_request(kwargs, field):

@@ -24,7 +24,7 @@ from remote_loader import (
 )
 from tests.helpers import FlakyImages
 from remote_loader.upload.indexer import index_webdataset
-from remote_loader.pipeline.mapstyle import RemoteMapDataset
+from remote_loader.mapstyle.dataset import RemoteMapDataset
 from remote_loader.storage import Location
 from remote_loader.testing.synthetic import SyntheticImages
 

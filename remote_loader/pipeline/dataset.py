@@ -14,12 +14,9 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from remote_loader.config import FetchConfig, require_bool, require_int
-from remote_loader.errors import ConfigError, DatasetNotFound
+from remote_loader.errors import ConfigError, DatasetNotFound, ResumeError
 from remote_loader.pipeline import stages
-from remote_loader.pipeline.checkpoint import Checkpoints, Layout
-from remote_loader.pipeline.position import Progress
-from remote_loader.pipeline.replay import replay_point
-from remote_loader.pipeline.resume import MAX_WORKERS
+from remote_loader.pipeline.resume import MAX_WORKERS, Checkpoints, Layout, Progress, route
 from remote_loader.pipeline.source import ShardSource
 from remote_loader.pipeline.split import EpochOrders, current_world, plan_spans, rank_size, shard_order
 from remote_loader.read import DatasetReader, Metrics
@@ -255,7 +252,7 @@ class RemoteDataset(IterableDataset):
         if consumed is not None:
             return self._checkpoints.count_state(self._layout(), consumed, num_workers)
         if self.unindexed:
-            raise ConfigError("checkpoints need an indexed dataset: run remote-loader index on it")
+            raise ResumeError("checkpoints need an indexed dataset: run remote-loader index on it")
         return self._checkpoints.state(self._layout(), get_worker_info())
 
     def load_state_dict(self, state: Any) -> None:
@@ -296,45 +293,44 @@ class RemoteDataset(IterableDataset):
         epoch = self._checkpoints.begin(info)  # once: the main process may set the next one while this runs
         if self.unindexed:
             checkpoints = self._checkpoints
-            if checkpoints.take_resume(epoch, worker, num_workers, take=False) is not None or checkpoints.position is not None:
-                raise ConfigError("resume needs an indexed dataset: run remote-loader index on it")
+            if checkpoints.resume_for(epoch, worker, num_workers) is not None or checkpoints.position is not None:
+                raise ResumeError("resume needs an indexed dataset: run remote-loader index on it")
             return self._iterate(epoch, worker, num_workers, None, 0)
         progress, skip = self._checkpoints.start(self._layout(), epoch, worker, num_workers)
         return self._iterate(epoch, worker, num_workers, progress, skip)
 
     def _iterate(self, epoch: int, worker: int, num_workers: int, progress: Progress | None, skip: int) -> Iterator[Any]:
         layout = self._layout()
-        rank = layout.rank
         info = get_worker_info()
         metrics = Metrics(self._metrics[1 + worker if info else 0].numpy())
         policy = self.reader.policy(metrics, cancel=threading.Event())
-        source = ShardSource(self.reader, policy, open_shards=self.open_shards, seed=(self.seed, epoch, rank, worker, 1),
-                             on_error=self.on_error, progress=progress)
-        data: Iterator[tuple[Any, Any]] = self._samples(source, epoch, worker, num_workers, progress)
+        source = ShardSource(self.reader, policy, open_shards=self.open_shards,
+                             seed=(self.seed, epoch, layout.rank, worker, 1), on_error=self.on_error, progress=progress)
         names = stages.InFlight()
-        data = names.entering(data)
+        data = names.entering(self._samples(source, epoch, worker, num_workers, progress))
         counted = progress.done if progress is not None else _ignore
 
         def done(ids: Any) -> None:
             counted(ids)
             names.left(ids)
 
-        skip_after = layout.skip_point()[0] if skip else -1
-        replay_at, passing = -1, None
-        if progress is not None:
-            replay_at = layout.replay_point()[0]
-            passing = partial(replay_point, progress=progress, done=done, where=f"rank {rank} worker {worker}")
-        context = stages.Context(self.seed, epoch, rank, worker)
+        # What runs between stages, made before the stages are chained: the skip of a count
+        # state, and the replay point, before which a replay's placeholders go around stages.
+        taps: dict[int, list[Callable[[Iterator[tuple[Any, Any]]], Iterator[tuple[Any, Any]]]]] = {}
+        if skip:
+            taps.setdefault(layout.skip_point()[0], []).append(partial(_skip, count=skip, done=done))
+        point = progress.point if progress is not None else None
+        replay_at = layout.replay_point()[0] if point is not None else -1
+        if point is not None:
+            taps.setdefault(replay_at, []).append(partial(point.run, done=done))
+        routed = point is not None and point.replaying and point.replay is not None and point.replay.placeholders
+        context = stages.Context(self.seed, epoch, layout.rank, worker)
         for position, stage in enumerate(self.stages):
-            if position == skip_after:
-                data = _skip(data, skip, done)
-            if position == replay_at and passing is not None:
-                data = passing(data)
-            data = stages.run_paired(stage, data, context, done, names)
-        if skip_after == len(self.stages):
-            data = _skip(data, skip, done)
-        if replay_at == len(self.stages) and passing is not None:
-            data = passing(data)
+            for tap in taps.get(position, ()):
+                data = tap(data)
+            data = (route(stage) if routed and position < replay_at else stage).paired(data, context, done, names)
+        for tap in taps.get(len(self.stages), ()):
+            data = tap(data)
         yield from _timed(_deliver(data, done, metrics), metrics)
 
     def _samples(self, source: ShardSource, epoch: int, worker: int, num_workers: int,
@@ -367,7 +363,7 @@ def _ignore(ids: Any) -> None:
     pass
 
 
-def _skip(pairs: Iterator[tuple[Any, Any]], count: int, done: Callable[[Any], None]) -> Iterator[tuple[Any, Any]]:
+def _skip(pairs: Iterator[tuple[Any, Any]], *, count: int, done: Callable[[Any], None]) -> Iterator[tuple[Any, Any]]:
     """``pairs`` less the first ``count`` items, which count as delivered (a count-based resume)."""
     for i, _ in itertools.islice(pairs, count):
         done(i)

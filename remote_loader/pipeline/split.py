@@ -20,7 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from remote_loader.config import check_world, world_from_env
+from remote_loader.config import current_world
+from remote_loader.format.order import shard_order
 from remote_loader.errors import ConfigError
 
 
@@ -37,26 +38,6 @@ class Span:
     def __len__(self) -> int:
         return self.end - self.start
 
-
-
-def current_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    """Rank and world size: as given, else from torch.distributed, else ``RANK`` / ``WORLD_SIZE``."""
-    if (rank is None) != (world_size is None):
-        raise ConfigError(f"give rank and world_size together, or neither (to take both from torch.distributed"
-                          f" or RANK / WORLD_SIZE); got rank={rank!r}, world_size={world_size!r}")
-    if rank is not None and world_size is not None:
-        return check_world(rank, world_size)
-    import torch.distributed as dist  # only when the world is not given: the rest of this module is numpy
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return world_from_env()
-
-def shard_order(num_shards: int, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
-    """The epoch's shard order: a permutation drawn from (seed, epoch), or manifest order."""
-    if not shuffle:
-        return np.arange(num_shards)
-    return np.random.default_rng([seed, epoch]).permutation(num_shards)
 
 
 class EpochOrders:
@@ -140,13 +121,49 @@ def _lap_spans(counts: np.ndarray, kept: list[tuple[np.ndarray, int, int, int]])
             begin = ends[-1]
 
 
+@dataclass(frozen=True)
+class Plan:
+    """What one worker reads: intervals ``rows`` of positions in order; ``extras`` are the
+    positions it reads as repeats; ``run`` names the sequence divided (0: a whole epoch,
+    else a checksum of the remainder resumed)."""
+
+    rows: tuple[tuple[int, int], ...]
+    extras: frozenset[int]
+    run: int = 0
+
+
+def divide(starts: np.ndarray, stops: np.ndarray, low: int, high: int, run: int = 0) -> Plan:
+    """The plan reading positions ``[low, high)`` of the sequence made of the intervals
+    ``[starts[i], stops[i])`` in order, wrapping around past its end."""
+    ends = np.cumsum(stops - starts)
+    total = int(ends[-1]) if len(ends) else 0
+    if total == 0 or low >= high:
+        return Plan((), frozenset(), run)
+    rows: list[tuple[int, int]] = []
+    extras: set[int] = set()
+    occurrence = low
+    for first, last in laps(total, low, high):
+        pieces = _pieces(starts, stops, ends, first, last)
+        rows.extend(pieces)
+        if occurrence >= total:  # a repeat: fewer than world_size samples in all
+            extras.update(p for a, b in pieces for p in range(a, b))
+        occurrence += last - first
+    return Plan(tuple(rows), frozenset(extras), run)
+
+
+def _pieces(starts: np.ndarray, stops: np.ndarray, ends: np.ndarray, first: int, last: int) -> list[tuple[int, int]]:
+    """Positions of items ``[first, last)`` of the sequence of intervals (``ends``: their cumulative sizes)."""
+    i, j = (int(k) for k in np.searchsorted(ends, [first, last - 1], side="right"))
+    out = []
+    for k in range(i, j + 1):
+        begin = int(ends[k]) - int(stops[k] - starts[k])  # sequence index of the interval's first position
+        a, b = max(first, begin), min(last, int(ends[k]))
+        out.append((int(starts[k]) + a - begin, int(starts[k]) + b - begin))
+    return out
+
+
 def _bounds(total: int, parts: int, part: int) -> tuple[int, int]:
     return total * part // parts, total * (part + 1) // parts
-
-
-def assign(counts: Sequence[int] | np.ndarray, **split: Any) -> list[Span]:
-    """``iter_assign``'s spans as a list."""
-    return list(iter_assign(counts, **split))
 
 
 def iter_assign(

@@ -1,5 +1,4 @@
-"""Pipeline stages: the stage objects a chain is made of (their generator functions are in
-``streams.py``).
+"""Pipeline stages: the stage objects a chain is made of, and the generators they run.
 
 A stage object says what it is: whether it maps one sample to one (resume counts samples
 through such stages), whether it draws randomness (from the iteration's ``Context`` and
@@ -20,17 +19,10 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from remote_loader.errors import ConfigError
+from remote_loader.config import require_int
+from remote_loader.errors import ConfigError, DecodeError
 from remote_loader.pipeline.decode import MODES, decode_sample
-from remote_loader.pipeline.streams import (
-    batched_stage,
-    map_tuple_stage,
-    select_stage,
-    shuffle_stage,
-    to_tuple_stage,
-)
 from remote_loader.pipeline.threads import apply, describe, name_failure, threaded_map
-from remote_loader.read.shards import REPLAYED
 
 
 @dataclass(frozen=True)
@@ -51,9 +43,7 @@ def sample_rng(context: Context, key: str) -> np.random.Generator:
 
 
 def _check_threads(threads: int) -> int:
-    if type(threads) is not int or threads < 0:
-        raise ConfigError(f"threads must be an integer >= 0 (0: run in the calling thread), got {threads!r}")
-    return threads
+    return require_int("threads (0: run in the calling thread)", threads, 0, exact=True)
 
 
 def _check_callable(fn: Any, what: str) -> None:
@@ -89,9 +79,18 @@ class Stage(ABC):
         """``(size, partial)`` for a stage that groups samples into batches, else None."""
         return None
 
+    def collating(self, wrap: Callable[[Callable[[list[Any]], Any] | None], Callable[[list[Any]], Any]]) -> Stage:
+        """The same stage with its collation function ``f`` replaced by ``wrap(f)``; a stage
+        that collates nothing is itself."""
+        return self
+
     def paired(self, pairs: Iterable[tuple[Any, Any]], context: Context, dropped: Callable[[Any], None],
                names: InFlight | None) -> Iterator[tuple[Any, Any]]:
-        """The stage over ``(id, item)`` pairs (see ``run_paired``); a stage that maps one
+        """The stage over ``(id, item)`` pairs, the ids following their items: so the
+        pipeline's end knows which samples it delivers, and a checkpoint knows which are still
+        inside. An id is a sample's position, or a batch's list of ids; ``dropped(id)`` is
+        called for what the stage discards (``select``, a short last batch without
+        ``partial``), and ``names`` names the sample of a failure. A stage that maps one
         sample to one in order gets this form for free."""
         if not self.one_to_one:
             raise TypeError(f"no paired form for {self!r}")
@@ -238,6 +237,10 @@ class Batched(Stage):
     def batch(self) -> tuple[int, bool] | None:
         return self.batchsize, self.partial
 
+    def collating(self, wrap: Callable[[Callable[[list[Any]], Any] | None], Callable[[list[Any]], Any]]) -> Batched:
+        """The same stage, collating with ``wrap(collation_fn)``."""
+        return Batched(self.batchsize, wrap(self.collation_fn), self.partial)
+
     def paired(self, pairs: Iterable[tuple[Any, Any]], context: Context, dropped: Callable[[Any], None],
                names: InFlight | None) -> Iterator[tuple[Any, Any]]:
         return _batch_pairs(pairs, self, dropped)
@@ -276,17 +279,6 @@ class InFlight:
         return None if where is None else describe({"__key__": where[0], "__shard__": where[1]}, 0)
 
 
-def run_paired(stage: Stage, pairs: Iterable[tuple[Any, Any]], context: Context,
-               dropped: Callable[[Any], None], names: InFlight | None = None) -> Iterator[tuple[Any, Any]]:
-    """``stage`` over ``(id, item)`` pairs, the ids following their items: so the pipeline's
-    end knows which samples it delivers, and a checkpoint knows which are still inside.
-
-    An id is a sample's position, or a batch's list of ids. ``dropped(id)`` is called for
-    what a stage discards (``select``, a short last batch without ``partial``).
-    """
-    return stage.paired(pairs, context, dropped, names)
-
-
 def _one_to_one_pairs(stage: Stage, pairs: Iterable[tuple[Any, Any]], context: Context,
                       names: InFlight | None) -> Iterator[tuple[Any, Any]]:
     # The stage keeps the order and maps one to one: its k-th output is its k-th input's.
@@ -316,7 +308,7 @@ def _one_to_one_pairs(stage: Stage, pairs: Iterable[tuple[Any, Any]], context: C
 def _select_pairs(pairs: Iterable[tuple[Any, Any]], predicate: Callable[[Any], bool],
                   dropped: Callable[[Any], None]) -> Iterator[tuple[Any, Any]]:
     for i, item in pairs:
-        if item is REPLAYED or predicate(item):  # a replay's placeholder is dropped at the replay point
+        if predicate(item):
             yield i, item
         else:
             dropped(i)
@@ -327,11 +319,6 @@ def _batch_pairs(pairs: Iterable[tuple[Any, Any]], stage: Batched, dropped: Call
         if len(batch) < stage.batchsize and not stage.partial:
             return [i for i, _ in batch], None  # the short last batch, dropped below
         items = [item for _, item in batch]
-        if any(item is REPLAYED for item in items):  # a replay's batches hold placeholders only, or none
-            if not all(item is REPLAYED for item in items):
-                raise ConfigError("a resumed run batched delivered samples with undelivered ones: it did not replay"
-                                  " the run its state was taken in (the pipeline differs from the one that saved it)")
-            return [i for i, _ in batch], REPLAYED
         return [i for i, _ in batch], stage.collation_fn(items) if stage.collation_fn else items
 
     for ids, batch in batched_stage(pairs, stage.batchsize, collate, partial=True):
@@ -339,3 +326,89 @@ def _batch_pairs(pairs: Iterable[tuple[Any, Any]], stage: Batched, dropped: Call
             dropped(ids)
         else:
             yield ids, batch
+
+
+# --------------------------------------------------------------------------- the generators stages run
+
+
+def select_stage(samples: Iterable[Any], predicate: Callable[[Any], bool]) -> Iterator[Any]:
+    """Keep the samples for which ``predicate`` is true."""
+    for sample in samples:
+        if predicate(sample):
+            yield sample
+
+
+def map_tuple_stage(samples: Iterable[Sequence[Any]], fns: Sequence[Callable[[Any], Any] | None]) -> Iterator[Any]:
+    """Apply ``fns[i]`` to element ``i`` of each tuple (None leaves an element as it is)."""
+    for sample in samples:
+        if len(sample) != len(fns):
+            raise ConfigError(f"map_tuple got {len(fns)} functions for a sample of {len(sample)} elements")
+        yield tuple(x if fn is None else fn(x) for fn, x in zip(fns, sample))
+
+
+def to_tuple_stage(samples: Iterable[dict[str, Any]], fields: Sequence[str]) -> Iterator[Any]:
+    """Turn dict samples into tuples; ``"jpg;png"`` takes the first of those fields present."""
+    choices = [spec.split(";") for spec in fields]
+    for sample in samples:
+        row = []
+        for options in choices:
+            for name in options:
+                if name in sample:
+                    row.append(sample[name])
+                    break
+            else:
+                raise DecodeError(f"sample {sample.get('__key__')!r} of {sample.get('__shard__')} has none of the fields {';'.join(options)}")
+        yield tuple(row)
+
+
+_END = object()
+
+
+def _pop_random(buffer: list[Any], rng: np.random.Generator) -> Any:
+    pick = int(rng.integers(len(buffer)))
+    buffer[pick], buffer[-1] = buffer[-1], buffer[pick]
+    return buffer.pop()
+
+
+def shuffle_stage(samples: Iterable[Any], bufsize: int, initial: int, seed: Sequence[int]) -> Iterator[Any]:
+    """Mix samples in a buffer of up to ``bufsize``; each output is drawn uniformly from it.
+
+    Output starts once ``initial`` samples are buffered; while below ``bufsize`` the buffer
+    takes three samples per output, so it fills as output flows. It drains at the end:
+    every input sample is yielded exactly once.
+    """
+    if bufsize < 1 or not 0 <= initial <= bufsize:
+        raise ConfigError(f"shuffle needs bufsize >= 1 and 0 <= initial <= bufsize; got {bufsize}, {initial}")
+    rng = np.random.default_rng(list(seed))
+    source = iter(samples)
+    buffer: list[Any] = []
+    for sample in source:
+        buffer.append(sample)
+        for _ in range(2):
+            if len(buffer) >= bufsize:
+                break
+            extra = next(source, _END)
+            if extra is _END:
+                break
+            buffer.append(extra)
+        if len(buffer) >= initial:
+            yield _pop_random(buffer, rng)
+    while buffer:
+        yield _pop_random(buffer, rng)
+
+
+
+def batched_stage(
+    samples: Iterable[Any], batchsize: int, collation_fn: Callable[[list[Any]], Any] | None, partial: bool
+) -> Iterator[Any]:
+    """Group samples into lists of ``batchsize`` and collate them; keep a short last batch if ``partial``."""
+    if batchsize < 1:
+        raise ConfigError(f"batch size must be >= 1, got {batchsize}")
+    batch: list[Any] = []
+    for sample in samples:
+        batch.append(sample)
+        if len(batch) == batchsize:
+            yield collation_fn(batch) if collation_fn else batch
+            batch = []
+    if batch and partial:
+        yield collation_fn(batch) if collation_fn else batch

@@ -15,7 +15,6 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
-from remote_loader.read.shards import REPLAYED
 from remote_loader.storage.daemon import wait_result
 
 _JOIN_SECONDS = 1.0
@@ -38,12 +37,8 @@ def name_failure(error: BaseException, where: str) -> None:
 
 
 def apply(fn: Callable[[Any], Any], samples: Iterable[Any]) -> Iterator[Any]:
-    """``fn`` over ``samples`` in this thread; a failure names its sample. A replay's
-    placeholders (``REPLAYED``) pass unchanged, here and in every stage."""
+    """``fn`` over ``samples`` in this thread; a failure names its sample."""
     for position, sample in enumerate(samples):
-        if sample is REPLAYED:
-            yield sample
-            continue
         try:
             result = fn(sample)
         except Exception as error:
@@ -94,12 +89,6 @@ class _DaemonPool:
                 thread.join(max(0.0, deadline - time.monotonic()))
 
 
-def _passed(sample: Any) -> Future[Any]:
-    future: Future[Any] = Future()
-    future.set_result(sample)
-    return future
-
-
 def threaded_map(fn: Callable[[Any], Any], samples: Iterable[Any], threads: int) -> Iterator[Any]:
     """``fn`` over ``samples`` on ``threads`` threads, results in input order.
 
@@ -120,7 +109,7 @@ def threaded_map(fn: Callable[[Any], Any], samples: Iterable[Any], threads: int)
 
     try:
         for position, sample in enumerate(samples):
-            pending.append((describe(sample, position), _passed(sample) if sample is REPLAYED else pool.submit(fn, sample)))
+            pending.append((describe(sample, position), pool.submit(fn, sample)))
             if len(pending) >= 2 * threads:
                 yield take()
         while pending:

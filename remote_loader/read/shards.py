@@ -15,7 +15,7 @@ from functools import partial
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from remote_loader.errors import CorruptSampleError, CorruptShard, InvalidRange, ObjectNotFound, TruncatedShard
 from remote_loader.format import Sample, ShardEntry, ShardIndex, ShardView
@@ -123,7 +123,7 @@ class SpanRead:
     stop: int
     index: ShardIndex
 
-    def open(self, fetched: Fetched[RangePlan], reader: DatasetReader, wait: Callable[[int | None], None]) -> _Opened:
+    def open(self, fetched: Fetched[Any], reader: DatasetReader, wait: Callable[[int | None], None]) -> _Opened:
         view = ShardView(fetched.buffer, self.index, name=self.entry.name, verify=reader.verify, base=fetched.start,
                          first=self.first, stop=self.stop)
         return _Opened(view, self.index, self.shard, self.first, self.stop)
@@ -135,7 +135,7 @@ class TarRead:
 
     name: str
 
-    def open(self, fetched: Fetched[RangePlan], reader: DatasetReader, wait: Callable[[int | None], None]) -> _Opened:
+    def open(self, fetched: Fetched[Any], reader: DatasetReader, wait: Callable[[int | None], None]) -> _Opened:
         wait(None)
         index, _ = scan_tar(lambda start, end: memoryview(fetched.buffer)[start:end], self.name, len(fetched.buffer))
         return _Opened(ShardView(fetched.buffer, index, name=self.name, verify=False), None, -1, 0, len(index))
@@ -149,41 +149,11 @@ class Skipped:
     samples: int
     reason: str
 
-    def open(self, fetched: Fetched[RangePlan], reader: DatasetReader, wait: Callable[[int | None], None]) -> _Opened:
+    def open(self, fetched: Fetched[Any], reader: DatasetReader, wait: Callable[[int | None], None]) -> _Opened:
         return _Opened(None, None, -1, 0, 0)
 
 
-class Placeholder:
-    """The type of ``REPLAYED``, the placeholder sample (see ``Replayed``)."""
-
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return "REPLAYED"
-
-    def __reduce__(self) -> str:
-        return "REPLAYED"  # the one instance, also through pickle
-
-
-REPLAYED = Placeholder()
-"""A placeholder for a sample delivered before a state was taken, which a resumed worker
-replays through its pipeline without fetching, decoding or giving it to user functions."""
-
-
-@dataclass(frozen=True)
-class Replayed:
-    """Samples ``[first, stop)`` of a shard that a resumed worker had delivered: nothing is
-    fetched, and each reads as ``REPLAYED``."""
-
-    shard: int
-    first: int
-    stop: int
-
-    def open(self, fetched: Fetched[RangePlan], reader: DatasetReader, wait: Callable[[int | None], None]) -> _Opened:
-        return _Opened(None, None, self.shard, self.first, self.stop)
-
-
-RangePlan = SpanRead | TarRead | Skipped | Replayed
+RangePlan = SpanRead | TarRead | Skipped
 """What a fetched range holds and how to read it: each kind opens itself."""
 
 
@@ -196,15 +166,15 @@ def skip(what: str, samples: int, error: BaseException, policy: RetryPolicy) -> 
 class OpenRange:
     """A range being read while its parts arrive, opened as its plan says (``SpanRead``, ``TarRead``, ``Skipped``).
 
-    ``next_sample()`` gives the range's samples in order (``REPLAYED`` for each of a
-    ``Replayed`` range), fetching damaged ones again;
+    ``next_sample()`` gives the range's samples in order, fetching damaged ones again;
     with ``on_error="skip"`` it returns None for one it skipped (all the rest of the range
     if the shard is gone).
     """
 
-    def __init__(self, reader: DatasetReader, fetched: Fetched[RangePlan], policy: RetryPolicy, on_error: str) -> None:
+    def __init__(self, reader: DatasetReader, fetched: Fetched[Any], plan: RangePlan, policy: RetryPolicy,
+                 on_error: str) -> None:
         self.reader, self.fetched, self.policy, self.on_error = reader, fetched, policy, on_error
-        self.view, self.index, self.shard, self.next, self.stop = fetched.context.open(fetched, reader, self._wait)
+        self.view, self.index, self.shard, self.next, self.stop = plan.open(fetched, reader, self._wait)
 
     @property
     def done(self) -> bool:
@@ -215,11 +185,10 @@ class OpenRange:
         self.fetched.wait(upto)
         self.policy.metrics.add(wait_seconds=time.perf_counter() - waited)
 
-    def next_sample(self) -> Sample | Placeholder | None:
+    def next_sample(self) -> Sample | None:
         j = self.next
         self.next += 1
-        if self.view is None:  # a range of delivered samples, replayed (``Replayed``)
-            return REPLAYED
+        assert self.view is not None  # a range with samples to read has a view of them
         try:
             if self.index is not None:
                 self._wait(self.index.extent(j, j + 1))

@@ -13,10 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from remote_loader.errors import ConfigError
-from remote_loader.pipeline.intervals import merge, runs
-from remote_loader.pipeline.position import Progress, divide
-from remote_loader.pipeline.states import Remainder, gather, parse
-from remote_loader.pipeline.split import worker_bounds
+from remote_loader.pipeline.resume.intervals import merge, runs
+from remote_loader.pipeline.resume.progress import Progress
+from remote_loader.pipeline.resume.states import Remainder, gather, parse
+from remote_loader.pipeline.split import divide, worker_bounds
 
 
 def _header(epoch: int, samples: int, rank: int, world: int, worker: int, workers: int) -> dict[str, object]:
@@ -49,8 +49,8 @@ class _Range:
 def _run_worker(plan, header, rng: random.Random, stop_after: int):
     """A worker's iteration, played on integers: the cutter takes the plan 10 samples at a
     time and cuts them into ranges of up to 5, the source keeps up to 2 ranges open and
-    emits from either, a buffer of up to 7 samples delivers a random one. Returns the
-    positions delivered and the state."""
+    emits from either, a buffer of up to 7 samples delivers a random one, which alone
+    reaches the progress. Returns the positions delivered and the state."""
     progress = Progress(plan, header)
     rows = [(a, b) for a, b in plan.rows]
     delivered, buffer, reading, cut = [], [], [], []
@@ -62,21 +62,15 @@ def _run_worker(plan, header, rng: random.Random, stop_after: int):
             if a + taken == b:
                 rows.pop(0)
             cut = [(p, min(5, a + taken - p)) for p in range(a, a + taken, 5)]
-            progress.took(taken, cut)
         while cut and len(reading) < 2:
             start, n = cut.pop(0)
-            assert progress.opening() == start
-            r = _Range(0, n)
-            reading.append((r, start))
-            progress.opened(r, start)
+            reading.append((_Range(0, n), start))
         if reading:
             r, base = rng.choice(reading)
             position = base + r.next
             r.next += 1
             if r.next == r.stop:
                 reading.remove((r, base))
-                progress.closed(r)
-            progress.emitted(position)
             buffer.append(position)
         if buffer and (len(buffer) >= 7 or not (rows or cut or reading)):
             position = buffer.pop(rng.randrange(len(buffer)))

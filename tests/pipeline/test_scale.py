@@ -41,7 +41,7 @@ def test_ten_million_samples_open_and_read_in_under_50_mb(tmp_path):
         import gc, os, sys
         sys.path.insert(0, {str(ROOT)!r})
         from remote_loader import LocalStore
-        from remote_loader.pipeline.mapstyle import RemoteMapDataset
+        from remote_loader.mapstyle.dataset import RemoteMapDataset
 
         def rss():
             gc.collect()

@@ -8,7 +8,12 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from remote_loader.pipeline.split import Span, assign, rank_size, shard_order
+from remote_loader.pipeline.split import Span, iter_assign, rank_size, shard_order
+
+
+def assign(counts, **split):
+    """``iter_assign``'s spans as a list."""
+    return list(iter_assign(counts, **split))
 
 
 def read(counts, **kwargs):

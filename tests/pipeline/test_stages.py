@@ -8,10 +8,12 @@ import numpy as np
 import pytest
 
 from remote_loader.errors import ConfigError, DecodeError
-from remote_loader.pipeline.stages import Batched, Context, Shuffle
-from remote_loader.pipeline.streams import (
+from remote_loader.pipeline.stages import (
+    Batched,
+    Context,
+    Map,
+    Shuffle,
     batched_stage,
-    map_stage,
     map_tuple_stage,
     select_stage,
     shuffle_stage,
@@ -42,7 +44,7 @@ def test_to_tuple_takes_the_first_present_field():
 
 
 def test_map_select_map_tuple():
-    assert list(map_stage(range(4), lambda x: x * 2)) == [0, 2, 4, 6]
+    assert list(Map(lambda x: x * 2).run(range(4), Context(0, 0, 0, 0))) == [0, 2, 4, 6]
     assert list(select_stage(range(6), lambda x: x % 3 == 0)) == [0, 3]
     assert list(map_tuple_stage([(1, "a")], [lambda x: x + 1, None])) == [(2, "a")]
     with pytest.raises(ConfigError, match="2 functions"):

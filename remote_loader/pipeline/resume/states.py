@@ -13,10 +13,12 @@ from typing import Any
 
 import numpy as np
 
-from remote_loader.errors import ConfigError
-from remote_loader.pipeline.intervals import merge, without
-from remote_loader.pipeline.position import MARK, STATE_VERSION, Plan, divide
-from remote_loader.pipeline.replay import Record, Replay, parse_record
+from remote_loader.config import require_int
+from remote_loader.errors import ResumeError
+from remote_loader.pipeline.resume.intervals import merge, without
+from remote_loader.pipeline.resume.progress import MARK, STATE_VERSION
+from remote_loader.pipeline.split import Plan, divide
+from remote_loader.pipeline.resume.replay import Record, Replay, parse_record
 
 _HEADER = ("epoch", "seed", "shuffle", "samples", "shards", "run", "rank", "world_size", "worker", "num_workers")
 _MAX_DEPTH = 8  # how deep load_state_dict looks for worker states inside a loader's state
@@ -58,33 +60,30 @@ class WorkerState:
 
 
 def _int(state: Mapping[str, Any], name: str, low: int, high: int) -> int:
-    value = state.get(name)
-    if type(value) is not int or not low <= value <= high:  # bool, float and str are refused too
-        raise ConfigError(f"RemoteDataset state field {name!r} must be an integer in {low}..{high}, got {value!r}")
-    return value
+    return require_int(f"RemoteDataset state field {name!r}", state.get(name), low, high, error=ResumeError, exact=True)
 
 
 def _ints(state: Mapping[str, Any], name: str, samples: int) -> list[int]:
     values = state.get(name)
     if not isinstance(values, (list, tuple)) or len(values) % 2:
-        raise ConfigError(f"RemoteDataset state field {name!r} must be a flat list of pairs of integers")
+        raise ResumeError(f"RemoteDataset state field {name!r} must be a flat list of pairs of integers")
     if not all(type(v) is int and 0 <= v <= samples for v in values):
         bad = next(v for v in values if type(v) is not int or not 0 <= v <= samples)
-        raise ConfigError(f"RemoteDataset state field {name!r} holds {bad!r}, not a position in 0..{samples}")
+        raise ResumeError(f"RemoteDataset state field {name!r} holds {bad!r}, not a position in 0..{samples}")
     return list(values)
 
 
 def parse(state: Any) -> WorkerState:
-    """Check a worker state's every field; raise ConfigError naming the first bad one."""
+    """Check a worker state's every field; raise ResumeError naming the first bad one."""
     if not isinstance(state, Mapping) or MARK not in state:
-        raise ConfigError("not a RemoteDataset worker state")
+        raise ResumeError("not a RemoteDataset worker state")
     if state[MARK] != STATE_VERSION:
-        raise ConfigError(f"RemoteDataset worker state version {state[MARK]!r} is not {STATE_VERSION}")
+        raise ResumeError(f"RemoteDataset worker state version {state[MARK]!r} is not {STATE_VERSION}")
     missing = [k for k in (*_HEADER, "remaining", "extras") if k not in state]
     if missing:
-        raise ConfigError(f"RemoteDataset worker state lacks {', '.join(missing)}")
+        raise ResumeError(f"RemoteDataset worker state lacks {', '.join(missing)}")
     if type(state["shuffle"]) is not bool:
-        raise ConfigError(f"RemoteDataset state field 'shuffle' must be true or false, got {state['shuffle']!r}")
+        raise ResumeError(f"RemoteDataset state field 'shuffle' must be true or false, got {state['shuffle']!r}")
     samples = _int(state, "samples", 0, 2**62)
     header = {"epoch": _int(state, "epoch", 0, 2**62), "seed": _int(state, "seed", -(2**63), 2**64 - 1),
               "shuffle": state["shuffle"], "samples": samples, "shards": _int(state, "shards", 0, 2**62),
@@ -97,12 +96,12 @@ def parse(state: Any) -> WorkerState:
     flat = _ints(state, "remaining", samples)
     remaining = list(zip(flat[::2], flat[1::2]))
     if any(a >= b for a, b in remaining) or any(b1 >= a2 for (_, b1), (a2, _) in pairwise(remaining)):
-        raise ConfigError("RemoteDataset state field 'remaining' must hold sorted, disjoint, non-empty intervals")
+        raise ResumeError("RemoteDataset state field 'remaining' must hold sorted, disjoint, non-empty intervals")
     flat = _ints(state, "extras", samples)
     if any(p >= samples for p in flat[::2]) or any(d not in (0, 1) for d in flat[1::2]):
-        raise ConfigError("RemoteDataset state field 'extras' must pair positions below 'samples' with 0 or 1")
+        raise ResumeError("RemoteDataset state field 'extras' must pair positions below 'samples' with 0 or 1")
     if len(flat) // 2 >= header["world_size"] + 1:
-        raise ConfigError(f"RemoteDataset state lists {len(flat) // 2} extras; a run of {header['world_size']} ranks has fewer")
+        raise ResumeError(f"RemoteDataset state lists {len(flat) // 2} extras; a run of {header['world_size']} ranks has fewer")
     extras = [(p, bool(d)) for p, d in zip(flat[::2], flat[1::2])]
     undelivered = merge([*remaining, *((p, p + 1) for p, d in extras if not d)])
     return WorkerState(header, remaining, extras, parse_record(state, samples, undelivered))
@@ -169,28 +168,28 @@ def gather(states: Sequence[WorkerState]) -> Remainder:
     """The rest of the epoch the states of all workers of all ranks leave (checks that they
     are all there, from one run, and do not overlap)."""
     if not states:
-        raise ConfigError("no RemoteDataset worker state found: pass every rank's state (the loader's state_dict)")
+        raise ResumeError("no RemoteDataset worker state found: pass every rank's state (the loader's state_dict)")
     first = states[0].header
     for s in states:
         for key in ("epoch", "seed", "shuffle", "samples", "shards", "run", "world_size", "num_workers"):
             if s.header[key] != first[key]:
-                raise ConfigError(f"states are from different runs: {s.where} has {key}={s.header[key]!r},"
+                raise ResumeError(f"states are from different runs: {s.where} has {key}={s.header[key]!r},"
                                   f" rank {first['rank']} worker {first['worker']} has {first[key]!r}")
     seen: dict[tuple[int, int], WorkerState] = {}
     for s in states:
         slot = (s.header["rank"], s.header["worker"])
         if slot in seen:
-            raise ConfigError(f"the state of {s.where} is given twice")
+            raise ResumeError(f"the state of {s.where} is given twice")
         seen[slot] = s
     missing = [f"rank {r} worker {w}" for r in range(first["world_size"]) for w in range(first["num_workers"])
                if (r, w) not in seen]
     if missing:
-        raise ConfigError(f"states lack {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}: gather the"
+        raise ResumeError(f"states lack {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}: gather the"
                           f" state of every rank ({first['world_size']} ranks x {first['num_workers']} workers)")
     intervals = sorted(interval for s in states for interval in s.remaining)
     for (_, b1), (a2, _) in pairwise(intervals):
         if a2 < b1:
-            raise ConfigError(f"states overlap at position {a2}: they are not from one checkpoint of one run")
+            raise ResumeError(f"states overlap at position {a2}: they are not from one checkpoint of one run")
     delivered = [p for s in states for p, done in s.extras if done]
     rest = without(merge(intervals), delivered)
     array = np.array(rest, dtype=np.int64).reshape(-1, 2)

@@ -9,8 +9,8 @@ import pytest
 from torch.utils.data import DataLoader, DistributedSampler
 
 from remote_loader import RemoteDataset
-from remote_loader.pipeline.mapstyle import RemoteMapDataset
-from remote_loader.pipeline.sampler import LocalitySampler
+from remote_loader.mapstyle.dataset import RemoteMapDataset
+from remote_loader.mapstyle.samplers import LocalitySampler
 from remote_loader.testing.synthetic import SyntheticImages
 from tests.helpers import upload_to_new_bucket
 

@@ -121,7 +121,7 @@ def test_bad_arguments_are_refused():
 _SCALE = """
 import resource, sys, time
 import numpy as np
-from remote_loader.pipeline.sampler import LocalitySampler, UniformSampler
+from remote_loader.mapstyle.samplers import LocalitySampler, UniformSampler
 sizes = np.full(1_000_000, 1000, dtype=np.int64)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 sampler = LocalitySampler(sizes, window=4, rank=7, world_size=8) if sys.argv[1] == "locality" else \\

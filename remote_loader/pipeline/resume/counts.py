@@ -12,7 +12,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from remote_loader.errors import ConfigError
+from remote_loader.config import require_int
+from remote_loader.errors import ResumeError
 
 STATE_VERSION = 1
 MAX_WORKERS = 1024
@@ -20,16 +21,13 @@ MAX_WORKERS = 1024
 
 
 def _count(state: Mapping[str, Any], name: str, low: int = 0, high: int = 2**62) -> int:
-    value = state.get(name)
-    if type(value) is not int or not low <= value <= high:  # bool, float and str are refused too
-        raise ConfigError(f"RemoteDataset state field {name!r} must be an integer in {low}..{high}, got {value!r}")
-    return value
+    return require_int(f"RemoteDataset state field {name!r}", state.get(name), low, high, error=ResumeError, exact=True)
 
 
 def consumed_per_worker(items: Sequence[int], consumed: int) -> list[int]:
     """Split ``consumed`` round-robin items among workers that produce ``items[w]`` items each."""
     if consumed < 0 or consumed > sum(items):
-        raise ConfigError(f"consumed={consumed} is outside this epoch's 0..{sum(items)} items")
+        raise ResumeError(f"consumed={consumed} is outside this epoch's 0..{sum(items)} items")
     taken = [0] * len(items)
     left = consumed
     while left:
@@ -64,20 +62,20 @@ class ResumeState:
 
     @classmethod
     def from_dict(cls, state: Any) -> ResumeState:
-        """Check every field's type and range; raise ConfigError naming the first bad one."""
+        """Check every field's type and range; raise ResumeError naming the first bad one."""
         if not isinstance(state, Mapping):
-            raise ConfigError(f"a RemoteDataset state_dict is a dict, got {type(state).__name__}")
+            raise ResumeError(f"a RemoteDataset state_dict is a dict, got {type(state).__name__}")
         missing = [k for k in ("version", "epoch", "seed", "num_workers", "skip") if k not in state]
         if missing:
-            raise ConfigError(f"not a RemoteDataset state_dict: it lacks {', '.join(missing)}")
+            raise ResumeError(f"not a RemoteDataset state_dict: it lacks {', '.join(missing)}")
         if state["version"] != STATE_VERSION:
-            raise ConfigError(f"RemoteDataset state version {state['version']!r} is not {STATE_VERSION}")
+            raise ResumeError(f"RemoteDataset state version {state['version']!r} is not {STATE_VERSION}")
         epoch = _count(state, "epoch")
         seed = _count(state, "seed", -(2**63), 2**64 - 1)
         num_workers = _count(state, "num_workers", 1, MAX_WORKERS)
         skip = state["skip"]
         if not isinstance(skip, (list, tuple)) or len(skip) != num_workers:
-            raise ConfigError(f"RemoteDataset state field 'skip' must list one count per worker ({num_workers})")
+            raise ResumeError(f"RemoteDataset state field 'skip' must list one count per worker ({num_workers})")
         counts = [_count({f"skip[{w}]": n}, f"skip[{w}]") for w, n in enumerate(skip)]
         dataset = _count(state, "dataset", 0, 2**32 - 1) if "dataset" in state else None
         return cls(epoch, seed, num_workers, counts, dataset)

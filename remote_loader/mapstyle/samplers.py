@@ -27,8 +27,9 @@ from torch.utils.data import Sampler
 
 from remote_loader.config import require_int
 from remote_loader.errors import ConfigError
-from remote_loader.pipeline.mapstyle import RemoteMapDataset
-from remote_loader.pipeline.split import current_world, shard_order
+from remote_loader.mapstyle.dataset import RemoteMapDataset
+from remote_loader.config import current_world
+from remote_loader.format.order import shard_order
 
 _BLOCK = 1 << 16  # positions turned into indices at a time
 
