@@ -2,6 +2,7 @@
 
 from remote_loader.upload.encode import EncodeOptions
 from remote_loader.upload.sources import ImageFolder, load_source
-from remote_loader.upload.uploader import UploadSummary, upload_cv_dataset
+from remote_loader.upload.summary import UploadSummary
+from remote_loader.upload.uploader import upload_cv_dataset
 
 __all__ = ["EncodeOptions", "ImageFolder", "UploadSummary", "load_source", "upload_cv_dataset"]

@@ -17,6 +17,7 @@ import warnings
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -40,79 +41,13 @@ from remote_loader.upload import claim, tasks
 from remote_loader.upload.encode import EncodeOptions, encode_item
 from remote_loader.upload.executors import run_tasks
 from remote_loader.upload.sources import load_source
-from remote_loader.upload.tasks import TaskSpec
+from remote_loader.upload.summary import UploadSummary
+from remote_loader.upload.tasks import TaskResult, TaskSpec
 
 log = logging.getLogger("remote_loader")
 
 _ESTIMATE_SAMPLES = 16
 
-
-
-@dataclass(frozen=True)
-class UploadSummary:
-    """What an upload did.
-
-    Attributes:
-        location: Where the dataset is.
-        samples: Samples in the dataset.
-        shards: Shard objects in the dataset.
-        bytes: Their total size.
-        skipped: Source samples skipped by ``on_error="skip"``.
-        seconds: Wall time of this call.
-        kept_shards: Shards found complete from an earlier, interrupted run and kept (all of
-            them when the dataset was there already).
-        skip_reasons: Why samples were skipped, one line each (the first 100).
-        kept_samples: Samples of the kept shards.
-        kept_bytes: Bytes of the kept shards.
-
-    The rates (``samples_per_s``, ``mb_per_s``) are of what this call uploaded, not of what it kept.
-    """
-
-    location: Location
-    samples: int
-    shards: int
-    bytes: int
-    skipped: int
-    seconds: float
-    kept_shards: int = 0
-    skip_reasons: tuple[str, ...] = ()
-    kept_samples: int = 0
-    kept_bytes: int = 0
-
-    @property
-    def uploaded_samples(self) -> int:
-        """Samples this call uploaded."""
-        return self.samples - self.kept_samples
-
-    @property
-    def uploaded_shards(self) -> int:
-        """Shards this call uploaded."""
-        return self.shards - self.kept_shards
-
-    @property
-    def uploaded_bytes(self) -> int:
-        """Bytes this call uploaded."""
-        return self.bytes - self.kept_bytes
-
-    @property
-    def mb_per_s(self) -> float:
-        return self.uploaded_bytes / 1e6 / self.seconds if self.seconds > 0 else 0.0
-
-    @property
-    def samples_per_s(self) -> float:
-        return self.uploaded_samples / self.seconds if self.seconds > 0 else 0.0
-
-    def __str__(self) -> str:
-        whole = f"{self.samples} samples in {self.shards} shards ({self.bytes / 1e6:.1f} MB)"
-        if not self.uploaded_shards:
-            return f"{self.location} already holds this dataset, {whole}: nothing to upload ({self.seconds:.1f} s)"
-        kept = (f"; kept {self.kept_shards} shards ({self.kept_samples} samples) from an earlier run, the dataset"
-                f" now {whole}") if self.kept_shards else ""
-        return (
-            f"uploaded {self.uploaded_samples} samples in {self.uploaded_shards} shards"
-            f" ({self.uploaded_bytes / 1e6:.1f} MB) to {self.location} in {self.seconds:.1f} s:"
-            f" {self.samples_per_s:.0f} samples/s, {self.mb_per_s:.1f} MB/s; skipped {self.skipped}{kept}"
-        ) + "".join(f"\n  skipped: {reason}" for reason in self.skip_reasons[:10])
 
 
 def _plan_task_size(dataset: Any, order: np.ndarray, options: EncodeOptions, maxsize: int, maxcount: int) -> int:
@@ -201,6 +136,64 @@ def upload_cv_dataset(
         raise ConfigError("upload_cv_dataset was called while a worker process was starting: with the spawn or"
                           " forkserver start method each worker imports your main script again; put the code that"
                           ' starts the upload under `if __name__ == "__main__":`')
+    params = _parameters(maxsize=maxsize, maxcount=maxcount, workers=workers, seed=seed, image_format=image_format,
+                         quality=quality, on_error=on_error, shuffle=shuffle, overwrite=overwrite, progress=progress,
+                         bucket=bucket, base_folder=base_folder)
+    client = as_store(client, bucket)
+    location = Location(bucket, base_folder.strip("/"), client.path_of(bucket, base_folder.strip("/")))
+    return _upload(ds, client, location, params, EncodeOptions(image_format=image_format, quality=quality),
+                   _retry(retry, fetch), started, workers=workers, executor=executor, part_size=part_size,
+                   overwrite=overwrite, progress=progress)
+
+
+def _upload(ds: Any, client: Store, location: Location, params: dict[str, Any], options: EncodeOptions,
+            retry: RetryConfig, started: float, *, workers: int | None, executor: Executor | None, part_size: int,
+            overwrite: bool, progress: bool) -> UploadSummary:
+    """The upload, its arguments checked: open the dataset, see what the prefix holds, claim
+    it (or resume this upload's interrupted run), write the tasks not yet done, then switch
+    the manifest and clean up."""
+    source = ds if isinstance(ds, str) else None
+    if source is not None:
+        ds = load_source(source)
+    params["samples"] = num = len(ds)
+    if num == 0:
+        raise UploadError("the dataset is empty: nothing to upload")
+    # Every request here is retried like a task's, so a 503 or a restart of the store after
+    # hours of encoding does not end the upload at its manifest PUT.
+    store = RetryingStore(client, Retry(retry, client.endpoint))
+    before = _Before.read(store, location)
+    if before.existing is not None:
+        if before.existing.params.get("upload") == params and not overwrite:
+            return UploadSummary.kept_whole(location, before.existing, time.perf_counter() - started)
+        if not overwrite:
+            raise UploadError(f"{location} already holds a dataset uploaded with other parameters;"
+                              " pass overwrite=True (--overwrite) to replace it")
+    order = np.random.default_rng(params["seed"]).permutation(num) if params["shuffle"] else np.arange(num)
+    held = _claim(store, location, before, params, overwrite, lambda: _plan_task_size(
+        ds, order, options, params["maxsize"], params["maxcount"]))
+    kept = _kept(store, location, held, num)
+    spec = TaskSpec(client, location, options, params["maxsize"], params["maxcount"], params["on_error"], part_size,
+                    max(6, len(str(num - 1))), held.run, retry)
+    pending = [(t, order[t * held.task_size : (t + 1) * held.task_size]) for t in range(-(-num // held.task_size))
+               if t not in kept]
+    done_samples = sum(sum(e.samples for e in r.entries) + len(r.skipped) for r in kept.values())
+    with tqdm(total=num, initial=done_samples, unit="img", disable=not progress, desc="upload") as bar:
+        results = run_tasks(pending, spec, ds, (os.cpu_count() or 1) if workers is None else workers, executor, bar, source)
+        bar.update(num - bar.n)  # every task is done: the last counts may still be in the workers' queue
+    manifest, reasons = _manifest({**kept, **{r.task_id: r for r in results}}, params, held.run, _class_names(ds),
+                                  location)
+    _switch_and_clean(store, location, manifest, held, before)
+    kept_entries = [e for r in kept.values() for e in r.entries]
+    return UploadSummary(location, manifest.num_samples, len(manifest.shards), manifest.num_bytes, manifest.skipped,
+                         time.perf_counter() - started, kept_shards=len(kept_entries), skip_reasons=reasons,
+                         kept_samples=sum(e.samples for e in kept_entries), kept_bytes=sum(e.size for e in kept_entries))
+
+
+def _parameters(*, maxsize: float, maxcount: int, workers: int | None, seed: int, image_format: str, quality: int,
+                on_error: str, shuffle: bool, overwrite: bool, progress: bool, bucket: str,
+                base_folder: str) -> dict[str, Any]:
+    """The upload's parameters, checked: what a dataset records and an interrupted run is
+    recognised by (``samples`` is added once the dataset is opened)."""
     if on_error not in ("raise", "skip"):
         raise ConfigError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
     maxcount = require_int("maxcount", maxcount, 1)
@@ -208,7 +201,6 @@ def upload_cv_dataset(
         raise ConfigError(f"maxsize must be a number of bytes >= 4096, got {maxsize!r}")
     if workers is not None:
         require_int("workers", workers, 0)
-    seed = require_int("seed", seed, 0, 2**63 - 1)
     require_int("quality", quality, 1, 100)
     for name, flag in (("shuffle", shuffle), ("overwrite", overwrite), ("progress", progress)):
         require_bool(name, flag)
@@ -216,84 +208,87 @@ def upload_cv_dataset(
         raise ConfigError(f"bucket must be a non-empty string, got {bucket!r}")
     if not isinstance(base_folder, str):
         raise ConfigError(f"base_folder must be a string, got {base_folder!r}")
-    options = EncodeOptions(image_format=image_format, quality=quality)
-    client = as_store(client, bucket)
-    location = Location(bucket, base_folder.strip("/"), client.path_of(bucket, base_folder.strip("/")))
-    source = ds if isinstance(ds, str) else None
-    if source is not None:
-        ds = load_source(source)
-    num = len(ds)
-    if num == 0:
-        raise UploadError("the dataset is empty: nothing to upload")
-    params = {
-        "samples": num,
-        "seed": seed,
-        "shuffle": shuffle,
-        "maxsize": int(maxsize),
-        "maxcount": int(maxcount),
-        "image_format": options.image_format,
-        "quality": quality,
-        "on_error": on_error,
-    }
-    # Every request here is retried like a task's, so a 503 or a restart of the store after
-    # hours of encoding does not end the upload at its manifest PUT.
+    return {"samples": 0, "seed": require_int("seed", seed, 0, 2**63 - 1), "shuffle": shuffle,
+            "maxsize": int(maxsize), "maxcount": int(maxcount),
+            "image_format": EncodeOptions(image_format=image_format, quality=quality).image_format,
+            "quality": quality, "on_error": on_error}
+
+
+def _retry(retry: RetryConfig | None, fetch: FetchConfig | None) -> RetryConfig:
     if fetch is not None:
         warnings.warn("upload_cv_dataset(fetch=...) is deprecated: pass retry=RetryConfig(...)", DeprecationWarning,
-                      stacklevel=2)
+                      stacklevel=3)
         retry = retry or fetch.retry
     retry = RetryConfig() if retry is None else retry
     if not isinstance(retry, RetryConfig):
         raise ConfigError(f"retry must be a RetryConfig, got {type(retry).__name__}")
-    store = RetryingStore(client, Retry(retry, client.endpoint))
-    # The manifest and the upload state, read at once: across a network each read is a round trip.
-    reading_state = in_daemon_thread(partial(claim.read_state, store, location))
-    found = claim.read_versioned(store, bucket, location.key(MANIFEST_NAME))
-    existing = None if found is None else Manifest.decode(found[0], name=location.key(MANIFEST_NAME))
-    if existing is not None:
-        if existing.params.get("upload") == params and not overwrite:
-            return UploadSummary(location, existing.num_samples, len(existing.shards), existing.num_bytes,
-                                 existing.skipped, time.perf_counter() - started, kept_shards=len(existing.shards),
-                                 kept_samples=existing.num_samples, kept_bytes=existing.num_bytes)
-        if not overwrite:
-            raise UploadError(f"{location} already holds a dataset uploaded with other parameters;"
-                              " pass overwrite=True (--overwrite) to replace it")
+    return retry
 
-    order = np.random.default_rng(seed).permutation(num) if shuffle else np.arange(num)
-    state, state_tag, stored = wait_result(reading_state)
-    abandoned = None
-    if state is not None and stored is not None and _resumable(state["params"], params):
-        task_size, run = state["task_size"], state["run"]  # resume this upload's interrupted run
-        record = stored
-    else:
-        if state_tag is not None:
-            if not overwrite:
-                seen = f" (run {state['run']}: {_differences(state['params'], params)})" if state else ""
-                raise UploadConflict(
-                    f"{location} holds an unfinished upload with other parameters{seen}, which may still be running:"
-                    " wait for it, re-run it with its own parameters to finish it, or pass overwrite=True"
-                    " (--overwrite) to abandon it", location=str(location))
-            abandoned = state["run"] if state else None
-        task_size = _plan_task_size(ds, order, options, int(maxsize), int(maxcount))
-        run = secrets.token_hex(4)
-        record = msgpack.packb({"params": params, "task_size": task_size, "run": run})
-        claim.take(store, location, record, state_tag)
-    aborting = in_daemon_thread(partial(store.abort_uploads, bucket, claim.own(location, run)))  # while listing
-    num_tasks = -(-num // task_size)
-    kept = claim.kept_results(store, location, run, num_tasks)
+
+@dataclass(frozen=True)
+class _Before:
+    """What the prefix held when the upload began: a manifest (with its version tag) and the
+    state of an unfinished upload (with its tag and bytes), read at once (each is a round trip)."""
+
+    found: tuple[bytes, str] | None
+    existing: Manifest | None
+    state: dict[str, Any] | None
+    state_tag: str | None
+    stored: bytes | None
+
+    @classmethod
+    def read(cls, store: Store, location: Location) -> _Before:
+        reading_state = in_daemon_thread(partial(claim.read_state, store, location))
+        found = claim.read_versioned(store, location.bucket, location.key(MANIFEST_NAME))
+        existing = None if found is None else Manifest.decode(found[0], name=location.key(MANIFEST_NAME))
+        return cls(found, existing, *wait_result(reading_state))
+
+
+@dataclass(frozen=True)
+class _Held:
+    """The upload's hold on its prefix: its run id, task size and state record, and the run it abandoned."""
+
+    run: str
+    task_size: int
+    record: bytes
+    abandoned: str | None = None
+
+
+def _claim(store: Store, location: Location, before: _Before, params: dict[str, Any], overwrite: bool,
+           task_size: Callable[[], int]) -> _Held:
+    """Resume the prefix's unfinished run if it is this upload's, else claim the prefix for a
+    new run (abandoning another's only with ``overwrite``)."""
+    state = before.state
+    if state is not None and before.stored is not None and _resumable(state["params"], params):
+        return _Held(state["run"], state["task_size"], before.stored)  # resume this upload's interrupted run
+    if before.state_tag is not None and not overwrite:
+        seen = f" (run {state['run']}: {_differences(state['params'], params)})" if state else ""
+        raise UploadConflict(
+            f"{location} holds an unfinished upload with other parameters{seen}, which may still be running:"
+            " wait for it, re-run it with its own parameters to finish it, or pass overwrite=True"
+            " (--overwrite) to abandon it", location=str(location))
+    size, run = task_size(), secrets.token_hex(4)
+    record = msgpack.packb({"params": params, "task_size": size, "run": run})
+    claim.take(store, location, record, before.state_tag)
+    return _Held(run, size, record, state["run"] if state and before.state_tag is not None else None)
+
+
+def _kept(store: Store, location: Location, held: _Held, num: int) -> dict[int, TaskResult]:
+    """The finished tasks of this run, kept; its unfinished multipart uploads, aborted meanwhile."""
+    aborting = in_daemon_thread(partial(store.abort_uploads, location.bucket, claim.own(location, held.run)))
+    kept = claim.kept_results(store, location, held.run, -(-num // held.task_size))
     try:
         wait_result(aborting)
     except StorageError as exc:
         if exc.code != "NotImplemented":
             raise
-        log.debug("%s cannot list multipart uploads; unfinished uploads of earlier runs stay", bucket)
-    spec = TaskSpec(client, location, options, int(maxsize), int(maxcount), on_error, part_size,
-                    max(6, len(str(num - 1))), run, retry)
-    pending = [(t, order[t * task_size : (t + 1) * task_size]) for t in range(num_tasks) if t not in kept]
-    done_samples = sum(sum(e.samples for e in r.entries) + len(r.skipped) for r in kept.values())
-    with tqdm(total=num, initial=done_samples, unit="img", disable=not progress, desc="upload") as bar:
-        results = run_tasks(pending, spec, ds, (os.cpu_count() or 1) if workers is None else workers, executor, bar, source)
-        bar.update(num - bar.n)  # every task is done: the last counts may still be in the workers' queue
-    by_task = {**kept, **{r.task_id: r for r in results}}
+        log.debug("%s cannot list multipart uploads; unfinished uploads of earlier runs stay", location.bucket)
+    return kept
+
+
+def _manifest(by_task: dict[int, TaskResult], params: dict[str, Any], run: str, classes: list[str],
+              location: Location) -> tuple[Manifest, tuple[str, ...]]:
+    """The dataset's manifest from every task's result, and why samples were skipped (the first 100)."""
     entries: list[ShardEntry] = [e for t in sorted(by_task) for e in by_task[t].entries]
     skipped = sorted(i for r in by_task.values() for i in r.skipped)
     reasons = tuple(reason for t in sorted(by_task) for reason in by_task[t].reasons)[:100]
@@ -304,34 +299,32 @@ def upload_cv_dataset(
     manifest = Manifest(
         shards=ShardTable.from_entries(entries),
         fields=tuple(sorted({f for r in by_task.values() for f in r.fields})),
-        params={
-            "upload": params,
-            "upload_id": run,
-            "classes": _class_names(ds),
-            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        },
+        params={"upload": params, "upload_id": run, "classes": classes,
+                "created": datetime.now(timezone.utc).isoformat(timespec="seconds")},
         skipped=len(skipped),
         skipped_indices=tuple(skipped),
     )
-    claim.switch(store, location, manifest.encode(), record, run, None if found is None else found[1])
-    names = {e.name for e in entries}
-    # One clean-up: this run's leftovers and, now that no manifest names them, the replaced
-    # upload's shards (tars indexed in place by ``remote-loader index`` are the user's own
-    # and stay) and an abandoned run's objects; listed at once, deleted 16 at a time. The
-    # state goes last.
-    runs = [run] if abandoned is None else [run, abandoned]
+    return manifest, reasons
+
+
+def _switch_and_clean(store: Store, location: Location, manifest: Manifest, held: _Held, before: _Before) -> None:
+    """Switch the manifest to this upload's, then clean up in one pass: this run's leftovers
+    and, now that no manifest names them, the replaced upload's shards (tars indexed in place
+    by ``remote-loader index`` are the user's own and stay) and an abandoned run's objects;
+    listed at once, deleted 16 at a time. The state goes last."""
+    claim.switch(store, location, manifest.encode(), held.record, held.run,
+                 None if before.found is None else before.found[1])
+    names = set(manifest.shards.names[i] for i in range(len(manifest.shards)))
+    runs = [held.run] if held.abandoned is None else [held.run, held.abandoned]
     leftovers = [key for keys in map_on_daemon_threads(
-        lambda r: claim.run_keys(store, location, r, keep=names if r == run else ()), runs, len(runs),
+        lambda r: claim.run_keys(store, location, r, keep=names if r == held.run else ()), runs, len(runs),
         "remote-loader-list") for key in keys]
+    existing = before.existing
     if existing is not None and existing.params.get("upload_id"):
         old = existing.shards.names
         leftovers += [location.key(old[i]) for i in range(len(old)) if old[i] not in names]
-    claim.delete_all(store, bucket, leftovers)
-    claim.release(store, location, record)
-    kept_entries = [e for r in kept.values() for e in r.entries]
-    return UploadSummary(location, manifest.num_samples, len(entries), manifest.num_bytes, len(skipped),
-                         time.perf_counter() - started, kept_shards=len(kept_entries), skip_reasons=reasons,
-                         kept_samples=sum(e.samples for e in kept_entries), kept_bytes=sum(e.size for e in kept_entries))
+    claim.delete_all(store, location.bucket, leftovers)
+    claim.release(store, location, held.record)
 
 
 def _resumable(unfinished: dict[str, Any], params: dict[str, Any]) -> bool:

@@ -1,0 +1,81 @@
+"""``UploadSummary``: what an upload did, apart from what it found done already."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from remote_loader.format import Manifest
+from remote_loader.storage import Location
+
+
+@dataclass(frozen=True)
+class UploadSummary:
+    """What an upload did.
+
+    Attributes:
+        location: Where the dataset is.
+        samples: Samples in the dataset.
+        shards: Shard objects in the dataset.
+        bytes: Their total size.
+        skipped: Source samples skipped by ``on_error="skip"``.
+        seconds: Wall time of this call.
+        kept_shards: Shards found complete from an earlier, interrupted run and kept (all of
+            them when the dataset was there already).
+        skip_reasons: Why samples were skipped, one line each (the first 100).
+        kept_samples: Samples of the kept shards.
+        kept_bytes: Bytes of the kept shards.
+
+    The rates (``samples_per_s``, ``mb_per_s``) are of what this call uploaded, not of what it kept.
+    """
+
+    location: Location
+    samples: int
+    shards: int
+    bytes: int
+    skipped: int
+    seconds: float
+    kept_shards: int = 0
+    skip_reasons: tuple[str, ...] = ()
+    kept_samples: int = 0
+    kept_bytes: int = 0
+
+    @classmethod
+    def kept_whole(cls, location: Location, manifest: Manifest, seconds: float) -> UploadSummary:
+        """The summary of a call that found the dataset there already, uploaded with its parameters."""
+        return cls(location, manifest.num_samples, len(manifest.shards), manifest.num_bytes, manifest.skipped, seconds,
+                   kept_shards=len(manifest.shards), kept_samples=manifest.num_samples, kept_bytes=manifest.num_bytes)
+
+    @property
+    def uploaded_samples(self) -> int:
+        """Samples this call uploaded."""
+        return self.samples - self.kept_samples
+
+    @property
+    def uploaded_shards(self) -> int:
+        """Shards this call uploaded."""
+        return self.shards - self.kept_shards
+
+    @property
+    def uploaded_bytes(self) -> int:
+        """Bytes this call uploaded."""
+        return self.bytes - self.kept_bytes
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.uploaded_bytes / 1e6 / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.uploaded_samples / self.seconds if self.seconds > 0 else 0.0
+
+    def __str__(self) -> str:
+        whole = f"{self.samples} samples in {self.shards} shards ({self.bytes / 1e6:.1f} MB)"
+        if not self.uploaded_shards:
+            return f"{self.location} already holds this dataset, {whole}: nothing to upload ({self.seconds:.1f} s)"
+        kept = (f"; kept {self.kept_shards} shards ({self.kept_samples} samples) from an earlier run, the dataset"
+                f" now {whole}") if self.kept_shards else ""
+        return (
+            f"uploaded {self.uploaded_samples} samples in {self.uploaded_shards} shards"
+            f" ({self.uploaded_bytes / 1e6:.1f} MB) to {self.location} in {self.seconds:.1f} s:"
+            f" {self.samples_per_s:.0f} samples/s, {self.mb_per_s:.1f} MB/s; skipped {self.skipped}{kept}"
+        ) + "".join(f"\n  skipped: {reason}" for reason in self.skip_reasons[:10])
