@@ -28,6 +28,7 @@ demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
 lint: $(STAMP)
+	$(BIN)/ruff check remote_loader tests examples benchmarks
 	$(BIN)/lint-imports
 	$(BIN)/mypy
 

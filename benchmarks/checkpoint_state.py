@@ -40,7 +40,7 @@ def measure(state: dict) -> dict:
     torch.save(state, buffer)
     return {"torch_save_bytes": buffer.tell(), "json_bytes": len(json.dumps(state)),
             "pickle_bytes": len(pickle.dumps(state)), "intervals": len(state["remaining"]) // 2,
-            "undelivered": sum(b - a for a, b in zip(state["remaining"][::2], state["remaining"][1::2]))}
+            "undelivered": sum(b - a for a, b in zip(state["remaining"][::2], state["remaining"][1::2], strict=False))}
 
 
 def first_batch_after(load) -> float:
@@ -97,7 +97,9 @@ def main() -> None:
             for worker in range(4):
                 from torch.utils.data._utils import worker as torch_worker
 
-                torch_worker._worker_info = torch_worker.WorkerInfo(id=worker, num_workers=4, seed=1000 + worker, dataset=stream)
+                torch_worker._worker_info = torch_worker.WorkerInfo(
+                    id=worker, num_workers=4, seed=1000 + worker, dataset=stream
+                )
                 iterator = iter(stream)
                 for _ in itertools.islice(iterator, 300):
                     pass
@@ -115,8 +117,15 @@ def main() -> None:
             return fresh
 
         resume = statistics.median(first_batch_after(elastic) for _ in range(3))
-        print(json.dumps({"gather_2x4_states_seconds": round(took, 4), "states_bytes": len(pickle.dumps(states)),
-                          "elastic_resume_seconds": round(resume, 3)}))
+        print(
+            json.dumps(
+                {
+                    "gather_2x4_states_seconds": round(took, 4),
+                    "states_bytes": len(pickle.dumps(states)),
+                    "elastic_resume_seconds": round(resume, 3),
+                }
+            )
+        )
         client.close()
 
 

@@ -26,10 +26,14 @@ def main() -> None:
         rates: dict[bool, list[float]] = {True: [], False: []}
         for _ in range(args.repeats):
             for verify in (True, False):
-                rates[verify].append(bench.run(client, "bench", "ds", workers=args.workers, verify=verify).samples_per_s)
+                rates[verify].append(
+                    bench.run(client, "bench", "ds", workers=args.workers, verify=verify).samples_per_s
+                )
         on, off = statistics.median(rates[True]), statistics.median(rates[False])
-        print(f"bytes only, {args.images} images: verify on {on:.0f} samples/s, off {off:.0f} samples/s,"
-              f" ratio {on / off:.3f}")
+        print(
+            f"bytes only, {args.images} images: verify on {on:.0f} samples/s, off {off:.0f} samples/s,"
+            f" ratio {on / off:.3f}"
+        )
 
 
 if __name__ == "__main__":

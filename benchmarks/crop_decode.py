@@ -96,20 +96,25 @@ def main() -> None:
         paths["pyvips, rows to the box's bottom, DCT-scaled"] = vips_path(True)
     except ImportError:
         print("pyvips is not installed: only simplejpeg is measured")
-    exact = [paths["simplejpeg, exact (reduced=False, fast=False)"](d, b, args.crop) for d, b in zip(data, boxes)]
+    exact = [
+        paths["simplejpeg, exact (reduced=False, fast=False)"](d, b, args.crop)
+        for d, b in zip(data, boxes, strict=False)
+    ]
     base = None
-    print(f"{args.images} JPEGs of about {args.size} ({sum(map(len, data)) / len(data) / 1e3:.0f} KB),"
-          f" random-resized crop {args.crop}, one thread; CPU-seconds per 1,000 images, median of {args.repeats}")
+    print(
+        f"{args.images} JPEGs of about {args.size} ({sum(map(len, data)) / len(data) / 1e3:.0f} KB),"
+        f" random-resized crop {args.crop}, one thread; CPU-seconds per 1,000 images, median of {args.repeats}"
+    )
     print("| path | CPU-s per 1,000 | vs exact simplejpeg | largest pixel difference from exact |\n|---|---|---|---|")
     for name, path in paths.items():
         costs = []
         for _ in range(args.repeats):
             started = time.process_time()
-            out = [path(d, b, args.crop) for d, b in zip(data, boxes)]
+            out = [path(d, b, args.crop) for d, b in zip(data, boxes, strict=False)]
             costs.append((time.process_time() - started) * 1000 / len(data))
         cost = statistics.median(costs)
         base = base or cost
-        worst = max(int((a.int() - b.int()).abs().max()) for a, b in zip(out, exact))
+        worst = max(int((a.int() - b.int()).abs().max()) for a, b in zip(out, exact, strict=False))
         print(f"| {name} | {cost:.2f} | {cost / base:.2f}x | {worst} |", flush=True)
 
 

@@ -24,7 +24,6 @@ from remote_loader import upload_cv_dataset
 from remote_loader.testing.server import EmbeddedS3
 from remote_loader.testing.synthetic import SyntheticImages
 
-
 # botocore's events mark when a request leaves (before-send) and when its response headers
 # are back (after-call); a GET's body arrives after that.
 _CHILD = textwrap.dedent("""
@@ -58,15 +57,23 @@ def round_trips(requests: list[dict]) -> int:
     """The longest chain of requests each sent after the previous one answered."""
     depth: list[int] = []
     for r in requests:
-        before = [d for other, d in zip(requests, depth) if other["answered"] is not None and other["answered"] <= r["sent"]]
+        before = [
+            d
+            for other, d in zip(requests, depth, strict=False)
+            if other["answered"] is not None and other["answered"] <= r["sent"]
+        ]
         depth.append(1 + max(before, default=0))
-    answered = [d for r, d in zip(requests, depth) if r["answered"] is not None]
+    answered = [d for r, d in zip(requests, depth, strict=False) if r["answered"] is not None]
     return max(answered, default=0)
 
 
 def _run(endpoint: str, server: EmbeddedS3, batch: int) -> dict:
-    done = subprocess.run([sys.executable, "-c", _CHILD, endpoint, server.access_key, server.secret_key, str(batch)],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", _CHILD, endpoint, server.access_key, server.secret_key, str(batch)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if done.returncode != 0:
         raise RuntimeError(done.stderr[-2000:])
     return json.loads(done.stdout)
@@ -85,22 +92,40 @@ def main() -> None:
     parser.add_argument("--profiles", nargs="+", default=["loopback", "s3-same-region", "s3-cross-region"])
     args = parser.parse_args()
     with EmbeddedS3(buckets=["net"]) as server:
-        upload_cv_dataset(SyntheticImages(args.images), client=server.client(), bucket="net", base_folder="d",
-                          maxsize=64e6, workers=2, progress=False)
-        print(f"{args.images} JPEGs of ~110 KB in ~64 MB shards; one process, defaults; first batch of {args.batch};"
-              f" medians of {args.repeats}")
+        upload_cv_dataset(
+            SyntheticImages(args.images),
+            client=server.client(),
+            bucket="net",
+            base_folder="d",
+            maxsize=64e6,
+            workers=2,
+            progress=False,
+        )
+        print(
+            f"{args.images} JPEGs of ~110 KB in ~64 MB shards; one process, defaults; first batch of {args.batch};"
+            f" medians of {args.repeats}"
+        )
         rows = []
         for profile in args.profiles:
             runs = measure(profile, server, args.repeats, args.batch)
             median = sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]
             trips = "-" if profile == "loopback" else round_trips(median["requests"])
-            print(f"\n{profile}: first batch {median['seconds']:.3f} s, {trips} round trips,"
-                  f" {len(median['requests'])} requests (the median run):")
+            print(
+                f"\n{profile}: first batch {median['seconds']:.3f} s, {trips} round trips,"
+                f" {len(median['requests'])} requests (the median run):"
+            )
             for r in median["requests"]:
                 answered = "-" if r["answered"] is None else f"{r['answered'] * 1000:7.1f}"
                 print(f"  sent {r['sent'] * 1000:7.1f} ms  answered {answered} ms  {r['what']}")
-            rows.append((profile, statistics.median(r["seconds"] for r in runs),
-                         "-" if profile == "loopback" else f"{statistics.median(round_trips(r['requests']) for r in runs):.0f}"))
+            rows.append(
+                (
+                    profile,
+                    statistics.median(r["seconds"] for r in runs),
+                    "-"
+                    if profile == "loopback"
+                    else f"{statistics.median(round_trips(r['requests']) for r in runs):.0f}",
+                )
+            )
         print("\n| profile | first batch (s) | round trips |\n|---|---|---|")
         for profile, seconds, trips in rows:
             print(f"| {profile} | {seconds:.3f} | {trips} |")

@@ -17,14 +17,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from scale import manifest, one_shard  # type: ignore[import-not-found]
+from shaper import relayed  # type: ignore[import-not-found]
+
 from remote_loader import FetchConfig, make_client
 from remote_loader.read.metrics import Metrics
 from remote_loader.read.reader import fetch_whole
 from remote_loader.read.retry import RetryPolicy
 from remote_loader.testing.server import EmbeddedS3
-
-from scale import manifest, one_shard  # type: ignore[import-not-found]
-from shaper import relayed  # type: ignore[import-not-found]
 
 BUCKET = "manifests"
 

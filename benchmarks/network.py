@@ -24,7 +24,6 @@ from remote_loader import upload_cv_dataset
 from remote_loader.testing.server import EmbeddedS3
 from remote_loader.testing.synthetic import SyntheticImages
 
-
 _CHILD = textwrap.dedent("""
     import json, sys, time
     from remote_loader import FetchConfig, RemoteDataset, make_client
@@ -44,8 +43,12 @@ _CHILD = textwrap.dedent("""
 
 
 def _run(endpoint: str, server: EmbeddedS3, fetch: dict[str, int]) -> dict[str, float]:
-    done = subprocess.run([sys.executable, "-c", _CHILD, endpoint, server.access_key, server.secret_key, json.dumps(fetch)],
-                          capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [sys.executable, "-c", _CHILD, endpoint, server.access_key, server.secret_key, json.dumps(fetch)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     if done.returncode != 0:
         raise RuntimeError(done.stderr[-2000:])
     return json.loads(done.stdout)
@@ -58,10 +61,14 @@ def measure(profile: str, server: EmbeddedS3, repeats: int, fetch: dict[str, int
         if relay is not None:  # user + system seconds the relay spent moving the bytes of every run
             fields = Path(f"/proc/{relay}/stat").read_text().rsplit(")", 1)[1].split()
             relay_cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return {"rate": statistics.median(r["samples"] / r["seconds"] for r in runs),
-            "first": statistics.median(r["first"] for r in runs), "samples": runs[0]["samples"],
-            "gets": max(r["gets"] for r in runs), "buffered": max(r["buffered"] for r in runs),
-            "relay_cpu": relay_cpu / sum(r["seconds"] for r in runs)}
+    return {
+        "rate": statistics.median(r["samples"] / r["seconds"] for r in runs),
+        "first": statistics.median(r["first"] for r in runs),
+        "samples": runs[0]["samples"],
+        "gets": max(r["gets"] for r in runs),
+        "buffered": max(r["buffered"] for r in runs),
+        "relay_cpu": relay_cpu / sum(r["seconds"] for r in runs),
+    }
 
 
 def main() -> None:
@@ -73,19 +80,33 @@ def main() -> None:
     args = parser.parse_args()
     fetch = json.loads(args.fetch)
     with EmbeddedS3(buckets=["net"]) as server:
-        upload_cv_dataset(SyntheticImages(args.images), client=server.client(), bucket="net", base_folder="d",
-                          maxsize=64e6, workers=2, progress=False)
-        print(f"{args.images} JPEGs of ~110 KB in ~64 MB shards; one process, FetchConfig({args.fetch or 'defaults'});"
-              f" medians of {args.repeats}")
-        print("| profile | samples/s | vs loopback | first sample (s) | GETs in flight (most) | peak prefetched MiB"
-              " | relay CPU (cores) |")
+        upload_cv_dataset(
+            SyntheticImages(args.images),
+            client=server.client(),
+            bucket="net",
+            base_folder="d",
+            maxsize=64e6,
+            workers=2,
+            progress=False,
+        )
+        print(
+            f"{args.images} JPEGs of ~110 KB in ~64 MB shards; one process, FetchConfig({args.fetch or 'defaults'});"
+            f" medians of {args.repeats}"
+        )
+        print(
+            "| profile | samples/s | vs loopback | first sample (s) | GETs in flight (most) | peak prefetched MiB"
+            " | relay CPU (cores) |"
+        )
         print("|---|---|---|---|---|---|---|")
         base = None
         for profile in args.profiles:
             result = measure(profile, server, args.repeats, fetch)
             base = base or result["rate"]
-            print(f"| {profile} | {result['rate']:,.0f} | {result['rate'] / base:.2f}x | {result['first']:.2f} |"
-                  f" {result['gets']} | {result['buffered']:.0f} | {result['relay_cpu']:.2f} |", flush=True)
+            print(
+                f"| {profile} | {result['rate']:,.0f} | {result['rate'] / base:.2f}x | {result['first']:.2f} |"
+                f" {result['gets']} | {result['buffered']:.0f} | {result['relay_cpu']:.2f} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

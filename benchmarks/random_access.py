@@ -15,14 +15,13 @@ import statistics
 import time
 
 import numpy as np
+from shaper import PROFILES, relayed  # type: ignore[import-not-found]
 
 from remote_loader import make_client, upload_cv_dataset
 from remote_loader.mapstyle.dataset import RemoteMapDataset
 from remote_loader.mapstyle.samplers import LocalitySampler
 from remote_loader.testing.server import EmbeddedS3
 from remote_loader.testing.synthetic import SyntheticImages
-
-from shaper import PROFILES, relayed  # type: ignore[import-not-found]
 
 BATCH = 64
 

@@ -59,11 +59,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--torch-up-to", type=int, default=100_000, help="largest shard count for torch's permutation")
     args = parser.parse_args()
-    print(f"before the first {FIRST:,} indices of rank 0 of 8, {PER_SHARD:,} samples per shard; medians of {args.repeats}")
+    print(
+        f"before the first {FIRST:,} indices of rank 0 of 8, {PER_SHARD:,} samples per shard; medians of {args.repeats}"
+    )
     print("| sampler | " + " | ".join(f"{n:,} shards" for n in args.shards) + " |")
     print("|---|" + "---|" * len(args.shards))
-    for kind, label in (("locality", "LocalitySampler(window=4)"), ("uniform", "UniformSampler"),
-                        ("torch", "torch.randperm (RandomSampler)")):
+    for kind, label in (
+        ("locality", "LocalitySampler(window=4)"),
+        ("uniform", "UniformSampler"),
+        ("torch", "torch.randperm (RandomSampler)"),
+    ):
         cells = []
         for shards in args.shards:
             if kind == "torch" and shards > args.torch_up_to:

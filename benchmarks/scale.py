@@ -32,12 +32,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
+from shaper import PROFILES, relayed  # type: ignore[import-not-found]
 
 from remote_loader.format import Manifest, ShardEntry, ShardTable, ShardWriter
 from remote_loader.pipeline.split import iter_assign
 from remote_loader.testing.server import EmbeddedS3
-
-from shaper import PROFILES, relayed  # type: ignore[import-not-found]
 
 PER_SHARD = 1000
 BUCKET = "scale"
@@ -154,7 +153,7 @@ def needed(count: int, layouts: list[tuple[int, int, int]], samples: list[int]) 
         for worker in range(max(1, workers)):
             spans = iter_assign(counts, seed=0, epoch=0, rank=rank, world_size=world, worker=worker,
                                 num_workers=max(1, workers), equalize=world > 1)
-            for _, span in zip(range(AHEAD), spans):
+            for _, span in zip(range(AHEAD), spans, strict=False):
                 shards.add(span.shard)
     return shards
 
@@ -226,10 +225,13 @@ def main() -> None:
 def report(results: dict[str, Any]) -> str:
     if "open_stream" not in next(iter(results.values())):
         smallest = results[min(results, key=int)]["first_batch"]["seconds"]
-        lines = ["| shards (samples) | manifest | first batch (2 workers) | against the smallest |", "|---|---|---|---|"]
-        lines += [f"| {int(count):,d} ({row['samples']:,d}) | {row['manifest_mb']:.1f} MB "
-                  f"| {row['first_batch']['seconds']:.2f} s | {row['first_batch']['seconds'] / smallest:.2f}x |"
-                  for count, row in results.items()]
+        lines = ["| shards (samples) | manifest | first batch (2 workers) | against the smallest |",
+                 "|---|---|---|---|"]
+        lines += [
+            f"| {int(count):,d} ({row['samples']:,d}) | {row['manifest_mb']:.1f} MB "
+            f"| {row['first_batch']['seconds']:.2f} s | {row['first_batch']['seconds'] / smallest:.2f}x |"
+            for count, row in results.items()
+        ]
         return "\n".join(lines)
     lines = [
         "| shards (samples) | manifest | open RemoteDataset | open RemoteMapDataset | first batch (2 workers) "
@@ -251,9 +253,11 @@ def report(results: dict[str, Any]) -> str:
         parts = {"default": largest["first_batch"], **largest["breakdown"]}
         uss = {name: statistics.mean(w["uss"] for w in run["workers"]) for name, run in parts.items()}
         lines.append("")
-        lines.append(f"Worker USS at the first batch, largest size: {uss['default']:.0f} MB; with 1 MiB ranges and one GET"
-                     f" {uss['lean']:.0f} MB; and a 64-sample shuffle buffer {uss['lean_small_buffer']:.0f} MB; a bare"
-                     f" forked worker handing out ints {uss['bare']:.0f} MB")
+        lines.append(
+            f"Worker USS at the first batch, largest size: {uss['default']:.0f} MB; with 1 MiB ranges and one GET"
+            f" {uss['lean']:.0f} MB; and a 64-sample shuffle buffer {uss['lean_small_buffer']:.0f} MB; a bare"
+            f" forked worker handing out ints {uss['bare']:.0f} MB"
+        )
     if "ranks" in largest:
         one = largest["one_process"]["main"]["pss"]
         ranks = largest["ranks"]
@@ -261,9 +265,11 @@ def report(results: dict[str, Any]) -> str:
         uss = [w["uss"] for r in ranks for w in r["workers"]]
         lines.append("")
         rank_pss = ", ".join(f"{r['main']['pss']:.0f}" for r in ranks)
-        lines.append(f"2 ranks x 4 workers at the largest size: PSS of all 10 processes {total:.0f} MB "
-                     f"(ranks {rank_pss} MB; workers' USS "
-                     f"{min(uss):.0f}-{max(uss):.0f} MB) against {one:.0f} MB for 1 process without workers")
+        lines.append(
+            f"2 ranks x 4 workers at the largest size: PSS of all 10 processes {total:.0f} MB "
+            f"(ranks {rank_pss} MB; workers' USS "
+            f"{min(uss):.0f}-{max(uss):.0f} MB) against {one:.0f} MB for 1 process without workers"
+        )
     return "\n".join(lines)
 
 

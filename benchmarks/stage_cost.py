@@ -46,7 +46,9 @@ def _server_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def cost(work: Callable[[], object], repeats: int, samples: int, server: int | None = None) -> tuple[float, float, float]:
+def cost(
+    work: Callable[[], object], repeats: int, samples: int, server: int | None = None
+) -> tuple[float, float, float]:
     """Median CPU-seconds per 1,000 samples of ``work`` here, and at the server; and its wall rate."""
     here, there, rate = [], [], []
     for _ in range(repeats):
@@ -68,12 +70,21 @@ def main() -> None:
     rows: list[tuple[str, float, float, float]] = []
     with EmbeddedS3(buckets=["cost"]) as server:
         client = server.client()
-        upload_cv_dataset(SyntheticImages(args.images), client=client, bucket="cost", base_folder="d",
-                          maxsize=64e6, workers=2, progress=False)
+        upload_cv_dataset(
+            SyntheticImages(args.images),
+            client=client,
+            bucket="cost",
+            base_folder="d",
+            maxsize=64e6,
+            workers=2,
+            progress=False,
+        )
         ds = RemoteDataset(client, "cost", "d", seed=1)
         n = len(ds)
-        shards = [(ds.reader.location.key(name), int(size)) for name, size in
-                  zip(ds.reader.manifest.shards.names, ds.reader.manifest.shards.size)]
+        shards = [
+            (ds.reader.location.key(name), int(size))
+            for name, size in zip(ds.reader.manifest.shards.names, ds.reader.manifest.shards.size, strict=False)
+        ]
         parts = [(key, start, min(start + PART, size)) for key, size in shards for start in range(0, size, PART)]
         buffers = [np.empty(PART, np.uint8) for _ in range(2)]
 
@@ -81,10 +92,13 @@ def main() -> None:
             def fetch(i: int) -> None:
                 key, start, end = parts[i]
                 client.get_range_into("cost", key, start, end, buffers[i % threads].data[: end - start])
+
             return lambda: list(ThreadPoolExecutor(threads).map(fetch, range(len(parts))))
 
         for threads in (1, 2):
-            rows.append((f"GET, {threads} thread{'s' * (threads > 1)}", *cost(gets(threads), args.repeats, n, server.pid)))
+            rows.append(
+                (f"GET, {threads} thread{'s' * (threads > 1)}", *cost(gets(threads), args.repeats, n, server.pid))
+            )
         epoch = cost(lambda: sum(1 for _ in ds), args.repeats, n, server.pid)
         rows.append(("read (bytes-only epoch less GET)", epoch[0] - rows[1][1], epoch[1] - rows[1][2], epoch[2]))
         samples = [bytes(s["jpg"]) for s in ds]
@@ -103,21 +117,37 @@ def main() -> None:
                 simplejpeg.decode_jpeg(s, colorspace="RGB")
 
         def crop_all() -> list[torch.Tensor]:
-            return [functional.interpolate(torch.from_numpy(decoded[i % 200])[t:b, l:r].permute(2, 0, 1).unsqueeze(0),
-                                           size=(224, 224), mode="bilinear", antialias=True, align_corners=False)[0]
-                    for i, (l, t, r, b) in enumerate(rrc.box(decoded[i % 200].shape[1], decoded[i % 200].shape[0], rng)
-                                                     for i in range(n))]
+            return [
+                functional.interpolate(
+                    torch.from_numpy(decoded[i % 200])[t:b, left:r].permute(2, 0, 1).unsqueeze(0),
+                    size=(224, 224),
+                    mode="bilinear",
+                    antialias=True,
+                    align_corners=False,
+                )[0]
+                for i, (left, t, r, b) in enumerate(
+                    rrc.box(decoded[i % 200].shape[1], decoded[i % 200].shape[0], rng) for i in range(n)
+                )
+            ]
 
         rows.append(("decode (full, exact)", *cost(decode_all, args.repeats, n)))
         rows.append(("crop (resize the box to 224)", *cost(crop_all, args.repeats, n)))
         for threads in (1, 2):
-            fused = (lambda: [rrc.decode(s) for s in samples]) if threads == 1 else (
-                lambda: list(ThreadPoolExecutor(threads).map(rrc.decode, samples)))
-            rows.append((f"fused RandomResizedCrop(224), {threads} thread{'s' * (threads > 1)}",
-                         *cost(fused, args.repeats, n)))
+            fused = (
+                (lambda: [rrc.decode(s) for s in samples])
+                if threads == 1
+                else (lambda: list(ThreadPoolExecutor(threads).map(rrc.decode, samples)))
+            )
+            rows.append(
+                (f"fused RandomResizedCrop(224), {threads} thread{'s' * (threads > 1)}", *cost(fused, args.repeats, n))
+            )
         crops = [rrc.decode(s) for s in samples]
-        rows.append(("collate (batches of 64)", *cost(lambda: [default_collate(crops[i:i + 64]) for i in
-                                                              range(0, n, 64)], args.repeats, n)))
+        rows.append(
+            (
+                "collate (batches of 64)",
+                *cost(lambda: [default_collate(crops[i : i + 64]) for i in range(0, n, 64)], args.repeats, n),
+            )
+        )
         client.close()
     size = sum(len(s) for s in samples) / n
     print(f"{n} JPEGs of {size / 1e3:.0f} KB (500x375 +-25%), SeaweedFS on loopback; medians of {args.repeats}")
@@ -127,10 +157,16 @@ def main() -> None:
     by = {name: here for name, here, _, _ in rows}
     a = by["GET, 2 threads"] + by["read (bytes-only epoch less GET)"]  # the fetcher's GETs run on threads
     b = a + by["shuffle(1000)"] + by["fused RandomResizedCrop(224), 1 thread"] + by["collate (batches of 64)"]
-    print(f"\nper 1,000 samples, client side: A (bytes only) {a:.3f} CPU-s, B (shuffle, fused crop, collate) {b:.3f} CPU-s")
+    print(
+        f"\nper 1,000 samples, client side: A (bytes only) {a:.3f} CPU-s,"
+        f" B (shuffle, fused crop, collate) {b:.3f} CPU-s"
+    )
     print("| cores for loading | A samples/s | B samples/s | B bytes/s |\n|---|---|---|---|")
     for cores in (2, 16, 64):
-        print(f"| {cores} | {cores * 1000 / a:,.0f} | {cores * 1000 / b:,.0f} | {cores * 1000 / b * size / 1e9:.2f} GB/s |")
+        print(
+            f"| {cores} | {cores * 1000 / a:,.0f} | {cores * 1000 / b:,.0f}"
+            f" | {cores * 1000 / b * size / 1e9:.2f} GB/s |"
+        )
 
 
 if __name__ == "__main__":

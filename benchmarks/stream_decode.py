@@ -29,13 +29,25 @@ def main() -> None:
     results: dict[str, dict[str, float]] = {}
     with EmbeddedS3(buckets=["bench"]) as server:
         client = server.client()
-        for name, size, count in (("imagenet-sized", (500, 375), args.images), ("large", (1600, 1200), args.images // 4)):
-            upload_cv_dataset(SyntheticImages(count, size=size), client=client, bucket="bench", base_folder=name,
-                              maxsize=64e6, workers=2, progress=False)
+        for name, size, count in (
+            ("imagenet-sized", (500, 375), args.images),
+            ("large", (1600, 1200), args.images // 4),
+        ):
+            upload_cv_dataset(
+                SyntheticImages(count, size=size),
+                client=client,
+                bucket="bench",
+                base_folder=name,
+                maxsize=64e6,
+                workers=2,
+                progress=False,
+            )
             for decode, min_size in RUNS:
                 label = f"{name} {decode}" + (f" min_size={min_size}" if min_size else "")
-                runs = [bench.run(client, "bench", name, decode=decode, min_size=min_size, workers=args.workers)
-                        for _ in range(args.repeats)]
+                runs = [
+                    bench.run(client, "bench", name, decode=decode, min_size=min_size, workers=args.workers)
+                    for _ in range(args.repeats)
+                ]
                 results[label] = {
                     "samples_per_s": statistics.median(r.samples_per_s for r in runs),
                     "first_sample_s": statistics.median(r.first_sample_seconds for r in runs),

@@ -18,8 +18,8 @@ import json
 import statistics
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -73,8 +73,11 @@ def main() -> None:
                 mb = statistics.median(s.mb_per_s for s in runs)
                 ips = statistics.median(s.samples_per_s for s in runs)
                 results[f"{pool} workers={workers}"] = {"mb_per_s": mb, "images_per_s": ips}
-                print(f"{pool} workers={workers}: {ips:.0f} images/s, {mb:.1f} MB/s ({mb / results['put_mb_per_s']:.2f}x"
-                      f" the server's PUT rate of {results['put_mb_per_s']:.0f} MB/s)", flush=True)
+                print(
+                    f"{pool} workers={workers}: {ips:.0f} images/s, {mb:.1f} MB/s ({mb / results['put_mb_per_s']:.2f}x"
+                    f" the server's PUT rate of {results['put_mb_per_s']:.0f} MB/s)",
+                    flush=True,
+                )
         print(json.dumps(results, indent=2))
 
 
@@ -86,9 +89,17 @@ def _executor(pool: str, workers: int) -> Iterator[Any]:
         return
     from distributed import Client, LocalCluster
 
-    with LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, host="127.0.0.1",
-                      dashboard_address="127.0.0.1:0", scheduler_kwargs={"dashboard": False}) as cluster, \
-            Client(cluster) as client:
+    with (
+        LocalCluster(
+            n_workers=workers,
+            threads_per_worker=1,
+            processes=True,
+            host="127.0.0.1",
+            dashboard_address="127.0.0.1:0",
+            scheduler_kwargs={"dashboard": False},
+        ) as cluster,
+        Client(cluster) as client,
+    ):
         yield client.get_executor()
 
 

@@ -15,8 +15,8 @@ import os
 import sys
 from collections.abc import Iterator
 
-from remote_loader.testing.server import EmbeddedS3
 from remote_loader.storage import parse_location
+from remote_loader.testing.server import EmbeddedS3
 
 
 def add_location_args(parser: argparse.ArgumentParser, default_prefix: str) -> None:
@@ -36,7 +36,11 @@ def maybe_local_server(args: argparse.Namespace) -> Iterator[EmbeddedS3 | None]:
     with EmbeddedS3(buckets=[bucket]) as server:
         saved = dict(os.environ)
         os.environ.update(server.env())
-        print(f"embedded S3 server on {server.endpoint_url} (pid {server.pid}), bucket {bucket!r}", file=sys.stderr, flush=True)
+        print(
+            f"embedded S3 server on {server.endpoint_url} (pid {server.pid}), bucket {bucket!r}",
+            file=sys.stderr,
+            flush=True,
+        )
         try:
             yield server
         finally:

@@ -16,10 +16,9 @@ import random
 
 import numpy as np
 import torch as ch
+from common import add_location_args, maybe_local_server
 from PIL import Image
 from tqdm import tqdm
-
-from common import add_location_args, maybe_local_server
 
 from remote_loader import ImageFolder, RemoteDataset, make_client, upload_cv_dataset
 from remote_loader.storage import parse_location

@@ -2,7 +2,8 @@
 
 Starts an embedded S3 server (SeaweedFS) on 127.0.0.1, uploads a generated image dataset
 with ``upload_cv_dataset``, verifies it, streams it back with ``RemoteDataset`` through a
-DataLoader (bytes only, then decoded and augmented) and prints how fast each step ran. Run it with ``make demo`` or ``python examples/demo.py [--images N]``.
+DataLoader (bytes only, then decoded and augmented) and prints how fast each step ran.
+Run it with ``make demo`` or ``python examples/demo.py [--images N]``.
 """
 
 from __future__ import annotations
@@ -48,20 +49,32 @@ def main() -> None:
             keys.add(key)
         seconds = time.perf_counter() - started
         megabytes = reader.manifest.num_bytes / 1e6
-        print(f"  {len(labels)} samples ({len(keys)} distinct) in {seconds:.2f} s:"
-              f" {len(labels) / seconds:.0f} samples/s, {megabytes / seconds:.1f} MB/s (worker start-up included)")
-        same = sum(a == b for a, b in zip(labels, labels[1:])) / max(1, len(labels) - 1)
-        print(f"  adjacent samples with the same label: {same:.1%} (class order would give 99.5%, a uniform shuffle 10%)")
+        print(
+            f"  {len(labels)} samples ({len(keys)} distinct) in {seconds:.2f} s:"
+            f" {len(labels) / seconds:.0f} samples/s, {megabytes / seconds:.1f} MB/s (worker start-up included)"
+        )
+        same = sum(a == b for a, b in zip(labels, labels[1:], strict=False)) / max(1, len(labels) - 1)
+        print(
+            f"  adjacent samples with the same label: {same:.1%} (class order would give 99.5%, a uniform shuffle 10%)"
+        )
 
         print("streaming again with decode + random-resized-crop 224, batches of 64 ...")
-        train = (RemoteDataset(client, "demo", "synthetic", seed=0).shuffle(500)
-                 .decode(RandomResizedCrop(224)).to_tuple("jpg", "cls").batched(64))
+        train = (
+            RemoteDataset(client, "demo", "synthetic", seed=0)
+            .shuffle(500)
+            .decode(RandomResizedCrop(224))
+            .to_tuple("jpg", "cls")
+            .batched(64)
+        )
         started = time.perf_counter()
         count = 0
         for images, _ in DataLoader(train, batch_size=None, num_workers=2):
             count += len(images)
         seconds = time.perf_counter() - started
-        print(f"  {count} images as {tuple(images.shape[1:])} uint8 tensors in {seconds:.2f} s: {count / seconds:.0f} images/s")
+        print(
+            f"  {count} images as {tuple(images.shape[1:])} uint8 tensors in {seconds:.2f} s:"
+            f" {count / seconds:.0f} images/s"
+        )
         client.close()
     print("server stopped; done.")
 

@@ -22,9 +22,8 @@ import random
 from typing import Any
 
 import torch.distributed as dist
-from torch.utils.data import DataLoader, DistributedSampler
-
 from common import add_location_args, maybe_local_server
+from torch.utils.data import DataLoader, DistributedSampler
 
 from remote_loader import DatasetReader, RemoteMapDataset, make_client, upload_cv_dataset
 from remote_loader.storage import parse_location

@@ -41,21 +41,20 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from common import add_location_args, maybe_local_server
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
+
+from remote_loader import DatasetReader, RandomResizedCrop, RemoteDataset, make_client, upload_cv_dataset
+from remote_loader.storage import parse_location
+from remote_loader.testing.synthetic import SyntheticImages
 
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")  # torchdata 0.11 on a newer torch
 try:
     from torchdata.stateful_dataloader import StatefulDataLoader
 except ImportError:  # the plain DataLoader, with positions counted from the batches consumed
     StatefulDataLoader = None
-
-from common import add_location_args, maybe_local_server
-
-from remote_loader import DatasetReader, RandomResizedCrop, RemoteDataset, make_client, upload_cv_dataset
-from remote_loader.storage import parse_location
-from remote_loader.testing.synthetic import SyntheticImages
 
 MEAN = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1) * 255
 STD = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1) * 255

@@ -1,5 +1,7 @@
 """remote_loader: train vision models on datasets in S3-compatible object storage."""
 
+from typing import TYPE_CHECKING, Any
+
 from remote_loader.config import FetchConfig, RetryConfig, StorageConfig
 from remote_loader.errors import (
     AccessDenied,
@@ -25,17 +27,15 @@ from remote_loader.errors import (
     UploadConflict,
     UploadError,
 )
-from typing import TYPE_CHECKING, Any
-
 from remote_loader.read import DatasetReader, Metrics
 from remote_loader.storage import LocalStore, Store, make_client
 from remote_loader.upload import ImageFolder, UploadSummary, upload_cv_dataset
 
 if TYPE_CHECKING:
-    from remote_loader.pipeline.augment import RandomResizedCrop
-    from remote_loader.pipeline.dataset import RemoteDataset
     from remote_loader.mapstyle.dataset import RemoteMapDataset
     from remote_loader.mapstyle.samplers import LocalitySampler, UniformSampler
+    from remote_loader.pipeline.augment import RandomResizedCrop
+    from remote_loader.pipeline.dataset import RemoteDataset
 
 __version__ = "0.1.0"
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from torch.utils.data import DataLoader
@@ -40,8 +40,10 @@ class BenchResult:
         return {**asdict(self), "samples_per_s": round(self.samples_per_s, 1), "mb_per_s": round(self.mb_per_s, 2)}
 
     def __str__(self) -> str:
-        return (f"{self.decode:>9}: {self.samples} samples in {self.seconds:.2f} s, {self.samples_per_s:,.0f} samples/s,"
-                f" {self.mb_per_s:,.1f} MB/s, first sample after {self.first_sample_seconds:.2f} s")
+        return (
+            f"{self.decode:>9}: {self.samples} samples in {self.seconds:.2f} s, {self.samples_per_s:,.0f} samples/s,"
+            f" {self.mb_per_s:,.1f} MB/s, first sample after {self.first_sample_seconds:.2f} s"
+        )
 
 
 def _pipeline(base: RemoteDataset, decode: str, size: int, min_size: int | None) -> RemoteDataset:
@@ -80,7 +82,9 @@ def run(
     first = 0.0
     count = 0
     for item in loader:
-        brought = min(len(item[1]) if decode.startswith("rrc") else 1, total - count)  # the last batch counts up to total
+        brought = min(
+            len(item[1]) if decode.startswith("rrc") else 1, total - count
+        )  # the last batch counts up to total
         count += brought
         if progress is not None:
             progress(brought)
@@ -98,6 +102,8 @@ def verdict(bytes_only: BenchResult, decoded: BenchResult | None) -> str:
         return "bytes only: this is the rate storage and the loader can deliver; add --decode to compare"
     ratio = decoded.samples_per_s / bytes_only.samples_per_s if bytes_only.samples_per_s else 0.0
     if ratio < 0.8:
-        return (f"decoding limits the rate: with decoding {ratio:.0%} of the bytes-only rate;"
-                " more DataLoader workers or reduced-size decoding help")
+        return (
+            f"decoding limits the rate: with decoding {ratio:.0%} of the bytes-only rate;"
+            " more DataLoader workers or reduced-size decoding help"
+        )
     return f"storage limits the rate: decoding keeps up ({ratio:.0%} of the bytes-only rate)"

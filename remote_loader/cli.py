@@ -14,11 +14,11 @@ from tqdm import tqdm
 from remote_loader import __version__
 from remote_loader.config import FetchConfig
 from remote_loader.errors import ConfigError, RemoteLoaderError
-from remote_loader.upload.indexer import index_webdataset
 from remote_loader.read.reader import DatasetReader
 from remote_loader.storage import Location, Store, open_location
 from remote_loader.storage.factory import Backend
 from remote_loader.upload import load_source, upload_cv_dataset
+from remote_loader.upload.indexer import index_webdataset
 
 
 def _count(low: int) -> Any:
@@ -83,7 +83,7 @@ def cmd_upload(args: argparse.Namespace) -> int:
     store, location = _open(args)
     if location.path:  # a local destination is a directory: made, as a bucket would have to be
         store.create_bucket(location.bucket)
-    dask = _dask_client(args.dask) if args.dask else None
+    dask = _dask_client(args.dask, _fetch(args).retry.first_contact_deadline) if args.dask else None
     try:
         summary = _upload(args, store, location, dask.get_executor() if dask else None)
     finally:
@@ -107,16 +107,20 @@ def cmd_upload(args: argparse.Namespace) -> int:
     return 0
 
 
-def _dask_client(address: str) -> Any:
-    """A client of the Dask scheduler at ``address`` (the ``dask`` extra)."""
+def _dask_client(address: str, timeout: float) -> Any:
+    """A client of the Dask scheduler at ``address`` (the ``dask`` extra), given as long to
+    answer as a store that never answered (``RetryConfig.first_contact_deadline``)."""
     try:
         from distributed import Client  # the optional extra, imported only for --dask
     except ImportError:
-        raise ConfigError("--dask needs dask.distributed: pip install 'dask[distributed]' (remote_loader's dask extra)") from None
+        raise ConfigError(
+            "--dask needs dask.distributed: pip install 'dask[distributed]' (remote_loader's dask extra)"
+        ) from None
     try:
-        return Client(address, timeout=30)
+        return Client(address, timeout=max(timeout, 1.0))
     except (OSError, ValueError, TypeError) as exc:
-        raise ConfigError(f"cannot reach the Dask scheduler at {address}: {type(exc).__name__}: {exc}"[:300]) from None
+        raise ConfigError(f"cannot reach the Dask scheduler at {address} within {max(timeout, 1.0):g} s"
+                          f" (REMOTE_LOADER_FIRST_CONTACT_DEADLINE): {type(exc).__name__}: {exc}"[:300]) from None
 
 
 def _upload(args: argparse.Namespace, store: Any, location: Any, executor: Any) -> Any:
@@ -144,8 +148,9 @@ def _upload(args: argparse.Namespace, store: Any, location: Any, executor: Any) 
 def cmd_index(args: argparse.Namespace) -> int:
     store, location = _open(args)
     bar = tqdm(unit="shard", desc="index", disable=args.quiet or args.json)
-    summary = index_webdataset(store, location, progress=lambda name: bar.update(1), force=args.force,
-                               retry=_fetch(args).retry)
+    summary = index_webdataset(
+        store, location, progress=lambda name: bar.update(1), force=args.force, retry=_fetch(args).retry
+    )
     bar.close()
     data = {"url": str(location), "shards": summary.shards, "samples": summary.samples, "bytes": summary.bytes}
     _emit(args, data, f"indexed {summary.samples} samples in {summary.shards} shards at {location}")
@@ -156,7 +161,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     reader, _ = _reader(args)
     table = reader.manifest.shards
     names = (table.names[i] for i in range(len(table)))
-    rows = zip(table.size.tolist(), table.samples.tolist(), names)  # columns, not an entry object per shard
+    # Columns, not an entry object per shard:
+    rows = zip(table.size.tolist(), table.samples.tolist(), names, strict=True)
     if args.json:
         _emit(args, [{"name": n, "samples": c, "bytes": b} for b, c, n in rows], "")
     else:
@@ -179,15 +185,22 @@ def cmd_info(args: argparse.Namespace) -> int:
     }
     upload = dict(manifest.params.get("upload", {}))
     classes = manifest.params.get("classes") or []
-    unknown = "unknown (tars indexed in place)" if manifest.params.get("indexed") else "unknown (not recorded at upload)"
+    unknown = (
+        "unknown (tars indexed in place)" if manifest.params.get("indexed") else "unknown (not recorded at upload)"
+    )
     text = "\n".join(
         [
             f"dataset   {location}",
-            f"samples   {manifest.num_samples:,d} in {len(manifest.shards):,d} shards, {manifest.num_bytes / 1e6:,.1f} MB",
+            f"samples   {manifest.num_samples:,d} in {len(manifest.shards):,d} shards,"
+            f" {manifest.num_bytes / 1e6:,.1f} MB",
             f"fields    {_shown(', '.join(manifest.fields))}",
             f"skipped   {manifest.skipped}",
-            f"classes   " + (f"{len(classes)} ({_shown(', '.join(map(str, classes[:5])))}"
-                                 f"{', ...' if len(classes) > 5 else ''})" if classes else unknown),
+            "classes   "
+            + (
+                f"{len(classes)} ({_shown(', '.join(map(str, classes[:5])))}{', ...' if len(classes) > 5 else ''})"
+                if classes
+                else unknown
+            ),
             f"upload    {_shown(', '.join(f'{k}={v}' for k, v in sorted(upload.items())))}",
             f"created   {_shown(str(manifest.params.get('created', '?')))}",
             f"format    version {manifest.version}",
@@ -213,7 +226,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
         "bad": [{"name": r.name, "problems": r.problems} for r in bad],
         "ok": not bad,
     }
-    text = f"{len(reports) - len(bad)} of {len(reports)} shards ok" + (f"; bad: {', '.join(r.name for r in bad)}" if bad else "")
+    text = f"{len(reports) - len(bad)} of {len(reports)} shards ok" + (
+        f"; bad: {', '.join(r.name for r in bad)}" if bad else ""
+    )
     _emit(args, data, text)
     return 1 if bad else 0
 
@@ -223,8 +238,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     reader, location = _reader(args)
     store = reader.client
-    options = {"samples": args.samples, "workers": args.workers, "size": args.size, "min_size": args.min_size,
-               "verify": not args.no_verify, "fetch": reader.fetch}
+    options = {
+        "samples": args.samples,
+        "workers": args.workers,
+        "size": args.size,
+        "min_size": args.min_size,
+        "verify": not args.no_verify,
+        "fetch": reader.fetch,
+    }
     manifest = reader.manifest
     total = manifest.num_samples if args.samples is None else min(args.samples, manifest.num_samples)
     if total == 0:
@@ -232,8 +253,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     results = []
     for decode in dict.fromkeys(("none", args.decode)):
         with tqdm(total=total, unit="sample", desc=f"bench {decode}", disable=args.quiet or args.json) as bar:
-            results.append(bench.run(store, location.bucket, location.base_folder, decode=decode, progress=bar.update,
-                                     **options))
+            results.append(
+                bench.run(store, location.bucket, location.base_folder, decode=decode, progress=bar.update, **options)
+            )
     summary = bench.verdict(results[0], results[1] if len(results) > 1 else None)
     data = {"url": str(location), "workers": args.workers, "runs": [r.as_dict() for r in results], "verdict": summary}
     _emit(args, data, "\n".join([*map(str, results), summary]))
@@ -251,8 +273,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         print(f"S3 server on {server.endpoint_url} (pid {server.pid}); data in {server.data_dir}")
         internal = ", ".join(f"{name} {port}" for name, port in server.ports.items() if name != "s3")
-        print(f"its internal services take these loopback ports too, and refuse requests without the server's"
-              f" own keys: {internal}")
+        print(
+            f"its internal services take these loopback ports too, and refuse requests without the server's"
+            f" own keys: {internal}"
+        )
         print("export these to use it:")
         for name, value in server.env().items():
             if name == "AWS_SECRET_ACCESS_KEY" and args.secret_key is not None:
@@ -266,7 +290,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="remote-loader", description="Shard datasets into object storage and read them back.")
+    parser = argparse.ArgumentParser(
+        prog="remote-loader", description="Shard datasets into object storage and read them back."
+    )
     parser.add_argument("--version", action="version", version=f"remote-loader {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -282,8 +308,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--on-error", default="raise", choices=("raise", "skip"))
     p.add_argument("--no-shuffle", action="store_true", help="keep the source order")
     p.add_argument("--overwrite", action="store_true", help="replace a dataset uploaded with other parameters")
-    p.add_argument("--dask", metavar="ADDRESS", help="run the tasks on the Dask cluster whose scheduler is at ADDRESS"
-                   " (tcp://host:8786); its workers build the dataset from SOURCE, so it must import there")
+    p.add_argument(
+        "--dask",
+        metavar="ADDRESS",
+        help="run the tasks on the Dask cluster whose scheduler is at ADDRESS"
+        " (tcp://host:8786); its workers build the dataset from SOURCE, so it must import there",
+    )
     p.set_defaults(func=cmd_upload)
 
     for name, func, help_text in (
@@ -296,8 +326,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("url", help="s3://bucket/prefix or a local path")
         p.set_defaults(func=func)
         if name == "index":
-            p.add_argument("--force", action="store_true",
-                           help="replace the manifest of a dataset uploaded by remote_loader (drops its parameters)")
+            p.add_argument(
+                "--force",
+                action="store_true",
+                help="replace the manifest of a dataset uploaded by remote_loader (drops its parameters)",
+            )
     for p in sub.choices.values():
         if p.get_default("func") is not None:
             _connection(p)
@@ -308,9 +341,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("url", help="s3://bucket/prefix or a local path")
     p.add_argument("--samples", type=_count(1), default=None, help="samples per run (default: one epoch)")
     p.add_argument("--workers", type=_count(0), default=2, help="DataLoader workers")
-    p.add_argument("--decode", choices=("none", "pil", "rrc", "rrc-plain"), default="none",
-                   help="none: bytes only; pil: decode; rrc: decode + random-resized-crop with reduced-size"
-                   " JPEG decoding; rrc-plain: the same without it")
+    p.add_argument(
+        "--decode",
+        choices=("none", "pil", "rrc", "rrc-plain"),
+        default="none",
+        help="none: bytes only; pil: decode; rrc: decode + random-resized-crop with reduced-size"
+        " JPEG decoding; rrc-plain: the same without it",
+    )
     p.add_argument("--size", type=_count(1), default=224, help="crop size for rrc")
     p.add_argument("--min-size", type=_count(1), default=None, help="reduced-size decoding for pil")
     p.add_argument("--no-verify", action="store_true", help="skip crc32 checks (to measure what they cost)")

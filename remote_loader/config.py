@@ -146,7 +146,8 @@ class StorageConfig:
 
         Read: ``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``,
         ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_REGION``,
-        ``AWS_DEFAULT_REGION``, ``AWS_PROFILE``, ``AWS_SHARED_CREDENTIALS_FILE``, and MinIO's ``MINIO_ENDPOINT`` (with ``MINIO_SECURE``),
+        ``AWS_DEFAULT_REGION``, ``AWS_PROFILE``, ``AWS_SHARED_CREDENTIALS_FILE``, and MinIO's
+        ``MINIO_ENDPOINT`` (with ``MINIO_SECURE``),
         ``MINIO_ACCESS_KEY`` / ``MINIO_ROOT_USER``, ``MINIO_SECRET_KEY`` /
         ``MINIO_ROOT_PASSWORD`` and ``MINIO_REGION``. AWS names win over MinIO names.
         Overrides whose value is None are ignored.
@@ -278,9 +279,16 @@ class FetchConfig:
     refetch_attempts: int = 5
     retry: RetryConfig = field(default_factory=RetryConfig)
 
-    def __init__(self, part_size: int = 8 * 1024 * 1024, concurrency: int = 16, prefetch_bytes: int = 128 * 1024 * 1024,
-                 range_bytes: int = 8 * 1024 * 1024, refetch_attempts: int = 5, retry: RetryConfig | None = None,
-                 **deprecated: float) -> None:
+    def __init__(
+        self,
+        part_size: int = 8 * 1024 * 1024,
+        concurrency: int = 16,
+        prefetch_bytes: int = 128 * 1024 * 1024,
+        range_bytes: int = 8 * 1024 * 1024,
+        refetch_attempts: int = 5,
+        retry: RetryConfig | None = None,
+        **deprecated: float,
+    ) -> None:
         unknown = set(deprecated) - {"max_attempts", *_RETRY_FIELDS}
         if unknown:
             raise TypeError(f"FetchConfig() got an unexpected keyword argument {sorted(unknown)[0]!r}")
@@ -289,12 +297,21 @@ class FetchConfig:
         if deprecated:
             import warnings
 
-            warnings.warn(f"FetchConfig({', '.join(sorted(deprecated))}=...) is deprecated: use refetch_attempts"
-                          " and retry=RetryConfig(...)", DeprecationWarning, stacklevel=2)
+            warnings.warn(
+                f"FetchConfig({', '.join(sorted(deprecated))}=...) is deprecated: use refetch_attempts"
+                " and retry=RetryConfig(...)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
             refetch_attempts = int(deprecated.pop("max_attempts", refetch_attempts))
             retry = replace(retry or RetryConfig(), **deprecated)
-        for name, value in (("part_size", part_size), ("concurrency", concurrency), ("prefetch_bytes", prefetch_bytes),
-                            ("range_bytes", range_bytes), ("refetch_attempts", refetch_attempts)):
+        for name, value in (
+            ("part_size", part_size),
+            ("concurrency", concurrency),
+            ("prefetch_bytes", prefetch_bytes),
+            ("range_bytes", range_bytes),
+            ("refetch_attempts", refetch_attempts),
+        ):
             object.__setattr__(self, name, require_int(name, value, low=1))
         object.__setattr__(self, "retry", retry or RetryConfig())
 
@@ -323,8 +340,10 @@ class FetchConfig:
 def current_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
     """Rank and world size: as given, else from torch.distributed, else ``RANK`` / ``WORLD_SIZE``."""
     if (rank is None) != (world_size is None):
-        raise ConfigError(f"give rank and world_size together, or neither (to take both from torch.distributed"
-                          f" or RANK / WORLD_SIZE); got rank={rank!r}, world_size={world_size!r}")
+        raise ConfigError(
+            f"give rank and world_size together, or neither (to take both from torch.distributed"
+            f" or RANK / WORLD_SIZE); got rank={rank!r}, world_size={world_size!r}"
+        )
     if rank is not None and world_size is not None:
         return check_world(rank, world_size)
     import torch.distributed as dist  # only when the world is not given, and by datasets, which import torch anyway

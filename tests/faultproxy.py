@@ -21,8 +21,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
 FAULTS = ("reset_before", "reset_mid_body", "error_500", "slow_down_503", "delay", "truncate", "flip")
-_SLOW_DOWN = b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code><Message>Reduce your request rate.</Message></Error>'
-_INTERNAL = b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>InternalError</Code><Message>injected</Message></Error>'
+_SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
+              b"<Message>Reduce your request rate.</Message></Error>")
+_INTERNAL = (
+    b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>InternalError</Code><Message>injected</Message></Error>'
+)
 
 
 class FaultProxy:
@@ -33,8 +36,15 @@ class FaultProxy:
     with a body, its method, its length and whether it waited for ``100 Continue``.
     """
 
-    def __init__(self, upstream: str, rates: dict[str, float], *, seed: int = 0, methods: tuple[str, ...] = ("GET",),
-                 delay: float = 0.05) -> None:
+    def __init__(
+        self,
+        upstream: str,
+        rates: dict[str, float],
+        *,
+        seed: int = 0,
+        methods: tuple[str, ...] = ("GET",),
+        delay: float = 0.05,
+    ) -> None:
         unknown = set(rates) - set(FAULTS)
         if unknown:
             raise ValueError(f"unknown faults {sorted(unknown)}")
@@ -109,8 +119,9 @@ class FaultProxy:
         body = handler.rfile.read(length) if length else b""
         if length:
             with self._lock:
-                self.bodies.append((handler.command, length,
-                                    handler.headers.get("Expect", "").lower() == "100-continue"))
+                self.bodies.append(
+                    (handler.command, length, handler.headers.get("Expect", "").lower() == "100-continue")
+                )
         fault = self._fault(handler)
         if fault == "reset_before":
             return self._reset(handler)

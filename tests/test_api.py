@@ -10,14 +10,48 @@ import pytest
 
 import remote_loader
 from remote_loader import ConfigError, RemoteDataset, StorageConfig, UploadError, make_client
-from remote_loader.storage import Boto3Store, Location, LocalStore, MinioStore, parse_location
+from remote_loader.storage import Boto3Store, LocalStore, Location, MinioStore, parse_location
 
 EXPECTED = {
-    "AccessDenied", "BucketNotFound", "ConfigError", "CorruptSampleError", "CorruptShard", "DatasetChanged", "DatasetNotFound", "DatasetReader",
-    "DecodeError", "EndpointUnreachable", "FetchConfig", "Metrics", "RandomResizedCrop", "RemoteDataset", "RemoteMapDataset", "LocalitySampler", "FormatError", "ImageFolder", "IndexOutOfBounds", "InvalidRange",
-    "LocalStore", "ObjectNotFound", "PreconditionFailed", "RemoteLoaderError", "RetryConfig", "StorageConfig", "StorageError", "Store",
-    "ResumeError", "TransientStorageError", "TruncatedShard", "UnsupportedVersion", "UniformSampler", "UploadConflict", "UploadError", "UploadSummary", "__version__",
-    "make_client", "upload_cv_dataset",
+    "AccessDenied",
+    "BucketNotFound",
+    "ConfigError",
+    "CorruptSampleError",
+    "CorruptShard",
+    "DatasetChanged",
+    "DatasetNotFound",
+    "DatasetReader",
+    "DecodeError",
+    "EndpointUnreachable",
+    "FetchConfig",
+    "Metrics",
+    "RandomResizedCrop",
+    "RemoteDataset",
+    "RemoteMapDataset",
+    "LocalitySampler",
+    "FormatError",
+    "ImageFolder",
+    "IndexOutOfBounds",
+    "InvalidRange",
+    "LocalStore",
+    "ObjectNotFound",
+    "PreconditionFailed",
+    "RemoteLoaderError",
+    "RetryConfig",
+    "StorageConfig",
+    "StorageError",
+    "Store",
+    "ResumeError",
+    "TransientStorageError",
+    "TruncatedShard",
+    "UnsupportedVersion",
+    "UniformSampler",
+    "UploadConflict",
+    "UploadError",
+    "UploadSummary",
+    "__version__",
+    "make_client",
+    "upload_cv_dataset",
 }
 
 
@@ -27,11 +61,20 @@ def test_public_names():
 
 
 def test_config_from_aws_and_minio_environment():
-    aws = StorageConfig.from_env({"AWS_ENDPOINT_URL": "http://h:1", "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", "AWS_DEFAULT_REGION": "eu-west-1"})
+    aws = StorageConfig.from_env(
+        {
+            "AWS_ENDPOINT_URL": "http://h:1",
+            "AWS_ACCESS_KEY_ID": "k",
+            "AWS_SECRET_ACCESS_KEY": "s",
+            "AWS_DEFAULT_REGION": "eu-west-1",
+        }
+    )
     assert (aws.endpoint_url, aws.access_key, aws.secret_key, aws.region) == ("http://h:1", "k", "s", "eu-west-1")
     minio = StorageConfig.from_env({"MINIO_ENDPOINT": "m:9000", "MINIO_ROOT_USER": "u", "MINIO_ROOT_PASSWORD": "p"})
     assert (minio.endpoint_url, minio.access_key, minio.secret_key) == ("http://m:9000", "u", "p")
-    override = StorageConfig.from_env({"AWS_ENDPOINT_URL": "http://h:1"}, endpoint_url="https://other:443", access_key="a", secret_key="b")
+    override = StorageConfig.from_env(
+        {"AWS_ENDPOINT_URL": "http://h:1"}, endpoint_url="https://other:443", access_key="a", secret_key="b"
+    )
     assert override.endpoint_url == "https://other:443"
     with pytest.raises(ConfigError, match="both"):
         StorageConfig.from_env({"AWS_ACCESS_KEY_ID": "k"})
@@ -41,7 +84,9 @@ def test_config_from_aws_and_minio_environment():
 
 def test_secrets_stay_out_of_reprs():
     secret = "s3cr3t-VALUE"
-    config = StorageConfig(endpoint_url="http://127.0.0.1:9000", access_key="key", secret_key=secret, session_token="tok-" + secret)
+    config = StorageConfig(
+        endpoint_url="http://127.0.0.1:9000", access_key="key", secret_key=secret, session_token="tok-" + secret
+    )
     for client in (make_client(config=config), make_client(config=config, backend="minio")):
         assert secret not in repr(client) and secret not in repr(config)
 
@@ -71,20 +116,23 @@ def test_errors_pickle_with_their_attributes():
     assert isinstance(error, UploadError) and error.index == 3 and str(error) == "sample 3: bad"
 
 
-@pytest.mark.parametrize("url, message", [
-    ("s3:/bkt/x", "not a valid URL"),
-    ("S3://bkt/x", "lower case, s3://bkt/x"),
-    ("htp://host:9000", "not a valid URL"),
-    ("http//host", "not a valid URL"),
-    (" s3://bkt/x", "whitespace"),
-    ("s3://bkt/x ", "whitespace"),
-    ("datasets/x", r"did you mean s3://datasets/x\?"),
-    ("http://127.0.0.1:9000", "is an endpoint, not a dataset"),
-    ("s3://KEY:hunter2@bkt/ds", "holds credentials"),
-    ("S3://KEY:hunter2@bkt/ds", "lower case"),
-    ("htp://key:hunter2@host:9000/x", "not a valid URL"),
-    ("file://key:hunter2@host/x", "names a host"),
-])
+@pytest.mark.parametrize(
+    "url, message",
+    [
+        ("s3:/bkt/x", "not a valid URL"),
+        ("S3://bkt/x", "lower case, s3://bkt/x"),
+        ("htp://host:9000", "not a valid URL"),
+        ("http//host", "not a valid URL"),
+        (" s3://bkt/x", "whitespace"),
+        ("s3://bkt/x ", "whitespace"),
+        ("datasets/x", r"did you mean s3://datasets/x\?"),
+        ("http://127.0.0.1:9000", "is an endpoint, not a dataset"),
+        ("s3://KEY:hunter2@bkt/ds", "holds credentials"),
+        ("S3://KEY:hunter2@bkt/ds", "lower case"),
+        ("htp://key:hunter2@host:9000/x", "not a valid URL"),
+        ("file://key:hunter2@host/x", "names a host"),
+    ],
+)
 def test_mistyped_dataset_urls_are_refused_not_made_into_directories(url, message, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     for attempt in (lambda: parse_location(url), lambda: RemoteDataset(url)):
@@ -106,8 +154,13 @@ def test_explicit_local_paths_still_name_local_stores(tmp_path, monkeypatch):
 def test_cli_refuses_a_mistyped_url_and_writes_nothing(tmp_path):
     (tmp_path / "images" / "cat").mkdir(parents=True)
     for url in ("s3:/bkt/x", "datasets/x"):
-        out = subprocess.run([sys.executable, "-m", "remote_loader.cli", "upload", "images", url], cwd=tmp_path,
-                             capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [sys.executable, "-m", "remote_loader.cli", "upload", "images", url],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     assert "did you mean s3://datasets/x?" in out.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["images"]
@@ -115,8 +168,9 @@ def test_cli_refuses_a_mistyped_url_and_writes_nothing(tmp_path):
 
 def test_the_vision_extra_pins_the_torchvision_of_the_tested_torch():
     import re
-    import tomllib
     from pathlib import Path
+
+    import tomllib
 
     root = Path(__file__).resolve().parents[1]
     extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]

@@ -150,7 +150,8 @@ def test_local_keys_cannot_escape_their_bucket(tmp_path):
 
 
 def test_no_pickle_anywhere_in_the_package():
-    pattern = re.compile(r"^\s*(import pickle|from pickle|import cPickle)|pickle\.loads?\(|allow_pickle=True|torch\.load\(", re.M)
+    pattern = re.compile(r"^\s*(import pickle|from pickle|import cPickle)|pickle\.loads?\(|allow_pickle=True"
+                         r"|torch\.load\(", re.M)
     offenders = [str(p) for p in PACKAGE.rglob("*.py") if pattern.search(p.read_text())]
     assert offenders == []
 
@@ -171,20 +172,23 @@ def test_secret_never_reaches_the_logs(seaweed, small, caplog):
 _UNREACHED = "http://127.0.0.1:9"  # nothing listens: a check that came too late would meet the network
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"rank": 1}, "rank and world_size together"),
-    ({"world_size": 2}, "rank and world_size together"),
-    ({"rank": 2, "world_size": 2}, "rank must be an integer in 0..1"),
-    ({"rank": -1, "world_size": 2}, "rank must be an integer in 0..1"),
-    ({"rank": 0, "world_size": 0}, "world_size must be an integer >= 1"),
-    ({"seed": -1}, "seed must be an integer in 0.."),
-    ({"seed": "a"}, "seed must be an integer"),
-    ({"seed": 1.5}, "seed must be an integer"),
-    ({"open_shards": 0}, "open_shards must be an integer >= 1"),
-    ({"shuffle_shards": "yes"}, "shuffle_shards must be True or False"),
-    ({"equalize": 1}, "equalize must be True or False or None"),
-    ({"on_error": "ignore"}, "on_error must be"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"rank": 1}, "rank and world_size together"),
+        ({"world_size": 2}, "rank and world_size together"),
+        ({"rank": 2, "world_size": 2}, "rank must be an integer in 0..1"),
+        ({"rank": -1, "world_size": 2}, "rank must be an integer in 0..1"),
+        ({"rank": 0, "world_size": 0}, "world_size must be an integer >= 1"),
+        ({"seed": -1}, "seed must be an integer in 0.."),
+        ({"seed": "a"}, "seed must be an integer"),
+        ({"seed": 1.5}, "seed must be an integer"),
+        ({"open_shards": 0}, "open_shards must be an integer >= 1"),
+        ({"shuffle_shards": "yes"}, "shuffle_shards must be True or False"),
+        ({"equalize": 1}, "equalize must be True or False or None"),
+        ({"on_error": "ignore"}, "on_error must be"),
+    ],
+)
 def test_remote_dataset_arguments_are_checked_at_construction(kwargs, field):
     with pytest.raises(ConfigError, match=field) as caught:
         RemoteDataset(make_client(_UNREACHED, "key", "secret"), "bkt", "ds", **kwargs)
@@ -195,36 +199,50 @@ def test_rank_and_world_size_from_the_environment_are_checked(monkeypatch, small
     client, bucket = small
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ConfigError, match="RANK=3 and WORLD_SIZE=2 in the environment: rank must be an integer in 0..1"):
+    with pytest.raises(
+        ConfigError, match="RANK=3 and WORLD_SIZE=2 in the environment: rank must be an integer in 0..1"
+    ):
         len(RemoteDataset(client, bucket, "ok"))
 
 
-@pytest.mark.parametrize("make, field", [
-    (lambda: RandomResizedCrop(0), "size must be an integer >= 1"),
-    (lambda: RandomResizedCrop(224, scale=(0.5, 0.1)), "scale must be"),
-    (lambda: RandomResizedCrop(224, ratio=(0, 1)), "ratio must be"),
-    (lambda: RandomResizedCrop(224, seed=-3), "seed must be an integer in"),
-    (lambda: LocalitySampler([10, 10], window=0, rank=0, world_size=1), "window must be an integer >= 1"),
-    (lambda: LocalitySampler([10, 10], seed=-1, rank=0, world_size=1), "seed must be an integer in"),
-    (lambda: LocalitySampler([10, 10], rank=1), "rank and world_size together"),
-])
+@pytest.mark.parametrize(
+    "make, field",
+    [
+        (lambda: RandomResizedCrop(0), "size must be an integer >= 1"),
+        (lambda: RandomResizedCrop(224, scale=(0.5, 0.1)), "scale must be"),
+        (lambda: RandomResizedCrop(224, ratio=(0, 1)), "ratio must be"),
+        (lambda: RandomResizedCrop(224, seed=-3), "seed must be an integer in"),
+        (lambda: LocalitySampler([10, 10], window=0, rank=0, world_size=1), "window must be an integer >= 1"),
+        (lambda: LocalitySampler([10, 10], seed=-1, rank=0, world_size=1), "seed must be an integer in"),
+        (lambda: LocalitySampler([10, 10], rank=1), "rank and world_size together"),
+    ],
+)
 def test_other_constructors_check_their_arguments(make, field):
     with pytest.raises(ConfigError, match=field):
         make()
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"workers": -1}, "workers must be an integer >= 0"),
-    ({"seed": -1}, "seed must be an integer in 0.."),
-    ({"maxcount": 0}, "maxcount must be an integer >= 1"),
-    ({"maxsize": "big"}, "maxsize must be a number"),
-    ({"quality": 0}, "quality must be an integer in 1..100"),
-    ({"shuffle": "no"}, "shuffle must be True or False"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"workers": -1}, "workers must be an integer >= 0"),
+        ({"seed": -1}, "seed must be an integer in 0.."),
+        ({"maxcount": 0}, "maxcount must be an integer >= 1"),
+        ({"maxsize": "big"}, "maxsize must be a number"),
+        ({"quality": 0}, "quality must be an integer in 1..100"),
+        ({"shuffle": "no"}, "shuffle must be True or False"),
+    ],
+)
 def test_upload_arguments_are_checked_before_any_request(kwargs, field):
     with pytest.raises(ConfigError, match=field):
-        upload_cv_dataset(SyntheticImages(4, size=(8, 8)), client=make_client(_UNREACHED, "key", "secret"),
-                          bucket="bkt", base_folder="ds", progress=False, **kwargs)
+        upload_cv_dataset(
+            SyntheticImages(4, size=(8, 8)),
+            client=make_client(_UNREACHED, "key", "secret"),
+            bucket="bkt",
+            base_folder="ds",
+            progress=False,
+            **kwargs,
+        )
 
 
 def test_connection_options_with_a_store_are_refused():

@@ -14,7 +14,7 @@ under ``if __name__ == "__main__":`` may start processes. Fences say what a bloc
   and expected to succeed.
 - ``console``: commands for the reader's own machine (installing, ``make``, ``torchrun``
   across nodes, a long-running server); shown, not run.
-- ``text`` or no language: output and layouts, not code.
+- ``text`` or no language: output and layouts, not code; ``mermaid``: a diagram the site draws.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from remote_loader.testing.server import EmbeddedS3
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 DOCUMENTED_ENDPOINT = "127.0.0.1:9000"  # with or without http://
-KINDS = {"python", "bash", "console", "text", ""}
-WITHOUT_CODE = {"performance.md", "FORMAT.md", "api.md"}
+KINDS = {"python", "bash", "console", "text", "mermaid", ""}
+WITHOUT_CODE = {"performance.md", "FORMAT.md", "api.md", "architecture.md"}
 
 _FENCE = re.compile(r"^```([\w-]*)\n(.*?)^```\n", re.M | re.S)
 _COMMENT = re.compile(r"<!--.*?-->", re.S)
@@ -67,7 +67,11 @@ def test_pages_are_found_and_every_fence_says_what_it_is() -> None:
 
 def test_the_block_reader_sees_hidden_blocks_and_line_numbers() -> None:
     text = "a\n```python\nx = 1\n```\n<!--\n```python\ny = 2\n```\n-->\n```\nout\n```\n"
-    assert blocks(text) == [Block("python", "x = 1\n", 2, False), Block("python", "y = 2\n", 6, True), Block("", "out\n", 10, False)]
+    assert blocks(text) == [
+        Block("python", "x = 1\n", 2, False),
+        Block("python", "y = 2\n", 6, True),
+        Block("", "out\n", 10, False),
+    ]
 
 
 def test_no_page_hides_code_from_its_reader() -> None:
@@ -87,8 +91,12 @@ def shared_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Embedded
 
 
 def _environment(server: EmbeddedS3) -> dict[str, str]:
-    return {"AWS_ENDPOINT_URL": server.endpoint_url, "AWS_ACCESS_KEY_ID": server.access_key,
-            "AWS_SECRET_ACCESS_KEY": server.secret_key, "AWS_DEFAULT_REGION": "us-east-1"}
+    return {
+        "AWS_ENDPOINT_URL": server.endpoint_url,
+        "AWS_ACCESS_KEY_ID": server.access_key,
+        "AWS_SECRET_ACCESS_KEY": server.secret_key,
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
 
 
 @pytest.fixture
@@ -106,9 +114,16 @@ def _run_command(line: str, where: str, endpoint: str) -> None:
     words = shlex.split(line.replace(DOCUMENTED_ENDPOINT, endpoint.removeprefix("http://")), comments=True)
     if not words:
         return
-    assert words[0] == "remote-loader", f"{where}: a bash block holds only remote-loader commands (use console for others): {line}"
-    done = subprocess.run([sys.executable, "-m", "remote_loader", *words[1:]], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert words[0] == "remote-loader", (
+        f"{where}: a bash block holds only remote-loader commands (use console for others): {line}"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "remote_loader", *words[1:]],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
     assert done.returncode == 0, f"{where}: {line}\n{done.stdout}\n{done.stderr}"
 
 
@@ -144,9 +159,18 @@ def test_the_readme_runs_as_a_script_under_spawn(shared_server: EmbeddedS3, tmp_
     upload workers import the script again, which only the guard keeps from starting anew."""
     code = "".join(b.code for b in blocks((ROOT / "README.md").read_text()) if b.kind == "python")
     script = tmp_path / "readme.py"
-    script.write_text(_SPAWN + code.replace(DOCUMENTED_ENDPOINT, shared_server.endpoint_url.removeprefix("http://"))
-                      .replace('base_folder="synthetic"', 'base_folder="spawned"')
-                      .replace('"datasets", "synthetic"', '"datasets", "spawned"'))
-    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600,
-                         env={**os.environ, **_environment(shared_server)})
+    script.write_text(
+        _SPAWN
+        + code.replace(DOCUMENTED_ENDPOINT, shared_server.endpoint_url.removeprefix("http://"))
+        .replace('base_folder="synthetic"', 'base_folder="spawned"')
+        .replace('"datasets", "synthetic"', '"datasets", "spawned"')
+    )
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, **_environment(shared_server)},
+    )
     assert out.returncode == 0, out.stderr[-3000:]

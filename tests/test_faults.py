@@ -15,7 +15,17 @@ from collections import Counter
 import pytest
 from torch.utils.data import DataLoader
 
-from remote_loader import CorruptSampleError, DatasetReader, FetchConfig, RemoteDataset, RemoteMapDataset, RetryConfig, StorageConfig, make_client, upload_cv_dataset
+from remote_loader import (
+    CorruptSampleError,
+    DatasetReader,
+    FetchConfig,
+    RemoteDataset,
+    RemoteMapDataset,
+    RetryConfig,
+    StorageConfig,
+    make_client,
+    upload_cv_dataset,
+)
 from remote_loader.testing.synthetic import SyntheticImages
 from tests.faultproxy import FAULTS, FaultProxy
 
@@ -28,14 +38,21 @@ def clean(seaweed):
     client.create_bucket("fault-tests")
     upload_cv_dataset(SyntheticImages(2000, size=(48, 36)), client=client, bucket="fault-tests", base_folder="d",
                       maxcount=100, workers=2, progress=False)
-    samples = Counter((s["__key__"], bytes(s["jpg"]), bytes(s["cls"])) for s in RemoteDataset(client, "fault-tests", "d"))
+    samples = Counter(
+        (s["__key__"], bytes(s["jpg"]), bytes(s["cls"])) for s in RemoteDataset(client, "fault-tests", "d")
+    )
     yield samples
     client.close()
 
 
 def through(proxy, seaweed, backend):
-    config = StorageConfig(endpoint_url=proxy.endpoint_url, access_key=seaweed.access_key, secret_key=seaweed.secret_key,
-                           max_attempts=3, read_timeout=10)
+    config = StorageConfig(
+        endpoint_url=proxy.endpoint_url,
+        access_key=seaweed.access_key,
+        secret_key=seaweed.secret_key,
+        max_attempts=3,
+        read_timeout=10,
+    )
     return make_client(config=config, backend=backend)
 
 
@@ -50,8 +67,10 @@ def test_epoch_through_faults_equals_a_clean_epoch(seaweed, clean, backend):
     assert got == clean
     assert set(proxy.injected) == set(FAULTS), proxy.injected
     assert dataset.metrics.retries > 0
-    print(f"\n{backend}: {proxy.requests} requests, injected {dict(proxy.injected)}, "
-          f"loader retries {dataset.metrics.retries}")
+    print(
+        f"\n{backend}: {proxy.requests} requests, injected {dict(proxy.injected)}, "
+        f"loader retries {dataset.metrics.retries}"
+    )
 
 
 def test_an_upload_through_faults_on_every_request_stores_every_sample_once(seaweed):
@@ -60,12 +79,17 @@ def test_an_upload_through_faults_on_every_request_stores_every_sample_once(seaw
     client, bucket = seaweed.client(), "upload-fault-tests"  # a fixed name: faults follow the requests' paths
     client.create_bucket(bucket)
     ds = SyntheticImages(60, size=(40, 30))
-    proxy = FaultProxy(seaweed.endpoint_url, {"error_500": 0.1, "slow_down_503": 0.05, "reset_before": 0.05}, seed=12,
-                       methods=("GET", "PUT", "POST", "DELETE", "HEAD"))
+    proxy = FaultProxy(
+        seaweed.endpoint_url,
+        {"error_500": 0.1, "slow_down_503": 0.05, "reset_before": 0.05},
+        seed=12,
+        methods=("GET", "PUT", "POST", "DELETE", "HEAD"),
+    )
     try:
         faulty = make_client(proxy.endpoint_url, seaweed.access_key, seaweed.secret_key)
-        summary = upload_cv_dataset(ds, client=faulty, bucket=bucket, base_folder="up", maxcount=8, workers=0,
-                                    progress=False)
+        summary = upload_cv_dataset(
+            ds, client=faulty, bucket=bucket, base_folder="up", maxcount=8, workers=0, progress=False
+        )
         faulty.close()
     finally:
         proxy.close()
@@ -81,8 +105,12 @@ def test_flipped_sample_is_refetched_or_skipped(seaweed, clean):
     # Flip only sample-range GETs after the first attempt of each: refetching heals them.
     proxy = FaultProxy(seaweed.endpoint_url, {"flip": 0.3}, seed=5)
     try:
-        dataset = RemoteDataset(through(proxy, seaweed, "boto3"), "fault-tests", "d",
-                                fetch=FetchConfig(part_size=64 * 1024, refetch_attempts=10, retry=RetryConfig(backoff=0.0)))
+        dataset = RemoteDataset(
+            through(proxy, seaweed, "boto3"),
+            "fault-tests",
+            "d",
+            fetch=FetchConfig(part_size=64 * 1024, refetch_attempts=10, retry=RetryConfig(backoff=0.0)),
+        )
         got = Counter((s["__key__"], bytes(s["jpg"]), bytes(s["cls"])) for s in dataset)
     finally:
         proxy.close()
@@ -95,8 +123,15 @@ def rotten(seaweed):
     client = seaweed.client()
     bucket = f"rotten-{uuid.uuid4().hex[:12]}"
     client.create_bucket(bucket)
-    upload_cv_dataset(SyntheticImages(60, size=(48, 36)), client=client, bucket=bucket, base_folder="d",
-                      maxcount=20, workers=0, progress=False)
+    upload_cv_dataset(
+        SyntheticImages(60, size=(48, 36)),
+        client=client,
+        bucket=bucket,
+        base_folder="d",
+        maxcount=20,
+        workers=0,
+        progress=False,
+    )
     reader = DatasetReader(client, bucket, "d")
     entry = reader.manifest.shards[1]
     index = reader.read_index(entry)
@@ -119,7 +154,9 @@ def test_bytes_that_stay_corrupt_raise_naming_shard_and_key(rotten):
 
 def test_skip_counts_samples_that_stay_corrupt(rotten):
     client, bucket, _, key = rotten
-    dataset = RemoteDataset(client, bucket, "d", on_error="skip", fetch=FetchConfig(refetch_attempts=3, retry=RetryConfig(backoff=0.0)))
+    dataset = RemoteDataset(
+        client, bucket, "d", on_error="skip", fetch=FetchConfig(refetch_attempts=3, retry=RetryConfig(backoff=0.0))
+    )
     keys = [s["__key__"] for s in dataset]
     assert len(keys) == 59 and key not in keys
     assert dataset.metrics.skipped == 1 and dataset.metrics.retries == 2
@@ -131,32 +168,43 @@ def open_fds() -> int:
 
 @pytest.mark.filterwarnings("ignore:This DataLoader will create 4 worker processes")  # 2 cores here
 def test_two_ranks_four_workers_through_faults_leak_nothing(seaweed, clean):
-    threads_before, fds_before = threading.active_count(), open_fds()
+    threads_before, fds_before = set(threading.enumerate()), open_fds()  # other tests' threads may end meanwhile
     proxy = FaultProxy(seaweed.endpoint_url, {kind: 0.05 / len(FAULTS) for kind in FAULTS}, seed=3)
     client = through(proxy, seaweed, "boto3")
     got: Counter = Counter()
     for rank in range(2):
         dataset = RemoteDataset(client, "fault-tests", "d", rank=rank, world_size=2, equalize=False, fetch=FAULTY_FETCH)
-        loader = DataLoader(dataset.map(lambda s: (s["__key__"], bytes(s["jpg"]), bytes(s["cls"]))),
-                            batch_size=None, num_workers=4)
+        loader = DataLoader(
+            dataset.map(lambda s: (s["__key__"], bytes(s["jpg"]), bytes(s["cls"]))), batch_size=None, num_workers=4
+        )
         got.update(map(tuple, loader))
     del loader, dataset  # a dataset holds its shared-memory counters (a file descriptor each) while alive
     client.close()
     proxy.close()  # joins the proxy's connection threads
     gc.collect()  # DataLoader's iterator joins its queue threads when collected
     assert got == clean
-    assert threading.active_count() == threads_before, [t.name for t in threading.enumerate()]
+    started = [t for t in threading.enumerate() if t not in threads_before]
+    for thread in started:  # request threads end by themselves once their GET is answered
+        thread.join(10)
+    assert not [t.name for t in started if t.is_alive()]
     assert open_fds() <= fds_before
 
 
 def test_map_dataset_heals_flipped_bytes(seaweed, clean):
     proxy = FaultProxy(seaweed.endpoint_url, {"flip": 0.3}, seed=8)
     try:
-        ds = RemoteMapDataset(through(proxy, seaweed, "boto3"), "fault-tests", "d",
-                              fetch=FetchConfig(refetch_attempts=10, retry=RetryConfig(backoff=0.0)))
+        ds = RemoteMapDataset(
+            through(proxy, seaweed, "boto3"),
+            "fault-tests",
+            "d",
+            fetch=FetchConfig(refetch_attempts=10, retry=RetryConfig(backoff=0.0)),
+        )
         got = Counter()
         for start in range(0, len(ds), 64):
-            got.update((s["__key__"], s["jpg"], s["cls"]) for s in ds.__getitems__(list(range(start, min(start + 64, len(ds))))))
+            got.update(
+                (s["__key__"], s["jpg"], s["cls"])
+                for s in ds.__getitems__(list(range(start, min(start + 64, len(ds)))))
+            )
         ds.close()
     finally:
         proxy.close()

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,11 +22,11 @@ from remote_loader import (
     UploadError,
     upload_cv_dataset,
 )
-from tests.helpers import FlakyImages
-from remote_loader.upload.indexer import index_webdataset
 from remote_loader.mapstyle.dataset import RemoteMapDataset
 from remote_loader.storage import Location
 from remote_loader.testing.synthetic import SyntheticImages
+from remote_loader.upload.indexer import index_webdataset
+from tests.helpers import FlakyImages
 
 
 def write_wds_shards(tmp_path: Path, shards: int = 3, per_shard: int = 30) -> dict[str, dict[str, bytes]]:
@@ -72,10 +72,14 @@ def test_index_cli_and_verify(seaweed, s3, tmp_path):
     put_dir(client, bucket, "cli", tmp_path)
     env = {**os.environ, **seaweed.env()}
     script = Path(sys.executable).with_name("remote-loader")
-    out = subprocess.run([str(script), "index", f"s3://{bucket}/cli", "--json"], env=env, capture_output=True, text=True)
+    out = subprocess.run(
+        [str(script), "index", f"s3://{bucket}/cli", "--json"], env=env, capture_output=True, text=True
+    )
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["samples"] == 60
-    verify = subprocess.run([str(script), "verify", f"s3://{bucket}/cli", "--quiet"], env=env, capture_output=True, text=True)
+    verify = subprocess.run(
+        [str(script), "verify", f"s3://{bucket}/cli", "--quiet"], env=env, capture_output=True, text=True
+    )
     assert verify.returncode == 0 and "2 of 2 shards ok" in verify.stdout
 
 
@@ -84,7 +88,9 @@ def test_broken_tars_are_named(s3, tmp_path, damage):
     client, bucket = s3
     write_wds_shards(tmp_path, shards=2)
     data = (tmp_path / "data-00001.tar").read_bytes()
-    data = data[: len(data) // 2 + 100] if damage == "truncate" else os.urandom(512) + data[512:]  # a header that fails its checksum
+    data = (
+        data[: len(data) // 2 + 100] if damage == "truncate" else os.urandom(512) + data[512:]
+    )  # a header that fails its checksum
     (tmp_path / "data-00001.tar").write_bytes(data)
     put_dir(client, bucket, "broken", tmp_path)
     with pytest.raises(CorruptShard, match="data-00001.tar") as info:
@@ -114,32 +120,61 @@ def test_a_prefix_without_a_manifest_is_no_dataset_and_says_why(s3, tmp_path):
     with pytest.raises(DatasetNotFound, match=f"remote-loader index s3://{bucket}/plain.*unindexed=True"):
         RemoteDataset(client, bucket, "plain")
     with pytest.raises(UploadError, match="sample 50"):  # an upload that stops part-way leaves shards behind
-        upload_cv_dataset(FlakyImages(60, {50}, size=(32, 24)), client=client, bucket=bucket, base_folder="cut",
-                          maxcount=10, workers=0, shuffle=False, progress=False)
+        upload_cv_dataset(
+            FlakyImages(60, {50}, size=(32, 24)),
+            client=client,
+            bucket=bucket,
+            base_folder="cut",
+            maxcount=10,
+            workers=0,
+            shuffle=False,
+            progress=False,
+        )
     assert any(o.key.endswith(".tar") for o in client.list(bucket, "cut/"))
-    for make in (lambda: RemoteDataset(client, bucket, "cut"), lambda: DatasetReader(client, bucket, "cut").manifest,
-                 lambda: RemoteMapDataset(client, bucket, "cut")):
+    for make in (
+        lambda: RemoteDataset(client, bucket, "cut"),
+        lambda: DatasetReader(client, bucket, "cut").manifest,
+        lambda: RemoteMapDataset(client, bucket, "cut"),
+    ):
         with pytest.raises(DatasetNotFound, match="an upload to it has not finished") as caught:
             make()
         assert caught.value.key == "cut/manifest.msgpack"
     with pytest.raises(DatasetNotFound, match="mistyped"):
         RemoteDataset(client, bucket, "nothing-here")
-    upload_cv_dataset(SyntheticImages(20, size=(32, 24)), client=client, bucket=bucket, base_folder="whole",
-                      maxcount=10, workers=0, progress=False)
+    upload_cv_dataset(
+        SyntheticImages(20, size=(32, 24)),
+        client=client,
+        bucket=bucket,
+        base_folder="whole",
+        maxcount=10,
+        workers=0,
+        progress=False,
+    )
     with pytest.raises(ConfigError, match="unindexed=True is for tars without one"):
         RemoteDataset(client, bucket, "whole", unindexed=True)
 
 
 def test_indexing_an_uploaded_dataset_is_refused_unless_forced(s3, seaweed):
     client, bucket = s3
-    upload_cv_dataset(SyntheticImages(30, size=(32, 24)), client=client, bucket=bucket, base_folder="up",
-                      maxcount=10, workers=0, progress=False)
+    upload_cv_dataset(
+        SyntheticImages(30, size=(32, 24)),
+        client=client,
+        bucket=bucket,
+        base_folder="up",
+        maxcount=10,
+        workers=0,
+        progress=False,
+    )
     before = client.get(bucket, "up/manifest.msgpack")
     with pytest.raises(UploadError, match=r"uploaded by remote_loader.*--force"):
         index_webdataset(client, Location(bucket, "up"))
     env = {**os.environ, **seaweed.env()}
-    out = subprocess.run([sys.executable, "-m", "remote_loader.cli", "index", f"s3://{bucket}/up", "--quiet"], env=env,
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "remote_loader.cli", "index", f"s3://{bucket}/up", "--quiet"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 1 and "--force" in out.stderr and "Traceback" not in out.stderr
     assert client.get(bucket, "up/manifest.msgpack") == before
     assert not any(o.key.endswith(".index") for o in client.list(bucket, "up/"))

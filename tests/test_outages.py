@@ -17,7 +17,15 @@ from collections import Counter
 import pytest
 from torch.utils.data import DataLoader
 
-from remote_loader import EndpointUnreachable, FetchConfig, RemoteDataset, RetryConfig, StorageConfig, make_client, upload_cv_dataset
+from remote_loader import (
+    EndpointUnreachable,
+    FetchConfig,
+    RemoteDataset,
+    RetryConfig,
+    StorageConfig,
+    make_client,
+    upload_cv_dataset,
+)
 from remote_loader.testing.server import EmbeddedS3
 from remote_loader.testing.synthetic import SyntheticImages
 
@@ -155,7 +163,8 @@ def _ctrl_c_while_the_server_hangs(server, script: str, ready: str, *args: str, 
     script interrupts ``itself``, tell it on stdin that the server is stopped): the seconds
     until the process has ended with KeyboardInterrupt."""
     process = subprocess.Popen([sys.executable, "-c", script, server.endpoint_url, server.access_key, server.secret_key,
-                                *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
     try:
         assert process.stdout is not None and process.stdin is not None
         assert process.stdout.readline().strip() == ready

@@ -18,7 +18,9 @@ def test_the_sdist_and_wheel_build_cleanly(tmp_path):
     out = subprocess.run([sys.executable, "-m", "build", "--outdir", str(tmp_path), str(ROOT)], env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    noisy = [line for line in (out.stdout + out.stderr).splitlines() if "warn" in line.lower() or "deprecat" in line.lower()]
+    noisy = [
+        line for line in (out.stdout + out.stderr).splitlines() if "warn" in line.lower() or "deprecat" in line.lower()
+    ]
     assert not noisy, noisy
     wheel = next(tmp_path.glob("remote_loader-*.whl"))
     with zipfile.ZipFile(wheel) as archive:

@@ -24,6 +24,7 @@ from remote_loader import (
     ObjectNotFound,
     RemoteDataset,
     StorageConfig,
+    StorageError,
     UploadError,
     make_client,
     upload_cv_dataset,
@@ -43,7 +44,9 @@ def _public_errors() -> list[type[errors.RemoteLoaderError]]:
 
 
 def _facts_of(cls: type) -> dict[str, object]:
-    names = cls.__init__.__code__.co_varnames[: cls.__init__.__code__.co_argcount + cls.__init__.__code__.co_kwonlyargcount]
+    names = cls.__init__.__code__.co_varnames[
+        : cls.__init__.__code__.co_argcount + cls.__init__.__code__.co_kwonlyargcount
+    ]
     return {k: v for k, v in FACTS.items() if k in names}
 
 
@@ -77,16 +80,39 @@ def _keys_and_bytes(client, bucket, folder):
 
 def test_a_failed_overwrite_leaves_the_old_dataset_readable(s3):
     client, bucket = s3
-    upload_cv_dataset(SyntheticImages(40, size=(32, 24)), client=client, bucket=bucket, base_folder="d", maxcount=10,
-                      workers=0, progress=False)
+    upload_cv_dataset(
+        SyntheticImages(40, size=(32, 24)),
+        client=client,
+        bucket=bucket,
+        base_folder="d",
+        maxcount=10,
+        workers=0,
+        progress=False,
+    )
     before = _keys_and_bytes(client, bucket, "d")
     with pytest.raises(UploadError, match="sample 33"):
-        upload_cv_dataset(FlakyImages(40, {33}, size=(32, 24), seed=9), client=client, bucket=bucket, base_folder="d",
-                          maxcount=10, workers=0, overwrite=True, progress=False)
+        upload_cv_dataset(
+            FlakyImages(40, {33}, size=(32, 24), seed=9),
+            client=client,
+            bucket=bucket,
+            base_folder="d",
+            maxcount=10,
+            workers=0,
+            overwrite=True,
+            progress=False,
+        )
     assert _keys_and_bytes(client, bucket, "d") == before
     # The overwrite run by itself succeeds later, and leaves only its own shards.
-    upload_cv_dataset(SyntheticImages(40, size=(32, 24), seed=9), client=client, bucket=bucket, base_folder="d",
-                      maxcount=10, workers=0, overwrite=True, progress=False)
+    upload_cv_dataset(
+        SyntheticImages(40, size=(32, 24), seed=9),
+        client=client,
+        bucket=bucket,
+        base_folder="d",
+        maxcount=10,
+        workers=0,
+        overwrite=True,
+        progress=False,
+    )
     after = _keys_and_bytes(client, bucket, "d")
     assert after != before and sum(after.values()) == 40
     names = {f"d/{e.name}" for e in DatasetReader(client, bucket, "d").manifest.shards}
@@ -96,15 +122,30 @@ def test_a_failed_overwrite_leaves_the_old_dataset_readable(s3):
 def test_an_oversized_sample_is_skipped_and_the_reason_reported(s3, caplog):
     client, bucket = s3
     with caplog.at_level(logging.WARNING, logger="remote_loader"):
-        summary = upload_cv_dataset(NoisyImages(30, noisy={11}, size=(16, 12)), client=client, bucket=bucket,
-                                    base_folder="big", maxsize=16384, workers=0, on_error="skip", progress=False)
+        summary = upload_cv_dataset(
+            NoisyImages(30, noisy={11}, size=(16, 12)),
+            client=client,
+            bucket=bucket,
+            base_folder="big",
+            maxsize=16384,
+            workers=0,
+            on_error="skip",
+            progress=False,
+        )
     assert summary.skipped == 1 and summary.samples == 29
     assert len(summary.skip_reasons) == 1 and "sample 11" in summary.skip_reasons[0]
     assert "too large" in summary.skip_reasons[0] and "too large" in str(summary)
     assert any("sample 11" in r.getMessage() for r in caplog.records)
     with pytest.raises(UploadError, match="sample 11 is .* too large"):
-        upload_cv_dataset(NoisyImages(30, noisy={11}, size=(16, 12)), client=client, bucket=bucket,
-                          base_folder="big2", maxsize=16384, workers=0, progress=False)
+        upload_cv_dataset(
+            NoisyImages(30, noisy={11}, size=(16, 12)),
+            client=client,
+            bucket=bucket,
+            base_folder="big2",
+            maxsize=16384,
+            workers=0,
+            progress=False,
+        )
 
 
 # ------------------------------------------------------------------ damaged shards, replaced datasets
@@ -113,8 +154,15 @@ def test_an_oversized_sample_is_skipped_and_the_reason_reported(s3, caplog):
 @pytest.fixture
 def uploaded(s3):
     client, bucket = s3
-    upload_cv_dataset(SyntheticImages(100, size=(32, 24)), client=client, bucket=bucket, base_folder="d", maxcount=20,
-                      workers=0, progress=False)
+    upload_cv_dataset(
+        SyntheticImages(100, size=(32, 24)),
+        client=client,
+        bucket=bucket,
+        base_folder="d",
+        maxcount=20,
+        workers=0,
+        progress=False,
+    )
     return client, bucket, DatasetReader(client, bucket, "d").manifest
 
 
@@ -146,8 +194,16 @@ def test_a_dataset_replaced_while_read_says_so(uploaded):
     fetch = FetchConfig(part_size=4096, range_bytes=4096, prefetch_bytes=8192, concurrency=1)
     stream = iter(RemoteDataset(client, bucket, "d", fetch=fetch, open_shards=1))
     next(stream)
-    upload_cv_dataset(SyntheticImages(100, size=(32, 24)), client=client, bucket=bucket, base_folder="d", maxcount=25,
-                      workers=0, overwrite=True, progress=False)
+    upload_cv_dataset(
+        SyntheticImages(100, size=(32, 24)),
+        client=client,
+        bucket=bucket,
+        base_folder="d",
+        maxcount=25,
+        workers=0,
+        overwrite=True,
+        progress=False,
+    )
     with pytest.raises(DatasetChanged, match="replaced by another upload") as caught:
         for _ in stream:
             pass
@@ -157,12 +213,15 @@ def test_a_dataset_replaced_while_read_says_so(uploaded):
 # ------------------------------------------------------------------ secrets in URLs
 
 
-@pytest.mark.parametrize("make", [
-    lambda: make_client("http://user:SECRET-123@127.0.0.1:9000"),
-    lambda: StorageConfig(endpoint_url="http://user:SECRET-123@127.0.0.1:9000"),
-    lambda: RemoteDataset("s3://bucket/prefix", endpoint_url="http://user:SECRET-123@127.0.0.1:9000"),
-    lambda: StorageConfig.from_env({"AWS_ENDPOINT_URL": "https://key:SECRET-123@s3.example"}),
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: make_client("http://user:SECRET-123@127.0.0.1:9000"),
+        lambda: StorageConfig(endpoint_url="http://user:SECRET-123@127.0.0.1:9000"),
+        lambda: RemoteDataset("s3://bucket/prefix", endpoint_url="http://user:SECRET-123@127.0.0.1:9000"),
+        lambda: StorageConfig.from_env({"AWS_ENDPOINT_URL": "https://key:SECRET-123@s3.example"}),
+    ],
+)
 def test_credentials_in_an_endpoint_url_are_refused_without_echoing_them(make):
     with pytest.raises(ConfigError, match="holds credentials") as caught:
         make()
@@ -207,7 +266,7 @@ def _weed_processes_using(path: Path) -> list[int]:
 def test_a_server_whose_start_fails_is_not_left_running(tmp_path):
     data = tmp_path / "s3"
     server = EmbeddedS3(data_dir=str(data), buckets=["Not_A_Valid_Bucket!"])
-    with pytest.raises(Exception):
+    with pytest.raises(StorageError, match='create bucket refused: Invalid bucket name "Not_A_Valid_Bucket!"'):
         server.start()
     assert server.pid is None
     assert _weed_processes_using(data) == []

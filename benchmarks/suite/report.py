@@ -62,7 +62,9 @@ def targets(systems: dict[str, Any], decode_limits: dict[str, float] | None) -> 
     if decode_limits and "B-fused" in ours:
         limit = decode_limits["plain_2proc_images_s"]
         ratio = ours["B-fused"]["samples_per_s"] / limit
-        rows.append(("B fused >= 1.0x Pillow decode + augment limit (local files, 2 procs)", "limit", ratio, ratio >= 1.0))
+        rows.append(
+            ("B fused >= 1.0x Pillow decode + augment limit (local files, 2 procs)", "limit", ratio, ratio >= 1.0)
+        )
     return rows
 
 
@@ -80,11 +82,15 @@ def markdown(results: dict[str, Any]) -> str:
     ]
     for server, data in results["servers"].items():
         systems = data["systems"]
-        lines += [f"#### {server}", "",
-                  "| system | A bytes only (samples/s) | A steady state | C first batch, A (s) | B decode+RRC Pillow"
-                  " (samples/s) | B fused | D peak RSS during B, leanest set-up (MB) | E convert+upload (s) |",
-                  "|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"#### {server}",
+            "",
+            "| system | A bytes only (samples/s) | A steady state | C first batch, A (s) | B decode+RRC Pillow"
+            " (samples/s) | B fused | D peak RSS during B, leanest set-up (MB) | E convert+upload (s) |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for name, r in systems.items():
+
             def cell(scenario: str, key: str, form: str, workers: bool = False) -> str:
                 if scenario not in r:
                     return "-"
@@ -93,21 +99,31 @@ def markdown(results: dict[str, Any]) -> str:
 
             lean = lean_rss(r)
             failed = f" ({len(r['failed_runs'])} failed runs, repeated)" if r.get("failed_runs") else ""
-            lines.append(f"| {name}{failed} | {cell('A', 'samples_per_s', ',.0f', True)} |"
-                         f" {cell('A', 'steady_samples_per_s', ',.0f')} | {cell('A', 'first_batch_seconds', '.2f')} |"
-                         f" {cell('B', 'samples_per_s', ',.0f', True)} | {cell('B-fused', 'samples_per_s', ',.0f', True)} |"
-                         f" {'-' if lean is None else format(lean, ',.0f')} | {cell('E', 'seconds', '.1f')} |")
-        lines += ["", "Each system at each worker count (A / B samples/s; first batch of A in s; peak RSS in B in MB):", "",
-                  "| system | workers | A | B | B fused | first batch | peak RSS |", "|---|---|---|---|---|---|---|"]
+            lines.append(
+                f"| {name}{failed} | {cell('A', 'samples_per_s', ',.0f', True)} |"
+                f" {cell('A', 'steady_samples_per_s', ',.0f')} | {cell('A', 'first_batch_seconds', '.2f')} |"
+                f" {cell('B', 'samples_per_s', ',.0f', True)} | {cell('B-fused', 'samples_per_s', ',.0f', True)} |"
+                f" {'-' if lean is None else format(lean, ',.0f')} | {cell('E', 'seconds', '.1f')} |"
+            )
+        lines += [
+            "",
+            "Each system at each worker count (A / B samples/s; first batch of A in s; peak RSS in B in MB):",
+            "",
+            "| system | workers | A | B | B fused | first batch | peak RSS |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for name, r in systems.items():
             for workers, measured in sorted(r.get("by_workers", {}).items()):
+
                 def part(scenario: str, key: str, form: str) -> str:
                     return format(measured[scenario][key], form) if scenario in measured else "-"
 
                 memory = "B-fused" if "B-fused" in measured else "B"
-                lines.append(f"| {name} | {workers} | {part('A', 'samples_per_s', ',.0f')} |"
-                             f" {part('B', 'samples_per_s', ',.0f')} | {part('B-fused', 'samples_per_s', ',.0f')} |"
-                             f" {part('A', 'first_batch_seconds', '.2f')} | {part(memory, 'peak_rss_mb', ',.0f')} |")
+                lines.append(
+                    f"| {name} | {workers} | {part('A', 'samples_per_s', ',.0f')} |"
+                    f" {part('B', 'samples_per_s', ',.0f')} | {part('B-fused', 'samples_per_s', ',.0f')} |"
+                    f" {part('A', 'first_batch_seconds', '.2f')} | {part(memory, 'peak_rss_mb', ',.0f')} |"
+                )
         lines += ["", "Set-ups:", ""]
         for name, r in systems.items():
             for workers, text in r.get("configurations", {}).items():
@@ -115,30 +131,49 @@ def markdown(results: dict[str, Any]) -> str:
         rows = targets(systems, results.get("decode_limits"))
         if rows:
             lines += ["", "| target | against | ratio | met |", "|---|---|---|---|"]
-            lines += [f"| {label} | {peer} | {ratio:.2f}x | {'yes' if met else 'no'} |" for label, peer, ratio, met in rows]
+            lines += [
+                f"| {label} | {peer} | {ratio:.2f}x | {'yes' if met else 'no'} |" for label, peer, ratio, met in rows
+            ]
         if "get_limits" in data:
             g = data["get_limits"]
-            lines += ["", f"GET limits: one stream {g['single_stream_mb_s']:,.0f} MB/s"
-                      f" ({g['single_stream_samples_s']:,.0f} samples/s); 8 x 8 MB ranged GETs"
-                      f" {g['parallel_ranged_mb_s']:,.0f} MB/s ({g['parallel_ranged_samples_s']:,.0f} samples/s)."]
+            lines += [
+                "",
+                f"GET limits: one stream {g['single_stream_mb_s']:,.0f} MB/s"
+                f" ({g['single_stream_samples_s']:,.0f} samples/s); 8 x 8 MB ranged GETs"
+                f" {g['parallel_ranged_mb_s']:,.0f} MB/s ({g['parallel_ranged_samples_s']:,.0f} samples/s).",
+            ]
         if "scaling" in data:
             s = data["scaling"]
-            lines += ["", "remote_loader scaling (bytes only):", "",
-                      "| setting | samples/s | first batch (s) | peak RSS (MB) |", "|---|---|---|---|"]
+            lines += [
+                "",
+                "remote_loader scaling (bytes only):",
+                "",
+                "| setting | samples/s | first batch (s) | peak RSS (MB) |",
+                "|---|---|---|---|",
+            ]
             for workers, v in s["workers"].items():
-                lines.append(f"| {workers} workers | {v['samples_per_s']:,.0f} | {v['first_batch_seconds']:.2f} |"
-                             f" {v['peak_rss_mb']:,.0f} |")
+                lines.append(
+                    f"| {workers} workers | {v['samples_per_s']:,.0f} | {v['first_batch_seconds']:.2f} |"
+                    f" {v['peak_rss_mb']:,.0f} |"
+                )
             for mb, v in s["shard_mb"].items():
-                lines.append(f"| {mb} MB shards | {v['samples_per_s']:,.0f} | {v['first_batch_seconds']:.2f} |"
-                             f" {v['peak_rss_mb']:,.0f} |")
+                lines.append(
+                    f"| {mb} MB shards | {v['samples_per_s']:,.0f} | {v['first_batch_seconds']:.2f} |"
+                    f" {v['peak_rss_mb']:,.0f} |"
+                )
             for count, v in s["manifest_shards"].items():
-                lines.append(f"| manifest of {int(count):,d} shards | - | {v['first_batch_seconds']:.2f} |"
-                             f" {v['peak_rss_mb']:,.0f} |")
+                lines.append(
+                    f"| manifest of {int(count):,d} shards | - | {v['first_batch_seconds']:.2f} |"
+                    f" {v['peak_rss_mb']:,.0f} |"
+                )
         lines.append("")
     if "decode_limits" in results:
         d = results["decode_limits"]
-        lines += ["Pillow decode + random-resized-crop 224 from local files (images/s): "
-                  + ", ".join(f"{k.replace('_images_s', '')} {v:,.0f}" for k, v in d.items()), ""]
+        lines += [
+            "Pillow decode + random-resized-crop 224 from local files (images/s): "
+            + ", ".join(f"{k.replace('_images_s', '')} {v:,.0f}" for k, v in d.items()),
+            "",
+        ]
     return "\n".join(lines)
 
 

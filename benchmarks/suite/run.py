@@ -73,8 +73,13 @@ def measure(args: list[str], target: Target, timeout: float = 1800,
             extra_env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run ``measure.py args`` and return its JSON, plus the peak RSS of its process tree."""
     command = [sys.executable, str(HERE / "measure.py"), *args]
-    process = subprocess.Popen(command, env={**child_env(target), **(extra_env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True)
+    process = subprocess.Popen(
+        command,
+        env={**child_env(target), **(extra_env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     peak = 0
     deadline = time.monotonic() + timeout
     while process.poll() is None:  # sampling memory, not synchronising
@@ -134,22 +139,30 @@ def bench_server(name: str, target: Target, items_file: Path, images: int, args:
                     if scenario == "B-fused" and system != "remote_loader":
                         continue
                     try:
-                        run = measure_retrying(["epoch", system, f"{system}-{args.repeats - 1}", scenario,
-                                                str(workers)], target, failures)
+                        run = measure_retrying(
+                            ["epoch", system, f"{system}-{args.repeats - 1}", scenario, str(workers)], target, failures
+                        )
                     except RuntimeError:
                         continue  # recorded in failed_runs; the table shows a gap
                     if run["samples"] != images:
                         raise RuntimeError(f"{system} {scenario} delivered {run['samples']} of {images} samples")
                     epochs.setdefault((system, scenario, workers), []).append(run)
-                    print(f"  [{name}] {scenario} {system} w={workers} #{repeat}:"
-                          f" {run['samples'] / run['seconds']:,.0f} samples/s, first batch"
-                          f" {run['first_batch_seconds']:.2f} s, peak RSS {run['peak_rss_mb']:,.0f} MB", flush=True)
+                    print(
+                        f"  [{name}] {scenario} {system} w={workers} #{repeat}:"
+                        f" {run['samples'] / run['seconds']:,.0f} samples/s, first batch"
+                        f" {run['first_batch_seconds']:.2f} s, peak RSS {run['peak_rss_mb']:,.0f} MB",
+                        flush=True,
+                    )
     for system in args.systems:
-        results[system] = {"E": {"seconds": median(writes[system], "seconds"), "runs": writes[system]},
-                           "configurations": {w: configuration(system, w) for w in args.workers}, "by_workers": {}}
+        results[system] = {
+            "E": {"seconds": median(writes[system], "seconds"), "runs": writes[system]},
+            "configurations": {w: configuration(system, w) for w in args.workers},
+            "by_workers": {},
+        }
         for scenario in SCENARIOS:
-            measured = {w: summarize(epochs[(system, scenario, w)]) for w in args.workers
-                        if (system, scenario, w) in epochs}
+            measured = {
+                w: summarize(epochs[(system, scenario, w)]) for w in args.workers if (system, scenario, w) in epochs
+            }
             if measured:  # compared at its better worker count
                 best = max(measured, key=lambda w: measured[w]["samples_per_s"])
                 results[system][scenario] = {**measured[best], "workers": best}
@@ -163,15 +176,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images", type=int, default=4000, help="dataset size (mean ~110 KB per JPEG)")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--workers", type=int, nargs="+", default=[0, 2, 4],
-                        help="DataLoader worker counts; each system is compared at its best one")
-    parser.add_argument("--servers", nargs="+", default=["seaweedfs", "localbucket"],
-                        choices=["seaweedfs", "localbucket"])
+    parser.add_argument(
+        "--workers",
+        type=int,
+        nargs="+",
+        default=[0, 2, 4],
+        help="DataLoader worker counts; each system is compared at its best one",
+    )
+    parser.add_argument(
+        "--servers", nargs="+", default=["seaweedfs", "localbucket"], choices=["seaweedfs", "localbucket"]
+    )
     parser.add_argument("--endpoint", help="measure on this S3 endpoint instead (credentials from AWS_*)")
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
-    parser.add_argument("--profiles", nargs="+", default=["loopback", "s3-same-region", "s3-cross-region"],
-                        help="network profiles of benchmarks/shaper.py to measure through (loopback: directly)")
+    parser.add_argument(
+        "--profiles",
+        nargs="+",
+        default=["loopback", "s3-same-region", "s3-cross-region"],
+        help="network profiles of benchmarks/shaper.py to measure through (loopback: directly)",
+    )
     parser.add_argument("--no-scaling", action="store_true", help="skip remote_loader's scaling runs")
     parser.add_argument("--no-limits", action="store_true", help="skip the machine-limit measurements")
     parser.add_argument("--data", type=Path, default=Path(tempfile.gettempdir()) / "remote-loader-bench-data")
@@ -183,13 +206,23 @@ def main() -> None:
     mean_kb = statistics.mean(Path(p).stat().st_size for p, _ in items) / 1e3
     results: dict[str, Any] = {
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
-        "settings": {"images": args.images, "mean_kb": round(mean_kb, 1), "repeats": args.repeats,
-                     "workers": args.workers, "batch": 64, "shard_mb": 64, "shuffle_buffer": 1000},
+        "settings": {
+            "images": args.images,
+            "mean_kb": round(mean_kb, 1),
+            "repeats": args.repeats,
+            "workers": args.workers,
+            "batch": 64,
+            "shard_mb": 64,
+            "shuffle_buffer": 1000,
+        },
         "versions": report.versions(),
         "servers": {},
     }
-    chosen = {"endpoint": lambda: servers.external(args.endpoint)} if args.endpoint else {
-        "seaweedfs": servers.seaweedfs, "localbucket": servers.localbucket}
+    chosen = (
+        {"endpoint": lambda: servers.external(args.endpoint)}
+        if args.endpoint
+        else {"seaweedfs": servers.seaweedfs, "localbucket": servers.localbucket}
+    )
     with tempfile.TemporaryDirectory() as tmp:
         items_file = Path(tmp) / "items.json"
         items_file.write_text(json.dumps(items))
@@ -204,7 +237,8 @@ def main() -> None:
                         label = f"{name} via {profile}"
                         print(f"server {label}", flush=True)
                         results["servers"][label] = {
-                            "systems": bench_server(label, through, items_file, len(items), args)}
+                            "systems": bench_server(label, through, items_file, len(items), args)
+                        }
                 if "loopback" not in args.profiles:
                     continue
                 server: dict[str, Any] = {"systems": bench_server(name, target, items_file, len(items), args)}
@@ -212,8 +246,9 @@ def main() -> None:
                     server["get_limits"] = limits.get_throughput(target, "remote_loader-0", mean_kb * 1e3)
                     print(f"  [{name}] GET limits: {server['get_limits']}", flush=True)
                 if not args.no_scaling and "remote_loader" in args.systems and not scaled:
-                    server["scaling"] = scaling.run(target, str(items_file), measure, args.repeats,
-                                                    f"remote_loader-{args.repeats - 1}")
+                    server["scaling"] = scaling.run(
+                        target, str(items_file), measure, args.repeats, f"remote_loader-{args.repeats - 1}"
+                    )
                     scaled = True
             results["servers"][name] = server
     if not args.no_limits:
@@ -224,7 +259,9 @@ def main() -> None:
     table = report.markdown(results)
     (args.out / "results.md").write_text(table)
     report.chart(results, args.out / "results.png")
-    if args.out.resolve() == (Path(__file__).resolve().parents[1] / "results"):  # the published run: the docs' chart too
+    if args.out.resolve() == (
+        Path(__file__).resolve().parents[1] / "results"
+    ):  # the published run: the docs' chart too
         report.chart(results, Path(__file__).resolve().parents[2] / "docs" / "img" / "benchmark.png")
     print(table)
 

@@ -10,8 +10,8 @@
 from __future__ import annotations
 
 import statistics
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
@@ -58,12 +58,14 @@ def run(target: Target, items_file: str, measure: Measure, repeats: int, last_pr
         print(f"  scaling: {workers} workers {out['workers'][workers]}", flush=True)
     for mb in (16, 64, 256):
         prefix = f"remote_loader-shard{mb}"
-        measure(["write", "remote_loader", prefix, items_file], target, extra_env={"BENCH_SHARD_BYTES": str(mb * 1_000_000)})
+        measure(
+            ["write", "remote_loader", prefix, items_file], target, extra_env={"BENCH_SHARD_BYTES": str(mb * 1_000_000)}
+        )
         runs = [measure(["epoch", "remote_loader", prefix, "A", "2"], target) for _ in range(repeats)]
         out["shard_mb"][mb] = _rate(runs)
         print(f"  scaling: {mb} MB shards {out['shard_mb'][mb]}", flush=True)
     counts = (1_000, 10_000, 100_000)
-    for count, prefix in zip(counts, _big_manifests(target, counts)):
+    for count, prefix in zip(counts, _big_manifests(target, counts), strict=False):
         runs = [measure(["epoch", "remote_loader", prefix, "A-first", "2"], target) for _ in range(repeats)]
         out["manifest_shards"][count] = {k: v for k, v in _rate(runs).items() if k != "samples_per_s"}
         print(f"  scaling: {count} shards {out['manifest_shards'][count]}", flush=True)

@@ -34,15 +34,26 @@ STAGE_THREADS = os.cpu_count() or 2
 def configuration(name: str, workers: int) -> str:
     """How each system is set up, as its own documentation shows: recorded with the results."""
     return {
-        "remote_loader": (f"RemoteDataset(shuffle {SHUFFLE_BUFFER}), one boto3 client per process, defaults;"
-                          + (f" stages on {STAGE_THREADS} threads, no DataLoader workers" if workers == 0
-                             else f" DataLoader(num_workers={workers}), stages unthreaded")),
-        "webdataset": (f"WebDataset(shardshuffle, split_by_worker).shuffle({SHUFFLE_BUFFER}); an s3:// opener in"
-                       f" gopen_schemes keeping one boto3 client per process (streaming GET); DataLoader(num_workers={workers})"),
-        "streaming": (f"StreamingDataset(remote, local cache, shuffle=True, batch_size=64), defaults (predownload,"
-                      f" cache limit unset); DataLoader(num_workers={workers})"),
-        "litdata": (f"litdata.StreamingDataset(shuffle=True), obstore with allow_http;"
-                    f" StreamingDataLoader(num_workers={workers})"),
+        "remote_loader": (
+            f"RemoteDataset(shuffle {SHUFFLE_BUFFER}), one boto3 client per process, defaults;"
+            + (
+                f" stages on {STAGE_THREADS} threads, no DataLoader workers"
+                if workers == 0
+                else f" DataLoader(num_workers={workers}), stages unthreaded"
+            )
+        ),
+        "webdataset": (
+            f"WebDataset(shardshuffle, split_by_worker).shuffle({SHUFFLE_BUFFER}); an s3:// opener in"
+            f" gopen_schemes keeping one boto3 client per process (streaming GET); DataLoader(num_workers={workers})"
+        ),
+        "streaming": (
+            f"StreamingDataset(remote, local cache, shuffle=True, batch_size=64), defaults (predownload,"
+            f" cache limit unset); DataLoader(num_workers={workers})"
+        ),
+        "litdata": (
+            f"litdata.StreamingDataset(shuffle=True), obstore with allow_http;"
+            f" StreamingDataLoader(num_workers={workers})"
+        ),
     }[name]
 
 
@@ -54,18 +65,28 @@ class Target:
     secret_key: str
 
     def environ(self) -> dict[str, str]:
-        return {"AWS_ENDPOINT_URL": self.endpoint, "S3_ENDPOINT_URL": self.endpoint,
-                "AWS_ACCESS_KEY_ID": self.access_key, "AWS_SECRET_ACCESS_KEY": self.secret_key,
-                "AWS_DEFAULT_REGION": "us-east-1", "AWS_REGION": "us-east-1",
-                "LITDATA_DISABLE_VERSION_CHECK": "1"}
+        return {
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "S3_ENDPOINT_URL": self.endpoint,
+            "AWS_ACCESS_KEY_ID": self.access_key,
+            "AWS_SECRET_ACCESS_KEY": self.secret_key,
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_REGION": "us-east-1",
+            "LITDATA_DISABLE_VERSION_CHECK": "1",
+        }
 
     def boto3(self) -> Any:
         import boto3
         from botocore.config import Config
 
-        return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=self.access_key,
-                            aws_secret_access_key=self.secret_key, region_name="us-east-1",
-                            config=Config(max_pool_connections=16, s3={"addressing_style": "path"}))
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id=self.access_key,
+            aws_secret_access_key=self.secret_key,
+            region_name="us-east-1",
+            config=Config(max_pool_connections=16, s3={"addressing_style": "path"}),
+        )
 
 
 def _read(path: str | Path) -> bytes:
@@ -91,26 +112,43 @@ def prepare(name: str) -> None:
     import stubs
 
     stubs.install()
-    modules = {"remote_loader": ["remote_loader"], "webdataset": ["webdataset", "boto3"],
-               "streaming": ["streaming"], "litdata": ["litdata"]}[name]
+    modules = {
+        "remote_loader": ["remote_loader"],
+        "webdataset": ["webdataset", "boto3"],
+        "streaming": ["streaming"],
+        "litdata": ["litdata"],
+    }[name]
     for module in ["torch.utils.data", *modules]:
         __import__(module)
 
 
 # ---------------------------------------------------------------------------- writers
 
+
 def write(name: str, items: Sequence[tuple[str, int]], target: Target, prefix: str) -> None:
     os.environ.update(target.environ())
-    {"remote_loader": _write_remote_loader, "webdataset": _write_webdataset, "streaming": _write_streaming,
-     "litdata": _write_litdata}[name](items, target, prefix)
+    {
+        "remote_loader": _write_remote_loader,
+        "webdataset": _write_webdataset,
+        "streaming": _write_streaming,
+        "litdata": _write_litdata,
+    }[name](items, target, prefix)
 
 
 def _write_remote_loader(items: Sequence[tuple[str, int]], target: Target, prefix: str) -> None:
     from remote_loader import make_client, upload_cv_dataset
 
     client = make_client(target.endpoint, target.access_key, target.secret_key)
-    upload_cv_dataset(_Files(items), client=client, bucket=target.bucket, base_folder=prefix, maxsize=SHARD_BYTES,
-                      workers=2, progress=False, overwrite=True)
+    upload_cv_dataset(
+        _Files(items),
+        client=client,
+        bucket=target.bucket,
+        base_folder=prefix,
+        maxsize=SHARD_BYTES,
+        workers=2,
+        progress=False,
+        overwrite=True,
+    )
     client.close()
 
 
@@ -132,8 +170,12 @@ def _write_streaming(items: Sequence[tuple[str, int]], target: Target, prefix: s
     stubs.install()
     from streaming import MDSWriter
 
-    with MDSWriter(out=f"s3://{target.bucket}/{prefix}", columns={"jpg": "bytes", "cls": "int"},
-                   size_limit=SHARD_BYTES, progress_bar=False) as writer:
+    with MDSWriter(
+        out=f"s3://{target.bucket}/{prefix}",
+        columns={"jpg": "bytes", "cls": "int"},
+        size_limit=SHARD_BYTES,
+        progress_bar=False,
+    ) as writer:
         for path, label in items:
             writer.write({"jpg": _read(path), "cls": int(label)})
 
@@ -144,8 +186,12 @@ def _litdata_item(item: tuple[str, int]) -> dict[str, Any]:
 
 
 def _litdata_options(target: Target) -> dict[str, Any]:
-    return {"endpoint_url": target.endpoint, "aws_access_key_id": target.access_key,
-            "aws_secret_access_key": target.secret_key, "region_name": "us-east-1"}
+    return {
+        "endpoint_url": target.endpoint,
+        "aws_access_key_id": target.access_key,
+        "aws_secret_access_key": target.secret_key,
+        "region_name": "us-east-1",
+    }
 
 
 def _litdata_allow_http() -> None:
@@ -163,17 +209,31 @@ def _write_litdata(items: Sequence[tuple[str, int]], target: Target, prefix: str
     import litdata
 
     _litdata_allow_http()
-    litdata.optimize(fn=_litdata_item, inputs=list(items), output_dir=f"s3://{target.bucket}/{prefix}",
-                     chunk_bytes=SHARD_BYTES, num_workers=2, storage_options=_litdata_options(target),
-                     mode="overwrite", verbose=False, reorder_files=False, start_method="fork")
+    litdata.optimize(
+        fn=_litdata_item,
+        inputs=list(items),
+        output_dir=f"s3://{target.bucket}/{prefix}",
+        chunk_bytes=SHARD_BYTES,
+        num_workers=2,
+        storage_options=_litdata_options(target),
+        mode="overwrite",
+        verbose=False,
+        reorder_files=False,
+        start_method="fork",
+    )
 
 
 # ---------------------------------------------------------------------------- readers
 
+
 def loader(name: str, target: Target, prefix: str, scenario: str, workers: int, cache: str) -> Iterable[Any]:
     os.environ.update(target.environ())
-    return {"remote_loader": _load_remote_loader, "webdataset": _load_webdataset, "streaming": _load_streaming,
-            "litdata": _load_litdata}[name](target, prefix, scenario, workers, cache)
+    return {
+        "remote_loader": _load_remote_loader,
+        "webdataset": _load_webdataset,
+        "streaming": _load_streaming,
+        "litdata": _load_litdata,
+    }[name](target, prefix, scenario, workers, cache)
 
 
 def _collate(scenario: str) -> Any:
@@ -213,7 +273,10 @@ def _s3_opener(url: str, mode: str = "rb", bufsize: int = 8192, **kw: Any) -> An
 
     global _S3_CLIENT
     if _S3_CLIENT is None or _S3_CLIENT[0] != os.getpid():
-        _S3_CLIENT = (os.getpid(), boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"], region_name="us-east-1"))
+        _S3_CLIENT = (
+            os.getpid(),
+            boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"], region_name="us-east-1"),
+        )
     parts = urlsplit(url)
     return _S3_CLIENT[1].get_object(Bucket=parts.netloc, Key=parts.path.lstrip("/"))["Body"]
 
@@ -225,9 +288,19 @@ def _load_webdataset(target: Target, prefix: str, scenario: str, workers: int, c
     wds.gopen_schemes["s3"] = _s3_opener
     listing = target.boto3().list_objects_v2(Bucket=target.bucket, Prefix=f"{prefix}/")
     urls = sorted(f"s3://{target.bucket}/{o['Key']}" for o in listing.get("Contents", []) if o["Key"].endswith(".tar"))
-    dataset = (wds.WebDataset(urls, shardshuffle=len(urls), seed=0, nodesplitter=wds.single_node_only,
-                              workersplitter=wds.split_by_worker, empty_check=False)
-               .shuffle(SHUFFLE_BUFFER).to_tuple("jpg", "cls").batched(BATCH, collation_fn=_collate(scenario)))
+    dataset = (
+        wds.WebDataset(
+            urls,
+            shardshuffle=len(urls),
+            seed=0,
+            nodesplitter=wds.single_node_only,
+            workersplitter=wds.split_by_worker,
+            empty_check=False,
+        )
+        .shuffle(SHUFFLE_BUFFER)
+        .to_tuple("jpg", "cls")
+        .batched(BATCH, collation_fn=_collate(scenario))
+    )
     return DataLoader(dataset, batch_size=None, num_workers=workers)
 
 
@@ -247,8 +320,9 @@ def _load_streaming(target: Target, prefix: str, scenario: str, workers: int, ca
             sample = super().__getitem__(i)
             return sample["jpg"], sample["cls"]
 
-    dataset = Pairs(remote=f"s3://{target.bucket}/{prefix}", local=cache, shuffle=True, batch_size=BATCH,
-                    shuffle_seed=0)
+    dataset = Pairs(
+        remote=f"s3://{target.bucket}/{prefix}", local=cache, shuffle=True, batch_size=BATCH, shuffle_seed=0
+    )
     return DataLoader(dataset, batch_size=BATCH, num_workers=workers, collate_fn=_collate(scenario))
 
 
@@ -266,6 +340,11 @@ def _load_litdata(target: Target, prefix: str, scenario: str, workers: int, cach
             sample = super().__getitem__(index)
             return sample["jpg"], sample["cls"]
 
-    dataset = Pairs(f"s3://{target.bucket}/{prefix}", cache_dir=cache, shuffle=True, seed=0,
-                    storage_options=_litdata_options(target))
+    dataset = Pairs(
+        f"s3://{target.bucket}/{prefix}",
+        cache_dir=cache,
+        shuffle=True,
+        seed=0,
+        storage_options=_litdata_options(target),
+    )
     return litdata.StreamingDataLoader(dataset, batch_size=BATCH, num_workers=workers, collate_fn=_collate(scenario))

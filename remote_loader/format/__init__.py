@@ -1,7 +1,14 @@
 """The shard, index and manifest format: pure encoding and decoding, no I/O."""
 
 from remote_loader.format.index import INDEX_MEMBER, INDEX_VERSION, ShardIndex
-from remote_loader.format.manifest import MANIFEST_NAME, MANIFEST_VERSION, UPLOAD_STATE, Manifest, ShardEntry, ShardTable
+from remote_loader.format.manifest import (
+    MANIFEST_NAME,
+    MANIFEST_VERSION,
+    UPLOAD_STATE,
+    Manifest,
+    ShardEntry,
+    ShardTable,
+)
 from remote_loader.format.shard import Sample, ShardSummary, ShardView, ShardWriter, check_key
 
 __all__ = [

@@ -14,7 +14,12 @@ import numpy as np
 
 from remote_loader.errors import CorruptShard
 
-DTYPES: dict[str, np.dtype[Any]] = {"<u1": np.dtype("<u1"), "<u2": np.dtype("<u2"), "<u4": np.dtype("<u4"), "<u8": np.dtype("<u8")}
+DTYPES: dict[str, np.dtype[Any]] = {
+    "<u1": np.dtype("<u1"),
+    "<u2": np.dtype("<u2"),
+    "<u4": np.dtype("<u4"),
+    "<u8": np.dtype("<u8"),
+}
 LIMIT = 2**63  # every size, offset and the sum of sample counts fit a signed 64-bit integer
 
 
@@ -34,7 +39,10 @@ def narrow(values: np.ndarray) -> np.ndarray:
 
 def column(values: np.ndarray) -> dict[str, Any]:
     """A column as the manifest stores it: its dtype's name and its bytes."""
-    return {"dtype": f"<u{values.dtype.itemsize}", "data": values.astype(DTYPES[f"<u{values.dtype.itemsize}"]).tobytes()}
+    return {
+        "dtype": f"<u{values.dtype.itemsize}",
+        "data": values.astype(DTYPES[f"<u{values.dtype.itemsize}"]).tobytes(),
+    }
 
 
 def increasing(columns: Sequence[np.ndarray]) -> bool:
@@ -54,10 +62,16 @@ def array(column: Any, count: int, what: str, name: str | None) -> np.ndarray:
         raise manifest_error(name, f"{what} is not a map of a dtype ({', '.join(DTYPES)}) and bytes")
     dtype = DTYPES[column["dtype"]]
     if len(column["data"]) != count * dtype.itemsize:
-        raise manifest_error(name, f"{what} holds {len(column['data'])} bytes; {count} values of {dtype.str} need {count * dtype.itemsize}")
+        raise manifest_error(
+            name,
+            f"{what} holds {len(column['data'])} bytes; {count} values of {dtype.str} need {count * dtype.itemsize}",
+        )
     values = np.frombuffer(column["data"], dtype=dtype)
     top = int(values.max()) if count else 0
     if dtype.itemsize > 1 and top < 1 << (4 * dtype.itemsize):  # the next narrower type holds every value
-        raise manifest_error(name, f"{what} is stored as {dtype.str} but its values fit {narrow(values).dtype.str}:"
-                                   " a column takes the narrowest type that holds it")
+        raise manifest_error(
+            name,
+            f"{what} is stored as {dtype.str} but its values fit {narrow(values).dtype.str}:"
+            " a column takes the narrowest type that holds it",
+        )
     return values

@@ -80,7 +80,9 @@ def unpack(data: bytes | memoryview, *, what: str, name: str | None) -> Any:
     try:
         return msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
     except Exception as exc:  # msgpack raises ValueError, TypeError and its own types alike
-        raise CorruptShard(f"{what} of {name or '<unnamed>'} is not valid msgpack ({type(exc).__name__})", name=name) from None
+        raise CorruptShard(
+            f"{what} of {name or '<unnamed>'} is not valid msgpack ({type(exc).__name__})", name=name
+        ) from None
 
 
 def require(mapping: Any, key: str, kind: type | tuple[type, ...], *, what: str, name: str | None) -> Any:
@@ -128,9 +130,7 @@ class ShardIndex:
         """Return ``(field, offset, size, crc32)`` for each field present in sample ``i``."""
         offsets, sizes, crcs = self.offsets[i], self.sizes[i], self.crcs[i]
         return [
-            (field, int(offsets[j]), int(sizes[j]), int(crcs[j]))
-            for j, field in enumerate(self.fields)
-            if offsets[j]
+            (field, int(offsets[j]), int(sizes[j]), int(crcs[j])) for j, field in enumerate(self.fields) if offsets[j]
         ]
 
     def byte_range(self, i: int) -> tuple[int, int]:
@@ -210,7 +210,9 @@ class ShardIndex:
             bad = int(np.flatnonzero(~present.any(axis=1))[0])
             raise CorruptShard(f"index of {name}: sample {keys[bad]!r} has no field", name=name)
         # Compare in a form that cannot overflow: size <= data_end - offset.
-        outside = present & ((offsets < BLOCK) | (offsets > data_end) | (sizes > data_end - np.minimum(offsets, data_end)))
+        outside = present & (
+            (offsets < BLOCK) | (offsets > data_end) | (sizes > data_end - np.minimum(offsets, data_end))
+        )
         if outside.any():
             i, j = (int(v) for v in np.argwhere(outside)[0])
             raise IndexOutOfBounds(

@@ -19,8 +19,8 @@ import numpy as np
 
 from remote_loader.errors import CorruptShard
 from remote_loader.format.checksum import crc32
-from remote_loader.format.index import check_version, require, unpack
 from remote_loader.format.columns import column
+from remote_loader.format.index import check_version, require, unpack
 from remote_loader.format.table import COLUMNS, ENTRY_FIELDS, ShardEntry, ShardTable, decode_columns, decode_rows
 
 __all__ = ["FORMAT_NAME", "MANIFEST_NAME", "MANIFEST_VERSION", "UPLOAD_STATE", "Manifest", "ShardEntry", "ShardTable"]
@@ -98,7 +98,9 @@ class Manifest:
         return data + struct.pack("<I", crc32(data))
 
     @classmethod
-    def decode(cls, data: bytes | bytearray | memoryview, *, name: str | None = None, trailer_checked: bool = False) -> Manifest:
+    def decode(
+        cls, data: bytes | bytearray | memoryview, *, name: str | None = None, trailer_checked: bool = False
+    ) -> Manifest:
         """Parse and validate manifest bytes (version 1 or 2); ``trailer_checked`` skips the
         crc32 check that the caller has just made.
 
@@ -123,5 +125,11 @@ class Manifest:
         if not all(isinstance(f, str) for f in fields) or not all(isinstance(i, int) for i in skipped_indices):
             raise CorruptShard(f"manifest {name}: fields or skipped indices malformed", name=name)
         shards = decode_rows(raw, name) if version == 1 else decode_columns(raw, name)
-        return cls(shards=shards, fields=tuple(fields), params=params, skipped=skipped,
-                   skipped_indices=tuple(skipped_indices), version=version)
+        return cls(
+            shards=shards,
+            fields=tuple(fields),
+            params=params,
+            skipped=skipped,
+            skipped_indices=tuple(skipped_indices),
+            version=version,
+        )

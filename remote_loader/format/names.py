@@ -43,7 +43,7 @@ class TemplateNames(Names):
 
     def __getitem__(self, i: int) -> str:
         out = [self.parts[0]]
-        for numbers, width, part in zip(self.numbers, self.widths, self.parts[1:]):
+        for numbers, width, part in zip(self.numbers, self.widths, self.parts[1:], strict=False):
             out.append(str(int(numbers[i])).zfill(width))
             out.append(part)
         return "".join(out)
@@ -68,7 +68,7 @@ class TemplateNames(Names):
                 continue
             width = min(len(r) for r in runs)
             values = [int(r) for r in runs]
-            if any(str(v).zfill(width) != r for v, r in zip(values, runs)) or max(values) >= 2**64:
+            if any(str(v).zfill(width) != r for v, r in zip(values, runs, strict=True)) or max(values) >= 2**64:
                 return None
             widths.append(width)
             numbers.append(np.array(values, dtype=np.uint64))

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from remote_loader.format.checksum import crc32
 from remote_loader.errors import CorruptSampleError, CorruptShard, FormatError
+from remote_loader.format.checksum import crc32
 from remote_loader.format.index import BLOCK, INDEX_MEMBER, ShardIndex, check_field_name
 
 _KEY = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_-]{0,89}$")
@@ -218,7 +218,8 @@ class ShardView:
         for field, offset, size, crc in self.index.members(i):
             data = self._buf[offset - self.base : offset - self.base + size]
             if offset < self.base or len(data) != size:
-                raise CorruptShard(f"shard {self.name}: sample {key!r} field {field!r} lies outside the fetched bytes", name=self.name)
+                raise CorruptShard(f"shard {self.name}: sample {key!r} field {field!r} lies outside the fetched bytes",
+                                   name=self.name)
             if self.verify and crc32(data) != crc:
                 raise CorruptSampleError(
                     f"shard {self.name}: sample {key!r} field {field!r} fails its crc32 check",

@@ -127,7 +127,7 @@ class ShardTable(Sequence[ShardEntry]):
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, ShardTable):
             return NotImplemented
-        return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
 
     def __repr__(self) -> str:
         return f"ShardTable({len(self)} shards)"

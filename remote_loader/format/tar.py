@@ -45,7 +45,9 @@ class _Stream:
         while n:
             chunk = self._chunk(n)
             if not chunk:
-                raise CorruptShard(f"{self.name} is truncated: it ends inside a member at byte {self.pos}", name=self.name)
+                raise CorruptShard(
+                    f"{self.name} is truncated: it ends inside a member at byte {self.pos}", name=self.name
+                )
             parts.append(bytes(chunk))
             n -= len(chunk)
         return b"".join(parts)
@@ -56,7 +58,9 @@ class _Stream:
         while n:
             chunk = self._chunk(n)
             if not chunk:
-                raise CorruptShard(f"{self.name} is truncated: it ends inside a member at byte {self.pos}", name=self.name)
+                raise CorruptShard(
+                    f"{self.name} is truncated: it ends inside a member at byte {self.pos}", name=self.name
+                )
             crc = crc32(chunk, crc)
             n -= len(chunk)
         return crc
@@ -84,8 +88,9 @@ def _check_member(name: str, path: str, key: str, field: str) -> None:
     except ValueError as error:
         raise CorruptShard(f"{name}: member {path!r} cannot be read as a sample: {error}", name=name) from None
     if bad_key([key]) is not None:
-        raise CorruptShard(f"{name}: member {path!r} cannot be read as a sample: its key {key!r} is refused ({KEY_RULE})",
-                           name=name)
+        raise CorruptShard(
+            f"{name}: member {path!r} cannot be read as a sample: its key {key!r} is refused ({KEY_RULE})", name=name
+        )
 
 
 def scan_tar(fetch: Callable[[int, int], bytes | memoryview], name: str, size: int) -> tuple[ShardIndex, int]:

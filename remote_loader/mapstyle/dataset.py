@@ -67,7 +67,7 @@ class RemoteMapDataset(Dataset):
         self.reader = DatasetReader(client, bucket, base_folder, verify=verify, fetch=self.fetch)
         self.transform, self.cache_shards, self.merge_gap = transform, cache_shards, merge_gap
         self.metrics = Metrics()
-        self._ends  # the manifest, fetched now: a missing or damaged dataset fails here
+        _ = self._ends  # the manifest, fetched now: a missing or damaged dataset fails here
         self._reset()
 
     @cached_property
@@ -132,7 +132,7 @@ class RemoteMapDataset(Dataset):
         indexes = {shard: self._indexes.cached(shard) for shard in by_shard}
         missing = [shard for shard, index in indexes.items() if index is None]
         indexes.update(zip(missing, map_on_daemon_threads(self._indexes.get, missing, self.fetch.concurrency,
-                                                          "remote-loader-map")))
+                                                          "remote-loader-map"), strict=True))
         runs = []
         for shard, positions in by_shard.items():
             index = indexes[shard]
@@ -162,8 +162,8 @@ class RemoteMapDataset(Dataset):
         fetched: dict[tuple[int, int], Sample] = {}
         # On daemon threads that last the batch: Ctrl-C on a store that hangs does not wait for them.
         for (shard, positions), samples in zip(runs, map_on_daemon_threads(
-                lambda run: self._fetch_run(*run), runs, self.fetch.concurrency, "remote-loader-map")):
-            fetched.update(((shard, j), s) for j, s in zip(positions, samples))
+                lambda run: self._fetch_run(*run), runs, self.fetch.concurrency, "remote-loader-map"), strict=True):
+            fetched.update(((shard, j), s) for j, s in zip(positions, samples, strict=True))
         return [self._apply(fetched[where]) for where in located]
 
     def close(self) -> None:

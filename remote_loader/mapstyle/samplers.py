@@ -25,11 +25,10 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Sampler
 
-from remote_loader.config import require_int
+from remote_loader.config import current_world, require_int
 from remote_loader.errors import ConfigError
-from remote_loader.mapstyle.dataset import RemoteMapDataset
-from remote_loader.config import current_world
 from remote_loader.format.order import shard_order
+from remote_loader.mapstyle.dataset import RemoteMapDataset
 
 _BLOCK = 1 << 16  # positions turned into indices at a time
 
@@ -135,14 +134,17 @@ class _EpochSampler(Sampler[int]):
     def _check_state(self, state: Mapping[str, Any]) -> tuple[int, int]:
         if not isinstance(state, Mapping):
             raise ConfigError(f"a {type(self).__name__} state is a dict, got {type(state).__name__}")
-        expected = {"sampler": type(self).__name__, "seed": self.seed, "total": self.total, "world_size": self.world_size}
+        expected = {"sampler": type(self).__name__, "seed": self.seed, "total": self.total,
+                    "world_size": self.world_size}
         for key, value in expected.items():
             if state.get(key) != value:
                 raise ConfigError(f"the sampler state has {key}={state.get(key)!r}, this sampler has {value!r}")
         if state.get("order", 1) != self.order_version:
-            raise ConfigError(f"the sampler state was taken with order {state.get('order', 1)!r} of"
-                              f" {type(self).__name__}, this version draws order {self.order_version}: its position"
-                              " would name other samples; start the epoch afresh")
+            raise ConfigError(
+                f"the sampler state was taken with order {state.get('order', 1)!r} of"
+                f" {type(self).__name__}, this version draws order {self.order_version}: its position"
+                " would name other samples; start the epoch afresh"
+            )
         epoch = require_int("epoch", state.get("epoch"), 0)
         delivered = require_int("delivered", state.get("delivered"), 0, len(self))
         return epoch, delivered
@@ -175,8 +177,15 @@ class LocalitySampler(_EpochSampler):
 
     order_version = 2  # 1 (0.1.0) permuted each window as a table of its samples
 
-    def __init__(self, shard_sizes: Sequence[int] | RemoteMapDataset, *, window: int = 4, seed: int = 0,
-                 rank: int | None = None, world_size: int | None = None) -> None:
+    def __init__(
+        self,
+        shard_sizes: Sequence[int] | RemoteMapDataset,
+        *,
+        window: int = 4,
+        seed: int = 0,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> None:
         self.window = require_int("window", window, 1)
         self.sizes = _sizes(shard_sizes)
         self.starts = np.concatenate([[0], np.cumsum(self.sizes)[:-1]]).astype(np.int64)
@@ -186,8 +195,9 @@ class LocalitySampler(_EpochSampler):
     def _epoch_layout(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         if self._layout is None or self._layout[0] != epoch:
             shards = shard_order(len(self.sizes), self.seed, epoch)
-            ends = np.cumsum(self.sizes[shards])[np.minimum(np.arange(self.window, len(shards) + self.window,
-                                                                      self.window), len(shards)) - 1]
+            ends = np.cumsum(self.sizes[shards])[
+                np.minimum(np.arange(self.window, len(shards) + self.window, self.window), len(shards)) - 1
+            ]
             self._layout = (epoch, shards, ends)
         return self._layout[1], self._layout[2]
 
@@ -197,7 +207,9 @@ class LocalitySampler(_EpochSampler):
         offsets only."""
         group = shards[w * self.window : (w + 1) * self.window]
         ends = np.cumsum(self.sizes[group])
-        keys = np.random.default_rng([self.seed, epoch, 1, w]).integers(0, 2**63, size=_Bijection.rounds, dtype=np.uint64)
+        keys = np.random.default_rng([self.seed, epoch, 1, w]).integers(
+            0, 2**63, size=_Bijection.rounds, dtype=np.uint64
+        )
         drawn = _Bijection(int(ends[-1]), keys)(offsets)
         k = np.searchsorted(ends, drawn, side="right")
         return self.starts[group[k]] + drawn - (ends[k] - self.sizes[group[k]])
@@ -272,8 +284,9 @@ class UniformSampler(_EpochSampler):
         world_size: Number of ranks; default from torch.distributed or ``WORLD_SIZE``.
     """
 
-    def __init__(self, dataset: RemoteMapDataset | int, *, seed: int = 0, rank: int | None = None,
-                 world_size: int | None = None) -> None:
+    def __init__(
+        self, dataset: RemoteMapDataset | int, *, seed: int = 0, rank: int | None = None, world_size: int | None = None
+    ) -> None:
         total = len(dataset) if isinstance(dataset, RemoteMapDataset) else require_int("dataset", dataset, 0, 2**62)
         super().__init__(total, seed, rank, world_size)
 

@@ -13,12 +13,12 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from remote_loader.config import FetchConfig, require_bool, require_int
+from remote_loader.config import FetchConfig, current_world, require_bool, require_int
 from remote_loader.errors import ConfigError, DatasetNotFound, ResumeError
 from remote_loader.pipeline import stages
 from remote_loader.pipeline.resume import MAX_WORKERS, Checkpoints, Layout, Progress, route
 from remote_loader.pipeline.source import ShardSource
-from remote_loader.pipeline.split import EpochOrders, current_world, plan_spans, rank_size, shard_order
+from remote_loader.pipeline.split import EpochOrders, plan_spans, rank_size, shard_order
 from remote_loader.read import DatasetReader, Metrics
 from remote_loader.read.heap import release_free_memory
 from remote_loader.storage import Store, open_location
@@ -102,7 +102,7 @@ class RemoteDataset(IterableDataset):
         self.reader = DatasetReader(client, bucket, base_folder, verify=verify, fetch=self.fetch)
         self.unindexed = unindexed
         if not unindexed:
-            self.reader.counts  # read now, so forked DataLoader workers share its arrays; DatasetNotFound
+            _ = self.reader.counts  # read now, so forked DataLoader workers share its arrays; DatasetNotFound
         elif self.reader.has_manifest():
             raise ConfigError(f"{self.reader.location} has a manifest: unindexed=True is for tars without one")
         self.seed, self.shuffle_shards, self.open_shards = seed, shuffle_shards, open_shards
@@ -299,13 +299,20 @@ class RemoteDataset(IterableDataset):
         progress, skip = self._checkpoints.start(self._layout(), epoch, worker, num_workers)
         return self._iterate(epoch, worker, num_workers, progress, skip)
 
-    def _iterate(self, epoch: int, worker: int, num_workers: int, progress: Progress | None, skip: int) -> Iterator[Any]:
+    def _iterate(self, epoch: int, worker: int, num_workers: int, progress: Progress | None,
+                 skip: int) -> Iterator[Any]:
         layout = self._layout()
         info = get_worker_info()
         metrics = Metrics(self._metrics[1 + worker if info else 0].numpy())
         policy = self.reader.policy(metrics, cancel=threading.Event())
-        source = ShardSource(self.reader, policy, open_shards=self.open_shards,
-                             seed=(self.seed, epoch, layout.rank, worker, 1), on_error=self.on_error, progress=progress)
+        source = ShardSource(
+            self.reader,
+            policy,
+            open_shards=self.open_shards,
+            seed=(self.seed, epoch, layout.rank, worker, 1),
+            on_error=self.on_error,
+            progress=progress,
+        )
         names = stages.InFlight()
         data = names.entering(self._samples(source, epoch, worker, num_workers, progress))
         counted = progress.done if progress is not None else _ignore
@@ -333,8 +340,9 @@ class RemoteDataset(IterableDataset):
             data = tap(data)
         yield from _timed(_deliver(data, done, metrics), metrics)
 
-    def _samples(self, source: ShardSource, epoch: int, worker: int, num_workers: int,
-                 progress: Progress | None) -> Iterator[tuple[int, Any]]:
+    def _samples(
+        self, source: ShardSource, epoch: int, worker: int, num_workers: int, progress: Progress | None
+    ) -> Iterator[tuple[int, Any]]:
         """What this worker reads: its plan's spans, or for plain WebDataset tars without a
         manifest, whole tars dealt round-robin to ranks x workers in the epoch's order."""
         if progress is not None:
@@ -346,8 +354,11 @@ class RemoteDataset(IterableDataset):
             return source.spans(spans)
         tars = self.reader.list_tars()
         if not tars:
-            raise DatasetNotFound(f"no .tar objects under {self.reader.location} to stream unindexed",
-                                  bucket=self.reader.location.bucket, key=self.reader.location.key(""))
+            raise DatasetNotFound(
+                f"no .tar objects under {self.reader.location} to stream unindexed",
+                bucket=self.reader.location.bucket,
+                key=self.reader.location.key(""),
+            )
         layout = self._layout()
         slots, slot = layout.world_size * num_workers, layout.rank * num_workers + worker
         order = shard_order(len(tars), self.seed, epoch, self.shuffle_shards)

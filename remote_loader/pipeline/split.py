@@ -20,9 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from remote_loader.config import current_world
-from remote_loader.format.order import shard_order
 from remote_loader.errors import ConfigError
+from remote_loader.format.order import shard_order
 
 
 @dataclass(frozen=True)
@@ -114,7 +113,7 @@ def _lap_spans(counts: np.ndarray, kept: list[tuple[np.ndarray, int, int, int]])
             chunk = shards[k : k + _CHUNK]
             sizes = counts[chunk]
             ends = (begin + np.cumsum(sizes)).tolist()
-            for shard, size, end in zip(chunk.tolist(), sizes.tolist(), ends):
+            for shard, size, end in zip(chunk.tolist(), sizes.tolist(), ends, strict=True):
                 start = end - size
                 low = max(first, start)
                 yield Span(shard, low - start, min(last, end) - start, low)
@@ -210,7 +209,8 @@ def worker_bounds(total: int, *, rank: int, world_size: int, worker: int, num_wo
     pipeline that batches by ``align`` then yields as many batches whatever the number of
     workers, so its ``len()`` holds."""
     if not 0 <= rank < world_size or not 0 <= worker < num_workers:
-        raise ConfigError(f"need 0 <= rank < world_size and 0 <= worker < num_workers; got {rank}/{world_size}, {worker}/{num_workers}")
+        raise ConfigError(f"need 0 <= rank < world_size and 0 <= worker < num_workers; got {rank}/{world_size},"
+                          f" {worker}/{num_workers}")
     if total == 0:
         return 0, 0
     if equalize:

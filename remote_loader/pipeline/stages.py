@@ -39,7 +39,9 @@ def sample_rng(context: Context, key: str) -> np.random.Generator:
     """A generator fixed by (seed, epoch, sample key): the same draws for a sample whatever
     the number of threads, workers or ranks that process it, and after a resume."""
     digest = hashlib.blake2b(str(key).encode("utf-8", "surrogateescape"), digest_size=8).digest()
-    return np.random.default_rng([context.seed & (2**64 - 1), context.epoch, *np.frombuffer(digest, dtype=np.uint32).tolist()])
+    return np.random.default_rng(
+        [context.seed & (2**64 - 1), context.epoch, *np.frombuffer(digest, dtype=np.uint32).tolist()]
+    )
 
 
 def _check_threads(threads: int) -> int:
@@ -84,8 +86,9 @@ class Stage(ABC):
         that collates nothing is itself."""
         return self
 
-    def paired(self, pairs: Iterable[tuple[Any, Any]], context: Context, dropped: Callable[[Any], None],
-               names: InFlight | None) -> Iterator[tuple[Any, Any]]:
+    def paired(
+        self, pairs: Iterable[tuple[Any, Any]], context: Context, dropped: Callable[[Any], None], names: InFlight | None
+    ) -> Iterator[tuple[Any, Any]]:
         """The stage over ``(id, item)`` pairs, the ids following their items: so the
         pipeline's end knows which samples it delivers, and a checkpoint knows which are still
         inside. An id is a sample's position, or a batch's list of ids; ``dropped(id)`` is
@@ -122,8 +125,9 @@ class Shuffle(Stage):
     def group(self) -> int | None:
         return 1
 
-    def paired(self, pairs: Iterable[tuple[Any, Any]], context: Context, dropped: Callable[[Any], None],
-               names: InFlight | None) -> Iterator[tuple[Any, Any]]:
+    def paired(
+        self, pairs: Iterable[tuple[Any, Any]], context: Context, dropped: Callable[[Any], None], names: InFlight | None
+    ) -> Iterator[tuple[Any, Any]]:
         return self.run(pairs, context)  # it moves items without looking at them
 
 
@@ -177,8 +181,10 @@ class ToTuple(Stage):
         if len(fields) == 1:  # WebDataset's single-string form: to_tuple("jpg;png cls")
             fields = fields[0].split()
         elif any(f != f.strip() or " " in f for f in fields):
-            raise ConfigError(f"to_tuple's field names hold spaces: {tuple(fields)!r}; give one string"
-                              " (\"jpg;png cls\") or one argument per field")
+            raise ConfigError(
+                f"to_tuple's field names hold spaces: {tuple(fields)!r}; give one string"
+                ' ("jpg;png cls") or one argument per field'
+            )
         self.fields = tuple(fields)
 
     def run(self, samples: Iterable[Any], context: Context) -> Iterator[Any]:
@@ -210,8 +216,9 @@ class Select(Stage):
     def run(self, samples: Iterable[Any], context: Context) -> Iterator[Any]:
         return select_stage(samples, self.predicate)
 
-    def paired(self, pairs: Iterable[tuple[Any, Any]], context: Context, dropped: Callable[[Any], None],
-               names: InFlight | None) -> Iterator[tuple[Any, Any]]:
+    def paired(
+        self, pairs: Iterable[tuple[Any, Any]], context: Context, dropped: Callable[[Any], None], names: InFlight | None
+    ) -> Iterator[tuple[Any, Any]]:
         return _select_pairs(pairs, self.predicate, dropped)
 
 
@@ -241,8 +248,9 @@ class Batched(Stage):
         """The same stage, collating with ``wrap(collation_fn)``."""
         return Batched(self.batchsize, wrap(self.collation_fn), self.partial)
 
-    def paired(self, pairs: Iterable[tuple[Any, Any]], context: Context, dropped: Callable[[Any], None],
-               names: InFlight | None) -> Iterator[tuple[Any, Any]]:
+    def paired(
+        self, pairs: Iterable[tuple[Any, Any]], context: Context, dropped: Callable[[Any], None], names: InFlight | None
+    ) -> Iterator[tuple[Any, Any]]:
         return _batch_pairs(pairs, self, dropped)
 
 
@@ -279,8 +287,9 @@ class InFlight:
         return None if where is None else describe({"__key__": where[0], "__shard__": where[1]}, 0)
 
 
-def _one_to_one_pairs(stage: Stage, pairs: Iterable[tuple[Any, Any]], context: Context,
-                      names: InFlight | None) -> Iterator[tuple[Any, Any]]:
+def _one_to_one_pairs(
+    stage: Stage, pairs: Iterable[tuple[Any, Any]], context: Context, names: InFlight | None
+) -> Iterator[tuple[Any, Any]]:
     # The stage keeps the order and maps one to one: its k-th output is its k-th input's.
     ids: deque[Any] = deque()
 
@@ -305,8 +314,9 @@ def _one_to_one_pairs(stage: Stage, pairs: Iterable[tuple[Any, Any]], context: C
         yield ids.popleft(), out
 
 
-def _select_pairs(pairs: Iterable[tuple[Any, Any]], predicate: Callable[[Any], bool],
-                  dropped: Callable[[Any], None]) -> Iterator[tuple[Any, Any]]:
+def _select_pairs(
+    pairs: Iterable[tuple[Any, Any]], predicate: Callable[[Any], bool], dropped: Callable[[Any], None]
+) -> Iterator[tuple[Any, Any]]:
     for i, item in pairs:
         if predicate(item):
             yield i, item
@@ -314,7 +324,9 @@ def _select_pairs(pairs: Iterable[tuple[Any, Any]], predicate: Callable[[Any], b
             dropped(i)
 
 
-def _batch_pairs(pairs: Iterable[tuple[Any, Any]], stage: Batched, dropped: Callable[[Any], None]) -> Iterator[tuple[Any, Any]]:
+def _batch_pairs(
+    pairs: Iterable[tuple[Any, Any]], stage: Batched, dropped: Callable[[Any], None]
+) -> Iterator[tuple[Any, Any]]:
     def collate(batch: list[tuple[Any, Any]]) -> tuple[list[Any], Any]:
         if len(batch) < stage.batchsize and not stage.partial:
             return [i for i, _ in batch], None  # the short last batch, dropped below
@@ -343,7 +355,7 @@ def map_tuple_stage(samples: Iterable[Sequence[Any]], fns: Sequence[Callable[[An
     for sample in samples:
         if len(sample) != len(fns):
             raise ConfigError(f"map_tuple got {len(fns)} functions for a sample of {len(sample)} elements")
-        yield tuple(x if fn is None else fn(x) for fn, x in zip(fns, sample))
+        yield tuple(x if fn is None else fn(x) for fn, x in zip(fns, sample, strict=True))
 
 
 def to_tuple_stage(samples: Iterable[dict[str, Any]], fields: Sequence[str]) -> Iterator[Any]:
@@ -357,7 +369,10 @@ def to_tuple_stage(samples: Iterable[dict[str, Any]], fields: Sequence[str]) -> 
                     row.append(sample[name])
                     break
             else:
-                raise DecodeError(f"sample {sample.get('__key__')!r} of {sample.get('__shard__')} has none of the fields {';'.join(options)}")
+                raise DecodeError(
+                    f"sample {sample.get('__key__')!r} of {sample.get('__shard__')} has none of the fields"
+                    f" {';'.join(options)}"
+                )
         yield tuple(row)
 
 
@@ -395,7 +410,6 @@ def shuffle_stage(samples: Iterable[Any], bufsize: int, initial: int, seed: Sequ
             yield _pop_random(buffer, rng)
     while buffer:
         yield _pop_random(buffer, rng)
-
 
 
 def batched_stage(

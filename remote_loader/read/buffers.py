@@ -8,7 +8,6 @@ import numpy as np
 
 from remote_loader.read.metrics import Metrics
 
-
 _ROUND = 1 << 20  # range buffers are allocated in MiB steps, so they fit later ranges
 _KEEP_BUFFERS = 2  # free range buffers kept for reuse; more would be idle memory
 

@@ -247,7 +247,8 @@ class Prefetcher(Generic[C]):
         """Queue the parts of a located range. The first ranges start with small parts, so the
         first samples come early; later ones use whole parts (each GET has a fixed cost). A
         head fetched early (``Job.head``) is the first part when the range starts inside it."""
-        size, head = self.config.part_size, early if early is not None and early[0] <= start < min(end, early[1]) else None
+        size = self.config.part_size
+        head = early if early is not None and early[0] <= start < min(end, early[1]) else None
         first = min(end, head[1]) if head is not None else start + min(_FIRST_PART, size)
         if self._submitted < _LOCATE_AHEAD or head is not None:
             bounds = [b for b in [start, first, *range(first + min(_SECOND_PART, size), end, size)] if b < end]
@@ -255,16 +256,25 @@ class Prefetcher(Generic[C]):
             bounds = list(range(start, end, size))
         self._submitted += 1
         backing = self._buffers.take(end - start)
-        fetched = Fetched(slot.job.key, start, end, context, backing.data[: end - start], bounds,
-                          [threading.Event() for _ in bounds], [None] * len(bounds),
-                          partial(self._give_back, backing), self.check)
+        fetched = Fetched(
+            slot.job.key,
+            start,
+            end,
+            context,
+            backing.data[: end - start],
+            bounds,
+            [threading.Event() for _ in bounds],
+            [None] * len(bounds),
+            partial(self._give_back, backing),
+            self.check,
+        )
         slot.fetched = fetched
         slot.located.set()
         if head is not None:
             offset, _, future = head
             future.add_done_callback(partial(self._take_head, fetched, start - offset, first - offset))
         with self._cond:
-            for number, (part, stop) in enumerate(zip(bounds, [*bounds[1:], end])):
+            for number, (part, stop) in enumerate(zip(bounds, [*bounds[1:], end], strict=False)):
                 if number or head is None:
                     heapq.heappush(self._parts, (number, self._seq, part, stop, fetched))
                     self._seq += 1

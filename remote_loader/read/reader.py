@@ -31,8 +31,8 @@ from remote_loader.errors import (
     TruncatedShard,
 )
 from remote_loader.format import MANIFEST_NAME, UPLOAD_STATE, Manifest, Sample, ShardEntry, ShardIndex, ShardView
-from remote_loader.format.manifest import datasets_inside
 from remote_loader.format.checksum import crc32
+from remote_loader.format.manifest import datasets_inside
 from remote_loader.format.tar import scan_tar
 from remote_loader.read.heap import release_free_memory
 from remote_loader.read.metrics import Metrics
@@ -155,7 +155,7 @@ class DatasetReader:
     def identity(self) -> int:
         """The manifest's identity (its crc32 trailer): different for any two uploads, so a
         checkpoint names the dataset it was taken on."""
-        self.manifest
+        _ = self.manifest
         assert self._identity is not None
         return self._identity
 
@@ -239,20 +239,26 @@ class DatasetReader:
         listing = [o.key for o in itertools.islice(store.list(where.bucket, where.key("")), 1000)]
         inside = datasets_inside(listing, where.key(""))
         if inside:
-            shown = ", ".join(str(Location(where.bucket, d, f"{where.path}/{d[len(where.key('')):]}" if where.path else ""))
-                              for d in inside[:5])
-            return (f"it holds no dataset itself, but {len(inside)}{'+' if len(listing) == 1000 else ''} below it:"
-                    f" {shown}{', ...' if len(inside) > 5 else ''}; name one of those")
+            shown = ", ".join(
+                str(Location(where.bucket, d, f"{where.path}/{d[len(where.key('')) :]}" if where.path else ""))
+                for d in inside[:5]
+            )
+            return (
+                f"it holds no dataset itself, but {len(inside)}{'+' if len(listing) == 1000 else ''} below it:"
+                f" {shown}{', ...' if len(inside) > 5 else ''}; name one of those"
+            )
         if any(key.endswith(".tar") for key in listing):
-            return (f"it holds .tar objects but no {MANIFEST_NAME}: to read tars written by other tools, index them"
-                    f" once with `remote-loader index {where}` (or stream them unindexed with"
-                    " RemoteDataset(..., unindexed=True))")
+            return (
+                f"it holds .tar objects but no {MANIFEST_NAME}: to read tars written by other tools, index them"
+                f" once with `remote-loader index {where}` (or stream them unindexed with"
+                " RemoteDataset(..., unindexed=True))"
+            )
         return f"{MANIFEST_NAME} is missing (is the bucket or prefix mistyped?)"
 
     def has_manifest(self) -> bool:
         """Whether the dataset has a manifest (fetching it if not yet fetched)."""
         try:
-            self.manifest
+            _ = self.manifest
         except ObjectNotFound:
             return False
         return True
@@ -260,7 +266,11 @@ class DatasetReader:
     def list_tars(self) -> list[tuple[str, int]]:
         """``(name, size)`` of every ``.tar`` object under the prefix, in name order."""
         prefix = self.location.key("")
-        return sorted((o.key[len(prefix) :], o.size) for o in self.policy().store.list(self.location.bucket, prefix) if o.key.endswith(".tar"))
+        return sorted(
+            (o.key[len(prefix) :], o.size)
+            for o in self.policy().store.list(self.location.bucket, prefix)
+            if o.key.endswith(".tar")
+        )
 
     def __len__(self) -> int:
         return int(self.counts.sum())
@@ -271,8 +281,10 @@ class DatasetReader:
             raise CorruptShard(f"shard {entry.name}: index fails its crc32 check", name=entry.name)
         index = ShardIndex.decode(data, data_end=entry.data_end, name=entry.name)
         if len(index) != entry.samples:
-            raise CorruptShard(f"shard {entry.name}: its index lists {len(index)} samples, the manifest says"
-                               f" {entry.samples}", name=entry.name)
+            raise CorruptShard(
+                f"shard {entry.name}: its index lists {len(index)} samples, the manifest says {entry.samples}",
+                name=entry.name,
+            )
         return index
 
     def index_range(self, entry: ShardEntry) -> tuple[str, int, int]:
@@ -302,19 +314,26 @@ class DatasetReader:
         try:
             data, size = policy.store.get_range_and_size(bucket, key, start, end)
         except InvalidRange as error:
-            raise TruncatedShard(f"shard {entry.name}: {error}; the manifest says its index lies at bytes"
-                                 f" {start}-{end - 1}: the object was truncated or replaced", name=entry.name) from None
+            raise TruncatedShard(
+                f"shard {entry.name}: {error}; the manifest says its index lies at bytes"
+                f" {start}-{end - 1}: the object was truncated or replaced",
+                name=entry.name,
+            ) from None
         policy.metrics.add(bytes=len(data))
         if entry.index_name:
-            objects = [(entry.index_name, size, entry.index_size),
-                       (entry.name, policy.store.head(bucket, self.location.key(entry.name)), entry.size)]
+            objects = [
+                (entry.index_name, size, entry.index_size),
+                (entry.name, policy.store.head(bucket, self.location.key(entry.name)), entry.size),
+            ]
         else:
             objects = [(entry.name, size, entry.size)]
         for name, real, said in objects:
             if real != said:
-                raise TruncatedShard(f"{'index ' if name != entry.name else ''}{self.location}/{name} is {real:,d}"
-                                     f" bytes; the manifest says {said:,d}: it was truncated or replaced",
-                                     name=entry.name)
+                raise TruncatedShard(
+                    f"{'index ' if name != entry.name else ''}{self.location}/{name} is {real:,d}"
+                    f" bytes; the manifest says {said:,d}: it was truncated or replaced",
+                    name=entry.name,
+                )
         return data
 
     def get(self, name: str) -> bytes:
@@ -332,11 +351,15 @@ class DatasetReader:
         """Fetch a whole shard; its samples are slices of the one buffer."""
         data = self.get(entry.name)
         if len(data) != entry.size:
-            raise CorruptShard(f"shard {entry.name} is {len(data)} bytes; the manifest says {entry.size}", name=entry.name)
+            raise CorruptShard(
+                f"shard {entry.name} is {len(data)} bytes; the manifest says {entry.size}", name=entry.name
+            )
         view = memoryview(data)
         index = self._index_of(entry, view)
         if len(index) != entry.samples:
-            raise CorruptShard(f"shard {entry.name}: index lists {len(index)} samples, manifest {entry.samples}", name=entry.name)
+            raise CorruptShard(
+                f"shard {entry.name}: index lists {len(index)} samples, manifest {entry.samples}", name=entry.name
+            )
         return ShardView(view, index, name=entry.name, verify=self.verify)
 
     def __iter__(self) -> Iterator[Sample]:

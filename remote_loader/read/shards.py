@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from functools import partial
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -80,7 +79,9 @@ def own(sample: Sample) -> Sample:
     return {k: bytes(v) if isinstance(v, memoryview) else v for k, v in sample.items()}
 
 
-def read_run(reader: DatasetReader, shard: int, index: ShardIndex, positions: list[int], policy: RetryPolicy) -> list[Sample]:
+def read_run(
+    reader: DatasetReader, shard: int, index: ShardIndex, positions: list[int], policy: RetryPolicy
+) -> list[Sample]:
     """Samples ``positions`` (sorted) of one shard with one GET, fetched again while their
     bytes fail their checksums (up to ``refetch_attempts`` fetches)."""
     entry = reader.manifest.shards[shard]
@@ -124,8 +125,15 @@ class SpanRead:
     index: ShardIndex
 
     def open(self, fetched: Fetched[Any], reader: DatasetReader, wait: Callable[[int | None], None]) -> _Opened:
-        view = ShardView(fetched.buffer, self.index, name=self.entry.name, verify=reader.verify, base=fetched.start,
-                         first=self.first, stop=self.stop)
+        view = ShardView(
+            fetched.buffer,
+            self.index,
+            name=self.entry.name,
+            verify=reader.verify,
+            base=fetched.start,
+            first=self.first,
+            stop=self.stop,
+        )
         return _Opened(view, self.index, self.shard, self.first, self.stop)
 
 
@@ -171,8 +179,9 @@ class OpenRange:
     if the shard is gone).
     """
 
-    def __init__(self, reader: DatasetReader, fetched: Fetched[Any], plan: RangePlan, policy: RetryPolicy,
-                 on_error: str) -> None:
+    def __init__(
+        self, reader: DatasetReader, fetched: Fetched[Any], plan: RangePlan, policy: RetryPolicy, on_error: str
+    ) -> None:
         self.reader, self.fetched, self.policy, self.on_error = reader, fetched, policy, on_error
         self.view, self.index, self.shard, self.next, self.stop = plan.open(fetched, reader, self._wait)
 

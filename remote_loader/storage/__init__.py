@@ -1,10 +1,11 @@
 """Storage: one small interface over S3 (boto3 or minio) and local directories."""
 
+from typing import Any
+
 from remote_loader.storage.base import DEFAULT_PART_SIZE, ObjectInfo, ObjectWriter, Store
 from remote_loader.storage.factory import Location, as_store, make_client, open_location, parse_location
 from remote_loader.storage.local import LocalStore
 from remote_loader.storage.s3_boto3 import Boto3Store
-from typing import Any
 
 __all__ = [
     "DEFAULT_PART_SIZE",

@@ -163,7 +163,7 @@ class Store(ABC):
             return False
         return True
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - a store holding no connection has nothing to release
         """Release connections held by this process."""
 
     def __enter__(self) -> Store:
@@ -284,8 +284,17 @@ class RangedStore(Store):
             size = self.head(bucket, key)
         return check_range(bucket, key, 0, min(length, size), data[:length]), size
 
-_ACCESS_CODES = {"AccessDenied", "SignatureDoesNotMatch", "InvalidAccessKeyId", "InvalidToken", "ExpiredToken", "AllAccessDisabled"}
-_TRANSIENT_CODES = {"SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout", "Throttling", "ThrottlingException", "RequestTimeTooSkewed"}
+_ACCESS_CODES = {"AccessDenied", "SignatureDoesNotMatch", "InvalidAccessKeyId", "InvalidToken", "ExpiredToken",
+                 "AllAccessDisabled"}
+_TRANSIENT_CODES = {
+    "SlowDown",
+    "InternalError",
+    "ServiceUnavailable",
+    "RequestTimeout",
+    "Throttling",
+    "ThrottlingException",
+    "RequestTimeTooSkewed",
+}
 
 
 def error_for(
@@ -304,7 +313,9 @@ def error_for(
             **args,
         )
     if code in ("PreconditionFailed", "ConditionalRequestConflict") or status == 412:
-        return PreconditionFailed(f"{where}: the object changed or exists; a conditional {operation} was refused", **args)
+        return PreconditionFailed(
+            f"{where}: the object changed or exists; a conditional {operation} was refused", **args
+        )
     if code == "InvalidRange" or status == 416:
         return InvalidRange(f"{where}: requested range lies outside the object ({operation})", **args)
     if code == "NotImplemented" or status == 501:

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import warnings
-
 import re
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -111,7 +110,9 @@ def make_client(
         return LocalStore(_local_path(url))
     if config is None:
         endpoint = url if url is not None and not url.startswith("s3://") else None
-        config = StorageConfig.from_env(endpoint_url=endpoint, access_key=access_key, secret_key=secret_key, region=region)
+        config = StorageConfig.from_env(
+            endpoint_url=endpoint, access_key=access_key, secret_key=secret_key, region=region
+        )
     elif access_key or secret_key or region or (url and not url.startswith("s3://")):
         raise ConfigError("pass either config or url/access_key/secret_key/region, not both")
     if backend == "minio":
@@ -137,8 +138,9 @@ def as_store(client: Any, bucket: str) -> Store:
         from remote_loader.storage.s3_minio import MinioStore  # minio is imported only by those who use it
 
         return MinioStore.around(client, bucket)
-    raise ConfigError(f"client must be a store from remote_loader.make_client, a boto3 S3 client or a minio.Minio,"
-                      f" got {kind}")
+    raise ConfigError(
+        f"client must be a store from remote_loader.make_client, a boto3 S3 client or a minio.Minio, got {kind}"
+    )
 
 
 @dataclass(frozen=True)

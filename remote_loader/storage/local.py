@@ -54,7 +54,9 @@ class LocalStore(Store):
             raise StorageError(f"invalid bucket name {bucket!r}", bucket=bucket, code="InvalidBucketName")
         path = self.root / bucket
         if not path.is_dir():
-            raise BucketNotFound(f"bucket {bucket!r} does not exist under {self.root}", bucket=bucket, code="NoSuchBucket")
+            raise BucketNotFound(
+                f"bucket {bucket!r} does not exist under {self.root}", bucket=bucket, code="NoSuchBucket"
+            )
         return path
 
     def _path(self, bucket: str, key: str) -> Path:
@@ -64,7 +66,9 @@ class LocalStore(Store):
             raise StorageError(f"key {key!r} is not a safe relative path", bucket=bucket, key=key, code="InvalidKey")
         path = base.joinpath(*parts)
         if base not in path.resolve().parents:  # a symlink inside the bucket could still point out
-            raise StorageError(f"key {key!r} resolves outside bucket {bucket!r}", bucket=bucket, key=key, code="InvalidKey")
+            raise StorageError(
+                f"key {key!r} resolves outside bucket {bucket!r}", bucket=bucket, key=key, code="InvalidKey"
+            )
         return path
 
     def _open(self, bucket: str, key: str) -> tuple[Path, int]:
@@ -85,7 +89,9 @@ class LocalStore(Store):
             return b""
         path, size = self._open(bucket, key)
         if start < 0 or end > size:
-            raise InvalidRange(f"{bucket}/{key}: range {start}-{end} lies outside its {size} bytes", bucket=bucket, key=key)
+            raise InvalidRange(
+                f"{bucket}/{key}: range {start}-{end} lies outside its {size} bytes", bucket=bucket, key=key
+            )
         with path.open("rb") as f:
             f.seek(start)
             return check_range(bucket, key, start, end, f.read(end - start))
@@ -95,8 +101,12 @@ class LocalStore(Store):
         if end <= start:
             return b"", size
         if start < 0 or end > size:
-            raise InvalidRange(f"{bucket}/{key}: range {start}-{end} lies outside its {size} bytes", bucket=bucket,
-                               key=key, code="ShortRead")
+            raise InvalidRange(
+                f"{bucket}/{key}: range {start}-{end} lies outside its {size} bytes",
+                bucket=bucket,
+                key=key,
+                code="ShortRead",
+            )
         with path.open("rb") as f:
             f.seek(start)
             return check_range(bucket, key, start, end, f.read(end - start)), size
@@ -121,8 +131,15 @@ class LocalStore(Store):
         data = self.get(bucket, key)
         return data, _etag(data)
 
-    def put(self, bucket: str, key: str, data: bytes | bytearray | memoryview, *,
-            if_none_match: bool = False, if_match: str | None = None) -> None:
+    def put(
+        self,
+        bucket: str,
+        key: str,
+        data: bytes | bytearray | memoryview,
+        *,
+        if_none_match: bool = False,
+        if_match: str | None = None,
+    ) -> None:
         if not if_none_match and if_match is None:
             with self.open_writer(bucket, key) as writer:
                 writer.write(data)
@@ -135,8 +152,12 @@ class LocalStore(Store):
             try:
                 current = _etag(target.read_bytes()) if target.exists() else None
                 if (if_none_match and current is not None) or (if_match is not None and current != if_match):
-                    raise PreconditionFailed(f"{bucket}/{key}: the object changed or exists; a conditional PUT was"
-                                             " refused", bucket=bucket, key=key, code="PreconditionFailed")
+                    raise PreconditionFailed(
+                        f"{bucket}/{key}: the object changed or exists; a conditional PUT was refused",
+                        bucket=bucket,
+                        key=key,
+                        code="PreconditionFailed",
+                    )
                 os.replace(tmp, target)
             finally:
                 tmp.unlink(missing_ok=True)
@@ -202,8 +223,12 @@ class _LocalWriter(ObjectWriter):
         try:
             os.replace(self._tmp, self._target)
         except FileNotFoundError:  # abort_uploads removed it meanwhile, as S3 forgets an aborted upload
-            raise StorageError(f"s3://{self.bucket}/{self.key}: its upload was aborted before it completed",
-                               bucket=self.bucket, key=self.key, code="NoSuchUpload") from None
+            raise StorageError(
+                f"s3://{self.bucket}/{self.key}: its upload was aborted before it completed",
+                bucket=self.bucket,
+                key=self.key,
+                code="NoSuchUpload",
+            ) from None
 
     def _abort_upload(self) -> None:
         self._file.close()

@@ -113,7 +113,8 @@ class Retry:
                 if failing >= deadline:
                     never = "" if answered(self.endpoint) else ", and it has never answered: check the endpoint URL"
                     raise EndpointUnreachable(
-                        f"{self.endpoint} failed every request for {failing:.1f} s ({attempts} attempts, last: {error});"
+                        f"{self.endpoint} failed every request for {failing:.1f} s ({attempts} attempts,"
+                        f" last: {error});"
                         f" gave up at RetryConfig.{setting}={deadline:g} s{never}",
                         bucket=bucket if bucket is not None else getattr(error, "bucket", None),
                         key=key if key is not None else getattr(error, "key", None),
@@ -190,10 +191,20 @@ class RetryingStore(Store):
     def get_versioned(self, bucket: str, key: str) -> tuple[bytes, str]:
         return self.retry.call(partial(self.inner.get_versioned, bucket, key), bucket=bucket, key=key)
 
-    def put(self, bucket: str, key: str, data: bytes | bytearray | memoryview, *,
-            if_none_match: bool = False, if_match: str | None = None) -> None:
-        self.retry.call(partial(self.inner.put, bucket, key, data, if_none_match=if_none_match, if_match=if_match),
-                        bucket=bucket, key=key)
+    def put(
+        self,
+        bucket: str,
+        key: str,
+        data: bytes | bytearray | memoryview,
+        *,
+        if_none_match: bool = False,
+        if_match: str | None = None,
+    ) -> None:
+        self.retry.call(
+            partial(self.inner.put, bucket, key, data, if_none_match=if_none_match, if_match=if_match),
+            bucket=bucket,
+            key=key,
+        )
 
     def open_writer(self, bucket: str, key: str, *, part_size: int = DEFAULT_PART_SIZE) -> ObjectWriter:
         return _RetryingWriter(self.inner.open_writer(bucket, key, part_size=part_size), self.retry)

@@ -143,6 +143,10 @@ class Boto3Store(RangedStore):
             raise AccessDenied(
                 f"no credentials for {endpoint}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY", code="NoCredentials"
             ) from None
+        except bce.ParamValidationError as exc:  # refused before it was sent: an invalid bucket name, say
+            detail = " ".join(str(exc).split()).removeprefix("Parameter validation failed: ")
+            raise StorageError(f"{operation} refused: {detail}"[:300], bucket=bucket, key=key,
+                               code="InvalidParameter") from None
         except bce.BotoCoreError as exc:
             raise StorageError(f"{operation} failed: {type(exc).__name__}", bucket=bucket, key=key) from None
 

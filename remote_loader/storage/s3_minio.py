@@ -29,7 +29,13 @@ from urllib3.exceptions import HTTPError as Urllib3Error
 from urllib3.exceptions import MaxRetryError, NewConnectionError
 
 from remote_loader.config import StorageConfig
-from remote_loader.errors import ConfigError, EndpointUnreachable, RemoteLoaderError, StorageError, TransientStorageError
+from remote_loader.errors import (
+    ConfigError,
+    EndpointUnreachable,
+    RemoteLoaderError,
+    StorageError,
+    TransientStorageError,
+)
 from remote_loader.storage.base import DEFAULT_PART_SIZE, ObjectInfo, ObjectWriter, RangedStore, error_for
 
 _MAX_ABORT_ROUNDS = 100
@@ -169,9 +175,13 @@ class MinioStore(RangedStore):
             raise
         except S3Error as exc:
             status = exc.response.status if exc.response is not None else None
-            raise error_for(exc.code or "", status, operation=operation, bucket=bucket, key=key, endpoint=endpoint) from None
+            raise error_for(
+                exc.code or "", status, operation=operation, bucket=bucket, key=key, endpoint=endpoint
+            ) from None
         except ServerError as exc:
-            raise error_for("", exc.status_code, operation=operation, bucket=bucket, key=key, endpoint=endpoint) from None
+            raise error_for(
+                "", exc.status_code, operation=operation, bucket=bucket, key=key, endpoint=endpoint
+            ) from None
         except MaxRetryError as exc:
             if isinstance(exc.reason, NewConnectionError):
                 raise EndpointUnreachable(
@@ -217,8 +227,15 @@ class MinioStore(RangedStore):
                 response.close()
                 response.release_conn()
 
-    def put(self, bucket: str, key: str, data: bytes | bytearray | memoryview, *,
-            if_none_match: bool = False, if_match: str | None = None) -> None:
+    def put(
+        self,
+        bucket: str,
+        key: str,
+        data: bytes | bytearray | memoryview,
+        *,
+        if_none_match: bool = False,
+        if_match: str | None = None,
+    ) -> None:
         headers = {"If-None-Match": "*"} if if_none_match else {}
         if if_match is not None:
             headers["If-Match"] = if_match
@@ -244,14 +261,18 @@ class MinioStore(RangedStore):
 
     def abort_uploads(self, bucket: str, prefix: str = "") -> int:
         if self._borrowed and self._pid == os.getpid():
-            raise StorageError(f"s3://{bucket}: unfinished uploads cannot be listed through a minio client of the"
-                               " caller's (minio 7.2 has no public call for it)", bucket=bucket, code="NotImplemented")
+            raise StorageError(
+                f"s3://{bucket}: unfinished uploads cannot be listed through a minio client of the"
+                " caller's (minio 7.2 has no public call for it)",
+                bucket=bucket,
+                code="NotImplemented",
+            )
         count = 0
         with self._errors("abort multipart uploads", bucket, prefix or None):
             # Aborted uploads leave the listing, so list again until it is empty.
             for _ in range(_MAX_ABORT_ROUNDS):
                 listing = self._signed("GET", bucket, None, query={"uploads": "", "prefix": prefix}).data
-                uploads = list(zip(_xml(listing, "Key"), _xml(listing, "UploadId")))
+                uploads = list(zip(_xml(listing, "Key"), _xml(listing, "UploadId"), strict=True))
                 if not uploads:
                     break
                 for key, upload_id in uploads:
@@ -290,8 +311,9 @@ class _MinioWriter(ObjectWriter):
 
     def _upload_part(self, number: int, part: bytes) -> None:
         with self._store._errors("upload part", self.bucket, self.key):
-            sent = self._store._signed("PUT", self.bucket, self.key, body=part,
-                                       query={"partNumber": str(number), "uploadId": self._upload_id})
+            sent = self._store._signed(
+                "PUT", self.bucket, self.key, body=part, query={"partNumber": str(number), "uploadId": self._upload_id}
+            )
         self._etags.append((number, sent.headers.get("ETag", "")))
 
     def _complete(self) -> None:
@@ -301,8 +323,14 @@ class _MinioWriter(ObjectWriter):
             ElementTree.SubElement(element, "PartNumber").text = str(number)
             ElementTree.SubElement(element, "ETag").text = etag
         with self._store._errors("complete multipart upload", self.bucket, self.key):
-            self._store._signed("POST", self.bucket, self.key, query={"uploadId": self._upload_id},
-                                body=ElementTree.tostring(root), headers={"Content-Type": "application/xml"})
+            self._store._signed(
+                "POST",
+                self.bucket,
+                self.key,
+                query={"uploadId": self._upload_id},
+                body=ElementTree.tostring(root),
+                headers={"Content-Type": "application/xml"},
+            )
 
     def _abort_upload(self) -> None:
         with self._store._errors("abort multipart upload", self.bucket, self.key):

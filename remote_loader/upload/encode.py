@@ -85,7 +85,9 @@ def _encode_pil(image: Image.Image, options: EncodeOptions, index: int) -> tuple
     try:
         image.save(out, format=fmt, quality=options.quality)
     except (OSError, ValueError, KeyError) as exc:
-        raise _fail(index, f"cannot encode a {image.mode} image as {fmt} ({exc}); convert it or pick another image_format") from None
+        raise _fail(
+            index, f"cannot encode a {image.mode} image as {fmt} ({exc}); convert it or pick another image_format"
+        ) from None
     return EXTENSIONS[fmt], out.getvalue()
 
 
@@ -111,7 +113,9 @@ def encode_image(image: Any, options: EncodeOptions, index: int) -> tuple[str, b
 
 
 def _plain(value: Any, index: int, where: str) -> int | float | str:
-    if isinstance(value, (np.integer, np.floating)) or (type(value).__module__.startswith("torch") and hasattr(value, "item")):
+    if isinstance(value, (np.integer, np.floating)) or (
+        type(value).__module__.startswith("torch") and hasattr(value, "item")
+    ):
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise _fail(index, f"{where} is a {type(value).__name__}; expected int, float or str")

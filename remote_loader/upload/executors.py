@@ -81,8 +81,10 @@ def _broken_pool() -> str:
                 " (the default on macOS and Windows) each worker imports your main script again: if the script starts"
                 " the upload at import, every worker tries to start one too and fails. Put the code that starts the"
                 ' upload under `if __name__ == "__main__":` (see the worker errors above), or pass workers=0')
-    return ("the upload's worker processes ended before finishing their tasks (one was killed: out of memory, or a"
-            " signal); finished tasks are kept: run the same upload again to resume, with fewer workers if memory ran out")
+    return (
+        "the upload's worker processes ended before finishing their tasks (one was killed: out of memory, or a"
+        " signal); finished tasks are kept: run the same upload again to resume, with fewer workers if memory ran out"
+    )
 
 
 def run_tasks(

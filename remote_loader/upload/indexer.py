@@ -16,9 +16,9 @@ from remote_loader.config import RetryConfig
 from remote_loader.errors import PreconditionFailed, UploadConflict, UploadError
 from remote_loader.format import MANIFEST_NAME, Manifest, ShardEntry, ShardTable
 from remote_loader.format.checksum import crc32
+from remote_loader.format.manifest import datasets_inside
 from remote_loader.format.names import valid_shard_name
 from remote_loader.format.tar import scan_tar
-from remote_loader.format.manifest import datasets_inside
 from remote_loader.storage import Location, Store
 from remote_loader.storage.retrying import Retry, RetryingStore
 from remote_loader.upload.claim import read_versioned
@@ -54,25 +54,33 @@ def index_webdataset(
     existing = None if found is None else Manifest.decode(found[0], name=manifest_key)
     tag = None if found is None else found[1]
     if existing is not None and existing.params.get("upload_id") and not force:
-        raise UploadError(f"{location} holds a dataset uploaded by remote_loader (upload {existing.params['upload_id']});"
-                          " indexing it would replace its manifest and drop its parameters and class names:"
-                          " pass force=True (--force) to do it anyway")
+        raise UploadError(
+            f"{location} holds a dataset uploaded by remote_loader (upload {existing.params['upload_id']});"
+            " indexing it would replace its manifest and drop its parameters and class names:"
+            " pass force=True (--force) to do it anyway"
+        )
     prefix = location.key("")
     listing = list(store.list(location.bucket, prefix))
     inside = datasets_inside((info.key for info in listing), prefix)
     if inside:
         shown = ", ".join(f"s3://{location.bucket}/{d}" for d in inside[:5]) + (", ..." if len(inside) > 5 else "")
-        raise UploadError(f"{location} holds {len(inside)} dataset{'s' if len(inside) > 1 else ''} below it ({shown}):"
-                          " indexing it would write into them and make one dataset of their shards; index a folder"
-                          " that holds only tars, nothing was written")
-    tars = sorted((info.key[len(prefix):], info.size) for info in listing if info.key.endswith(".tar"))
+        raise UploadError(
+            f"{location} holds {len(inside)} dataset{'s' if len(inside) > 1 else ''} below it ({shown}):"
+            " indexing it would write into them and make one dataset of their shards; index a folder"
+            " that holds only tars, nothing was written"
+        )
+    tars = sorted((info.key[len(prefix) :], info.size) for info in listing if info.key.endswith(".tar"))
     if not tars:
         raise UploadError(f"no .tar objects under {location}")
     unreadable = [name for name, _ in tars if not valid_shard_name(name)]
     if unreadable:
-        shown = ", ".join(repr(n) for n in unreadable[:5]) + (f" and {len(unreadable) - 5} more" if len(unreadable) > 5 else "")
-        raise UploadError(f"{len(unreadable)} .tar names under {location} cannot be shard names (ASCII letters, digits"
-                          f" and _ . - / only, no part starting with . or -): {shown}; rename them, nothing was written")
+        shown = ", ".join(repr(n) for n in unreadable[:5]) + (
+            f" and {len(unreadable) - 5} more" if len(unreadable) > 5 else ""
+        )
+        raise UploadError(
+            f"{len(unreadable)} .tar names under {location} cannot be shard names (ASCII letters, digits"
+            f" and _ . - / only, no part starting with . or -): {shown}; rename them, nothing was written"
+        )
     entries = []
     fields: set[str] = set()
     for name, size in tars:
@@ -85,12 +93,14 @@ def index_webdataset(
         fields.update(index.fields)
         if progress:
             progress(name)
-    manifest = Manifest(shards=ShardTable.from_entries(entries), fields=tuple(sorted(fields)), params={"indexed": "webdataset"})
+    manifest = Manifest(
+        shards=ShardTable.from_entries(entries), fields=tuple(sorted(fields)), params={"indexed": "webdataset"}
+    )
     body = manifest.encode()
     try:  # only over the manifest read above: an upload that finished meanwhile is not replaced
         store.put(location.bucket, manifest_key, body, if_none_match=tag is None, if_match=tag)
     except PreconditionFailed:
-        raise UploadConflict(f"the manifest at {location} changed while it was being indexed; index it again",
-                             location=str(location)) from None
+        raise UploadConflict(
+            f"the manifest at {location} changed while it was being indexed; index it again", location=str(location)
+        ) from None
     return IndexSummary(location, len(entries), manifest.num_samples, manifest.num_bytes)
-

@@ -160,7 +160,8 @@ class _ShardSequence:
             self.close()
         if self._shard is None:
             name = shard_name(spec.run, self.task_id, len(self.entries))
-            self._upload = spec.store.open_writer(spec.location.bucket, spec.location.key(name), part_size=spec.part_size)
+            self._upload = spec.store.open_writer(spec.location.bucket, spec.location.key(name),
+                                                  part_size=spec.part_size)
             self._shard = ShardWriter(self._upload.write)
         if self._shard.projected_size(key, fields) > spec.maxsize:
             size = sum(len(v) for v in fields.values())
@@ -180,7 +181,9 @@ class _ShardSequence:
                 record()
             return
         summary = self._shard.close()
-        self.entries.append(ShardEntry.from_summary(shard_name(self.spec.run, self.task_id, len(self.entries)), summary))
+        self.entries.append(
+            ShardEntry.from_summary(shard_name(self.spec.run, self.task_id, len(self.entries)), summary)
+        )
         recording = None if record is None else in_daemon_thread(record, "remote-loader-record")
         self._upload.commit()
         self._shard = self._upload = None
@@ -193,8 +196,9 @@ class _ShardSequence:
         self._shard = self._upload = None
 
 
-def write_task(spec: TaskSpec, task_id: int, indices: Sequence[int] | np.ndarray, dataset: Any = None,
-               progress: Any = None) -> TaskResult:
+def write_task(
+    spec: TaskSpec, task_id: int, indices: Sequence[int] | np.ndarray, dataset: Any = None, progress: Any = None
+) -> TaskResult:
     """Encode the samples ``indices`` of the dataset into shards; upload them and a task record.
 
     Args:
@@ -215,8 +219,9 @@ def write_task(spec: TaskSpec, task_id: int, indices: Sequence[int] | np.ndarray
     return Retry(spec.retry, spec.store.endpoint).call(partial(_write_task, spec, task_id, indices, dataset, progress))
 
 
-def _write_task(spec: TaskSpec, task_id: int, indices: Sequence[int] | np.ndarray, dataset: Any,
-                progress: Any) -> TaskResult:
+def _write_task(
+    spec: TaskSpec, task_id: int, indices: Sequence[int] | np.ndarray, dataset: Any, progress: Any
+) -> TaskResult:
     result = TaskResult(task_id=task_id, entries=[])
     shards = _ShardSequence(spec, task_id)
     pending_samples = pending_bytes = 0
@@ -239,8 +244,11 @@ def _write_task(spec: TaskSpec, task_id: int, indices: Sequence[int] | np.ndarra
                 progress.put((pending_samples, pending_bytes))
                 pending_samples = pending_bytes = 0
         result.entries, result.fields = shards.entries, sorted(shards.fields)  # the last entry joins at close
-        shards.close(record=lambda: spec.store.put(spec.location.bucket, task_record_key(spec.location, spec.run, task_id),
-                                                   result.encode()))
+        shards.close(
+            record=lambda: spec.store.put(
+                spec.location.bucket, task_record_key(spec.location, spec.run, task_id), result.encode()
+            )
+        )
     except BaseException as error:
         shards.abort(interrupted=not isinstance(error, Exception))
         raise

@@ -14,10 +14,10 @@ import os
 import secrets
 import time
 import warnings
+from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -178,20 +178,43 @@ def _upload(ds: Any, client: Store, location: Location, params: dict[str, Any], 
                if t not in kept]
     done_samples = sum(sum(e.samples for e in r.entries) + len(r.skipped) for r in kept.values())
     with tqdm(total=num, initial=done_samples, unit="img", disable=not progress, desc="upload") as bar:
-        results = run_tasks(pending, spec, ds, (os.cpu_count() or 1) if workers is None else workers, executor, bar, source)
+        processes = (os.cpu_count() or 1) if workers is None else workers
+        results = run_tasks(pending, spec, ds, processes, executor, bar, source)
         bar.update(num - bar.n)  # every task is done: the last counts may still be in the workers' queue
-    manifest, reasons = _manifest({**kept, **{r.task_id: r for r in results}}, params, held.run, _class_names(ds),
-                                  location)
+    manifest, reasons = _manifest(
+        {**kept, **{r.task_id: r for r in results}}, params, held.run, _class_names(ds), location
+    )
     _switch_and_clean(store, location, manifest, held, before)
     kept_entries = [e for r in kept.values() for e in r.entries]
-    return UploadSummary(location, manifest.num_samples, len(manifest.shards), manifest.num_bytes, manifest.skipped,
-                         time.perf_counter() - started, kept_shards=len(kept_entries), skip_reasons=reasons,
-                         kept_samples=sum(e.samples for e in kept_entries), kept_bytes=sum(e.size for e in kept_entries))
+    return UploadSummary(
+        location,
+        manifest.num_samples,
+        len(manifest.shards),
+        manifest.num_bytes,
+        manifest.skipped,
+        time.perf_counter() - started,
+        kept_shards=len(kept_entries),
+        skip_reasons=reasons,
+        kept_samples=sum(e.samples for e in kept_entries),
+        kept_bytes=sum(e.size for e in kept_entries),
+    )
 
 
-def _parameters(*, maxsize: float, maxcount: int, workers: int | None, seed: int, image_format: str, quality: int,
-                on_error: str, shuffle: bool, overwrite: bool, progress: bool, bucket: str,
-                base_folder: str) -> dict[str, Any]:
+def _parameters(
+    *,
+    maxsize: float,
+    maxcount: int,
+    workers: int | None,
+    seed: int,
+    image_format: str,
+    quality: int,
+    on_error: str,
+    shuffle: bool,
+    overwrite: bool,
+    progress: bool,
+    bucket: str,
+    base_folder: str,
+) -> dict[str, Any]:
     """The upload's parameters, checked: what a dataset records and an interrupted run is
     recognised by (``samples`` is added once the dataset is opened)."""
     if on_error not in ("raise", "skip"):
@@ -208,16 +231,23 @@ def _parameters(*, maxsize: float, maxcount: int, workers: int | None, seed: int
         raise ConfigError(f"bucket must be a non-empty string, got {bucket!r}")
     if not isinstance(base_folder, str):
         raise ConfigError(f"base_folder must be a string, got {base_folder!r}")
-    return {"samples": 0, "seed": require_int("seed", seed, 0, 2**63 - 1), "shuffle": shuffle,
-            "maxsize": int(maxsize), "maxcount": int(maxcount),
-            "image_format": EncodeOptions(image_format=image_format, quality=quality).image_format,
-            "quality": quality, "on_error": on_error}
+    return {
+        "samples": 0,
+        "seed": require_int("seed", seed, 0, 2**63 - 1),
+        "shuffle": shuffle,
+        "maxsize": int(maxsize),
+        "maxcount": int(maxcount),
+        "image_format": EncodeOptions(image_format=image_format, quality=quality).image_format,
+        "quality": quality,
+        "on_error": on_error,
+    }
 
 
 def _retry(retry: RetryConfig | None, fetch: FetchConfig | None) -> RetryConfig:
     if fetch is not None:
-        warnings.warn("upload_cv_dataset(fetch=...) is deprecated: pass retry=RetryConfig(...)", DeprecationWarning,
-                      stacklevel=3)
+        warnings.warn(
+            "upload_cv_dataset(fetch=...) is deprecated: pass retry=RetryConfig(...)", DeprecationWarning, stacklevel=3
+        )
         retry = retry or fetch.retry
     retry = RetryConfig() if retry is None else retry
     if not isinstance(retry, RetryConfig):
@@ -254,8 +284,14 @@ class _Held:
     abandoned: str | None = None
 
 
-def _claim(store: Store, location: Location, before: _Before, params: dict[str, Any], overwrite: bool,
-           task_size: Callable[[], int]) -> _Held:
+def _claim(
+    store: Store,
+    location: Location,
+    before: _Before,
+    params: dict[str, Any],
+    overwrite: bool,
+    task_size: Callable[[], int],
+) -> _Held:
     """Resume the prefix's unfinished run if it is this upload's, else claim the prefix for a
     new run (abandoning another's only with ``overwrite``)."""
     state = before.state
@@ -266,7 +302,9 @@ def _claim(store: Store, location: Location, before: _Before, params: dict[str, 
         raise UploadConflict(
             f"{location} holds an unfinished upload with other parameters{seen}, which may still be running:"
             " wait for it, re-run it with its own parameters to finish it, or pass overwrite=True"
-            " (--overwrite) to abandon it", location=str(location))
+            " (--overwrite) to abandon it",
+            location=str(location),
+        )
     size, run = task_size(), secrets.token_hex(4)
     record = msgpack.packb({"params": params, "task_size": size, "run": run})
     claim.take(store, location, record, before.state_tag)
@@ -286,8 +324,9 @@ def _kept(store: Store, location: Location, held: _Held, num: int) -> dict[int, 
     return kept
 
 
-def _manifest(by_task: dict[int, TaskResult], params: dict[str, Any], run: str, classes: list[str],
-              location: Location) -> tuple[Manifest, tuple[str, ...]]:
+def _manifest(
+    by_task: dict[int, TaskResult], params: dict[str, Any], run: str, classes: list[str], location: Location
+) -> tuple[Manifest, tuple[str, ...]]:
     """The dataset's manifest from every task's result, and why samples were skipped (the first 100)."""
     entries: list[ShardEntry] = [e for t in sorted(by_task) for e in by_task[t].entries]
     skipped = sorted(i for r in by_task.values() for i in r.skipped)
@@ -299,8 +338,12 @@ def _manifest(by_task: dict[int, TaskResult], params: dict[str, Any], run: str, 
     manifest = Manifest(
         shards=ShardTable.from_entries(entries),
         fields=tuple(sorted({f for r in by_task.values() for f in r.fields})),
-        params={"upload": params, "upload_id": run, "classes": classes,
-                "created": datetime.now(timezone.utc).isoformat(timespec="seconds")},
+        params={
+            "upload": params,
+            "upload_id": run,
+            "classes": classes,
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        },
         skipped=len(skipped),
         skipped_indices=tuple(skipped),
     )
@@ -312,13 +355,21 @@ def _switch_and_clean(store: Store, location: Location, manifest: Manifest, held
     and, now that no manifest names them, the replaced upload's shards (tars indexed in place
     by ``remote-loader index`` are the user's own and stay) and an abandoned run's objects;
     listed at once, deleted 16 at a time. The state goes last."""
-    claim.switch(store, location, manifest.encode(), held.record, held.run,
-                 None if before.found is None else before.found[1])
+    claim.switch(
+        store, location, manifest.encode(), held.record, held.run, None if before.found is None else before.found[1]
+    )
     names = set(manifest.shards.names[i] for i in range(len(manifest.shards)))
     runs = [held.run] if held.abandoned is None else [held.run, held.abandoned]
-    leftovers = [key for keys in map_on_daemon_threads(
-        lambda r: claim.run_keys(store, location, r, keep=names if r == held.run else ()), runs, len(runs),
-        "remote-loader-list") for key in keys]
+    leftovers = [
+        key
+        for keys in map_on_daemon_threads(
+            lambda r: claim.run_keys(store, location, r, keep=names if r == held.run else ()),
+            runs,
+            len(runs),
+            "remote-loader-list",
+        )
+        for key in keys
+    ]
     existing = before.existing
     if existing is not None and existing.params.get("upload_id"):
         old = existing.shards.names
@@ -333,15 +384,24 @@ def _resumable(unfinished: dict[str, Any], params: dict[str, Any]) -> bool:
     tasks met no bad sample; the usual next step after a run that stopped at one)."""
     if unfinished == params:
         return True
-    return unfinished.get("on_error") == "raise" and params["on_error"] == "skip" and \
-        {**unfinished, "on_error": "skip"} == params
+    return (
+        unfinished.get("on_error") == "raise"
+        and params["on_error"] == "skip"
+        and {**unfinished, "on_error": "skip"} == params
+    )
 
 
 def _differences(unfinished: dict[str, Any], params: dict[str, Any]) -> str:
     """What an unfinished run's parameters and these differ in, for the refusal's message."""
     keys = sorted(set(unfinished) | set(params))
-    return ", ".join(f"{k}={unfinished.get(k)!r} there, {params.get(k)!r} here" for k in keys
-                     if unfinished.get(k) != params.get(k)) or "the same"
+    return (
+        ", ".join(
+            f"{k}={unfinished.get(k)!r} there, {params.get(k)!r} here"
+            for k in keys
+            if unfinished.get(k) != params.get(k)
+        )
+        or "the same"
+    )
 
 
 def _class_names(ds: Any) -> list[str]:
@@ -349,6 +409,3 @@ def _class_names(ds: Any) -> list[str]:
     if isinstance(classes, (list, tuple)) and all(isinstance(c, str) for c in classes):
         return list(classes)
     return []
-
-
-

@@ -102,16 +102,32 @@ def test_upload_from_module_function_to_a_local_directory(tmp_path):
     )
     dest = tmp_path / "store" / "bucket" / "ds"
     dest.parent.mkdir(parents=True)
-    subprocess.run([str(SCRIPT), "upload", "mydata:make", str(dest), "--workers", "0", "--quiet"], cwd=tmp_path, check=True, timeout=120)
-    info = json.loads(subprocess.run([str(SCRIPT), "info", str(dest), "--json"], capture_output=True, text=True, check=True).stdout)
+    subprocess.run(
+        [str(SCRIPT), "upload", "mydata:make", str(dest), "--workers", "0", "--quiet"],
+        cwd=tmp_path,
+        check=True,
+        timeout=120,
+    )
+    info = json.loads(
+        subprocess.run([str(SCRIPT), "info", str(dest), "--json"], capture_output=True, text=True, check=True).stdout
+    )
     assert info["samples"] == 12
 
 
 def test_bench_reports_rates_and_a_verdict(env, s3):
     client, bucket = s3
-    upload_cv_dataset(SyntheticImages(40, size=(64, 48)), client=client, bucket=bucket, base_folder="b", maxcount=10,
-                      workers=0, progress=False)
-    report = json.loads(run(env, "bench", f"s3://{bucket}/b", "--decode", "rrc", "--size", "32", "--workers", "1", "--json").stdout)
+    upload_cv_dataset(
+        SyntheticImages(40, size=(64, 48)),
+        client=client,
+        bucket=bucket,
+        base_folder="b",
+        maxcount=10,
+        workers=0,
+        progress=False,
+    )
+    report = json.loads(
+        run(env, "bench", f"s3://{bucket}/b", "--decode", "rrc", "--size", "32", "--workers", "1", "--json").stdout
+    )
     none, rrc = report["runs"]
     assert none["decode"] == "none" and none["samples"] == 40 and rrc["samples"] == 40
     assert none["samples_per_s"] > 0 and rrc["first_sample_seconds"] > 0
@@ -121,27 +137,41 @@ def test_bench_reports_rates_and_a_verdict(env, s3):
     assert run(env, "bench", f"s3://{bucket}/b", "--samples", "20", "--workers", "0", "--quiet").stderr == ""
 
 
-@pytest.mark.parametrize("args, message, status", [
-    # Usage errors (a mistyped command line, an invalid setting): 2, as argparse exits.
-    (["upload", "--seed", "-1", "tests.helpers:small_images", "s3://{bucket}/x"], "--seed: must be >= 0", 2),
-    (["upload", "tests.helpers:small_images", "s3://{bucket}/x", "--maxcont", "5"], "unrecognized arguments: --maxcont", 2),
-    (["bench", "--workers", "-1", "s3://{bucket}/x"], "--workers: must be >= 0", 2),
-    (["bench", "--decode", "rrc", "--size", "0", "s3://{bucket}/x"], "--size: must be >= 1", 2),
-    (["bench", "--samples", "0", "s3://{bucket}/x"], "--samples: must be >= 1", 2),
-    (["serve", "--data", "/proc/nope"], "cannot use /proc/nope as the server's data directory", 2),
-    (["serve", "--port", "1"], "port must be an integer in", 2),
-    (["ls", "s3:/{bucket}/x"], "is not a valid URL", 2),
-    (["upload", "os:getcwd", "s3://{bucket}/x"], "returned a str, not a dataset", 2),
-    (["upload", "json:loads", "s3://{bucket}/x"], "loads() raised TypeError", 2),
-    (["upload", "--dask", "garbage", "tests.helpers:small_images", "s3://{bucket}/x"], "Dask scheduler at garbage: ValueError", 2),
-    # Runtime errors (what the command ran into): 1.
-    (["ls", "s3://{bucket}/nothing-here"], "no dataset at", 1),
-    (["info", "s3://no-such-bucket-here/x"], "does not exist", 1),
-])
+@pytest.mark.parametrize(
+    "args, message, status",
+    [
+        # Usage errors (a mistyped command line, an invalid setting): 2, as argparse exits.
+        (["upload", "--seed", "-1", "tests.helpers:small_images", "s3://{bucket}/x"], "--seed: must be >= 0", 2),
+        (
+            ["upload", "tests.helpers:small_images", "s3://{bucket}/x", "--maxcont", "5"],
+            "unrecognized arguments: --maxcont",
+            2,
+        ),
+        (["bench", "--workers", "-1", "s3://{bucket}/x"], "--workers: must be >= 0", 2),
+        (["bench", "--decode", "rrc", "--size", "0", "s3://{bucket}/x"], "--size: must be >= 1", 2),
+        (["bench", "--samples", "0", "s3://{bucket}/x"], "--samples: must be >= 1", 2),
+        (["serve", "--data", "/proc/nope"], "cannot use /proc/nope as the server's data directory", 2),
+        (["serve", "--port", "1"], "port must be an integer in", 2),
+        (["ls", "s3:/{bucket}/x"], "is not a valid URL", 2),
+        (["upload", "os:getcwd", "s3://{bucket}/x"], "returned a str, not a dataset", 2),
+        (["upload", "json:loads", "s3://{bucket}/x"], "loads() raised TypeError", 2),
+        (
+            ["upload", "--dask", "garbage", "tests.helpers:small_images", "s3://{bucket}/x"],
+            "cannot reach the Dask scheduler at garbage within",
+            2,
+        ),
+        # Runtime errors (what the command ran into): 1.
+        (["ls", "s3://{bucket}/nothing-here"], "no dataset at", 1),
+        (["info", "s3://no-such-bucket-here/x"], "does not exist", 1),
+    ],
+)
 def test_bad_command_lines_get_one_line_errors_not_tracebacks(env, s3, args, message, status):
     _, bucket = s3
-    result = run({**env, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
-                 *[a.format(bucket=bucket) for a in args], check=False)
+    result = run(
+        {**env, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+        *[a.format(bucket=bucket) for a in args],
+        check=False,
+    )
     assert result.returncode == status, result.stderr
     assert message in result.stderr and "Traceback" not in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 or "usage:" in result.stderr, result.stderr
@@ -158,14 +188,17 @@ def test_an_overwrite_refusal_names_the_flag(env, s3):
 
 
 def test_version_and_python_dash_m():
-    assert subprocess.run([str(SCRIPT), "--version"], capture_output=True, text=True).stdout.strip() == \
-        f"remote-loader {remote_loader.__version__}"
+    assert (
+        subprocess.run([str(SCRIPT), "--version"], capture_output=True, text=True).stdout.strip()
+        == f"remote-loader {remote_loader.__version__}"
+    )
     result = subprocess.run([sys.executable, "-m", "remote_loader", "--help"], capture_output=True, text=True)
     assert result.returncode == 0 and "upload" in result.stdout
 
 
 def test_the_cli_imports_neither_torch_nor_the_test_server_until_a_command_needs_them():
-    code = "import sys\nfrom remote_loader import cli\nprint('torch' in sys.modules, 'remote_loader.testing.server' in sys.modules)"
+    code = ("import sys\nfrom remote_loader import cli\n"
+            "print('torch' in sys.modules, 'remote_loader.testing.server' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False False"
 
 
@@ -177,15 +210,34 @@ def test_serve_accepts_the_readmes_credentials_and_its_own(tmp_path):
         # A block whose every port (gRPC ones included) is free and below the ephemeral
         # range, where an outgoing connection could take one before the server binds it.
         port = free_base_port() + 3  # the S3 port of the block
-        server = subprocess.Popen([str(SCRIPT), "serve", "--port", str(port), "--bucket", "datasets",
-                                   "--data", str(tmp_path / str(port)), *keys], stdout=subprocess.PIPE, text=True)
+        server = subprocess.Popen(
+            [
+                str(SCRIPT),
+                "serve",
+                "--port",
+                str(port),
+                "--bucket",
+                "datasets",
+                "--data",
+                str(tmp_path / str(port)),
+                *keys,
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         try:
             assert server.stdout is not None
             lines = [server.stdout.readline() for _ in range(8)]  # the banner, up to "Ctrl-C stops it."
             assert "Ctrl-C stops it." in lines[-1], lines
             base = port - 3  # every port the server takes is named: S3, and the internal services'
-            for name, taken in {"master": base, "volume": base + 1, "filer": base + 2, "admin": base + 4,
-                                "filer gRPC": base + 10002, "admin gRPC": base + 10004}.items():
+            for name, taken in {
+                "master": base,
+                "volume": base + 1,
+                "filer": base + 2,
+                "admin": base + 4,
+                "filer gRPC": base + 10002,
+                "admin gRPC": base + 10004,
+            }.items():
                 assert f"{name} {taken}" in lines[1], lines[1]
             assert "hunter2-secret" not in "".join(lines)
             access, secret = (keys[1], keys[3]) if keys else ("minioadmin", "minioadmin")
@@ -221,37 +273,67 @@ def test_local_paths_are_paths_everywhere_in_the_cli(image_folder, tmp_path, mon
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "MINIO_"))}
     dataset = "some/dir/ds" if relative else str(work / "some/dir/ds")
     here = {"cwd": work}
-    out = subprocess.run([str(SCRIPT), "upload", str(tree), f"./{dataset}" if relative else dataset, "--workers", "0",
-                          "--quiet"], env=env, capture_output=True, text=True, timeout=300, **here)
+    out = subprocess.run(
+        [str(SCRIPT), "upload", str(tree), f"./{dataset}" if relative else dataset, "--workers", "0", "--quiet"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        **here,
+    )
     assert out.returncode == 0, out.stderr
     made = work / "some/dir/ds"
     assert (made / "manifest.msgpack").is_file()  # the path is the dataset: nothing above it written
-    assert sorted(p.name for p in work.iterdir()) == ["some"] and sorted(p.name for p in (work / "some").iterdir()) == ["dir"]
+    assert sorted(p.name for p in work.iterdir()) == ["some"] and sorted(p.name for p in (work / "some").iterdir()) == [
+        "dir"
+    ]
     for command in ("ls", "info", "verify"):
-        done = subprocess.run([str(SCRIPT), command, f"./{dataset}" if relative else dataset], env=env,
-                              capture_output=True, text=True, timeout=300, **here)
+        done = subprocess.run(
+            [str(SCRIPT), command, f"./{dataset}" if relative else dataset],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            **here,
+        )
         assert done.returncode == 0, (command, done.stderr)
-    assert str(made) in subprocess.run([str(SCRIPT), "info", str(made)], env=env, capture_output=True, text=True,
-                                       timeout=300).stdout
+    assert (
+        str(made)
+        in subprocess.run([str(SCRIPT), "info", str(made)], env=env, capture_output=True, text=True, timeout=300).stdout
+    )
     tars = work / "tars/wds"  # plain tars: the advice names the path, and following it works
     _local_tars(tars)
     target = "./tars/wds" if relative else str(tars)
     advice = subprocess.run([str(SCRIPT), "ls", target], env=env, capture_output=True, text=True, timeout=300, **here)
     assert advice.returncode == 1 and f"remote-loader index {tars}" in advice.stderr, advice.stderr
-    done = subprocess.run([str(SCRIPT), "index", target, "--quiet"], env=env, capture_output=True, text=True,
-                          timeout=300, **here)
+    done = subprocess.run(
+        [str(SCRIPT), "index", target, "--quiet"], env=env, capture_output=True, text=True, timeout=300, **here
+    )
     assert done.returncode == 0 and "indexed 6 samples in 2 shards" in done.stdout, done.stderr
     info = subprocess.run([str(SCRIPT), "info", target], env=env, capture_output=True, text=True, timeout=300, **here)
     assert "classes   unknown (tars indexed in place)" in info.stdout, info.stdout  # not "0"
-    assert sorted(p.name for p in tars.iterdir()) == [".rl-partial-lock", "manifest.msgpack", "part-0.tar",
-                                                      "part-0.tar.index", "part-1.tar", "part-1.tar.index"]
+    assert sorted(p.name for p in tars.iterdir()) == [
+        ".rl-partial-lock",
+        "manifest.msgpack",
+        "part-0.tar",
+        "part-0.tar.index",
+        "part-1.tar",
+        "part-1.tar.index",
+    ]
 
 
 def test_advice_at_a_bucket_holding_datasets_never_merges_them(env, s3, tmp_path):
     client, bucket = s3
     for name in ("a", "b"):
-        upload_cv_dataset(SyntheticImages(6, size=(16, 16)), client=client, bucket=bucket, base_folder=f"sets/{name}",
-                          maxcount=3, workers=0, progress=False)
+        upload_cv_dataset(
+            SyntheticImages(6, size=(16, 16)),
+            client=client,
+            bucket=bucket,
+            base_folder=f"sets/{name}",
+            maxcount=3,
+            workers=0,
+            progress=False,
+        )
     before = sorted(o.key for o in client.list(bucket))
     shown = run(env, "ls", f"s3://{bucket}/sets", check=False)
     assert shown.returncode == 1 and "index" not in shown.stderr, shown.stderr

@@ -65,7 +65,10 @@ def test_our_names_are_stored_as_a_template_and_others_as_a_blob():
 
 def test_a_million_shards_take_tens_of_bytes_each_and_decode_as_arrays():
     n = 1_000_000
-    shards = [ShardEntry(f"shard-0a1b2c3d-{t:06d}-000.tar", 1000, 10_000_000, 9_990_000, 9000, t, t) for t in range(0, n, 1000)]
+    shards = [
+        ShardEntry(f"shard-0a1b2c3d-{t:06d}-000.tar", 1000, 10_000_000, 9_990_000, 9000, t, t)
+        for t in range(0, n, 1000)
+    ]
     m = Manifest(shards=shards, fields=("cls",))
     assert len(m.encode()) < 40 * len(shards) + 1000
     again = Manifest.decode(m.encode(), name="m")
@@ -162,7 +165,11 @@ def spec_manifest(**changes) -> bytes:
             "index_crc": column([1, 2, 3]),
             "crc32": column([4, 5, 6]),
         },
-        "names": {"parts": ["part-", "/shard-", ".tar"], "widths": [2, 5], "numbers": [column([0, 0, 1]), column([0, 12345, 7])]},
+        "names": {
+            "parts": ["part-", "/shard-", ".tar"],
+            "widths": [2, 5],
+            "numbers": [column([0, 0, 1]), column([0, 12345, 7])],
+        },
         "params": {},
         "skipped": 0,
         "skipped_indices": [],
@@ -173,7 +180,11 @@ def spec_manifest(**changes) -> bytes:
 
 def test_a_manifest_written_from_the_spec_opens():
     m = Manifest.decode(spec_manifest(), name="spec")
-    assert [s.name for s in m.shards] == ["part-00/shard-00000.tar", "part-00/shard-12345.tar", "part-01/shard-00007.tar"]
+    assert [s.name for s in m.shards] == [
+        "part-00/shard-00000.tar",
+        "part-00/shard-12345.tar",
+        "part-01/shard-00007.tar",
+    ]
     assert m.shards[2] == ShardEntry("part-01/shard-00007.tar", 7, 9_000, 7_000, 120, 3, 6)
     assert m.num_samples == 2007 and m.version == 2
 
@@ -181,15 +192,26 @@ def test_a_manifest_written_from_the_spec_opens():
 def test_a_blob_named_manifest_with_separate_indexes_written_from_the_spec_opens():
     names = ["a.tar", "dir/b.tar"]
     blob = "".join(names).encode()
-    m = Manifest.decode(spec_manifest(
-        shards=2,
-        columns={"samples": column([3, 4]), "size": column([5000, 6000]), "index_offset": column([0, 5000]),
-                 "index_size": column([100, 200]), "index_crc": column([1, 2]), "crc32": column([3, 4])},
-        names={"blob": blob, "offsets": column([0, 5, 14])},
-        index_names={"blob": b"a.tar.index", "offsets": column([0, 11, 11])},
-    ), name="spec")
-    assert list(m.shards) == [ShardEntry("a.tar", 3, 5000, 0, 100, 1, 3, "a.tar.index"),
-                              ShardEntry("dir/b.tar", 4, 6000, 5000, 200, 2, 4, "")]
+    m = Manifest.decode(
+        spec_manifest(
+            shards=2,
+            columns={
+                "samples": column([3, 4]),
+                "size": column([5000, 6000]),
+                "index_offset": column([0, 5000]),
+                "index_size": column([100, 200]),
+                "index_crc": column([1, 2]),
+                "crc32": column([3, 4]),
+            },
+            names={"blob": blob, "offsets": column([0, 5, 14])},
+            index_names={"blob": b"a.tar.index", "offsets": column([0, 11, 11])},
+        ),
+        name="spec",
+    )
+    assert list(m.shards) == [
+        ShardEntry("a.tar", 3, 5000, 0, 100, 1, 3, "a.tar.index"),
+        ShardEntry("dir/b.tar", 4, 6000, 5000, 200, 2, 4, ""),
+    ]
 
 
 def _columns(**changes) -> dict:
@@ -211,10 +233,40 @@ def _columns(**changes) -> dict:
         ({"columns": _columns(samples=column([2**62, 2**62, 1]))}, "overflow"),
         ({"columns": _columns(samples=column([1, 0, 1]))}, "has no samples"),
         ({"columns": _columns(size=column([2**63, 1_100_000, 9000]))}, "over 63 bits"),
-        ({"names": {"parts": ["part-", "/shard-", ".tar"], "widths": [2, 5], "numbers": [column([0, 0, 1], "<u1")]}}, "neither a blob"),
-        ({"names": {"parts": ["../", "/", ".tar"], "widths": [2, 5], "numbers": [column([0, 0, 1]), column([1, 2, 3])]}}, "unsafe"),
-        ({"names": {"parts": ["x", "", ".tar"], "widths": [2, 5], "numbers": [column([0, 0, 1]), column([1, 2, 3])]}}, "non-empty"),
-        ({"names": {"parts": ["a-", "/b-", ".tar"], "widths": [2, 5], "numbers": [column([0, 0, 0]), column([1, 1, 3])]}}, "strictly increasing"),
+        (
+            {"names": {"parts": ["part-", "/shard-", ".tar"], "widths": [2, 5], "numbers": [column([0, 0, 1], "<u1")]}},
+            "neither a blob",
+        ),
+        (
+            {
+                "names": {
+                    "parts": ["../", "/", ".tar"],
+                    "widths": [2, 5],
+                    "numbers": [column([0, 0, 1]), column([1, 2, 3])],
+                }
+            },
+            "unsafe",
+        ),
+        (
+            {
+                "names": {
+                    "parts": ["x", "", ".tar"],
+                    "widths": [2, 5],
+                    "numbers": [column([0, 0, 1]), column([1, 2, 3])],
+                }
+            },
+            "non-empty",
+        ),
+        (
+            {
+                "names": {
+                    "parts": ["a-", "/b-", ".tar"],
+                    "widths": [2, 5],
+                    "numbers": [column([0, 0, 0]), column([1, 1, 3])],
+                }
+            },
+            "strictly increasing",
+        ),
         ({"names": {"blob": b"a.tarb.tarc.tar", "offsets": column([0, 5, 10])}}, "names offsets holds"),
         ({"names": {"blob": b"a.tarb.tarc.tar", "offsets": column([0, 10, 5, 15])}}, "in order"),
         ({"names": {"blob": b"a.tarb.tarc.tar", "offsets": column([0, 5, 10, 99])}}, "blob's end"),
@@ -243,14 +295,24 @@ def test_a_huge_claimed_count_fails_before_any_large_allocation():
     assert peak < 1_000_000
 
 
-# ---------------------------------------------------------------------------- points a reader written from the spec alone raised
+# ------------------------------------------------------------ points a reader written from the spec alone raised
 
 
 def test_a_template_without_numbers_names_one_shard_only():
-    one = {"samples": column([5]), "size": column([9000]), "index_offset": column([7000]), "index_size": column([100]),
-           "index_crc": column([1]), "crc32": column([2])}
-    assert Manifest.decode(spec_manifest(shards=1, columns=one, names={"parts": ["only.tar"], "widths": [], "numbers": []}),
-                           name="m").shards.names[0] == "only.tar"
+    one = {
+        "samples": column([5]),
+        "size": column([9000]),
+        "index_offset": column([7000]),
+        "index_size": column([100]),
+        "index_crc": column([1]),
+        "crc32": column([2]),
+    }
+    assert (
+        Manifest.decode(
+            spec_manifest(shards=1, columns=one, names={"parts": ["only.tar"], "widths": [], "numbers": []}), name="m"
+        ).shards.names[0]
+        == "only.tar"
+    )
     with pytest.raises(CorruptShard, match="without numbers names one shard, not 3"):
         Manifest.decode(spec_manifest(names={"parts": ["same.tar"], "widths": [], "numbers": []}), name="m")
 
@@ -258,17 +320,27 @@ def test_a_template_without_numbers_names_one_shard_only():
 def test_a_part_between_numbers_that_starts_with_a_digit_is_refused():
     # Rows (1, 13) and (11, 3) both render s1113.tar with these parts: increasing rows alone
     # do not make names unique when a part between two numbers starts with a digit.
-    two = {"samples": column([5, 5]), "size": column([9000, 9000]), "index_offset": column([7000, 7000]),
-           "index_size": column([100, 100]), "index_crc": column([1, 2]), "crc32": column([3, 4])}
+    two = {
+        "samples": column([5, 5]),
+        "size": column([9000, 9000]),
+        "index_offset": column([7000, 7000]),
+        "index_size": column([100, 100]),
+        "index_crc": column([1, 2]),
+        "crc32": column([3, 4]),
+    }
     names = {"parts": ["s", "1", ".tar"], "widths": [1, 1], "numbers": [column([1, 11]), column([13, 3])]}
     with pytest.raises(CorruptShard, match="start with a character that is not a digit"):
         Manifest.decode(spec_manifest(shards=2, columns=two, names=names), name="m")
     names["parts"] = ["s", "-1", ".tar"]  # a part that only ends in digits is fine: s1-113.tar, s11-13.tar
-    assert list(Manifest.decode(spec_manifest(shards=2, columns=two, names=names), name="m").shards.names) == \
-        ["s1-113.tar", "s11-13.tar"]
+    assert list(Manifest.decode(spec_manifest(shards=2, columns=two, names=names), name="m").shards.names) == [
+        "s1-113.tar",
+        "s11-13.tar",
+    ]
 
 
-@pytest.mark.parametrize("bad", [".hidden.tar", "-x.tar", "\u00e9.tar", "a//b.tar", "a/../b.tar", "a/.b.tar", "a b.tar"])
+@pytest.mark.parametrize(
+    "bad", [".hidden.tar", "-x.tar", "\u00e9.tar", "a//b.tar", "a/../b.tar", "a/.b.tar", "a b.tar"]
+)
 def test_names_follow_the_specs_rule_exactly(bad):
     good = ["a.tar", "_x/b-1.c.tar", "0/9.tar"]
     blob = "".join([bad, *good[1:]]).encode()
@@ -277,14 +349,23 @@ def test_names_follow_the_specs_rule_exactly(bad):
         Manifest.decode(spec_manifest(names={"blob": blob, "offsets": column(offsets)}), name="m")
     blob = "".join(good).encode()
     offsets = np.cumsum([0, *(len(n) for n in good)])
-    assert list(Manifest.decode(spec_manifest(names={"blob": blob, "offsets": column(offsets)}), name="m").shards.names) == good
+    assert (
+        list(Manifest.decode(spec_manifest(names={"blob": blob, "offsets": column(offsets)}), name="m").shards.names)
+        == good
+    )
 
 
 def _big_shards(n: int, samples: list[int]) -> bytes:
     """A manifest of ``n`` shards of 2**62 bytes each, with these sample counts."""
     size = 2**62
-    columns = {"samples": column(samples), "size": column([size] * n), "index_offset": column([size - 2000] * n),
-               "index_size": column([1000] * n), "index_crc": column([1] * n), "crc32": column([2] * n)}
+    columns = {
+        "samples": column(samples),
+        "size": column([size] * n),
+        "index_offset": column([size - 2000] * n),
+        "index_size": column([1000] * n),
+        "index_crc": column([1] * n),
+        "crc32": column([2] * n),
+    }
     names = {"parts": ["s", ".tar"], "widths": [4], "numbers": [column(list(range(n)))]}
     return spec_manifest(shards=n, columns=columns, names=names)
 
@@ -306,12 +387,25 @@ def test_a_shard_claiming_more_samples_than_its_size_holds_is_refused():
 
 
 def test_an_index_kept_apart_starts_at_offset_0_of_its_object():
-    columns = {"samples": column([3, 4]), "size": column([5000, 6000]), "index_offset": column([64, 5000]),
-               "index_size": column([100, 200]), "index_crc": column([1, 2]), "crc32": column([3, 4])}
+    columns = {
+        "samples": column([3, 4]),
+        "size": column([5000, 6000]),
+        "index_offset": column([64, 5000]),
+        "index_size": column([100, 200]),
+        "index_crc": column([1, 2]),
+        "crc32": column([3, 4]),
+    }
     names = {"blob": b"a.tardir/b.tar", "offsets": column([0, 5, 14])}
     with pytest.raises(CorruptShard, match="a.tar keeps its index in a.tar.index at offset 64"):
-        Manifest.decode(spec_manifest(shards=2, columns=columns, names=names,
-                                      index_names={"blob": b"a.tar.index", "offsets": column([0, 11, 11])}), name="m")
+        Manifest.decode(
+            spec_manifest(
+                shards=2,
+                columns=columns,
+                names=names,
+                index_names={"blob": b"a.tar.index", "offsets": column([0, 11, 11])},
+            ),
+            name="m",
+        )
 
 
 @pytest.mark.parametrize("key", ["params", "skipped", "skipped_indices"])
@@ -332,19 +426,36 @@ def test_a_column_wider_than_its_values_need_is_refused():
     wide = _columns(samples=column([1000, 1000, 7], "<u8"))
     with pytest.raises(CorruptShard, match="column 'samples' is stored as <u8 but its values fit <u2"):
         Manifest.decode(spec_manifest(columns=wide), name="m")
-    names = {"parts": ["part-", "/shard-", ".tar"], "widths": [2, 5], "numbers": [column([0, 0, 1], "<u2"), column([0, 12345, 7])]}
+    names = {
+        "parts": ["part-", "/shard-", ".tar"],
+        "widths": [2, 5],
+        "numbers": [column([0, 0, 1], "<u2"), column([0, 12345, 7])],
+    }
     with pytest.raises(CorruptShard, match="names number column 0 is stored as <u2"):
         Manifest.decode(spec_manifest(names=names), name="m")
-    assert Manifest.decode(spec_manifest(shards=0, columns={c: column([]) for c in _columns()},
-                                         names={"blob": b"", "offsets": column([0])}), name="m").num_samples == 0
+    assert (
+        Manifest.decode(
+            spec_manifest(
+                shards=0, columns={c: column([]) for c in _columns()}, names={"blob": b"", "offsets": column([0])}
+            ),
+            name="m",
+        ).num_samples
+        == 0
+    )
 
 
-@pytest.mark.parametrize("names, parts, widths", [
-    (["shard-ab12cd34-000000-000.tar", "shard-ab12cd34-000000-001.tar", "shard-ab12cd34-000001-000.tar"],
-     ("shard-ab12cd34-", "-", ".tar"), (6, 3)),
-    (["shard-ab12cd34-000000-000.tar", "shard-ab12cd34-000001-000.tar"], ("shard-ab12cd34-", "-000.tar"), (6,)),
-    (["shard-ab12cd34-000000-000.tar"], ("shard-ab12cd34-000000-000.tar",), ()),
-])
+@pytest.mark.parametrize(
+    "names, parts, widths",
+    [
+        (
+            ["shard-ab12cd34-000000-000.tar", "shard-ab12cd34-000000-001.tar", "shard-ab12cd34-000001-000.tar"],
+            ("shard-ab12cd34-", "-", ".tar"),
+            (6, 3),
+        ),
+        (["shard-ab12cd34-000000-000.tar", "shard-ab12cd34-000001-000.tar"], ("shard-ab12cd34-", "-000.tar"), (6,)),
+        (["shard-ab12cd34-000000-000.tar"], ("shard-ab12cd34-000000-000.tar",), ()),
+    ],
+)
 def test_our_shard_names_take_the_templates_format_md_describes(names, parts, widths):
     entries = [ShardEntry(n, 1, 2048, 1024, 10, 1, 2) for n in names]
     raw = msgpack.unpackb(Manifest(shards=entries, fields=("jpg",)).encode()[:-4])

@@ -56,7 +56,7 @@ def test_python_tarfile_reads_the_same_members(items):
         names = [m.name for m in members]
         expected = [f"{i:06d}.{f}" for i, fields in enumerate(items) for f in fields] + [INDEX_MEMBER]
         assert names == expected
-        for member, (i, field) in zip(members, [(i, f) for i, fs in enumerate(items) for f in fs]):
+        for member, (i, field) in zip(members, [(i, f) for i, fs in enumerate(items) for f in fs], strict=False):
             assert tar.extractfile(member).read() == items[i][field]
 
 
@@ -80,8 +80,12 @@ def test_webdataset_reads_our_shards_and_skips_the_index(tmp_path):
     path = tmp_path / "s.tar"
     path.write_bytes(build(items)[0])
     with path.open("rb") as stream:
-        got = list(wds.tariterators.group_by_keys(wds.tariterators.tar_file_expander([{"url": str(path), "stream": stream}])))
-    assert [(s["__key__"], s["jpg"], s["cls"]) for s in got] == [(f"{i:06d}", it["jpg"], it["cls"]) for i, it in enumerate(items)]
+        got = list(
+            wds.tariterators.group_by_keys(wds.tariterators.tar_file_expander([{"url": str(path), "stream": stream}]))
+        )
+    assert [(s["__key__"], s["jpg"], s["cls"]) for s in got] == [
+        (f"{i:06d}", it["jpg"], it["cls"]) for i, it in enumerate(items)
+    ]
 
 
 def test_flipped_byte_is_reported_by_shard_and_key():

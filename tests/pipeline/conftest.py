@@ -14,6 +14,8 @@ CHECKPOINT_SAMPLES = 241  # odd: ranks of an equalised split repeat a sample
 def location(seaweed):
     """A client of the bucket holding the checkpoint tests' dataset ``d`` (shards of 20)."""
     client = seaweed.client()
-    upload_to_new_bucket(client, "checkpoint-tests", "d", SyntheticImages(CHECKPOINT_SAMPLES, size=(32, 24)), maxcount=20)
+    upload_to_new_bucket(
+        client, "checkpoint-tests", "d", SyntheticImages(CHECKPOINT_SAMPLES, size=(32, 24)), maxcount=20
+    )
     yield client
     client.close()

@@ -71,7 +71,9 @@ def test_decode_to_tuple_map_tuple_batched_in_workers(uploaded):
     )
     batches = list(DataLoader(dataset, num_workers=2, batch_size=None))
     sizes, labels = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
-    assert len(labels) == 97 and sorted(Counter(labels.tolist()).values()) == sorted(Counter(ds.label(i) for i in range(97)).values())
+    assert len(labels) == 97 and sorted(Counter(labels.tolist()).values()) == sorted(
+        Counter(ds.label(i) for i in range(97)).values()
+    )
     assert sizes.shape == (97, 2)
     short = [len(b[1]) for b in batches if len(b[1]) != 16]
     assert len(short) <= 2 and all(0 < n < 16 for n in short)  # at most one partial batch per worker
@@ -128,7 +130,9 @@ def test_prefetch_budget_is_never_exceeded(uploaded):
     client, bucket, _ = uploaded
     shard_bytes = max(e.size for e in DatasetReader(client, bucket, "few").manifest.shards)
     budget = 2 * shard_bytes
-    dataset = RemoteDataset(client, bucket, "few", fetch=FetchConfig(prefetch_bytes=budget, part_size=4096, concurrency=4))
+    dataset = RemoteDataset(
+        client, bucket, "few", fetch=FetchConfig(prefetch_bytes=budget, part_size=4096, concurrency=4)
+    )
     assert sorted(s["__key__"] for s in dataset) == [f"{i:06d}" for i in range(97)]
     peak = dataset.metrics.peak_buffered
     assert 0 < peak <= budget
@@ -165,10 +169,14 @@ def test_decode_min_size_uses_reduced_jpeg_decoding(seaweed):
     client = seaweed.client()
     bucket = "pipeline-draft"
     client.create_bucket(bucket)
-    upload_cv_dataset(SyntheticImages(6, size=(640, 480)), client=client, bucket=bucket, base_folder="big", workers=0, progress=False)
+    upload_cv_dataset(
+        SyntheticImages(6, size=(640, 480)), client=client, bucket=bucket, base_folder="big", workers=0, progress=False
+    )
     full = [s["jpg"].size for s in RemoteDataset(client, bucket, "big", shuffle_shards=False).decode("pil")]
-    small = [s["jpg"].size for s in RemoteDataset(client, bucket, "big", shuffle_shards=False).decode("pil", min_size=100)]
-    for (fw, fh), (sw, sh) in zip(full, small):
+    small = [
+        s["jpg"].size for s in RemoteDataset(client, bucket, "big", shuffle_shards=False).decode("pil", min_size=100)
+    ]
+    for (fw, fh), (sw, sh) in zip(full, small, strict=True):
         # libjpeg's DCT scaling: the largest of 1/2, 1/4, 1/8 that keeps the shorter side >= 100 px
         k = max(f for f in (2, 4, 8) if -(-min(fw, fh) // f) >= 100)
         assert (sw, sh) == (-(-fw // k), -(-fh // k)), ((fw, fh), (sw, sh), k)
@@ -183,8 +191,13 @@ def preproc(image):
 def test_the_cortx_example_runs_unchanged(uploaded):
     client, bucket, _ = uploaded
     folder = "few"
-    ds = (RemoteDataset(client, bucket, folder).decode("pil").to_tuple("jpg;png", "cls")
-          .map_tuple(preproc, lambda x: x).batched(64))
+    ds = (
+        RemoteDataset(client, bucket, folder)
+        .decode("pil")
+        .to_tuple("jpg;png", "cls")
+        .map_tuple(preproc, lambda x: x)
+        .batched(64)
+    )
     seen = 0
     for images, labels in DataLoader(ds, num_workers=3, batch_size=None):
         assert images.shape[1:] == (3, 32, 32) and images.dtype == torch.float32 and labels.dtype == torch.int64
@@ -194,8 +207,12 @@ def test_the_cortx_example_runs_unchanged(uploaded):
 
 def test_dataset_from_a_url(uploaded, seaweed):
     _, bucket, _ = uploaded
-    ds = RemoteDataset(f"s3://{bucket}/few", endpoint_url=seaweed.endpoint_url, access_key=seaweed.access_key,
-                       secret_key=seaweed.secret_key)
+    ds = RemoteDataset(
+        f"s3://{bucket}/few",
+        endpoint_url=seaweed.endpoint_url,
+        access_key=seaweed.access_key,
+        secret_key=seaweed.secret_key,
+    )
     assert len(ds) == 97 and len(list(ds)) == 97
 
 
@@ -212,7 +229,10 @@ def test_range_memory_stays_within_the_documented_sum(seaweed):
     largest_sample = max(e.size / e.samples for e in entries) * 2  # generous: sizes vary about the mean
     per_range = -(-(fetch.range_bytes + largest_sample) // (1 << 20)) * (1 << 20)
     bound = fetch.prefetch_bytes + (2 + 2) * per_range
-    assert 0 < dataset.metrics.peak_range_memory <= bound < sum(e.size for e in entries), (dataset.metrics.peak_range_memory, bound)
+    assert 0 < dataset.metrics.peak_range_memory <= bound < sum(e.size for e in entries), (
+        dataset.metrics.peak_range_memory,
+        bound,
+    )
     client.close()
 
 
@@ -237,8 +257,12 @@ def test_len_is_what_iteration_yields_after_batching(uploaded, world_size, num_w
     client, bucket, _ = uploaded
     seen = Counter()
     for rank in range(world_size):
-        dataset = (RemoteDataset(client, bucket, "few", rank=rank, world_size=world_size, equalize=False)
-                   .map(lambda s: s["__key__"]).shuffle(10).batched(8, collation_fn=list, partial=partial))
+        dataset = (
+            RemoteDataset(client, bucket, "few", rank=rank, world_size=world_size, equalize=False)
+            .map(lambda s: s["__key__"])
+            .shuffle(10)
+            .batched(8, collation_fn=list, partial=partial)
+        )
         batches = list(DataLoader(dataset, batch_size=None, num_workers=num_workers))
         assert len(batches) == len(dataset)  # before: len() counted samples, and workers split batches
         assert all(len(b) == 8 for b in batches[:-1]) and (partial or len(batches[-1]) == 8)
@@ -275,7 +299,8 @@ def test_range_memory_with_samples_larger_than_a_range_stays_within_the_document
 
     out = io.BytesIO()
     Image.fromarray(np.random.default_rng(0).integers(0, 256, (1000, 1000, 3), dtype=np.uint8)).save(
-        out, format="PNG", compress_level=0)
+        out, format="PNG", compress_level=0
+    )
     big = out.getvalue()
 
     class Large:

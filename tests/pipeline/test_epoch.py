@@ -52,7 +52,7 @@ def test_full_epoch_with_two_workers(class_ordered):
         labels.extend(batch_labels.tolist())
         keys.extend(batch_keys)
     assert Counter(keys) == Counter(f"{i:06d}" for i in range(2000))
-    assert all(ds.label(int(k)) == label for k, label in zip(keys, labels))
+    assert all(ds.label(int(k)) == label for k, label in zip(keys, labels, strict=True))
     # Class order in storage, yet the stream is close to a uniform shuffle.
     assert adjacent_equal(labels[:1000]) < 0.16
 

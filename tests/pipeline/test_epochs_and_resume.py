@@ -147,7 +147,8 @@ def test_a_count_resume_continues_each_workers_stream_but_not_the_interleaving(d
 
 def _fresh(dataset, **options):
     """A new pipeline over the module's dataset, set_epoch never called."""
-    return RemoteDataset(dataset.reader.client, "epoch-resume-tests", "d", seed=3, **options).map(lambda s: s["__key__"])
+    ds = RemoteDataset(dataset.reader.client, "epoch-resume-tests", "d", seed=3, **options)
+    return ds.map(lambda s: s["__key__"])
 
 
 def _explicit(dataset, epochs):

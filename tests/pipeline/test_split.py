@@ -26,7 +26,9 @@ def everything(counts, world_size, num_workers, **kwargs):
         per_rank[rank] = [
             sample
             for worker in range(num_workers)
-            for sample in read(counts, rank=rank, world_size=world_size, worker=worker, num_workers=num_workers, **kwargs)
+            for sample in read(
+                counts, rank=rank, world_size=world_size, worker=worker, num_workers=num_workers, **kwargs
+            )
         ]
     return per_rank
 

@@ -75,7 +75,11 @@ def test_a_failure_on_a_thread_names_its_sample(uploaded):
 
 def test_a_decode_error_on_a_thread_keeps_its_type(uploaded):
     with pytest.raises(DecodeError):
-        list(RemoteDataset(uploaded, "thread-tests", "d").map(lambda s: {**s, "jpg": b"garbage"}).decode("pil", threads=2))
+        list(
+            RemoteDataset(uploaded, "thread-tests", "d")
+            .map(lambda s: {**s, "jpg": b"garbage"})
+            .decode("pil", threads=2)
+        )
 
 
 def test_abandoning_an_iteration_ends_the_stage_threads(uploaded):
@@ -87,24 +91,30 @@ def test_abandoning_an_iteration_ends_the_stage_threads(uploaded):
     assert len(_stage_threads()) == before
 
 
-@pytest.mark.parametrize("call", [
-    lambda ds: ds.map(len, threads=-1),
-    lambda ds: ds.decode("pil", threads=1.5),
-    lambda ds: ds.map("not a function"),
-    lambda ds: ds.shuffle(0),
-    lambda ds: ds.batched(0),
-    lambda ds: ds.decode("jpeg-please"),
-    lambda ds: ds.to_tuple(),
-    lambda ds: ds.select(None),
-])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda ds: ds.map(len, threads=-1),
+        lambda ds: ds.decode("pil", threads=1.5),
+        lambda ds: ds.map("not a function"),
+        lambda ds: ds.shuffle(0),
+        lambda ds: ds.batched(0),
+        lambda ds: ds.decode("jpeg-please"),
+        lambda ds: ds.to_tuple(),
+        lambda ds: ds.select(None),
+    ],
+)
 def test_chain_arguments_are_checked_when_the_chain_is_built(uploaded, call):
     with pytest.raises(ConfigError):
         call(RemoteDataset(uploaded, "thread-tests", "d"))
 
 
 def _crops(uploaded, workers, threads, epoch=0, **dataset):
-    ds = (RemoteDataset(uploaded, "thread-tests", "d", seed=7, **dataset)
-          .decode(RandomResizedCrop(32), threads=threads).to_tuple("__key__", "jpg"))
+    ds = (
+        RemoteDataset(uploaded, "thread-tests", "d", seed=7, **dataset)
+        .decode(RandomResizedCrop(32), threads=threads)
+        .to_tuple("__key__", "jpg")
+    )
     ds.set_epoch(epoch)
     return {key: crop for key, crop in DataLoader(ds, batch_size=None, num_workers=workers)}
 
@@ -148,8 +158,12 @@ except KeyboardInterrupt:
 
 
 def test_ctrl_c_ends_a_loop_whose_threaded_map_never_returns(uploaded, seaweed):
-    process = subprocess.Popen([sys.executable, "-c", _BLOCKED_MAP, seaweed.endpoint_url, seaweed.access_key,
-                                seaweed.secret_key], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-c", _BLOCKED_MAP, seaweed.endpoint_url, seaweed.access_key, seaweed.secret_key],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert process.stdout is not None
         assert process.stdout.readline().strip() == "blocked"
@@ -170,7 +184,9 @@ def test_a_failure_after_to_tuple_names_its_sample_not_an_item_number(uploaded):
             raise ValueError("bad augmentation")
         return pair
 
-    target = bytes(next(s for s in RemoteDataset(uploaded, "thread-tests", "d") if s["__key__"] == "000017")["jpg"])[-20:]
+    target = bytes(next(s for s in RemoteDataset(uploaded, "thread-tests", "d") if s["__key__"] == "000017")["jpg"])[
+        -20:
+    ]
     for threads in (0, 2):
         ds = RemoteDataset(uploaded, "thread-tests", "d").to_tuple("jpg", "cls").map(fail_on_one, threads=threads)
         with pytest.raises(ValueError, match="bad augmentation") as caught:

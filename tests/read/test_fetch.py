@@ -145,7 +145,8 @@ def test_a_failure_in_the_scheduler_reaches_the_consumer(tmp_path):
     """A range too large to allocate makes the scheduler thread fail in its buffer pool
     (numpy's MemoryError): the consumer gets that error instead of waiting forever."""
     store = _store(tmp_path)
-    jobs = [Job("obj0", lambda: (0, 1000, None)), Job("obj1", lambda: (0, 1 << 62, None)), Job("obj2", lambda: (0, 10, None))]
+    jobs = [Job("obj0", lambda: (0, 1000, None)), Job("obj1", lambda: (0, 1 << 62, None)),
+            Job("obj2", lambda: (0, 10, None))]
     config = FetchConfig(part_size=1 << 20, concurrency=2)
     with Prefetcher("b", jobs, RetryPolicy(config, Metrics(), store)) as prefetcher:
         ranges = iter(prefetcher)
@@ -195,6 +196,7 @@ def test_close_returns_within_a_second_while_a_request_hangs(tmp_path):
     ranges.close()  # abandoning the iteration closes the prefetcher
     assert time.monotonic() - started < 2.0
     release.set()
+
     def ours() -> list[str]:
         return [t.name for t in set(threading.enumerate()) - before if t.name.startswith("remote-loader-")]
 

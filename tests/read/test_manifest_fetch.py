@@ -96,7 +96,7 @@ def test_a_manifest_that_stays_damaged_fails_with_its_name(s3, small_parts):
     data[len(data) // 2] ^= 1  # inside a later range
     client.put(bucket, "ds/manifest.msgpack", bytes(data))
     with pytest.raises(CorruptShard, match=r"manifest s3://.*/ds/manifest.msgpack fails its crc32 check"):
-        DatasetReader(client, bucket, "ds", fetch=FetchConfig(refetch_attempts=2)).manifest
+        _ = DatasetReader(client, bucket, "ds", fetch=FetchConfig(refetch_attempts=2)).manifest
 
 
 def test_ranges_cut_short_by_the_network_are_fetched_again_not_the_whole_manifest(seaweed, small_parts):

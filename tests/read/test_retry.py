@@ -11,7 +11,15 @@ import threading
 
 import pytest
 
-from remote_loader import ConfigError, DatasetReader, EndpointUnreachable, FetchConfig, RemoteDataset, RetryConfig, make_client
+from remote_loader import (
+    ConfigError,
+    DatasetReader,
+    EndpointUnreachable,
+    FetchConfig,
+    RemoteDataset,
+    RetryConfig,
+    make_client,
+)
 from tests.servers import free_port
 
 NEVER = FetchConfig(retry=RetryConfig(outage_deadline=300, first_contact_deadline=0.5, backoff=0.01))
@@ -21,7 +29,9 @@ NEVER = FetchConfig(retry=RetryConfig(outage_deadline=300, first_contact_deadlin
                          ids=["closed port", "unresolvable host"])
 def test_a_store_that_never_answered_fails_at_the_first_contact_deadline(endpoint):
     client = make_client(endpoint, "key", "secret")
-    with pytest.raises(EndpointUnreachable, match=r"first_contact_deadline=0\.5 s, and it has never answered") as caught:
+    with pytest.raises(
+        EndpointUnreachable, match=r"first_contact_deadline=0\.5 s, and it has never answered"
+    ) as caught:
         RemoteDataset(client, "bkt", "ds", fetch=NEVER)
     assert endpoint in str(caught.value) and "secret" not in str(caught.value)
 
@@ -88,7 +98,9 @@ def test_by_default_a_mistyped_endpoint_fails_in_seconds_naming_it_and_the_setti
     client = make_client(endpoint, "key", "secret")
     assert RetryConfig().first_contact_deadline == 5
     with caplog.at_level("WARNING", logger="remote_loader"):
-        with pytest.raises(EndpointUnreachable, match=r"first_contact_deadline=5 s, and it has never answered") as caught:
+        with pytest.raises(
+            EndpointUnreachable, match=r"first_contact_deadline=5 s, and it has never answered"
+        ) as caught:
             DatasetReader(client, "bkt", "ds").has_manifest()
     assert endpoint in str(caught.value)
     warnings = [r.getMessage() for r in caplog.records if "is failing" in r.getMessage()]
@@ -111,6 +123,7 @@ def test_a_store_pickled_into_another_process_carries_whether_its_endpoint_answe
     fresh = make_client(f"http://127.0.0.1:{free_port()}", "key", "secret")  # never contacted
     assert not DatasetReader(store, bucket, "nothing").has_manifest()  # a 404: an answer
     for client, expected in ((store, "True"), (fresh, "False")):
-        out = subprocess.run([sys.executable, "-c", _SPAWNED_CHILD], input=pickle.dumps(client), capture_output=True,
-                             timeout=60)
+        out = subprocess.run(
+            [sys.executable, "-c", _SPAWNED_CHILD], input=pickle.dumps(client), capture_output=True, timeout=60
+        )
         assert out.stdout.decode().strip() == expected, out.stderr.decode()

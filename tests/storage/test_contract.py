@@ -8,8 +8,8 @@ import os
 import pickle
 import threading
 import time
-from contextlib import suppress
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 
 import pytest
 
@@ -18,11 +18,11 @@ from remote_loader import (
     BucketNotFound,
     EndpointUnreachable,
     InvalidRange,
-    TransientStorageError,
     ObjectNotFound,
     PreconditionFailed,
     StorageConfig,
     StorageError,
+    TransientStorageError,
     make_client,
 )
 from remote_loader.storage import MinioStore, s3_minio

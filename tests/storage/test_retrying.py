@@ -48,7 +48,19 @@ def _every_request(store: Store, bucket: str) -> list[object]:
     return results
 
 
-EXPECTED = [b"abcdefghij", b"cde", b"hij", (bytes(range(4)), PART + 4), PART + 4, False, ["a/big", "a/one"], True, b"tail", 0, ["a/big"]]
+EXPECTED = [
+    b"abcdefghij",
+    b"cde",
+    b"hij",
+    (bytes(range(4)), PART + 4),
+    PART + 4,
+    False,
+    ["a/big", "a/one"],
+    True,
+    b"tail",
+    0,
+    ["a/big"],
+]
 
 
 def test_every_request_of_a_retrying_store_rides_out_faults(seaweed):
@@ -56,8 +68,9 @@ def test_every_request_of_a_retrying_store_rides_out_faults(seaweed):
     retries = []
     try:
         raw = make_client(proxy.endpoint_url, seaweed.access_key, seaweed.secret_key)
-        store = RetryingStore(raw, Retry(RetryConfig(backoff=0.001, max_backoff=0.01), raw.endpoint,
-                                         on_retry=lambda: retries.append(1)))
+        store = RetryingStore(
+            raw, Retry(RetryConfig(backoff=0.001, max_backoff=0.01), raw.endpoint, on_retry=lambda: retries.append(1))
+        )
         assert _every_request(store, "retrying-layer") == EXPECTED
     finally:
         proxy.close()
@@ -103,15 +116,28 @@ def test_an_upload_given_the_old_fetch_argument_warns_and_uses_its_retry(seaweed
     client = seaweed.client()
     client.create_bucket("retry-deprecated")
     with pytest.warns(DeprecationWarning, match="retry=RetryConfig"):
-        summary = upload_cv_dataset(SyntheticImages(4, size=(20, 20)), client=client, bucket="retry-deprecated",
-                                    base_folder="d", workers=0, progress=False,
-                                    fetch=FetchConfig(retry=RetryConfig(outage_deadline=5)))
+        summary = upload_cv_dataset(
+            SyntheticImages(4, size=(20, 20)),
+            client=client,
+            bucket="retry-deprecated",
+            base_folder="d",
+            workers=0,
+            progress=False,
+            fetch=FetchConfig(retry=RetryConfig(outage_deadline=5)),
+        )
     assert summary.samples == 4
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with pytest.raises(ConfigError, match="retry must be a RetryConfig"):
-            upload_cv_dataset(SyntheticImages(4), client=client, bucket="retry-deprecated", base_folder="e",
-                              workers=0, progress=False, retry=5)  # type: ignore[arg-type]
+            upload_cv_dataset(
+                SyntheticImages(4),
+                client=client,
+                bucket="retry-deprecated",
+                base_folder="e",
+                workers=0,
+                progress=False,
+                retry=5,
+            )  # type: ignore[arg-type]
 
 
 def test_a_listing_rides_out_faults_between_its_pages_and_stays_lazy(seaweed):

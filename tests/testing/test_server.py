@@ -148,10 +148,14 @@ def test_only_the_s3_port_serves_data_and_only_with_credentials(seaweed, s3):
         if name == "s3" or name.endswith("gRPC"):
             continue
         base = f"http://127.0.0.1:{port}"
-        for method, path, body in [("GET", f"/buckets/{bucket}/dir/secret.bin", None), ("GET", f"/buckets/{bucket}/", None),
-                                   ("GET", "/buckets/", None), ("POST", f"/buckets/{bucket}/dir/evil.bin", b"evil"),
-                                   ("PUT", f"/buckets/{bucket}/dir/secret.bin", b"evil"),
-                                   ("DELETE", f"/buckets/{bucket}/dir/secret.bin", None)]:
+        for method, path, body in [
+            ("GET", f"/buckets/{bucket}/dir/secret.bin", None),
+            ("GET", f"/buckets/{bucket}/", None),
+            ("GET", "/buckets/", None),
+            ("POST", f"/buckets/{bucket}/dir/evil.bin", b"evil"),
+            ("PUT", f"/buckets/{bucket}/dir/secret.bin", b"evil"),
+            ("DELETE", f"/buckets/{bucket}/dir/secret.bin", None),
+        ]:
             status, answer = _http(method, base + path, body)
             assert status >= 400 and b"SECRET" not in answer, (name, method, path, status, answer[:200])
     # The master hands out file ids to anyone, but the volume server takes no write or read without a token.

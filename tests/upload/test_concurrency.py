@@ -79,7 +79,9 @@ def _objects(client: Any, bucket: str, folder: str) -> set[str]:
 
 def test_a_second_upload_to_a_prefix_being_written_is_refused(s3):
     client, bucket = s3
-    first = lambda port: _upload(client, bucket, "d", PausingImages(N, _late_index(1), port, size=(32, 24)), seed=1)
+    def first(port):
+        return _upload(client, bucket, "d", PausingImages(N, _late_index(1), port, size=(32, 24)), seed=1)
+
     with paused_upload(first) as outcome:
         with pytest.raises(UploadConflict, match=f"s3://{bucket}/d holds an unfinished upload") as refused:
             _upload(client, bucket, "d", SyntheticImages(N, size=(32, 24)), seed=2)
@@ -91,7 +93,9 @@ def test_a_second_upload_to_a_prefix_being_written_is_refused(s3):
 
 def test_an_upload_overtaken_by_an_overwrite_stops_and_leaves_the_winner_whole(s3):
     client, bucket = s3
-    slow = lambda port: _upload(client, bucket, "d", PausingImages(N, _late_index(1), port, size=(32, 24)), seed=1)
+    def slow(port):
+        return _upload(client, bucket, "d", PausingImages(N, _late_index(1), port, size=(32, 24)), seed=1)
+
     with paused_upload(slow) as outcome:
         winner = _upload(client, bucket, "d", SyntheticImages(N, size=(32, 24), seed=5), seed=2, overwrite=True)
         expected = _samples(client, bucket, "d")
@@ -151,8 +155,10 @@ def test_two_processes_racing_to_one_prefix_leave_one_whole_dataset(s3, seaweed)
 
 def test_an_upload_to_a_prefix_does_not_abort_one_to_a_prefix_inside_it(s3):
     client, bucket = s3
-    inner = lambda port: _upload(client, bucket, "a/b", PausingImages(N, _late_index(3), port, size=(32, 24)), seed=3,
-                                 part_size=5 * 1024 * 1024, maxsize=64 * 1024 * 1024)
+    def inner(port):
+        return _upload(client, bucket, "a/b", PausingImages(N, _late_index(3), port, size=(32, 24)), seed=3,
+                       part_size=5 * 1024 * 1024, maxsize=64 * 1024 * 1024)
+
     with paused_upload(inner) as outcome:
         writer = client.open_writer(bucket, "a/b/shard-00000000-999999-000.tar", part_size=5 * 1024 * 1024)
         writer.write(b"x" * (5 * 1024 * 1024))  # a multipart upload in flight under a/b

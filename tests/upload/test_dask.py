@@ -158,7 +158,7 @@ def test_cli_names_an_unreachable_scheduler(seaweed, s3):
     _, bucket = s3
     with socket.create_server(("127.0.0.1", 0)) as unused:
         port = unused.getsockname()[1]
-    env = {**os.environ, **seaweed.env(), "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, **seaweed.env(), "PYTHONPATH": str(ROOT), "REMOTE_LOADER_FIRST_CONTACT_DEADLINE": "2"}
     result = subprocess.run([sys.executable, "-m", "remote_loader.cli", "upload", "--dask", f"tcp://127.0.0.1:{port}",
                              "tests.helpers:small_images", f"s3://{bucket}/x"],
                             capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)

@@ -41,7 +41,9 @@ def test_in_memory_images_are_encoded_losslessly_with_png():
     assert np.array_equal(pixels(encode_item((gray, 0), PNG, 0)["png"]), gray)
 
 
-@pytest.mark.parametrize("fmt, field, magic", [("jpeg", "jpg", b"\xff\xd8"), ("webp", "webp", b"RIFF"), ("png", "png", b"\x89PNG")])
+@pytest.mark.parametrize(
+    "fmt, field, magic", [("jpeg", "jpg", b"\xff\xd8"), ("webp", "webp", b"RIFF"), ("png", "png", b"\x89PNG")]
+)
 def test_image_format_and_quality(fmt, field, magic):
     image = Image.new("RGB", (32, 32), (200, 10, 10))
     fields = encode_item((image, 1), EncodeOptions(image_format=fmt, quality=80), 0)

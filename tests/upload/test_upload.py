@@ -63,7 +63,9 @@ def test_round_trip_of_jpeg_and_png_with_two_workers(roundtrip_s3):
 def test_shards_open_with_tarfile_and_respect_limits(s3):
     client, bucket = s3
     ds = SyntheticImages(200, size=(64, 48))
-    upload_cv_dataset(ds, client=client, bucket=bucket, base_folder="tf", maxcount=50, maxsize=200_000, workers=0, progress=False)
+    upload_cv_dataset(
+        ds, client=client, bucket=bucket, base_folder="tf", maxcount=50, maxsize=200_000, workers=0, progress=False
+    )
     reader = DatasetReader(client, bucket, "tf")
     for entry in reader.manifest.shards:
         data = client.get(bucket, f"tf/{entry.name}")
@@ -92,7 +94,9 @@ def test_same_seed_same_shards_other_seed_other_order(s3):
     client, bucket = s3
     ds = SyntheticImages(120, size=(32, 24))
     for folder, seed in (("a", 1), ("b", 1), ("c", 2)):
-        upload_cv_dataset(ds, client=client, bucket=bucket, base_folder=folder, seed=seed, maxcount=40, workers=0, progress=False)
+        upload_cv_dataset(
+            ds, client=client, bucket=bucket, base_folder=folder, seed=seed, maxcount=40, workers=0, progress=False
+        )
     keys = {f: [s["__key__"] for s in DatasetReader(client, bucket, f)] for f in "abc"}
     assert keys["a"] == keys["b"] != keys["c"]
     assert sorted(keys["a"]) == sorted(keys["c"])
@@ -103,7 +107,14 @@ def test_same_seed_same_shards_other_seed_other_order(s3):
 def test_bad_sample_raises_naming_its_index(s3):
     client, bucket = s3
     with pytest.raises(UploadError, match="sample 17: image bytes is not an image") as info:
-        upload_cv_dataset(FlakyImages(40, {17}, size=(32, 24)), client=client, bucket=bucket, base_folder="bad", workers=2, progress=False)
+        upload_cv_dataset(
+            FlakyImages(40, {17}, size=(32, 24)),
+            client=client,
+            bucket=bucket,
+            base_folder="bad",
+            workers=2,
+            progress=False,
+        )
     assert info.value.index == 17
     assert not client.exists(bucket, "bad/manifest.msgpack")
 
@@ -111,7 +122,9 @@ def test_bad_sample_raises_naming_its_index(s3):
 def test_skip_counts_bad_samples_in_manifest_and_summary(s3):
     client, bucket = s3
     ds = FlakyImages(80, {3, 40, 41}, size=(32, 24))
-    summary = upload_cv_dataset(ds, client=client, bucket=bucket, base_folder="skip", maxcount=20, on_error="skip", workers=2, progress=False)
+    summary = upload_cv_dataset(
+        ds, client=client, bucket=bucket, base_folder="skip", maxcount=20, on_error="skip", workers=2, progress=False
+    )
     assert summary.skipped == 3 and summary.samples == 77
     reader = DatasetReader(client, bucket, "skip")
     assert reader.manifest.skipped == 3 and reader.manifest.skipped_indices == (3, 40, 41)
@@ -121,7 +134,9 @@ def test_skip_counts_bad_samples_in_manifest_and_summary(s3):
 def test_in_memory_images_round_trip_pixels(s3):
     client, bucket = s3
     ds = SyntheticImages(30, size=(40, 30), output="pil")
-    upload_cv_dataset(ds, client=client, bucket=bucket, base_folder="pil", image_format="png", workers=0, progress=False)
+    upload_cv_dataset(
+        ds, client=client, bucket=bucket, base_folder="pil", image_format="png", workers=0, progress=False
+    )
     for sample in DatasetReader(client, bucket, "pil"):
         index = int(sample["__key__"])
         assert np.array_equal(np.asarray(Image.open(io.BytesIO(bytes(sample["png"])))), np.asarray(ds.image(index)))
@@ -131,7 +146,9 @@ def test_callers_executor_runs_the_tasks(s3):
     client, bucket = s3
     ds = SyntheticImages(90, size=(32, 24))
     with ThreadPoolExecutor(3) as pool:
-        summary = upload_cv_dataset(ds, client=client, bucket=bucket, base_folder="ex", maxcount=10, executor=pool, progress=False)
+        summary = upload_cv_dataset(
+            ds, client=client, bucket=bucket, base_folder="ex", maxcount=10, executor=pool, progress=False
+        )
     assert summary.shards == 9
     _, seen = read_back(client, bucket, "ex")
     assert set(seen) == set(range(90)) and set(seen.values()) == {1}
@@ -160,18 +177,26 @@ def test_bad_arguments(s3, kwargs, error, message):
 def test_rerun_keeps_a_finished_dataset_and_refuses_other_parameters(s3):
     client, bucket = s3
     ds = SyntheticImages(30, size=(32, 24))
-    first = upload_cv_dataset(ds, client=client, bucket=bucket, base_folder="re", maxcount=10, workers=0, progress=False)
-    again = upload_cv_dataset(ds, client=client, bucket=bucket, base_folder="re", maxcount=10, workers=0, progress=False)
+    first = upload_cv_dataset(
+        ds, client=client, bucket=bucket, base_folder="re", maxcount=10, workers=0, progress=False
+    )
+    again = upload_cv_dataset(
+        ds, client=client, bucket=bucket, base_folder="re", maxcount=10, workers=0, progress=False
+    )
     assert again.kept_shards == first.shards == 3
     with pytest.raises(UploadError, match="other parameters"):
         upload_cv_dataset(ds, client=client, bucket=bucket, base_folder="re", maxcount=15, workers=0, progress=False)
     old = {s.name for s in DatasetReader(client, bucket, "re").manifest.shards}
-    replaced = upload_cv_dataset(ds, client=client, bucket=bucket, base_folder="re", maxcount=15, workers=0, overwrite=True, progress=False)
+    replaced = upload_cv_dataset(
+        ds, client=client, bucket=bucket, base_folder="re", maxcount=15, workers=0, overwrite=True, progress=False
+    )
     assert replaced.shards == 2
     names = [s.name for s in DatasetReader(client, bucket, "re").manifest.shards]
     assert len(names) == 2 and not set(names) & old  # written beside the old dataset, never over it
     # The old dataset's shards are gone once the new manifest is in place; only the new ones remain.
-    assert sorted(o.key for o in client.list(bucket, "re/")) == sorted(["re/manifest.msgpack", *(f"re/{n}" for n in names)])
+    assert sorted(o.key for o in client.list(bucket, "re/")) == sorted(
+        ["re/manifest.msgpack", *(f"re/{n}" for n in names)]
+    )
 
 
 def test_upload_killed_mid_shard_resumes(seaweed, s3, tmp_path):
@@ -197,27 +222,48 @@ def test_upload_killed_mid_shard_resumes(seaweed, s3, tmp_path):
         )
     )
     env = {**os.environ, **seaweed.env()}
-    process = subprocess.run([sys.executable, str(script)], env=env, start_new_session=True, capture_output=True, timeout=300)
+    process = subprocess.run(
+        [sys.executable, str(script)], env=env, start_new_session=True, capture_output=True, timeout=300
+    )
     assert process.returncode == -9, process.stderr.decode()[-2000:]
     assert not client.exists(bucket, "killed/manifest.msgpack")
     raw = boto3.client(
-        "s3", endpoint_url=seaweed.endpoint_url, aws_access_key_id=seaweed.access_key,
-        aws_secret_access_key=seaweed.secret_key, region_name="us-east-1",
+        "s3",
+        endpoint_url=seaweed.endpoint_url,
+        aws_access_key_id=seaweed.access_key,
+        aws_secret_access_key=seaweed.secret_key,
+        region_name="us-east-1",
     )
     unfinished = raw.list_multipart_uploads(Bucket=bucket, Prefix="killed/").get("Uploads", [])
     assert len(unfinished) == 1 and re.fullmatch(r"killed/shard-[0-9a-f]{8}-000003-000\.tar", unfinished[0]["Key"])
 
     summary = upload_cv_dataset(
-        ds, client=client, bucket=bucket, base_folder="killed", maxcount=per_shard, maxsize=1e9, workers=2,
-        part_size=5 * 1024 * 1024, progress=False,
+        ds,
+        client=client,
+        bucket=bucket,
+        base_folder="killed",
+        maxcount=per_shard,
+        maxsize=1e9,
+        workers=2,
+        part_size=5 * 1024 * 1024,
+        progress=False,
     )
     assert summary.kept_shards == 3 and summary.shards == 5 and summary.samples == n
     # What this call did, apart from what it kept: its rate is over what it uploaded.
     assert (summary.kept_samples, summary.uploaded_samples, summary.uploaded_shards) == (180, 120, 2)
     assert summary.samples_per_s == pytest.approx(120 / summary.seconds)
-    assert str(summary).startswith(f"uploaded 120 samples in 2 shards") and "kept 3 shards (180 samples)" in str(summary)
-    again = upload_cv_dataset(ds, client=client, bucket=bucket, base_folder="killed", maxcount=per_shard, maxsize=1e9,
-                              workers=2, part_size=5 * 1024 * 1024, progress=False)
+    assert str(summary).startswith("uploaded 120 samples in 2 shards") and "kept 3 shards (180 samples)" in str(summary)
+    again = upload_cv_dataset(
+        ds,
+        client=client,
+        bucket=bucket,
+        base_folder="killed",
+        maxcount=per_shard,
+        maxsize=1e9,
+        workers=2,
+        part_size=5 * 1024 * 1024,
+        progress=False,
+    )
     assert (again.uploaded_samples, again.samples_per_s, again.mb_per_s) == (0, 0.0, 0.0)
     assert "already holds this dataset, 300 samples in 5 shards" in str(again) and "nothing to upload" in str(again)
     assert raw.list_multipart_uploads(Bucket=bucket, Prefix="killed/").get("Uploads", []) == []
@@ -264,8 +310,15 @@ def test_an_upload_to_a_dead_endpoint_gives_up_at_its_outage_deadline():
     endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     client = make_client(endpoint, "key", "secret")
     with pytest.raises(EndpointUnreachable, match=r"outage_deadline=0\.5 s") as caught:
-        upload_cv_dataset(SyntheticImages(4, size=(8, 8)), client=client, bucket="b", base_folder="d", workers=0,
-                          progress=False, retry=RetryConfig(outage_deadline=0.5, backoff=0.01))
+        upload_cv_dataset(
+            SyntheticImages(4, size=(8, 8)),
+            client=client,
+            bucket="b",
+            base_folder="d",
+            workers=0,
+            progress=False,
+            retry=RetryConfig(outage_deadline=0.5, backoff=0.01),
+        )
     assert endpoint in str(caught.value) and "secret" not in str(caught.value)
     client.close()
 
@@ -279,7 +332,11 @@ def test_a_task_record_whose_shard_is_missing_is_written_again(s3):
     with pytest.raises(UploadError, match="sample 35"):
         upload_cv_dataset(FlakyImages(40, {35}, size=(32, 24)), **args)  # tasks 0-2 finished, task 3 stopped
     records = sorted(o.key for o in client.list(bucket, "half/_upload/") if "/task-" in o.key)
-    assert [r.rsplit("/", 1)[1] for r in records] == ["task-000000.msgpack", "task-000001.msgpack", "task-000002.msgpack"]
+    assert [r.rsplit("/", 1)[1] for r in records] == [
+        "task-000000.msgpack",
+        "task-000001.msgpack",
+        "task-000002.msgpack",
+    ]
     (shard,) = [o.key for o in client.list(bucket, "half/shard-") if "-000001-" in o.key]
     client.delete(bucket, shard)  # task 1's record is there, its shard is not
     summary = upload_cv_dataset(SyntheticImages(40, size=(32, 24)), **args)
@@ -327,8 +384,11 @@ def test_upload_workers_end_when_the_upload_is_killed(seaweed, s3, tmp_path, sta
                               base_folder="killed", maxcount=8, workers=2, progress=False)
     """)
     (tmp_path / "upload.py").write_text(script)
-    upload = subprocess.Popen([sys.executable, str(tmp_path / "upload.py")], cwd=Path(__file__).resolve().parents[2],
-                              env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    upload = subprocess.Popen(
+        [sys.executable, str(tmp_path / "upload.py")],
+        cwd=Path(__file__).resolve().parents[2],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )
     workers: list[int] = []
     try:
         assert _within(120, lambda: len(os.listdir(tmp_path)) >= 3), "the upload's two workers never started a task"
@@ -349,17 +409,37 @@ def test_a_run_stopped_at_a_bad_sample_is_finished_by_a_run_that_skips_it(s3, ca
     client, bucket = s3
     ds = FlakyImages(40, {37}, size=(16, 16))
     with pytest.raises(UploadError, match="sample 37"):
-        upload_cv_dataset(ds, client=client, bucket=bucket, base_folder="f", maxcount=10, workers=0, progress=False,
-                          shuffle=False)
-    summary = upload_cv_dataset(ds, client=client, bucket=bucket, base_folder="f", maxcount=10, workers=0,
-                                progress=False, shuffle=False, on_error="skip")
+        upload_cv_dataset(
+            ds, client=client, bucket=bucket, base_folder="f", maxcount=10, workers=0, progress=False, shuffle=False
+        )
+    summary = upload_cv_dataset(
+        ds,
+        client=client,
+        bucket=bucket,
+        base_folder="f",
+        maxcount=10,
+        workers=0,
+        progress=False,
+        shuffle=False,
+        on_error="skip",
+    )
     assert summary.skipped == 1 and summary.samples == 39 and summary.kept_shards == 3  # the tasks before it stay
-    again = upload_cv_dataset(ds, client=client, bucket=bucket, base_folder="f", maxcount=10, workers=0,
-                              progress=False, shuffle=False, on_error="skip")
+    again = upload_cv_dataset(
+        ds,
+        client=client,
+        bucket=bucket,
+        base_folder="f",
+        maxcount=10,
+        workers=0,
+        progress=False,
+        shuffle=False,
+        on_error="skip",
+    )
     assert again.uploaded_samples == 0
     with pytest.raises(UploadError, match="other parameters"):
-        upload_cv_dataset(ds, client=client, bucket=bucket, base_folder="f", maxcount=10, workers=0, progress=False,
-                          shuffle=False)
+        upload_cv_dataset(
+            ds, client=client, bucket=bucket, base_folder="f", maxcount=10, workers=0, progress=False, shuffle=False
+        )
 
 
 def test_another_runs_parameters_are_named_in_the_refusal(s3):
@@ -367,16 +447,27 @@ def test_another_runs_parameters_are_named_in_the_refusal(s3):
     ds = FlakyImages(40, {37}, size=(16, 16))
     with pytest.raises(UploadError):
         upload_cv_dataset(ds, client=client, bucket=bucket, base_folder="g", maxcount=10, workers=0, progress=False)
-    with pytest.raises(UploadError, match=r"unfinished upload with other parameters \(run [0-9a-f]{8}: seed=0 there,"
-                                          r" 3 here\)"):
-        upload_cv_dataset(ds, client=client, bucket=bucket, base_folder="g", maxcount=10, workers=0, progress=False,
-                          seed=3)
+    with pytest.raises(
+        UploadError,
+        match=r"unfinished upload with other parameters \(run [0-9a-f]{8}: seed=0 there,"
+        r" 3 here\)",
+    ):
+        upload_cv_dataset(
+            ds, client=client, bucket=bucket, base_folder="g", maxcount=10, workers=0, progress=False, seed=3
+        )
 
 
 def test_the_progress_bar_ends_at_its_total(s3, capsys):
     client, bucket = s3
-    upload_cv_dataset(SyntheticImages(100, size=(16, 16)), client=client, bucket=bucket, base_folder="p", maxcount=1,
-                      workers=2, progress=True)
+    upload_cv_dataset(
+        SyntheticImages(100, size=(16, 16)),
+        client=client,
+        bucket=bucket,
+        base_folder="p",
+        maxcount=1,
+        workers=2,
+        progress=True,
+    )
     final = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]
     assert "100/100" in final, final
 
@@ -386,7 +477,8 @@ def test_an_unguarded_script_under_spawn_is_told_to_guard_its_upload(seaweed, s3
     imports the script again; the error names the guard, and advises no resume."""
     _, bucket = s3
     script = tmp_path / "unguarded.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import multiprocessing
         multiprocessing.set_start_method("spawn", force=True)
         from remote_loader import make_client, upload_cv_dataset
@@ -394,9 +486,15 @@ def test_an_unguarded_script_under_spawn_is_told_to_guard_its_upload(seaweed, s3
         client = make_client({seaweed.endpoint_url!r}, {seaweed.access_key!r}, {seaweed.secret_key!r})
         upload_cv_dataset(SyntheticImages(40, size=(16, 16)), client=client, bucket={bucket!r}, base_folder="u",
                           maxcount=10, workers=2, progress=False)
-    """))
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    """)
+    )
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert out.returncode != 0
     last = out.stderr.strip().splitlines()[-1]
     assert "UploadError" in last and 'if __name__ == "__main__":' in last and "resume" not in last, out.stderr[-3000:]

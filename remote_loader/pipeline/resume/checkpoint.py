@@ -28,7 +28,14 @@ from remote_loader.pipeline.resume.counts import MAX_WORKERS, ResumeState, consu
 from remote_loader.pipeline.resume.layout import Layout
 from remote_loader.pipeline.resume.progress import Progress
 from remote_loader.pipeline.resume.replay import Replay, check_rows
-from remote_loader.pipeline.resume.states import Remainder, WorkerState, find_states, gather, parse, steps_since_snapshot
+from remote_loader.pipeline.resume.states import (
+    Remainder,
+    WorkerState,
+    find_states,
+    gather,
+    parse,
+    steps_since_snapshot,
+)
 from remote_loader.pipeline.split import Plan, worker_bounds
 
 
@@ -161,7 +168,7 @@ class Checkpoints:
         if isinstance(resume, Remainder):
             return resume.epoch if len(resume) else None
         shares = [layout.worker_samples(w, resume.num_workers) for w in range(resume.num_workers)]
-        if all(skip == 0 for skip in resume.skip) or all(s >= n for s, n in zip(resume.skip, shares)):
+        if all(skip == 0 for skip in resume.skip) or all(s >= n for s, n in zip(resume.skip, shares, strict=True)):
             return None  # the start or the end of its epoch: nothing is left behind
         return resume.epoch
 
@@ -219,17 +226,27 @@ class Checkpoints:
         parsed = [layout.check(parse(s)) for s in found]
         rank, world_size = layout.rank, layout.world_size
         if worker_info is not None:
-            own = [s for s in parsed if (s.header["rank"], s.header["worker"], s.header["world_size"], s.header["num_workers"])
-                   == (rank, worker_info.id, world_size, worker_info.num_workers)]
+            own = [
+                s
+                for s in parsed
+                if (s.header["rank"], s.header["worker"], s.header["world_size"], s.header["num_workers"])
+                == (rank, worker_info.id, world_size, worker_info.num_workers)
+            ]
             if len(parsed) != 1 or not own:
-                raise ResumeError(f"a DataLoader worker loads its own state only (rank {rank} worker {worker_info.id}"
-                                  f" of {world_size} x {worker_info.num_workers}); gather every rank's state in the"
-                                  " main process")
+                raise ResumeError(
+                    f"a DataLoader worker loads its own state only (rank {rank} worker {worker_info.id}"
+                    f" of {world_size} x {worker_info.num_workers}); gather every rank's state in the"
+                    " main process"
+                )
             self.position, self.live = own[0], None
             return
         only = parsed[0].header
-        if len(parsed) == 1 and only["world_size"] > 1 and only["num_workers"] == 1 and \
-                (only["rank"], only["world_size"]) == (rank, world_size):
+        if (
+            len(parsed) == 1
+            and only["world_size"] > 1
+            and only["num_workers"] == 1
+            and (only["rank"], only["world_size"]) == (rank, world_size)
+        ):
             self.position, self.live = parsed[0], None  # this rank's own, without DataLoader workers
             return
         remainder = gather(parsed)
@@ -242,11 +259,13 @@ class Checkpoints:
         layout.check_identity(resume.dataset)
         _, per_item = layout.skip_point()
         shares = [layout.worker_samples(worker, resume.num_workers) for worker in range(len(resume.skip))]
-        for worker, (skip, samples) in enumerate(zip(resume.skip, shares)):
+        for worker, (skip, samples) in enumerate(zip(resume.skip, shares, strict=True)):
             if skip > -(-samples // per_item) * per_item:
-                raise ResumeError(f"state skips {skip} samples of worker {worker}, which has {samples} in epoch"
-                                  f" {resume.epoch}: it was saved for another dataset or split")
-        self._install(resume, resume.epoch, finished=all(s >= n for s, n in zip(resume.skip, shares)))
+                raise ResumeError(
+                    f"state skips {skip} samples of worker {worker}, which has {samples} in epoch"
+                    f" {resume.epoch}: it was saved for another dataset or split"
+                )
+        self._install(resume, resume.epoch, finished=all(s >= n for s, n in zip(resume.skip, shares, strict=True)))
 
     def _install(self, resume: ResumeState | Remainder, epoch: int, finished: bool) -> None:
         """Hold a resume for the next iteration of ``epoch`` in this process and in
@@ -265,8 +284,10 @@ class Checkpoints:
         only (the shared record of applied states makes it once per load)."""
         generation = int(self.shared[Slot.GENERATION])
         if generation != self.generation:
-            raise ResumeError("load_state_dict was called after this DataLoader's persistent workers started;"
-                              " load the state before the first epoch, or create a new DataLoader")
+            raise ResumeError(
+                "load_state_dict was called after this DataLoader's persistent workers started;"
+                " load the state before the first epoch, or create a new DataLoader"
+            )
         resume = self.resume
         if resume is None or resume.epoch != epoch or int(self.shared[Slot.APPLIED + worker]) >= generation:
             return None
@@ -283,9 +304,11 @@ class Checkpoints:
             split = ("rank", "world_size", "worker", "num_workers")
             if any(position.header[k] != header[k] for k in split):
                 saved = "rank {rank}/{world_size} worker {worker}/{num_workers}".format(**position.header)
-                raise ResumeError(f"the loaded state is {saved}'s own, not this worker's ({layout.rank}/"
-                                  f"{layout.world_size}, {worker}/{num_workers}): to resume on other ranks or"
-                                  " workers, give load_state_dict every rank's state")
+                raise ResumeError(
+                    f"the loaded state is {saved}'s own, not this worker's ({layout.rank}/"
+                    f"{layout.world_size}, {worker}/{num_workers}): to resume on other ranks or"
+                    " workers, give load_state_dict every rank's state"
+                )
             if position.record is None:  # a state saved before records: its rest, in position order
                 plan = position.plan()
                 return Iteration(plan, {**header, "run": plan.run}, own_state=True)
@@ -294,8 +317,10 @@ class Checkpoints:
                 check_rows(position.record, self._share(layout, None, worker, num_workers).rows, position.where)
             return Iteration(plan, {**header, "run": plan.run}, replay=replay, own_state=True)
         if position is not None and position.unfinished:
-            raise ResumeError(f"the loaded state stopped mid-way through epoch {position.header['epoch']}, but"
-                              f" this iteration is epoch {epoch}: call set_epoch({position.header['epoch']}) first")
+            raise ResumeError(
+                f"the loaded state stopped mid-way through epoch {position.header['epoch']}, but"
+                f" this iteration is epoch {epoch}: call set_epoch({position.header['epoch']}) first"
+            )
         resume = self.resume_for(epoch, worker, num_workers)
         plan = self._share(layout, resume if isinstance(resume, Remainder) else None, worker, num_workers)
         # A state of a finished epoch is used up by any later iteration: the next one starts afresh.
@@ -314,8 +339,15 @@ class Checkpoints:
         states, or the whole epoch."""
         total = len(layout.reader)
         sequence = remainder if remainder is not None else Remainder({}, np.array([0]), np.array([total]), 0)
-        low, high = worker_bounds(len(sequence), rank=layout.rank, world_size=layout.world_size, worker=worker,
-                                  num_workers=num_workers, equalize=layout.equalize, align=layout.align())
+        low, high = worker_bounds(
+            len(sequence),
+            rank=layout.rank,
+            world_size=layout.world_size,
+            worker=worker,
+            num_workers=num_workers,
+            equalize=layout.equalize,
+            align=layout.align(),
+        )
         return sequence.plan(low, high)
 
     def start(self, layout: Layout, epoch: int, worker: int, num_workers: int) -> tuple[Progress, int]:
@@ -323,8 +355,13 @@ class Checkpoints:
         iteration = self.plan(layout, epoch, worker, num_workers)
         self.take(iteration, worker)
         skip = iteration.resume.skip[worker] if isinstance(iteration.resume, ResumeState) else 0
-        self.live = Progress(iteration.plan, iteration.header, iteration.replay, recorded=not skip,
-                             where=f"rank {layout.rank} worker {worker}")
+        self.live = Progress(
+            iteration.plan,
+            iteration.header,
+            iteration.replay,
+            recorded=not skip,
+            where=f"rank {layout.rank} worker {worker}",
+        )
         return self.live, skip
 
 

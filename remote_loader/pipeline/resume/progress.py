@@ -85,5 +85,5 @@ def encode(header: dict[str, Any], remaining: list[tuple[int, int]], extras: Ite
     kept = without(remaining, extras)
     return {MARK: STATE_VERSION, **header,
             "remaining": [x for interval in kept for x in interval],
-            "extras": [x for pair in zip(extras, flags) for x in pair],
+            "extras": [x for pair in zip(extras, flags, strict=True) for x in pair],
             **(record.encode() if record is not None else {})}

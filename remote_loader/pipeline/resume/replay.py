@@ -65,7 +65,7 @@ def parse_record(state: Mapping[str, Any], samples: int, undelivered: list[tuple
     if missing:
         raise ResumeError(f"RemoteDataset worker state has a plan but lacks {', '.join(missing)}")
     flat = _flat(state, "plan", 2, samples)
-    rows = tuple(zip(flat[::2], flat[1::2]))
+    rows = tuple(zip(flat[::2], flat[1::2], strict=True))
     if any(a >= b for a, b in rows):
         raise ResumeError("RemoteDataset state field 'plan' must hold non-empty intervals")
     items = state["items"]
@@ -73,7 +73,7 @@ def parse_record(state: Mapping[str, Any], samples: int, undelivered: list[tuple
         raise ResumeError(f"RemoteDataset state field 'items' must be an integer in 0..{sum(b - a for a, b in rows)}"
                           f" (the plan's samples), got {items!r}")
     flat = _flat(state, "skipped", 3, samples)
-    skips = tuple((p, n, bool(o)) for p, n, o in zip(flat[::3], flat[1::3], flat[2::3]))
+    skips = tuple((p, n, bool(o)) for p, n, o in zip(flat[::3], flat[1::3], flat[2::3], strict=True))
     if any(o not in (0, 1) for o in flat[2::3]):
         raise ResumeError("RemoteDataset state field 'skipped' must end each triple with 0 or 1")
     covered = merge(rows)

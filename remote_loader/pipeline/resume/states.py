@@ -17,8 +17,8 @@ from remote_loader.config import require_int
 from remote_loader.errors import ResumeError
 from remote_loader.pipeline.resume.intervals import merge, without
 from remote_loader.pipeline.resume.progress import MARK, STATE_VERSION
-from remote_loader.pipeline.split import Plan, divide
 from remote_loader.pipeline.resume.replay import Record, Replay, parse_record
+from remote_loader.pipeline.split import Plan, divide
 
 _HEADER = ("epoch", "seed", "shuffle", "samples", "shards", "run", "rank", "world_size", "worker", "num_workers")
 _MAX_DEPTH = 8  # how deep load_state_dict looks for worker states inside a loader's state
@@ -94,15 +94,17 @@ def parse(state: Any) -> WorkerState:
     header["rank"] = _int(state, "rank", 0, header["world_size"] - 1)
     header["worker"] = _int(state, "worker", 0, header["num_workers"] - 1)
     flat = _ints(state, "remaining", samples)
-    remaining = list(zip(flat[::2], flat[1::2]))
+    remaining = list(zip(flat[::2], flat[1::2], strict=True))
     if any(a >= b for a, b in remaining) or any(b1 >= a2 for (_, b1), (a2, _) in pairwise(remaining)):
         raise ResumeError("RemoteDataset state field 'remaining' must hold sorted, disjoint, non-empty intervals")
     flat = _ints(state, "extras", samples)
     if any(p >= samples for p in flat[::2]) or any(d not in (0, 1) for d in flat[1::2]):
         raise ResumeError("RemoteDataset state field 'extras' must pair positions below 'samples' with 0 or 1")
     if len(flat) // 2 >= header["world_size"] + 1:
-        raise ResumeError(f"RemoteDataset state lists {len(flat) // 2} extras; a run of {header['world_size']} ranks has fewer")
-    extras = [(p, bool(d)) for p, d in zip(flat[::2], flat[1::2])]
+        raise ResumeError(
+            f"RemoteDataset state lists {len(flat) // 2} extras; a run of {header['world_size']} ranks has fewer"
+        )
+    extras = [(p, bool(d)) for p, d in zip(flat[::2], flat[1::2], strict=True)]
     undelivered = merge([*remaining, *((p, p + 1) for p, d in extras if not d)])
     return WorkerState(header, remaining, extras, parse_record(state, samples, undelivered))
 
@@ -173,19 +175,27 @@ def gather(states: Sequence[WorkerState]) -> Remainder:
     for s in states:
         for key in ("epoch", "seed", "shuffle", "samples", "shards", "run", "world_size", "num_workers"):
             if s.header[key] != first[key]:
-                raise ResumeError(f"states are from different runs: {s.where} has {key}={s.header[key]!r},"
-                                  f" rank {first['rank']} worker {first['worker']} has {first[key]!r}")
+                raise ResumeError(
+                    f"states are from different runs: {s.where} has {key}={s.header[key]!r},"
+                    f" rank {first['rank']} worker {first['worker']} has {first[key]!r}"
+                )
     seen: dict[tuple[int, int], WorkerState] = {}
     for s in states:
         slot = (s.header["rank"], s.header["worker"])
         if slot in seen:
             raise ResumeError(f"the state of {s.where} is given twice")
         seen[slot] = s
-    missing = [f"rank {r} worker {w}" for r in range(first["world_size"]) for w in range(first["num_workers"])
-               if (r, w) not in seen]
+    missing = [
+        f"rank {r} worker {w}"
+        for r in range(first["world_size"])
+        for w in range(first["num_workers"])
+        if (r, w) not in seen
+    ]
     if missing:
-        raise ResumeError(f"states lack {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}: gather the"
-                          f" state of every rank ({first['world_size']} ranks x {first['num_workers']} workers)")
+        raise ResumeError(
+            f"states lack {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}: gather the"
+            f" state of every rank ({first['world_size']} ranks x {first['num_workers']} workers)"
+        )
     intervals = sorted(interval for s in states for interval in s.remaining)
     for (_, b1), (a2, _) in pairwise(intervals):
         if a2 < b1:
