@@ -36,8 +36,9 @@ lint: $(STAMP)
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
+# The suite on as many processes as there are cores, up to 4: each starts its own servers.
 test: $(STAMP) lint docs
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --numprocesses=auto --maxprocesses=4
 
 $(BENCH_STAMP): $(STAMP) benchmarks/requirements.txt
 	$(BIN)/python -m pip install --quiet -r benchmarks/requirements.txt
