@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import itertools
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -16,7 +15,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from remote_loader.config import FetchConfig, current_world, require_bool, require_int
 from remote_loader.errors import ConfigError, DatasetNotFound, ResumeError
 from remote_loader.pipeline import stages
-from remote_loader.pipeline.resume import MAX_WORKERS, Checkpoints, Layout, Progress, route
+from remote_loader.pipeline.resume import MAX_WORKERS, Checkpoints, Layout, Progress, route, skip_delivered
 from remote_loader.pipeline.source import ShardSource
 from remote_loader.pipeline.split import EpochOrders, plan_spans, rank_size, shard_order
 from remote_loader.read import DatasetReader, Metrics
@@ -325,7 +324,7 @@ class RemoteDataset(IterableDataset):
         # state, and the replay point, before which a replay's placeholders go around stages.
         taps: dict[int, list[Callable[[Iterator[tuple[Any, Any]]], Iterator[tuple[Any, Any]]]]] = {}
         if skip:
-            taps.setdefault(layout.skip_point()[0], []).append(partial(_skip, count=skip, done=done))
+            taps.setdefault(layout.skip_point()[0], []).append(partial(skip_delivered, count=skip, done=done))
         point = progress.point if progress is not None else None
         replay_at = layout.replay_point()[0] if point is not None else -1
         if point is not None:
@@ -372,13 +371,6 @@ def _failing(error: Exception) -> Iterator[Any]:
 
 def _ignore(ids: Any) -> None:
     pass
-
-
-def _skip(pairs: Iterator[tuple[Any, Any]], *, count: int, done: Callable[[Any], None]) -> Iterator[tuple[Any, Any]]:
-    """``pairs`` less the first ``count`` items, which count as delivered (a count-based resume)."""
-    for i, _ in itertools.islice(pairs, count):
-        done(i)
-    yield from pairs
 
 
 def _deliver(pairs: Iterator[tuple[Any, Any]], done: Callable[[Any], None], metrics: Metrics) -> Iterator[Any]:

@@ -118,3 +118,33 @@ def threaded_map(fn: Callable[[Any], Any], samples: Iterable[Any], threads: int)
         for _, future in pending:
             future.cancel()
         pool.shutdown()
+
+
+class InFlight:
+    """Where each sample inside a pipeline came from, by id: an error in a later stage, whose
+    items are tuples or tensors without a key, still names its sample. Bounded by what the
+    pipeline holds (the shuffle buffer, threads in flight, a partial batch)."""
+
+    def __init__(self) -> None:
+        self._where: dict[Any, Any] = {}  # id -> the sample dict's key and shard, formatted on failure only
+
+    def entering(self, pairs: Iterable[tuple[Any, Any]]) -> Iterator[tuple[Any, Any]]:
+        for i, item in pairs:
+            if isinstance(item, dict) and "__key__" in item:
+                self._where[i] = (item["__key__"], item.get("__shard__"))
+            yield i, item
+
+    def left(self, ids: Any) -> None:
+        """Forget samples delivered or dropped (an id, or a batch's list of ids)."""
+        if isinstance(ids, list):
+            for i in ids:
+                self.left(i)
+        else:
+            self._where.pop(ids, None)
+
+    def name(self, ids: Any) -> str | None:
+        first = ids
+        while isinstance(first, list) and first:
+            first = first[0]
+        where = self._where.get(first)
+        return None if where is None else describe({"__key__": where[0], "__shard__": where[1]}, 0)

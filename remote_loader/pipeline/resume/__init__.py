@@ -29,9 +29,9 @@ iteration start the next epoch whole.
 """
 
 from remote_loader.pipeline.resume.checkpoint import Checkpoints
-from remote_loader.pipeline.resume.counts import MAX_WORKERS
+from remote_loader.pipeline.resume.counts import MAX_WORKERS, skip_delivered
 from remote_loader.pipeline.resume.layout import Layout
 from remote_loader.pipeline.resume.progress import Progress
 from remote_loader.pipeline.resume.replay import route
 
-__all__ = ["MAX_WORKERS", "Checkpoints", "Layout", "Progress", "route"]
+__all__ = ["MAX_WORKERS", "Checkpoints", "Layout", "Progress", "route", "skip_delivered"]
