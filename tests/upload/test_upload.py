@@ -237,33 +237,17 @@ def test_upload_killed_mid_shard_resumes(seaweed, s3, tmp_path):
     unfinished = raw.list_multipart_uploads(Bucket=bucket, Prefix="killed/").get("Uploads", [])
     assert len(unfinished) == 1 and re.fullmatch(r"killed/shard-[0-9a-f]{8}-000003-000\.tar", unfinished[0]["Key"])
 
-    summary = upload_cv_dataset(
-        ds,
-        client=client,
-        bucket=bucket,
-        base_folder="killed",
-        maxcount=per_shard,
-        maxsize=1e9,
-        workers=2,
-        part_size=5 * 1024 * 1024,
-        progress=False,
-    )
+    def rerun():
+        return upload_cv_dataset(ds, client=client, bucket=bucket, base_folder="killed", maxcount=per_shard,
+                                 maxsize=1e9, workers=2, part_size=5 * 1024 * 1024, progress=False)
+
+    summary = rerun()
     assert summary.kept_shards == 3 and summary.shards == 5 and summary.samples == n
     # What this call did, apart from what it kept: its rate is over what it uploaded.
     assert (summary.kept_samples, summary.uploaded_samples, summary.uploaded_shards) == (180, 120, 2)
     assert summary.samples_per_s == pytest.approx(120 / summary.seconds)
     assert str(summary).startswith("uploaded 120 samples in 2 shards") and "kept 3 shards (180 samples)" in str(summary)
-    again = upload_cv_dataset(
-        ds,
-        client=client,
-        bucket=bucket,
-        base_folder="killed",
-        maxcount=per_shard,
-        maxsize=1e9,
-        workers=2,
-        part_size=5 * 1024 * 1024,
-        progress=False,
-    )
+    again = rerun()
     assert (again.uploaded_samples, again.samples_per_s, again.mb_per_s) == (0, 0.0, 0.0)
     assert "already holds this dataset, 300 samples in 5 shards" in str(again) and "nothing to upload" in str(again)
     assert raw.list_multipart_uploads(Bucket=bucket, Prefix="killed/").get("Uploads", []) == []
