@@ -22,8 +22,8 @@ from shaper import relayed  # type: ignore[import-not-found]
 
 from remote_loader import FetchConfig, make_client
 from remote_loader.read.metrics import Metrics
-from remote_loader.read.reader import fetch_whole
 from remote_loader.read.retry import RetryPolicy
+from remote_loader.read.whole import fetch_whole
 from remote_loader.testing.server import EmbeddedS3
 
 BUCKET = "manifests"

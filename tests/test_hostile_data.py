@@ -29,7 +29,7 @@ from remote_loader import (
 )
 from remote_loader.format import MANIFEST_NAME, Manifest, ShardIndex
 from remote_loader.format.checksum import crc32
-from remote_loader.read import reader as reader_module
+from remote_loader.read import whole
 from remote_loader.storage import Location
 from remote_loader.testing.synthetic import SyntheticImages
 from remote_loader.upload.indexer import index_webdataset
@@ -189,8 +189,8 @@ def test_a_shard_claiming_a_huge_sample_count_costs_the_sampler_nothing(dataset,
 def test_a_manifest_larger_than_any_manifest_is_refused_before_a_buffer_is_made(s3, monkeypatch):
     client, bucket = s3
     client.put(bucket, f"huge/{MANIFEST_NAME}", os.urandom(64 * 1024))
-    monkeypatch.setattr(reader_module, "_FIRST", 4096)
-    monkeypatch.setattr(reader_module, "MAX_MANIFEST_BYTES", 32 * 1024)
+    monkeypatch.setattr(whole, "_FIRST", 4096)
+    monkeypatch.setattr(whole, "MAX_MANIFEST_BYTES", 32 * 1024)
     reader = DatasetReader(client, bucket, "huge")
     with pytest.raises(CorruptShard, match="65,536 bytes, larger than any manifest this reader takes"):
         _ = reader.manifest

@@ -18,7 +18,8 @@ from pathlib import Path
 
 from systems import Target
 
-from remote_loader.testing.server import EmbeddedS3, free_base_port, spawn_tied
+from remote_loader.testing.processes import spawn_tied
+from remote_loader.testing.server import EmbeddedS3, free_base_port
 
 BUCKET = "bench"
 

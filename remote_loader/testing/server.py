@@ -17,33 +17,27 @@ certificates, in the data directory (0700).
 
 from __future__ import annotations
 
-import ctypes
-import ipaddress
 import json
 import os
-import queue
 import random
-import secrets
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from types import TracebackType
-from typing import Any
 
 from remote_loader.errors import ConfigError, EndpointUnreachable
 from remote_loader.storage import Store, make_client
 from remote_loader.storage.factory import Backend
+from remote_loader.testing.guard import server_keys
+from remote_loader.testing.processes import spawn_tied
 
 HOST = "127.0.0.1"
 GRPC_OFFSET = 10000
@@ -55,70 +49,6 @@ _SPAN = len(_SERVICES)
 _OFF = ["-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0", "-admin.ui=false", "-master.telemetry=false"]
 """Services ``weed mini`` would start on more ports (WebDAV, Iceberg and Lance catalogs), its
 admin web page, and the usage report it would send out: all off."""
-_TLS_COMPONENTS = ("MASTER", "VOLUME", "FILER", "S3", "ADMIN", "WORKER", "CLIENT")
-
-
-def die_with_parent() -> None:
-    """In the child before exec: on Linux, get SIGTERM when the thread that started it ends.
-
-    Linux ties PR_SET_PDEATHSIG to the starting *thread*, so start children through
-    ``spawn_tied`` (one thread that lives as long as the process) to tie them to the process.
-    A test run or demo that is killed outright cannot stop its server; this does.
-    """
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-class _Spawner:
-    """One daemon thread per process that starts tied children: it never ends before the
-    process does, so their death signal comes when the process dies, not a caller's thread."""
-
-    def __init__(self) -> None:
-        self._requests: queue.Queue[tuple[Callable[[], Any], queue.Queue[Any]]] = queue.Queue()
-        self._pid = -1
-        self._lock = threading.Lock()
-
-    def run(self, start: Callable[[], Any]) -> Any:
-        with self._lock:
-            if self._pid != os.getpid():  # a fresh thread in a forked child
-                self._requests = queue.Queue()
-                threading.Thread(target=self._serve, args=(self._requests,), name="embedded-s3-spawner",
-                                 daemon=True).start()
-                self._pid = os.getpid()
-        answer: queue.Queue[Any] = queue.Queue(maxsize=1)
-        self._requests.put((start, answer))
-        ok, value = answer.get()
-        if not ok:
-            raise value
-        return value
-
-    @staticmethod
-    def _serve(requests: queue.Queue[tuple[Callable[[], Any], queue.Queue[Any]]]) -> None:
-        while True:
-            start, answer = requests.get()
-            try:
-                answer.put((True, start()))
-            except BaseException as exc:
-                answer.put((False, exc))
-
-
-_SPAWNER = _Spawner()
-
-
-def spawn_tied(args: list[str], **popen: Any) -> subprocess.Popen[bytes]:
-    """``subprocess.Popen(args, **popen)`` for a child that gets SIGTERM when this process dies.
-
-    util-linux's ``setpriv --pdeathsig`` sets the signal when it is there: Python code in a
-    ``preexec_fn`` can deadlock in the child of a process with other threads.
-    """
-    setpriv = shutil.which("setpriv") if sys.platform.startswith("linux") else None
-    if setpriv:
-        command, extra = [setpriv, "--pdeathsig", "TERM", "--", *args], dict[str, Any]()
-    else:
-        command, extra = args, {"preexec_fn": die_with_parent}
-    process: subprocess.Popen[bytes] = _SPAWNER.run(lambda: subprocess.Popen(command, **extra, **popen))
-    return process
 
 
 def find_weed() -> str:
@@ -183,71 +113,6 @@ def service_ports(base: int) -> dict[str, int]:
     ports = {name: base + offset for name, offset in _SERVICES.items()}  # admin's: health and metrics only
     ports.update({f"{name} gRPC": base + GRPC_OFFSET + offset for name, offset in _SERVICES.items()})
     return ports
-
-
-def _guard(directory: Path) -> dict[str, str]:
-    """Fresh keys for SeaweedFS's internal services, as the environment variables ``weed``
-    reads them from (``WEED_`` + a security.toml key): JWT signing keys for its HTTP ports
-    and, for its gRPC ports, a CA and one certificate (server and client) signed by it,
-    written into ``directory``. Nothing outside this server's processes holds them."""
-    from cryptography import x509  # the ``server`` extra, imported by the one thing that needs it
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
-    directory.mkdir(mode=0o700, exist_ok=True)
-    now = datetime.now(timezone.utc)
-
-    def certificate(
-        subject: str, key: ec.EllipticCurvePrivateKey, issuer: str, signer: ec.EllipticCurvePrivateKey, authority: bool
-    ) -> x509.Certificate:
-        builder = (
-            x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
-            .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - timedelta(hours=1))
-            .not_valid_after(now + timedelta(days=3650))
-            .add_extension(x509.BasicConstraints(ca=authority, path_length=None), critical=True)
-        )
-        if not authority:
-            builder = builder.add_extension(
-                x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(HOST))]), critical=False
-            ).add_extension(
-                x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-                critical=False,
-            )
-        return builder.sign(signer, hashes.SHA256())
-
-    ca_key, node_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
-    ca_name = "remote-loader embedded S3 CA"
-    ca = certificate(ca_name, ca_key, ca_name, ca_key, True)
-    node = certificate("remote-loader embedded S3", node_key, ca_name, ca_key, False)
-    files = {
-        "ca.crt": ca.public_bytes(serialization.Encoding.PEM),
-        "node.crt": node.public_bytes(serialization.Encoding.PEM),
-        "node.key": node_key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        ),
-    }
-    for name, data in files.items():
-        path = directory / name
-        path.touch(mode=0o600)
-        path.write_bytes(data)
-    env = {
-        f"WEED_JWT_{name}_KEY": secrets.token_hex(32)
-        for name in ("SIGNING", "SIGNING_READ", "FILER_SIGNING", "FILER_SIGNING_READ")
-    }
-    env.update(
-        WEED_ACCESS_UI="false",
-        WEED_FILER_EXPOSE_DIRECTORY_METADATA_ENABLED="false",
-        WEED_GRPC_CA=str(directory / "ca.crt"),
-    )
-    for component in _TLS_COMPONENTS:
-        env[f"WEED_GRPC_{component}_CERT"] = str(directory / "node.crt")
-        env[f"WEED_GRPC_{component}_KEY"] = str(directory / "node.key")
-    return env
 
 
 @dataclass
@@ -322,7 +187,7 @@ class EmbeddedS3:
         # Its local sockets go in a short directory of its own (a socket path holds at most 107 bytes).
         self._sockets = tempfile.mkdtemp(prefix="rl-s3-")
         log = (data / "weed.log").open("ab")
-        env = {**os.environ, **_guard(data / "tls"), "TMPDIR": self._sockets}  # and its own log files
+        env = {**os.environ, **server_keys(data / "tls"), "TMPDIR": self._sockets}  # and its own log files
         self._process = spawn_tied(
             self._command(base, data), stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env, cwd=data
         )

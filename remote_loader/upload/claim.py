@@ -10,20 +10,26 @@ created the same way, or replaced with ``If-Match`` on the version the upload re
 
 from __future__ import annotations
 
+import logging
 import re
-from collections.abc import Collection, Iterable
+import secrets
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from remote_loader.errors import FormatError, ObjectNotFound, PreconditionFailed, UploadConflict
+import msgpack
+
+from remote_loader.errors import FormatError, ObjectNotFound, PreconditionFailed, StorageError, UploadConflict
 from remote_loader.format import MANIFEST_NAME, UPLOAD_STATE, Manifest
 from remote_loader.format.index import unpack
 from remote_loader.storage import Location, ObjectInfo, Store
-from remote_loader.storage.daemon import map_on_daemon_threads
+from remote_loader.storage.daemon import in_daemon_thread, map_on_daemon_threads, wait_result
 from remote_loader.upload import tasks
 from remote_loader.upload.tasks import STATE_DIR, TaskResult
 
 _STATE = UPLOAD_STATE
+log = logging.getLogger("remote_loader")
 
 
 def read_versioned(store: Store, bucket: str, key: str) -> tuple[bytes, str] | None:
@@ -161,3 +167,129 @@ def switch(store: Store, location: Location, manifest: bytes, record: bytes, run
         delete_run(store, location, run, keep=keep)
         release(store, location, record)
         raise
+
+
+# --------------------------------------------------------------------------- an upload's phases around its tasks
+
+
+@dataclass(frozen=True)
+class Before:
+    """What the prefix held when the upload began: a manifest (with its version tag) and the
+    state of an unfinished upload (with its tag and bytes), read at once (each is a round trip)."""
+
+    found: tuple[bytes, str] | None
+    existing: Manifest | None
+    state: dict[str, Any] | None
+    state_tag: str | None
+    stored: bytes | None
+
+    @classmethod
+    def read(cls, store: Store, location: Location) -> Before:
+        reading_state = in_daemon_thread(partial(read_state, store, location))
+        found = read_versioned(store, location.bucket, location.key(MANIFEST_NAME))
+        existing = None if found is None else Manifest.decode(found[0], name=location.key(MANIFEST_NAME))
+        return cls(found, existing, *wait_result(reading_state))
+
+
+@dataclass(frozen=True)
+class Held:
+    """The upload's hold on its prefix: its run id, task size and state record, and the run it abandoned."""
+
+    run: str
+    task_size: int
+    record: bytes
+    abandoned: str | None = None
+
+
+def hold(
+    store: Store,
+    location: Location,
+    before: Before,
+    params: dict[str, Any],
+    overwrite: bool,
+    task_size: Callable[[], int],
+) -> Held:
+    """Resume the prefix's unfinished run if it is this upload's, else claim the prefix for a
+    new run (abandoning another's only with ``overwrite``)."""
+    state = before.state
+    if state is not None and before.stored is not None and _resumable(state["params"], params):
+        return Held(state["run"], state["task_size"], before.stored)  # resume this upload's interrupted run
+    if before.state_tag is not None and not overwrite:
+        seen = f" (run {state['run']}: {_differences(state['params'], params)})" if state else ""
+        raise UploadConflict(
+            f"{location} holds an unfinished upload with other parameters{seen}, which may still be running:"
+            " wait for it, re-run it with its own parameters to finish it, or pass overwrite=True"
+            " (--overwrite) to abandon it",
+            location=str(location),
+        )
+    size, run = task_size(), secrets.token_hex(4)
+    record = msgpack.packb({"params": params, "task_size": size, "run": run})
+    take(store, location, record, before.state_tag)
+    return Held(run, size, record, state["run"] if state and before.state_tag is not None else None)
+
+
+def kept(store: Store, location: Location, held: Held, num: int) -> dict[int, TaskResult]:
+    """The finished tasks of this run, kept; its unfinished multipart uploads, aborted meanwhile."""
+    aborting = in_daemon_thread(partial(store.abort_uploads, location.bucket, own(location, held.run)))
+    kept = kept_results(store, location, held.run, -(-num // held.task_size))
+    try:
+        wait_result(aborting)
+    except StorageError as exc:
+        if exc.code != "NotImplemented":
+            raise
+        log.debug("%s cannot list multipart uploads; unfinished uploads of earlier runs stay", location.bucket)
+    return kept
+
+
+def finish(store: Store, location: Location, manifest: Manifest, held: Held, before: Before) -> None:
+    """Switch the manifest to this upload's, then clean up in one pass: this run's leftovers
+    and, now that no manifest names them, the replaced upload's shards (tars indexed in place
+    by ``remote-loader index`` are the user's own and stay) and an abandoned run's objects;
+    listed at once, deleted 16 at a time. The state goes last."""
+    switch(
+        store, location, manifest.encode(), held.record, held.run, None if before.found is None else before.found[1]
+    )
+    names = set(manifest.shards.names[i] for i in range(len(manifest.shards)))
+    runs = [held.run] if held.abandoned is None else [held.run, held.abandoned]
+    leftovers = [
+        key
+        for keys in map_on_daemon_threads(
+            lambda r: run_keys(store, location, r, keep=names if r == held.run else ()),
+            runs,
+            len(runs),
+            "remote-loader-list",
+        )
+        for key in keys
+    ]
+    existing = before.existing
+    if existing is not None and existing.params.get("upload_id"):
+        old = existing.shards.names
+        leftovers += [location.key(old[i]) for i in range(len(old)) if old[i] not in names]
+    delete_all(store, location.bucket, leftovers)
+    release(store, location, held.record)
+
+
+def _resumable(unfinished: dict[str, Any], params: dict[str, Any]) -> bool:
+    """Whether an upload with ``params`` may finish an unfinished run made with ``unfinished``:
+    the same parameters, or the same but ``on_error`` going from raise to skip (its finished
+    tasks met no bad sample; the usual next step after a run that stopped at one)."""
+    if unfinished == params:
+        return True
+    return (
+        unfinished.get("on_error") == "raise"
+        and params["on_error"] == "skip"
+        and {**unfinished, "on_error": "skip"} == params
+    )
+
+
+def _differences(unfinished: dict[str, Any], params: dict[str, Any]) -> str:
+    """What an unfinished run's parameters and these differ in, for the refusal's message."""
+    keys = sorted(set(unfinished) | set(params))
+    return (
+        ", ".join(
+            f"{k}={unfinished.get(k)!r} there, {params.get(k)!r} here"
+            for k in keys
+            if unfinished.get(k) != params.get(k)
+        )
+        or "the same"
+    )

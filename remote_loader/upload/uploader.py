@@ -11,31 +11,23 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-import secrets
 import time
 import warnings
-from collections.abc import Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass
 from datetime import datetime, timezone
-from functools import partial
 from typing import Any
 
-import msgpack
 import numpy as np
 from tqdm import tqdm
 
 from remote_loader.config import FetchConfig, RetryConfig, require_bool, require_int
 from remote_loader.errors import (
     ConfigError,
-    StorageError,
-    UploadConflict,
     UploadError,
 )
-from remote_loader.format import MANIFEST_NAME, Manifest, ShardEntry, ShardTable
+from remote_loader.format import Manifest, ShardEntry, ShardTable
 from remote_loader.format.shard import member_bytes
 from remote_loader.storage import DEFAULT_PART_SIZE, Location, Store, as_store
-from remote_loader.storage.daemon import in_daemon_thread, map_on_daemon_threads, wait_result
 from remote_loader.storage.retrying import Retry, RetryingStore
 from remote_loader.upload import claim, tasks
 from remote_loader.upload.encode import EncodeOptions, encode_item
@@ -161,7 +153,7 @@ def _upload(ds: Any, client: Store, location: Location, params: dict[str, Any], 
     # Every request here is retried like a task's, so a 503 or a restart of the store after
     # hours of encoding does not end the upload at its manifest PUT.
     store = RetryingStore(client, Retry(retry, client.endpoint))
-    before = _Before.read(store, location)
+    before = claim.Before.read(store, location)
     if before.existing is not None:
         if before.existing.params.get("upload") == params and not overwrite:
             return UploadSummary.kept_whole(location, before.existing, time.perf_counter() - started)
@@ -169,9 +161,9 @@ def _upload(ds: Any, client: Store, location: Location, params: dict[str, Any], 
             raise UploadError(f"{location} already holds a dataset uploaded with other parameters;"
                               " pass overwrite=True (--overwrite) to replace it")
     order = np.random.default_rng(params["seed"]).permutation(num) if params["shuffle"] else np.arange(num)
-    held = _claim(store, location, before, params, overwrite, lambda: _plan_task_size(
+    held = claim.hold(store, location, before, params, overwrite, lambda: _plan_task_size(
         ds, order, options, params["maxsize"], params["maxcount"]))
-    kept = _kept(store, location, held, num)
+    kept = claim.kept(store, location, held, num)
     spec = TaskSpec(client, location, options, params["maxsize"], params["maxcount"], params["on_error"], part_size,
                     max(6, len(str(num - 1))), held.run, retry)
     pending = [(t, order[t * held.task_size : (t + 1) * held.task_size]) for t in range(-(-num // held.task_size))
@@ -184,7 +176,7 @@ def _upload(ds: Any, client: Store, location: Location, params: dict[str, Any], 
     manifest, reasons = _manifest(
         {**kept, **{r.task_id: r for r in results}}, params, held.run, _class_names(ds), location
     )
-    _switch_and_clean(store, location, manifest, held, before)
+    claim.finish(store, location, manifest, held, before)
     kept_entries = [e for r in kept.values() for e in r.entries]
     return UploadSummary(
         location,
@@ -255,75 +247,6 @@ def _retry(retry: RetryConfig | None, fetch: FetchConfig | None) -> RetryConfig:
     return retry
 
 
-@dataclass(frozen=True)
-class _Before:
-    """What the prefix held when the upload began: a manifest (with its version tag) and the
-    state of an unfinished upload (with its tag and bytes), read at once (each is a round trip)."""
-
-    found: tuple[bytes, str] | None
-    existing: Manifest | None
-    state: dict[str, Any] | None
-    state_tag: str | None
-    stored: bytes | None
-
-    @classmethod
-    def read(cls, store: Store, location: Location) -> _Before:
-        reading_state = in_daemon_thread(partial(claim.read_state, store, location))
-        found = claim.read_versioned(store, location.bucket, location.key(MANIFEST_NAME))
-        existing = None if found is None else Manifest.decode(found[0], name=location.key(MANIFEST_NAME))
-        return cls(found, existing, *wait_result(reading_state))
-
-
-@dataclass(frozen=True)
-class _Held:
-    """The upload's hold on its prefix: its run id, task size and state record, and the run it abandoned."""
-
-    run: str
-    task_size: int
-    record: bytes
-    abandoned: str | None = None
-
-
-def _claim(
-    store: Store,
-    location: Location,
-    before: _Before,
-    params: dict[str, Any],
-    overwrite: bool,
-    task_size: Callable[[], int],
-) -> _Held:
-    """Resume the prefix's unfinished run if it is this upload's, else claim the prefix for a
-    new run (abandoning another's only with ``overwrite``)."""
-    state = before.state
-    if state is not None and before.stored is not None and _resumable(state["params"], params):
-        return _Held(state["run"], state["task_size"], before.stored)  # resume this upload's interrupted run
-    if before.state_tag is not None and not overwrite:
-        seen = f" (run {state['run']}: {_differences(state['params'], params)})" if state else ""
-        raise UploadConflict(
-            f"{location} holds an unfinished upload with other parameters{seen}, which may still be running:"
-            " wait for it, re-run it with its own parameters to finish it, or pass overwrite=True"
-            " (--overwrite) to abandon it",
-            location=str(location),
-        )
-    size, run = task_size(), secrets.token_hex(4)
-    record = msgpack.packb({"params": params, "task_size": size, "run": run})
-    claim.take(store, location, record, before.state_tag)
-    return _Held(run, size, record, state["run"] if state and before.state_tag is not None else None)
-
-
-def _kept(store: Store, location: Location, held: _Held, num: int) -> dict[int, TaskResult]:
-    """The finished tasks of this run, kept; its unfinished multipart uploads, aborted meanwhile."""
-    aborting = in_daemon_thread(partial(store.abort_uploads, location.bucket, claim.own(location, held.run)))
-    kept = claim.kept_results(store, location, held.run, -(-num // held.task_size))
-    try:
-        wait_result(aborting)
-    except StorageError as exc:
-        if exc.code != "NotImplemented":
-            raise
-        log.debug("%s cannot list multipart uploads; unfinished uploads of earlier runs stay", location.bucket)
-    return kept
-
-
 def _manifest(
     by_task: dict[int, TaskResult], params: dict[str, Any], run: str, classes: list[str], location: Location
 ) -> tuple[Manifest, tuple[str, ...]]:
@@ -348,60 +271,6 @@ def _manifest(
         skipped_indices=tuple(skipped),
     )
     return manifest, reasons
-
-
-def _switch_and_clean(store: Store, location: Location, manifest: Manifest, held: _Held, before: _Before) -> None:
-    """Switch the manifest to this upload's, then clean up in one pass: this run's leftovers
-    and, now that no manifest names them, the replaced upload's shards (tars indexed in place
-    by ``remote-loader index`` are the user's own and stay) and an abandoned run's objects;
-    listed at once, deleted 16 at a time. The state goes last."""
-    claim.switch(
-        store, location, manifest.encode(), held.record, held.run, None if before.found is None else before.found[1]
-    )
-    names = set(manifest.shards.names[i] for i in range(len(manifest.shards)))
-    runs = [held.run] if held.abandoned is None else [held.run, held.abandoned]
-    leftovers = [
-        key
-        for keys in map_on_daemon_threads(
-            lambda r: claim.run_keys(store, location, r, keep=names if r == held.run else ()),
-            runs,
-            len(runs),
-            "remote-loader-list",
-        )
-        for key in keys
-    ]
-    existing = before.existing
-    if existing is not None and existing.params.get("upload_id"):
-        old = existing.shards.names
-        leftovers += [location.key(old[i]) for i in range(len(old)) if old[i] not in names]
-    claim.delete_all(store, location.bucket, leftovers)
-    claim.release(store, location, held.record)
-
-
-def _resumable(unfinished: dict[str, Any], params: dict[str, Any]) -> bool:
-    """Whether an upload with ``params`` may finish an unfinished run made with ``unfinished``:
-    the same parameters, or the same but ``on_error`` going from raise to skip (its finished
-    tasks met no bad sample; the usual next step after a run that stopped at one)."""
-    if unfinished == params:
-        return True
-    return (
-        unfinished.get("on_error") == "raise"
-        and params["on_error"] == "skip"
-        and {**unfinished, "on_error": "skip"} == params
-    )
-
-
-def _differences(unfinished: dict[str, Any], params: dict[str, Any]) -> str:
-    """What an unfinished run's parameters and these differ in, for the refusal's message."""
-    keys = sorted(set(unfinished) | set(params))
-    return (
-        ", ".join(
-            f"{k}={unfinished.get(k)!r} there, {params.get(k)!r} here"
-            for k in keys
-            if unfinished.get(k) != params.get(k)
-        )
-        or "the same"
-    )
 
 
 def _class_names(ds: Any) -> list[str]:

@@ -10,10 +10,11 @@ import pytest
 
 from remote_loader import CorruptShard, FetchConfig, RemoteDataset, RetryConfig, make_client
 from remote_loader.format import Manifest, ShardTable
-from remote_loader.read import reader
+from remote_loader.read import whole
 from remote_loader.read.metrics import Metrics
-from remote_loader.read.reader import DatasetReader, fetch_whole
+from remote_loader.read.reader import DatasetReader
 from remote_loader.read.retry import RetryPolicy
+from remote_loader.read.whole import fetch_whole
 from remote_loader.testing.synthetic import SyntheticImages
 from tests.helpers import upload_to_new_bucket
 
@@ -24,9 +25,9 @@ KiB = 1024
 def small_parts(monkeypatch: pytest.MonkeyPatch) -> None:
     """A first GET of 4 KiB, then parts of at least 1 KiB, as many as ``concurrency`` allows
     (however fast the first GET was): what a 25 MB manifest gets across a network."""
-    monkeypatch.setattr(reader, "_FIRST", 4 * KiB)
-    monkeypatch.setattr(reader, "_MIN_PART", KiB)
-    monkeypatch.setattr(reader, "_PART_SECONDS", 1e-9)
+    monkeypatch.setattr(whole, "_FIRST", 4 * KiB)
+    monkeypatch.setattr(whole, "_MIN_PART", KiB)
+    monkeypatch.setattr(whole, "_PART_SECONDS", 1e-9)
 
 
 def _manifest(shards: int, field: str) -> bytes:
@@ -56,8 +57,8 @@ def test_an_object_arrives_whole_and_byte_identical_in_as_many_ranges_as_it_need
 
 def test_a_dataset_whose_manifest_arrives_in_ranges_streams_every_sample_once(s3, small_parts, monkeypatch):
     client, bucket = s3
-    monkeypatch.setattr(reader, "_FIRST", 512)
-    monkeypatch.setattr(reader, "_MIN_PART", 128)
+    monkeypatch.setattr(whole, "_FIRST", 512)
+    monkeypatch.setattr(whole, "_MIN_PART", 128)
     upload_to_new_bucket(client, bucket, "ds", SyntheticImages(300, size=(8, 8)), maxcount=2)
     data = client.get(bucket, "ds/manifest.msgpack")
     assert len(data) > 3 * 512, "the manifest must need several ranges"

@@ -1,0 +1,78 @@
+"""Child processes that end with the process that started them, even when it is killed outright:
+the embedded server's, and the benchmark suite's servers."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+
+def die_with_parent() -> None:
+    """In the child before exec: on Linux, get SIGTERM when the thread that started it ends.
+
+    Linux ties PR_SET_PDEATHSIG to the starting *thread*, so start children through
+    ``spawn_tied`` (one thread that lives as long as the process) to tie them to the process.
+    A test run or demo that is killed outright cannot stop its server; this does.
+    """
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class _Spawner:
+    """One daemon thread per process that starts tied children: it never ends before the
+    process does, so their death signal comes when the process dies, not a caller's thread."""
+
+    def __init__(self) -> None:
+        self._requests: queue.Queue[tuple[Callable[[], Any], queue.Queue[Any]]] = queue.Queue()
+        self._pid = -1
+        self._lock = threading.Lock()
+
+    def run(self, start: Callable[[], Any]) -> Any:
+        with self._lock:
+            if self._pid != os.getpid():  # a fresh thread in a forked child
+                self._requests = queue.Queue()
+                threading.Thread(target=self._serve, args=(self._requests,), name="embedded-s3-spawner",
+                                 daemon=True).start()
+                self._pid = os.getpid()
+        answer: queue.Queue[Any] = queue.Queue(maxsize=1)
+        self._requests.put((start, answer))
+        ok, value = answer.get()
+        if not ok:
+            raise value
+        return value
+
+    @staticmethod
+    def _serve(requests: queue.Queue[tuple[Callable[[], Any], queue.Queue[Any]]]) -> None:
+        while True:
+            start, answer = requests.get()
+            try:
+                answer.put((True, start()))
+            except BaseException as exc:
+                answer.put((False, exc))
+
+
+_SPAWNER = _Spawner()
+
+
+def spawn_tied(args: list[str], **popen: Any) -> subprocess.Popen[bytes]:
+    """``subprocess.Popen(args, **popen)`` for a child that gets SIGTERM when this process dies.
+
+    util-linux's ``setpriv --pdeathsig`` sets the signal when it is there: Python code in a
+    ``preexec_fn`` can deadlock in the child of a process with other threads.
+    """
+    setpriv = shutil.which("setpriv") if sys.platform.startswith("linux") else None
+    if setpriv:
+        command, extra = [setpriv, "--pdeathsig", "TERM", "--", *args], dict[str, Any]()
+    else:
+        command, extra = args, {"preexec_fn": die_with_parent}
+    process: subprocess.Popen[bytes] = _SPAWNER.run(lambda: subprocess.Popen(command, **extra, **popen))
+    return process
