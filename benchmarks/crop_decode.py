@@ -86,7 +86,6 @@ def region_library() -> ctypes.CDLL:
     subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-o", str(built), str(source), "-ljpeg"], check=True,
                    capture_output=True)
     library = ctypes.CDLL(str(built))
-    library.scaled_size.argtypes = [ctypes.c_char_p, ctypes.c_ulong, ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
     library.decode_region.argtypes = [ctypes.c_char_p, ctypes.c_ulong, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                                       ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
                                       ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int)]
@@ -101,10 +100,7 @@ def region_decode(data: bytes, box: Box, shrink: int, fast: bool, whole: bool = 
     """
     library = region_library()
     height, width, _, _ = simplejpeg.decode_jpeg_header(data)
-    dims = (ctypes.c_int * 2)()
-    if library.scaled_size(data, len(data), shrink, dims):
-        raise ValueError("not a JPEG")
-    scaled_width, scaled_height = dims
+    scaled_width, scaled_height = math.ceil(width / shrink), math.ceil(height / shrink)  # libjpeg's rounding
     wanted = _scaled(box, width, height, np.empty((scaled_height, scaled_width, 0))) if shrink > 1 else box
     # One pixel more on each side: the box's edge pixels are then upsampled from their real
     # neighbours, as in a whole decode, not from a replicated edge.

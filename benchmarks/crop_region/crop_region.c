@@ -21,29 +21,6 @@ static void quiet(j_common_ptr cinfo, int level) {
     (void)level;
 }
 
-/* Size of the image at 1/denom scale: out[0] = width, out[1] = height. */
-int scaled_size(const unsigned char *data, unsigned long size, int denom, int *out) {
-    struct jpeg_decompress_struct cinfo;
-    struct failure err;
-    cinfo.err = jpeg_std_error(&err.mgr);
-    err.mgr.error_exit = fail;
-    err.mgr.emit_message = quiet;
-    if (setjmp(err.jump)) {
-        jpeg_destroy_decompress(&cinfo);
-        return -1;
-    }
-    jpeg_create_decompress(&cinfo);
-    jpeg_mem_src(&cinfo, data, size);
-    jpeg_read_header(&cinfo, TRUE);
-    cinfo.scale_num = 1;
-    cinfo.scale_denom = denom;
-    jpeg_calc_output_dimensions(&cinfo);
-    out[0] = cinfo.output_width;
-    out[1] = cinfo.output_height;
-    jpeg_destroy_decompress(&cinfo);
-    return 0;
-}
-
 /* Decode rows [top, bottom) and at least columns [left, right) of the image at 1/denom
  * scale into pixels (RGB, rows of (right - left + 2 iMCU widths) * 3 bytes at most, given as
  * stride). Returns the first decoded column (left, rounded down to an iMCU boundary) in
