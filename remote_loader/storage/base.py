@@ -179,8 +179,9 @@ class RangedStore(Store):
 
     Its SDK client is created lazily in each process (after a fork, or in a spawned worker
     that unpickled the store) and dropped when the store is pickled. A store made around a
-    caller's own SDK client (``make_client(boto3_client)``) uses that client in the process
-    that gave it, and makes its own in any other.
+    caller's own SDK client (``as_store``, which every dataset and upload call applies to the
+    client it is given) uses that client in the process that gave it, and makes its own in
+    any other.
     """
 
     def __init__(self) -> None:
