@@ -236,19 +236,19 @@ class FetchConfig:
     """How shards are fetched ahead of use: the shape of the reads and their memory.
 
     The shard data a process holds at once is at most ``range_memory(open_shards,
-    largest_sample)``: ``max(prefetch_bytes, R) + (open_shards + 2) * R`` plus 4 MiB, where
+    largest_sample)``: ``max(prefetch_bytes, R) + (open_shards + 2) * R`` plus 8 MiB, where
     a range ``R`` is ``range_bytes`` or, when one sample is larger, that sample (rounded up
     to whole MiB): ranges being fetched, the ``open_shards`` ranges being read, two free
     buffers kept for reuse, and the heads of the first shards. With the defaults,
-    ``open_shards=4`` and samples under 8 MiB: 180 MiB; with 40 MB samples, 404 MiB. A
+    ``open_shards=4`` and samples under 8 MiB: 184 MiB; with 40 MB samples, 408 MiB. A
     range holds as many samples as ``range_bytes`` holds at its shard's average sample
     size: with sizes that vary much within a shard, a range of its largest samples is
     larger than ``R``. The fetcher starts with 8 GETs in flight and
-    a 32 MiB budget (84 MiB in all) and reaches toward ``concurrency`` and
+    a 32 MiB budget (88 MiB in all) and reaches toward ``concurrency`` and
     ``prefetch_bytes`` only while the reader waits for bytes and each step brings them in
     faster: across a network, where every GET costs a round trip. At the start of an
-    epoch the first MiB of the first four shards is fetched while their indexes arrive
-    (4 MiB more, until copied into their ranges). A range larger than
+    epoch the first MiB of the first four shards (a shard under 2 MiB whole) is fetched
+    while their indexes arrive (8 MiB more at most, until copied into their ranges). A range larger than
     ``prefetch_bytes`` (one sample bigger than that) is fetched alone. A process's loader memory adds the shuffle
     buffer's samples and, per threaded stage, ``2 x threads`` samples in flight.
 
@@ -327,7 +327,7 @@ class FetchConfig:
         samples of at most ``largest_sample`` bytes (see the class's docstring)."""
         mib = 1 << 20
         ranges = -(-max(self.range_bytes, largest_sample) // mib) * mib
-        return max(self.prefetch_bytes, ranges) + (open_shards + 2) * ranges + 4 * mib
+        return max(self.prefetch_bytes, ranges) + (open_shards + 2) * ranges + 8 * mib
 
     # The deprecated names, read back (one release).
     max_attempts = property(lambda self: self.refetch_attempts)

@@ -102,6 +102,7 @@ class Fetched(Generic[C]):
 _LOCATE_AHEAD = 4  # ranges located (index GETs) ahead of the one being queued
 _FIRST_PART = 1 << 20  # the first part of a range is small: its samples are needed first
 _SECOND_PART = 2 << 20  # and the first ranges' second part is not much larger
+_MIN_TAIL = 1 << 20  # a range's last part smaller than this joins the part before: a GET costs a round trip
 _Head = tuple[int, int, Future[bytes]]  # bytes [start, end) of an object, fetched before their range was located
 
 
@@ -240,13 +241,16 @@ class Prefetcher(Generic[C]):
     def _fetch_head(self, job: Job[C]) -> _Head | None:
         if job.head is None:
             return None
-        offset, stop = job.head[0], min(job.head[1], job.head[0] + _FIRST_PART)
+        offset, size = job.head
+        stop = size if size - offset < _FIRST_PART + _MIN_TAIL else offset + _FIRST_PART  # a small object whole
         return offset, stop, in_daemon_thread(partial(fetch_range, self.policy, self.bucket, job.key, offset, stop))
 
     def _submit(self, slot: _Slot[C], start: int, end: int, context: C, early: _Head | None = None) -> None:
         """Queue the parts of a located range. The first ranges start with small parts, so the
         first samples come early; later ones use whole parts (each GET has a fixed cost). A
-        head fetched early (``Job.head``) is the first part when the range starts inside it."""
+        head fetched early (``Job.head``) is the first part when the range starts inside it.
+        A last part under ``_MIN_TAIL`` joins the one before: on the critical path, a GET of a
+        few KiB costs as long as one of MiBs."""
         size = self.config.part_size
         head = early if early is not None and early[0] <= start < min(end, early[1]) else None
         first = min(end, head[1]) if head is not None else start + min(_FIRST_PART, size)
@@ -254,6 +258,8 @@ class Prefetcher(Generic[C]):
             bounds = [b for b in [start, first, *range(first + min(_SECOND_PART, size), end, size)] if b < end]
         else:
             bounds = list(range(start, end, size))
+        if len(bounds) > (2 if head is not None else 1) and end - bounds[-1] < _MIN_TAIL:
+            bounds.pop()
         self._submitted += 1
         backing = self._buffers.take(end - start)
         fetched = Fetched(

@@ -93,6 +93,43 @@ def test_the_first_ranges_fetch_their_heads_while_they_are_located(tmp_path, cap
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]  # no callback failed on the side
 
 
+def test_no_range_ends_in_a_part_of_a_few_kib(tmp_path):
+    """A GET of a few KiB costs a round trip like one of MiBs, and on the first batch's
+    path it waits behind them: a range's last part under 1 MiB joins the part before, and
+    the head of an object under 2 MiB takes the whole object."""
+    gets: list[tuple[str, int, int]] = []
+
+    class Recording(LocalStore):  # its get_range_into goes through get_range
+        def get_range(self, bucket, key, start, end):
+            gets.append((key, start, end))
+            return super().get_range(bucket, key, start, end)
+
+    store = Recording(tmp_path)
+    store.create_bucket("b")
+    mib = 1 << 20
+    sizes = {"headed": mib + 6_000, "long": 3 * mib + 30_000, "later": 2 * mib + 24_000, "whole": 700_000}
+    blobs = {key: os.urandom(size) for key, size in sizes.items()}
+    for key, data in blobs.items():
+        store.put("b", key, data)
+    spans = {"headed": (512, mib + 5_000), "long": (0, sizes["long"]), "later": (0, sizes["later"]),
+             "whole": (0, 700_000)}
+    heads = {"headed": (0, sizes["headed"])}
+    # Five jobs before "later", so that it is cut into whole parts, not the first ranges' small ones.
+    keys = ["headed", "long", "whole", "whole", "whole", "later"]
+    jobs = [Job(key, lambda k=key: (*spans[k], None), heads.get(key)) for key in keys]
+    config = FetchConfig(part_size=mib, concurrency=4, prefetch_bytes=16 * mib)
+    with Prefetcher("b", jobs, RetryPolicy(config, Metrics(), store)) as prefetcher:
+        got = []
+        for fetched in prefetcher:
+            fetched.wait()
+            got.append((fetched.key, bytes(fetched.buffer)))
+            fetched.release()
+    assert got == [(key, blobs[key][slice(*spans[key])]) for key in keys]
+    assert [g for g in gets if g[0] == "headed"] == [("headed", 0, sizes["headed"])]
+    assert [g for g in gets if g[2] - g[1] < 700_000] == []
+    assert sorted(g for g in gets if g[0] == "later") == [("later", 0, mib), ("later", mib, sizes["later"])]
+
+
 def test_a_head_that_fails_fails_its_range_where_it_is_read(tmp_path):
     class Refusing(LocalStore):
         def get_range(self, bucket, key, start, end):
