@@ -1,7 +1,7 @@
 """One measurement in a fresh process; prints one JSON line. Started by ``run.py``.
 
     measure.py write  SYSTEM PREFIX ITEMS_JSON        conversion + upload time
-    measure.py epoch  SYSTEM PREFIX SCENARIO WORKERS  one shuffled epoch: rate, time to first batch
+    measure.py epoch  SYSTEM PREFIX SCENARIO WORKERS [SETTING]  one shuffled epoch: rate, first batch
 
 The endpoint, bucket and credentials come from ``BENCH_ENDPOINT``, ``BENCH_BUCKET``,
 ``BENCH_ACCESS_KEY`` and ``BENCH_SECRET_KEY``.
@@ -34,14 +34,14 @@ def write(system: str, prefix: str, items_file: str) -> dict[str, float]:
     return {"seconds": time.perf_counter() - started}
 
 
-def epoch(system: str, prefix: str, scenario: str, workers: int) -> dict[str, float]:
+def epoch(system: str, prefix: str, scenario: str, workers: int, setting: str | None = None) -> dict[str, float]:
     systems.prepare(system)  # imports happen before the clock starts
     cache = tempfile.mkdtemp(prefix="bench-cache-")
     try:
         started = time.perf_counter()
         first = 0.0
         samples = nbytes = first_samples = 0
-        for batch in systems.loader(system, target(), prefix, scenario, workers, cache):
+        for batch in systems.loader(system, target(), prefix, scenario, workers, cache, setting):
             if scenario.startswith("A"):
                 count, size = batch
                 samples, nbytes = samples + count, nbytes + size
@@ -65,7 +65,7 @@ def main() -> None:
     if command == "write":
         result = write(system, prefix, rest[0])
     else:
-        result = epoch(system, prefix, rest[0], int(rest[1]))
+        result = epoch(system, prefix, rest[0], int(rest[1]), rest[2] if len(rest) > 2 else None)
     print(json.dumps(result), flush=True)
     os._exit(0)  # peers leave non-daemon threads behind; the result is out
 

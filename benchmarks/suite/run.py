@@ -41,7 +41,7 @@ import limits  # noqa: E402
 import report  # noqa: E402
 import scaling  # noqa: E402
 import servers  # noqa: E402
-from systems import SYSTEMS, Target, configuration  # noqa: E402
+from systems import SYSTEMS, Target, configuration, label, settings  # noqa: E402
 
 SCENARIOS = ("A", "B", "B-fused")
 
@@ -130,7 +130,7 @@ def bench_server(name: str, target: Target, items_file: Path, images: int, args:
             run["samples"] = images
             writes[system].append(run)
             print(f"  [{name}] E {system} #{repeat}: {run['seconds']:.1f} s", flush=True)
-    epochs: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
+    epochs: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     failures: list[str] = []
     for repeat in range(args.repeats):
         for scenario in args.scenarios:
@@ -138,36 +138,40 @@ def bench_server(name: str, target: Target, items_file: Path, images: int, args:
                 for system in args.systems:
                     if scenario == "B-fused" and system != "remote_loader":
                         continue
-                    try:
-                        run = measure_retrying(
-                            ["epoch", system, f"{system}-{args.repeats - 1}", scenario, str(workers)], target, failures
+                    for setting in settings(system):
+                        extra = [] if setting is None else [setting]
+                        try:
+                            run = measure_retrying(["epoch", system, f"{system}-{args.repeats - 1}", scenario,
+                                                    str(workers), *extra], target, failures)
+                        except RuntimeError:
+                            continue  # recorded in failed_runs; the table shows a gap
+                        if run["samples"] != images:
+                            raise RuntimeError(f"{system} {scenario} delivered {run['samples']} of {images} samples")
+                        setup = label(workers, setting)
+                        epochs.setdefault((system, scenario, setup), []).append(run)
+                        print(
+                            f"  [{name}] {scenario} {system} w={setup} #{repeat}:"
+                            f" {run['samples'] / run['seconds']:,.0f} samples/s, first batch"
+                            f" {run['first_batch_seconds']:.2f} s, peak RSS {run['peak_rss_mb']:,.0f} MB",
+                            flush=True,
                         )
-                    except RuntimeError:
-                        continue  # recorded in failed_runs; the table shows a gap
-                    if run["samples"] != images:
-                        raise RuntimeError(f"{system} {scenario} delivered {run['samples']} of {images} samples")
-                    epochs.setdefault((system, scenario, workers), []).append(run)
-                    print(
-                        f"  [{name}] {scenario} {system} w={workers} #{repeat}:"
-                        f" {run['samples'] / run['seconds']:,.0f} samples/s, first batch"
-                        f" {run['first_batch_seconds']:.2f} s, peak RSS {run['peak_rss_mb']:,.0f} MB",
-                        flush=True,
-                    )
     for system in args.systems:
+        setups = {label(w, s): (w, s) for w in args.workers for s in settings(system)}
         results[system] = {
             "E": {"seconds": median(writes[system], "seconds"), "runs": writes[system]},
-            "configurations": {w: configuration(system, w) for w in args.workers},
+            "configurations": {setup: configuration(system, *ws) for setup, ws in setups.items()},
             "by_workers": {},
         }
         for scenario in SCENARIOS:
             measured = {
-                w: summarize(epochs[(system, scenario, w)]) for w in args.workers if (system, scenario, w) in epochs
+                setup: summarize(epochs[(system, scenario, setup)]) for setup in setups
+                if (system, scenario, setup) in epochs
             }
-            if measured:  # compared at its better worker count
+            if measured:  # compared at its best set-up
                 best = max(measured, key=lambda w: measured[w]["samples_per_s"])
                 results[system][scenario] = {**measured[best], "workers": best}
-                for w, summary in measured.items():
-                    results[system]["by_workers"].setdefault(str(w), {})[scenario] = summary
+                for setup, summary in measured.items():
+                    results[system]["by_workers"].setdefault(setup, {})[scenario] = summary
         results[system]["failed_runs"] = [f for f in failures if f.startswith(f"{system} ")]
     return results
 

@@ -8,6 +8,9 @@ prefix, scenario, workers)`` returns an iterable of batches for one shuffled epo
 - scenario ``B`` (plain): ``plain_augment`` on every sample, batches of 64 uint8 tensors;
 - scenario ``B-fused`` (remote_loader only): its fused decode + random-resized-crop.
 
+A system may have more than one documented setting worth trying (``SETTINGS``); each is
+measured at each worker count and the system is compared at its best one.
+
 ``target`` holds the endpoint and credentials (``Target``). Peers are imported lazily:
 each measurement runs in its own process.
 """
@@ -29,9 +32,25 @@ SHARD_BYTES = int(os.environ.get("BENCH_SHARD_BYTES", 64_000_000))
 SHUFFLE_BUFFER = 1000
 STAGE_THREADS = os.cpu_count() or 2
 """remote_loader's stage threads when it runs without DataLoader workers (its documented set-up)."""
+SETTINGS: dict[str, tuple[str, ...]] = {"litdata": ("1", "all")}
+"""Settings tried besides worker counts. LitData's ``batch_decode`` (how many rows it
+deserializes at once once a chunk is local): its docs give 1 for images ("each row is
+decoded once"), which its ``auto`` does not pick for rows stored as ``bytes``; ``"all"``
+(the whole chunk) avoids its re-reading a chunk file shared between two workers once per
+window. Measured: auto 2,920 and 488 samples/s at 0 and 2 workers; 1: 8,028 and 248;
+all: 5,744 and 5,190 (docs/performance.md)."""
 
 
-def configuration(name: str, workers: int) -> str:
+def settings(name: str) -> tuple[str | None, ...]:
+    return SETTINGS.get(name, (None,))
+
+
+def label(workers: int, setting: str | None) -> str:
+    """How a measured set-up is named in the results: the worker count, and the setting if any."""
+    return str(workers) if setting is None else f"{workers}, batch_decode={setting}"
+
+
+def configuration(name: str, workers: int, setting: str | None = None) -> str:
     """How each system is set up, as its own documentation shows: recorded with the results."""
     return {
         "remote_loader": (
@@ -49,9 +68,10 @@ def configuration(name: str, workers: int) -> str:
         "streaming": (
             f"StreamingDataset(remote, local cache, shuffle=True, batch_size=64), defaults (predownload,"
             f" cache limit unset); DataLoader(num_workers={workers})"
+            + ("; each worker makes its own S3 client (see _load_streaming)" if workers else "")
         ),
         "litdata": (
-            f"litdata.StreamingDataset(shuffle=True), obstore with allow_http;"
+            f"litdata.StreamingDataset(shuffle=True, batch_decode={setting!r}), obstore with allow_http;"
             f" StreamingDataLoader(num_workers={workers})"
         ),
     }[name]
@@ -226,13 +246,15 @@ def _write_litdata(items: Sequence[tuple[str, int]], target: Target, prefix: str
 # ---------------------------------------------------------------------------- readers
 
 
-def loader(name: str, target: Target, prefix: str, scenario: str, workers: int, cache: str) -> Iterable[Any]:
+def loader(name: str, target: Target, prefix: str, scenario: str, workers: int, cache: str,
+           setting: str | None = None) -> Iterable[Any]:
     os.environ.update(target.environ())
+    if name == "litdata":
+        return _load_litdata(target, prefix, scenario, workers, cache, setting or "auto")
     return {
         "remote_loader": _load_remote_loader,
         "webdataset": _load_webdataset,
         "streaming": _load_streaming,
-        "litdata": _load_litdata,
     }[name](target, prefix, scenario, workers, cache)
 
 
@@ -323,10 +345,18 @@ def _load_streaming(target: Target, prefix: str, scenario: str, workers: int, ca
     dataset = Pairs(
         remote=f"s3://{target.bucket}/{prefix}", local=cache, shuffle=True, batch_size=BATCH, shuffle_seed=0
     )
+    if workers:
+        # The dataset fetched index.json with a boto3 client it keeps; forked workers would share
+        # its pooled connection and read each other's responses (whole shards of wrong bytes, or
+        # "Relative sample index ... is not present": 3 of 5 epochs at 2 workers). Dropping it
+        # before the fork makes each worker open its own, as its downloader does when it has none.
+        for stream in dataset.streams:
+            stream._downloader.clean_up()
     return DataLoader(dataset, batch_size=BATCH, num_workers=workers, collate_fn=_collate(scenario))
 
 
-def _load_litdata(target: Target, prefix: str, scenario: str, workers: int, cache: str) -> Iterable[Any]:
+def _load_litdata(target: Target, prefix: str, scenario: str, workers: int, cache: str,
+                  batch_decode: str) -> Iterable[Any]:
     import stubs
 
     stubs.install()
@@ -346,5 +376,6 @@ def _load_litdata(target: Target, prefix: str, scenario: str, workers: int, cach
         shuffle=True,
         seed=0,
         storage_options=_litdata_options(target),
+        batch_decode=batch_decode,
     )
     return litdata.StreamingDataLoader(dataset, batch_size=BATCH, num_workers=workers, collate_fn=_collate(scenario))
