@@ -246,7 +246,8 @@ class FetchConfig:
     larger than ``R``. The fetcher starts with 8 GETs in flight and
     a 32 MiB budget (88 MiB in all) and reaches toward ``concurrency`` and
     ``prefetch_bytes`` only while the reader waits for bytes and each step brings them in
-    faster: across a network, where every GET costs a round trip. At the start of an
+    faster: across a network, where every GET costs a round trip; it starts there when the
+    manifest's first GET took 15 ms or more. At the start of an
     epoch the first MiB of the first four shards (a shard under 2 MiB whole) is fetched
     while their indexes arrive (8 MiB more at most, until copied into their ranges). A range larger than
     ``prefetch_bytes`` (one sample bigger than that) is fetched alone. A process's loader memory adds the shuffle

@@ -134,7 +134,7 @@ class ShardSource:
         where its run skipped and yields ``REPLAYED`` for samples delivered before its state."""
         progress, replay = self.progress, self.replay
         rng = np.random.default_rng(list(self.seed))
-        with Prefetcher(self.reader.location.bucket, jobs, self.policy) as prefetcher:
+        with Prefetcher(self.reader.location.bucket, jobs, self.policy, self.reader.round_trip) as prefetcher:
             fetched = iter(prefetcher)
             reading: list[Any] = []
             base: dict[int, int] = {}  # id(reading) -> the position of its sample 0

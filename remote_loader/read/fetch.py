@@ -141,7 +141,8 @@ class Prefetcher(Generic[C]):
     fetcher, which are never reused after close.
     """
 
-    def __init__(self, bucket: str, jobs: Iterable[Job[C]], policy: RetryPolicy) -> None:
+    def __init__(self, bucket: str, jobs: Iterable[Job[C]], policy: RetryPolicy,
+                 round_trip: float | None = None) -> None:
         self.bucket, self.policy = bucket, policy
         self.config, self.metrics = policy.config, policy.metrics
         self._jobs = iter(jobs)
@@ -155,7 +156,7 @@ class Prefetcher(Generic[C]):
         self._seq = 0
         self._submitted = 0  # ranges queued so far
         self._active = 0  # GETs under way
-        self._reach = Reach(self.config.concurrency, self.config.prefetch_bytes)
+        self._reach = Reach(self.config.concurrency, self.config.prefetch_bytes, round_trip)
         self._budget_blocked = False  # the scheduler waits for budget
         self.metrics.peak("gets_in_flight", self._reach.gets)
         self._getters = [threading.Thread(target=self._get, name=f"remote-loader-get-{i}", daemon=True)

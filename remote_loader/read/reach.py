@@ -7,6 +7,10 @@ limit held the fetcher back, it doubles both, up to the configured ceilings, for
 as each step brings bytes in at least 10% faster. Across a network each GET costs a round
 trip, and the limits grow until enough are in flight to cover it (the bandwidth-delay
 product); on a nearby store that is busy, more GETs bring nothing and the limits stay.
+
+A reader whose first GET (its manifest's) took a network's round trip, 15 ms or more,
+starts at the ceilings instead: growing from the start takes a second or more, a large
+part of an epoch read from a few thousand samples' worth of shards.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ WINDOW = 0.25  # seconds between looks
 STARVED = 0.05  # the share of a window spent waiting that counts as starved
 GROWTH = 2.0
 PAYS = 1.1  # growing goes on while each step brings bytes in at least this much faster
+FAR = 0.015  # a first GET this long is a network's (loopback: 5-6 ms, one request's client overhead included)
 
 
 class Reach:
@@ -26,9 +31,10 @@ class Reach:
     Args:
         max_gets: Ceiling on GETs in flight (``FetchConfig.concurrency``).
         max_bytes: Ceiling on the budget (``FetchConfig.prefetch_bytes``).
+        round_trip: Seconds the reader's first GET waited for its answer, if known.
     """
 
-    def __init__(self, max_gets: int, max_bytes: int) -> None:
+    def __init__(self, max_gets: int, max_bytes: int, round_trip: float | None = None) -> None:
         self.max_gets, self.max_bytes = max_gets, max_bytes
         self.gets = min(START_GETS, max_gets)
         self.bytes = min(START_BYTES, max_bytes)
@@ -37,6 +43,8 @@ class Reach:
         self._starved = False  # the last window was starved
         self._grown = False  # the limits grew at the end of the last window
         self._settled = False  # growing stopped paying: the limits stay
+        if round_trip is not None and round_trip >= FAR:  # across a network: no ramp
+            self.gets, self.bytes, self._settled = max_gets, max_bytes, True
 
     def start(self, now: float, waited: float, received: float) -> None:
         """Begin measuring, at the first hand-out: waiting for the very first bytes is no

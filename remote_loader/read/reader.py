@@ -83,6 +83,9 @@ class DatasetReader:
         self.verify = verify
         self.fetch = fetch or FetchConfig()
         self._identity: int | None = None  # of the manifest read
+        self.round_trip: float | None = None
+        """Seconds the manifest's first GET took beyond its transfer at 1 GB/s, once read: a
+        network's round trip or a nearby store's; the fetcher starts wide after a long one."""
 
     def policy(self, metrics: Metrics | None = None, cancel: threading.Event | None = None) -> RetryPolicy:
         """The requests on behalf of this reader: a retrying store, counted in ``metrics``."""
@@ -141,9 +144,12 @@ class DatasetReader:
             return data
 
         try:
-            return policy.refetch(partial(fetch_whole, policy, self.location.bucket, key), parse)
+            return policy.refetch(partial(fetch_whole, policy, self.location.bucket, key, self._timed), parse)
         except ObjectNotFound:
             return None
+
+    def _timed(self, seconds: float, nbytes: int) -> None:
+        self.round_trip = max(0.0, seconds - nbytes / 1e9)
 
     def check_unchanged(self, error: BaseException) -> None:
         """Raise DatasetChanged if the dataset was replaced since its manifest was read.

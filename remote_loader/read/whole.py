@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from functools import partial
 
 from remote_loader.errors import CorruptShard, InvalidRange
@@ -19,7 +20,8 @@ MAX_MANIFEST_BYTES = 1 << 31
 the manifest's name larger than this is refused before a buffer is made for it."""
 
 
-def fetch_whole(policy: RetryPolicy, bucket: str, key: str) -> bytes | bytearray:
+def fetch_whole(policy: RetryPolicy, bucket: str, key: str,
+                timed: Callable[[float, int], None] | None = None) -> bytes | bytearray:
     """A whole object in one GET if it is at most 4 MiB (a manifest of up to ~170,000
     shards), else in parallel ranged GETs: on a link that carries ~90 MB/s per connection,
     a 25 MB manifest (a million shards) takes ~0.3 s in one GET, ~0.16 s this way.
@@ -31,13 +33,17 @@ def fetch_whole(policy: RetryPolicy, bucket: str, key: str) -> bytes | bytearray
     a network. The parts may come from two versions of an object replaced meanwhile: the
     caller's checksum finds that, as does a part that comes back short from an object no
     longer that long (``CorruptShard``: the caller fetches it all again). Any other fault
-    of a part is retried for that part alone.
+    of a part is retried for that part alone. ``timed(seconds, nbytes)`` is told how long
+    the first GET took, the store's client made before it (loading an SDK's models: ~50 ms).
     """
     policy.metrics.add(gets=1)
+    policy.store.inner.connect()
     started = time.perf_counter()
     first, size = policy.store.get_first_bytes(bucket, key, _FIRST)
     took = time.perf_counter() - started
     policy.metrics.add(bytes=len(first))
+    if timed is not None:
+        timed(took, len(first))
     if len(first) >= size:
         return first
     if size > MAX_MANIFEST_BYTES:

@@ -316,7 +316,7 @@ def test_range_memory_with_samples_larger_than_a_range_stays_within_the_document
     dataset = RemoteDataset(client, "memory-large", "d", open_shards=2, fetch=fetch)
     assert len(list(dataset)) == 24
     bound = fetch.range_memory(open_shards=2, largest_sample=len(big))
-    assert bound == (4 + 4 * 3 + 4) << 20
+    assert bound == (4 + 4 * 3 + 8) << 20
     assert 0 < dataset.metrics.peak_range_memory <= bound, dataset.metrics
     client.close()
 

@@ -243,20 +243,34 @@ def test_close_returns_within_a_second_while_a_request_hangs(tmp_path):
     assert not ours()
 
 
-def test_the_fetcher_reaches_further_when_every_get_costs_a_round_trip(seaweed):
-    # Each GET waits 30 ms at a proxy before the server answers, as across a network: with
-    # the first 8 GETs in flight the reader waits for bytes, so the fetcher lets more run.
+def _through_a_slow_proxy(seaweed, bucket: str, forget_round_trip: bool) -> RemoteDataset:
+    # Each GET waits 30 ms at a proxy before the server answers, as across a network.
     store = seaweed.client()
-    upload_to_new_bucket(store, "fetch-latency", "d", SyntheticImages(400), maxcount=100)
+    upload_to_new_bucket(store, bucket, "d", SyntheticImages(400), maxcount=100)
     proxy = FaultProxy(seaweed.endpoint_url, {"delay": 1.0}, delay=0.03)
     try:
         client = make_client(proxy.endpoint_url, seaweed.access_key, seaweed.secret_key)
         fetch = FetchConfig(part_size=128 << 10, range_bytes=1 << 20, concurrency=32, prefetch_bytes=16 << 20)
-        dataset = RemoteDataset(client, "fetch-latency", "d", fetch=fetch)
+        dataset = RemoteDataset(client, bucket, "d", fetch=fetch)
+        assert dataset.reader.round_trip is not None and dataset.reader.round_trip >= 0.03
+        if forget_round_trip:
+            dataset.reader.round_trip = None  # as a reader that could not tell
         keys = [sample["__key__"] for sample in dataset]
+        assert len(keys) == len(set(keys)) == 400
         client.close()
     finally:
         proxy.close()
         store.close()
-    assert len(keys) == len(set(keys)) == 400
+    return dataset
+
+
+def test_the_fetcher_reaches_further_when_every_get_costs_a_round_trip(seaweed):
+    # With the first 8 GETs in flight the reader waits for bytes, so the fetcher lets more run.
+    dataset = _through_a_slow_proxy(seaweed, "fetch-latency", forget_round_trip=True)
     assert 8 < dataset.metrics.gets_in_flight <= 32
+
+
+def test_after_a_long_first_round_trip_the_fetcher_starts_at_its_ceilings(seaweed):
+    # The manifest's GET took a network's round trip: no ramp, all 32 GETs from the start.
+    dataset = _through_a_slow_proxy(seaweed, "fetch-far", forget_round_trip=False)
+    assert dataset.metrics.gets_in_flight == 32

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from remote_loader.read.reach import START_BYTES, START_GETS, Reach
+from remote_loader.read.reach import FAR, START_BYTES, START_GETS, Reach
 
 MiB = 1 << 20
 
@@ -44,3 +44,12 @@ def test_nothing_is_measured_before_the_first_hand_out_and_ceilings_below_the_st
     reach = Reach(max_gets=4, max_bytes=8 * MiB)
     assert (reach.gets, reach.bytes) == (4, 8 * MiB)
     assert not reach.look(10.0, 5.0, 1000.0, True)  # no window started
+
+
+def test_a_network_round_trip_starts_at_the_ceilings_and_a_nearby_one_at_the_start():
+    far = Reach(max_gets=16, max_bytes=128 * MiB, round_trip=FAR)
+    assert (far.gets, far.bytes) == (16, 128 * MiB)
+    assert not any(windows(far, [100, 100, 200, 200], waiting=0.9))  # nothing left to grow
+    near = Reach(max_gets=16, max_bytes=128 * MiB, round_trip=FAR / 4)
+    assert (near.gets, near.bytes) == (START_GETS, START_BYTES)
+    assert (Reach(4, 8 * MiB, round_trip=1.0).gets, Reach(4, 8 * MiB, round_trip=1.0).bytes) == (4, 8 * MiB)
