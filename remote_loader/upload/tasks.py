@@ -12,6 +12,8 @@ import multiprocessing.connection
 import os
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from contextlib import suppress
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -142,7 +144,13 @@ def read_item(dataset: Any, index: int) -> Any:
 
 
 class _ShardSequence:
-    """Writes one task's shards in turn, starting a new one when the next sample would not fit."""
+    """Writes one task's shards in turn, starting a new one when the next sample would not fit.
+
+    A full shard is committed on a thread while the next one fills: its last parts travel
+    while the next samples are encoded, instead of the encoder waiting for them and for the
+    request that completes the upload. One commit runs at a time, so at most two shards'
+    parts are in memory; a commit's error raises at the next shard's end or at ``close``.
+    """
 
     def __init__(self, spec: TaskSpec, task_id: int) -> None:
         self.spec = spec
@@ -151,13 +159,14 @@ class _ShardSequence:
         self.fields: set[str] = set()
         self._upload: ObjectWriter | None = None
         self._shard: ShardWriter | None = None
+        self._committing: Future[None] | None = None  # the previous shard's commit
 
     def add(self, key: str, fields: dict[str, bytes], index: int) -> None:
         spec = self.spec
         if self._shard is not None and (
             len(self._shard) >= spec.maxcount or self._shard.projected_size(key, fields) > spec.maxsize
         ):
-            self.close()
+            self._finish()
         if self._shard is None:
             name = shard_name(spec.run, self.task_id, len(self.entries))
             self._upload = spec.store.open_writer(spec.location.bucket, spec.location.key(name),
@@ -171,29 +180,56 @@ class _ShardSequence:
         self._shard.add(key, fields)
         self.fields.update(fields)
 
-    def close(self, record: Callable[[], None] | None = None) -> None:
-        """Finish the open shard and commit it. ``record`` (the task's record, which lists
-        this shard) is sent while the commit completes, a round trip saved per task: a
-        resumed upload trusts a record only for shards listed with their recorded sizes."""
+    def _end_shard(self) -> ObjectWriter | None:
+        """Close the open shard and list it; its writer, to commit (None if it held no sample)."""
         if self._shard is None or self._upload is None or not len(self._shard):
-            self.abort()  # none open, or one opened for a sample then skipped as too large
-            if record is not None:
-                record()
-            return
+            self._abort_open()  # none open, or one opened for a sample then skipped as too large
+            return None
         summary = self._shard.close()
         self.entries.append(
             ShardEntry.from_summary(shard_name(self.spec.run, self.task_id, len(self.entries)), summary)
         )
+        upload, self._shard, self._upload = self._upload, None, None
+        return upload
+
+    def _finish(self) -> None:
+        """End the open shard and commit it on a thread, once the commit before it is done."""
+        upload = self._end_shard()
+        self._wait_committed()
+        if upload is not None:
+            self._committing = in_daemon_thread(upload.commit, "remote-loader-commit")
+
+    def _wait_committed(self) -> None:
+        committing, self._committing = self._committing, None
+        if committing is not None:
+            wait_result(committing)
+
+    def close(self, record: Callable[[], None] | None = None) -> None:
+        """Finish the open shard and commit it, and wait for every commit. ``record`` (the
+        task's record, which lists this shard) is sent while the commits complete, a round
+        trip saved per task: a resumed upload trusts a record only for shards listed with
+        their recorded sizes."""
+        upload = self._end_shard()
         recording = None if record is None else in_daemon_thread(record, "remote-loader-record")
-        self._upload.commit()
-        self._shard = self._upload = None
+        if upload is not None:
+            upload.commit()
+        self._wait_committed()
         if recording is not None:
             wait_result(recording)
 
-    def abort(self, *, interrupted: bool = False) -> None:
+    def _abort_open(self, *, interrupted: bool = False) -> None:
         if self._upload is not None:
             self._upload.abort(interrupted=interrupted)
         self._shard = self._upload = None
+
+    def abort(self, *, interrupted: bool = False) -> None:
+        """Abort the open shard; a commit under way is waited for (its outcome no longer
+        matters: the task is written again whole), except on Ctrl-C."""
+        self._abort_open(interrupted=interrupted)
+        committing, self._committing = self._committing, None
+        if committing is not None and not interrupted:
+            with suppress(Exception):
+                wait_result(committing)
 
 
 def write_task(

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tarfile
 import textwrap
+import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -483,3 +484,53 @@ def test_an_unguarded_script_under_spawn_is_told_to_guard_its_upload(seaweed, s3
     last = out.stderr.strip().splitlines()[-1]
     assert "UploadError" in last and 'if __name__ == "__main__":' in last and "resume" not in last, out.stderr[-3000:]
     assert "upload_cv_dataset was called while a worker process was starting" in out.stderr  # the workers' own error
+
+
+def test_a_full_shard_commits_while_the_next_one_fills(tmp_path):
+    """The encoder does not wait for a full shard's last parts and the request completing it:
+    here the first shard's commit is held until the task's next shard opens, which happens
+    only if that commit runs beside the encoding. Every sample still arrives, byte-identical."""
+    from remote_loader import LocalStore
+    from remote_loader.storage import Location
+    from remote_loader.upload.encode import EncodeOptions
+    from remote_loader.upload.tasks import TaskSpec, write_task
+
+    shards: list[str] = []
+    next_opened = threading.Event()
+    held: list[bool] = []
+
+    class Watching(LocalStore):
+        def open_writer(self, bucket, key, *, part_size=16 << 20):
+            writer = super().open_writer(bucket, key, part_size=part_size)
+            if "/shard-" not in key:
+                return writer
+            shards.append(key)
+            if len(shards) == 1:
+                commit = writer.commit
+
+                def held_commit() -> None:
+                    held.append(next_opened.wait(10))  # False: the next shard waited for this commit
+                    commit()
+
+                writer.commit = held_commit
+            else:
+                next_opened.set()
+            return writer
+
+    store = Watching(tmp_path)
+    store.create_bucket("b")
+    ds = SyntheticImages(40, size=(32, 32))
+    spec = TaskSpec(store=store, location=Location("b", "d", store.path_of("b", "d")), options=EncodeOptions(),
+                    maxsize=1 << 30, maxcount=10, on_error="raise", part_size=16 << 20, key_width=2, run="r")
+    result = write_task(spec, 0, list(range(40)), ds)
+    assert held == [True]
+    assert [e.samples for e in result.entries] == [10, 10, 10, 10]
+    keys = []
+    for entry, key in zip(result.entries, shards, strict=True):
+        data = store.get("b", key)
+        assert len(data) == entry.size
+        with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+            members = {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.name.endswith(".cls")}
+        keys += [int(name.split(".")[0]) for name in members]
+        assert all(int(v) == ds[int(n.split(".")[0])][1] for n, v in members.items())
+    assert sorted(keys) == list(range(40))
