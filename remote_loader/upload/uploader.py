@@ -38,7 +38,9 @@ from remote_loader.upload.tasks import TaskResult, TaskSpec
 
 log = logging.getLogger("remote_loader")
 
-_ESTIMATE_SAMPLES = 16
+_ESTIMATE_SAMPLES = 64
+"""Samples encoded to judge the mean size: photographs' sizes vary by about a third, and 16
+of them missed the mean by up to 12%, so every task of ~64 MB spilled a shard of ~1 MB."""
 
 
 

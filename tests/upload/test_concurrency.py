@@ -19,9 +19,10 @@ import pytest
 
 from remote_loader import DatasetReader, UploadConflict, upload_cv_dataset
 from remote_loader.testing.synthetic import SyntheticImages
+from remote_loader.upload.uploader import _ESTIMATE_SAMPLES
 from tests.helpers import PausingImages
 
-N = 60
+N = _ESTIMATE_SAMPLES + 36  # more than the samples measured before the prefix is claimed
 
 
 def _upload(client: Any, bucket: str, folder: str, ds: Any, **options: Any) -> Any:
@@ -62,7 +63,7 @@ def paused_upload(run: Callable[[int], Any]) -> Iterator[dict[str, Any]]:
 
 def _late_index(seed: int) -> int:
     """A sample written after the upload claimed its prefix (not one of the first it measures)."""
-    return int(np.random.default_rng(seed).permutation(N)[40])
+    return int(np.random.default_rng(seed).permutation(N)[_ESTIMATE_SAMPLES + 16])
 
 
 def _samples(client: Any, bucket: str, folder: str) -> dict[str, bytes]:
@@ -111,6 +112,7 @@ _RACER = """
 import socket, sys
 from remote_loader import UploadConflict, UploadError, make_client, upload_cv_dataset
 from remote_loader.testing.synthetic import SyntheticImages
+from remote_loader.upload.uploader import _ESTIMATE_SAMPLES
 endpoint, key, secret, bucket, port, seed = sys.argv[1:]
 client = make_client(endpoint, key, secret)
 with socket.create_connection(("127.0.0.1", int(port))) as gate:
