@@ -43,11 +43,12 @@ def in_daemon_thread(call: Callable[[], T], name: str = "remote-loader-request")
 
 
 def map_on_daemon_threads(call: Callable[[T], R], items: Sequence[T], threads: int,
-                          name: str = "remote-loader-request") -> list[R]:
+                          name: str = "remote-loader-request", *, settle: bool = False) -> list[R]:
     """``[call(item) for item in items]``, up to ``threads`` at once on daemon threads.
 
     Once a call fails, or the caller is interrupted (Ctrl-C), no thread starts another item;
-    the caller gets the error without waiting for calls still in a request.
+    the caller gets the error without waiting for calls still in a request, or with
+    ``settle`` once the calls already started have ended (Ctrl-C still does not wait).
     """
     if len(items) <= 1 or threads <= 1:
         return [call(item) for item in items]
@@ -73,6 +74,9 @@ def map_on_daemon_threads(call: Callable[[T], R], items: Sequence[T], threads: i
         done: set[Future[None]] = set()
         while len(done) < len(workers) and not any(w.exception() is not None for w in done):
             done, _ = wait(workers, timeout=_STEP, return_when=FIRST_EXCEPTION)  # in steps, as wait_result
+        stop.set()
+        while settle and len(done) < len(workers):
+            done, _ = wait(workers, timeout=_STEP)
         for worker in done:
             worker.result()  # the first error raises; the threads still in a request are left to end
     finally:

@@ -57,7 +57,8 @@ class ObjectWriter(ABC):
         self._buffer += data
         self.size += len(data)
         while len(self._buffer) >= self.part_size:
-            part = bytes(self._buffer[: self.part_size])
+            with memoryview(self._buffer) as view:
+                part = bytes(view[: self.part_size])  # one copy; a slice of the bytearray would be two
             del self._buffer[: self.part_size]
             self._send(part)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import multiprocessing
 import queue
+import threading
 from collections.abc import Iterable
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
@@ -18,20 +19,22 @@ from tqdm import tqdm
 from remote_loader.errors import RemoteLoaderError, UploadError
 from remote_loader.upload import tasks
 from remote_loader.upload.sources import Source
-from remote_loader.upload.tasks import TaskResult, TaskSpec, write_task
+from remote_loader.upload.tasks import TASKS_AT_ONCE, TaskResult, TaskSpec, write_tasks
 
 
 class _BarProgress:
-    """Stands in for the worker progress queue when tasks run in this process."""
+    """Stands in for the worker progress queue when tasks run in this process (on threads)."""
 
     def __init__(self, bar: tqdm) -> None:
         self.bar = bar
         self.bytes = 0
+        self._lock = threading.Lock()
 
     def put(self, item: tuple[int, int]) -> None:
-        self.bytes += item[1]
-        self.bar.update(item[0])
-        self.bar.set_postfix_str(_rate(self.bytes, self.bar), refresh=False)
+        with self._lock:
+            self.bytes += item[1]
+            self.bar.update(item[0])
+            self.bar.set_postfix_str(_rate(self.bytes, self.bar), refresh=False)
 
 
 def _rate(nbytes: int, bar: tqdm) -> str:
@@ -55,9 +58,10 @@ def _is_dask(executor: Executor) -> bool:
     return type(executor).__module__.startswith("distributed")
 
 
-def _result(future: Future[TaskResult], task_id: int, own: bool) -> TaskResult:
-    """A task's result; its own error as it is, a failure of the executor as an UploadError
+def _result(future: Future[list[TaskResult]], ids: list[int], own: bool) -> list[TaskResult]:
+    """A group's results; its own error as it is, a failure of the executor as an UploadError
     that names the likely cause."""
+    what = f"task {ids[0]}" if len(ids) == 1 else f"tasks {', '.join(map(str, ids))}"
     try:
         return future.result()
     except RemoteLoaderError:
@@ -65,9 +69,9 @@ def _result(future: Future[TaskResult], task_id: int, own: bool) -> TaskResult:
     except BrokenProcessPool as exc:
         if own:
             raise UploadError(_broken_pool()) from exc
-        raise UploadError(f"task {task_id} did not complete: the executor's processes ended ({exc})") from exc
+        raise UploadError(f"{what} did not complete: the executor's processes ended ({exc})") from exc
     except Exception as exc:
-        raise UploadError(f"task {task_id} did not complete: the executor failed ({type(exc).__name__}: {exc});"
+        raise UploadError(f"{what} did not complete: the executor failed ({type(exc).__name__}: {exc});"
                           " finished tasks are kept: run the same upload again to resume") from exc
 
 
@@ -98,20 +102,21 @@ def run_tasks(
 ) -> list[TaskResult]:
     """Write the ``pending`` tasks ``(task id, sample indices)``: in this process
     (``workers=0``), on a pool of ``workers`` processes of its own, or on ``executor``,
-    counting progress on ``bar``; return their results."""
+    counting progress on ``bar``; return their results. Wherever they run, a process writes
+    ``TASKS_AT_ONCE`` tasks at a time (``write_tasks``)."""
     pending = list(pending)
     if not pending:
         return []
     if executor is None and workers <= 0:
-        in_process = _BarProgress(bar)
-        return [write_task(spec, task_id, indices, dataset, in_process) for task_id, indices in pending]
+        return write_tasks(spec, pending, dataset, _BarProgress(bar))
+    groups = [pending[start : start + TASKS_AT_ONCE] for start in range(0, len(pending), TASKS_AT_ONCE)]
     progress: Any = None
     own = executor is None
     if own:
         context = multiprocessing.get_context()
         progress = context.Queue()
         executor = ProcessPoolExecutor(
-            max_workers=min(workers, len(pending)),
+            max_workers=min(workers, len(groups)),
             mp_context=context,
             initializer=tasks.init_worker,
             initargs=(dataset, progress),
@@ -123,20 +128,20 @@ def run_tasks(
     # a failed upload the same failures: each submission gets a key of its own.
     unique = {"pure": False} if _is_dask(executor) else {}
     try:
-        task_of: dict[Future[TaskResult], int] = {
-            executor.submit(write_task, spec, task_id, indices, shipped, **unique): task_id
-            for task_id, indices in pending
+        ids_of: dict[Future[list[TaskResult]], list[int]] = {
+            executor.submit(write_tasks, spec, group, shipped, **unique): [task_id for task_id, _ in group]
+            for group in groups
         }
-        futures = set(task_of)
+        futures = set(ids_of)
         results = []
         while futures:
             done, futures = wait(futures, timeout=0.2, return_when=FIRST_COMPLETED)
             for future in done:
-                result = _result(future, task_of[future], own)
-                results.append(result)
-                if not own:  # a caller's executor has no progress queue: count whole tasks
-                    samples = sum(e.samples for e in result.entries) + len(result.skipped)
-                    bar_progress.put((samples, sum(e.size for e in result.entries)))
+                for result in _result(future, ids_of[future], own):
+                    results.append(result)
+                    if not own:  # a caller's executor has no progress queue: count whole tasks
+                        samples = sum(e.samples for e in result.entries) + len(result.skipped)
+                        bar_progress.put((samples, sum(e.size for e in result.entries)))
             while progress is not None:
                 try:
                     bar_progress.put(progress.get_nowait())

@@ -69,13 +69,17 @@ class UploadSummary:
         return self.uploaded_samples / self.seconds if self.seconds > 0 else 0.0
 
     def __str__(self) -> str:
-        whole = f"{self.samples} samples in {self.shards} shards ({self.bytes / 1e6:.1f} MB)"
+        whole = f"{_count(self.samples, 'sample')} in {_count(self.shards, 'shard')} ({self.bytes / 1e6:.1f} MB)"
         if not self.uploaded_shards:
             return f"{self.location} already holds this dataset, {whole}: nothing to upload ({self.seconds:.1f} s)"
-        kept = (f"; kept {self.kept_shards} shards ({self.kept_samples} samples) from an earlier run, the dataset"
-                f" now {whole}") if self.kept_shards else ""
+        kept = (f"; kept {_count(self.kept_shards, 'shard')} ({_count(self.kept_samples, 'sample')}) from an earlier"
+                f" run, the dataset now {whole}") if self.kept_shards else ""
         return (
-            f"uploaded {self.uploaded_samples} samples in {self.uploaded_shards} shards"
+            f"uploaded {_count(self.uploaded_samples, 'sample')} in {_count(self.uploaded_shards, 'shard')}"
             f" ({self.uploaded_bytes / 1e6:.1f} MB) to {self.location} in {self.seconds:.1f} s:"
             f" {self.samples_per_s:.0f} samples/s, {self.mb_per_s:.1f} MB/s; skipped {self.skipped}{kept}"
         ) + "".join(f"\n  skipped: {reason}" for reason in self.skip_reasons[:10])
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}" if number == 1 else f"{number} {noun}s"

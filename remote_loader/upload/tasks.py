@@ -1,8 +1,9 @@
 """The unit of parallel upload work: permuted sample indices in, finished shard objects out.
 
-A task runs in any ``concurrent.futures`` executor: it encodes its samples, streams each
-shard to the store with a multipart upload, and records its manifest entries in a small
-task object, so a re-run of an interrupted upload keeps the shards already finished.
+A task runs in any ``concurrent.futures`` executor, beside one other task of its process: it
+encodes its samples, streams each shard to the store with a multipart upload, and records
+its manifest entries in a small task object, so a re-run of an interrupted upload keeps the
+shards already finished.
 """
 
 from __future__ import annotations
@@ -26,13 +27,18 @@ from remote_loader.errors import RemoteLoaderError, UploadError
 from remote_loader.format import ShardEntry, ShardWriter
 from remote_loader.format.index import require, unpack
 from remote_loader.storage import Location, ObjectWriter, Store
-from remote_loader.storage.daemon import in_daemon_thread, wait_result
-from remote_loader.storage.retrying import Retry
+from remote_loader.storage.daemon import in_daemon_thread, map_on_daemon_threads, wait_result
+from remote_loader.storage.retrying import Cancelled, Retry
 from remote_loader.upload.encode import EncodeOptions, encode_item
 from remote_loader.upload.sources import is_file_backed, resolve
 
 STATE_DIR = "_upload"
 _REPORT_EVERY = 16
+
+TASKS_AT_ONCE = 2
+"""Tasks one process writes at once, each on a thread of its own. Encoding holds the GIL, so
+they take turns at it; but while one task waits for its last shard's parts and the request
+that completes it, the other encodes, instead of the process idling between tasks."""
 
 # Set only in the worker processes of a pool the uploader owns (by ``init_worker``), so the
 # dataset is sent once per process rather than with every task. Tasks run in the caller's
@@ -232,37 +238,66 @@ class _ShardSequence:
                 wait_result(committing)
 
 
-def write_task(
-    spec: TaskSpec, task_id: int, indices: Sequence[int] | np.ndarray, dataset: Any = None, progress: Any = None
-) -> TaskResult:
-    """Encode the samples ``indices`` of the dataset into shards; upload them and a task record.
+def write_tasks(
+    spec: TaskSpec, group: Sequence[tuple[int, Sequence[int] | np.ndarray]], dataset: Any = None, progress: Any = None
+) -> list[TaskResult]:
+    """Write the tasks ``group``, ``(task id, sample indices)`` pairs, ``TASKS_AT_ONCE`` at a
+    time on daemon threads; their results, in order.
+
+    After an error no other task starts; the tasks already running finish (a re-run keeps
+    them), then the error raises. On Ctrl-C they stop at their next sample and abort their
+    open shard on their own threads, which the caller does not wait for.
 
     Args:
         spec: Settings shared by every task of the upload.
-        task_id: This task's number; names its shards and its record.
-        indices: Source dataset indices, in the (permuted) order they are written.
+        group: The tasks; each task's number names its shards and its record.
         dataset: The dataset, a ``Source`` naming it, or None in a pool whose initializer
             already set it.
-        progress: Where (samples, bytes) counts go (``put``); None in a pool whose
-            initializer set its queue.
+        progress: Where (samples, bytes) counts go (``put``, from any thread); None in a
+            pool whose initializer set its queue.
     """
     if dataset is None:
         dataset, progress = _worker_dataset, _worker_progress
     else:
         dataset = resolve(dataset)
+    stop = threading.Event()
+    try:
+        return map_on_daemon_threads(
+            lambda task: write_task(spec, task[0], task[1], dataset, progress, stop),
+            list(group), TASKS_AT_ONCE, "remote-loader-task", settle=True,
+        )
+    finally:
+        stop.set()  # a task still running: Ctrl-C
+
+
+def write_task(
+    spec: TaskSpec,
+    task_id: int,
+    indices: Sequence[int] | np.ndarray,
+    dataset: Any,
+    progress: Any = None,
+    stop: threading.Event | None = None,
+) -> TaskResult:
+    """Encode the samples ``indices`` of ``dataset`` (in that, permuted, order) into shards;
+    upload them and the task's record. Set ``stop`` to end it at its next sample."""
+    dataset = resolve(dataset)
     # The whole task is the unit of retry, its task record included: its shards are written
     # again under the same names. Its requests go to the store itself, so retries do not nest.
-    return Retry(spec.retry, spec.store.endpoint).call(partial(_write_task, spec, task_id, indices, dataset, progress))
+    retry = Retry(spec.retry, spec.store.endpoint, cancel=threading.Event() if stop is None else stop)
+    return retry.call(partial(_write_task, spec, task_id, indices, dataset, progress, retry.cancel))
 
 
 def _write_task(
-    spec: TaskSpec, task_id: int, indices: Sequence[int] | np.ndarray, dataset: Any, progress: Any
+    spec: TaskSpec, task_id: int, indices: Sequence[int] | np.ndarray, dataset: Any, progress: Any,
+    stop: threading.Event,
 ) -> TaskResult:
     result = TaskResult(task_id=task_id, entries=[])
     shards = _ShardSequence(spec, task_id)
     pending_samples = pending_bytes = 0
     try:
         for raw_index in indices:
+            if stop.is_set():
+                raise Cancelled(f"task {task_id} stopped: its process was interrupted")
             index = int(raw_index)
             try:
                 fields = encode_item(read_item(dataset, index), spec.options, index)

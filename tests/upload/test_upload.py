@@ -206,7 +206,9 @@ def test_upload_killed_mid_shard_resumes(seaweed, s3, tmp_path):
     n, per_shard = 300, 60  # 60 x ~110 KB: each shard spans two 5 MiB parts
     ds = SyntheticImages(n)
     order = np.random.default_rng(0).permutation(n)
-    kill_at = int(order[3 * per_shard + 55])  # deep inside the fourth shard, after its first part
+    # Deep inside the fifth shard, after its first part: the last task, which its process
+    # writes alone (the four before it went two at a time, and are finished).
+    kill_at = int(order[4 * per_shard + 55])
     script = tmp_path / "upload.py"
     script.write_text(
         textwrap.dedent(
@@ -236,18 +238,18 @@ def test_upload_killed_mid_shard_resumes(seaweed, s3, tmp_path):
         region_name="us-east-1",
     )
     unfinished = raw.list_multipart_uploads(Bucket=bucket, Prefix="killed/").get("Uploads", [])
-    assert len(unfinished) == 1 and re.fullmatch(r"killed/shard-[0-9a-f]{8}-000003-000\.tar", unfinished[0]["Key"])
+    assert len(unfinished) == 1 and re.fullmatch(r"killed/shard-[0-9a-f]{8}-000004-000\.tar", unfinished[0]["Key"])
 
     def rerun():
         return upload_cv_dataset(ds, client=client, bucket=bucket, base_folder="killed", maxcount=per_shard,
                                  maxsize=1e9, workers=2, part_size=5 * 1024 * 1024, progress=False)
 
     summary = rerun()
-    assert summary.kept_shards == 3 and summary.shards == 5 and summary.samples == n
+    assert summary.kept_shards == 4 and summary.shards == 5 and summary.samples == n
     # What this call did, apart from what it kept: its rate is over what it uploaded.
-    assert (summary.kept_samples, summary.uploaded_samples, summary.uploaded_shards) == (180, 120, 2)
-    assert summary.samples_per_s == pytest.approx(120 / summary.seconds)
-    assert str(summary).startswith("uploaded 120 samples in 2 shards") and "kept 3 shards (180 samples)" in str(summary)
+    assert (summary.kept_samples, summary.uploaded_samples, summary.uploaded_shards) == (240, 60, 1)
+    assert summary.samples_per_s == pytest.approx(60 / summary.seconds)
+    assert str(summary).startswith("uploaded 60 samples in 1 shard (") and "kept 4 shards (240 samples)" in str(summary)
     again = rerun()
     assert (again.uploaded_samples, again.samples_per_s, again.mb_per_s) == (0, 0.0, 0.0)
     assert "already holds this dataset, 300 samples in 5 shards" in str(again) and "nothing to upload" in str(again)
@@ -534,6 +536,81 @@ def test_a_full_shard_commits_while_the_next_one_fills(tmp_path):
         keys += [int(name.split(".")[0]) for name in members]
         assert all(int(v) == ds[int(n.split(".")[0])][1] for n, v in members.items())
     assert sorted(keys) == list(range(40))
+
+
+def test_a_process_writes_two_tasks_at_once(tmp_path):
+    """A task's last shard is committed while the process's other task encodes, instead of
+    the process idling between tasks: here the first shard's commit is held until another
+    task opens a shard, which happens only if two tasks run at once. Every sample still
+    arrives once, byte-identical."""
+    from remote_loader import LocalStore
+
+    opened: list[str] = []
+    other_opened = threading.Event()
+    held: list[bool] = []
+
+    class Watching(LocalStore):
+        def open_writer(self, bucket, key, *, part_size=16 << 20):
+            writer = super().open_writer(bucket, key, part_size=part_size)
+            if "/shard-" not in key:
+                return writer
+            opened.append(key)
+            if len(opened) == 1:
+                commit = writer.commit
+
+                def held_commit() -> None:
+                    held.append(other_opened.wait(10))  # False: no other task ran beside this one
+                    commit()
+
+                writer.commit = held_commit
+            else:
+                other_opened.set()
+            return writer
+
+    store = Watching(tmp_path)
+    store.create_bucket("b")
+    ds = SyntheticImages(40, size=(32, 32))
+    summary = upload_cv_dataset(ds, client=store, bucket="b", base_folder="d", maxcount=10, workers=0,
+                                progress=False)
+    assert held == [True] and summary.shards == 4
+    got, seen = read_back(store, "b", "d")
+    assert set(seen) == set(range(40)) and set(seen.values()) == {1}
+    assert all(got[i] == ("jpg", *ds[i]) for i in range(40))
+
+
+def test_ctrl_c_stops_the_task_running_beside_it(tmp_path):
+    """Ctrl-C while two tasks run: the other task stops at its next sample and writes
+    nothing more (no shard, no task record), instead of encoding and uploading for nobody."""
+    import _thread
+
+    from remote_loader import LocalStore
+
+    interrupted, release = threading.Event(), threading.Event()
+    read_after: list[int] = []
+
+    class Interrupting(SyntheticImages):
+        def __getitem__(self, index):
+            if threading.current_thread().name == "remote-loader-task":  # not the main thread's size estimate
+                if interrupted.is_set():
+                    read_after.append(index)
+                elif index == 5:  # the first task's sixth sample
+                    interrupted.set()
+                    _thread.interrupt_main()
+                if interrupted.is_set():
+                    release.wait(10)  # until the caller has had its KeyboardInterrupt
+            return super().__getitem__(index)
+
+    store = LocalStore(tmp_path)
+    store.create_bucket("b")
+    with pytest.raises(KeyboardInterrupt):
+        upload_cv_dataset(Interrupting(40, size=(32, 32)), client=store, bucket="b", base_folder="d", maxcount=10,
+                          workers=0, shuffle=False, progress=False)
+    release.set()
+    for thread in [t for t in threading.enumerate() if t.name == "remote-loader-task"]:
+        thread.join(10)
+        assert not thread.is_alive()
+    assert len(read_after) <= 1  # the other task's sample under way when Ctrl-C came, then nothing
+    assert [o.key for o in store.list("b", "d/") if "/shard-" in o.key or "/task-" in o.key] == []
 
 
 def test_tasks_are_sized_from_enough_samples_to_leave_no_sliver_shards(tmp_path):
