@@ -18,6 +18,7 @@ import pytest
 from torch.utils.data import DataLoader
 
 from remote_loader import (
+    DatasetReader,
     EndpointUnreachable,
     FetchConfig,
     RemoteDataset,
@@ -95,6 +96,55 @@ def test_server_killed_and_restarted_mid_epoch_loses_nothing(server, workers, ca
     if workers == 0:  # log records of worker processes do not reach caplog
         messages = [r.getMessage() for r in caplog.records]
         assert any("is failing" in m for m in messages) and any("answers again" in m for m in messages), messages
+
+
+def test_server_killed_as_a_shard_completes_beside_encoding_loses_nothing(server, caplog):
+    """A task's shard is completed on a thread while the process's other task encodes. The
+    server is killed just as the first shard's upload is being completed and comes back 3 s
+    later: the tasks that failed are written again, and the dataset holds every sample once,
+    byte-identical, with no multipart upload of the failed attempts left unfinished."""
+    client = _client(server)
+    ds = SyntheticImages(240)  # ~110 KB each: a shard of 60 is a 5 MiB part and a tail
+    killed, failures, restart = threading.Event(), [], []
+    open_writer = client.open_writer
+
+    def start_again() -> None:
+        try:
+            server.start()
+        except BaseException as exc:  # reported by the test, not lost in a thread
+            failures.append(exc)
+
+    def killing_at_completion(bucket, key, *, part_size):
+        writer = open_writer(bucket, key, part_size=part_size)
+        complete = writer._complete
+
+        def kill_then_complete() -> None:
+            if not killed.is_set():
+                killed.set()
+                server.kill()
+                restart.append(threading.Timer(3.0, start_again))  # a 3 s outage, then the same port and data
+                restart[0].start()
+            complete()
+
+        writer._complete = kill_then_complete
+        return writer
+
+    client.open_writer = killing_at_completion
+    with caplog.at_level(logging.WARNING, logger="remote_loader"):
+        summary = upload_cv_dataset(ds, client=client, bucket="outages", base_folder="killed-at-completion",
+                                    maxcount=60, workers=0, part_size=5 * 1024 * 1024, progress=False)
+    restart[0].join()
+    assert killed.is_set() and not failures
+    assert (summary.samples, summary.shards) == (240, 4)
+    seen = Counter()
+    for sample in DatasetReader(client, "outages", "killed-at-completion"):
+        index = int(sample["__key__"])
+        seen[index] += 1
+        assert (bytes(sample["jpg"]), int(bytes(sample["cls"]))) == ds[index]
+    assert seen == Counter(range(240))
+    unfinished = client._sdk().list_multipart_uploads(Bucket="outages", Prefix="killed-at-completion/")
+    assert unfinished.get("Uploads", []) == []
+    assert any("is failing" in r.getMessage() for r in caplog.records)
 
 
 def test_hung_server_gives_endpoint_unreachable_within_the_deadline(server):

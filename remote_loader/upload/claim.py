@@ -230,25 +230,33 @@ def hold(
 
 def kept(store: Store, location: Location, held: Held, num: int) -> dict[int, TaskResult]:
     """The finished tasks of this run, kept; its unfinished multipart uploads, aborted meanwhile."""
-    aborting = in_daemon_thread(partial(store.abort_uploads, location.bucket, own(location, held.run)))
+    aborting = in_daemon_thread(partial(abort_unfinished, store, location, held.run))
     kept = kept_results(store, location, held.run, -(-num // held.task_size))
+    wait_result(aborting)
+    return kept
+
+
+def abort_unfinished(store: Store, location: Location, run: str) -> None:
+    """Abort the multipart uploads of run ``run`` left unfinished: an interrupted run's, or
+    an attempt's whose completion failed while the store was away (its task written again)."""
     try:
-        wait_result(aborting)
+        store.abort_uploads(location.bucket, own(location, run))
     except StorageError as exc:
         if exc.code != "NotImplemented":
             raise
-        log.debug("%s cannot list multipart uploads; unfinished uploads of earlier runs stay", location.bucket)
-    return kept
+        log.debug("%s cannot list multipart uploads; unfinished uploads of %s stay", location.bucket, run)
 
 
 def finish(store: Store, location: Location, manifest: Manifest, held: Held, before: Before) -> None:
     """Switch the manifest to this upload's, then clean up in one pass: this run's leftovers
-    and, now that no manifest names them, the replaced upload's shards (tars indexed in place
-    by ``remote-loader index`` are the user's own and stay) and an abandoned run's objects;
-    listed at once, deleted 16 at a time. The state goes last."""
+    (its records, and uploads a failed attempt left unfinished) and, now that no manifest
+    names them, the replaced upload's shards (tars indexed in place by ``remote-loader
+    index`` are the user's own and stay) and an abandoned run's objects; listed at once,
+    deleted 16 at a time. The state goes last."""
     switch(
         store, location, manifest.encode(), held.record, held.run, None if before.found is None else before.found[1]
     )
+    aborting = in_daemon_thread(partial(abort_unfinished, store, location, held.run))
     names = set(manifest.shards.names[i] for i in range(len(manifest.shards)))
     runs = [held.run] if held.abandoned is None else [held.run, held.abandoned]
     leftovers = [
@@ -266,6 +274,7 @@ def finish(store: Store, location: Location, manifest: Manifest, held: Held, bef
         old = existing.shards.names
         leftovers += [location.key(old[i]) for i in range(len(old)) if old[i] not in names]
     delete_all(store, location.bucket, leftovers)
+    wait_result(aborting)
     release(store, location, held.record)
 
 
