@@ -134,7 +134,8 @@ def main() -> None:
             median = sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]
             for name, taken in (("this checkout", runs), ("against", against)):
                 if taken:
-                    print(f"{profile}, {name}: " + " ".join(f"{r['seconds']:.3f}" for r in sorted(taken, key=lambda r: r["seconds"])))
+                    times = sorted(r["seconds"] for r in taken)
+                    print(f"{profile}, {name}: " + " ".join(f"{t:.3f}" for t in times))
             trips = "-" if profile == "loopback" else round_trips(median["requests"])
             print(
                 f"\n{profile}: first batch {median['seconds']:.3f} s, {trips} round trips,"

@@ -165,7 +165,7 @@ def _write_remote_loader(items: Sequence[tuple[str, int]], target: Target, prefi
         bucket=target.bucket,
         base_folder=prefix,
         maxsize=SHARD_BYTES,
-        workers=2,
+        workers=int(os.environ.get("BENCH_UPLOAD_WORKERS", "2")),  # benchmarks/convert.py --workers
         progress=False,
         overwrite=True,
     )

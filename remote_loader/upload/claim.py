@@ -14,6 +14,7 @@ import logging
 import re
 import secrets
 from collections.abc import Callable, Collection, Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -127,9 +128,10 @@ def delete_run(store: Store, location: Location, run: str, keep: Collection[str]
     delete_all(store, location.bucket, run_keys(store, location, run, keep))
 
 
-def release(store: Store, location: Location, record: bytes) -> None:
-    """Delete the upload state if it is still this upload's."""
-    found = read_versioned(store, location.bucket, location.key(_STATE))
+def release(store: Store, location: Location, record: bytes,
+            reading: Future[tuple[bytes, str] | None] | None = None) -> None:
+    """Delete the upload state if it is still this upload's (as ``reading`` read it, if given)."""
+    found = read_versioned(store, location.bucket, location.key(_STATE)) if reading is None else wait_result(reading)
     if found is not None and found[0] == record:
         store.delete(location.bucket, location.key(_STATE))
 
@@ -199,6 +201,7 @@ class Held:
     task_size: int
     record: bytes
     abandoned: str | None = None
+    resumed: bool = False  # an interrupted run of this upload, finished now
 
 
 def hold(
@@ -213,7 +216,7 @@ def hold(
     new run (abandoning another's only with ``overwrite``)."""
     state = before.state
     if state is not None and before.stored is not None and _resumable(state["params"], params):
-        return Held(state["run"], state["task_size"], before.stored)  # resume this upload's interrupted run
+        return Held(state["run"], state["task_size"], before.stored, resumed=True)  # this upload's interrupted run
     if before.state_tag is not None and not overwrite:
         seen = f" (run {state['run']}: {_differences(state['params'], params)})" if state else ""
         raise UploadConflict(
@@ -229,7 +232,10 @@ def hold(
 
 
 def kept(store: Store, location: Location, held: Held, num: int) -> dict[int, TaskResult]:
-    """The finished tasks of this run, kept; its unfinished multipart uploads, aborted meanwhile."""
+    """The finished tasks of this run, kept; its unfinished multipart uploads, aborted meanwhile.
+    A new run has none (its id was just drawn): no request."""
+    if not held.resumed:
+        return {}
     aborting = in_daemon_thread(partial(abort_unfinished, store, location, held.run))
     kept = kept_results(store, location, held.run, -(-num // held.task_size))
     wait_result(aborting)
@@ -251,31 +257,27 @@ def finish(store: Store, location: Location, manifest: Manifest, held: Held, bef
     """Switch the manifest to this upload's, then clean up in one pass: this run's leftovers
     (its records, and uploads a failed attempt left unfinished) and, now that no manifest
     names them, the replaced upload's shards (tars indexed in place by ``remote-loader
-    index`` are the user's own and stay) and an abandoned run's objects; listed at once,
-    deleted 16 at a time. The state goes last."""
+    index`` are the user's own and stay) and an abandoned run's objects; deleted 16 at a
+    time. The state goes last. Across a network each step in sequence costs a round trip,
+    so what does not depend on the step before goes out beside it: the listings beside the
+    switch (every object they list is written by then), the state's check beside the deletes."""
+    names = set(manifest.shards.names[i] for i in range(len(manifest.shards)))
+    runs = [held.run] if held.abandoned is None else [held.run, held.abandoned]
+    listing = in_daemon_thread(partial(map_on_daemon_threads, lambda r: run_keys(
+        store, location, r, keep=names if r == held.run else ()), runs, len(runs), "remote-loader-list"))
     switch(
         store, location, manifest.encode(), held.record, held.run, None if before.found is None else before.found[1]
     )
     aborting = in_daemon_thread(partial(abort_unfinished, store, location, held.run))
-    names = set(manifest.shards.names[i] for i in range(len(manifest.shards)))
-    runs = [held.run] if held.abandoned is None else [held.run, held.abandoned]
-    leftovers = [
-        key
-        for keys in map_on_daemon_threads(
-            lambda r: run_keys(store, location, r, keep=names if r == held.run else ()),
-            runs,
-            len(runs),
-            "remote-loader-list",
-        )
-        for key in keys
-    ]
+    leftovers = [key for keys in wait_result(listing) for key in keys]
     existing = before.existing
     if existing is not None and existing.params.get("upload_id"):
         old = existing.shards.names
         leftovers += [location.key(old[i]) for i in range(len(old)) if old[i] not in names]
+    reading_state = in_daemon_thread(partial(read_versioned, store, location.bucket, location.key(_STATE)))
     delete_all(store, location.bucket, leftovers)
     wait_result(aborting)
-    release(store, location, held.record)
+    release(store, location, held.record, reading_state)
 
 
 def _resumable(unfinished: dict[str, Any], params: dict[str, Any]) -> bool:

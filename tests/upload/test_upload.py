@@ -613,6 +613,55 @@ def test_ctrl_c_stops_the_task_running_beside_it(tmp_path):
     assert [o.key for o in store.list("b", "d/") if "/shard-" in o.key or "/task-" in o.key] == []
 
 
+def test_a_new_upload_spends_no_round_trip_it_can_save(tmp_path):
+    """Across a network each request made in sequence costs a round trip. Before its first
+    shard a new upload makes only the requests its claim needs (the manifest and the state
+    read at once, then the state written): its run id was just drawn, so it has nothing to
+    list or abort. At the end it lists its leftovers beside the manifest's switch: here the
+    switch is held until the listing has gone out."""
+    from remote_loader import LocalStore
+
+    calls: list[str] = []
+    listed = threading.Event()
+    held: list[bool] = []
+
+    class Recording(LocalStore):
+        def get_versioned(self, bucket, key):
+            calls.append(f"get {key.split('/', 1)[1]}")
+            return super().get_versioned(bucket, key)
+
+        def put(self, bucket, key, data, **conditions):
+            calls.append(f"put {key.split('/', 1)[1]}")
+            if key.endswith("/manifest.msgpack"):
+                held.append(listed.wait(10))  # False: the listing waited for the switch
+            return super().put(bucket, key, data, **conditions)
+
+        def list(self, bucket, prefix="", **kw):
+            calls.append(f"list {prefix.split('/', 1)[1]}")
+            listed.set()
+            return super().list(bucket, prefix, **kw)
+
+        def abort_uploads(self, bucket, prefix=""):
+            calls.append("abort uploads")
+            return super().abort_uploads(bucket, prefix)
+
+        def open_writer(self, bucket, key, *, part_size=16 << 20):
+            calls.append("shard")
+            return super().open_writer(bucket, key, part_size=part_size)
+
+    store = Recording(tmp_path)
+    store.create_bucket("b")
+    ds = SyntheticImages(40, size=(32, 32))
+    upload_cv_dataset(ds, client=store, bucket="b", base_folder="d", maxcount=10, workers=0, progress=False)
+    before_shards = calls[: calls.index("shard")]
+    assert sorted(before_shards[:2]) == ["get _upload/state.msgpack", "get manifest.msgpack"]
+    assert before_shards[2:] == ["put _upload/state.msgpack"]
+    assert held == [True]
+    got, seen = read_back(store, "b", "d")
+    assert set(seen) == set(range(40)) and set(seen.values()) == {1}
+    assert [o.key for o in store.list("b", "d/_upload/")] == []
+
+
 def test_tasks_are_sized_from_enough_samples_to_leave_no_sliver_shards(tmp_path):
     """Photographs' sizes vary by about a third. Judged from 16 samples, their mean came out
     up to 12% low, and every task spilled its last samples into a shard of its own, a few
