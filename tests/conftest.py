@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import signal
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +15,14 @@ from remote_loader.testing.server import EmbeddedS3
 from tests.servers import LocalBucketServer, MotoServer, S3Target, external_target, remove_bucket
 
 _counter = itertools.count()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The Ctrl-C tests send SIGINT to this process and to the ones it starts, which inherit
+    how it handles it. A shell starts a background job (``make test &``) with SIGINT
+    ignored, and Python then installs no KeyboardInterrupt for it: put Python's back."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
