@@ -488,47 +488,52 @@ def test_an_unguarded_script_under_spawn_is_told_to_guard_its_upload(seaweed, s3
     assert "upload_cv_dataset was called while a worker process was starting" in out.stderr  # the workers' own error
 
 
-def test_a_full_shard_commits_while_the_next_one_fills(tmp_path):
-    """The encoder does not wait for a full shard's last parts and the request completing it:
-    here the first shard's commit is held until the task's next shard opens, which happens
-    only if that commit runs beside the encoding. Every sample still arrives, byte-identical."""
+def _holding_first_commit(tmp_path):
+    """A LocalStore whose first shard's commit waits (up to 10 s) until another shard is
+    opened; ``store.held`` says whether one was, ``store.shards`` the shards in the order opened."""
     from remote_loader import LocalStore
-    from remote_loader.storage import Location
-    from remote_loader.upload.encode import EncodeOptions
-    from remote_loader.upload.tasks import TaskSpec, write_task
 
-    shards: list[str] = []
-    next_opened = threading.Event()
-    held: list[bool] = []
-
-    class Watching(LocalStore):
+    class Holding(LocalStore):
         def open_writer(self, bucket, key, *, part_size=16 << 20):
             writer = super().open_writer(bucket, key, part_size=part_size)
             if "/shard-" not in key:
                 return writer
-            shards.append(key)
-            if len(shards) == 1:
+            self.shards.append(key)
+            if len(self.shards) == 1:
                 commit = writer.commit
 
                 def held_commit() -> None:
-                    held.append(next_opened.wait(10))  # False: the next shard waited for this commit
+                    self.held.append(self.other_opened.wait(10))  # False: no other shard opened meanwhile
                     commit()
 
                 writer.commit = held_commit
             else:
-                next_opened.set()
+                self.other_opened.set()
             return writer
 
-    store = Watching(tmp_path)
+    store = Holding(tmp_path)
+    store.held, store.shards, store.other_opened = [], [], threading.Event()
     store.create_bucket("b")
+    return store
+
+
+def test_a_full_shard_commits_while_the_next_one_fills(tmp_path):
+    """The encoder does not wait for a full shard's last parts and the request completing it:
+    here the first shard's commit is held until the task's next shard opens, which happens
+    only if that commit runs beside the encoding. Every sample still arrives, byte-identical."""
+    from remote_loader.storage import Location
+    from remote_loader.upload.encode import EncodeOptions
+    from remote_loader.upload.tasks import TaskSpec, write_task
+
+    store = _holding_first_commit(tmp_path)
     ds = SyntheticImages(40, size=(32, 32))
     spec = TaskSpec(store=store, location=Location("b", "d", store.path_of("b", "d")), options=EncodeOptions(),
                     maxsize=1 << 30, maxcount=10, on_error="raise", part_size=16 << 20, key_width=2, run="r")
     result = write_task(spec, 0, list(range(40)), ds)
-    assert held == [True]
+    assert store.held == [True]
     assert [e.samples for e in result.entries] == [10, 10, 10, 10]
     keys = []
-    for entry, key in zip(result.entries, shards, strict=True):
+    for entry, key in zip(result.entries, store.shards, strict=True):
         data = store.get("b", key)
         assert len(data) == entry.size
         with tarfile.open(fileobj=io.BytesIO(data)) as tar:
@@ -543,36 +548,11 @@ def test_a_process_writes_two_tasks_at_once(tmp_path):
     the process idling between tasks: here the first shard's commit is held until another
     task opens a shard, which happens only if two tasks run at once. Every sample still
     arrives once, byte-identical."""
-    from remote_loader import LocalStore
-
-    opened: list[str] = []
-    other_opened = threading.Event()
-    held: list[bool] = []
-
-    class Watching(LocalStore):
-        def open_writer(self, bucket, key, *, part_size=16 << 20):
-            writer = super().open_writer(bucket, key, part_size=part_size)
-            if "/shard-" not in key:
-                return writer
-            opened.append(key)
-            if len(opened) == 1:
-                commit = writer.commit
-
-                def held_commit() -> None:
-                    held.append(other_opened.wait(10))  # False: no other task ran beside this one
-                    commit()
-
-                writer.commit = held_commit
-            else:
-                other_opened.set()
-            return writer
-
-    store = Watching(tmp_path)
-    store.create_bucket("b")
+    store = _holding_first_commit(tmp_path)
     ds = SyntheticImages(40, size=(32, 32))
     summary = upload_cv_dataset(ds, client=store, bucket="b", base_folder="d", maxcount=10, workers=0,
                                 progress=False)
-    assert held == [True] and summary.shards == 4
+    assert store.held == [True] and summary.shards == 4
     got, seen = read_back(store, "b", "d")
     assert set(seen) == set(range(40)) and set(seen.values()) == {1}
     assert all(got[i] == ("jpg", *ds[i]) for i in range(40))
