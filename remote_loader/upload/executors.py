@@ -91,6 +91,14 @@ def _broken_pool() -> str:
     )
 
 
+def task_groups(pending: list[tuple[int, np.ndarray]], processes: int) -> list[list[tuple[int, np.ndarray]]]:
+    """The tasks as submitted: in pairs, written at once by one process, where there are
+    enough to keep every process busy; one at a time otherwise, so that no process is idle
+    while another holds two (their encoding shares one GIL)."""
+    size = max(1, min(TASKS_AT_ONCE, len(pending) // max(1, processes)))
+    return [pending[start : start + size] for start in range(0, len(pending), size)]
+
+
 def run_tasks(
     pending: Iterable[tuple[int, np.ndarray]],
     spec: TaskSpec,
@@ -109,7 +117,7 @@ def run_tasks(
         return []
     if executor is None and workers <= 0:
         return write_tasks(spec, pending, dataset, _BarProgress(bar))
-    groups = [pending[start : start + TASKS_AT_ONCE] for start in range(0, len(pending), TASKS_AT_ONCE)]
+    groups = task_groups(pending, workers)
     progress: Any = None
     own = executor is None
     if own:

@@ -558,6 +558,19 @@ def test_a_process_writes_two_tasks_at_once(tmp_path):
     assert all(got[i] == ("jpg", *ds[i]) for i in range(40))
 
 
+@pytest.mark.parametrize("tasks, processes, sizes", [(8, 2, [2, 2, 2, 2]), (5, 2, [2, 2, 1]), (4, 4, [1, 1, 1, 1]),
+                                                     (6, 4, [1] * 6), (3, 1, [2, 1]), (1, 8, [1])])
+def test_tasks_go_in_pairs_only_when_every_process_still_gets_work(tasks, processes, sizes):
+    """A pair is written by one process, whose encoding holds one GIL: with fewer tasks than
+    two per process, pairs would leave processes idle beside busy ones."""
+    from remote_loader.upload.executors import task_groups
+
+    pending = [(t, np.arange(3)) for t in range(tasks)]
+    groups = task_groups(pending, processes)
+    assert [len(g) for g in groups] == sizes
+    assert [t for g in groups for t, _ in g] == list(range(tasks))
+
+
 def test_ctrl_c_stops_the_task_running_beside_it(tmp_path):
     """Ctrl-C while two tasks run: the other task stops at its next sample and writes
     nothing more (no shard, no task record), instead of encoding and uploading for nobody."""
@@ -571,7 +584,8 @@ def test_ctrl_c_stops_the_task_running_beside_it(tmp_path):
     class Interrupting(SyntheticImages):
         def __getitem__(self, index):
             if threading.current_thread().name == "remote-loader-task":  # not the main thread's size estimate
-                if interrupted.is_set():
+                if index >= 10:  # the other tasks: held until the Ctrl-C, so that none can finish before it
+                    interrupted.wait(10)
                     read_after.append(index)
                 elif index == 5:  # the first task's sixth sample
                     interrupted.set()
