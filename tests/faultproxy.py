@@ -2,7 +2,8 @@
 
 Each request is forwarded unchanged (the Host header too, so signatures stay valid) and
 may meet a fault: a connection reset before the answer or in the middle of the body, a
-500, a 503 SlowDown, a delay, a truncated body (short read) or flipped bytes in the body.
+500, a 503 SlowDown, a delay, a truncated body (short read), flipped bytes in the body, or a
+body that stops half-way for ``delay`` seconds (or until the proxy closes) before a reset.
 Whether a request meets a fault, and which, depends only on the seed, the request
 (method, path, query, range) and how many times that same request was seen before, so a
 run is reproducible whatever the threads' timing.
@@ -20,7 +21,7 @@ from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
-FAULTS = ("reset_before", "reset_mid_body", "error_500", "slow_down_503", "delay", "truncate", "flip")
+FAULTS = ("reset_before", "reset_mid_body", "error_500", "slow_down_503", "delay", "truncate", "flip", "stall_mid_body")
 _SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
               b"<Message>Reduce your request rate.</Message></Error>")
 _INTERNAL = (
@@ -32,7 +33,8 @@ class FaultProxy:
     """Forward to ``upstream`` (``http://host:port``) with faults at ``rates`` (kind -> probability).
 
     Only requests whose method is in ``methods`` meet faults. ``injected`` counts faults by
-    kind; ``requests`` counts every forwarded request; ``bodies`` lists, for each request
+    kind; ``requests`` counts every forwarded request and ``connections`` every client
+    connection accepted; ``bodies`` lists, for each request
     with a body, its method, its length and whether it waited for ``100 Continue``.
     """
 
@@ -52,11 +54,12 @@ class FaultProxy:
         self.upstream = (parts.hostname or "127.0.0.1", parts.port or 80)
         self.rates, self.seed, self.methods, self.delay = rates, seed, methods, delay
         self.injected: Counter[str] = Counter()
-        self.requests = 0
+        self.requests = self.connections = 0
         self.bodies: list[tuple[str, int, bool]] = []
         self._seen: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._connections: set[socket.socket] = set()
+        self._closing = threading.Event()
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -69,6 +72,7 @@ class FaultProxy:
                 super().setup()
                 with proxy._lock:
                     proxy._connections.add(self.connection)
+                    proxy.connections += 1
 
             def finish(self) -> None:
                 with proxy._lock:
@@ -158,10 +162,13 @@ class FaultProxy:
             return
         handler.send_header("Content-Length", str(len(data)))
         handler.end_headers()
-        if fault in ("truncate", "reset_mid_body") and len(data) > 1 and response.status in (200, 206):
+        cut = fault in ("truncate", "reset_mid_body", "stall_mid_body")
+        if cut and len(data) > 1 and response.status in (200, 206):
             handler.wfile.write(data[: len(data) // 2])
             handler.wfile.flush()
-            if fault == "reset_mid_body":
+            if fault == "stall_mid_body":
+                self._closing.wait(self.delay)  # the injected fault itself: a server that stops sending
+            if fault in ("reset_mid_body", "stall_mid_body"):
                 return self._reset(handler)
             handler.close_connection = True  # an orderly close: the client sees a short body
             return
@@ -176,6 +183,7 @@ class FaultProxy:
 
     def close(self) -> None:
         """Stop serving, drop open client connections and wait for every proxy thread."""
+        self._closing.set()
         self.server.shutdown()
         with self._lock:
             connections = list(self._connections)

@@ -96,6 +96,18 @@ class LocalStore(Store):
             f.seek(start)
             return check_range(bucket, key, start, end, f.read(end - start))
 
+    def get_range_into(self, bucket: str, key: str, start: int, end: int, out: memoryview) -> None:
+        if end <= start:
+            return
+        path, size = self._open(bucket, key)
+        if start < 0 or end > size:
+            raise InvalidRange(
+                f"{bucket}/{key}: range {start}-{end} lies outside its {size} bytes", bucket=bucket, key=key
+            )
+        with path.open("rb") as f:
+            f.seek(start)
+            check_range(bucket, key, start, end, b"", got=f.readinto(out[: end - start]))
+
     def get_range_and_size(self, bucket: str, key: str, start: int, end: int) -> tuple[bytes, int]:
         path, size = self._open(bucket, key)
         if end <= start:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -15,6 +16,7 @@ from urllib3.exceptions import HTTPError as Urllib3Error
 from remote_loader.config import StorageConfig
 from remote_loader.errors import AccessDenied, ConfigError, EndpointUnreachable, StorageError, TransientStorageError
 from remote_loader.storage.base import DEFAULT_PART_SIZE, ObjectInfo, ObjectWriter, RangedStore, check_range, error_for
+from remote_loader.storage.receive import receive_into
 
 _UNREACHABLE = (bce.EndpointConnectionError, bce.ConnectTimeoutError, bce.ProxyConnectionError)
 _TRANSIENT = (
@@ -25,6 +27,8 @@ _TRANSIENT = (
     bce.ConnectionError,
     Urllib3Error,
     ConnectionError,
+    TimeoutError,  # a socket's read timeout in a body read past urllib3 (storage.receive)
+    http.client.HTTPException,  # a body cut short, likewise
 )
 
 
@@ -166,15 +170,10 @@ class Boto3Store(RangedStore):
         if end <= start:
             return
         byte_range = f"bytes={start}-{end - 1}"
-        filled = 0
         with self._errors(f"GET {byte_range}", bucket, key):
             body = self._sdk().get_object(Bucket=bucket, Key=key, Range=byte_range)["Body"]
             try:
-                while filled < len(out):
-                    count = body.readinto(out[filled:])
-                    if not count:
-                        break
-                    filled += count
+                filled = receive_into(getattr(body, "_raw_stream", body), out)
             finally:
                 body.close()
         check_range(bucket, key, start, end, b"", got=filled)

@@ -11,6 +11,7 @@ their XML is read here.
 
 from __future__ import annotations
 
+import http.client
 import io
 import os
 from collections.abc import Iterator
@@ -36,7 +37,15 @@ from remote_loader.errors import (
     StorageError,
     TransientStorageError,
 )
-from remote_loader.storage.base import DEFAULT_PART_SIZE, ObjectInfo, ObjectWriter, RangedStore, error_for
+from remote_loader.storage.base import (
+    DEFAULT_PART_SIZE,
+    ObjectInfo,
+    ObjectWriter,
+    RangedStore,
+    check_range,
+    error_for,
+)
+from remote_loader.storage.receive import receive_into
 
 _MAX_ABORT_ROUNDS = 100
 _PRESIGNED_FOR = timedelta(minutes=15)  # a request is sent at once; a part may take minutes on a slow link
@@ -193,7 +202,7 @@ class MinioStore(RangedStore):
                 key=key,
                 code=type(exc.reason).__name__,
             ) from None
-        except (Urllib3Error, ConnectionError, InvalidResponseError) as exc:
+        except (Urllib3Error, ConnectionError, TimeoutError, http.client.HTTPException, InvalidResponseError) as exc:
             raise TransientStorageError(
                 f"connection to {endpoint} failed during {operation} ({type(exc).__name__})",
                 bucket=bucket,
@@ -213,6 +222,20 @@ class MinioStore(RangedStore):
             finally:
                 response.close()
                 response.release_conn()
+
+    def get_range_into(self, bucket: str, key: str, start: int, end: int, out: memoryview) -> None:
+        """Receive the body straight into ``out``: no intermediate bytes object."""
+        if end <= start:
+            return
+        byte_range = f"bytes={start}-{end - 1}"
+        with self._errors(f"GET {byte_range}", bucket, key):
+            response = self._sdk().get_object(bucket, key, request_headers={"Range": byte_range})
+            try:
+                filled = receive_into(response, out)
+            finally:
+                response.close()
+                response.release_conn()
+        check_range(bucket, key, start, end, b"", got=filled)
 
     def head(self, bucket: str, key: str) -> int:
         with self._errors("HEAD", bucket, key):
