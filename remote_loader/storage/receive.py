@@ -21,9 +21,10 @@ def receive_into(response: Any, out: memoryview) -> int:
     """Fill ``out`` from a urllib3 response's body and return how many bytes came.
 
     urllib3's ``readinto`` reads into a new bytes object as long as ``out`` and copies it
-    over: an 8 MiB temporary for every ranged GET, made in the fetcher's threads. Freed,
-    such blocks raise glibc's mmap threshold and then stay in each thread's malloc arena:
-    ~100 MB of a reading process's peak. The ``http.client`` response under urllib3 reads
+    over (urllib3 issue 1540): an 8 MiB temporary for every ranged GET, made in the
+    fetcher's threads. Freed, such blocks raise glibc's mmap threshold and then stay in
+    each thread's malloc arena: ~100 MB of a reading process's peak, and a copy of every
+    byte. The ``http.client`` response under urllib3 reads
     from the socket into ``out`` itself; at the body's end the connection goes back to
     urllib3's pool, and a body cut short raises ``http.client.IncompleteRead`` as urllib3
     would raise its own. A body of another kind, or one to decode (``Content-Encoding``),

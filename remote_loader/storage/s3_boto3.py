@@ -11,6 +11,7 @@ from urllib.parse import urlsplit
 import boto3
 import botocore.exceptions as bce
 from botocore.config import Config
+from botocore.response import StreamingBody
 from urllib3.exceptions import HTTPError as Urllib3Error
 
 from remote_loader.config import StorageConfig
@@ -173,7 +174,9 @@ class Boto3Store(RangedStore):
         with self._errors(f"GET {byte_range}", bucket, key):
             body = self._sdk().get_object(Bucket=bucket, Key=key, Range=byte_range)["Body"]
             try:
-                filled = receive_into(getattr(body, "_raw_stream", body), out)
+                # A plain body's urllib3 response; a subclass (one checking a checksum, say) reads itself.
+                raw = getattr(body, "_raw_stream", body) if type(body) is StreamingBody else body
+                filled = receive_into(raw, out)
             finally:
                 body.close()
         check_range(bucket, key, start, end, b"", got=filled)
