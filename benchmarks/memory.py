@@ -69,6 +69,11 @@ SETUPS = (
     ("and shuffle(100)", {"shuffle": 100, "fetch": {"prefetch_bytes": 32 << 20, "range_bytes": 4 << 20}},
      {"MALLOC_ARENA_MAX": "2"}),
     ("bytes only (no decode), defaults, shuffle(1000)", {"decode": False}, {}),
+    ("defaults, no shuffle buffer (shuffle(1))", {"shuffle": 1}, {}),
+    ("defaults, FetchConfig(prefetch 8 MiB, ranges and parts 2 MiB)",
+     {"fetch": {"prefetch_bytes": 8 << 20, "range_bytes": 2 << 20, "part_size": 2 << 20}}, {}),
+    ("both: no shuffle buffer, prefetch 8 MiB, ranges 2 MiB",
+     {"shuffle": 1, "fetch": {"prefetch_bytes": 8 << 20, "range_bytes": 2 << 20, "part_size": 2 << 20}}, {}),
 )
 
 
