@@ -24,11 +24,10 @@ def receive_into(response: Any, out: memoryview) -> int:
     over (urllib3 issue 1540): an 8 MiB temporary for every ranged GET, made in the
     fetcher's threads. Freed, such blocks raise glibc's mmap threshold and then stay in
     each thread's malloc arena: ~100 MB of a reading process's peak, and a copy of every
-    byte. The ``http.client`` response under urllib3 reads
-    from the socket into ``out`` itself; at the body's end the connection goes back to
-    urllib3's pool, and a body cut short raises ``http.client.IncompleteRead`` as urllib3
-    would raise its own. A body of another kind, or one to decode (``Content-Encoding``),
-    is read through urllib3.
+    byte. The ``http.client`` response under urllib3 reads from the socket into ``out``
+    itself; at the body's end the connection goes back to urllib3's pool, and a body cut
+    short raises ``http.client.IncompleteRead`` as urllib3 would raise its own. A body of
+    another kind, or one to decode (``Content-Encoding``), is read through urllib3.
     """
     body = getattr(response, "_fp", None)
     encoded = getattr(response, "headers", {}).get("Content-Encoding", "identity") != "identity"
