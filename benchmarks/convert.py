@@ -6,7 +6,9 @@ systems alternating, against SeaweedFS directly or through ``shaper.py``'s relay
 
 ``--against`` adds remote_loader as another checkout has it (a ``git worktree`` of an
 earlier commit), in the same alternation: on a shared machine only runs taken side by
-side compare. Uses the suite's dataset (``suite/data.py``: 4,000 JPEGs of ~110 KB).
+side compare. The order turns by one each repeat, so no writer is always the first on a
+fresh server or the one after a given other. Uses the suite's dataset (``suite/data.py``:
+4,000 JPEGs of ~110 KB).
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ def main() -> None:
         relay = nullcontext(target) if args.profile == "loopback" else servers.shaped(target, args.profile)
         with relay as through:
             for repeat in range(args.repeats):
-                for system in args.systems + (["remote_loader@against"] if args.against else []):
+                order = args.systems + (["remote_loader@against"] if args.against else [])
+                for system in order[repeat % len(order):] + order[:repeat % len(order)]:  # each goes first in turn
                     name, _, against = system.partition("@")
                     env = {"BENCH_UPLOAD_WORKERS": str(args.workers)}
                     if against:

@@ -128,8 +128,8 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def bench_server(name: str, target: Target, items_file: Path, images: int, args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {}
     writes: dict[str, list[dict[str, Any]]] = {s: [] for s in args.systems}
-    for repeat in range(args.repeats):  # E: conversion + upload, systems alternating
-        for system in args.systems:
+    for repeat in range(args.repeats):  # E: conversion + upload, systems alternating, each first in turn
+        for system in args.systems[repeat % len(args.systems):] + args.systems[:repeat % len(args.systems)]:
             run = measure(["write", system, f"{system}-{repeat}", str(items_file)], target)
             run["samples"] = images
             writes[system].append(run)
