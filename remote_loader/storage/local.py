@@ -7,6 +7,7 @@ import hashlib
 import os
 import uuid
 from collections.abc import Iterator
+from io import BufferedReader
 from pathlib import Path
 
 from remote_loader.errors import (
@@ -84,28 +85,27 @@ class LocalStore(Store):
         path, _ = self._open(bucket, key)
         return path.read_bytes()
 
-    def get_range(self, bucket: str, key: str, start: int, end: int) -> bytes:
-        if end <= start:
-            return b""
+    def _open_range(self, bucket: str, key: str, start: int, end: int) -> BufferedReader:
+        """The object opened at ``start``, once ``[start, end)`` is known to lie inside it."""
         path, size = self._open(bucket, key)
         if start < 0 or end > size:
             raise InvalidRange(
                 f"{bucket}/{key}: range {start}-{end} lies outside its {size} bytes", bucket=bucket, key=key
             )
-        with path.open("rb") as f:
-            f.seek(start)
+        f = path.open("rb")
+        f.seek(start)
+        return f
+
+    def get_range(self, bucket: str, key: str, start: int, end: int) -> bytes:
+        if end <= start:
+            return b""
+        with self._open_range(bucket, key, start, end) as f:
             return check_range(bucket, key, start, end, f.read(end - start))
 
     def get_range_into(self, bucket: str, key: str, start: int, end: int, out: memoryview) -> None:
         if end <= start:
             return
-        path, size = self._open(bucket, key)
-        if start < 0 or end > size:
-            raise InvalidRange(
-                f"{bucket}/{key}: range {start}-{end} lies outside its {size} bytes", bucket=bucket, key=key
-            )
-        with path.open("rb") as f:
-            f.seek(start)
+        with self._open_range(bucket, key, start, end) as f:
             check_range(bucket, key, start, end, b"", got=f.readinto(out[: end - start]))
 
     def get_range_and_size(self, bucket: str, key: str, start: int, end: int) -> tuple[bytes, int]:
