@@ -115,5 +115,6 @@ def main() -> None:
                            f" {statistics.median(r['images_s'] for r in runs[name, c]):,.0f}" for c in checkouts)
         print(f"| {name} | {cells} |")
 
+
 if __name__ == "__main__":
     main()

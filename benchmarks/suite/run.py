@@ -15,10 +15,9 @@ only, one shuffled epoch), B (Pillow decode + augment, batches of 64; remote_loa
 as a user transform on threads) and remote_loader's fused path, C (time to first batch)
 and the steady-state rate after it, D (peak RSS of the process tree, sampled every 50 ms).
 It also measures this machine's limits (GET throughput, Pillow decode + augment from local
-files) and remote_loader's scaling. Every run starts after ``os.sync()``: a writer that
-leaves local files behind (LitData, MosaicML Streaming), and the server, leave dirty pages
-whose write-back otherwise falls in the next run (the writer after LitData's took 4.53 s
-against 3.76 s with the sync, in ``convert.py``'s alternation).
+files) and remote_loader's scaling. Every run starts after ``os.sync()``, so that the dirty
+pages a run leaves (a writer's local files, as LitData's and MosaicML Streaming's, and the
+server's) are not written back during the next one.
 Writes ``results.json``, ``results.md`` and ``results.png`` to ``--out``.
 """
 
