@@ -29,6 +29,7 @@ from remote_loader import (
 from remote_loader.storage import MinioStore, s3_minio
 from tests.conftest import new_bucket
 from tests.faultproxy import FaultProxy
+from tests.tlsproxy import TLSProxy, self_signed_certificate
 
 MiB = 1024 * 1024
 
@@ -92,6 +93,32 @@ def test_ranges_received_into_buffers_leave_their_connection_for_the_next_reques
         proxy.rates = {"truncate": 1.0}
         with pytest.raises(TransientStorageError):
             client.get_range_into(bucket, "obj", 0, MiB, memoryview(out))
+        client.close()
+    finally:
+        proxy.close()
+
+
+def test_ranges_over_https_are_received_into_their_buffers_on_one_connection(seaweed, tmp_path, monkeypatch):
+    """AWS S3 speaks HTTPS: a range read past the SDK's own reads comes through TLS whole,
+    byte-identical, and its connection serves the next GET."""
+    made = self_signed_certificate(tmp_path)
+    if made is None:
+        pytest.skip("needs the openssl command to make a certificate")
+    cert, key = made
+    proxy = TLSProxy(int(seaweed.endpoint_url.rsplit(":", 1)[1]), cert, key)
+    try:
+        monkeypatch.setenv("AWS_CA_BUNDLE", str(cert))  # botocore's own setting for a private CA
+        client = make_client(proxy.endpoint_url, seaweed.access_key, seaweed.secret_key)
+        bucket = new_bucket(client)
+        data = os.urandom(12 * MiB)
+        client.put(bucket, "obj", data)
+        opened = proxy.connections
+        for start in range(0, 12 * MiB, 3 * MiB + 17):
+            end = min(start + 5 * MiB, 12 * MiB)
+            out = bytearray(end - start)
+            client.get_range_into(bucket, "obj", start, end, memoryview(out))
+            assert out == data[start:end], f"bytes {start}-{end} differ"
+        assert proxy.connections == opened, "a GET opened a connection of its own"
         client.close()
     finally:
         proxy.close()
