@@ -6,6 +6,10 @@ import http.client
 from collections.abc import Callable
 from typing import Any
 
+BODY_ERRORS = (TimeoutError, http.client.HTTPException)
+"""What ``receive_into`` raises past the SDK, besides ``ConnectionError``: a socket's read
+timeout and a body cut short. A backend counts them among its transient errors."""
+
 
 def _fill(read: Callable[[memoryview], int | None], out: memoryview) -> int:
     filled = 0

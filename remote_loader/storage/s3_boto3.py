@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import http.client
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -17,7 +16,7 @@ from urllib3.exceptions import HTTPError as Urllib3Error
 from remote_loader.config import StorageConfig
 from remote_loader.errors import AccessDenied, ConfigError, EndpointUnreachable, StorageError, TransientStorageError
 from remote_loader.storage.base import DEFAULT_PART_SIZE, ObjectInfo, ObjectWriter, RangedStore, check_range, error_for
-from remote_loader.storage.receive import receive_into
+from remote_loader.storage.receive import BODY_ERRORS, receive_into
 
 _UNREACHABLE = (bce.EndpointConnectionError, bce.ConnectTimeoutError, bce.ProxyConnectionError)
 _TRANSIENT = (
@@ -28,8 +27,7 @@ _TRANSIENT = (
     bce.ConnectionError,
     Urllib3Error,
     ConnectionError,
-    TimeoutError,  # a socket's read timeout in a body read past urllib3 (storage.receive)
-    http.client.HTTPException,  # a body cut short, likewise
+    *BODY_ERRORS,  # a body read past urllib3 (storage.receive)
 )
 
 

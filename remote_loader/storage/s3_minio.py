@@ -11,7 +11,6 @@ their XML is read here.
 
 from __future__ import annotations
 
-import http.client
 import io
 import os
 from collections.abc import Iterator
@@ -45,7 +44,7 @@ from remote_loader.storage.base import (
     check_range,
     error_for,
 )
-from remote_loader.storage.receive import receive_into
+from remote_loader.storage.receive import BODY_ERRORS, receive_into
 
 _MAX_ABORT_ROUNDS = 100
 _PRESIGNED_FOR = timedelta(minutes=15)  # a request is sent at once; a part may take minutes on a slow link
@@ -202,7 +201,7 @@ class MinioStore(RangedStore):
                 key=key,
                 code=type(exc.reason).__name__,
             ) from None
-        except (Urllib3Error, ConnectionError, TimeoutError, http.client.HTTPException, InvalidResponseError) as exc:
+        except (Urllib3Error, ConnectionError, *BODY_ERRORS, InvalidResponseError) as exc:
             raise TransientStorageError(
                 f"connection to {endpoint} failed during {operation} ({type(exc).__name__})",
                 bucket=bucket,
