@@ -3,7 +3,9 @@
 Each request is forwarded unchanged (the Host header too, so signatures stay valid) and
 may meet a fault: a connection reset before the answer or in the middle of the body, a
 500, a 503 SlowDown, a delay, a truncated body (short read), flipped bytes in the body, or a
-body that stops half-way for ``delay`` seconds (or until the proxy closes) before a reset.
+body that stops half-way for ``delay`` seconds (or until the proxy closes) before a reset,
+or a server that ignores ``Range`` and answers with the whole object (``ignore_range``: the
+header is dropped on the way, so only an upstream that checks no signature, moto, answers).
 Whether a request meets a fault, and which, depends only on the seed, the request
 (method, path, query, range) and how many times that same request was seen before, so a
 run is reproducible whatever the threads' timing.
@@ -22,6 +24,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
 FAULTS = ("reset_before", "reset_mid_body", "error_500", "slow_down_503", "delay", "truncate", "flip", "stall_mid_body")
+"""The faults a reader heals by retrying or fetching again."""
+ALL_FAULTS = (*FAULTS, "ignore_range")
 _SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
               b"<Message>Reduce your request rate.</Message></Error>")
 _INTERNAL = (
@@ -47,7 +51,7 @@ class FaultProxy:
         methods: tuple[str, ...] = ("GET",),
         delay: float = 0.05,
     ) -> None:
-        unknown = set(rates) - set(FAULTS)
+        unknown = set(rates) - set(ALL_FAULTS)
         if unknown:
             raise ValueError(f"unknown faults {sorted(unknown)}")
         parts = urlsplit(upstream)
@@ -109,7 +113,7 @@ class FaultProxy:
             return None
         digest = hashlib.sha256(f"{self.seed}|{request}|{attempt}".encode()).digest()
         draw = random.Random(digest).random()
-        for kind in FAULTS:
+        for kind in ALL_FAULTS:
             rate = self.rates.get(kind, 0.0)
             if draw < rate:
                 with self._lock:
@@ -142,7 +146,8 @@ class FaultProxy:
             time.sleep(self.delay)  # the injected fault itself: a slow answer
         upstream = http.client.HTTPConnection(*self.upstream, timeout=60)
         try:
-            headers = {k: v for k, v in handler.headers.items() if k.lower() != "connection"}
+            dropped = {"connection", "range"} if fault == "ignore_range" else {"connection"}
+            headers = {k: v for k, v in handler.headers.items() if k.lower() not in dropped}
             upstream.request(handler.command, handler.path, body=body, headers=headers)
             response = upstream.getresponse()
             data = response.read()

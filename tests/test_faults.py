@@ -23,10 +23,12 @@ from remote_loader import (
     RemoteMapDataset,
     RetryConfig,
     StorageConfig,
+    StorageError,
     make_client,
     upload_cv_dataset,
 )
 from remote_loader.testing.synthetic import SyntheticImages
+from tests.conftest import new_bucket
 from tests.faultproxy import FAULTS, FaultProxy
 
 FAULTY_FETCH = FetchConfig(part_size=64 * 1024, concurrency=4, refetch_attempts=10, retry=RetryConfig(backoff=0.001))
@@ -115,6 +117,33 @@ def test_flipped_sample_is_refetched_or_skipped(seaweed, clean):
     finally:
         proxy.close()
     assert got == clean and proxy.injected["flip"] > 0
+
+
+def test_a_server_that_ignores_range_stops_the_epoch_naming_the_object(moto):
+    """A server (or a proxy before it) that answers ranged GETs with whole objects: the epoch
+    stops at the first range that does not start at byte 0, naming the object and the cause,
+    and no sample is made of the object's first bytes. (moto checks no signature, so the
+    proxy can drop the Range header.)"""
+    target = moto.target
+    client = make_client(target.endpoint_url, target.access_key, target.secret_key)
+    bucket = new_bucket(client)
+    upload_cv_dataset(SyntheticImages(60), client=client, bucket=bucket, base_folder="d", maxcount=30, workers=0,
+                      progress=False)
+    proxy = FaultProxy(target.endpoint_url, {"ignore_range": 1.0})
+    try:
+        through = make_client(proxy.endpoint_url, target.access_key, target.secret_key)
+        dataset = RemoteDataset(through, bucket, "d", fetch=FetchConfig(part_size=1 << 20))
+        samples = []
+        with pytest.raises(StorageError, match=r"/d/shard-[^ ]+\.tar: a GET of bytes [1-9]\d*-\d+ was answered with"
+                                               r" the whole object: .* ignores HTTP Range requests") as caught:
+            samples.extend(dataset)
+        assert caught.value.code == "RangeIgnored"
+        clean = {s["__key__"]: bytes(s["jpg"]) for s in RemoteDataset(client, bucket, "d")}
+        assert all(bytes(s["jpg"]) == clean[s["__key__"]] for s in samples)
+        through.close()
+    finally:
+        proxy.close()
+        client.close()
 
 
 @pytest.fixture

@@ -54,6 +54,30 @@ def check_range(bucket: str, key: str, start: int, end: int, data: bytes, got: i
     return data
 
 
+def check_answer(bucket: str, key: str, start: int, end: int, content_range: str | None) -> None:
+    """Raise ``StorageError`` (code ``RangeIgnored``) unless the answer to a GET of bytes
+    ``[start, end)`` starts at ``start``: a 206 whose ``Content-Range`` says so, or the whole
+    object (a 200, no ``Content-Range``) for a range from byte 0. A server, or a proxy before
+    it, that ignores ``Range`` sends every object from its first byte: taken for the range,
+    those bytes would stand where others belong. Not retried: it answers so every time."""
+    if content_range is None:
+        if start == 0:
+            return
+        answered = "the whole object"
+    else:
+        first = content_range.removeprefix("bytes ").partition("-")[0]
+        if first.isdigit() and int(first) == start:
+            return
+        answered = f"Content-Range {content_range!r}"
+    raise StorageError(
+        f"s3://{bucket}/{key}: a GET of bytes {start}-{end - 1} was answered with {answered}: the server, or a"
+        " proxy before it, ignores HTTP Range requests, which reading a dataset needs",
+        bucket=bucket,
+        key=key,
+        code="RangeIgnored",
+    )
+
+
 _CONNECT_LOCK = threading.Lock()
 os.register_at_fork(after_in_child=lambda: globals().update(_CONNECT_LOCK=threading.Lock()))
 
@@ -260,20 +284,24 @@ class RangedStore(Store):
     def get_range(self, bucket: str, key: str, start: int, end: int) -> bytes:
         if end <= start:
             return b""
-        return check_range(bucket, key, start, end, self._read(bucket, key, f"bytes={start}-{end - 1}")[0])
+        data, content_range = self._read(bucket, key, f"bytes={start}-{end - 1}")
+        check_answer(bucket, key, start, end, content_range)
+        return check_range(bucket, key, start, end, data[: end - start])
 
     def get_tail(self, bucket: str, key: str, length: int) -> bytes:
         if length <= 0:
             return b""
-        return self._read(bucket, key, f"bytes=-{length}")[0]
+        data, content_range = self._read(bucket, key, f"bytes=-{length}")
+        return data if content_range is not None else data[-length:]  # a 200 holds the whole object
 
     def get_range_and_size(self, bucket: str, key: str, start: int, end: int) -> tuple[bytes, int]:
         if end <= start:
             return b"", self.head(bucket, key)
         data, content_range = self._read(bucket, key, f"bytes={start}-{end - 1}")
+        check_answer(bucket, key, start, end, content_range)
         total = content_range.rpartition("/")[2] if content_range else ""
-        size = int(total) if total.isdigit() else self.head(bucket, key)
-        return check_range(bucket, key, start, end, data), size
+        size = int(total) if total.isdigit() else len(data) if content_range is None else self.head(bucket, key)
+        return check_range(bucket, key, start, end, data[: end - start]), size
 
     def get_first_bytes(self, bucket: str, key: str, length: int) -> tuple[bytes, int]:
         if length <= 0:

@@ -15,7 +15,15 @@ from urllib3.exceptions import HTTPError as Urllib3Error
 
 from remote_loader.config import StorageConfig
 from remote_loader.errors import AccessDenied, ConfigError, EndpointUnreachable, StorageError, TransientStorageError
-from remote_loader.storage.base import DEFAULT_PART_SIZE, ObjectInfo, ObjectWriter, RangedStore, check_range, error_for
+from remote_loader.storage.base import (
+    DEFAULT_PART_SIZE,
+    ObjectInfo,
+    ObjectWriter,
+    RangedStore,
+    check_answer,
+    check_range,
+    error_for,
+)
 from remote_loader.storage.receive import BODY_ERRORS, receive_into
 
 _UNREACHABLE = (bce.EndpointConnectionError, bce.ConnectTimeoutError, bce.ProxyConnectionError)
@@ -170,8 +178,10 @@ class Boto3Store(RangedStore):
             return
         byte_range = f"bytes={start}-{end - 1}"
         with self._errors(f"GET {byte_range}", bucket, key):
-            body = self._sdk().get_object(Bucket=bucket, Key=key, Range=byte_range)["Body"]
+            response = self._sdk().get_object(Bucket=bucket, Key=key, Range=byte_range)
+            body = response["Body"]
             try:
+                check_answer(bucket, key, start, end, response.get("ContentRange"))
                 # A plain body's urllib3 response; a subclass (one checking a checksum, say) reads itself.
                 raw = getattr(body, "_raw_stream", body) if type(body) is StreamingBody else body
                 filled = receive_into(raw, out)

@@ -41,6 +41,7 @@ from remote_loader.storage.base import (
     ObjectInfo,
     ObjectWriter,
     RangedStore,
+    check_answer,
     check_range,
     error_for,
 )
@@ -230,6 +231,7 @@ class MinioStore(RangedStore):
         with self._errors(f"GET {byte_range}", bucket, key):
             response = self._sdk().get_object(bucket, key, request_headers={"Range": byte_range})
             try:
+                check_answer(bucket, key, start, end, response.headers.get("Content-Range"))
                 filled = receive_into(response, out)
             finally:
                 response.close()

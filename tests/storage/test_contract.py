@@ -125,6 +125,47 @@ def test_ranges_over_https_are_received_into_their_buffers_on_one_connection(sea
 
 
 @pytest.mark.parametrize("backend", ["boto3", "minio"])
+def test_a_server_that_ignores_range_is_named_and_its_bytes_never_stand_for_the_range(moto, backend):
+    """A server, or a proxy, may answer a ranged GET with the whole object (HTTP allows it).
+    Its bytes from byte 0 must never be taken for a range that starts later; what the whole
+    object does hold (a range from byte 0, the tail, the first bytes) is taken from it.
+    moto checks no signature, so the proxy can drop the Range header on the way."""
+    target = moto.target
+    assert not target.checks_signatures
+    client = make_client(target.endpoint_url, target.access_key, target.secret_key, backend=backend)
+    bucket = new_bucket(client)
+    data = bytes(range(256)) * 100
+    client.put(bucket, "obj", data)
+    proxy = FaultProxy(target.endpoint_url, {"ignore_range": 1.0})
+    try:
+        through = make_client(proxy.endpoint_url, target.access_key, target.secret_key, backend=backend)
+        out = bytearray(100)
+        reads = {
+            "get_range": lambda: through.get_range(bucket, "obj", 1000, 1100),
+            "get_range_into": lambda: through.get_range_into(bucket, "obj", 1000, 1100, memoryview(out)),
+            "get_range_and_size": lambda: through.get_range_and_size(bucket, "obj", 1000, 1100),
+        }
+        for name, read in reads.items():
+            with pytest.raises(StorageError, match=r"obj: a GET of bytes 1000-1099 was answered with the whole object"
+                                                   r": .* ignores HTTP Range requests") as caught:
+                read()
+            error = caught.value
+            assert (error.code, error.key, type(error)) == ("RangeIgnored", "obj", StorageError), name
+        assert out == bytearray(100), "the object's first bytes were written where bytes 1000-1099 belong"
+        assert through.get_range(bucket, "obj", 0, 100) == data[:100]
+        through.get_range_into(bucket, "obj", 0, 100, memoryview(out))
+        assert out == data[:100]
+        assert through.get_range_and_size(bucket, "obj", 0, 100) == (data[:100], len(data))
+        assert through.get_tail(bucket, "obj", 50) == data[-50:]
+        assert through.get_first_bytes(bucket, "obj", 100) == (data[:100], len(data))
+        assert proxy.injected["ignore_range"] >= 8
+        through.close()
+    finally:
+        proxy.close()
+        client.close()
+
+
+@pytest.mark.parametrize("backend", ["boto3", "minio"])
 def test_a_body_that_stops_coming_is_a_read_timeout_to_retry(seaweed, backend):
     """A server that stops sending half-way through a range: the read times out after
     ``read_timeout`` as an outage to retry, not an error of another kind."""
