@@ -39,7 +39,8 @@ class FaultProxy:
     Only requests whose method is in ``methods`` meet faults. ``injected`` counts faults by
     kind; ``requests`` counts every forwarded request and ``connections`` every client
     connection accepted; ``bodies`` lists, for each request
-    with a body, its method, its length and whether it waited for ``100 Continue``.
+    with a body, its method, its length and whether it waited for ``100 Continue``;
+    ``payload_hashes`` the ``x-amz-content-sha256`` header of each (None without one).
     """
 
     def __init__(
@@ -60,6 +61,7 @@ class FaultProxy:
         self.injected: Counter[str] = Counter()
         self.requests = self.connections = 0
         self.bodies: list[tuple[str, int, bool]] = []
+        self.payload_hashes: list[str | None] = []
         self._seen: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._connections: set[socket.socket] = set()
@@ -130,6 +132,7 @@ class FaultProxy:
                 self.bodies.append(
                     (handler.command, length, handler.headers.get("Expect", "").lower() == "100-continue")
                 )
+                self.payload_hashes.append(handler.headers.get("x-amz-content-sha256"))
         fault = self._fault(handler)
         if fault == "reset_before":
             return self._reset(handler)
