@@ -7,6 +7,8 @@ sampled every 10 ms.
 
 ``--against`` runs every set-up a second time, alternating, with the remote_loader of another
 checkout (a ``git worktree`` of an earlier commit): a before and after in one run.
+``--allocator`` runs the suite's set-up under glibc malloc settings instead (a fixed mmap
+threshold, a fixed trim threshold), which return freed memory sooner at a cost in page faults.
 """
 
 from __future__ import annotations
@@ -76,23 +78,34 @@ SETUPS = (
      {"shuffle": 1, "fetch": {"prefetch_bytes": 8 << 20, "range_bytes": 2 << 20, "part_size": 2 << 20}}, {}),
 )
 
+ALLOCATOR = (
+    ("as in the suite (defaults, shuffle(1000))", {}, {}),
+    ("MALLOC_MMAP_THRESHOLD_=1048576", {}, {"MALLOC_MMAP_THRESHOLD_": "1048576"}),
+    ("MALLOC_MMAP_THRESHOLD_=262144", {}, {"MALLOC_MMAP_THRESHOLD_": "262144"}),
+    ("MALLOC_TRIM_THRESHOLD_=4194304", {}, {"MALLOC_TRIM_THRESHOLD_": "4194304"}),
+    ("bytes only (no decode), defaults, shuffle(1000)", {"decode": False}, {}),
+    ("bytes only, MALLOC_MMAP_THRESHOLD_=1048576", {"decode": False}, {"MALLOC_MMAP_THRESHOLD_": "1048576"}),
+)
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images", type=int, default=4000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--against", help="another checkout's path: its runs alternate with this one's")
+    parser.add_argument("--allocator", action="store_true", help="glibc malloc settings instead of loader settings")
     args = parser.parse_args()
+    setups = ALLOCATOR if args.allocator else SETUPS
     checkouts = {"": {}} | ({"against": {"PYTHONPATH": args.against}} if args.against else {})
     folder = Path(tempfile.gettempdir()) / "remote-loader-bench-data" / str(args.images)
     items = [(str(p), label) for p, label in data.build(folder, args.images)]
-    runs: dict[tuple[str, str], list[dict]] = {(name, c): [] for name, _, _ in SETUPS for c in checkouts}
+    runs: dict[tuple[str, str], list[dict]] = {(name, c): [] for name, _, _ in setups for c in checkouts}
     with servers.seaweedfs() as (target, _):
         systems.write("remote_loader", items, target, "memory")
         env = {**os.environ, "BENCH_ENDPOINT": target.endpoint, "BENCH_BUCKET": target.bucket,
                "BENCH_ACCESS_KEY": target.access_key, "BENCH_SECRET_KEY": target.secret_key, "OMP_NUM_THREADS": "1"}
         for _ in range(args.repeats):  # set-ups alternate, so drift on the machine touches each alike
-            for name, setup, extra in SETUPS:
+            for name, setup, extra in setups:
                 for checkout, path in checkouts.items():
                     done = subprocess.run(
                         [sys.executable, "-c", _CHILD, json.dumps(setup), "memory", str(HERE / "suite")],
@@ -101,16 +114,16 @@ def main() -> None:
                     if done.returncode != 0:
                         raise RuntimeError(done.stderr[-2000:])
                     runs[name, checkout].append(json.loads(done.stdout))
-    first = runs[SETUPS[0][0], ""]
+    first = runs[setups[0][0], ""]
     print(f"{args.images} JPEGs (~110 KB), decode + RRC 224 on 2 threads, 0 workers; medians of {args.repeats}\n")
     imported = statistics.median(r["imported_mb"] for r in first)
     print(f"interpreter + torch + remote_loader imported: {imported:.0f} MB\n")
     for checkout in checkouts:
-        print(f"remote_loader from {runs[SETUPS[0][0], checkout][0]['from']}{' (against)' if checkout else ''}")
+        print(f"remote_loader from {runs[setups[0][0], checkout][0]['from']}{' (against)' if checkout else ''}")
     heads = " | ".join(f"{k} (MB) | {k.replace('peak RSS', 'images/s')}" for k in
                        ["peak RSS"] + (["against: peak RSS"] if args.against else []))
     print(f"\n| set-up | {heads} |\n|---|{'---|---|' * len(checkouts)}")
-    for name, _, _ in SETUPS:
+    for name, _, _ in setups:
         cells = " | ".join(f"{statistics.median(r['peak_mb'] for r in runs[name, c]):.0f} |"
                            f" {statistics.median(r['images_s'] for r in runs[name, c]):,.0f}" for c in checkouts)
         print(f"| {name} | {cells} |")
