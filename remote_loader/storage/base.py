@@ -7,6 +7,7 @@ boundary; callers catch types, never match messages.
 from __future__ import annotations
 
 import os
+import re
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
@@ -54,6 +55,9 @@ def check_range(bucket: str, key: str, start: int, end: int, data: bytes, got: i
     return data
 
 
+_FIRST_BYTE = re.compile(r"\s*bytes\s+(\d+)\s*-", re.IGNORECASE)  # a range unit is case-insensitive (RFC 9110)
+
+
 def check_answer(bucket: str, key: str, start: int, end: int, content_range: str | None) -> None:
     """Raise ``StorageError`` (code ``RangeIgnored``) unless the answer to a GET of bytes
     ``[start, end)`` starts at ``start``: a 206 whose ``Content-Range`` says so, or the whole
@@ -65,10 +69,10 @@ def check_answer(bucket: str, key: str, start: int, end: int, content_range: str
             return
         answered = "the whole object"
     else:
-        first = content_range.removeprefix("bytes ").partition("-")[0]
-        if first.isdigit() and int(first) == start:
+        first = _FIRST_BYTE.match(content_range)
+        if first is not None and int(first.group(1)) == start:
             return
-        answered = f"Content-Range {content_range!r}"
+        answered = f"Content-Range {content_range[:80]!r}"
     raise StorageError(
         f"s3://{bucket}/{key}: a GET of bytes {start}-{end - 1} was answered with {answered}: the server, or a"
         " proxy before it, ignores HTTP Range requests, which reading a dataset needs",

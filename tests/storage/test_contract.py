@@ -27,6 +27,7 @@ from remote_loader import (
     make_client,
 )
 from remote_loader.storage import MinioStore, s3_minio
+from remote_loader.storage.base import check_answer
 from tests.conftest import new_bucket
 from tests.faultproxy import FaultProxy
 from tests.tlsproxy import TLSProxy, self_signed_certificate
@@ -122,6 +123,29 @@ def test_ranges_over_https_are_received_into_their_buffers_on_one_connection(sea
         client.close()
     finally:
         proxy.close()
+
+
+@pytest.mark.parametrize(("content_range", "start"), [
+    ("bytes 1000-1099/25600", 1000), ("Bytes 1000-1099/*", 1000), ("bytes  0-99/100", 0), (None, 0),
+])
+def test_an_answer_is_taken_when_it_starts_where_the_range_does(content_range, start):
+    check_answer("bkt", "obj", start, start + 100, content_range)  # the unit is case-insensitive (RFC 9110)
+
+
+@pytest.mark.parametrize(("content_range", "answered"), [
+    (None, "the whole object"),
+    ("bytes 0-99/25600", "Content-Range 'bytes 0-99/25600'"),
+    ("bytes 10000-10099/25600", "Content-Range 'bytes 10000-10099/25600'"),
+    ("items 1000-1099/25600", "Content-Range 'items 1000-1099/25600'"),
+    ("bytes 0-99\n" + "x" * 500, "Content-Range 'bytes 0-99\\n" + "x" * 69 + "'"),  # at most 80 characters of it
+])
+def test_an_answer_that_starts_elsewhere_is_refused_in_one_line(content_range, answered):
+    with pytest.raises(StorageError) as caught:
+        check_answer("bkt", "obj", 1000, 1100, content_range)
+    message = str(caught.value).splitlines()[0]
+    assert message == (f"s3://bkt/obj: a GET of bytes 1000-1099 was answered with {answered}: the server, or a proxy"
+                       " before it, ignores HTTP Range requests, which reading a dataset needs")
+    assert caught.value.code == "RangeIgnored"
 
 
 @pytest.mark.parametrize("backend", ["boto3", "minio"])
