@@ -303,8 +303,11 @@ class RangedStore(Store):
             return b"", self.head(bucket, key)
         data, content_range = self._read(bucket, key, f"bytes={start}-{end - 1}")
         check_answer(bucket, key, start, end, content_range)
-        total = content_range.rpartition("/")[2] if content_range else ""
-        size = int(total) if total.isdigit() else len(data) if content_range is None else self.head(bucket, key)
+        if content_range is None:  # a 200: the server sent the whole object
+            size = len(data)
+        else:
+            total = content_range.rpartition("/")[2]
+            size = int(total) if total.isdigit() else self.head(bucket, key)
         return check_range(bucket, key, start, end, data[: end - start]), size
 
     def get_first_bytes(self, bucket: str, key: str, length: int) -> tuple[bytes, int]:

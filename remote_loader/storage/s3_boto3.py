@@ -118,8 +118,8 @@ class Boto3Store(RangedStore):
                 max_pool_connections=c.max_connections,
                 signature_version="s3v4",
                 # Bodies are not hashed into the signature (UNSIGNED-PAYLOAD), on http too,
-                # where botocore otherwise SHA-256es every byte sent: a quarter of an upload's
-                # CPU. Every byte is checked against its crc32 when read, https carries its
+                # where botocore otherwise SHA-256es every byte sent: up to a quarter of an
+                # uploading process's CPU. Every byte is checked against its crc32 when read, https carries its
                 # own integrity, and the minio backend sends parts on presigned URLs alike.
                 s3={"addressing_style": "path" if c.endpoint_url else "auto", "payload_signing_enabled": False},
                 # S3-compatible servers differ in their support of flexible checksums;
