@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import statistics
 import sys
@@ -34,13 +33,7 @@ import servers  # noqa: E402
 from run import measure  # noqa: E402
 from systems import SYSTEMS  # noqa: E402
 
-
-def cpu_seconds(pid: int | None) -> float:
-    """CPU-seconds (user + system) a process has used; 0 for a server not run here."""
-    if pid is None:
-        return 0.0
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+from remote_loader.testing.processes import cpu_seconds  # noqa: E402
 
 
 def main() -> None:

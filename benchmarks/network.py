@@ -21,11 +21,11 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-from pathlib import Path
 
 from shaper import relayed
 
 from remote_loader import upload_cv_dataset
+from remote_loader.testing.processes import cpu_seconds
 from remote_loader.testing.server import EmbeddedS3
 from remote_loader.testing.synthetic import SyntheticImages
 
@@ -71,8 +71,7 @@ def measure(profile: str, server: EmbeddedS3, repeats: int, fetch: dict[str, int
             if against:
                 theirs.append(_run(endpoint, server, fetch, against))
         if relay is not None:  # user + system seconds the relay spent moving the bytes of every run
-            fields = Path(f"/proc/{relay}/stat").read_text().rsplit(")", 1)[1].split()
-            relay_cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            relay_cpu = cpu_seconds(relay)
     return {
         "rate": statistics.median(r["samples"] / r["seconds"] for r in runs),
         "against": statistics.median(r["samples"] / r["seconds"] for r in theirs) if theirs else 0.0,

@@ -20,12 +20,10 @@ over the same ``--images`` samples streamed from the embedded SeaweedFS on loopb
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import simplejpeg
@@ -35,15 +33,11 @@ from torch.utils.data import default_collate
 
 from remote_loader import RandomResizedCrop, RemoteDataset, upload_cv_dataset
 from remote_loader.format.checksum import crc32
+from remote_loader.testing.processes import cpu_seconds
 from remote_loader.testing.server import EmbeddedS3
 from remote_loader.testing.synthetic import SyntheticImages
 
 PART = 8 << 20
-
-
-def _server_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def cost(
@@ -52,11 +46,11 @@ def cost(
     """Median CPU-seconds per 1,000 samples of ``work`` here, and at the server; and its wall rate."""
     here, there, rate = [], [], []
     for _ in range(repeats):
-        cpu, wall, served = time.process_time(), time.perf_counter(), _server_seconds(server) if server else 0.0
+        cpu, wall, served = time.process_time(), time.perf_counter(), cpu_seconds(server) if server else 0.0
         work()
         wall = time.perf_counter() - wall
         here.append((time.process_time() - cpu) * 1000 / samples)
-        there.append(((_server_seconds(server) - served) if server else 0.0) * 1000 / samples)
+        there.append(((cpu_seconds(server) - served) if server else 0.0) * 1000 / samples)
         rate.append(samples / wall)
     return statistics.median(here), statistics.median(there), statistics.median(rate)
 

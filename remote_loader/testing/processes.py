@@ -76,3 +76,11 @@ def spawn_tied(args: list[str], **popen: Any) -> subprocess.Popen[bytes]:
         command, extra = args, {"preexec_fn": die_with_parent}
     process: subprocess.Popen[bytes] = _SPAWNER.run(lambda: subprocess.Popen(command, **extra, **popen))
     return process
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU-seconds (user + system) a running process has used, from ``/proc`` (Linux): what a
+    benchmark reads of a server or relay it started, whose CPU it shares."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

@@ -15,6 +15,7 @@ import urllib.request
 import pytest
 
 from remote_loader import ConfigError
+from remote_loader.testing.processes import cpu_seconds
 from remote_loader.testing.server import EmbeddedS3
 
 # Stops the server while it is SIGSTOPped (so stop() waits), and a thread delivers Ctrl-C
@@ -186,3 +187,17 @@ def test_the_grpc_ports_refuse_a_connection_without_the_servers_client_certifica
                 with context.wrap_socket(raw) as tls:
                     tls.sendall(preface)
                     tls.recv(100)
+
+
+def test_cpu_seconds_counts_what_a_process_spent_whatever_its_name():
+    """A process named with spaces and a parenthesis (``/proc``'s stat quotes it raw), busy for
+    about 0.3 s of CPU, then waiting."""
+    burn = ("import time\nopen('/proc/self/comm', 'w').write('a) (b c')\nend = time.process_time() + 0.3\n"
+            "while time.process_time() < end: pass\nprint('done', flush=True)\ninput()")
+    process = subprocess.Popen([sys.executable, "-c", burn], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout is not None and process.stdout.readline() == "done\n"
+        spent = cpu_seconds(process.pid)
+    finally:
+        process.communicate("\n", timeout=10)
+    assert 0.3 <= spent < 5
