@@ -5,25 +5,32 @@ One Python process runs its Python on one core at a time: whatever holds the GIL
 source, stages, the S3 client's request code) adds up to a ceiling of ``1 / GIL-seconds per
 sample`` for the whole process, however many threads it has; what releases the GIL (socket
 reads, crc32, libjpeg-turbo, Pillow's resize) runs beside it on other cores. So a node's
-rate is projected from two figures per sample measured here, not from a 2-core run:
+rate is projected from figures per sample measured here, not from a 2-core run, where the
+server and the loader fight for the same two cores:
 
-- GIL-held seconds: py-spy samples the process (``--gil --nonblocking``) during the epoch
-  and counts the samples in which a thread of it holds the GIL; each run also spins pure
-  Python for a moment under the same sampler, which gives how many py-spy samples a second
-  of held GIL makes. Stacks say which part held it.
-- CPU seconds of the process (``time.process_time``) and of its consuming thread.
+- the pipeline from memory: each scenario streams one epoch from a local directory on
+  tmpfs (``LocalStore``: a GET is one read of the page cache), so nothing else runs;
+- the S3 client's cost per ranged GET of ``part_size``: GETs from the embedded SeaweedFS,
+  one at a time, in one thread; spread over the samples a part holds.
+
+Each is timed by the CPU seconds of the process (``time.process_time``) and of its consuming
+thread, and by the GIL-held seconds: py-spy samples the process (``--gil --nonblocking``)
+and counts the samples in which a thread of it holds the GIL; each run also spins pure
+Python for a moment under the same sampler, which gives how many py-spy samples a second of
+held GIL makes. Stacks say which part held it.
 
 Rows: the suite's scenarios in one process, stage threads as the suite runs them without
 DataLoader workers (as many as cores), and the same without threads (what a DataLoader
-worker runs). The projection for a node of ``--cores``:
+worker runs). The projection for a node of ``--cores``, each of its cores ``--scale``
+times slower than one here (the node's own CPU-seconds per sample of a row measured on it,
+over the same row's here):
 
 - one process: ``1 / GIL`` (its ceiling; threads cannot pass it);
 - a DataLoader worker: ``1 / max(GIL, consuming thread's CPU)`` without stage threads;
-- ``W`` workers: ``min(W x worker, cores / CPU per sample)``, the server's CPU counted
-  when it shares the node (``--server-on-node``, as in the node measurements).
+- ``W`` workers: ``min(W x worker, cores / CPU per sample)``.
 
     python benchmarks/gil_cost.py [--images 4000] [--repeats 2] [--scenarios A B-fused]
-        [--cores 16] [--against CHECKOUT] [--json FILE]
+        [--cores 16] [--scale 1.0] [--against CHECKOUT] [--json FILE]
 
 ``--against`` runs each row a second time with the remote_loader of another checkout,
 alternating. Needs ``py-spy`` (benchmarks/requirements.txt).
@@ -47,6 +54,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 SUITE = HERE / "suite"
 SHUFFLE = 1000
+BUCKET = "gil"
 _CALIBRATE_SECONDS = 0.5
 
 SCENARIOS = {
@@ -117,14 +125,15 @@ def calibration_us() -> float:
 # ---------------------------------------------------------------------------- one run, in a child
 
 
-def _pipeline(endpoint: str, keys: tuple[str, str], bucket: str, prefix: str, scenario: str, threads: int):  # noqa: ANN202
+def _pipeline(spec: dict):  # noqa: ANN202
     sys.path.insert(0, str(SUITE))
     from augment import BATCH, count_batch, plain_augment, stack_batch
 
-    from remote_loader import RandomResizedCrop, RemoteDataset, make_client
+    from remote_loader import RandomResizedCrop, RemoteDataset
+    from remote_loader.storage.local import LocalStore
 
-    client = make_client(endpoint, *keys)
-    base = RemoteDataset(client, bucket, prefix, seed=0, rank=0, world_size=1)
+    scenario, threads = spec["scenario"], spec["threads"]
+    base = RemoteDataset(LocalStore(spec["root"]), BUCKET, "d", seed=0, rank=0, world_size=1)
     if scenario != "A-noshuffle":
         base = base.shuffle(SHUFFLE)
     if scenario.startswith("A"):
@@ -138,67 +147,88 @@ def _pipeline(endpoint: str, keys: tuple[str, str], bucket: str, prefix: str, sc
     return base.to_tuple("jpg", "cls").map(augment_pair, threads=threads).batched(BATCH, stack_batch)
 
 
-def _count(batch: object, scenario: str) -> int:
-    return batch[0] if scenario.startswith("A") else len(batch[1])  # type: ignore[index]
+class _Spy:
+    """py-spy on this process, counting GIL-held samples by part (see the module's docstring)."""
+
+    def __init__(self, py_spy: str, rate: int) -> None:
+        self.out = os.path.join(tempfile.mkdtemp(prefix="gil-"), "raw.txt")
+        self.process = subprocess.Popen([py_spy, "record", "--pid", str(os.getpid()), "--gil", "--nonblocking",
+                                         "--rate", str(rate), "--format", "raw", "--output", self.out],
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert self.process.stdout is not None
+        self.process.stdout.readline()  # "Sampling process ...": attached
+        _calibrate_gil(_CALIBRATE_SECONDS)
+
+    def stop(self, per: int) -> dict[str, float]:
+        """Microseconds of held GIL by part, per ``per`` (samples, or GETs)."""
+        self.process.send_signal(signal.SIGINT)
+        self.process.communicate(timeout=60)
+        parts: Counter[str] = Counter()
+        with open(self.out) as handle:
+            for line in handle:
+                stack, _, count = line.rstrip("\n").rpartition(" ")
+                parts[part_of(stack)] += int(count)
+        shutil.rmtree(os.path.dirname(self.out), ignore_errors=True)
+        per_gil_second = parts.pop("calibration", 0) / _CALIBRATE_SECONDS
+        return {part: n / per_gil_second / per * 1e6 for part, n in parts.items()} if per_gil_second else {}
 
 
 def child(spec: dict) -> dict:
-    """One epoch: the first batches unmeasured, the rest under py-spy."""
+    """One epoch from memory: the first batches unmeasured, the rest under py-spy."""
     import torch
 
     torch.set_num_threads(1)
-    ds = _pipeline(spec["endpoint"], tuple(spec["keys"]), spec["bucket"], spec["prefix"], spec["scenario"],
-                   spec["threads"])
-    stream = iter(ds)
-    warm = sum(_count(next(stream), spec["scenario"]) for _ in range(3))
-    out = os.path.join(tempfile.mkdtemp(prefix="gil-"), "raw.txt")
-    spy = subprocess.Popen([spec["py_spy"], "record", "--pid", str(os.getpid()), "--gil", "--nonblocking",
-                            "--rate", str(spec["rate"]), "--format", "raw", "--output", out],
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        assert spy.stdout is not None
-        spy.stdout.readline()  # "Sampling process ...": attached
-        _calibrate_gil(_CALIBRATE_SECONDS)
-        server = spec.get("server")
-        served = _cpu(server)
-        wall, cpu, own = time.perf_counter(), time.process_time(), time.thread_time()
-        samples = sum(_count(batch, spec["scenario"]) for batch in stream)
-        wall, cpu, own = time.perf_counter() - wall, time.process_time() - cpu, time.thread_time() - own
-        served = _cpu(server) - served
-    finally:
-        spy.send_signal(signal.SIGINT)
-        spy.communicate(timeout=60)
-    parts: Counter[str] = Counter()
-    with open(out) as handle:
-        for line in handle:
-            stack, _, count = line.rstrip("\n").rpartition(" ")
-            parts[part_of(stack)] += int(count)
-    shutil.rmtree(os.path.dirname(out), ignore_errors=True)
-    per_gil_second = parts.pop("calibration", 0) / _CALIBRATE_SECONDS
-    gil = {part: count / per_gil_second / samples * 1e6 for part, count in parts.items()} if per_gil_second else {}
+    stream = iter(_pipeline(spec))
+    scenario = spec["scenario"]
+    count = (lambda batch: batch[0]) if scenario.startswith("A") else (lambda batch: len(batch[1]))
+    warm = sum(count(next(stream)) for _ in range(3))
+    spy = _Spy(spec["py_spy"], spec["rate"])
+    wall, cpu, own = time.perf_counter(), time.process_time(), time.thread_time()
+    samples = sum(count(batch) for batch in stream)
+    wall, cpu, own = time.perf_counter() - wall, time.process_time() - cpu, time.thread_time() - own
+    gil = spy.stop(samples)
     return {"samples": samples, "warm": warm, "rate": samples / wall, "cpu_us": cpu / samples * 1e6,
-            "thread_us": own / samples * 1e6, "gil_us": sum(gil.values()), "gil_parts": gil,
-            "server_us": served / samples * 1e6, "cores": cpu / wall, "calibration_us": calibration_us()}
+            "thread_us": own / samples * 1e6, "gil_us": sum(gil.values()), "gil_parts": gil, "cores": cpu / wall,
+            "calibration_us": calibration_us()}
 
 
-def _cpu(pid: int | None) -> float:
-    if pid is None:
-        return 0.0
-    from remote_loader.testing.processes import cpu_seconds
+def gets_child(spec: dict) -> dict:
+    """Ranged GETs of ``part_size`` from the S3 server, one at a time, into one buffer."""
+    import numpy as np
 
-    return cpu_seconds(pid)
+    from remote_loader import FetchConfig, make_client
+
+    client = make_client(spec["endpoint"], *spec["keys"])
+    part = FetchConfig().part_size
+    objects = [(o, client.head(BUCKET, o)) for o in spec["objects"]]
+    parts = [(key, start, min(start + part, size)) for key, size in objects for start in range(0, size, part)]
+    buffer = np.empty(part, dtype=np.uint8)
+    for key, start, end in parts[:2]:  # warm: the connection, the client
+        client.get_range_into(BUCKET, key, start, end, buffer.data[: end - start])
+    spy = _Spy(spec["py_spy"], spec["rate"])
+    wall, cpu = time.perf_counter(), time.process_time()
+    for key, start, end in parts:
+        client.get_range_into(BUCKET, key, start, end, buffer.data[: end - start])
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    gil = spy.stop(len(parts))
+    return {"gets": len(parts), "rate": len(parts) / wall, "cpu_us": cpu / len(parts) * 1e6,
+            "gil_us": sum(gil.values()), "gil_parts": gil}
 
 
 # ---------------------------------------------------------------------------- the model
 
 
-def project(row: dict, worker_row: dict | None, cores: int, server_on_node: bool) -> dict[str, float]:
-    """Samples/s a node of ``cores`` would give: one process, one worker, and the best of W workers."""
-    one = 1e6 / row["gil_us"]
+def project(row: dict, worker_row: dict | None, get: dict, per_sample_gets: float, cores: int,
+            scale: float) -> dict[str, float]:
+    """Samples/s a node of ``cores``, each ``scale`` times slower, would give: one process,
+    one worker, and W workers (the S3 client's cost per GET spread over the samples of a part)."""
+    extra_gil, extra_cpu = get["gil_us"] * per_sample_gets, get["cpu_us"] * per_sample_gets
+    gil = (row["gil_us"] + extra_gil) * scale
     base = worker_row or row
-    worker = 1e6 / max(base["gil_us"], base["thread_us"])
-    cpu = base["cpu_us"] + (base["server_us"] if server_on_node else 0.0)
-    out = {"one_process": one, "worker": worker, "cpu_limit": cores * 1e6 / cpu}
+    worker_gil = (base["gil_us"] + extra_gil) * scale
+    worker = 1e6 / max(worker_gil, base["thread_us"] * scale)
+    cpu = (base["cpu_us"] + extra_cpu) * scale
+    out = {"gil_us": gil, "one_process": 1e6 / gil, "worker": worker, "cpu_limit": cores * 1e6 / cpu}
     for workers in (8, 16):
         out[f"workers_{workers}"] = min(workers * worker, out["cpu_limit"])
     return out
@@ -207,9 +237,9 @@ def project(row: dict, worker_row: dict | None, cores: int, server_on_node: bool
 # ---------------------------------------------------------------------------- the run
 
 
-def _run(spec: dict, against: str | None) -> dict:
+def _run(mode: str, spec: dict, against: str | None) -> dict:
     env = {**os.environ, "PYTHONPATH": against} if against else dict(os.environ)
-    done = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, __file__, mode, json.dumps(spec)], capture_output=True, text=True,
                           timeout=1800, env=env, cwd=tempfile.gettempdir())
     if done.returncode != 0:
         raise RuntimeError(done.stderr[-3000:])
@@ -217,57 +247,68 @@ def _run(spec: dict, against: str | None) -> dict:
 
 
 def _median(runs: list[dict]) -> dict:
-    keys = ("rate", "cpu_us", "thread_us", "gil_us", "server_us", "cores", "calibration_us")
+    keys = [k for k in runs[0] if isinstance(runs[0][k], float)]
     row = {k: statistics.median(r[k] for r in runs) for k in keys}
     parts = {p for r in runs for p in r["gil_parts"]}
     row["gil_parts"] = {p: statistics.median(r["gil_parts"].get(p, 0.0) for r in runs) for p in parts}
-    row["samples"] = runs[0]["samples"]
     return row
+
+
+def _tmpfs() -> Path:
+    shm = Path("/dev/shm")
+    return Path(tempfile.mkdtemp(prefix="gil-cost-", dir=shm if shm.is_dir() else None))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--gets-child", help=argparse.SUPPRESS)
     parser.add_argument("--images", type=int, default=4000)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--scenarios", nargs="+", default=["A", "B-fused"], choices=list(SCENARIOS))
     parser.add_argument("--cores", type=int, default=16, help="cores of the node projected")
+    parser.add_argument("--scale", type=float, default=1.0, help="how many times slower a core of the node is")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="stage threads in one process")
     parser.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
-    parser.add_argument("--server-on-node", action="store_true", help="count the server's CPU in the projection")
     parser.add_argument("--against", help="another checkout, run alternating with this one")
     parser.add_argument("--json", help="write the rows and projections here")
     args = parser.parse_args()
-    if args.child:
-        print(json.dumps(child(json.loads(args.child))), flush=True)
+    if args.child or args.gets_child:
+        result = child(json.loads(args.child)) if args.child else gets_child(json.loads(args.gets_child))
+        print(json.dumps(result), flush=True)
         return
+    results = measure(args)
+    report(results, args)
+
+
+def measure(args: argparse.Namespace) -> dict[str, dict[str, list[dict]]]:
     sys.path.insert(0, str(SUITE))
     import data
 
     from remote_loader import make_client, upload_cv_dataset
+    from remote_loader.storage.local import LocalStore
     from remote_loader.testing.server import EmbeddedS3
 
     py_spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
     if py_spy is None:
         sys.exit("py-spy is missing: pip install -r benchmarks/requirements.txt")
     items = data.build(Path(tempfile.gettempdir()) / "remote-loader-bench-images", args.images)
+
+    class Files:
+        def __len__(self) -> int:
+            return len(items)
+
+        def __getitem__(self, i: int) -> tuple[bytes, int]:
+            return Path(items[i][0]).read_bytes(), items[i][1]
+
     checkouts = {"this": None, **({"against": args.against} if args.against else {})}
     results: dict[str, dict[str, list[dict]]] = {}
-    with EmbeddedS3(buckets=["gil"]) as server:
-        client = make_client(server.endpoint_url, server.access_key, server.secret_key)
-
-        class Files:
-            def __len__(self) -> int:
-                return len(items)
-
-            def __getitem__(self, i: int) -> tuple[bytes, int]:
-                return Path(items[i][0]).read_bytes(), items[i][1]
-
-        upload_cv_dataset(Files(), client=client, bucket="gil", base_folder="d", maxsize=64e6, workers=2,
-                          progress=False)
-        client.close()
-        base = {"endpoint": server.endpoint_url, "keys": [server.access_key, server.secret_key], "bucket": "gil",
-                "prefix": "d", "py_spy": py_spy, "rate": args.rate, "server": server.pid}
+    root = _tmpfs()
+    try:
+        (root / BUCKET).mkdir()
+        summary = upload_cv_dataset(Files(), client=LocalStore(str(root)), bucket=BUCKET, base_folder="d",
+                                    maxsize=64e6, workers=2, progress=False)
+        base = {"root": str(root), "py_spy": py_spy, "rate": args.rate}
         for scenario in args.scenarios:
             for threads in sorted({args.threads, 0}, reverse=True):
                 if scenario.startswith("A") and threads == 0:
@@ -275,40 +316,68 @@ def main() -> None:
                 name = f"{scenario}, threads={threads}"
                 for _ in range(args.repeats):
                     for label, checkout in checkouts.items():
-                        run = _run({**base, "scenario": scenario, "threads": threads}, checkout)
+                        run = _run("--child", {**base, "scenario": scenario, "threads": threads}, checkout)
                         results.setdefault(label, {}).setdefault(name, []).append(run)
                         print(f"{label:8s} {name:22s} {run['rate']:8,.0f}/s  GIL {run['gil_us']:6.1f} us"
                               f"  CPU {run['cpu_us']:6.1f} us  thread {run['thread_us']:6.1f} us", flush=True)
-    report(results, args)
+        with EmbeddedS3(buckets=[BUCKET]) as server:
+            client = make_client(server.endpoint_url, server.access_key, server.secret_key)
+            names = [f"d/{p.name}" for p in sorted((root / BUCKET / "d").glob("*.tar"))][:4]
+            for name in names:
+                client.put(BUCKET, name, (root / BUCKET / name).read_bytes())
+            client.close()
+            spec = {**base, "endpoint": server.endpoint_url, "keys": [server.access_key, server.secret_key],
+                    "objects": names}
+            for _ in range(args.repeats):
+                for label, checkout in checkouts.items():
+                    run = _run("--gets-child", spec, checkout)
+                    results[label].setdefault("GET", []).append(run)
+                    print(f"{label:8s} {'GET of a part':22s} {run['rate']:8,.0f}/s  GIL {run['gil_us']:6.1f} us"
+                          f"  CPU {run['cpu_us']:6.1f} us", flush=True)
+        for runs in results.values():
+            runs["dataset"] = [{"sample_bytes": summary.bytes / summary.samples}]
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return results
 
 
 def report(results: dict[str, dict[str, list[dict]]], args: argparse.Namespace) -> None:
+    from remote_loader import FetchConfig
+
     out: dict[str, dict] = {}
     for label, rows in results.items():
+        sample_bytes = rows.pop("dataset")[0]["sample_bytes"]
         medians = {name: _median(runs) for name, runs in rows.items()}
+        get = medians.pop("GET")
+        per_sample_gets = sample_bytes / FetchConfig().part_size
         print(f"\n## {label}: medians of {args.repeats}, {os.cpu_count()} cores here, Python"
-              f" {sys.version.split()[0]}")
-        print("| row | samples/s here | GIL us/sample | CPU us/sample | consuming thread us | server us |"
-              " cores | GIL by part (us) |\n|---|---|---|---|---|---|---|---|")
+              f" {sys.version.split()[0]}; {sample_bytes / 1e3:.0f} KB a sample")
+        print("| row (from memory) | samples/s here | GIL us/sample | CPU us/sample | consuming thread us | cores |"
+              " GIL by part (us) |\n|---|---|---|---|---|---|---|")
         for name, row in medians.items():
             parts = ", ".join(f"{p} {v:.1f}" for p, v in sorted(row["gil_parts"].items(), key=lambda kv: -kv[1]))
             print(f"| {name} | {row['rate']:,.0f} | {row['gil_us']:.1f} | {row['cpu_us']:.1f} |"
-                  f" {row['thread_us']:.1f} | {row['server_us']:.1f} | {row['cores']:.2f} | {parts} |")
-        print(f"\nprojected for {args.cores} cores (samples/s){' with the server on the node' * args.server_on_node}:")
-        print("| scenario | one process | one worker | 8 workers | 16 workers | CPU limit |\n|---|---|---|---|---|---|")
+                  f" {row['thread_us']:.1f} | {row['cores']:.2f} | {parts} |")
+        print(f"\nS3 client, one ranged GET of {FetchConfig().part_size >> 20} MiB: GIL {get['gil_us']:.0f} us,"
+              f" CPU {get['cpu_us']:.0f} us ({get['gil_us'] * per_sample_gets:.1f} and"
+              f" {get['cpu_us'] * per_sample_gets:.1f} us a sample)")
+        print(f"\nprojected for {args.cores} cores, each {args.scale:g}x slower than one here (samples/s):")
+        print("| scenario | GIL us/sample | one process | one worker | 8 workers | 16 workers | CPU limit |"
+              "\n|---|---|---|---|---|---|---|")
         projections = {}
         for scenario in args.scenarios:
             threaded = medians.get(f"{scenario}, threads={args.threads}")
-            worker = medians.get(f"{scenario}, threads=0")
             if threaded is None:
                 continue
-            p = project(threaded, worker, args.cores, args.server_on_node)
+            p = project(threaded, medians.get(f"{scenario}, threads=0"), get, per_sample_gets, args.cores,
+                        args.scale)
             projections[scenario] = p
-            print(f"| {scenario} | {p['one_process']:,.0f} | {p['worker']:,.0f} | {p['workers_8']:,.0f} |"
-                  f" {p['workers_16']:,.0f} | {p['cpu_limit']:,.0f} |")
+            print(f"| {scenario} | {p['gil_us']:.1f} | {p['one_process']:,.0f} | {p['worker']:,.0f} |"
+                  f" {p['workers_8']:,.0f} | {p['workers_16']:,.0f} | {p['cpu_limit']:,.0f} |")
         calibration = statistics.median(r["calibration_us"] for r in medians.values())
         print(f"\nPython speed here: {calibration:,.0f} us for the calibration workload")
-        out[label] = {"rows": medians, "projections": projections, "calibration_us": calibration}
+        out[label] = {"rows": medians, "get": get, "projections": projections, "calibration_us": calibration,
+                      "sample_bytes": sample_bytes}
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
 

@@ -207,6 +207,11 @@ class ShardView:
     def __len__(self) -> int:
         return len(self.index)
 
+    @property
+    def buffer(self) -> memoryview:
+        """The bytes the view slices, from offset ``base`` of the shard on."""
+        return self._buf
+
     def sample(self, i: int) -> Sample:
         """Return sample ``i``: ``__key__``, ``__shard__`` and a memoryview per field.
 

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import copy
 import threading
-import time
 from collections.abc import Callable, Iterator
-from functools import partial
 from typing import Any
 
 import torch
@@ -15,9 +13,11 @@ from torch.utils.data import IterableDataset, get_worker_info
 from remote_loader.config import FetchConfig, current_world, require_bool, require_int
 from remote_loader.errors import ConfigError, DatasetNotFound, ResumeError
 from remote_loader.pipeline import stages
-from remote_loader.pipeline.resume import MAX_WORKERS, Checkpoints, Layout, Progress, route, skip_delivered
-from remote_loader.pipeline.source import ShardSource
-from remote_loader.pipeline.split import EpochOrders, plan_spans, rank_size, shard_order
+from remote_loader.pipeline.order import Mixing
+from remote_loader.pipeline.resume import MAX_WORKERS, Checkpoints, Iteration, Layout
+from remote_loader.pipeline.run import Run
+from remote_loader.pipeline.source import ShardSource, TarSource
+from remote_loader.pipeline.split import EpochOrders, PlanSpans, locate, rank_size, shard_order
 from remote_loader.read import DatasetReader, Metrics
 from remote_loader.read.heap import release_free_memory
 from remote_loader.storage import Store, open_location
@@ -107,6 +107,7 @@ class RemoteDataset(IterableDataset):
         self.seed, self.shuffle_shards, self.open_shards = seed, shuffle_shards, open_shards
         self.rank, self.world_size, self.equalize = rank, world_size, equalize
         self.stages: list[stages.Stage] = []
+        self.buffer: tuple[int, int] | None = None  # the shuffle buffer: (bufsize, initial)
         self._metrics = Metrics.table(1 + MAX_WORKERS)  # row 0: this process; row 1 + w: worker w
         self._checkpoints = Checkpoints()
         self._orders = EpochOrders()  # shared by the pipeline's copies
@@ -138,9 +139,9 @@ class RemoteDataset(IterableDataset):
 
     # ------------------------------------------------------------------ the chain
 
-    def _with(self, stage: stages.Stage) -> RemoteDataset:
+    def _with(self, stage: stages.Stage | None) -> RemoteDataset:
         clone = copy.copy(self)
-        clone.stages = [*self.stages, stage]
+        clone.stages = [*self.stages, *([stage] if stage is not None else [])]
         clone._metrics = Metrics.table(1 + MAX_WORKERS)
         clone._checkpoints = Checkpoints(self.epoch, auto=self._checkpoints.auto)
         return clone
@@ -148,11 +149,20 @@ class RemoteDataset(IterableDataset):
     def shuffle(self, bufsize: int, initial: int | None = None) -> RemoteDataset:
         """Mix samples in a buffer of ``bufsize`` (output starts at ``initial``, default ``min(bufsize, 100)``).
 
-        Samples entering the buffer are copied out of their shard buffers, so the buffer's
-        memory is ``bufsize`` samples, whatever the shard size.
+        The buffer sits at the source, whatever its place among ``decode``, ``map`` and
+        ``to_tuple``: it mixes samples as they come from storage, so it holds their encoded
+        bytes (copied out of the fetched ranges), and those stages, which treat each sample
+        alone, give the same results. It comes before ``select`` and ``batched``, once.
         """
         start = initial if initial is not None else min(bufsize, 100) if isinstance(bufsize, int) else 0
-        return self._with(stages.Shuffle(bufsize, start))
+        buffer = stages.check_shuffle(bufsize, start)
+        if self.buffer is not None:
+            raise ConfigError(f"this pipeline shuffles already (shuffle({self.buffer[0]})): give shuffle once")
+        if not all(s.one_to_one for s in self.stages):
+            raise ConfigError("shuffle mixes samples at the source: put it before select and batched")
+        clone = self._with(None)
+        clone.buffer = buffer
+        return clone
 
     def decode(self, mode: str | Callable[..., Any] = "pil", *, min_size: int | None = None,
                threads: int = 0) -> RemoteDataset:
@@ -215,7 +225,9 @@ class RemoteDataset(IterableDataset):
         """This rank's place in the world now, with the dataset and the stages."""
         rank, world_size = current_world(self.rank, self.world_size)
         equalize = world_size > 1 if self.equalize is None else self.equalize
-        return Layout(self.reader, self.seed, self.shuffle_shards, rank, world_size, equalize, tuple(self.stages))
+        bufsize, initial = self.buffer or (0, 0)
+        return Layout(self.reader, self.seed, self.shuffle_shards, rank, world_size, equalize,
+                      Mixing(self.open_shards, bufsize, initial), tuple(self.stages))
 
     def __len__(self) -> int:
         """Items this rank yields per epoch (batches, after ``batched``), whatever the number
@@ -252,7 +264,14 @@ class RemoteDataset(IterableDataset):
             return self._checkpoints.count_state(self._layout(), consumed, num_workers)
         if self.unindexed:
             raise ResumeError("checkpoints need an indexed dataset: run remote-loader index on it")
-        return self._checkpoints.state(self._layout(), get_worker_info())
+        info = get_worker_info()
+        state = self._checkpoints.state(info)
+        if state is not None:
+            return state
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)  # the next iteration's, before it starts
+        layout = self._layout()
+        epoch = self._checkpoints.epoch
+        return self._run(layout, self._checkpoints.plan(layout, epoch, worker, workers), epoch, worker).state()
 
     def load_state_dict(self, state: Any) -> None:
         """Resume an epoch from a checkpoint: the next iteration of that epoch delivers
@@ -294,63 +313,47 @@ class RemoteDataset(IterableDataset):
             checkpoints = self._checkpoints
             if checkpoints.resume_for(epoch, worker, num_workers) is not None or checkpoints.position is not None:
                 raise ResumeError("resume needs an indexed dataset: run remote-loader index on it")
-            return self._iterate(epoch, worker, num_workers, None, 0)
-        progress, skip = self._checkpoints.start(self._layout(), epoch, worker, num_workers)
-        return self._iterate(epoch, worker, num_workers, progress, skip)
-
-    def _iterate(self, epoch: int, worker: int, num_workers: int, progress: Progress | None,
-                 skip: int) -> Iterator[Any]:
+            return iter(self._tars(epoch, worker, num_workers))
         layout = self._layout()
-        info = get_worker_info()
-        metrics = Metrics(self._metrics[1 + worker if info else 0].numpy())
+        iteration = self._checkpoints.plan(layout, epoch, worker, num_workers)
+        self._checkpoints.take(iteration, worker)
+        run = self._run(layout, iteration, epoch, worker)
+        if iteration.expect is not None and run.source.at_start() != iteration.expect:
+            raise ResumeError(f"the state of rank {layout.rank} worker {worker} lists positions its order does"
+                              " not leave undelivered: it was altered, or the dataset's order differs from the one"
+                              " it was taken in")
+        self._checkpoints.live = run
+        return iter(run)
+
+    def _run(self, layout: Layout, iteration: Iteration, epoch: int, worker: int) -> Run:
+        """The iteration of ``epoch`` by ``worker`` that ``iteration`` plans (not started)."""
+        metrics = Metrics(self._metrics[1 + worker if get_worker_info() else 0].numpy())
         policy = self.reader.policy(metrics, cancel=threading.Event())
-        source = ShardSource(
-            self.reader,
-            policy,
-            open_shards=self.open_shards,
-            seed=(self.seed, epoch, layout.rank, worker, 1),
-            on_error=self.on_error,
-            progress=progress,
-        )
-        names = stages.InFlight()
-        data = names.entering(self._samples(source, epoch, worker, num_workers, progress))
-        counted = progress.done if progress is not None else _ignore
+        counts = self.reader.counts
+        order, ends = self._orders.get(counts, self.seed, epoch, self.shuffle_shards, keep=False)
+        spans = PlanSpans(counts, order, iteration.plan.rows, ends)
+        del order, ends
+        release_free_memory()  # the split's temporaries, so that a worker keeps only its share
 
-        def done(ids: Any) -> None:
-            counted(ids)
-            names.left(ids)
+        def where(positions: Any) -> Any:  # a resumed buffer's samples, or a failing one's (rare)
+            return locate(counts, *self._orders.get(counts, self.seed, epoch, self.shuffle_shards, keep=False),
+                          positions)
 
-        # What runs between stages, made before the stages are chained: the skip of a count
-        # state, and the replay point, before which a replay's placeholders go around stages.
-        taps: dict[int, list[Callable[[Iterator[tuple[Any, Any]]], Iterator[tuple[Any, Any]]]]] = {}
-        if skip:
-            taps.setdefault(layout.skip_point()[0], []).append(partial(skip_delivered, count=skip, done=done))
-        point = progress.point if progress is not None else None
-        replay_at = layout.replay_point()[0] if point is not None else -1
-        if point is not None:
-            taps.setdefault(replay_at, []).append(partial(point.run, done=done))
-        routed = point is not None and point.replaying and point.replay is not None and point.replay.placeholders
+        source = ShardSource(self.reader, policy, spans=lambda: spans, rows=iteration.plan.rows,
+                             mixing=layout.mixing, seeds=self._seeds(epoch, layout.rank, worker), locate=where,
+                             on_error=self.on_error, start=iteration.start)
         context = stages.Context(self.seed, epoch, layout.rank, worker)
-        for position, stage in enumerate(self.stages):
-            for tap in taps.get(position, ()):
-                data = tap(data)
-            data = (route(stage) if routed and position < replay_at else stage).paired(data, context, done, names)
-        for tap in taps.get(len(self.stages), ()):
-            data = tap(data)
-        yield from _timed(_deliver(data, done, metrics), metrics)
+        return Run(source, self.stages, context, iteration.header, layout.mixing, iteration.plan.extras,
+                   iteration.plan.rows, metrics)
 
-    def _samples(
-        self, source: ShardSource, epoch: int, worker: int, num_workers: int, progress: Progress | None
-    ) -> Iterator[tuple[int, Any]]:
-        """What this worker reads: its plan's spans, or for plain WebDataset tars without a
-        manifest, whole tars dealt round-robin to ranks x workers in the epoch's order."""
-        if progress is not None:
-            counts = self.reader.counts
-            order, ends = self._orders.get(counts, self.seed, epoch, self.shuffle_shards, keep=False)
-            spans = plan_spans(counts, order, progress.plan.rows, ends)
-            del order, ends
-            release_free_memory()  # the split's temporaries, so that a worker keeps only its share
-            return source.spans(spans)
+    def _seeds(self, epoch: int, rank: int, worker: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The seeds of a worker's source order and of its shuffle buffer."""
+        seed = self.seed & (2**64 - 1)
+        return (seed, epoch, rank, worker, 1), (seed, epoch, rank, worker, 2)
+
+    def _tars(self, epoch: int, worker: int, num_workers: int) -> Run:
+        """Plain WebDataset tars without a manifest: whole tars dealt round-robin to ranks x
+        workers in the epoch's order."""
         tars = self.reader.list_tars()
         if not tars:
             raise DatasetNotFound(
@@ -361,38 +364,14 @@ class RemoteDataset(IterableDataset):
         layout = self._layout()
         slots, slot = layout.world_size * num_workers, layout.rank * num_workers + worker
         order = shard_order(len(tars), self.seed, epoch, self.shuffle_shards)
-        return source.tars([tars[k] for position, k in enumerate(order) if position % slots == slot])
+        metrics = Metrics(self._metrics[1 + worker if get_worker_info() else 0].numpy())
+        source = TarSource(self.reader, self.reader.policy(metrics, cancel=threading.Event()),
+                           [tars[k] for position, k in enumerate(order) if position % slots == slot],
+                           layout.mixing, self._seeds(epoch, layout.rank, worker))
+        context = stages.Context(self.seed, epoch, layout.rank, worker)
+        return Run(source, self.stages, context, {}, layout.mixing, frozenset(), (), metrics)  # type: ignore[arg-type]
 
 
 def _failing(error: Exception) -> Iterator[Any]:
     raise error
     yield  # a generator: it raises at the first next()
-
-
-def _ignore(ids: Any) -> None:
-    pass
-
-
-def _deliver(pairs: Iterator[tuple[Any, Any]], done: Callable[[Any], None], metrics: Metrics) -> Iterator[Any]:
-    """The items; each one's samples count as delivered as it leaves (``metrics.samples``)."""
-    for ids, item in pairs:
-        done(ids)
-        metrics.add(samples=_leaves(ids))
-        yield item
-
-
-def _leaves(ids: Any) -> int:
-    """How many samples an item's ids name: one id, or a batch's (nested) list of them."""
-    return sum(_leaves(i) for i in ids) if isinstance(ids, list) else 1
-
-
-def _timed(data: Iterator[Any], metrics: Metrics) -> Iterator[Any]:
-    """Count time spent producing items, less the time waiting on storage, as user time."""
-    while True:
-        started, waited = time.perf_counter(), metrics.wait_seconds
-        try:
-            item = next(data)
-        except StopIteration:
-            return
-        metrics.add(user_seconds=time.perf_counter() - started - (metrics.wait_seconds - waited))
-        yield item

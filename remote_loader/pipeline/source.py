@@ -1,16 +1,19 @@
-"""The sample source of one worker: its spans fetched ahead, mixed across open shards.
+"""The sample source of one worker: its plan's shards fetched ahead in ranges and read in its
+delivery order (``order.py``): groups of ``open_shards`` spans interleaved, then the shuffle
+buffer.
 
-``ShardSource`` is the one object the pipeline asks for samples: it cuts the ranges of a
-worker's spans (or takes whole unindexed tars), has the prefetcher fetch them, and yields
-their samples mixed across open ranges, each with its position in the epoch. It tells the
-worker's ``Progress`` only what it skipped under ``on_error="skip"``; in a replayed run it
-fetches nothing for ranges already delivered and emits placeholders for their samples.
+It is the one stateful part of a pipeline. It counts its outputs (a skipped sample is an
+output that yields nothing), keeps the positions of the latest ones, and says at any output
+which positions are not yet delivered (``undelivered``). Given a count of outputs to start
+from (a checkpoint's), it regenerates its order up to there on integers and fetches only what
+the shuffle buffer held at that point, then goes on as the uninterrupted run would have.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -18,162 +21,344 @@ from typing import Any
 import numpy as np
 
 from remote_loader.format import Sample
-from remote_loader.pipeline.resume.progress import Progress
-from remote_loader.pipeline.resume.replay import REPLAYED, Placeholder, Replay, ReplayedRange
+from remote_loader.pipeline.intervals import merge
+from remote_loader.pipeline.order import (
+    Group,
+    Mixing,
+    Point,
+    Shuffler,
+    fast_forward,
+    groups,
+    plan_after,
+    ranges_in_need,
+    undelivered_at,
+)
 from remote_loader.pipeline.split import Span
 from remote_loader.read.fetch import Fetched, Job, Prefetcher
 from remote_loader.read.reader import DatasetReader
 from remote_loader.read.retry import RetryPolicy
 from remote_loader.read.shards import IndexCache, OpenRange, RangePlan, TarRead, locate_span
 
+_TRIM_EVERY = 4096  # outputs between trims of the kept positions of past outputs
+_GAP = 2  # samples of a shard between two a resumed buffer needs that are fetched with them (one GET, not two)
+
 
 @dataclass(frozen=True)
-class Located:
-    """What a fetched range holds, as the source opens it: its first sample's position in the
-    epoch (-1 for an unindexed tar), how many samples it covers, and how to read it: a plan
-    of the read layer's, or ``replayed``, samples ``[first, stop)`` already delivered."""
+class Piece:
+    """What a fetched range is for: the next range of slot ``slot`` of group ``group``, or
+    samples a resumed shuffle buffer held (``wanted``: pairs of the sample in its shard and
+    its index in the buffer)."""
 
-    position: int
-    samples: int
-    plan: RangePlan | None = None
-    replayed: tuple[int, int] | None = None
-
-
-def split_spans(reader: DatasetReader, spans: Iterable[Span], range_bytes: int, group: int) -> Iterator[Span]:
-    """Cut spans into ranges of about ``range_bytes`` and interleave the ranges of each
-    ``group`` consecutive spans, so a reader with ``group`` open ranges still mixes
-    ``group`` shards while holding only one range of each. Lazy: it reads ``group`` spans
-    at a time."""
-    samples, sizes = reader.manifest.shards.samples, reader.manifest.shards.size
-    spans = iter(spans)
-    while block := list(itertools.islice(spans, group)):
-        pieces = []
-        for span in block:
-            per_range = max(1, int(range_bytes * int(samples[span.shard]) // max(1, int(sizes[span.shard]))))
-            pieces.append([Span(span.shard, a, min(a + per_range, span.end), span.position + a - span.start)
-                           for a in range(span.start, span.end, per_range)])
-        yield from (p[position] for position in range(max(len(p) for p in pieces)) for p in pieces if position < len(p))
+    plan: RangePlan
+    slot: int = -1
+    group: int = -1
+    wanted: tuple[tuple[int, int], ...] = ()
 
 
-def _located(cache: IndexCache, span: Span, on_error: str) -> tuple[int, int, Located]:
-    start, end, plan = locate_span(cache, span.shard, span.start, span.end, on_error)
-    return start, end, Located(span.position, len(span), plan)
-
-
-def _replayed(span: Span, skipped: bool) -> tuple[int, int, Located]:
-    return 0, 0, Located(span.position, len(span), replayed=(span.start, span.start if skipped else span.end))
-
-
-def _whole(name: str, size: int) -> tuple[int, int, Located]:
-    return 0, size, Located(-1, 0, TarRead(name))
-
-
-def span_jobs(reader: DatasetReader, spans: Iterable[Span], policy: RetryPolicy, open_shards: int = 1,
-              on_error: str = "raise", replay: Replay | None = None) -> Iterator[Job[Located]]:
-    """Jobs fetching the samples of ``spans`` of an indexed dataset, in ranges of about
-    ``range_bytes``, made as the prefetcher reaches them. A replayed run fetches nothing
-    for a range whose samples were all delivered (``replay.py``)."""
-    shards = reader.manifest.shards
-    cache = IndexCache(reader, policy, keep=2 * open_shards + 4)
-    for s in split_spans(reader, (s for s in spans if len(s)), policy.config.range_bytes, open_shards):
-        key = reader.location.key(shards.names[s.shard])
-        if replay is not None and replay.placeholders and not replay.any_live(s.position, s.position + len(s)):
-            yield Job(key, partial(_replayed, s, replay.skipped_at_open(s.position)))
-        else:
-            # A shard's first sample lies just past its start: fetch from there while its index arrives.
-            head = (0, int(shards.size[s.shard])) if s.start == 0 else None
-            yield Job(key, partial(_located, cache, s, on_error), head)
-
-
-def tar_jobs(reader: DatasetReader, tars: Sequence[tuple[str, int]]) -> list[Job[Located]]:
-    """Jobs fetching whole unindexed tars ``(name, size)``."""
-    return [Job(reader.location.key(name), partial(_whole, name, size)) for name, size in tars]
+def _locate(cache: IndexCache, shard: int, first: int, stop: int, on_error: str, slot: int, group: int,
+            wanted: tuple[tuple[int, int], ...] = ()) -> tuple[int, int, Piece]:
+    start, end, plan = locate_span(cache, shard, first, stop, on_error)
+    return start, end, Piece(plan, slot, group, wanted)
 
 
 class ShardSource:
-    """One worker's samples, each with its position (-1 for unindexed tars).
+    """One worker's samples of an indexed dataset, in its delivery order.
 
     Args:
         reader: The dataset.
         policy: The worker's requests (retrying store, metrics, cancel).
-        open_shards: Ranges read at once, each next sample drawn from one of them.
-        seed: Draws which open range gives the next sample.
+        spans: Makes the spans of the worker's plan, in order (called once more when resuming).
+        rows: The plan's intervals of positions, in order (for ``undelivered``).
+        mixing: Spans read at once, and the shuffle buffer.
+        seeds: The source order's and the shuffle buffer's.
+        locate: Positions -> (shards, samples in them): where a resumed buffer's samples lie.
         on_error: ``"skip"`` skips damaged samples and shards (counted, logged).
-        progress: Told of every sample skipped; its replay, if any, replayed.
+        start: Outputs given before (a resume): the order goes on from there.
     """
 
-    def __init__(self, reader: DatasetReader, policy: RetryPolicy, *, open_shards: int, seed: Sequence[int],
-                 on_error: str = "raise", progress: Progress | None = None) -> None:
-        self.reader, self.policy, self.open_shards, self.seed = reader, policy, open_shards, seed
-        self.on_error, self.progress = on_error, progress
-        self.replay = progress.replay if progress is not None else None
+    def __init__(self, reader: DatasetReader, policy: RetryPolicy, *, spans: Callable[[], Iterable[Span]],
+                 rows: Sequence[tuple[int, int]], mixing: Mixing, seeds: tuple[Sequence[int], Sequence[int]],
+                 locate: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]], on_error: str = "raise",
+                 start: int = 0) -> None:
+        self.reader, self.policy, self.spans, self.rows = reader, policy, spans, rows
+        self.mixing, self.seeds, self.locate, self.on_error = mixing, seeds, locate, on_error
+        self.point = fast_forward(spans(), mixing, seeds, start) if start else Point(0, 0, 0, 0)
+        self.cache = IndexCache(reader, policy, keep=2 * mixing.open_shards + 4)
+        self._ring: deque[int] = deque()  # positions of outputs from ``_base`` on
+        self._base = self.point.outputs
+        self._skips: list[list[int]] = []  # runs [output, count] of outputs that were skipped samples
+        self._group: Group | None = None
+        self._group_start = self.point.group_start
+        self._next: list[int] = []  # per slot of the group being read, the position of its next read
+        self._shuffler: Shuffler | None = None
+        self._started = False
 
-    def spans(self, spans: Iterable[Span]) -> Iterator[tuple[int, Sample | Placeholder]]:
-        """The samples of ``spans`` of an indexed dataset, read in ranges of about ``range_bytes``."""
-        return self._stream(span_jobs(self.reader, spans, self.policy, self.open_shards, self.on_error, self.replay))
+    # ------------------------------------------------------------------ what it says
 
-    def tars(self, tars: Sequence[tuple[str, int]]) -> Iterator[tuple[int, Sample | Placeholder]]:
-        """The samples of whole unindexed tars ``(name, size)``, each read sequentially."""
-        return self._stream(tar_jobs(self.reader, tars))
+    @property
+    def outputs(self) -> int:
+        """Outputs given so far this epoch (a skipped sample counts)."""
+        return self._base + len(self._ring)
 
-    def _open(self, fetched: Fetched[Located]) -> tuple[Any, int]:
-        """The range as a reading (``next``, ``stop``, ``done``, ``next_sample()``, ``close()``)
-        and the position of its sample 0."""
-        located = fetched.context
-        if located.replayed is not None:
-            first, stop = located.replayed
-            return ReplayedRange(first, stop, fetched.release), located.position - first
-        assert located.plan is not None
-        reading = OpenRange(self.reader, fetched, located.plan, self.policy, self.on_error)
-        return reading, located.position - reading.next
+    def output_of(self, emitted: int) -> int:
+        """Outputs given up to and including the ``emitted``-th sample yielded in this
+        iteration (1-based; 0 for none): skipped samples before it count."""
+        if emitted <= 0:
+            return self.point.outputs
+        output = self.point.outputs + emitted - 1
+        for first, count in self._skips:
+            if first <= output:
+                output += count
+            else:
+                break
+        return output + 1
 
-    def _stream(self, jobs: Iterable[Job[Located]]) -> Iterator[tuple[int, Sample | Placeholder]]:
-        """The jobs' samples, each next one drawn from one of ``open_shards`` open ranges by
-        the seed alone (never by fetch timing), with its position. Every sample of every range
-        is yielded once, less those skipped under ``on_error="skip"``; a replayed run skips
-        where its run skipped and yields ``REPLAYED`` for samples delivered before its state."""
-        progress, replay = self.progress, self.replay
-        rng = np.random.default_rng(list(self.seed))
-        with Prefetcher(self.reader.location.bucket, jobs, self.policy, self.reader.round_trip) as prefetcher:
+    @property
+    def emitted(self) -> int:
+        """Samples yielded in this iteration."""
+        return self.outputs - self.point.outputs - sum(count for _, count in self._skips)
+
+    def describe(self, emitted: int) -> str | None:
+        """The ``emitted``-th sample yielded in this iteration (1-based), for a message:
+        its key and shard, while its position is kept."""
+        position = self.position(self.output_of(emitted) - 1)
+        if position is None:
+            return None
+        shards, samples = self.locate(np.array([position], dtype=np.int64))
+        shard, sample = int(shards[0]), int(samples[0])
+        name = self.reader.manifest.shards.names[shard]
+        index = self.cache.cached(shard)
+        return f"sample {index.keys[sample]!r} of {name}" if index is not None else f"sample {sample} of {name}"
+
+    def position(self, output: int) -> int | None:
+        """The position of output ``output`` (0-based), while it is kept (not yet trimmed)."""
+        k = output - self._base
+        return self._ring[k] if 0 <= k < len(self._ring) else None
+
+    def trim(self, delivered: int) -> None:
+        """Forget the positions of outputs before ``delivered``: they are delivered for good."""
+        for _ in range(min(delivered - self._base, len(self._ring))):
+            self._ring.popleft()
+            self._base += 1
+
+    def undelivered(self, delivered: int) -> list[tuple[int, int]]:
+        """Positions of the plan not among the first ``delivered`` outputs, as merged
+        intervals: outputs after those, what the shuffle buffer holds, and what is unread."""
+        if not self._started:
+            return self.at_start()
+        out = [(p, p + 1) for p in itertools.islice(self._ring, max(0, delivered - self._base), None)]
+        if self._shuffler is not None:
+            out += [(p, p + 1) for p, _ in self._shuffler.items]
+        end = self._group_start
+        if self._group is not None:
+            out += [(p, s.position + len(s)) for p, s in zip(self._next, self._group.spans, strict=True)]
+            end += len(self._group)
+        return merge(out + plan_after(self.rows, end))
+
+    def at_start(self) -> list[tuple[int, int]]:
+        """The positions not delivered where this iteration starts (``order.undelivered_at``)."""
+        return undelivered_at(self.point, self.spans(), self.rows, self.mixing.open_shards, self.seeds[0])
+
+    # ------------------------------------------------------------------ what it fetches
+
+    def _jobs(self) -> Iterator[Job[Piece]]:
+        yield from self._held_jobs()
+        point = self.point
+        for group in groups(self.spans(), self.mixing.open_shards, self.seeds[0], first=point.group):
+            offset = point.reads - point.group_start if group.index == point.group else 0
+            yield from self._group_jobs(group, offset)
+
+    def _group_jobs(self, group: Group, offset: int) -> list[Job[Piece]]:
+        """The group's ranges from read ``offset`` on, in the order its reads first need them."""
+        shards = self.reader.manifest.shards
+        per = [self._per_range(span.shard) for span in group.spans]
+        jobs = []
+        for _, slot, first, stop in ranges_in_need(group, offset, per):
+            shard = group.spans[slot].shard
+            # A shard's first sample lies just past its start: fetch from there while its index arrives.
+            head = (0, int(shards.size[shard])) if first == 0 else None
+            jobs.append(Job(self.reader.location.key(shards.names[shard]),
+                            partial(_locate, self.cache, shard, first, stop, self.on_error, slot, group.index), head))
+        return jobs
+
+    def _per_range(self, shard: int) -> int:
+        """Samples of a shard in a range of about ``range_bytes`` (by the shard's mean sample)."""
+        shards = self.reader.manifest.shards
+        return max(1, self.policy.config.range_bytes * int(shards.samples[shard]) // max(1, int(shards.size[shard])))
+
+    def _held_jobs(self) -> list[Job[Piece]]:
+        """Jobs fetching the samples a resumed shuffle buffer held: per shard, runs of them
+        (two a few samples apart share a GET), each at most a range long."""
+        if not self.point.held:
+            return []
+        shards, samples = (a.tolist() for a in self.locate(np.array(self.point.held, dtype=np.int64)))
+        manifest = self.reader.manifest.shards
+        runs: list[tuple[int, list[tuple[int, int]]]] = []
+        for k in sorted(range(len(shards)), key=lambda k: (shards[k], samples[k])):
+            shard, sample = shards[k], samples[k]
+            per = self._per_range(shard)
+            if runs and runs[-1][0] == shard and sample - runs[-1][1][-1][0] <= _GAP + 1 \
+                    and sample - runs[-1][1][0][0] < per:
+                runs[-1][1].append((sample, k))
+            else:
+                runs.append((shard, [(sample, k)]))
+        return [Job(self.reader.location.key(manifest.names[shard]),
+                    partial(_locate, self.cache, shard, run[0][0], run[-1][0] + 1, self.on_error, -1, -1, tuple(run)))
+                for shard, run in runs]
+
+    # ------------------------------------------------------------------ what it yields
+
+    def __iter__(self) -> Iterator[Sample]:
+        """The samples, in the delivery order from ``start`` on."""
+        bucket = self.reader.location.bucket
+        self._started = True
+        with Prefetcher(bucket, self._jobs(), self.policy, self.reader.round_trip) as prefetcher:
             fetched = iter(prefetcher)
-            reading: list[Any] = []
-            base: dict[int, int] = {}  # id(reading) -> the position of its sample 0
-            exhausted = False
             try:
-                while True:
-                    while not exhausted and len(reading) < self.open_shards:
-                        item = next(fetched, None)
-                        if item is None:
-                            exhausted = True
-                            continue
-                        opened, zero = self._open(item)
-                        if opened.done:  # an indexed range skipped whole under on_error="skip"
-                            if progress is not None and item.context.position >= 0:
-                                progress.skipped(item.context.position, item.context.samples, at_open=True)
-                            opened.close()
-                            continue
-                        reading.append(opened)
-                        base[id(opened)] = zero
-                    if not reading:
-                        return
-                    current = reading[int(rng.integers(len(reading)))] if len(reading) > 1 else reading[0]
-                    first = current.next
-                    position = base[id(current)] + first
-                    skips = replay.skip_at(position) if replay is not None else 0
-                    if skips:  # skipped in the run replayed: skipped again, whatever it reads now
-                        current.next = min(current.stop, first + skips)
-                        sample = None
-                    else:
-                        sample = current.next_sample()
-                    if sample is None and progress is not None:
-                        progress.skipped(position, current.next - first)
-                    if current.done:
-                        reading.remove(current)
-                        del base[id(current)]
-                        current.close()
-                    if sample is not None:
-                        if replay is not None and replay.placeholders and not replay.live(position):
-                            sample = REPLAYED
-                        yield position, sample
+                held = self._read_held(fetched)
+                reads = self._reads(fetched)
+                if self.mixing.bufsize:
+                    self._shuffler = Shuffler(self.mixing.bufsize, self.mixing.initial, self.seeds[1], held,
+                                              self.point.outputs)
+                    outputs: Iterator[tuple[int, Sample | None]] = self._shuffler.run(reads)
+                else:
+                    outputs = reads
+                yield from self._emit(outputs)
             finally:
                 fetched.close()
+
+    def _emit(self, outputs: Iterator[tuple[int, Sample | None]]) -> Iterator[Sample]:
+        ring, skips = self._ring, self._skips
+        for position, sample in outputs:
+            ring.append(position)
+            if sample is None:
+                output = self._base + len(ring) - 1
+                if skips and skips[-1][0] + skips[-1][1] == output:
+                    skips[-1][1] += 1
+                else:
+                    skips.append([output, 1])
+                continue
+            yield sample
+
+    def _read_held(self, fetched: Iterator[Fetched[Piece]]) -> list[tuple[int, Sample | None]]:
+        """What a resumed shuffle buffer held, read from the first ranges fetched, in its order."""
+        held = self.point.held
+        out: list[Any] = [None] * len(held)
+        remaining = len(held)
+        while remaining:
+            item = next(fetched)
+            piece = item.context
+            reading = OpenRange(self.reader, item, piece.plan, self.policy, self.on_error)
+            try:
+                for sample_index, k in piece.wanted:
+                    reading.next = sample_index  # the samples between are not wanted
+                    out[k] = (held[k], reading.next_sample())
+                    remaining -= 1
+            finally:
+                reading.close()
+        return out
+
+    def _reads(self, fetched: Iterator[Fetched[Piece]]) -> Iterator[tuple[int, Sample | None]]:
+        """``(position, sample)`` in the source order; None for a sample skipped."""
+        point = self.point
+        start = point.group_start
+        for group in groups(self.spans(), self.mixing.open_shards, self.seeds[0], first=point.group):
+            offset = point.reads - start if group.index == point.group else 0
+            cursors = group.cursors(offset).tolist()
+            nexts = [s.position + c for s, c in zip(group.spans, cursors, strict=True)]
+            readers: list[OpenRange | None] = [None] * len(group.spans)
+            self._group, self._group_start, self._next = group, start, nexts
+            try:
+                for slot in group.labels[offset:].tolist():
+                    reading = readers[slot]
+                    if reading is None or reading.done:
+                        if reading is not None:
+                            reading.close()
+                        reading = readers[slot] = self._open(next(fetched), slot, group.index)
+                    position = nexts[slot]
+                    nexts[slot] = position + 1
+                    yield position, reading.next_sample()
+            finally:
+                for reading in readers:
+                    if reading is not None:
+                        reading.close()
+            start += len(group)
+            self._group, self._group_start, self._next = None, start, []
+
+    def _open(self, item: Fetched[Piece], slot: int, group: int) -> OpenRange:
+        piece = item.context
+        if (piece.slot, piece.group) != (slot, group):
+            item.release()
+            raise RuntimeError(f"the fetcher handed a range of slot {piece.slot} of group {piece.group} where slot"
+                               f" {slot} of group {group} was next: its jobs are out of order")
+        return OpenRange(self.reader, item, piece.plan, self.policy, self.on_error)
+
+
+# --------------------------------------------------------------------------- plain tars, without a manifest
+
+
+def _whole(name: str, size: int) -> tuple[int, int, TarRead]:
+    return 0, size, TarRead(name)
+
+
+class TarSource:
+    """The samples of whole unindexed tars ``(name, size)``: ``open_shards`` read at once (each
+    next sample from one of them, by the seed), then the shuffle buffer if any. It keeps no
+    positions, so its iterations have no state."""
+
+    def __init__(self, reader: DatasetReader, policy: RetryPolicy, tars: Sequence[tuple[str, int]], mixing: Mixing,
+                 seeds: tuple[Sequence[int], Sequence[int]]) -> None:
+        self.reader, self.policy, self.tars, self.mixing, self.seeds = reader, policy, tars, mixing, seeds
+        self.emitted = 0
+
+    @property
+    def outputs(self) -> int:
+        return self.emitted
+
+    def output_of(self, emitted: int) -> int:
+        return emitted
+
+    def trim(self, delivered: int) -> None:
+        pass
+
+    def describe(self, emitted: int) -> str | None:
+        return None
+
+    def __iter__(self) -> Iterator[Sample]:
+        jobs = [Job(self.reader.location.key(name), partial(_whole, name, size)) for name, size in self.tars]
+        with Prefetcher(self.reader.location.bucket, jobs, self.policy, self.reader.round_trip) as prefetcher:
+            fetched = iter(prefetcher)
+            try:
+                samples = self._mixed(fetched)
+                if self.mixing.bufsize:
+                    samples = Shuffler(self.mixing.bufsize, self.mixing.initial, self.seeds[1]).run(samples)
+                for sample in samples:
+                    self.emitted += 1
+                    yield sample
+            finally:
+                fetched.close()
+
+    def _mixed(self, fetched: Iterator[Fetched[TarRead]]) -> Iterator[Sample]:
+        rng = np.random.default_rng(list(self.seeds[0]))
+        reading: list[OpenRange] = []
+        exhausted = False
+        try:
+            while True:
+                while not exhausted and len(reading) < self.mixing.open_shards:
+                    item = next(fetched, None)
+                    if item is None:
+                        exhausted = True
+                    else:
+                        reading.append(OpenRange(self.reader, item, item.context, self.policy, "raise"))
+                for done in [r for r in reading if r.done]:
+                    reading.remove(done)
+                    done.close()
+                if not reading:
+                    return
+                current = reading[int(rng.integers(len(reading)))] if len(reading) > 1 else reading[0]
+                sample = current.next_sample()
+                if sample is not None:
+                    yield sample
+        finally:
+            for r in reading:
+                r.close()

@@ -83,24 +83,35 @@ def laps(total: int, start: int, stop: int) -> list[tuple[int, int]]:
     return out
 
 
+class PlanSpans:
+    """Spans covering the intervals ``rows`` of the virtual sequence, in that order, made
+    anew at each iteration: only the order of the shards in the rows is kept (4 bytes a
+    shard), so a worker's share of a million shards costs one small array, not an object per
+    shard. ``ends``, if known, is ``cumsum(counts[order])``."""
+
+    def __init__(self, counts: np.ndarray, order: np.ndarray, rows: Sequence[tuple[int, int]],
+                 ends: np.ndarray | None = None) -> None:
+        self.counts = counts
+        self.kept: list[tuple[np.ndarray, int, int, int]] = []
+        rows = [(a, b) for a, b in rows if a < b]
+        if not rows:
+            return
+        if ends is None:
+            ends = np.cumsum(counts[order])
+        index_type = np.int32 if len(counts) < 2**31 else np.int64
+        for first, last in rows:
+            i, j = (int(k) for k in np.searchsorted(ends, [first, last - 1], side="right"))
+            begin = int(ends[i] - counts[order[i]])
+            self.kept.append((order[i : j + 1].astype(index_type), begin, first, last))
+
+    def __iter__(self) -> Iterator[Span]:
+        return _lap_spans(self.counts, self.kept)
+
+
 def plan_spans(counts: np.ndarray, order: np.ndarray, rows: Sequence[tuple[int, int]],
                ends: np.ndarray | None = None) -> Iterator[Span]:
-    """Spans covering the intervals ``rows`` of the virtual sequence, in that order, made
-    lazily: only the order of the shards in the rows is kept (4 bytes a shard), so a
-    worker's share of a million shards costs one small array, not an object per shard.
-    ``ends``, if known, is ``cumsum(counts[order])``."""
-    rows = [(a, b) for a, b in rows if a < b]
-    if not rows:
-        return iter(())
-    if ends is None:
-        ends = np.cumsum(counts[order])
-    index_type = np.int32 if len(counts) < 2**31 else np.int64
-    kept = []
-    for first, last in rows:
-        i, j = (int(k) for k in np.searchsorted(ends, [first, last - 1], side="right"))
-        begin = int(ends[i] - counts[order[i]])
-        kept.append((order[i : j + 1].astype(index_type), begin, first, last))
-    return _lap_spans(counts, kept)
+    """The spans of ``PlanSpans``, once."""
+    return iter(PlanSpans(counts, order, rows, ends))
 
 
 _CHUNK = 4096
@@ -118,6 +129,15 @@ def _lap_spans(counts: np.ndarray, kept: list[tuple[np.ndarray, int, int, int]])
                 low = max(first, start)
                 yield Span(shard, low - start, min(last, end) - start, low)
             begin = ends[-1]
+
+
+def locate(counts: np.ndarray, order: np.ndarray, ends: np.ndarray,
+           positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The shard (its number in the manifest) and the sample in it at each of ``positions``
+    of the epoch whose shard order is ``order`` (``ends``: ``cumsum(counts[order])``)."""
+    k = np.searchsorted(ends, positions, side="right")
+    shards = order[k].astype(np.int64)
+    return shards, positions - (ends[k] - counts[shards])
 
 
 @dataclass(frozen=True)

@@ -1,20 +1,22 @@
 """Pipeline stages: the stage objects a chain is made of, and the generators they run.
 
-A stage object says what it is: whether it maps one sample to one (resume counts samples
-through such stages), whether it draws randomness (from the iteration's ``Context`` and
-the sample's key, never from a generator each worker starts alike), and on how many
-threads it runs. Its arguments are checked when the chain method is called, in the user's
-process. Stage objects pickle into DataLoader workers.
+A stage is a plain generator over samples. Its object says what it is: whether it maps one
+sample to one, keeps some and drops others (``filters``), or groups them (``batch()``),
+which is all a checkpoint needs to count what left the pipeline; whether it draws randomness
+(from the iteration's ``Context`` and the sample's key, never from a generator each worker
+starts alike); and on how many threads it runs. Stages know nothing of checkpoints: the
+source (``source.py``) holds an iteration's state. Arguments are checked when the chain
+method is called, in the user's process. Stage objects pickle into DataLoader workers.
 """
 
 from __future__ import annotations
 
 import hashlib
 from abc import ABC, abstractmethod
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
+from operator import itemgetter
 from typing import Any, ClassVar
 
 import numpy as np
@@ -22,7 +24,7 @@ import numpy as np
 from remote_loader.config import require_int
 from remote_loader.errors import ConfigError, DecodeError
 from remote_loader.pipeline.decode import MODES, decode_sample
-from remote_loader.pipeline.threads import InFlight, apply, name_failure, threaded_map
+from remote_loader.pipeline.threads import apply, threaded_map
 
 
 @dataclass(frozen=True)
@@ -57,9 +59,9 @@ class Stage(ABC):
     """One step of a pipeline."""
 
     one_to_one: ClassVar[bool] = False
-    """Every input sample gives exactly one output sample."""
-    reorders: ClassVar[bool] = False
-    """It changes the order of samples (a shuffle)."""
+    """Every input sample gives exactly one output sample, in order."""
+    filters: ClassVar[bool] = False
+    """It keeps some samples and drops the others, in order, in the calling thread."""
     seeded: bool = False
     """It draws randomness from the iteration's context."""
     threads: int = 0
@@ -81,54 +83,16 @@ class Stage(ABC):
         """``(size, partial)`` for a stage that groups samples into batches, else None."""
         return None
 
-    def collating(self, wrap: Callable[[Callable[[list[Any]], Any] | None], Callable[[list[Any]], Any]]) -> Stage:
-        """The same stage with its collation function ``f`` replaced by ``wrap(f)``; a stage
-        that collates nothing is itself."""
-        return self
-
-    def paired(
-        self, pairs: Iterable[tuple[Any, Any]], context: Context, dropped: Callable[[Any], None], names: InFlight | None
-    ) -> Iterator[tuple[Any, Any]]:
-        """The stage over ``(id, item)`` pairs, the ids following their items: so the
-        pipeline's end knows which samples it delivers, and a checkpoint knows which are still
-        inside. An id is a sample's position, or a batch's list of ids; ``dropped(id)`` is
-        called for what the stage discards (``select``, a short last batch without
-        ``partial``), and ``names`` names the sample of a failure. A stage that maps one
-        sample to one in order gets this form for free."""
-        if not self.one_to_one:
-            raise TypeError(f"no paired form for {self!r}")
-        return _one_to_one_pairs(self, pairs, context, names)
-
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not callable(v))
         return f"{type(self).__name__}({fields})"
 
 
-class Shuffle(Stage):
-    """A seeded shuffle buffer of ``bufsize`` samples; output starts at ``initial``."""
-
-    seeded = True
-    reorders = True
-
-    def __init__(self, bufsize: int, initial: int) -> None:
-        if type(bufsize) is not int or type(initial) is not int or bufsize < 1 or not 0 <= initial <= bufsize:
-            raise ConfigError(f"shuffle needs bufsize >= 1 and 0 <= initial <= bufsize; got {bufsize!r}, {initial!r}")
-        self.bufsize, self.initial = bufsize, initial
-
-    def run(self, samples: Iterable[Any], context: Context) -> Iterator[Any]:
-        seed = (context.seed & (2**64 - 1), context.epoch, context.rank, context.worker, 2)
-        return shuffle_stage(samples, self.bufsize, self.initial, seed)
-
-    def outputs(self, inputs: int) -> int | None:
-        return inputs  # it reorders, never drops
-
-    def group(self) -> int | None:
-        return 1
-
-    def paired(
-        self, pairs: Iterable[tuple[Any, Any]], context: Context, dropped: Callable[[Any], None], names: InFlight | None
-    ) -> Iterator[tuple[Any, Any]]:
-        return self.run(pairs, context)  # it moves items without looking at them
+def check_shuffle(bufsize: Any, initial: Any) -> tuple[int, int]:
+    """A shuffle buffer's arguments, checked."""
+    if type(bufsize) is not int or type(initial) is not int or bufsize < 1 or not 0 <= initial <= bufsize:
+        raise ConfigError(f"shuffle needs bufsize >= 1 and 0 <= initial <= bufsize; got {bufsize!r}, {initial!r}")
+    return bufsize, initial
 
 
 class Map(Stage):
@@ -209,17 +173,14 @@ class MapTuple(Stage):
 class Select(Stage):
     """Keep the samples for which ``predicate`` is true."""
 
+    filters = True
+
     def __init__(self, predicate: Callable[[Any], bool]) -> None:
         _check_callable(predicate, "select's predicate")
         self.predicate = predicate
 
     def run(self, samples: Iterable[Any], context: Context) -> Iterator[Any]:
         return select_stage(samples, self.predicate)
-
-    def paired(
-        self, pairs: Iterable[tuple[Any, Any]], context: Context, dropped: Callable[[Any], None], names: InFlight | None
-    ) -> Iterator[tuple[Any, Any]]:
-        return _select_pairs(pairs, self.predicate, dropped)
 
 
 class Batched(Stage):
@@ -244,71 +205,6 @@ class Batched(Stage):
     def batch(self) -> tuple[int, bool] | None:
         return self.batchsize, self.partial
 
-    def collating(self, wrap: Callable[[Callable[[list[Any]], Any] | None], Callable[[list[Any]], Any]]) -> Batched:
-        """The same stage, collating with ``wrap(collation_fn)``."""
-        return Batched(self.batchsize, wrap(self.collation_fn), self.partial)
-
-    def paired(
-        self, pairs: Iterable[tuple[Any, Any]], context: Context, dropped: Callable[[Any], None], names: InFlight | None
-    ) -> Iterator[tuple[Any, Any]]:
-        return _batch_pairs(pairs, self, dropped)
-
-
-# --------------------------------------------------------------------------- stages over (id, item) pairs
-
-
-def _one_to_one_pairs(
-    stage: Stage, pairs: Iterable[tuple[Any, Any]], context: Context, names: InFlight | None
-) -> Iterator[tuple[Any, Any]]:
-    # The stage keeps the order and maps one to one: its k-th output is its k-th input's.
-    ids: deque[Any] = deque()
-
-    def items() -> Iterator[Any]:
-        for i, item in pairs:
-            ids.append(i)
-            yield item
-
-    outputs = stage.run(items(), context)
-    while True:
-        try:
-            out = next(outputs)
-        except StopIteration:
-            return
-        except Exception as error:
-            # In order, so the failing item is the oldest one in flight; a sample that has
-            # lost its key (after to_tuple) is named by where it came from.
-            where = names.name(ids[0]) if names is not None and ids else None
-            if where is not None and where not in "\n".join(getattr(error, "__notes__", [])):
-                name_failure(error, where)
-            raise
-        yield ids.popleft(), out
-
-
-def _select_pairs(
-    pairs: Iterable[tuple[Any, Any]], predicate: Callable[[Any], bool], dropped: Callable[[Any], None]
-) -> Iterator[tuple[Any, Any]]:
-    for i, item in pairs:
-        if predicate(item):
-            yield i, item
-        else:
-            dropped(i)
-
-
-def _batch_pairs(
-    pairs: Iterable[tuple[Any, Any]], stage: Batched, dropped: Callable[[Any], None]
-) -> Iterator[tuple[Any, Any]]:
-    def collate(batch: list[tuple[Any, Any]]) -> tuple[list[Any], Any]:
-        if len(batch) < stage.batchsize and not stage.partial:
-            return [i for i, _ in batch], None  # the short last batch, dropped below
-        items = [item for _, item in batch]
-        return [i for i, _ in batch], stage.collation_fn(items) if stage.collation_fn else items
-
-    for ids, batch in batched_stage(pairs, stage.batchsize, collate, partial=True):
-        if len(ids) < stage.batchsize and not stage.partial:
-            dropped(ids)
-        else:
-            yield ids, batch
-
 
 # --------------------------------------------------------------------------- the generators stages run
 
@@ -331,63 +227,38 @@ def map_tuple_stage(samples: Iterable[Sequence[Any]], fns: Sequence[Callable[[An
 def to_tuple_stage(samples: Iterable[dict[str, Any]], fields: Sequence[str]) -> Iterator[Any]:
     """Turn dict samples into tuples; ``"jpg;png"`` takes the first of those fields present."""
     choices = [spec.split(";") for spec in fields]
+    if any(len(options) > 1 for options in choices):
+        for sample in samples:
+            yield _pick(sample, choices)
+        return
+    get = itemgetter(*fields)
     for sample in samples:
-        row = []
-        for options in choices:
-            for name in options:
-                if name in sample:
-                    row.append(sample[name])
-                    break
-            else:
-                raise DecodeError(
-                    f"sample {sample.get('__key__')!r} of {sample.get('__shard__')} has none of the fields"
-                    f" {';'.join(options)}"
-                )
-        yield tuple(row)
+        try:
+            row = get(sample)
+        except KeyError:
+            row = _pick(sample, choices)  # raises, naming the field
+        yield (row,) if len(fields) == 1 else row
 
 
-_END = object()
-
-
-def _pop_random(buffer: list[Any], rng: np.random.Generator) -> Any:
-    pick = int(rng.integers(len(buffer)))
-    buffer[pick], buffer[-1] = buffer[-1], buffer[pick]
-    return buffer.pop()
-
-
-def shuffle_stage(samples: Iterable[Any], bufsize: int, initial: int, seed: Sequence[int]) -> Iterator[Any]:
-    """Mix samples in a buffer of up to ``bufsize``; each output is drawn uniformly from it.
-
-    Output starts once ``initial`` samples are buffered; while below ``bufsize`` the buffer
-    takes three samples per output, so it fills as output flows. It drains at the end:
-    every input sample is yielded exactly once.
-    """
-    if bufsize < 1 or not 0 <= initial <= bufsize:
-        raise ConfigError(f"shuffle needs bufsize >= 1 and 0 <= initial <= bufsize; got {bufsize}, {initial}")
-    rng = np.random.default_rng(list(seed))
-    source = iter(samples)
-    buffer: list[Any] = []
-    for sample in source:
-        buffer.append(sample)
-        for _ in range(2):
-            if len(buffer) >= bufsize:
+def _pick(sample: dict[str, Any], choices: list[list[str]]) -> tuple[Any, ...]:
+    row = []
+    for options in choices:
+        for name in options:
+            if name in sample:
+                row.append(sample[name])
                 break
-            extra = next(source, _END)
-            if extra is _END:
-                break
-            buffer.append(extra)
-        if len(buffer) >= initial:
-            yield _pop_random(buffer, rng)
-    while buffer:
-        yield _pop_random(buffer, rng)
+        else:
+            raise DecodeError(
+                f"sample {sample.get('__key__')!r} of {sample.get('__shard__')} has none of the fields"
+                f" {';'.join(options)}"
+            )
+    return tuple(row)
 
 
 def batched_stage(
     samples: Iterable[Any], batchsize: int, collation_fn: Callable[[list[Any]], Any] | None, partial: bool
 ) -> Iterator[Any]:
     """Group samples into lists of ``batchsize`` and collate them; keep a short last batch if ``partial``."""
-    if batchsize < 1:
-        raise ConfigError(f"batch size must be >= 1, got {batchsize}")
     batch: list[Any] = []
     for sample in samples:
         batch.append(sample)

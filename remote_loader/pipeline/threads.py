@@ -7,6 +7,7 @@ set of buffers. At most ``2 x threads`` samples are in flight, so memory stays b
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -22,18 +23,35 @@ _JOIN_SECONDS = 1.0
 that is left behind (a daemon thread: it never holds up the interpreter's exit)."""
 
 
-def describe(sample: Any, position: int) -> str:
-    """Where a sample came from, for error messages: its key and shard when it still has them."""
+ITEM = "_remote_loader_item"
+"""The attribute an exception raised on an item without a key gets: the item's number in
+its stage's input, from which the pipeline names the sample it came from."""
+
+
+def describe(sample: Any, position: int) -> str | None:
+    """Where a sample came from, for error messages, when it still says: its key and shard."""
     if isinstance(sample, dict) and "__key__" in sample:
         return f"sample {sample['__key__']!r} of {sample.get('__shard__', 'an unknown shard')}"
-    return f"item {position} of this worker's stream"
+    return None
 
 
-def name_failure(error: BaseException, where: str) -> None:
-    """Add to an exception which sample it was working on, keeping its type."""
-    add_note = getattr(error, "add_note", None)  # Python 3.11+
-    if add_note is not None:
-        add_note(f"while processing {where}")
+def name_failure(error: BaseException, sample: Any, position: int) -> None:
+    """Add to an exception which sample it was working on, keeping its type: its key and
+    shard when it has them, else its number in the stage's input (``ITEM``)."""
+    where = describe(sample, position)
+    if where is None:
+        if not hasattr(error, ITEM):
+            with contextlib.suppress(AttributeError, TypeError):  # an exception without a __dict__
+                setattr(error, ITEM, position)
+        return
+    note(error, f"while processing {where}")
+
+
+def note(error: BaseException, text: str) -> None:
+    """Add ``text`` to an exception's notes, once (Python 3.11 and later have notes)."""
+    add_note = getattr(error, "add_note", None)
+    if add_note is not None and text not in getattr(error, "__notes__", []):
+        add_note(text)
 
 
 def apply(fn: Callable[[Any], Any], samples: Iterable[Any]) -> Iterator[Any]:
@@ -42,7 +60,7 @@ def apply(fn: Callable[[Any], Any], samples: Iterable[Any]) -> Iterator[Any]:
         try:
             result = fn(sample)
         except Exception as error:
-            name_failure(error, describe(sample, position))
+            name_failure(error, sample, position)
             raise
         yield result
 
@@ -97,54 +115,24 @@ def threaded_map(fn: Callable[[Any], Any], samples: Iterable[Any], threads: int)
     thread stuck in ``fn`` is not waited for longer than about a second.
     """
     pool = _DaemonPool(threads)
-    pending: deque[tuple[str, Future[Any]]] = deque()
+    pending: deque[tuple[Any, int, Future[Any]]] = deque()
 
     def take() -> Any:
-        where, future = pending.popleft()
+        sample, position, future = pending.popleft()
         try:
             return wait_result(future)
         except Exception as error:
-            name_failure(error, where)
+            name_failure(error, sample, position)
             raise
 
     try:
         for position, sample in enumerate(samples):
-            pending.append((describe(sample, position), pool.submit(fn, sample)))
+            pending.append((sample, position, pool.submit(fn, sample)))
             if len(pending) >= 2 * threads:
                 yield take()
         while pending:
             yield take()
     finally:
-        for _, future in pending:
+        for _, _, future in pending:
             future.cancel()
         pool.shutdown()
-
-
-class InFlight:
-    """Where each sample inside a pipeline came from, by id: an error in a later stage, whose
-    items are tuples or tensors without a key, still names its sample. Bounded by what the
-    pipeline holds (the shuffle buffer, threads in flight, a partial batch)."""
-
-    def __init__(self) -> None:
-        self._where: dict[Any, Any] = {}  # id -> the sample dict's key and shard, formatted on failure only
-
-    def entering(self, pairs: Iterable[tuple[Any, Any]]) -> Iterator[tuple[Any, Any]]:
-        for i, item in pairs:
-            if isinstance(item, dict) and "__key__" in item:
-                self._where[i] = (item["__key__"], item.get("__shard__"))
-            yield i, item
-
-    def left(self, ids: Any) -> None:
-        """Forget samples delivered or dropped (an id, or a batch's list of ids)."""
-        if isinstance(ids, list):
-            for i in ids:
-                self.left(i)
-        else:
-            self._where.pop(ids, None)
-
-    def name(self, ids: Any) -> str | None:
-        first = ids
-        while isinstance(first, list) and first:
-            first = first[0]
-        where = self._where.get(first)
-        return None if where is None else describe({"__key__": where[0], "__shard__": where[1]}, 0)

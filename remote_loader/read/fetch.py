@@ -84,19 +84,20 @@ class Fetched(Generic[C]):
     """Raise if the fetcher failed or was closed (called between bounded waits)."""
     _ready: int = 0  # leading parts known to have arrived whole
 
-    def wait(self, upto: int | None = None) -> None:
-        """Block until bytes ``[start, upto)`` have arrived; raise if a part among them failed."""
+    def wait(self, upto: int | None = None) -> int:
+        """Block until bytes ``[start, upto)`` have arrived; raise if a part among them failed.
+        Returns where the bytes known to have arrived end (``upto`` or further)."""
         end = self.end if upto is None else min(upto, self.end)
-        if end <= self.start:
-            return
-        last = bisect.bisect_right(self.bounds, end - 1) - 1
-        while self._ready <= last:
-            while not self.parts[self._ready].wait(_POLL):
-                self.check()
-            error = self.errors[self._ready]
-            if error is not None:
-                raise error
-            self._ready += 1
+        if end > self.start:
+            last = bisect.bisect_right(self.bounds, end - 1) - 1
+            while self._ready <= last:
+                while not self.parts[self._ready].wait(_POLL):
+                    self.check()
+                error = self.errors[self._ready]
+                if error is not None:
+                    raise error
+                self._ready += 1
+        return self.bounds[self._ready] if self._ready < len(self.bounds) else self.end
 
 
 _LOCATE_AHEAD = 4  # ranges located (index GETs) ahead of the one being queued
@@ -147,7 +148,13 @@ class Prefetcher(Generic[C]):
         self.config, self.metrics = policy.config, policy.metrics
         self._jobs = iter(jobs)
         self._slots: deque[_Slot[C] | None] = deque()  # None marks the end of the jobs
-        self._cond = threading.Condition()
+        # One lock, three waits, each woken only for its own news: getters for parts to fetch
+        # (one per part, not all of them per event), the scheduler for budget, the consumer
+        # for ranges handed out. Waking every thread at every event costs the GIL per thread.
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)
+        self._room = threading.Condition(self._lock)
+        self._handed = threading.Condition(self._lock)
         self._held = 0
         self._closed = False
         self._failure: BaseException | None = None
@@ -174,11 +181,11 @@ class Prefetcher(Generic[C]):
             raise FetcherClosed("the prefetcher was closed")
 
     def _reserve(self, size: int) -> bool:
-        with self._cond:
+        with self._lock:
             # A range larger than the whole budget is fetched alone rather than never.
             while not self._closed and self._held and self._held + size > self._reach.bytes:
                 self._budget_blocked = True
-                self._cond.wait()
+                self._room.wait()
             self._budget_blocked = False
             if self._closed:
                 return False
@@ -187,15 +194,20 @@ class Prefetcher(Generic[C]):
             return True
 
     def _release(self, size: int) -> None:
-        with self._cond:
+        with self._lock:
             self._held -= size
-            self._cond.notify_all()
+            self._room.notify()
+
+    def _wake_all(self) -> None:
+        """Wake every waiter (called with the lock held): the fetcher failed or closed."""
+        for condition in (self._work, self._room, self._handed):
+            condition.notify_all()
 
     def _fail(self, error: BaseException) -> None:
-        with self._cond:
+        with self._lock:
             if self._failure is None and not isinstance(error, Cancelled):
                 self._failure = error
-            self._cond.notify_all()
+            self._wake_all()
 
     def _schedule(self) -> None:
         try:
@@ -217,9 +229,9 @@ class Prefetcher(Generic[C]):
                 early = self._fetch_head(job) if taken < _LOCATE_AHEAD else None
                 taken += 1
                 pending.append((slot, in_daemon_thread(job.locate), early))
-                with self._cond:
+                with self._lock:
                     self._slots.append(slot)
-                    self._cond.notify_all()
+                    self._handed.notify()
             if not pending or self._closed:
                 break
             slot, located, early = pending.popleft()
@@ -235,9 +247,9 @@ class Prefetcher(Generic[C]):
             if not self._reserve(end - start):
                 return
             self._submit(slot, start, end, context, early)
-        with self._cond:
+        with self._lock:
             self._slots.append(None)
-            self._cond.notify_all()
+            self._handed.notify()
 
     def _fetch_head(self, job: Job[C]) -> _Head | None:
         if job.head is None:
@@ -280,12 +292,14 @@ class Prefetcher(Generic[C]):
         if head is not None:
             offset, _, future = head
             future.add_done_callback(partial(self._take_head, fetched, start - offset, first - offset))
-        with self._cond:
+        with self._lock:
+            pushed = 0
             for number, (part, stop) in enumerate(zip(bounds, [*bounds[1:], end], strict=False)):
                 if number or head is None:
                     heapq.heappush(self._parts, (number, self._seq, part, stop, fetched))
                     self._seq += 1
-            self._cond.notify_all()
+                    pushed += 1
+            self._work.notify(pushed)
 
     @staticmethod
     def _take_head(fetched: Fetched[C], skip: int, stop: int, early: Future[bytes]) -> None:
@@ -304,9 +318,9 @@ class Prefetcher(Generic[C]):
     def _get(self) -> None:
         try:
             while True:
-                with self._cond:
+                with self._lock:
                     while not self._closed and (not self._parts or self._active >= self._reach.gets):
-                        self._cond.wait()
+                        self._work.wait()
                     if self._closed:
                         return
                     number, _, start, end, fetched = heapq.heappop(self._parts)
@@ -314,10 +328,14 @@ class Prefetcher(Generic[C]):
                 try:
                     self._fetch_part(fetched, number, start, end)
                 finally:
-                    with self._cond:
+                    with self._lock:
                         self._active -= 1
+                        gets, budget = self._reach.gets, self._reach.bytes
                         self._adapt()
-                        self._cond.notify_all()
+                        if self._parts:  # the GET this thread made room for, and any the reach added
+                            self._work.notify(1 + max(0, self._reach.gets - gets))
+                        if self._reach.bytes > budget:
+                            self._room.notify()
         except BaseException as exc:
             self._fail(exc)
 
@@ -339,10 +357,10 @@ class Prefetcher(Generic[C]):
     def __iter__(self) -> Generator[Fetched[C], None, None]:
         try:
             while True:
-                with self._cond:
+                with self._lock:
                     while not self._slots:
                         self.check()
-                        self._cond.wait(_POLL)
+                        self._handed.wait(_POLL)
                     slot = self._slots.popleft()
                 if slot is None:
                     return
@@ -352,7 +370,7 @@ class Prefetcher(Generic[C]):
                 self.metrics.add(wait_seconds=time.perf_counter() - waited)
                 if slot.fetched is not None:
                     self._release(slot.fetched.end - slot.fetched.start)
-                with self._cond:
+                with self._lock:
                     self._reach.start(time.monotonic(), self.metrics.wait_seconds, self.metrics.bytes)
                 if slot.error is not None:
                     raise slot.error
@@ -365,12 +383,12 @@ class Prefetcher(Generic[C]):
     def close(self) -> None:
         """Stop fetching and end the threads, waiting about a second at most. Safe from any
         thread, the fetcher's own included: a pipeline dropped unclosed may be collected there."""
-        with self._cond:
+        with self._lock:
             if self._closed:
                 return
             self._closed = True
             self._parts.clear()  # queued parts hold their ranges, which hold this fetcher
-            self._cond.notify_all()
+            self._wake_all()
         self.policy.cancel.set()  # requests waiting to retry give up at once
         deadline = time.monotonic() + _CLOSE_WITHIN
         for thread in [*self._getters, self._scheduler]:

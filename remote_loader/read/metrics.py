@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 FIELDS = ("gets", "bytes", "retries", "wait_seconds", "user_seconds", "samples", "skipped", "peak_buffered",
           "peak_range_memory", "gets_in_flight")
 _INDEX = {name: i for i, name in enumerate(FIELDS)}
+_SAMPLES = _INDEX["samples"]
 _PEAKS = ("peak_buffered", "peak_range_memory", "gets_in_flight")
 _FLOATS = ("wait_seconds", "user_seconds")
 
@@ -78,6 +79,10 @@ class Metrics:
         with self._lock:
             for name, value in counts.items():
                 self._row[_INDEX[name]] += value
+
+    def count_samples(self, samples: int) -> None:
+        """Add to ``samples`` without the lock: only the thread consuming a pipeline counts them."""
+        self._row[_SAMPLES] += samples
 
     def peak(self, name: str, value: float) -> None:
         """Raise counter ``name`` to ``value`` if it is higher."""

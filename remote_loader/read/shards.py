@@ -16,8 +16,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from remote_loader.errors import CorruptSampleError, CorruptShard, InvalidRange, ObjectNotFound, TruncatedShard
+import numpy as np
+
+from remote_loader.errors import CorruptShard, InvalidRange, ObjectNotFound, TruncatedShard
 from remote_loader.format import Sample, ShardEntry, ShardIndex, ShardView
+from remote_loader.format.checksum import crc32
 from remote_loader.format.tar import scan_tar
 from remote_loader.read.fetch import Fetched, fetch_range
 from remote_loader.read.reader import DatasetReader
@@ -124,7 +127,7 @@ class SpanRead:
     stop: int
     index: ShardIndex
 
-    def open(self, fetched: Fetched[Any], reader: DatasetReader, wait: Callable[[int | None], None]) -> _Opened:
+    def open(self, fetched: Fetched[Any], reader: DatasetReader, wait: Callable[[int | None], object]) -> _Opened:
         view = ShardView(
             fetched.buffer,
             self.index,
@@ -143,7 +146,7 @@ class TarRead:
 
     name: str
 
-    def open(self, fetched: Fetched[Any], reader: DatasetReader, wait: Callable[[int | None], None]) -> _Opened:
+    def open(self, fetched: Fetched[Any], reader: DatasetReader, wait: Callable[[int | None], object]) -> _Opened:
         wait(None)
         index, _ = scan_tar(lambda start, end: memoryview(fetched.buffer)[start:end], self.name, len(fetched.buffer))
         return _Opened(ShardView(fetched.buffer, index, name=self.name, verify=False), None, -1, 0, len(index))
@@ -151,14 +154,15 @@ class TarRead:
 
 @dataclass(frozen=True)
 class Skipped:
-    """A range whose shard could not be read, skipped under ``on_error="skip"``."""
+    """A range whose shard could not be read, skipped under ``on_error="skip"``: it reads as
+    ``samples`` skipped samples (counted and logged when it was located)."""
 
     name: str
     samples: int
     reason: str
 
-    def open(self, fetched: Fetched[Any], reader: DatasetReader, wait: Callable[[int | None], None]) -> _Opened:
-        return _Opened(None, None, -1, 0, 0)
+    def open(self, fetched: Fetched[Any], reader: DatasetReader, wait: Callable[[int | None], object]) -> _Opened:
+        return _Opened(None, None, -1, 0, self.samples)
 
 
 RangePlan = SpanRead | TarRead | Skipped
@@ -176,7 +180,9 @@ class OpenRange:
 
     ``next_sample()`` gives the range's samples in order, fetching damaged ones again;
     with ``on_error="skip"`` it returns None for one it skipped (all the rest of the range
-    if the shard is gone).
+    if the shard is gone, and every sample of a ``Skipped`` range). Where each member lies
+    is read from the index once, when the range opens, as plain lists: a sample costs a few
+    slices of the one buffer, its checksums and a copy of its bytes.
     """
 
     def __init__(
@@ -184,45 +190,81 @@ class OpenRange:
     ) -> None:
         self.reader, self.fetched, self.policy, self.on_error = reader, fetched, policy, on_error
         self.view, self.index, self.shard, self.next, self.stop = plan.open(fetched, reader, self._wait)
+        self._first = self.next
+        self._arrived = fetched.start
+        self._columns: list[tuple[str, list[int], list[int], list[int]]] = []
+        if self.view is not None:
+            self._read_columns(self.view)
+
+    def _read_columns(self, view: ShardView) -> None:
+        index, first, stop, base = view.index, self.next, self.stop, view.base
+        self._keys = list(index.keys[first:stop])
+        offsets, sizes = index.offsets[first:stop], index.sizes[first:stop]
+        self._ends = (offsets + sizes).max(axis=1, initial=0).astype(np.int64).tolist() if stop > first else []
+        for j, field in enumerate(index.fields):
+            column = offsets[:, j]
+            if not column.any():
+                continue
+            relative = np.where(column == 0, -1, column.astype(np.int64) - base)  # -1: the sample lacks the field
+            self._columns.append((field, relative.tolist(), sizes[:, j].astype(np.int64).tolist(),
+                                  index.crcs[first:stop, j].tolist()))
+        self._buffer: memoryview | None = view.buffer
+        self._check = view.verify
 
     @property
     def done(self) -> bool:
         return self.next >= self.stop
 
-    def _wait(self, upto: int | None) -> None:
+    def _wait(self, upto: int | None) -> int:
         waited = time.perf_counter()
-        self.fetched.wait(upto)
+        arrived = self.fetched.wait(upto)
         self.policy.metrics.add(wait_seconds=time.perf_counter() - waited)
+        return arrived
 
     def next_sample(self) -> Sample | None:
-        j = self.next
+        j = self.next - self._first
         self.next += 1
-        assert self.view is not None  # a range with samples to read has a view of them
+        if self.view is None:
+            return None  # a range skipped whole
         try:
-            if self.index is not None:
-                self._wait(self.index.extent(j, j + 1))
-            return own(self.view.sample(j))
-        except CorruptSampleError:
-            pass
+            end = self._ends[j]
+            if end > self._arrived:
+                self._arrived = self._wait(end)
+            buffer, check = self._buffer, self._check
+            assert buffer is not None
+            sample: Sample = {"__key__": self._keys[j], "__shard__": self.view.name}
+            for field, offsets, sizes, crcs in self._columns:
+                offset = offsets[j]
+                if offset < 0:
+                    continue
+                data = buffer[offset : offset + sizes[j]]
+                if check and crc32(data) != crcs[j]:
+                    return self._damaged(j + self._first)
+                sample[field] = bytes(data)
+            return sample
         except (ObjectNotFound, InvalidRange) as error:  # the shard went away under us, or shrank
             self.reader.check_unchanged(error)
             damage = truncated(self.view.name, error) if isinstance(error, InvalidRange) else error
             if self.on_error != "skip":
                 raise damage from None
-            skip(f"the rest of shard {self.view.name}", self.stop - j, damage, self.policy)
-            self.next = self.stop
+            skip(f"the rest of shard {self.view.name}", self.stop - self.next + 1, damage, self.policy)
+            self.view = None
             return None
-        assert self.index is not None  # unindexed tars are not verified
+
+    def _damaged(self, i: int) -> Sample | None:
+        """Sample ``i`` of the shard, whose bytes here failed their checksum, fetched again."""
+        assert self.index is not None and self.view is not None  # unindexed tars are not verified
         try:
-            return read_run(self.reader, self.shard, self.index, [j], self.policy)[0]
+            return read_run(self.reader, self.shard, self.index, [i], self.policy)[0]
         except DAMAGE as error:
             if self.on_error != "skip":
                 raise
-            skip(f"sample {self.view.index.keys[j]!r} of {self.view.name}", 1, error, self.policy)
+            skip(f"sample {self.view.index.keys[i]!r} of {self.view.name}", 1, error, self.policy)
             return None
 
     def close(self) -> None:
         self.view = None  # no view of the buffer may outlive it
+        self._buffer = None
         self.fetched.release()
 
 

@@ -75,7 +75,7 @@ def run(client, ranks, workers, stops=None, states=None, **options):
                     items = list(stream)
                 else:
                     # Stop points are fractions of the worker's share (0: before its first item).
-                    share = copy_._checkpoints.live.plan.rows
+                    share = copy_._checkpoints.live.rows
                     total = sum(b - a for a, b in share) // (options.get("batch") or 1)
                     items = list(itertools.islice(stream, stops(rank, worker, total)))
                 keys += flat(items)
@@ -191,19 +191,22 @@ def _states(location):
     (lambda s: [s[0], {**s[1], "remaining": [0, 10**9]}], "not a position in 0..241"),
     (lambda s: [s[0], {**s[1], "remaining": [1, 2, 3]}], "flat list of pairs"),
     (lambda s: [s[0], {**s[1], "remaining": [True, 2]}], "holds True"),
-    (lambda s: [s[0], {**s[1], "remaining": s[0]["remaining"], "plan": s[0]["plan"]}], "states overlap"),
-    (lambda s: [s[0], {**s[1], "remaining": s[0]["remaining"]}], "holds positions .* outside its run's 'plan'"),
-    (lambda s: [s[0], {**s[1], "plan": [9, 3]}], "'plan' must hold non-empty intervals"),
-    (lambda s: [s[0], {**s[1], "items": 10**6}], "'items' must be an integer in 0..121"),
-    (lambda s: [s[0], {**s[1], "skipped": [3, 1]}], "'skipped' must be a flat list of 3-tuples"),
-    (lambda s: [s[0], {**s[1], "skipped": [3, 1, 2]}], "'skipped' must end each triple with 0 or 1"),
-    (lambda s: [s[0], {k: v for k, v in s[1].items() if k != "items"}], "has a plan but lacks items"),
+    (lambda s: [s[0], {**s[1], "remaining": s[0]["remaining"]}], "states overlap"),
+    (lambda s: [s[0], {**s[1], "run": 5}], "lacks its 'plan'"),
+    (lambda s: [s[0], {**s[1], "run": 5, "plan": [9, 3]}], "'plan' must hold non-empty intervals"),
+    (lambda s: [s[0], {**s[1], "delivered": 10**6}], "'delivered' must be an integer in 0..241"),
+    (lambda s: [s[0], {**s[1], "delivered": -1}], "'delivered' must be an integer"),
+    (lambda s: [s[0], {**s[1], "mixing": "3,40,40"}], "'mixing' must be \\[open_shards, bufsize, initial\\]"),
+    (lambda s: [s[0], {**s[1], "mixing": [0, 40, 40]}], r"'mixing\[0\]' must be an integer in 1"),
+    (lambda s: [s[0], {**s[1], "mixing": [3, 2**40, 40]}], r"'mixing\[1\]' must be an integer in 0"),
+    (lambda s: [s[0], {**s[1], "mixing": [3, 40, 41]}], r"'mixing\[2\]' must be an integer in 0..40"),
+    (lambda s: [s[0], {k: v for k, v in s[1].items() if k != "delivered"}], "lacks delivered"),
     (lambda s: [s[0], {**s[1], "extras": [3, 7]}], "'extras' must pair positions"),
     (lambda s: [s[0], {**s[1], "world_size": 0}], "'world_size' must be an integer in 1"),
     (lambda s: [s[0], {**s[1], "rank": 2}], "'rank' must be an integer in 0..1"),
     (lambda s: [s[0], {**s[1], "shuffle": "yes"}], "'shuffle' must be true or false"),
     (lambda s: [s[0], {k: v for k, v in s[1].items() if k != "run"}], "lacks run"),
-    (lambda s: [s[0], {**s[1], "remote_loader_state": 7}], "state version 7 is not 2"),
+    (lambda s: [s[0], {**s[1], "remote_loader_state": 7}], "state version 7 is not 3"),
     (lambda s: [[[[[[[[[[s]]]]]]]]]], "no RemoteDataset worker state found in this list"),
 ])
 def test_hostile_states_are_refused(location, change, message):

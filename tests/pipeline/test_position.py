@@ -1,11 +1,11 @@
-"""The position logic of checkpoints on its own, without a server: plans cut from an epoch,
-a worker's progress and the state it gives, and the rest of an epoch gathered from every
-worker's state and divided again. Positions are plain integers here."""
+"""The position logic of checkpoints on its own, without a server: a worker's delivery order
+on integers, the point it stands at after any number of outputs, the state taken there, and
+the rest of an epoch gathered from every worker's state and divided again."""
 
 from __future__ import annotations
 
+import itertools
 import random
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -13,14 +13,24 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from remote_loader.errors import ConfigError
-from remote_loader.pipeline.resume.intervals import merge, runs
-from remote_loader.pipeline.resume.progress import Progress
-from remote_loader.pipeline.resume.states import Remainder, gather, parse
-from remote_loader.pipeline.split import divide, worker_bounds
+from remote_loader.pipeline.intervals import merge
+from remote_loader.pipeline.order import (
+    Mixing,
+    Shuffler,
+    fast_forward,
+    groups,
+    ranges_in_need,
+    read_positions,
+    undelivered_at,
+)
+from remote_loader.pipeline.resume.states import Remainder, encode, gather, parse
+from remote_loader.pipeline.split import PlanSpans, divide, worker_bounds
+
+SEEDS = ((1, 0, 0, 0, 1), (1, 0, 0, 0, 2))
 
 
-def _header(epoch: int, samples: int, rank: int, world: int, worker: int, workers: int) -> dict[str, object]:
-    return {"epoch": epoch, "seed": 0, "shuffle": True, "samples": samples, "shards": 1, "run": 0, "rank": rank,
+def _header(epoch: int, samples: int, rank: int, world: int, worker: int, workers: int, run: int = 0):
+    return {"epoch": epoch, "seed": 0, "shuffle": True, "samples": samples, "shards": 1, "run": run, "rank": rank,
             "world_size": world, "worker": worker, "num_workers": workers}
 
 
@@ -34,49 +44,24 @@ def _plans(total: int, world: int, workers: int, equalize: bool, sequence: Remai
             yield rank, worker, divide(starts, stops, low, high, 0 if sequence is None else sequence.run)
 
 
+def _spans(total: int, shard: int, rows):
+    """A dataset of ``total`` samples in shards of ``shard``, in manifest order."""
+    counts = np.array([shard] * (total // shard) + ([total % shard] if total % shard else []), dtype=np.int64)
+    return PlanSpans(counts, np.arange(len(counts)), rows)
+
+
+def _order(spans, mixing: Mixing) -> list[int]:
+    reads = read_positions(groups(spans, mixing.open_shards, SEEDS[0]))
+    if not mixing.bufsize:
+        return list(reads)
+    return list(Shuffler(mixing.bufsize, mixing.initial, SEEDS[1]).run(reads))
+
+
 def _positions(plan) -> list[int]:
     return [p for a, b in plan.rows for p in range(a, b)]
 
 
-@dataclass(eq=False)
-class _Range:
-    """What the source keeps of an open range: the next sample number and the end."""
-
-    next: int
-    stop: int
-
-
-def _run_worker(plan, header, rng: random.Random, stop_after: int):
-    """A worker's iteration, played on integers: the cutter takes the plan 10 samples at a
-    time and cuts them into ranges of up to 5, the source keeps up to 2 ranges open and
-    emits from either, a buffer of up to 7 samples delivers a random one, which alone
-    reaches the progress. Returns the positions delivered and the state."""
-    progress = Progress(plan, header)
-    rows = [(a, b) for a, b in plan.rows]
-    delivered, buffer, reading, cut = [], [], [], []
-    while len(delivered) < stop_after and (rows or cut or reading or buffer):
-        if rows and not cut:
-            a, b = rows[0]
-            taken = min(10, b - a)
-            rows[0] = (a + taken, b)
-            if a + taken == b:
-                rows.pop(0)
-            cut = [(p, min(5, a + taken - p)) for p in range(a, a + taken, 5)]
-        while cut and len(reading) < 2:
-            start, n = cut.pop(0)
-            reading.append((_Range(0, n), start))
-        if reading:
-            r, base = rng.choice(reading)
-            position = base + r.next
-            r.next += 1
-            if r.next == r.stop:
-                reading.remove((r, base))
-            buffer.append(position)
-        if buffer and (len(buffer) >= 7 or not (rows or cut or reading)):
-            position = buffer.pop(rng.randrange(len(buffer)))
-            progress.done(position)
-            delivered.append(position)
-    return delivered, progress.state()
+MIXINGS = [Mixing(1), Mixing(3), Mixing(2, 7, 7), Mixing(4, 10, 0), Mixing(3, 1, 1)]
 
 
 @pytest.mark.parametrize("world,workers", [(1, 1), (2, 3), (4, 2), (3, 1)])
@@ -93,24 +78,81 @@ def test_the_plans_of_an_epoch_cover_it_once_and_mark_repeats_as_extras(world, w
     assert extras == ((-total) % world if equalize else 0)
 
 
-def test_merge_and_runs():
+def test_merge():
     assert merge([(5, 7), (0, 2), (1, 3), (7, 9), (4, 4)]) == [(0, 3), (5, 9)]
     assert merge([(0, 10), (2, 3)]) == [(0, 10)]  # one inside another
-    assert runs([4, 1, 2, 3, 9]) == [(1, 5), (9, 10)]
+    assert merge([]) == [] and merge([(3, 4)]) == [(3, 4)]
+
+
+@pytest.mark.parametrize("mixing", MIXINGS, ids=str)
+def test_a_delivery_order_gives_every_position_of_the_plan_once_and_reads_each_shard_in_sequence(mixing):
+    rows = [(0, 37), (50, 90)]
+    spans = _spans(100, 9, rows)
+    order = _order(spans, mixing)
+    assert sorted(order) == [p for a, b in rows for p in range(a, b)]
+    reads = list(read_positions(groups(spans, mixing.open_shards, SEEDS[0])))
+    for span in spans:  # each span's positions are read in increasing order
+        mine = [p for p in reads if span.position <= p < span.position + len(span)]
+        assert mine == sorted(mine)
+    assert _order(spans, mixing) == order  # the same seeds, the same order
+
+
+def test_groups_mix_their_spans_and_a_new_seed_mixes_them_otherwise():
+    spans = list(_spans(120, 30, [(0, 120)]))
+    first = next(groups(spans, 4, (1,)))
+    assert sorted(set(first.labels.tolist())) == [0, 1, 2, 3] and len(first) == 120
+    assert first.labels[:30].tolist() != [0] * 30  # interleaved, not one span after the other
+    assert next(groups(spans, 4, (2,))).labels.tolist() != first.labels.tolist()
+
+
+@settings(max_examples=40, deadline=None)
+@given(total=st.integers(1, 160), shard=st.integers(1, 40), mixing=st.sampled_from(MIXINGS),
+       fraction=st.floats(0, 1))
+def test_the_point_after_n_outputs_is_where_the_uninterrupted_order_stands(total, shard, mixing, fraction):
+    rows = [(0, total)]
+    spans = _spans(total, shard, rows)
+    order = _order(spans, mixing)
+    n = int(len(order) * fraction)
+    point = fast_forward(spans, mixing, SEEDS, n)
+    assert point.outputs == n
+    assert undelivered_at(point, spans, rows, mixing.open_shards, SEEDS[0]) == merge((p, p + 1) for p in order[n:])
+    # Restored at the point, the shuffle buffer and the reads go on as the uninterrupted order.
+    reads = read_positions(groups(spans, mixing.open_shards, SEEDS[0], first=point.group))
+    rest = itertools.islice(reads, point.reads - point.group_start, None)
+    if mixing.bufsize:
+        rest = Shuffler(mixing.bufsize, mixing.initial, SEEDS[1], point.held, point.outputs).run(rest)
+    assert list(rest) == order[n:]
+
+
+def test_a_shuffler_draws_the_same_whatever_the_batches_of_its_draws():
+    items = list(range(3000))
+    whole = list(Shuffler(100, 100, (5,)).run(iter(items)))
+    assert sorted(whole) == items and whole != items
+    assert list(itertools.islice(Shuffler(100, 100, (5,)).run(iter(items)), 1500)) == whole[:1500]
+
+
+def _run_worker(plan, header, mixing: Mixing, stop_after: int, total: int, shard: int):
+    """A worker's iteration played on integers: its order, stopped after ``stop_after``
+    outputs; returns what it delivered and its state there."""
+    spans = _spans(total, shard, plan.rows)
+    order = _order(spans, mixing)
+    point = fast_forward(spans, mixing, SEEDS, stop_after)
+    undelivered = undelivered_at(point, spans, plan.rows, mixing.open_shards, SEEDS[0])
+    return order[:stop_after], encode(header, mixing, point.outputs, undelivered, plan.extras, plan.rows)
 
 
 @settings(max_examples=60, deadline=None)
 @given(total=st.integers(1, 300), world=st.integers(1, 3), workers=st.integers(1, 3), equalize=st.booleans(),
-       new_world=st.integers(1, 3), new_workers=st.integers(1, 4), seed=st.integers(0, 2**16),
+       new_world=st.integers(1, 3), new_workers=st.integers(1, 4), mixing=st.sampled_from(MIXINGS),
        fraction=st.floats(0, 1))
 def test_states_taken_mid_epoch_resume_the_rest_exactly_once_on_any_split(total, world, workers, equalize, new_world,
-                                                                          new_workers, seed, fraction):
-    rng = random.Random(seed)
+                                                                          new_workers, mixing, fraction):
     delivered: list[int] = []
     states = []
     for rank, worker, plan in _plans(total, world, workers, equalize):
         share = sum(b - a for a, b in plan.rows)
-        got, state = _run_worker(plan, _header(0, total, rank, world, worker, workers), rng, int(share * fraction))
+        got, state = _run_worker(plan, _header(0, total, rank, world, worker, workers), mixing,
+                                 int(share * fraction), total, 7)
         delivered += got
         states.append(parse(state))
     rest = gather(states)
@@ -121,34 +163,63 @@ def test_states_taken_mid_epoch_resume_the_rest_exactly_once_on_any_split(total,
     assert not set(resumed) & set(delivered)
 
 
-def test_a_worker_state_resumes_that_worker_alone_with_what_it_had_not_delivered():
-    total = 60
-    (_, _, plan), = _plans(total, 1, 1, False)
-    delivered, state = _run_worker(plan, _header(3, total, 0, 1, 0, 1), random.Random(1), 25)
-    worker = parse(state)
-    assert worker.unfinished and worker.header["epoch"] == 3
-    assert sorted(_positions(worker.plan())) == sorted(set(range(total)) - set(delivered))
-    _, finished = _run_worker(plan, _header(3, total, 0, 1, 0, 1), random.Random(1), total)
-    assert not parse(finished).unfinished
-
-
 def test_a_state_is_small_whatever_the_epoch():
     for total in (1_000, 1_000_000):
         (_, _, plan), = _plans(total, 1, 1, False)
-        _, state = _run_worker(plan, _header(0, total, 0, 1, 0, 1), random.Random(2), 200)
-        assert len(state["remaining"]) <= 2 * (7 + 2 + 2 + 1)  # buffer, open ranges, cut, the rest of the plan
+        _, state = _run_worker(plan, _header(0, total, 0, 1, 0, 1), Mixing(2, 7, 7), 200, total, 100)
+        assert len(state["remaining"]) <= 2 * (7 + 2 + 1)  # the buffer, the spans being read, the rest of the plan
+        assert parse(state).delivered == 200
 
 
 def test_gather_refuses_missing_repeated_and_overlapping_states():
     total = 40
     states = []
     for rank, worker, plan in _plans(total, 2, 1, False):
-        states.append(parse(_run_worker(plan, _header(0, total, rank, 2, worker, 1), random.Random(3), 5)[1]))
+        states.append(parse(_run_worker(plan, _header(0, total, rank, 2, worker, 1), Mixing(2, 7, 7), 5, total,
+                                        10)[1]))
     with pytest.raises(ConfigError, match="states lack rank 1 worker 0"):
         gather(states[:1])
     with pytest.raises(ConfigError, match="given twice"):
         gather([states[0], states[0], states[1]])
-    overlapping = parse({**states[1].header, "remote_loader_state": 2, "extras": [],
-                         "remaining": [a for interval in states[0].remaining for a in interval]})
+    overlapping = parse({**encode(states[1].header, Mixing(2, 7, 7), 0, states[0].remaining, ())})
     with pytest.raises(ConfigError, match="overlap"):
         gather([states[0], overlapping])
+
+
+def test_a_resumed_rest_states_its_plan_and_refuses_a_plan_naming_a_position_twice():
+    (_, _, plan), = _plans(50, 1, 1, False, Remainder({}, np.array([3, 20]), np.array([10, 30]), 77))
+    _, state = _run_worker(plan, _header(0, 50, 0, 1, 0, 1, run=77), Mixing(2), 4, 50, 10)
+    assert state["plan"] == [3, 10, 20, 30] and parse(state).rows == ((3, 10), (20, 30))
+    with pytest.raises(ConfigError, match="names a position twice"):
+        parse({**state, "plan": [3, 10, 5, 12]})
+
+
+def test_orders_differ_by_seed_and_mixing():
+    spans = _spans(200, 20, [(0, 200)])
+    assert _order(spans, Mixing(4, 50, 50)) != _order(spans, Mixing(4, 60, 60))
+    assert _order(spans, Mixing(4)) != _order(spans, Mixing(2))
+    random.Random(0)  # determinism above owes nothing to a global generator
+
+
+@settings(max_examples=40, deadline=None)
+@given(lengths=st.lists(st.integers(1, 30), min_size=1, max_size=5), per=st.integers(1, 7), offset=st.floats(0, 1),
+       seed=st.integers(0, 100))
+def test_ranges_come_in_the_order_a_reader_opens_them(lengths, per, offset, seed):
+    counts = np.array(lengths, dtype=np.int64)
+    spans = list(PlanSpans(counts, np.arange(len(counts)), [(0, int(counts.sum()))]))
+    group = next(groups(spans, len(spans), (seed,)))
+    start = int(len(group) * offset)
+    needed = ranges_in_need(group, start, [per + slot % 2 for slot in range(len(spans))])
+    cursors = group.cursors(start).tolist()
+    left = [0] * len(spans)  # samples left in each slot's open range
+    opened = []
+    for read, slot in enumerate(group.labels[start:].tolist()):
+        if not left[slot]:
+            at, s, first, stop = needed[len(opened)]
+            assert (at, s, first) == (read, slot, spans[slot].start + cursors[slot])
+            opened.append((first, stop))
+            left[slot] = stop - first
+        left[slot] -= 1
+        cursors[slot] += 1
+    assert len(opened) == len(needed)  # every range is opened, and each once
+    assert sum(b - a for a, b in opened) == len(group) - start

@@ -8,7 +8,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from remote_loader.pipeline.split import Span, iter_assign, rank_size, shard_order
+from remote_loader.pipeline.split import iter_assign, rank_size, shard_order
 
 
 def assign(counts, **split):
@@ -84,23 +84,3 @@ def test_shards_stay_whole_except_at_range_boundaries():
     spans = assign([100] * 10, seed=0, epoch=0, rank=1, world_size=3)
     assert sum(1 for s in spans if len(s) < 100) <= 2
     assert all(np.diff([s.start for s in spans[1:-1]]) == 0)
-
-
-def test_split_spans_cover_every_sample_once_in_bounded_interleaved_ranges():
-    from types import SimpleNamespace
-
-    from remote_loader.pipeline.source import split_spans
-
-    samples, sizes = np.array([100, 50, 7]), np.array([100 * 1000, 50 * 4000, 7 * 1000])
-    reader = SimpleNamespace(manifest=SimpleNamespace(shards=SimpleNamespace(samples=samples, size=sizes)))
-    spans = [Span(0, 10, 100), Span(1, 0, 50), Span(2, 0, 7)]
-    ranges = list(split_spans(reader, iter(spans), range_bytes=20_000, group=2))
-    covered = sorted((r.shard, i) for r in ranges for i in range(r.start, r.end))
-    assert covered == sorted((s.shard, i) for s in spans for i in range(s.start, s.end))
-    assert all(len(r) * sizes[r.shard] / samples[r.shard] <= 20_000 for r in ranges)
-    # The first two spans alternate range by range; the third follows them.
-    assert [r.shard for r in ranges[:4]] == [0, 1, 0, 1] and ranges[-1].shard == 2
-    # Within a shard the ranges stay in order.
-    for shard in (0, 1):
-        starts = [r.start for r in ranges if r.shard == shard]
-        assert starts == sorted(starts)

@@ -8,17 +8,20 @@ import numpy as np
 import pytest
 
 from remote_loader.errors import ConfigError, DecodeError
+from remote_loader.pipeline.order import Shuffler
 from remote_loader.pipeline.stages import (
     Batched,
     Context,
     Map,
-    Shuffle,
     batched_stage,
     map_tuple_stage,
     select_stage,
-    shuffle_stage,
     to_tuple_stage,
 )
+
+
+def shuffle_stage(samples, bufsize, initial, seed):
+    return Shuffler(bufsize, initial, seed).run(iter(samples))
 
 
 @pytest.mark.parametrize("bufsize, initial", [(1, 0), (1, 1), (10, 3), (100, 100), (1000, 10)])
@@ -41,6 +44,7 @@ def test_to_tuple_takes_the_first_present_field():
     assert list(to_tuple_stage(samples, ["jpg;png", "cls"])) == [(1, 2), (3, 4)]
     with pytest.raises(DecodeError, match="'b'.*jpg"):
         list(to_tuple_stage(samples, ["jpg", "cls"]))
+    assert list(to_tuple_stage(samples, ["cls"])) == [(2,), (4,)]
 
 
 def test_map_select_map_tuple():
@@ -61,6 +65,3 @@ def test_stage_objects_pickle_and_run_after():
     context = Context(seed=0, epoch=0, rank=0, worker=0)
     batched = pickle.loads(pickle.dumps(Batched(4, None, True)))
     assert list(batched.run(range(5), context)) == [[0, 1, 2, 3], [4]]
-    shuffle = Shuffle(8, 8)
-    again = pickle.loads(pickle.dumps(shuffle))
-    assert list(again.run(range(20), context)) == list(shuffle.run(range(20), context))  # same seed, same order

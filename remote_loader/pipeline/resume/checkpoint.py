@@ -26,8 +26,6 @@ import torch
 from remote_loader.errors import ResumeError
 from remote_loader.pipeline.resume.counts import MAX_WORKERS, ResumeState, consumed_per_worker
 from remote_loader.pipeline.resume.layout import Layout
-from remote_loader.pipeline.resume.progress import Progress
-from remote_loader.pipeline.resume.replay import Replay, check_rows
 from remote_loader.pipeline.resume.states import (
     Remainder,
     WorkerState,
@@ -104,7 +102,7 @@ class Checkpoints:
         self.resume: ResumeState | Remainder | None = None
         self.generation = 0  # of the resume this copy holds
         self.position: WorkerState | None = None  # one worker's own state, loaded in its process
-        self.live: Progress | None = None  # the latest iteration in this process
+        self.live: Any = None  # the latest iteration in this process (it gives its ``state()``)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -179,21 +177,20 @@ class Checkpoints:
 
     # ------------------------------------------------------------------ taking states
 
-    def state(self, layout: Layout, worker_info: Any) -> dict[str, Any]:
-        """The position of this process's iteration (see ``RemoteDataset.state_dict``)."""
+    def state(self, worker_info: Any) -> dict[str, Any] | None:
+        """The state of this process's live iteration; None if there is none yet (see
+        ``RemoteDataset.state_dict``)."""
         if self.live is not None:
-            return self.live.state()
+            return dict(self.live.state())
         if worker_info is None and int(self.shared[Slot.IN_WORKERS]):
             raise ResumeError("this dataset's iteration runs in DataLoader workers, which this process cannot ask:"
                               " use torchdata's StatefulDataLoader and its state_dict(), or pass consumed= and"
                               " num_workers= for a plain DataLoader")
-        worker, workers = (worker_info.id, worker_info.num_workers) if worker_info else (0, 1)
-        iteration = self.plan(layout, self.epoch, worker, workers)
-        return Progress(iteration.plan, iteration.header, iteration.replay).state()  # nothing delivered yet
+        return None
 
     def count_state(self, layout: Layout, consumed: int, num_workers: int) -> dict[str, Any]:
         """The state after ``consumed`` items came out of a DataLoader with ``num_workers``."""
-        _, per_item = layout.skip_point()
+        per_item = layout.per_item()
         batch = layout.stages[-1].batch() if layout.stages else None
         keeps_short_batch = per_item == 1 or (batch is not None and batch[1])
         workers = max(1, num_workers)
@@ -257,7 +254,7 @@ class Checkpoints:
         if resume.seed != layout.seed:
             raise ResumeError(f"state was saved with seed {resume.seed}, this dataset has seed {layout.seed}")
         layout.check_identity(resume.dataset)
-        _, per_item = layout.skip_point()
+        per_item = layout.per_item()
         shares = [layout.worker_samples(worker, resume.num_workers) for worker in range(len(resume.skip))]
         for worker, (skip, samples) in enumerate(zip(resume.skip, shares, strict=True)):
             if skip > -(-samples // per_item) * per_item:
@@ -309,13 +306,19 @@ class Checkpoints:
                     f"{layout.world_size}, {worker}/{num_workers}): to resume on other ranks or"
                     " workers, give load_state_dict every rank's state"
                 )
-            if position.record is None:  # a state saved before records: its rest, in position order
-                plan = position.plan()
-                return Iteration(plan, {**header, "run": plan.run}, own_state=True)
-            plan, replay = position.replay(placeholders=layout.replay_point()[1])
-            if plan.run == 0:
-                check_rows(position.record, self._share(layout, None, worker, num_workers).rows, position.where)
-            return Iteration(plan, {**header, "run": plan.run}, replay=replay, own_state=True)
+            if position.mixing != layout.mixing:
+                raise ResumeError(
+                    f"the state of {position.where} was taken in a pipeline that mixes samples otherwise"
+                    f" (open_shards, shuffle buffer, initial: {position.mixing.as_list()}, here"
+                    f" {layout.mixing.as_list()}): its order cannot be followed; give load_state_dict every"
+                    " rank's state to resume its rest in this pipeline's order"
+                )
+            if position.rows is not None:
+                plan = Plan(position.rows, frozenset(p for p, _ in position.extras), position.header["run"])
+            else:
+                plan = self._share(layout, None, worker, num_workers)
+            return Iteration(plan, {**header, "run": plan.run}, start=position.delivered,
+                             expect=position.undelivered(), own_state=True)
         if position is not None and position.unfinished:
             raise ResumeError(
                 f"the loaded state stopped mid-way through epoch {position.header['epoch']}, but"
@@ -323,8 +326,10 @@ class Checkpoints:
             )
         resume = self.resume_for(epoch, worker, num_workers)
         plan = self._share(layout, resume if isinstance(resume, Remainder) else None, worker, num_workers)
+        start = resume.skip[worker] if isinstance(resume, ResumeState) else 0
         # A state of a finished epoch is used up by any later iteration: the next one starts afresh.
-        return Iteration(plan, {**header, "run": plan.run}, resume=resume, own_state=position is not None)
+        return Iteration(plan, {**header, "run": plan.run}, start=start, resume=resume,
+                         own_state=position is not None)
 
     def take(self, iteration: Iteration, worker: int) -> None:
         """Mark what ``iteration`` uses as used: this worker's own state, a loaded resume."""
@@ -350,29 +355,16 @@ class Checkpoints:
         )
         return sequence.plan(low, high)
 
-    def start(self, layout: Layout, epoch: int, worker: int, num_workers: int) -> tuple[Progress, int]:
-        """The progress of a new iteration, and how many samples a count state skips."""
-        iteration = self.plan(layout, epoch, worker, num_workers)
-        self.take(iteration, worker)
-        skip = iteration.resume.skip[worker] if isinstance(iteration.resume, ResumeState) else 0
-        self.live = Progress(
-            iteration.plan,
-            iteration.header,
-            iteration.replay,
-            recorded=not skip,
-            where=f"rank {layout.rank} worker {worker}",
-        )
-        return self.live, skip
-
-
 @dataclass(frozen=True)
 class Iteration:
-    """What one worker reads in an iteration: its plan, the header of its states, the loaded
-    resume it applies (the rest of an epoch gathered from states, or a count state), the
-    replay of its own state's run, and whether it uses up its own loaded state."""
+    """What one worker reads in an iteration: its plan, the header of its states, the outputs
+    of its delivery order given before (a resume's), the positions its own state says were not
+    delivered (checked against its order), the loaded resume it applies (the rest of an epoch
+    gathered from states, or a count state), and whether it uses up its own loaded state."""
 
     plan: Plan
     header: dict[str, Any]
+    start: int = 0
+    expect: list[tuple[int, int]] | None = None
     resume: ResumeState | Remainder | None = None
-    replay: Replay | None = None
     own_state: bool = False

@@ -8,8 +8,7 @@ fixes each worker's count.
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -80,11 +79,3 @@ class ResumeState:
         counts = [_count({f"skip[{w}]": n}, f"skip[{w}]") for w, n in enumerate(skip)]
         dataset = _count(state, "dataset", 0, 2**32 - 1) if "dataset" in state else None
         return cls(epoch, seed, num_workers, counts, dataset)
-
-
-def skip_delivered(pairs: Iterator[tuple[Any, Any]], *, count: int,
-                   done: Callable[[Any], None]) -> Iterator[tuple[Any, Any]]:
-    """``pairs`` less the first ``count`` items, which a count state says were delivered."""
-    for i, _ in itertools.islice(pairs, count):
-        done(i)
-    yield from pairs

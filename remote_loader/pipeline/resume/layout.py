@@ -1,5 +1,5 @@
 """What a checkpoint state is checked against and a worker's share is cut from: the dataset,
-its seed, this rank's place in the world and the pipeline's stages."""
+its seed, this rank's place in the world, the delivery order's mixing and the stages."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from remote_loader.errors import ResumeError
+from remote_loader.pipeline.order import Mixing
 from remote_loader.pipeline.resume.states import WorkerState
 from remote_loader.pipeline.split import worker_bounds
 from remote_loader.pipeline.stages import Stage
@@ -24,6 +25,7 @@ class Layout:
     rank: int
     world_size: int
     equalize: bool
+    mixing: Mixing
     stages: Sequence[Stage]
 
     def align(self) -> int:
@@ -49,30 +51,18 @@ class Layout:
                 "shards": len(self.reader.counts), "dataset": self.reader.identity, "run": 0, "rank": self.rank,
                 "world_size": self.world_size, "worker": worker, "num_workers": num_workers}
 
-    def skip_point(self) -> tuple[int, int]:
-        """(stages run before skipping, samples per output item) for a count-based resume."""
-        reorders = [i for i, s in enumerate(self.stages) if s.reorders]
-        after = reorders[-1] + 1 if reorders else 0
-        tail = list(self.stages[after:])
-        per_item = 1
-        batch = tail[-1].batch() if tail else None
+    def per_item(self) -> int:
+        """Samples per item, for a state counted in items (a plain DataLoader's): every stage
+        must map one sample to one, the last may batch them."""
+        stages = list(self.stages)
+        batch = stages[-1].batch() if stages else None
         if batch is not None:
-            per_item = batch[0]
-            tail = tail[:-1]
-        if not all(s.one_to_one for s in tail):
-            raise ResumeError(
-                "resume needs every stage after the last shuffle to map one sample to one (decode, map, "
-                "map_tuple, to_tuple), optionally ending with batched; select or an inner batched breaks that"
-            )
-        return after, per_item
-
-    def replay_point(self) -> tuple[int, bool]:
-        """(stages before the replay point, the end of the last shuffle or batched; whether
-        a replay's placeholders can pass every stage before it, none of which looks at a
-        sample's content), see ``replay.py``."""
-        marks = [i for i, s in enumerate(self.stages) if s.reorders or s.batch() is not None]
-        point = marks[-1] + 1 if marks else 0
-        return point, all(s.one_to_one or s.reorders or s.batch() is not None for s in self.stages[:point])
+            stages = stages[:-1]
+        if not all(s.one_to_one for s in stages):
+            raise ResumeError("a state counted in items needs every stage to map one sample to one (decode, map,"
+                              " map_tuple, to_tuple), optionally ending with batched; select or an inner batched"
+                              " breaks that: use torchdata's StatefulDataLoader, whose states need neither")
+        return batch[0] if batch is not None else 1
 
     def check(self, state: WorkerState) -> WorkerState:
         expected = {"seed": self.seed, "shuffle": self.shuffle, "samples": len(self.reader),

@@ -1,6 +1,11 @@
-"""Reading checkpoint states: a worker's state checked field by field, the worker states
-inside a loader's state, and the rest of an epoch gathered from every worker's state
-(see ``position.py`` for what a state holds).
+"""Worker states: what one holds (``encode``), each field checked (``parse``), the worker
+states inside a loader's state, and the rest of an epoch gathered from every worker's state.
+
+A worker's state is its header (epoch, seed, dataset identity, its place among ranks and
+workers, the run), the ``mixing`` its delivery order depends on (``order.py``), how many
+outputs of that order it had delivered, the positions of its plan not yet delivered (merged
+intervals, extras apart with whether each was delivered), and for a worker of a resumed
+rest, its plan. Its size follows the open shards and the shuffle buffer, never the dataset.
 """
 
 from __future__ import annotations
@@ -15,13 +20,31 @@ import numpy as np
 
 from remote_loader.config import require_int
 from remote_loader.errors import ResumeError
-from remote_loader.pipeline.resume.intervals import merge, without
-from remote_loader.pipeline.resume.progress import MARK, STATE_VERSION
-from remote_loader.pipeline.resume.replay import Record, Replay, parse_record
+from remote_loader.pipeline.intervals import contains, merge, without
+from remote_loader.pipeline.order import Mixing
 from remote_loader.pipeline.split import Plan, divide
 
+STATE_VERSION = 3
+MARK = "remote_loader_state"
+"""The key that marks a worker's state (its value is the state's version)."""
 _HEADER = ("epoch", "seed", "shuffle", "samples", "shards", "run", "rank", "world_size", "worker", "num_workers")
 _MAX_DEPTH = 8  # how deep load_state_dict looks for worker states inside a loader's state
+_MAX_BUFFER = 1 << 24  # the largest shuffle buffer a state may name (a bound on what loading one allocates)
+
+
+def encode(header: dict[str, Any], mixing: Mixing, delivered: int, undelivered: list[tuple[int, int]],
+           extras: Iterable[int], rows: Sequence[tuple[int, int]] | None = None) -> dict[str, Any]:
+    """A worker's state (see the module's docstring); ``rows``, the plan, for a run that is
+    not an epoch's own split."""
+    extras = sorted(extras)
+    flags = [0 if contains(undelivered, e) else 1 for e in extras]
+    kept = without(undelivered, extras)
+    state = {MARK: STATE_VERSION, **header, "mixing": mixing.as_list(), "delivered": delivered,
+             "remaining": [x for interval in kept for x in interval],
+             "extras": [x for pair in zip(extras, flags, strict=True) for x in pair]}
+    if header["run"]:
+        state["plan"] = [x for row in rows or () for x in row]
+    return state
 
 
 @dataclass(frozen=True)
@@ -29,24 +52,15 @@ class WorkerState:
     """One worker's state, checked."""
 
     header: dict[str, Any]
+    mixing: Mixing
+    delivered: int
     remaining: list[tuple[int, int]]
     extras: list[tuple[int, bool]]  # (position, delivered)
-    record: Record | None = None  # of its run, to replay it (states saved before records existed lack it)
+    rows: tuple[tuple[int, int], ...] | None = None  # the plan of a resumed rest's worker
 
     def undelivered(self) -> list[tuple[int, int]]:
         """The positions not delivered, extras included, as sorted merged intervals."""
         return merge([*self.remaining, *((p, p + 1) for p, delivered in self.extras if not delivered)])
-
-    def plan(self) -> Plan:
-        """The plan resuming this worker alone from its undelivered positions, in order."""
-        return Plan(tuple(self.undelivered()), frozenset(p for p, delivered in self.extras if not delivered),
-                    self.header["run"])
-
-    def replay(self, placeholders: bool) -> tuple[Plan, Replay]:
-        """The plan of the run this state was taken in, and how to replay it to that point."""
-        assert self.record is not None
-        return (Plan(self.record.rows, frozenset(p for p, _ in self.extras), self.header["run"]),
-                Replay(self.undelivered(), self.record, placeholders))
 
     @property
     def unfinished(self) -> bool:
@@ -63,14 +77,30 @@ def _int(state: Mapping[str, Any], name: str, low: int, high: int) -> int:
     return require_int(f"RemoteDataset state field {name!r}", state.get(name), low, high, error=ResumeError, exact=True)
 
 
-def _ints(state: Mapping[str, Any], name: str, samples: int) -> list[int]:
+def _intervals(state: Mapping[str, Any], name: str, samples: int, *, ordered: bool) -> list[tuple[int, int]]:
+    """A flat list of pairs ``[a, b)`` of positions; sorted and disjoint unless only ``ordered``
+    as a plan is (non-empty, any order)."""
     values = state.get(name)
     if not isinstance(values, (list, tuple)) or len(values) % 2:
         raise ResumeError(f"RemoteDataset state field {name!r} must be a flat list of pairs of integers")
     if not all(type(v) is int and 0 <= v <= samples for v in values):
         bad = next(v for v in values if type(v) is not int or not 0 <= v <= samples)
         raise ResumeError(f"RemoteDataset state field {name!r} holds {bad!r}, not a position in 0..{samples}")
-    return list(values)
+    pairs = list(zip(values[::2], values[1::2], strict=True))
+    if any(a >= b for a, b in pairs) or (not ordered and any(b1 >= a2 for (_, b1), (a2, _) in pairwise(pairs))):
+        raise ResumeError(f"RemoteDataset state field {name!r} must hold {'' if ordered else 'sorted, disjoint, '}"
+                          "non-empty intervals")
+    return pairs
+
+
+def _mixing(state: Mapping[str, Any], samples: int) -> Mixing:
+    values = state.get("mixing")
+    if not isinstance(values, (list, tuple)) or len(values) != 3:
+        raise ResumeError("RemoteDataset state field 'mixing' must be [open_shards, bufsize, initial]")
+    open_shards = _int({"mixing[0]": values[0]}, "mixing[0]", 1, 1 << 16)
+    bufsize = _int({"mixing[1]": values[1]}, "mixing[1]", 0, _MAX_BUFFER)
+    initial = _int({"mixing[2]": values[2]}, "mixing[2]", 0, bufsize)
+    return Mixing(open_shards, bufsize, initial)
 
 
 def parse(state: Any) -> WorkerState:
@@ -78,8 +108,9 @@ def parse(state: Any) -> WorkerState:
     if not isinstance(state, Mapping) or MARK not in state:
         raise ResumeError("not a RemoteDataset worker state")
     if state[MARK] != STATE_VERSION:
-        raise ResumeError(f"RemoteDataset worker state version {state[MARK]!r} is not {STATE_VERSION}")
-    missing = [k for k in (*_HEADER, "remaining", "extras") if k not in state]
+        raise ResumeError(f"RemoteDataset worker state version {state[MARK]!r} is not {STATE_VERSION}: it was saved"
+                          " by another version of remote_loader, whose states this one does not read")
+    missing = [k for k in (*_HEADER, "mixing", "delivered", "remaining", "extras") if k not in state]
     if missing:
         raise ResumeError(f"RemoteDataset worker state lacks {', '.join(missing)}")
     if type(state["shuffle"]) is not bool:
@@ -89,24 +120,30 @@ def parse(state: Any) -> WorkerState:
               "shuffle": state["shuffle"], "samples": samples, "shards": _int(state, "shards", 0, 2**62),
               "run": _int(state, "run", 0, 2**32), "world_size": _int(state, "world_size", 1, 2**20),
               "num_workers": _int(state, "num_workers", 1, 2**20)}
-    if "dataset" in state:  # the manifest's identity (states saved before it existed lack it)
+    if "dataset" in state:  # the manifest's identity
         header["dataset"] = _int(state, "dataset", 0, 2**32 - 1)
     header["rank"] = _int(state, "rank", 0, header["world_size"] - 1)
     header["worker"] = _int(state, "worker", 0, header["num_workers"] - 1)
-    flat = _ints(state, "remaining", samples)
-    remaining = list(zip(flat[::2], flat[1::2], strict=True))
-    if any(a >= b for a, b in remaining) or any(b1 >= a2 for (_, b1), (a2, _) in pairwise(remaining)):
-        raise ResumeError("RemoteDataset state field 'remaining' must hold sorted, disjoint, non-empty intervals")
-    flat = _ints(state, "extras", samples)
-    if any(p >= samples for p in flat[::2]) or any(d not in (0, 1) for d in flat[1::2]):
+    remaining = _intervals(state, "remaining", samples, ordered=False)
+    flat = state["extras"]
+    if not isinstance(flat, (list, tuple)) or len(flat) % 2 or not all(type(v) is int for v in flat) \
+            or any(not 0 <= p < samples for p in flat[::2]) or any(d not in (0, 1) for d in flat[1::2]):
         raise ResumeError("RemoteDataset state field 'extras' must pair positions below 'samples' with 0 or 1")
     if len(flat) // 2 >= header["world_size"] + 1:
         raise ResumeError(
             f"RemoteDataset state lists {len(flat) // 2} extras; a run of {header['world_size']} ranks has fewer"
         )
     extras = [(p, bool(d)) for p, d in zip(flat[::2], flat[1::2], strict=True)]
-    undelivered = merge([*remaining, *((p, p + 1) for p, d in extras if not d)])
-    return WorkerState(header, remaining, extras, parse_record(state, samples, undelivered))
+    rows = None
+    if header["run"]:
+        if "plan" not in state:
+            raise ResumeError("RemoteDataset worker state of a resumed rest (run != 0) lacks its 'plan'")
+        rows = tuple(_intervals(state, "plan", samples, ordered=True))
+        if sum(b - a for a, b in merge(rows)) != sum(b - a for a, b in rows):
+            raise ResumeError("RemoteDataset state field 'plan' names a position twice")
+    planned = sum(b - a for a, b in rows) if rows is not None else samples
+    delivered = _int(state, "delivered", 0, planned)
+    return WorkerState(header, _mixing(state, samples), delivered, remaining, extras, rows)
 
 
 def find_states(obj: Any, depth: int = 0) -> list[Any]:
