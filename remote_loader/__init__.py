@@ -2,7 +2,7 @@
 
 from typing import TYPE_CHECKING, Any
 
-from remote_loader.config import FetchConfig, RetryConfig, StorageConfig
+from remote_loader.config import FetchConfig, RetryConfig, StorageConfig, rank_cores
 from remote_loader.errors import (
     AccessDenied,
     BucketNotFound,
@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from remote_loader.mapstyle.samplers import LocalitySampler, UniformSampler
     from remote_loader.pipeline.augment import RandomResizedCrop
     from remote_loader.pipeline.dataset import RemoteDataset
+    from remote_loader.pipeline.loader import loader
 
 __version__ = "0.1.0"
 
@@ -44,6 +45,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "RandomResizedCrop": "remote_loader.pipeline.augment",
     "RemoteDataset": "remote_loader.pipeline.dataset",
+    "loader": "remote_loader.pipeline.loader",
     "RemoteMapDataset": "remote_loader.mapstyle",
     "LocalitySampler": "remote_loader.mapstyle",
     "UniformSampler": "remote_loader.mapstyle",
@@ -97,6 +99,8 @@ __all__ = [
     "UniformSampler",
     "UploadSummary",
     "__version__",
+    "loader",
     "make_client",
+    "rank_cores",
     "upload_cv_dataset",
 ]

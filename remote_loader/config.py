@@ -71,6 +71,35 @@ def world_from_env(env: Mapping[str, str] | None = None) -> tuple[int, int]:
         raise ConfigError(f"RANK={values[0]} and WORLD_SIZE={values[1]} in the environment: {exc}") from None
 
 
+def rank_cores(env: Mapping[str, str] | None = None, *, cgroup: str = "/sys/fs/cgroup/cpu.max",
+               allowed: int | None = None, machine: int | None = None) -> int:
+    """The cores this process (a rank) may use: those its CPU affinity allows (``allowed``),
+    under the container's CPU quota (cgroup v2 ``cpu.max``); when the affinity is the whole
+    machine (``machine`` cores) and ``LOCAL_WORLD_SIZE`` (torchrun's) says several ranks
+    share it, their share of it."""
+    env = os.environ if env is None else env
+    machine = machine or os.cpu_count() or 1
+    if allowed is None:
+        sched = getattr(os, "sched_getaffinity", None)
+        allowed = len(sched(0)) if sched is not None else machine
+    cores = allowed
+    try:
+        with open(cgroup) as handle:
+            quota, period = handle.read().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    text = env.get("LOCAL_WORLD_SIZE") or "1"
+    try:
+        ranks = int(text)
+    except ValueError:
+        raise ConfigError(f"the environment variable LOCAL_WORLD_SIZE must be an integer, got {text!r}") from None
+    if ranks > 1 and allowed >= machine:  # the affinity was not narrowed to this rank
+        cores = cores // ranks
+    return max(1, cores)
+
+
 def normalize_endpoint(endpoint: str, *, secure: bool = False) -> str:
     """Return ``endpoint`` as ``scheme://host[:port]``; a bare ``host:port`` gets http(s).
 

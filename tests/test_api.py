@@ -50,7 +50,9 @@ EXPECTED = {
     "UploadError",
     "UploadSummary",
     "__version__",
+    "loader",
     "make_client",
+    "rank_cores",
     "upload_cv_dataset",
 }
 

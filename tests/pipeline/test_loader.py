@@ -1,0 +1,74 @@
+"""``loader()``: a DataLoader sized from the cores a rank may use, and ``rank_cores()``."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections import Counter
+
+import pytest
+from torch.utils.data import DataLoader
+
+from remote_loader import ConfigError, RemoteDataset, loader, rank_cores
+from remote_loader.testing.synthetic import SyntheticImages
+from tests.helpers import upload_to_new_bucket
+
+N = 90
+
+
+@pytest.fixture(scope="module")
+def keys(seaweed):
+    client = seaweed.client()
+    upload_to_new_bucket(client, "loader-tests", "d", SyntheticImages(N, size=(32, 24)), maxcount=20)
+    yield RemoteDataset(client, "loader-tests", "d", seed=2).shuffle(30).to_tuple("__key__").batched(8)
+    client.close()
+
+
+def test_rank_cores_takes_the_affinity_the_quota_and_the_ranks_sharing_the_node(tmp_path):
+    missing = str(tmp_path / "none")
+    assert rank_cores({}, cgroup=missing) == len(os.sched_getaffinity(0))  # this process, as it runs
+    node = {"cgroup": missing, "machine": 128}
+    assert rank_cores({}, allowed=128, **node) == 128
+    assert rank_cores({"LOCAL_WORLD_SIZE": "8"}, allowed=128, **node) == 16  # 8 ranks share the node
+    assert rank_cores({"LOCAL_WORLD_SIZE": "8"}, allowed=16, **node) == 16  # an affinity of its own: all of it
+    assert rank_cores({"LOCAL_WORLD_SIZE": "256"}, allowed=128, **node) == 1
+    quota = tmp_path / "cpu.max"
+    quota.write_text("1550000 100000\n")  # a container allowed 15.5 cores
+    assert rank_cores({}, cgroup=str(quota), allowed=128, machine=128) == 16
+    assert rank_cores({"LOCAL_WORLD_SIZE": "2"}, cgroup=str(quota), allowed=128, machine=128) == 8
+    quota.write_text("max 100000\n")
+    assert rank_cores({}, cgroup=str(quota), allowed=128, machine=128) == 128
+    with pytest.raises(ConfigError, match="LOCAL_WORLD_SIZE must be an integer, got 'two'"):
+        rank_cores({"LOCAL_WORLD_SIZE": "two"}, cgroup=missing)
+
+
+def test_the_loader_fills_the_ranks_cores_with_persistent_workers_and_gives_each_epoch_whole(keys):
+    stream = loader(keys)
+    assert isinstance(stream, DataLoader)
+    assert stream.num_workers == rank_cores() and stream.batch_size is None and stream.persistent_workers
+    epochs = [[key for (batch,) in stream for key in batch] for _ in range(2)]
+    for keys_ in epochs:
+        assert Counter(keys_) == Counter(f"{i:06d}" for i in range(N))
+    assert epochs[0] != epochs[1]  # each pass takes the next epoch
+
+
+def test_the_loader_takes_any_dataloader_argument_and_a_stateful_one(keys):
+    plain = loader(keys, num_workers=0, pin_memory=False)
+    assert plain.num_workers == 0 and not plain.persistent_workers
+    assert sum(len(batch[0]) for batch in plain) == N
+    with pytest.raises(ConfigError, match="num_workers must be"):
+        loader(keys, num_workers=-1)
+    pytest.importorskip("torchdata")
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    stateful = loader(keys, num_workers=1, stateful=True)
+    assert isinstance(stateful, StatefulDataLoader) and stateful.persistent_workers
+    it = iter(stateful)
+    next(it)
+    assert "remote_loader_state" in str(stateful.state_dict())
+
+
+def test_a_stateful_loader_without_torchdata_names_the_extra(keys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchdata.stateful_dataloader", None)  # as if it were not installed
+    with pytest.raises(ConfigError, match="install the torchdata extra"):
+        loader(keys, stateful=True)
