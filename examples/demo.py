@@ -1,8 +1,8 @@
 """The main job, end to end on this machine: generate images, upload them, read them back.
 
 Starts an embedded S3 server (SeaweedFS) on 127.0.0.1, uploads a generated image dataset
-with ``upload_cv_dataset``, verifies it, streams it back with ``RemoteDataset`` through a
-DataLoader (bytes only, then decoded and augmented) and prints how fast each step ran.
+with ``upload_cv_dataset``, verifies it, streams it back with ``RemoteDataset`` through
+``loader()``'s DataLoader (bytes only, then decoded and augmented) and prints how fast each step ran.
 Run it with ``make demo`` or ``python examples/demo.py [--images N]``.
 """
 
@@ -11,9 +11,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from torch.utils.data import DataLoader
-
-from remote_loader import DatasetReader, RandomResizedCrop, RemoteDataset, upload_cv_dataset
+from remote_loader import DatasetReader, RandomResizedCrop, RemoteDataset, loader, rank_cores, upload_cv_dataset
 from remote_loader.testing.server import EmbeddedS3
 from remote_loader.testing.synthetic import SyntheticImages
 
@@ -40,11 +38,11 @@ def main() -> None:
         bad = [r for r in (reader.check_shard(e) for e in reader.manifest.shards) if not r.ok]
         print(f"verified {len(reader.manifest.shards)} shards against their checksums: {len(bad)} bad")
 
-        print("streaming one epoch with RemoteDataset and a DataLoader (2 workers), bytes only ...")
+        print(f"streaming one epoch with RemoteDataset and loader() ({rank_cores()} workers, one per core), bytes only")
         stream = RemoteDataset(client, "demo", "synthetic", seed=0).shuffle(500).to_tuple("cls", "__key__")
         started = time.perf_counter()
         labels, keys = [], set()
-        for label, key in DataLoader(stream, batch_size=None, num_workers=2):
+        for label, key in loader(stream, persistent_workers=False):
             labels.append(int(label))
             keys.add(key)
         seconds = time.perf_counter() - started
@@ -68,7 +66,7 @@ def main() -> None:
         )
         started = time.perf_counter()
         count = 0
-        for images, _ in DataLoader(train, batch_size=None, num_workers=2):
+        for images, _ in loader(train, persistent_workers=False):
             count += len(images)
         seconds = time.perf_counter() - started
         print(

@@ -44,9 +44,8 @@ import torch.distributed as dist
 from common import add_location_args, maybe_local_server
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader
 
-from remote_loader import DatasetReader, RandomResizedCrop, RemoteDataset, make_client, upload_cv_dataset
+from remote_loader import DatasetReader, RandomResizedCrop, RemoteDataset, loader, make_client, upload_cv_dataset
 from remote_loader.storage import parse_location
 from remote_loader.testing.synthetic import SyntheticImages
 
@@ -102,8 +101,10 @@ def train(args: argparse.Namespace) -> None:
     model, model_name = build_model(num_classes)
     model = DistributedDataParallel(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    loader_type = StatefulDataLoader or DataLoader
-    loader = loader_type(stream, batch_size=None, num_workers=args.workers, persistent_workers=False)
+    # One worker per core of this rank by default; persistent_workers off: the resumed run below makes its own.
+    batches = loader(stream, num_workers=args.workers, stateful=StatefulDataLoader is not None,
+                     persistent_workers=False)
+    args.workers = batches.num_workers
     start_epoch = 0
     if args.resume and args.checkpoint.exists():
         checkpoint = torch.load(args.checkpoint)
@@ -114,7 +115,7 @@ def train(args: argparse.Namespace) -> None:
         if states[rank] is not None:
             same = (checkpoint["world_size"], checkpoint["workers"]) == (world_size, args.workers)
             if StatefulDataLoader is not None and same:
-                loader.load_state_dict(states[rank])  # each worker gets its own position back
+                batches.load_state_dict(states[rank])  # each worker gets its own position back
             elif StatefulDataLoader is not None:
                 stream.load_state_dict(states)  # every rank's states: the rest of the epoch, divided anew
             else:
@@ -123,7 +124,7 @@ def train(args: argparse.Namespace) -> None:
             print(f"resumed from {args.checkpoint} in epoch {start_epoch}, saved by {checkpoint['world_size']} ranks"
                   f" x {checkpoint['workers']} workers", flush=True)
     if rank == 0:
-        print(f"{model_name}, {world_size} rank(s) x {args.workers} DataLoader worker(s) ({loader_type.__name__}),"
+        print(f"{model_name}, {world_size} rank(s) x {args.workers} DataLoader worker(s) ({type(batches).__name__}),"
               f" {len(dataset)} samples per rank per epoch", flush=True)
     log = (args.log_keys / f"keys-rank{rank}.jsonl").open("a") if args.log_keys else None
     steps = 0
@@ -131,7 +132,7 @@ def train(args: argparse.Namespace) -> None:
         stream.set_epoch(epoch)  # a pending resume position applies to its own epoch only
         consumed, total_loss, stopping = 0, 0.0, False
         with model.join():  # tolerates ranks with unequal batch counts
-            for images, labels, keys in loader:
+            for images, labels, keys in batches:
                 inputs = (images.float() - MEAN) / STD
                 loss = nn.functional.cross_entropy(model(inputs), labels)
                 optimizer.zero_grad()
@@ -149,7 +150,10 @@ def train(args: argparse.Namespace) -> None:
                 if stopping:
                     break
         if stopping:  # as if pre-empted: save where each rank is and stop
-            state = loader.state_dict() if StatefulDataLoader else stream.state_dict(consumed, num_workers=args.workers)
+            if StatefulDataLoader is not None:
+                state = batches.state_dict()
+            else:
+                state = stream.state_dict(consumed, num_workers=args.workers)
             save_checkpoint(args.checkpoint, model, optimizer, epoch, state, args.workers)
             if rank == 0:
                 print(f"stopping in epoch {epoch} after {steps} steps; checkpoint {args.checkpoint}", flush=True)
@@ -214,7 +218,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--size", type=int, default=64, help="crop size (224 for ImageNet)")
-    parser.add_argument("--workers", type=int, default=2, help="DataLoader workers per rank")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="DataLoader workers per rank (default: one per core of the rank; 2 with --local-server)")
     parser.add_argument("--shuffle-buffer", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--checkpoint", type=Path, default=Path("checkpoint.pt"))
@@ -230,6 +235,7 @@ def main() -> None:
     if not args.local_server:
         parser.error("start this script with torchrun, or use --local-server")
     args.stop_after = args.stop_after or 4
+    args.workers = 2 if args.workers is None else args.workers
     with maybe_local_server(args):
         local_story(args)
 
