@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import os
+import time
+from collections import OrderedDict
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any
 from urllib.parse import urlsplit
+from xml.etree import ElementTree
 
 import boto3
 import botocore.exceptions as bce
+from botocore.awsrequest import AWSRequest
 from botocore.config import Config
+from botocore.httpsession import URLLib3Session
 from botocore.response import StreamingBody
 from urllib3.exceptions import HTTPError as Urllib3Error
 
@@ -37,6 +43,21 @@ _TRANSIENT = (
     ConnectionError,
     *BODY_ERRORS,  # a body read past urllib3 (storage.receive)
 )
+
+
+_PRESIGNED_FOR = 3600  # seconds a ranged GET's presigned URL is valid
+_RENEW_BEFORE = 600  # a URL this close to expiring is signed anew
+_URLS_KEPT = 4096  # presigned URLs kept per process (one per object read)
+_ERROR_BODY = 1 << 16  # bytes of an error answer read for its code
+
+
+def _error_code(body: bytes) -> str:
+    """The ``<Code>`` of an S3 error answer, or "" if it holds none."""
+    with suppress(ElementTree.ParseError):
+        for element in ElementTree.fromstring(body).iter():
+            if element.tag.rsplit("}", 1)[-1] == "Code":
+                return element.text or ""
+    return ""
 
 
 _SESSION: boto3.session.Session | None = None
@@ -76,6 +97,11 @@ class Boto3Store(RangedStore):
     def __init__(self, config: StorageConfig) -> None:
         super().__init__()
         self.config = config
+        self._urls: OrderedDict[tuple[str, str], tuple[str, float]] = OrderedDict()
+        self._urls_pid = -1
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**super().__getstate__(), "_urls": OrderedDict(), "_urls_pid": -1}
 
     @classmethod
     def around(cls, client: Any) -> Boto3Store:
@@ -177,9 +203,56 @@ class Boto3Store(RangedStore):
                 body.close()
 
     def get_range_into(self, bucket: str, key: str, start: int, end: int, out: memoryview) -> None:
-        """Receive the body straight into ``out``: no intermediate bytes object."""
+        """Receive the body straight into ``out``: no intermediate bytes object.
+
+        The request goes on a URL the client presigned for the object, through the client's
+        own connection pool (its TLS and proxy settings): a request through botocore costs
+        about 1.2 ms of Python (endpoint rules, signing, event hooks, parsing), which a
+        process streaming 8 MiB ranges pays once per 70 samples, holding the GIL. A URL
+        serves every range of its object for an hour; one that has expired is signed anew.
+        """
         if end <= start:
             return
+        byte_range = f"bytes={start}-{end - 1}"
+        client = self._sdk()
+        session = getattr(getattr(client, "_endpoint", None), "http_session", None)
+        if not isinstance(session, URLLib3Session):  # another transport: botocore's own call
+            self._get_object_into(bucket, key, start, end, out)
+            return
+        with self._errors(f"GET {byte_range}", bucket, key):
+            for fresh in (False, True):
+                request = AWSRequest(method="GET", url=self._presigned(client, bucket, key, fresh),
+                                     headers={"Range": byte_range}, stream_output=True)
+                response = session.send(request.prepare())
+                try:
+                    if response.status_code < 300:
+                        check_answer(bucket, key, start, end, response.headers.get("Content-Range"))
+                        filled = receive_into(response.raw, out)
+                        break
+                    code = _error_code(response.raw.read(_ERROR_BODY))
+                finally:
+                    response.raw.close()  # the connection goes back to the pool once its body was read
+                if response.status_code != 403 or fresh:  # a 403 may be an expired URL: signed anew once
+                    raise error_for(code, response.status_code, operation=f"GET {byte_range}", bucket=bucket,
+                                    key=key, endpoint=self.endpoint)
+        check_range(bucket, key, start, end, b"", got=filled)
+
+    def _presigned(self, client: Any, bucket: str, key: str, fresh: bool) -> str:
+        """A presigned GET URL of the object, kept while it is valid (per process)."""
+        if self._urls_pid != os.getpid():
+            self._urls, self._urls_pid = OrderedDict(), os.getpid()
+        now = time.monotonic()
+        kept = self._urls.get((bucket, key))
+        if kept is not None and kept[1] > now and not fresh:
+            return kept[0]
+        url = client.generate_presigned_url("get_object", Params={"Bucket": bucket, "Key": key},
+                                            ExpiresIn=_PRESIGNED_FOR)
+        self._urls[(bucket, key)] = (url, now + _PRESIGNED_FOR - _RENEW_BEFORE)
+        while len(self._urls) > _URLS_KEPT:
+            self._urls.popitem(last=False)
+        return str(url)
+
+    def _get_object_into(self, bucket: str, key: str, start: int, end: int, out: memoryview) -> None:
         byte_range = f"bytes={start}-{end - 1}"
         with self._errors(f"GET {byte_range}", bucket, key):
             response = self._sdk().get_object(Bucket=bucket, Key=key, Range=byte_range)

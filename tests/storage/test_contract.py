@@ -532,3 +532,30 @@ def test_a_writer_whose_upload_cannot_be_created_fails_with_the_stores_error(sea
         writer.commit()
     client.close()
     assert not [t for t in set(threading.enumerate()) - threads if t.name.startswith("remote-loader-part")]
+
+
+def test_ranges_go_on_presigned_urls_that_are_signed_anew_when_refused(seaweed):
+    """boto3's ranged GETs go on a URL presigned per object, through the client's own pool;
+    one the server refuses (expired, or signed with keys since replaced) is signed anew once,
+    and a store whose keys are wrong gets AccessDenied naming neither its secret nor a URL."""
+    client = seaweed.client()
+    bucket = new_bucket(client)
+    data = os.urandom(3 * MiB)
+    client.put(bucket, "obj", data)
+    out = bytearray(MiB)
+    client.get_range_into(bucket, "obj", MiB, 2 * MiB, memoryview(out))
+    assert out == data[MiB : 2 * MiB]
+    secret = "WRONG-SECRET-0123456789abcdef"
+    wrong = make_client(seaweed.endpoint_url, seaweed.access_key, secret)
+    stale = wrong._sdk().generate_presigned_url("get_object", Params={"Bucket": bucket, "Key": "obj"})
+    client._urls[(bucket, "obj")] = (stale, time.monotonic() + 3600)  # as kept, but refused now
+    client.get_range_into(bucket, "obj", 0, MiB, memoryview(out))
+    assert out == data[:MiB]
+    with pytest.raises(AccessDenied) as info:
+        wrong.get_range_into(bucket, "obj", 0, MiB, memoryview(out))
+    message = f"{info.value} {info.value!r} {info.value.args}"
+    assert secret not in message and "X-Amz-Signature" not in message and "\n" not in str(info.value)
+    with pytest.raises(ObjectNotFound) as missing:
+        client.get_range_into(bucket, "no/such/key", 0, 5, memoryview(out)[:5])
+    assert missing.value.code == "NoSuchKey" and "X-Amz" not in str(missing.value)
+    client.close()
