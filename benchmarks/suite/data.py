@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,15 @@ PHOTOS = ("astronaut", "coffee", "chelsea", "rocket", "hubble_deep_field", "immu
           "camera", "coins", "moon", "grass", "gravel", "brick", "clock", "cell")
 
 
+PHOTO_FOLDER = "REMOTE_LOADER_BENCH_PHOTOS"
+"""An environment variable naming a folder of the photographs as ``<name>.webp`` (lossless):
+the node benchmark's bundle carries them so, where scikit-image is not installed."""
+
+
 def photographs() -> list[Image.Image]:
+    folder = os.environ.get(PHOTO_FOLDER)
+    if folder:
+        return [Image.open(Path(folder) / f"{name}.webp").convert("RGB") for name in PHOTOS]
     import skimage.data
 
     out = []
@@ -70,4 +79,37 @@ def build(folder: Path, images: int, *, seed: int = 0, quality: int = 95) -> lis
         photo = photos[int(rng.integers(0, len(photos)))]
         (folder / f"{i:07d}.jpg").write_bytes(make_image(photo, rng, quality))
     labels_file.write_text(json.dumps({"images": images, "seed": seed, "quality": quality, "labels": labels}))
+    return [(folder / f"{i:07d}.jpg", label) for i, label in enumerate(labels)]
+
+
+def _make_range(args: tuple[str, int, int, int, int]) -> list[int]:
+    folder, first, stop, seed, quality = args
+    photos = photographs()
+    labels = []
+    for i in range(first, stop):
+        rng = np.random.default_rng([seed, i])
+        labels.append(int(rng.integers(0, 1000)))
+        photo = photos[int(rng.integers(0, len(photos)))]
+        (Path(folder) / f"{i:07d}.jpg").write_bytes(make_image(photo, rng, quality))
+    return labels
+
+
+def build_parallel(folder: Path, images: int, processes: int, *, seed: int = 0,
+                   quality: int = 95) -> list[tuple[Path, int]]:
+    """``build`` on ``processes`` processes: the same generator, each image drawn from a
+    generator of its own (seed, index), so any number of processes makes the same files."""
+    folder.mkdir(parents=True, exist_ok=True)
+    labels_file = folder / "labels.json"
+    if labels_file.exists():
+        stored = json.loads(labels_file.read_text())
+        if stored == {**stored, "images": images, "seed": seed, "quality": quality, "per_image": True}:
+            return [(folder / f"{i:07d}.jpg", label) for i, label in enumerate(stored["labels"])]
+    from multiprocessing import get_context
+
+    step = max(1, -(-images // (processes * 4)))
+    chunks = [(str(folder), a, min(a + step, images), seed, quality) for a in range(0, images, step)]
+    with get_context("spawn").Pool(processes) as pool:
+        labels = [label for chunk in pool.map(_make_range, chunks) for label in chunk]
+    labels_file.write_text(json.dumps({"images": images, "seed": seed, "quality": quality, "per_image": True,
+                                       "labels": labels}))
     return [(folder / f"{i:07d}.jpg", label) for i, label in enumerate(labels)]
