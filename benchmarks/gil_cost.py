@@ -27,7 +27,8 @@ over the same row's here):
 
 - one process: ``1 / GIL`` (its ceiling; threads cannot pass it);
 - a DataLoader worker: ``1 / max(GIL, consuming thread's CPU)`` without stage threads;
-- ``W`` workers: ``min(W x worker, cores / CPU per sample)``.
+- ``W`` workers: ``min(W x worker, cores / CPU per sample)``; the last column counts the server's CPU
+  too, for a server on the node (SeaweedFS on loopback, as in the node measurements).
 
     python benchmarks/gil_cost.py [--images 4000] [--repeats 2] [--scenarios A B-fused]
         [--cores 16] [--scale 1.0] [--against CHECKOUT] [--json FILE]
@@ -205,14 +206,17 @@ def gets_child(spec: dict) -> dict:
     buffer = np.empty(part, dtype=np.uint8)
     for key, start, end in parts[:2]:  # warm: the connection, the client
         client.get_range_into(BUCKET, key, start, end, buffer.data[: end - start])
+    from remote_loader.testing.processes import cpu_seconds
+
     spy = _Spy(spec["py_spy"], spec["rate"])
-    wall, cpu = time.perf_counter(), time.process_time()
+    wall, cpu, served = time.perf_counter(), time.process_time(), cpu_seconds(spec["server"])
     for key, start, end in parts:
         client.get_range_into(BUCKET, key, start, end, buffer.data[: end - start])
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    served = cpu_seconds(spec["server"]) - served
     gil = spy.stop(len(parts))
     return {"gets": len(parts), "rate": len(parts) / wall, "cpu_us": cpu / len(parts) * 1e6,
-            "gil_us": sum(gil.values()), "gil_parts": gil}
+            "server_us": served / len(parts) * 1e6, "gil_us": sum(gil.values()), "gil_parts": gil}
 
 
 # ---------------------------------------------------------------------------- the model
@@ -228,7 +232,9 @@ def project(row: dict, worker_row: dict | None, get: dict, per_sample_gets: floa
     worker_gil = (base["gil_us"] + extra_gil) * scale
     worker = 1e6 / max(worker_gil, base["thread_us"] * scale)
     cpu = (base["cpu_us"] + extra_cpu) * scale
-    out = {"gil_us": gil, "one_process": 1e6 / gil, "worker": worker, "cpu_limit": cores * 1e6 / cpu}
+    served = get.get("server_us", 0.0) * per_sample_gets * scale
+    out = {"gil_us": gil, "one_process": 1e6 / gil, "worker": worker, "cpu_limit": cores * 1e6 / cpu,
+           "cpu_limit_with_server": cores * 1e6 / (cpu + served)}
     for workers in (8, 16):
         out[f"workers_{workers}"] = min(workers * worker, out["cpu_limit"])
     return out
@@ -327,7 +333,7 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, list[dict]]]:
                 client.put(BUCKET, name, (root / BUCKET / name).read_bytes())
             client.close()
             spec = {**base, "endpoint": server.endpoint_url, "keys": [server.access_key, server.secret_key],
-                    "objects": names}
+                    "objects": names, "server": server.pid}
             for _ in range(args.repeats):
                 for label, checkout in checkouts.items():
                     run = _run("--gets-child", spec, checkout)
@@ -360,10 +366,11 @@ def report(results: dict[str, dict[str, list[dict]]], args: argparse.Namespace) 
                   f" {row['thread_us']:.1f} | {row['cores']:.2f} | {parts} |")
         print(f"\nS3 client, one ranged GET of {FetchConfig().part_size >> 20} MiB: GIL {get['gil_us']:.0f} us,"
               f" CPU {get['cpu_us']:.0f} us ({get['gil_us'] * per_sample_gets:.1f} and"
-              f" {get['cpu_us'] * per_sample_gets:.1f} us a sample)")
+              f" {get['cpu_us'] * per_sample_gets:.1f} us a sample); the server's CPU"
+              f" {get.get('server_us', 0.0) * per_sample_gets:.1f} us a sample")
         print(f"\nprojected for {args.cores} cores, each {args.scale:g}x slower than one here (samples/s):")
         print("| scenario | GIL us/sample | one process | one worker | 8 workers | 16 workers | CPU limit |"
-              "\n|---|---|---|---|---|---|---|")
+              " CPU limit, server on the node |\n|---|---|---|---|---|---|---|---|")
         projections = {}
         for scenario in args.scenarios:
             threaded = medians.get(f"{scenario}, threads={args.threads}")
@@ -373,7 +380,8 @@ def report(results: dict[str, dict[str, list[dict]]], args: argparse.Namespace) 
                         args.scale)
             projections[scenario] = p
             print(f"| {scenario} | {p['gil_us']:.1f} | {p['one_process']:,.0f} | {p['worker']:,.0f} |"
-                  f" {p['workers_8']:,.0f} | {p['workers_16']:,.0f} | {p['cpu_limit']:,.0f} |")
+                  f" {p['workers_8']:,.0f} | {p['workers_16']:,.0f} | {p['cpu_limit']:,.0f} |"
+                  f" {p['cpu_limit_with_server']:,.0f} |")
         calibration = statistics.median(r["calibration_us"] for r in medians.values())
         print(f"\nPython speed here: {calibration:,.0f} us for the calibration workload")
         out[label] = {"rows": medians, "get": get, "projections": projections, "calibration_us": calibration,
