@@ -57,6 +57,7 @@ SUITE = HERE / "suite"
 SHUFFLE = 1000
 BUCKET = "gil"
 _CALIBRATE_SECONDS = 0.5
+MEASURE_SECONDS = 4.0
 
 SCENARIOS = {
     "A": "bytes only: shuffle(1000), to_tuple, batched(64) counted in the process",
@@ -175,17 +176,21 @@ class _Spy:
 
 
 def child(spec: dict) -> dict:
-    """One epoch from memory: the first batches unmeasured, the rest under py-spy."""
+    """Epochs from memory under py-spy, for at least ``MEASURE_SECONDS`` (a short epoch gives
+    py-spy too few samples); the first batches of the first unmeasured."""
     import torch
 
     torch.set_num_threads(1)
-    stream = iter(_pipeline(spec))
+    pipeline = _pipeline(spec)
+    stream = iter(pipeline)
     scenario = spec["scenario"]
     count = (lambda batch: batch[0]) if scenario.startswith("A") else (lambda batch: len(batch[1]))
     warm = sum(count(next(stream)) for _ in range(3))
     spy = _Spy(spec["py_spy"], spec["rate"])
     wall, cpu, own = time.perf_counter(), time.process_time(), time.thread_time()
     samples = sum(count(batch) for batch in stream)
+    while time.perf_counter() - wall < MEASURE_SECONDS:
+        samples += sum(count(batch) for batch in pipeline)  # the next epoch
     wall, cpu, own = time.perf_counter() - wall, time.process_time() - cpu, time.thread_time() - own
     gil = spy.stop(samples)
     return {"samples": samples, "warm": warm, "rate": samples / wall, "cpu_us": cpu / samples * 1e6,
@@ -210,13 +215,16 @@ def gets_child(spec: dict) -> dict:
 
     spy = _Spy(spec["py_spy"], spec["rate"])
     wall, cpu, served = time.perf_counter(), time.process_time(), cpu_seconds(spec["server"])
-    for key, start, end in parts:
-        client.get_range_into(BUCKET, key, start, end, buffer.data[: end - start])
+    gets = 0
+    while not gets or time.perf_counter() - wall < MEASURE_SECONDS:
+        for key, start, end in parts:
+            client.get_range_into(BUCKET, key, start, end, buffer.data[: end - start])
+        gets += len(parts)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     served = cpu_seconds(spec["server"]) - served
-    gil = spy.stop(len(parts))
-    return {"gets": len(parts), "rate": len(parts) / wall, "cpu_us": cpu / len(parts) * 1e6,
-            "server_us": served / len(parts) * 1e6, "gil_us": sum(gil.values()), "gil_parts": gil}
+    gil = spy.stop(gets)
+    return {"gets": gets, "rate": gets / wall, "cpu_us": cpu / gets * 1e6, "server_us": served / gets * 1e6,
+            "gil_us": sum(gil.values()), "gil_parts": gil}
 
 
 # ---------------------------------------------------------------------------- the model
@@ -275,7 +283,7 @@ def main() -> None:
     parser.add_argument("--cores", type=int, default=16, help="cores of the node projected")
     parser.add_argument("--scale", type=float, default=1.0, help="how many times slower a core of the node is")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="stage threads in one process")
-    parser.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
+    parser.add_argument("--rate", type=int, default=500, help="py-spy samples per second")
     parser.add_argument("--against", help="another checkout, run alternating with this one")
     parser.add_argument("--json", help="write the rows and projections here")
     args = parser.parse_args()
