@@ -126,6 +126,20 @@ def test_resume_refuses_a_chain_it_cannot_count(uploaded):
         RemoteDataset(client, bucket, "few").shuffle(10).select(lambda s: True).state_dict(consumed=1)
 
 
+def test_the_shuffle_buffer_sits_at_the_source_whatever_its_place_among_per_sample_stages(uploaded):
+    client, bucket, _ = uploaded
+    base = RemoteDataset(client, bucket, "few", seed=4)
+    before = base.shuffle(20).map(lambda s: s["__key__"])
+    after = base.map(lambda s: s["__key__"]).shuffle(20)  # the same order: the map treats each sample alone
+    assert list(before) == list(after) and sorted(before) == sorted(base.map(lambda s: s["__key__"]))
+    with pytest.raises(ConfigError, match="put it before select and batched"):
+        base.select(lambda s: True).shuffle(20)
+    with pytest.raises(ConfigError, match="put it before select and batched"):
+        base.batched(4).shuffle(20)
+    with pytest.raises(ConfigError, match=r"shuffles already \(shuffle\(20\)\): give shuffle once"):
+        base.shuffle(20).decode("pil").shuffle(100)
+
+
 def test_prefetch_budget_is_never_exceeded(uploaded):
     client, bucket, _ = uploaded
     shard_bytes = max(e.size for e in DatasetReader(client, bucket, "few").manifest.shards)
