@@ -108,12 +108,6 @@ class PlanSpans:
         return _lap_spans(self.counts, self.kept)
 
 
-def plan_spans(counts: np.ndarray, order: np.ndarray, rows: Sequence[tuple[int, int]],
-               ends: np.ndarray | None = None) -> Iterator[Span]:
-    """The spans of ``PlanSpans``, once."""
-    return iter(PlanSpans(counts, order, rows, ends))
-
-
 _CHUNK = 4096
 
 
@@ -217,7 +211,7 @@ def iter_assign(
     if low == high:
         return iter(())
     order = shard_order(len(counts), seed, epoch, shuffle)
-    return plan_spans(counts, order, laps(int(counts.sum()), low, high))
+    return iter(PlanSpans(counts, order, laps(int(counts.sum()), low, high)))
 
 
 def worker_bounds(total: int, *, rank: int, world_size: int, worker: int, num_workers: int,
