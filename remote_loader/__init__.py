@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from remote_loader.mapstyle.samplers import LocalitySampler, UniformSampler
     from remote_loader.pipeline.augment import RandomResizedCrop
     from remote_loader.pipeline.dataset import RemoteDataset
-    from remote_loader.pipeline.loader import loader
+    from remote_loader.pipeline.loader import decode_batches, loader
 
 __version__ = "0.1.0"
 
@@ -46,6 +46,7 @@ _LAZY = {
     "RandomResizedCrop": "remote_loader.pipeline.augment",
     "RemoteDataset": "remote_loader.pipeline.dataset",
     "loader": "remote_loader.pipeline.loader",
+    "decode_batches": "remote_loader.pipeline.loader",
     "RemoteMapDataset": "remote_loader.mapstyle",
     "LocalitySampler": "remote_loader.mapstyle",
     "UniformSampler": "remote_loader.mapstyle",
@@ -99,6 +100,7 @@ __all__ = [
     "UniformSampler",
     "UploadSummary",
     "__version__",
+    "decode_batches",
     "loader",
     "make_client",
     "rank_cores",

@@ -50,6 +50,7 @@ EXPECTED = {
     "UploadError",
     "UploadSummary",
     "__version__",
+    "decode_batches",
     "loader",
     "make_client",
     "rank_cores",

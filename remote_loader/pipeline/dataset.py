@@ -13,6 +13,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 from remote_loader.config import FetchConfig, current_world, require_bool, require_int
 from remote_loader.errors import ConfigError, DatasetNotFound, ResumeError
 from remote_loader.pipeline import stages
+from remote_loader.pipeline.device import DeviceDecoder, check_device
+from remote_loader.pipeline.device import collate as device_collate
 from remote_loader.pipeline.order import Mixing
 from remote_loader.pipeline.resume import MAX_WORKERS, Checkpoints, Iteration, Layout
 from remote_loader.pipeline.run import Run
@@ -165,15 +167,23 @@ class RemoteDataset(IterableDataset):
         return clone
 
     def decode(self, mode: str | Callable[..., Any] = "pil", *, min_size: int | None = None,
-               threads: int = 0) -> RemoteDataset:
+               threads: int = 0, device: str = "cpu", batched: bool = False) -> RemoteDataset:
         """Decode images (``pil``, ``rgb8``, ``torchrgb``, ``raw`` or a callable) and labels.
 
         ``min_size``: JPEGs are decoded at a reduced scale (1/2, 1/4, 1/8) whose shorter side
         stays at least ``min_size`` pixels; much faster when the model input is small.
         ``threads``: decode on this many threads (order kept); libjpeg-turbo and Pillow
         release the GIL, so one process fills several cores.
+        ``device``: ``"cuda"`` (or ``"cuda:N"``) decodes a ``RandomResizedCrop``'s JPEGs on
+        the GPU, in whole batches, in the main process: each worker only draws each sample's
+        crop (the same crops as on the CPU), ``batched`` gathers them, and ``loader()`` hands
+        out batches decoded on the device (docs/gpu.md). ``"auto"``: the GPU where there is
+        one (and the ``gpu`` extra), else the CPU. ``batched=True`` with ``device="cpu"`` runs
+        the batched path on nvImageCodec's CPU backend.
         """
-        return self._with(stages.Decode(mode, min_size, threads))
+        require_bool("batched", batched)
+        place = check_device(device, batched)
+        return self._with(stages.Decode(mode, min_size, threads, device=place))
 
     def to_tuple(self, *fields: str) -> RemoteDataset:
         """Samples become tuples of these fields (``"jpg;png"``: the first present); one
@@ -199,9 +209,21 @@ class RemoteDataset(IterableDataset):
     def batched(
         self, batchsize: int, collation_fn: Callable[[list[Any]], Any] | None = None, partial: bool = True
     ) -> RemoteDataset:
-        """Group samples into batches, collated by ``collation_fn`` (default: torch's default_collate)."""
-        collate = collation_fn or torch.utils.data.default_collate
+        """Group samples into batches, collated by ``collation_fn`` (default: torch's
+        default_collate; after ``decode(device=...)``, it also gathers the images to decode)."""
+        deferred = any(s.on_device() for s in self.stages)
+        collate = collation_fn or (device_collate if deferred else torch.utils.data.default_collate)
         return self._with(stages.Batched(batchsize, collate, partial))
+
+    def batch_decoder(self) -> DeviceDecoder | None:
+        """What decodes this pipeline's batches on a device, in the main process, when it
+        has ``decode(..., device=...)``; None otherwise. ``loader()`` and
+        ``decode_batches()`` use it."""
+        found = next((s.on_device() for s in self.stages if s.on_device()), None)
+        if found is None:
+            return None
+        crop, device = found
+        return DeviceDecoder(crop, device, skip=self.on_error == "skip", metrics=Metrics(self._metrics[0].numpy()))
 
     # ------------------------------------------------------------------ epochs and sizes
 

@@ -1,7 +1,9 @@
-"""``loader``: the DataLoader a pipeline is fast in, sized from the cores this rank may use."""
+"""``loader``: the DataLoader a pipeline is fast in, sized from the cores this rank may use;
+and ``decode_batches``, for a pipeline that decodes on a GPU, with a DataLoader of your own."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -9,6 +11,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from remote_loader.config import rank_cores, require_bool, require_int
 from remote_loader.errors import ConfigError
+from remote_loader.pipeline.device import DeviceDecoder, decoded_with_states, device_batches
 
 
 def loader(dataset: IterableDataset, *, num_workers: int | None = None, stateful: bool = False,
@@ -18,9 +21,11 @@ def loader(dataset: IterableDataset, *, num_workers: int | None = None, stateful
     One Python process runs its Python on one core at a time, so cores are filled by
     DataLoader worker processes: one per core this rank may use (``rank_cores()``: its CPU
     affinity, the container's CPU quota, and its share of the node under torchrun's
-    ``LOCAL_WORLD_SIZE``). Items come as the pipeline makes them (``batch_size=None``:
-    batch with ``.batched``), workers persist across epochs, and batches land in pinned
-    memory when CUDA is available, so their copy to the GPU can overlap the step.
+    ``LOCAL_WORLD_SIZE``); at most 4 for a pipeline that decodes on the GPU, whose batches
+    are then decoded in this process as they come (docs/gpu.md). Items come as the
+    pipeline makes them (``batch_size=None``: batch with ``.batched``), workers persist
+    across epochs, and batches land in pinned memory when CUDA is available, so their copy
+    to the GPU can overlap the step.
 
     Args:
         dataset: A ``RemoteDataset`` pipeline (any iterable dataset works).
@@ -34,7 +39,11 @@ def loader(dataset: IterableDataset, *, num_workers: int | None = None, stateful
         >>> for images, labels in loader(ds):
         ...     train_step(images.cuda(non_blocking=True), labels)
     """
-    workers = rank_cores() if num_workers is None else require_int("num_workers", num_workers, 0)
+    decoder = _decoder(dataset)
+    if num_workers is not None:
+        workers = require_int("num_workers", num_workers, 0)
+    else:  # workers that only fetch bytes and draw crops need fewer cores than decoders
+        workers = min(rank_cores(), _FETCHING_WORKERS) if decoder is not None else rank_cores()
     require_bool("stateful", stateful)
     settings: dict[str, Any] = {"batch_size": None, "num_workers": workers,
                                 "pin_memory": torch.cuda.is_available()}
@@ -42,10 +51,65 @@ def loader(dataset: IterableDataset, *, num_workers: int | None = None, stateful
         settings.update(persistent_workers=True, prefetch_factor=2)
     settings.update(options)
     if not stateful:
-        return DataLoader(dataset, **settings)
-    try:
-        from torchdata.stateful_dataloader import StatefulDataLoader
-    except ImportError:
-        raise ConfigError("stateful=True needs torchdata's StatefulDataLoader: install the torchdata extra"
-                          " (pip install '.[torchdata]' in remote_loader's checkout)") from None
-    return StatefulDataLoader(dataset, **settings)
+        inner = DataLoader(dataset, **settings)
+    else:
+        try:
+            from torchdata.stateful_dataloader import StatefulDataLoader
+        except ImportError:
+            raise ConfigError("stateful=True needs torchdata's StatefulDataLoader: install the torchdata extra"
+                              " (pip install '.[torchdata]' in remote_loader's checkout)") from None
+        inner = StatefulDataLoader(dataset, **settings)
+    return inner if decoder is None else DeviceLoader(inner, decoder)
+
+
+_FETCHING_WORKERS = 4
+"""Workers ``loader()`` starts for a pipeline that decodes on a device (at most): theirs is
+fetching and drawing crops, a few cores' work for tens of thousands of images a second."""
+
+
+def _decoder(dataset: Any) -> DeviceDecoder | None:
+    batch_decoder = getattr(dataset, "batch_decoder", None)
+    return batch_decoder() if callable(batch_decoder) else None
+
+
+class DeviceLoader:
+    """A DataLoader whose batches are decoded on a device as they come (``device.py``):
+    iterate it as the DataLoader it wraps, whose other attributes (``num_workers``...) it
+    passes through. Its ``state_dict()`` is the wrapped loader's state as of the last batch
+    handed out (the decoding thread draws batches ahead of you)."""
+
+    def __init__(self, inner: Any, decoder: DeviceDecoder) -> None:
+        self.inner, self.decoder = inner, decoder
+        self._state: Any = None  # the wrapped loader's state after the last batch handed out
+
+    def __iter__(self) -> Iterator[Any]:
+        snapshot = getattr(self.inner, "state_dict", None)
+        for item, state in decoded_with_states(self.inner, self.decoder, snapshot):
+            self._state = state
+            yield item
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def state_dict(self) -> Any:
+        return self._state if self._state is not None else self.inner.state_dict()
+
+    def load_state_dict(self, state: Any) -> None:
+        self._state = None
+        self.inner.load_state_dict(state)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("inner", "decoder", "_state"):
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+def decode_batches(batches: Iterable[Any], dataset: Any) -> Iterator[Any]:
+    """The batches of a DataLoader of your own over ``dataset`` (a pipeline with
+    ``decode(..., device=...)``), decoded on the device as they come, on a thread and CUDA
+    stream of their own: each is ready when handed out. ``loader()`` does this by itself."""
+    decoder = _decoder(dataset)
+    if decoder is None:
+        raise ConfigError("decode_batches is for a pipeline with decode(..., device='cuda'): this one decodes on"
+                          " the CPU, in its workers, and its batches need nothing more")
+    return device_batches(batches, decoder)

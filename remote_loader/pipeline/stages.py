@@ -23,7 +23,9 @@ import numpy as np
 
 from remote_loader.config import require_int
 from remote_loader.errors import ConfigError, DecodeError
-from remote_loader.pipeline.decode import MODES, decode_sample
+from remote_loader.pipeline.augment import RandomResizedCrop
+from remote_loader.pipeline.decode import IMAGE_FIELDS, MODES, decode_sample
+from remote_loader.pipeline.device import prepare
 from remote_loader.pipeline.threads import apply, threaded_map
 
 
@@ -83,6 +85,11 @@ class Stage(ABC):
         """``(size, partial)`` for a stage that groups samples into batches, else None."""
         return None
 
+    def on_device(self) -> tuple[Any, Any] | None:
+        """``(crop, device)`` for a stage whose images are decoded later, in batches, on a
+        device (``device.py``), else None."""
+        return None
+
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not callable(v))
         return f"{type(self).__name__}({fields})"
@@ -110,28 +117,50 @@ class Map(Stage):
 
 class Decode(Stage):
     """Decode images by ``mode`` and labels. A seeded decoder (``RandomResizedCrop``) gets a
-    generator fixed by (seed, epoch, sample key) for every sample."""
+    generator fixed by (seed, epoch, sample key) for every sample. With ``device``, a
+    ``RandomResizedCrop``'s images are only prepared here (their crops drawn) and decoded
+    in batches on that device, in the main process (``device.py``)."""
 
     one_to_one = True
 
-    def __init__(self, mode: str | Callable[..., Any], min_size: int | None = None, threads: int = 0) -> None:
+    def __init__(self, mode: str | Callable[..., Any], min_size: int | None = None, threads: int = 0,
+                 device: Any = None) -> None:
         if not callable(mode) and mode not in MODES:
             raise ConfigError(f"decode mode must be one of {', '.join(MODES)} or a callable, got {mode!r}")
         if min_size is not None and (type(min_size) is not int or min_size < 1):
             raise ConfigError(f"min_size must be a positive integer, got {min_size!r}")
-        self.mode, self.min_size, self.threads = mode, min_size, _check_threads(threads)
+        if device is not None and not isinstance(mode, RandomResizedCrop):
+            raise ConfigError(f"decoding on a device ({device}) is for RandomResizedCrop(size); decode {mode!r}"
+                              " on the CPU")
+        self.mode, self.min_size, self.threads, self.device = mode, min_size, _check_threads(threads), device
         self.seeded = bool(getattr(mode, "seeded", False))
 
     def run(self, samples: Iterable[Any], context: Context) -> Iterator[Any]:
-        if self.seeded:
-            fn: Callable[[Any], Any] = partial(_decode_seeded, self.mode, self.min_size, context)
+        if self.device is not None:
+            assert isinstance(self.mode, RandomResizedCrop)  # checked when the stage was made
+            fn: Callable[[Any], Any] = partial(_prepare_seeded, self.mode, context)
+        elif self.seeded:
+            fn = partial(_decode_seeded, self.mode, self.min_size, context)
         else:
             fn = partial(decode_sample, mode=self.mode, min_size=self.min_size)
         return threaded_map(fn, samples, self.threads) if self.threads else apply(fn, samples)
 
+    def on_device(self) -> tuple[Any, Any] | None:
+        return (self.mode, self.device) if self.device is not None else None
+
 
 def _decode_seeded(mode: Any, min_size: int | None, context: Context, sample: dict[str, Any]) -> dict[str, Any]:
     return decode_sample(sample, mode, min_size, rng=sample_rng(context, sample.get("__key__", "")))
+
+
+def _prepare_seeded(crop: RandomResizedCrop, context: Context, sample: dict[str, Any]) -> dict[str, Any]:
+    """The sample with its images prepared for the device (``device.prepare``), labels decoded."""
+    key, shard = sample.get("__key__", ""), sample.get("__shard__", "")
+
+    def prepared(field: str, data: Any, rng: Any = None) -> Any:
+        return prepare(crop, data, rng, key, shard) if field.rsplit(".", 1)[-1] in IMAGE_FIELDS else data
+
+    return decode_sample(sample, prepared, None, rng=sample_rng(context, key))
 
 
 class ToTuple(Stage):
