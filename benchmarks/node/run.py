@@ -13,7 +13,11 @@ WebDataset's writer, then streams one shuffled epoch per row, each in a fresh pr
   + flip as a user ``map``), batches of 64;
 - remote_loader at a sweep: one process with a stage thread per core (``num_workers=0``),
   and 4, 8, 16 (up to the cores) workers, each without and with 2 stage threads;
-- WebDataset at 8 and 16 workers (A and B), set up as in the suite (``suite/systems.py``).
+- WebDataset at 8 and 16 workers (A and B), set up as in the suite (``suite/systems.py``);
+- on a GPU (B-gpu, batches of 256): remote_loader's ``decode(RandomResizedCrop(224),
+  device="cuda")`` through ``loader()`` (and at 8 workers); WebDataset with 8 workers and
+  torchvision's GPU ``decode_jpeg`` of each batch, then a crop, resize and flip per image,
+  as its users write it; and both decoders on 2,048 JPEGs held in memory (their ceilings).
 
 Per row: samples/s, time to the first batch, cores busy (CPU-seconds of the process and
 its workers per second), and the node's memory for the loader: the peak of the sum of PSS
@@ -79,6 +83,78 @@ def _ours(spec: dict) -> Any:
     return loader(ds) if spec["workers"] is None else loader(ds, num_workers=spec["workers"])
 
 
+GPU_BATCH = 256
+IN_MEMORY = 2048
+
+
+def _ours_on_gpu(spec: dict) -> Any:
+    from remote_loader import RandomResizedCrop, RemoteDataset, loader, make_client
+
+    client = make_client(spec["endpoint"], spec["access_key"], spec["secret_key"])
+    ds = (RemoteDataset(client, BUCKET, "ours", seed=0).shuffle(SHUFFLE)
+          .decode(RandomResizedCrop(224), device="cuda").to_tuple("jpg", "cls").batched(GPU_BATCH))
+    return loader(ds) if spec["workers"] is None else loader(ds, num_workers=spec["workers"])
+
+
+def torchvision_augment(datas: list[Any]) -> Any:
+    """What a WebDataset user writes for GPU decoding: torchvision's batched ``decode_jpeg`` on
+    the GPU, then its RandomResizedCrop box, an antialiased resize and a flip per image."""
+    import random
+
+    import torch
+    from torchvision.io import decode_jpeg
+    from torchvision.transforms.v2 import RandomResizedCrop
+    from torchvision.transforms.v2 import functional as tvf
+
+    images = decode_jpeg([torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in datas], device="cuda")
+    out = []
+    for image in images:
+        top, left, height, width = RandomResizedCrop.get_params(image, (0.08, 1.0), (3 / 4, 4 / 3))
+        crop = tvf.resized_crop(image, top, left, height, width, [224, 224], antialias=True)
+        out.append(tvf.horizontal_flip(crop) if random.random() < 0.5 else crop)
+    return torch.stack(out)
+
+
+def _webdataset_on_gpu(spec: dict) -> Any:
+    import systems
+    import webdataset as wds
+    from torch.utils.data import DataLoader
+
+    target = systems.Target(spec["endpoint"], BUCKET, spec["access_key"], spec["secret_key"])
+    os.environ.update(target.environ())
+    wds.gopen_schemes["s3"] = systems._s3_opener
+    listing = target.boto3().list_objects_v2(Bucket=BUCKET, Prefix="wds/")
+    urls = sorted(f"s3://{BUCKET}/{o['Key']}" for o in listing.get("Contents", []) if o["Key"].endswith(".tar"))
+    dataset = (wds.WebDataset(urls, shardshuffle=len(urls), seed=0, nodesplitter=wds.single_node_only,
+                              workersplitter=wds.split_by_worker, empty_check=False)
+               .shuffle(SHUFFLE).to_tuple("jpg", "cls").batched(GPU_BATCH, collation_fn=list))
+    batches = DataLoader(dataset, batch_size=None, num_workers=spec["workers"], pin_memory=True)
+    return ((torchvision_augment([d for d, _ in batch]), [int(c) for _, c in batch]) for batch in batches)
+
+
+def _in_memory(spec: dict) -> Any:
+    """Batches of ``GPU_BATCH`` of the first ``IN_MEMORY`` JPEGs, four times over, decoded
+    by one of the two decoders in this thread: the decoder's own ceiling."""
+    import numpy as np
+    import torch
+
+    from remote_loader import RandomResizedCrop
+    from remote_loader.pipeline.device import DeviceDecoder, EncodedBatch, prepare
+
+    datas = [p.read_bytes() for p in sorted(Path(spec["images"]).glob("*.jpg"))[:IN_MEMORY]]
+    crop, rng = RandomResizedCrop(224), np.random.default_rng(0)
+    decoder = DeviceDecoder(crop, torch.device(spec.get("device", "cuda")))
+    for _ in range(4):
+        for first in range(0, len(datas), GPU_BATCH):
+            chunk = datas[first : first + GPU_BATCH]
+            if spec["decoder"] == "torchvision":
+                images = torchvision_augment(chunk)
+            else:
+                batch = EncodedBatch([prepare(crop, d, rng, str(i), "memory") for i, d in enumerate(chunk)])
+                images, _ = decoder.decode(batch)
+            yield images, [0] * len(chunk)
+
+
 def _augment_pair(pair: tuple[Any, Any]) -> tuple[Any, int]:
     from augment import plain_augment
 
@@ -103,14 +179,19 @@ def epoch(spec: dict) -> dict[str, Any]:
     systems.prepare("remote_loader" if spec["system"] == "ours" else "webdataset")
     before = resource.getrusage(resource.RUSAGE_SELF)
     started = time.perf_counter()
-    stream = _ours(spec) if spec["system"] == "ours" else _webdataset(spec)
-    workers = getattr(stream, "num_workers", 0)
+    if spec["scenario"] == "B-gpu":
+        stream = {"ours": _ours_on_gpu, "webdataset": _webdataset_on_gpu, "memory": _in_memory}[spec["system"]](spec)
+    else:
+        stream = _ours(spec) if spec["system"] == "ours" else _webdataset(spec)
+    workers = getattr(stream, "num_workers", spec.get("workers") or 0)
     samples, first = 0, 0.0
     for batch in stream:
         samples += batch[0] if spec["scenario"] == "A" else len(batch[1])
         if not first:
             first = time.perf_counter() - started
         del batch
+    if spec["scenario"] == "B-gpu":
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - started
     del stream  # persistent workers end here, and are counted below
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -169,14 +250,20 @@ def measure(spec: dict, timeout: float) -> dict[str, Any]:
     return {**json.loads(out.strip().splitlines()[-1]), "peak_pss_mb": peak / 1e6}
 
 
-def rows(cores: int) -> list[dict[str, Any]]:
-    """The rows, most important first."""
+def rows(cores: int, gpu: bool) -> list[dict[str, Any]]:
+    """The rows, most important first (the GPU's after the defaults and the peers)."""
     sweep = sorted({w for w in (4, 8, 16) if w <= cores} | {cores})
     out: list[dict[str, Any]] = []
     for scenario in ("A", "B-fused"):
         out.append({"system": "ours", "scenario": scenario, "workers": None, "threads": 0, "default": True})
     out += [{"system": "webdataset", "scenario": "A", "workers": min(8, cores)},
             {"system": "webdataset", "scenario": "B", "workers": min(16, cores)}]
+    if gpu:
+        out += [{"system": "ours", "scenario": "B-gpu", "workers": None, "threads": 0, "default": True},
+                {"system": "webdataset", "scenario": "B-gpu", "workers": min(8, cores)},
+                {"system": "memory", "scenario": "B-gpu", "workers": 0, "decoder": "ours"},
+                {"system": "memory", "scenario": "B-gpu", "workers": 0, "decoder": "torchvision"},
+                {"system": "ours", "scenario": "B-gpu", "workers": min(8, cores), "threads": 0}]
     for scenario in ("A", "B-fused"):
         out.append({"system": "ours", "scenario": scenario, "workers": 0, "threads": cores})
         for workers in sweep:
@@ -188,7 +275,8 @@ def rows(cores: int) -> list[dict[str, Any]]:
     seen: set[tuple[Any, ...]] = set()
     unique = []
     for row in out:  # on fewer cores some set-ups are the same
-        key = (row["system"], row["scenario"], row["workers"], row.get("threads", 0), row.get("default", False))
+        key = (row["system"], row["scenario"], row["workers"], row.get("threads", 0), row.get("default", False),
+               row.get("decoder"))
         if key not in seen:
             seen.add(key)
             unique.append(row)
@@ -196,6 +284,8 @@ def rows(cores: int) -> list[dict[str, Any]]:
 
 
 def name(row: dict[str, Any]) -> str:
+    if row["system"] == "memory":
+        return f"{row['decoder']} B-gpu, {IN_MEMORY} JPEGs in memory"
     workers = "default (loader)" if row.get("default") else f"workers={row['workers']}"
     threads = f", threads={row['threads']}" if row["system"] == "ours" and row.get("threads") else ""
     return f"{row['system']} {row['scenario']} {workers}{threads}"
@@ -263,7 +353,7 @@ def summary(results: dict[str, Any]) -> list[str]:
             continue
         lines.append(f"| {row['name']} | {row['rate']:,.0f} | {row['cores']:.1f} | {row['first_batch_seconds']:.2f} |"
                      f" {row['peak_pss_mb']:,.0f} |")
-    for scenario in ("A", "B-fused", "B"):
+    for scenario in ("A", "B-fused", "B", "B-gpu"):
         ours = [r for r in results["rows"] if r.get("system") == "ours" and r["scenario"] == scenario and "rate" in r]
         default = [r["rate"] for r in ours if r.get("default")]
         if default and len(ours) > 1:
@@ -305,13 +395,15 @@ def run(args: argparse.Namespace) -> None:
             for warm in ({"system": "ours", "scenario": "A", "workers": 0, "threads": 0},
                          {"system": "webdataset", "scenario": "A", "workers": 0}):
                 measure({**shared, **warm}, timeout=args.budget)  # every object read once: no row reads cold
-            for row in rows(cores):
+            gpu = bool(results["environment"]["cuda"])
+            for row in rows(cores, gpu):
                 left = args.budget - (time.monotonic() - started) - (60 if args.gil_images else 0)
                 if left < 20:
                     results.setdefault("skipped", []).append(name(row))
                     continue
                 try:
-                    result = {"name": name(row), **row, **measure({**shared, **row}, timeout=left)}
+                    spec = {**shared, **row, "images": str(folder)}
+                    result = {"name": name(row), **row, **measure(spec, timeout=left)}
                 except RuntimeError as error:
                     result = {"name": name(row), **row, "error": str(error)}
                 results["rows"].append(result)
