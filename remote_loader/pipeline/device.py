@@ -83,8 +83,10 @@ class EncodedBatch:
         self.positions = [i for i, _ in jpegs]
         lengths = [len(item.data) for _, item in jpegs]
         self.offsets = np.concatenate(([0], np.cumsum(lengths, dtype=np.int64))).tolist()
-        self.data = torch.frombuffer(bytearray(b"".join(item.data for _, item in jpegs)), dtype=torch.uint8) \
-            if jpegs else torch.empty(0, dtype=torch.uint8)
+        self.data = torch.empty(self.offsets[-1], dtype=torch.uint8)
+        data = self.data.numpy()
+        for k, (_, item) in enumerate(jpegs):  # one copy of each JPEG, into the tensor DataLoader shares
+            data[self.offsets[k] : self.offsets[k + 1]] = np.frombuffer(item.data, dtype=np.uint8)
         self.boxes = [item.box for _, item in jpegs]
         self.flips = [item.flip for _, item in jpegs]
         self.names = [(item.key, item.shard) for _, item in jpegs]

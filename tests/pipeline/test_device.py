@@ -113,6 +113,18 @@ def test_a_resumed_epoch_gives_the_same_crops(client):
     assert all(torch.equal(a[0], b[0]) and a[2] == b[2] for a, b in zip(first + rest, whole, strict=True))
 
 
+def test_the_rest_of_an_epoch_resumed_on_other_workers_has_the_same_crops(client):
+    pytest.importorskip("torchdata")
+    whole = by_key(loader(pipeline(client, device="cpu", batched=True), num_workers=1))
+    stopped = loader(pipeline(client, device="cpu", batched=True), num_workers=1, stateful=True)
+    first = by_key(itertools.islice(iter(stopped), 2))
+    resumed = pipeline(client, device="cpu", batched=True)
+    resumed.load_state_dict(stopped.state_dict())  # every worker's state: the rest, divided anew
+    rest = by_key(loader(resumed, num_workers=2))
+    assert not first.keys() & rest.keys() and first.keys() | rest.keys() == whole.keys()
+    assert all(torch.equal(image, whole[key][0]) for key, (image, _) in {**first, **rest}.items())
+
+
 def test_a_dataloader_of_your_own_is_decoded_by_decode_batches(client):
     from torch.utils.data import DataLoader
 
