@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+import torch
 from torch.utils.data import DataLoader
 
 from remote_loader import ConfigError, RemoteDataset
@@ -229,3 +230,14 @@ def test_spawned_persistent_workers_take_the_next_epoch_too(dataset):
     orders = [[key for (key,) in loader] for _ in range(2)]
     assert all(Counter(o) == ALL for o in orders) and orders[0] != orders[1]
     assert [sorted(o) for o in orders] == [sorted(e) for e in _explicit(dataset, range(2))]
+
+
+def test_a_dataloader_made_anew_each_epoch_with_a_seeded_generator_takes_the_next_epoch(dataset):
+    # Its workers draw the same base seed each time and count their passes from 0: only the
+    # numbers of their processes tell one DataLoader's pass from the next.
+    ds = _fresh(dataset)
+    orders = [list(DataLoader(ds, batch_size=None, num_workers=2, generator=torch.Generator().manual_seed(7)))
+              for _ in range(3)]
+    assert ds.epoch == 3
+    assert [sorted(o) for o in orders] == [sorted(e) for e in _explicit(dataset, range(3))]
+    assert len({tuple(o) for o in orders}) == 3

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import multiprocessing
 import os
+import re
 import tempfile
 import uuid
 import weakref
@@ -46,9 +48,21 @@ class Slot(IntEnum):
     AUTO = 3  # 1 while set_epoch was never called: each iteration takes the next epoch
     NEXT = 4  # that next epoch
     PASS_SEED = 5  # the pass of DataLoader workers that took an epoch last: its loader's base seed,
-    PASS_COUNT = 6  # the iterations its workers had begun,
-    PASS_EPOCH = 7  # and the epoch it took
-    APPLIED = 8  # per worker from here: the generation of the last state it applied
+    PASS_PROCESS = 6  # the number its parent gave its first worker process,
+    PASS_COUNT = 7  # the iterations its workers had begun,
+    PASS_EPOCH = 8  # and the epoch it took
+    APPLIED = 9  # per worker from here: the generation of the last state it applied
+
+
+_PASS = (Slot.PASS_SEED, Slot.PASS_PROCESS, Slot.PASS_COUNT)
+
+
+def _first_process(worker_info: Any) -> int:
+    """The number the parent gave the first worker process of this one's DataLoader pass:
+    multiprocessing numbers the processes a parent makes in turn (``ForkProcess-7``), and a
+    DataLoader makes its workers one after the other, in id order. -1 if the name says not."""
+    match = re.search(r"-(\d+)$", multiprocessing.current_process().name)
+    return int(match.group(1)) - int(worker_info.id) if match else -1
 
 
 def _remove(path: str, owner: int) -> None:
@@ -132,15 +146,19 @@ class Checkpoints:
         if not self.auto:
             return int(self.shared[Slot.EPOCH])
         # Each iteration in the main process is a pass of its own; DataLoader workers of one
-        # pass share the loader's base seed, and persistent ones their count of iterations.
-        key = (-2, count) if worker_info is None else ((int(worker_info.seed) - int(worker_info.id)) % 2**62, count)
+        # pass share the loader's base seed, the number their parent gave their first process
+        # (a DataLoader made anew with the same seeded generator draws the same base seed),
+        # and persistent ones their count of iterations.
+        key = (-2, -2, count) if worker_info is None else (
+            (int(worker_info.seed) - int(worker_info.id)) % 2**62, _first_process(worker_info), count)
         with self.lock.held():
-            if worker_info is not None and (int(self.shared[Slot.PASS_SEED]), int(self.shared[Slot.PASS_COUNT])) == key:
+            if worker_info is not None and tuple(int(self.shared[s]) for s in _PASS) == key:
                 return int(self.shared[Slot.PASS_EPOCH])
             position, epoch = self.position, int(self.shared[Slot.NEXT])
             if position is not None:  # this worker's own state: its epoch, or the next if it had finished it
                 epoch = int(position.header["epoch"]) + (0 if position.unfinished else 1)
-            self.shared[Slot.PASS_SEED], self.shared[Slot.PASS_COUNT] = key
+            for slot, value in zip(_PASS, key, strict=True):
+                self.shared[slot] = value
             self.shared[Slot.PASS_EPOCH], self.shared[Slot.NEXT] = epoch, epoch + 1
             return epoch
 
