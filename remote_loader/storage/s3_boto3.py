@@ -60,6 +60,11 @@ def _error_code(body: bytes) -> str:
     return ""
 
 
+def _on_aws(url: str | None) -> bool:
+    """Whether an endpoint is AWS S3's own (virtual-hosted addressing, not a server's paths)."""
+    return bool(url) and (urlsplit(url or "").hostname or "").endswith(".amazonaws.com")
+
+
 _SESSION: boto3.session.Session | None = None
 
 
@@ -110,9 +115,9 @@ class Boto3Store(RangedStore):
         meta = client.meta
         if meta.service_model.service_name != "s3":
             raise ConfigError(f"a boto3 client for {meta.service_model.service_name!r} is not an S3 client")
-        endpoint = meta.endpoint_url
-        on_aws = (urlsplit(endpoint).hostname or "").endswith(".amazonaws.com")
-        config = StorageConfig(endpoint_url=None if on_aws else endpoint, region=meta.region_name or "us-east-1",
+        # The client's own endpoint, AWS's included: a copy in a worker process goes where the
+        # client goes, never where that process's AWS_ENDPOINT_URL points.
+        config = StorageConfig(endpoint_url=meta.endpoint_url, region=meta.region_name or "us-east-1",
                                connect_timeout=meta.config.connect_timeout, read_timeout=meta.config.read_timeout,
                                max_connections=meta.config.max_pool_connections)
         store = cls(config)
@@ -121,7 +126,8 @@ class Boto3Store(RangedStore):
 
     @property
     def endpoint(self) -> str:
-        return self.config.endpoint_url or "AWS S3"
+        url = self.config.endpoint_url
+        return f"AWS S3 ({url})" if _on_aws(url) else url or "AWS S3"
 
     def __repr__(self) -> str:
         return f"Boto3Store(endpoint_url={self.config.endpoint_url!r}, region={self.config.region!r})"
@@ -147,7 +153,8 @@ class Boto3Store(RangedStore):
                 # where botocore otherwise SHA-256es every byte sent: up to a quarter of an
                 # uploading process's CPU. Every byte is checked against its crc32 when read, https carries its
                 # own integrity, and the minio backend sends parts on presigned URLs alike.
-                s3={"addressing_style": "path" if c.endpoint_url else "auto", "payload_signing_enabled": False},
+                s3={"addressing_style": "path" if c.endpoint_url and not _on_aws(c.endpoint_url) else "auto",
+                    "payload_signing_enabled": False},
                 # S3-compatible servers differ in their support of flexible checksums;
                 # our own crc32s guard the data.
                 request_checksum_calculation="when_required",
@@ -160,7 +167,7 @@ class Boto3Store(RangedStore):
     @contextmanager
     def _errors(self, operation: str, bucket: str | None = None, key: str | None = None) -> Iterator[None]:
         """Translate every boto3 and connection exception raised inside into our types."""
-        endpoint = self.config.endpoint_url or "AWS S3"
+        endpoint = self.endpoint
         try:
             yield
         except bce.ClientError as exc:

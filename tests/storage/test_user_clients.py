@@ -4,6 +4,7 @@ its environment's credentials, or says clearly why it cannot."""
 
 from __future__ import annotations
 
+import pickle
 from collections import Counter
 
 import boto3
@@ -94,6 +95,14 @@ def test_what_is_not_an_s3_client_is_refused_by_name():
         RemoteDataset({"endpoint": "x"}, "bkt", "d")  # type: ignore[arg-type]
 
 
-def test_a_boto3_client_on_aws_keeps_aws_addressing_in_workers():
+def test_a_boto3_client_on_aws_keeps_its_endpoint_and_addressing_in_workers(seaweed, monkeypatch):
+    # A worker's environment may name another endpoint (a local server with a bucket of the
+    # same name): the store's copy there must still go where the user's client goes.
     store = as_store(boto3.client("s3", region_name="eu-west-1"), "bkt")
-    assert isinstance(store, Boto3Store) and store.config.endpoint_url is None and store.config.region == "eu-west-1"
+    assert isinstance(store, Boto3Store) and store.config.region == "eu-west-1"
+    assert store.endpoint == "AWS S3 (https://s3.eu-west-1.amazonaws.com)"
+    for name, value in seaweed.env().items():
+        monkeypatch.setenv(name, value)  # AWS_ENDPOINT_URL and keys of the local server
+    copy = pickle.loads(pickle.dumps(store))  # as a spawned worker gets it
+    assert copy._sdk().meta.endpoint_url == "https://s3.eu-west-1.amazonaws.com" != seaweed.endpoint_url
+    assert copy._sdk().meta.config.s3["addressing_style"] == "auto"  # virtual-hosted, as AWS wants
