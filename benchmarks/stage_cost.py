@@ -32,7 +32,7 @@ from torch.nn import functional
 from torch.utils.data import default_collate
 
 from remote_loader import RandomResizedCrop, RemoteDataset, upload_cv_dataset
-from remote_loader.format.checksum import crc32
+from remote_loader.checksum import crc32
 from remote_loader.testing.processes import cpu_seconds
 from remote_loader.testing.server import EmbeddedS3
 from remote_loader.testing.synthetic import SyntheticImages

@@ -5,7 +5,9 @@ may meet a fault: a connection reset before the answer or in the middle of the b
 500, a 503 SlowDown, a delay, a truncated body (short read), flipped bytes in the body, or a
 body that stops half-way for ``delay`` seconds (or until the proxy closes) before a reset,
 or a server that ignores ``Range`` and answers with the whole object (``ignore_range``: the
-header is dropped on the way, so only an upstream that checks no signature, moto, answers).
+header is dropped on the way, so only an upstream that checks no signature, moto, answers),
+or a request body with a byte flipped on the way to the server (``flip_body``: a PUT or a
+part damaged in transit; bodies go unsigned, so the signature still holds).
 Whether a request meets a fault, and which, depends only on the seed, the request
 (method, path, query, range) and how many times that same request was seen before, so a
 run is reproducible whatever the threads' timing.
@@ -25,7 +27,7 @@ from urllib.parse import urlsplit
 
 FAULTS = ("reset_before", "reset_mid_body", "error_500", "slow_down_503", "delay", "truncate", "flip", "stall_mid_body")
 """The faults a reader heals by retrying or fetching again."""
-ALL_FAULTS = (*FAULTS, "ignore_range")
+ALL_FAULTS = (*FAULTS, "ignore_range", "flip_body")
 _SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
               b"<Message>Reduce your request rate.</Message></Error>")
 _INTERNAL = (
@@ -147,6 +149,10 @@ class FaultProxy:
             return
         if fault == "delay":
             time.sleep(self.delay)  # the injected fault itself: a slow answer
+        if fault == "flip_body" and body:
+            corrupt = bytearray(body)
+            corrupt[len(corrupt) // 2] ^= 0xFF
+            body = bytes(corrupt)
         upstream = http.client.HTTPConnection(*self.upstream, timeout=60)
         try:
             dropped = {"connection", "range"} if fault == "ignore_range" else {"connection"}

@@ -20,6 +20,7 @@ from remote_loader import (
     DatasetReader,
     FetchConfig,
     RemoteDataset,
+    RemoteLoaderError,
     RemoteMapDataset,
     RetryConfig,
     StorageConfig,
@@ -100,6 +101,49 @@ def test_an_upload_through_faults_on_every_request_stores_every_sample_once(seaw
     stored = Counter((s["__key__"], bytes(s["jpg"]), bytes(s["cls"])) for s in DatasetReader(client, bucket, "up"))
     assert stored == Counter((f"{i:06d}", ds[i][0], str(ds[i][1]).encode()) for i in range(60))
     assert [info.key for info in client.list(bucket, "up/") if "/_upload/" in info.key] == []
+    client.close()
+
+
+@pytest.mark.parametrize("backend", ["boto3", "minio"])
+def test_a_body_damaged_on_the_way_to_the_store_is_refused_and_sent_again(seaweed, backend):
+    """A byte flipped in a PUT's or a part's body on the way: every body carries its crc32
+    (x-amz-checksum-crc32), SeaweedFS refuses a body that does not match (BadDigest), and
+    the body is sent again; the dataset stored is the one uploaded, byte for byte."""
+    client, bucket = seaweed.client(), f"upload-flip-{backend}"
+    client.create_bucket(bucket)
+    ds = SyntheticImages(40, size=(64, 48))
+    proxy = FaultProxy(seaweed.endpoint_url, {"flip_body": 0.3}, seed=4, methods=("PUT",))
+    try:
+        faulty = make_client(proxy.endpoint_url, seaweed.access_key, seaweed.secret_key, backend=backend)
+        summary = upload_cv_dataset(ds, client=faulty, bucket=bucket, base_folder="up", maxcount=10,
+                                    maxsize=12_000, workers=0, progress=False)  # shards in several parts
+        faulty.close()
+    finally:
+        proxy.close()
+    assert summary.samples == 40 and proxy.injected["flip_body"] > 0
+    reader = DatasetReader(client, bucket, "up")
+    assert all(reader.check_shard(entry).ok for entry in reader.manifest.shards)
+    stored = Counter((s["__key__"], bytes(s["jpg"])) for s in reader)
+    assert stored == Counter((f"{i:06d}", ds[i][0]) for i in range(40))
+    client.close()
+
+
+def test_an_upload_whose_every_body_is_damaged_fails_and_leaves_no_dataset(seaweed):
+    client, bucket = seaweed.client(), "upload-flip-always"
+    client.create_bucket(bucket)
+    proxy = FaultProxy(seaweed.endpoint_url, {"flip_body": 1.0}, seed=1, methods=("PUT",))
+    try:
+        config = StorageConfig(endpoint_url=proxy.endpoint_url, access_key=seaweed.access_key,
+                               secret_key=seaweed.secret_key)
+        faulty = make_client(config=config)
+        with pytest.raises(RemoteLoaderError, match="BadDigest"):
+            upload_cv_dataset(SyntheticImages(10, size=(32, 24)), client=faulty, bucket=bucket, base_folder="up",
+                              maxcount=5, workers=0, progress=False,
+                              retry=RetryConfig(backoff=0.0, max_backoff=0.0, outage_deadline=1.0))
+        faulty.close()
+    finally:
+        proxy.close()
+    assert not client.exists(bucket, "up/manifest.msgpack")
     client.close()
 
 

@@ -27,8 +27,8 @@ from remote_loader import (
     TruncatedShard,
     upload_cv_dataset,
 )
+from remote_loader.checksum import crc32
 from remote_loader.format import MANIFEST_NAME, Manifest, ShardIndex
-from remote_loader.format.checksum import crc32
 from remote_loader.read import whole
 from remote_loader.storage import Location
 from remote_loader.testing.synthetic import SyntheticImages

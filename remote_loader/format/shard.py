@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from remote_loader.checksum import crc32
 from remote_loader.errors import CorruptSampleError, CorruptShard, FormatError
-from remote_loader.format.checksum import crc32
 from remote_loader.format.index import BLOCK, INDEX_MEMBER, ShardIndex, check_field_name
 
 _KEY = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_-]{0,89}$")

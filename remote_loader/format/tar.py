@@ -8,8 +8,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from remote_loader.checksum import crc32
 from remote_loader.errors import CorruptShard
-from remote_loader.format.checksum import crc32
 from remote_loader.format.index import BLOCK, INDEX_MEMBER, KEY_RULE, ShardIndex, bad_key, check_field_name
 
 _PART = 8 * 1024 * 1024

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from remote_loader.checksum import crc32
 from remote_loader.config import FetchConfig
 from remote_loader.errors import (
     CorruptSampleError,
@@ -29,7 +30,6 @@ from remote_loader.errors import (
     TruncatedShard,
 )
 from remote_loader.format import MANIFEST_NAME, UPLOAD_STATE, Manifest, Sample, ShardEntry, ShardIndex, ShardView
-from remote_loader.format.checksum import crc32
 from remote_loader.format.manifest import datasets_inside
 from remote_loader.format.tar import scan_tar
 from remote_loader.read.heap import release_free_memory

@@ -18,9 +18,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from remote_loader.checksum import crc32
 from remote_loader.errors import CorruptShard, InvalidRange, ObjectNotFound, TruncatedShard
 from remote_loader.format import Sample, ShardEntry, ShardIndex, ShardView
-from remote_loader.format.checksum import crc32
 from remote_loader.format.tar import scan_tar
 from remote_loader.read.fetch import Fetched, fetch_range
 from remote_loader.read.reader import DatasetReader

@@ -6,6 +6,7 @@ boundary; callers catch types, never match messages.
 
 from __future__ import annotations
 
+import base64
 import os
 import re
 import threading
@@ -14,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from remote_loader.checksum import crc32
 from remote_loader.errors import (
     AccessDenied,
     BucketNotFound,
@@ -329,6 +331,8 @@ class RangedStore(Store):
 _ACCESS_CODES = {"AccessDenied", "SignatureDoesNotMatch", "InvalidAccessKeyId", "InvalidToken", "ExpiredToken",
                  "AllAccessDisabled"}
 _TRANSIENT_CODES = {
+    "BadDigest",  # the body's checksum (x-amz-checksum-crc32) did not match: damaged on the way, sent again
+    "XAmzContentChecksumMismatch",
     "SlowDown",
     "InternalError",
     "ServiceUnavailable",
@@ -337,6 +341,12 @@ _TRANSIENT_CODES = {
     "ThrottlingException",
     "RequestTimeTooSkewed",
 }
+
+
+def crc32_header(data: bytes | bytearray | memoryview) -> str:
+    """A body's ``x-amz-checksum-crc32``: its crc32, big-endian, base64. Servers that check
+    it (AWS S3, MinIO, SeaweedFS) refuse a body damaged on the way (``BadDigest``)."""
+    return base64.b64encode(crc32(data).to_bytes(4, "big")).decode()
 
 
 def error_for(

@@ -28,6 +28,7 @@ from remote_loader.storage.base import (
     RangedStore,
     check_answer,
     check_range,
+    crc32_header,
     error_for,
 )
 from remote_loader.storage.receive import BODY_ERRORS, receive_into
@@ -291,7 +292,8 @@ class Boto3Store(RangedStore):
         if if_match is not None:
             conditions["IfMatch"] = if_match
         with self._errors("PUT", bucket, key):
-            self._sdk().put_object(Bucket=bucket, Key=key, Body=bytes(data), **conditions)
+            self._sdk().put_object(Bucket=bucket, Key=key, Body=bytes(data), ChecksumCRC32=crc32_header(data),
+                                   **conditions)
 
     def open_writer(self, bucket: str, key: str, *, part_size: int = DEFAULT_PART_SIZE) -> ObjectWriter:
         return _Boto3Writer(self, bucket, key, part_size)
@@ -347,14 +349,17 @@ class _Boto3Writer(ObjectWriter):
 
     def _start(self) -> None:
         with self._store._errors("create multipart upload", self.bucket, self.key):
-            self._upload_id = self._store._sdk().create_multipart_upload(Bucket=self.bucket, Key=self.key)["UploadId"]
+            self._upload_id = self._store._sdk().create_multipart_upload(
+                Bucket=self.bucket, Key=self.key, ChecksumAlgorithm="CRC32")["UploadId"]
 
     def _upload_part(self, number: int, part: bytes) -> None:
+        checksum = crc32_header(part)
         with self._store._errors("upload part", self.bucket, self.key):
             response = self._store._sdk().upload_part(
-                Bucket=self.bucket, Key=self.key, UploadId=self._upload_id, PartNumber=number, Body=part
+                Bucket=self.bucket, Key=self.key, UploadId=self._upload_id, PartNumber=number, Body=part,
+                ChecksumCRC32=checksum,
             )
-        self._etags.append({"ETag": response["ETag"], "PartNumber": number})
+        self._etags.append({"ETag": response["ETag"], "PartNumber": number, "ChecksumCRC32": checksum})
 
     def _complete(self) -> None:
         with self._store._errors("complete multipart upload", self.bucket, self.key):

@@ -11,7 +11,6 @@ their XML is read here.
 
 from __future__ import annotations
 
-import io
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
@@ -43,6 +42,7 @@ from remote_loader.storage.base import (
     RangedStore,
     check_answer,
     check_range,
+    crc32_header,
     error_for,
 )
 from remote_loader.storage.receive import BODY_ERRORS, receive_into
@@ -55,6 +55,12 @@ def _xml(data: bytes, *names: str) -> list[str]:
     """The text of every element named one of ``names`` (namespaces ignored), in order."""
     root = ElementTree.fromstring(data)
     return [(e.text or "") for e in root.iter() if e.tag.rsplit("}", 1)[-1] in names]
+
+
+def _checksum(body: bytes | bytearray | memoryview) -> dict[str, str]:
+    """A body's ``x-amz-checksum-crc32`` as a query parameter of a presigned URL, where the
+    signature covers it (an unsigned header is refused): a body damaged on the way is refused."""
+    return {"x-amz-checksum-crc32": crc32_header(body)}
 
 
 class MinioStore(RangedStore):
@@ -263,12 +269,8 @@ class MinioStore(RangedStore):
         headers = {"If-None-Match": "*"} if if_none_match else {}
         if if_match is not None:
             headers["If-Match"] = if_match
-        with self._errors("PUT", bucket, key):
-            if headers:  # the one thing put_object cannot send
-                self._signed("PUT", bucket, key, body=bytes(data), headers=headers)
-            else:
-                payload = bytes(data)
-                self._sdk().put_object(bucket, key, io.BytesIO(payload), len(payload))
+        with self._errors("PUT", bucket, key):  # put_object sends no checksum: a presigned PUT, which signs it
+            self._signed("PUT", bucket, key, body=bytes(data), headers=headers, query=_checksum(data))
 
     def open_writer(self, bucket: str, key: str, *, part_size: int = DEFAULT_PART_SIZE) -> ObjectWriter:
         return _MinioWriter(self, bucket, key, part_size)
@@ -336,7 +338,8 @@ class _MinioWriter(ObjectWriter):
     def _upload_part(self, number: int, part: bytes) -> None:
         with self._store._errors("upload part", self.bucket, self.key):
             sent = self._store._signed(
-                "PUT", self.bucket, self.key, body=part, query={"partNumber": str(number), "uploadId": self._upload_id}
+                "PUT", self.bucket, self.key, body=part,
+                query={"partNumber": str(number), "uploadId": self._upload_id, **_checksum(part)},
             )
         self._etags.append((number, sent.headers.get("ETag", "")))
 

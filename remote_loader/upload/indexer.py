@@ -12,10 +12,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
+from remote_loader.checksum import crc32
 from remote_loader.config import RetryConfig
 from remote_loader.errors import PreconditionFailed, UploadConflict, UploadError
 from remote_loader.format import MANIFEST_NAME, Manifest, ShardEntry, ShardTable
-from remote_loader.format.checksum import crc32
 from remote_loader.format.manifest import datasets_inside
 from remote_loader.format.names import valid_shard_name
 from remote_loader.format.tar import scan_tar
