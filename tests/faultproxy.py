@@ -7,7 +7,8 @@ body that stops half-way for ``delay`` seconds (or until the proxy closes) befor
 or a server that ignores ``Range`` and answers with the whole object (``ignore_range``: the
 header is dropped on the way, so only an upstream that checks no signature, moto, answers),
 or a request body with a byte flipped on the way to the server (``flip_body``: a PUT or a
-part damaged in transit; bodies go unsigned, so the signature still holds).
+part damaged in transit; bodies go unsigned, so the signature still holds), or a range
+answered 416 though it lies inside the object (``refuse_range``: a store that answers wrongly).
 Whether a request meets a fault, and which, depends only on the seed, the request
 (method, path, query, range) and how many times that same request was seen before, so a
 run is reproducible whatever the threads' timing.
@@ -27,9 +28,11 @@ from urllib.parse import urlsplit
 
 FAULTS = ("reset_before", "reset_mid_body", "error_500", "slow_down_503", "delay", "truncate", "flip", "stall_mid_body")
 """The faults a reader heals by retrying or fetching again."""
-ALL_FAULTS = (*FAULTS, "ignore_range", "flip_body")
+ALL_FAULTS = (*FAULTS, "ignore_range", "flip_body", "refuse_range")
 _SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
               b"<Message>Reduce your request rate.</Message></Error>")
+_INVALID_RANGE = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>InvalidRange</Code>'
+                  b"<Message>The requested range is not satisfiable</Message></Error>")
 _INTERNAL = (
     b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>InternalError</Code><Message>injected</Message></Error>'
 )
@@ -38,9 +41,9 @@ _INTERNAL = (
 class FaultProxy:
     """Forward to ``upstream`` (``http://host:port``) with faults at ``rates`` (kind -> probability).
 
-    Only requests whose method is in ``methods`` meet faults. ``injected`` counts faults by
-    kind; ``requests`` counts every forwarded request and ``connections`` every client
-    connection accepted; ``bodies`` lists, for each request
+    Only requests whose method is in ``methods`` and whose path holds ``paths`` meet faults.
+    ``injected`` counts faults by kind; ``requests`` counts every forwarded request and
+    ``connections`` every client connection accepted; ``bodies`` lists, for each request
     with a body, its method, its length and whether it waited for ``100 Continue``;
     ``payload_hashes`` the ``x-amz-content-sha256`` header of each (None without one).
     """
@@ -53,13 +56,14 @@ class FaultProxy:
         seed: int = 0,
         methods: tuple[str, ...] = ("GET",),
         delay: float = 0.05,
+        paths: str = "",
     ) -> None:
         unknown = set(rates) - set(ALL_FAULTS)
         if unknown:
             raise ValueError(f"unknown faults {sorted(unknown)}")
         parts = urlsplit(upstream)
         self.upstream = (parts.hostname or "127.0.0.1", parts.port or 80)
-        self.rates, self.seed, self.methods, self.delay = rates, seed, methods, delay
+        self.rates, self.seed, self.methods, self.delay, self.paths = rates, seed, methods, delay, paths
         self.injected: Counter[str] = Counter()
         self.requests = self.connections = 0
         self.bodies: list[tuple[str, int, bool]] = []
@@ -113,7 +117,7 @@ class FaultProxy:
             self.requests += 1
             attempt = self._seen[request]
             self._seen[request] += 1
-        if handler.command not in self.methods:
+        if handler.command not in self.methods or self.paths not in handler.path:
             return None
         digest = hashlib.sha256(f"{self.seed}|{request}|{attempt}".encode()).digest()
         draw = random.Random(digest).random()
@@ -138,8 +142,11 @@ class FaultProxy:
         fault = self._fault(handler)
         if fault == "reset_before":
             return self._reset(handler)
-        if fault in ("error_500", "slow_down_503"):
-            status, payload = (500, _INTERNAL) if fault == "error_500" else (503, _SLOW_DOWN)
+        if fault == "refuse_range" and not handler.headers.get("Range"):
+            fault = None
+        if fault in ("error_500", "slow_down_503", "refuse_range"):
+            status, payload = {"error_500": (500, _INTERNAL), "slow_down_503": (503, _SLOW_DOWN),
+                               "refuse_range": (416, _INVALID_RANGE)}[fault]
             handler.send_response(status)
             handler.send_header("Content-Type", "application/xml")
             handler.send_header("Content-Length", str(len(payload)))

@@ -147,6 +147,30 @@ def test_an_upload_whose_every_body_is_damaged_fails_and_leaves_no_dataset(seawe
     client.close()
 
 
+def test_a_range_refused_inside_an_object_of_the_right_size_blames_the_store_not_the_shard(seaweed):
+    """A 416 for bytes that lie inside a shard of the size its manifest says: the shard was
+    not truncated or replaced, the store's answer is wrong, and the error says so."""
+    client, bucket = seaweed.client(), "refused-range-tests"
+    client.create_bucket(bucket)
+    upload_cv_dataset(SyntheticImages(20, size=(32, 24)), client=client, bucket=bucket, base_folder="d", maxcount=10,
+                      workers=0, progress=False)
+    proxy = FaultProxy(seaweed.endpoint_url, {"refuse_range": 1.0}, paths="/d/shard-")
+    try:
+        dataset = RemoteDataset(make_client(proxy.endpoint_url, seaweed.access_key, seaweed.secret_key), bucket, "d")
+        with pytest.raises(StorageError, match=r"yet it is the [\d,]+ bytes the manifest says: the store") as info:
+            list(dataset)
+    finally:
+        proxy.close()
+    assert "truncated" not in str(info.value) and info.value.code == "InvalidRange"
+    refusing = FaultProxy(seaweed.endpoint_url, {"refuse_range": 1.0})  # the manifest's first bytes too
+    try:
+        with pytest.raises(StorageError, match=r"byte 0 lies outside the object, yet it is [\d,]+ bytes"):
+            RemoteDataset(make_client(refusing.endpoint_url, seaweed.access_key, seaweed.secret_key), bucket, "d")
+    finally:
+        refusing.close()
+    client.close()
+
+
 def test_flipped_sample_is_refetched_or_skipped(seaweed, clean):
     # Flip only sample-range GETs after the first attempt of each: refetching heals them.
     proxy = FaultProxy(seaweed.endpoint_url, {"flip": 0.3}, seed=5)

@@ -26,6 +26,7 @@ from remote_loader.errors import (
     FormatError,
     InvalidRange,
     ObjectNotFound,
+    RemoteLoaderError,
     StorageError,
     TruncatedShard,
 )
@@ -259,12 +260,9 @@ class DatasetReader:
         policy.metrics.add(gets=1)
         try:
             data, size = policy.store.get_range_and_size(bucket, key, start, end)
-        except InvalidRange as error:
-            raise TruncatedShard(
-                f"shard {entry.name}: {error}; the manifest says its index lies at bytes"
-                f" {start}-{end - 1}: the object was truncated or replaced",
-                name=entry.name,
-            ) from None
+        except InvalidRange:
+            said = entry.index_size if entry.index_name else entry.size
+            raise self.refused(entry.index_name or entry.name, start, end, said, policy) from None
         policy.metrics.add(bytes=len(data))
         if entry.index_name:
             objects = [
@@ -281,6 +279,24 @@ class DatasetReader:
                     name=entry.name,
                 )
         return data
+
+    def refused(self, name: str, start: int, end: int, said: int,
+                policy: RetryPolicy | None = None) -> RemoteLoaderError:
+        """The error for bytes ``[start, end)`` of object ``name`` that the store answered lie
+        outside it (416): a shard shorter or longer than the manifest's ``said`` bytes was
+        truncated or replaced; one of that very size was not, and the answer is the store's."""
+        policy = policy or self.policy()
+        try:
+            size = policy.store.head(self.location.bucket, self.location.key(name))
+        except ObjectNotFound:
+            size = 0
+        if size != said:
+            return TruncatedShard(f"{self.location}/{name} is {size:,d} bytes; the manifest says {said:,d}, and bytes"
+                                  f" {start}-{end - 1} lie past its end: it was truncated or replaced", name=name)
+        return InvalidRange(f"{self.location}/{name}: the store answered that bytes {start}-{end - 1} lie outside"
+                            f" the object, yet it is the {size:,d} bytes the manifest says: the store, or a proxy"
+                            " before it, answered wrongly", bucket=self.location.bucket, key=self.location.key(name),
+                            code="InvalidRange")
 
     def get(self, name: str) -> bytes:
         """A whole object of the dataset, its GET retried."""

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from remote_loader.checksum import crc32
-from remote_loader.errors import CorruptShard, InvalidRange, ObjectNotFound, TruncatedShard
+from remote_loader.errors import CorruptShard, InvalidRange, ObjectNotFound
 from remote_loader.format import Sample, ShardEntry, ShardIndex, ShardView
 from remote_loader.format.tar import scan_tar
 from remote_loader.read.fetch import Fetched, fetch_range
@@ -70,13 +70,6 @@ class IndexCache:
         return index
 
 
-def truncated(name: str, error: InvalidRange) -> TruncatedShard:
-    """The error of a shard that ended before a range its index names: the store answered
-    with fewer bytes than asked for, so the object is shorter than the manifest says."""
-    return TruncatedShard(f"shard {name} is shorter than its index says ({error}): it was truncated or replaced",
-                          name=name)
-
-
 def own(sample: Sample) -> Sample:
     """Copy a sample's fields out of the range buffer, which is reused once the range is read."""
     return {k: bytes(v) if isinstance(v, memoryview) else v for k, v in sample.items()}
@@ -99,8 +92,8 @@ def read_run(
     def fetch() -> bytes:
         try:
             return fetch_range(policy, reader.location.bucket, key, start, end)
-        except InvalidRange as error:
-            raise truncated(entry.name, error) from None
+        except InvalidRange:
+            raise reader.refused(entry.name, start, end, entry.size, policy) from None
 
     try:
         return policy.refetch(fetch, parse)
@@ -244,7 +237,10 @@ class OpenRange:
             return sample
         except (ObjectNotFound, InvalidRange) as error:  # the shard went away under us, or shrank
             self.reader.check_unchanged(error)
-            damage = truncated(self.view.name, error) if isinstance(error, InvalidRange) else error
+            damage: Exception = error
+            if isinstance(error, InvalidRange) and self.index is not None:
+                entry = self.reader.manifest.shards[self.shard]
+                damage = self.reader.refused(entry.name, self.fetched.start, self.fetched.end, entry.size, self.policy)
             if self.on_error != "skip":
                 raise damage from None
             skip(f"the rest of shard {self.view.name}", self.stop - self.next + 1, damage, self.policy)

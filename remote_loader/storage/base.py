@@ -318,7 +318,12 @@ class RangedStore(Store):
         try:
             data, content_range = self._read(bucket, key, f"bytes=0-{length - 1}")
         except InvalidRange:  # the object is empty: no byte 0 to start from
-            return b"", self.head(bucket, key)
+            size = self.head(bucket, key)
+            if size:
+                raise InvalidRange(f"s3://{bucket}/{key}: the store answered that byte 0 lies outside the object, yet"
+                                   f" it is {size:,d} bytes: the store, or a proxy before it, answered wrongly",
+                                   bucket=bucket, key=key, code="InvalidRange") from None
+            return b"", 0
         total = content_range.rpartition("/")[2] if content_range else ""
         if total.isdigit():
             size = int(total)
