@@ -275,7 +275,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         internal = ", ".join(f"{name} {port}" for name, port in server.ports.items() if name != "s3")
         print(
             f"its internal services take these loopback ports too, and refuse requests without the server's"
-            f" own keys: {internal}"
+            f" own keys, but for the volume server's /status page (bucket names, object counts and sizes,"
+            f" this data directory) open to anyone on this machine: {internal}"
         )
         print("export these to use it:")
         for name, value in server.env().items():

@@ -8,11 +8,16 @@ Only its S3 port serves data, and only to requests signed with those credentials
 runs four more services behind it (master, volume, filer, admin), each on an HTTP port and
 a gRPC port of loopback; left to their defaults they would answer anyone on the machine
 (the filer's HTTP port lists, reads, writes and deletes every object). Here each start
-makes its own keys: the HTTP ports refuse a request without a token signed with them
-(SeaweedFS's JWT keys), and the gRPC ports a connection without a client certificate of the
-server's own CA (mutual TLS); the admin service's web page is off (its HTTP port answers
-health checks and metrics only). The keys live in the process's environment and, for the
-certificates, in the data directory (0700).
+makes its own keys: the filer's and the volume server's HTTP ports refuse a request without
+a token signed with them (SeaweedFS's JWT keys); the gRPC ports and the master's HTTP port
+(whose admin calls would delete a bucket's volumes) take only TLS connections with a client
+certificate of the server's own CA (mutual TLS); the admin service's web page is off (its
+HTTP port answers health checks and metrics only). What stays open to anyone on the
+machine: the volume server's ``/status`` and ``/healthz``, which give each bucket's name,
+object count and bytes and the data directory's path, but no data and no admin call
+(closing them too would put TLS on every read and double the server's CPU per byte). The
+keys live in the process's environment and, for the certificates, in the data directory
+(0700).
 """
 
 from __future__ import annotations
