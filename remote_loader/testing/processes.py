@@ -84,3 +84,52 @@ def cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as stat:
         fields = stat.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def started_at(pid: int) -> str | None:
+    """Process ``pid``'s start time (clock ticks since boot, from /proc), or None if it has
+    ended (a zombie has ended) or this system has no /proc: with the pid, it names one process
+    even after the pid is reused."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] in "ZX" else fields[19]
+
+
+OWNER = ".remote-loader-owner"
+"""The file in a temporary directory of the embedded server naming the processes that use it."""
+
+
+def claim(directory: str | os.PathLike[str], pid: int | None = None) -> None:
+    """Mark ``directory`` as used by process ``pid`` (this one by default), for
+    ``remove_abandoned`` in later processes; a directory may name several."""
+    pid = os.getpid() if pid is None else pid
+    with open(os.path.join(directory, OWNER), "a") as f:
+        f.write(f"{pid} {started_at(pid)}\n")
+
+
+def remove_abandoned(parent: str, prefixes: tuple[str, ...]) -> list[str]:
+    """Remove the directories in ``parent`` named with one of ``prefixes`` that this user owns
+    and ``claim`` marked for processes that have all ended (killed outright, the owner could
+    not remove them; its server, still ending, could write there again). A directory without
+    the mark, another user's, or one a live process uses stays; so does everything on a system
+    without /proc. Returns what was removed."""
+    if started_at(os.getpid()) is None:
+        return []
+    removed = []
+    for name in os.listdir(parent):
+        path = os.path.join(parent, name)
+        try:
+            if not name.startswith(prefixes) or os.lstat(path).st_uid != os.getuid():
+                continue
+            with open(os.path.join(path, OWNER)) as f:
+                users = [line.split() for line in f.read().splitlines()]
+            ended = all(started_at(int(pid)) != started for pid, started in users)
+        except (OSError, ValueError):
+            continue
+        if users and ended:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed

@@ -42,9 +42,12 @@ from remote_loader.errors import ConfigError, EndpointUnreachable
 from remote_loader.storage import Store, make_client
 from remote_loader.storage.factory import Backend
 from remote_loader.testing.guard import server_keys
-from remote_loader.testing.processes import spawn_tied
+from remote_loader.testing.processes import OWNER, claim, remove_abandoned, spawn_tied
 
 HOST = "127.0.0.1"
+_DATA_PREFIX, _SOCKETS_PREFIX = "remote-loader-s3-", "rl-s3-"
+"""Temporary directories of the server's data (when none is given) and of its local sockets."""
+
 GRPC_OFFSET = 10000
 """SeaweedFS listens for gRPC on each HTTP port + 10000."""
 
@@ -178,9 +181,14 @@ class EmbeddedS3:
         if self._process is not None:
             return self
         base = self._claimed_base() if self.port is not None else free_base_port()
+        # What a server killed outright (with the process that started it) left behind: its
+        # temporary data and sockets, and the gRPC sockets of the ports this one takes.
+        remove_abandoned(tempfile.gettempdir(), (_DATA_PREFIX, _SOCKETS_PREFIX))
+        self._unlink_grpc_sockets(base + _SERVICES["s3"])
         if self.data_dir is None:
-            self._tmp = tempfile.TemporaryDirectory(prefix="remote-loader-s3-")
+            self._tmp = tempfile.TemporaryDirectory(prefix=_DATA_PREFIX)
             self.data_dir = self._tmp.name
+            claim(self.data_dir)
         data = Path(self.data_dir)
         try:
             data.mkdir(parents=True, exist_ok=True)
@@ -190,13 +198,17 @@ class EmbeddedS3:
             raise ConfigError(f"cannot use {data} as the server's data directory: {exc.strerror}") from None
         self.port = base + _SERVICES["s3"]
         # Its local sockets go in a short directory of its own (a socket path holds at most 107 bytes).
-        self._sockets = tempfile.mkdtemp(prefix="rl-s3-")
+        self._sockets = tempfile.mkdtemp(prefix=_SOCKETS_PREFIX)
+        claim(self._sockets)
         log = (data / "weed.log").open("ab")
         env = {**os.environ, **server_keys(data / "tls"), "TMPDIR": self._sockets}  # and its own log files
         self._process = spawn_tied(
             self._command(base, data), stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env, cwd=data
         )
         log.close()
+        for directory in (self.data_dir, self._sockets):
+            if Path(directory, OWNER).exists():  # a temporary one: the server's own use of it
+                claim(directory, self._process.pid)
         try:
             self._wait_healthy(timeout)
             client = self.client()
@@ -334,9 +346,13 @@ class EmbeddedS3:
             shutil.rmtree(self._sockets, ignore_errors=True)
             self._sockets = None
         if self.port is not None:
-            for name, port in self.ports.items():
-                if name.endswith(" gRPC"):
-                    Path(f"/tmp/seaweedfs-{name.split()[0]}-grpc-{port}.sock").unlink(missing_ok=True)
+            self._unlink_grpc_sockets(self.port)
+
+    @staticmethod
+    def _unlink_grpc_sockets(s3_port: int) -> None:
+        for name, port in service_ports(s3_port - _SERVICES["s3"]).items():
+            if name.endswith(" gRPC"):
+                Path(f"/tmp/seaweedfs-{name.split()[0]}-grpc-{port}.sock").unlink(missing_ok=True)
 
     def __enter__(self) -> EmbeddedS3:
         return self.start()

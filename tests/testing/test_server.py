@@ -8,6 +8,8 @@ import socket
 import ssl
 import subprocess
 import sys
+import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -213,3 +215,49 @@ def test_cpu_seconds_counts_what_a_process_spent_whatever_its_name():
     finally:
         process.communicate("\n", timeout=10)
     assert 0.3 <= spent < 5
+
+
+_SERVE_AND_WAIT = """
+import sys
+from remote_loader.testing.server import EmbeddedS3
+
+server = EmbeddedS3(buckets=["left"]).start()
+server.client().put("left", "object", b"DATA")
+print(server.pid, server.data_dir, server._sockets, flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_what_a_server_killed_outright_leaves_is_removed_at_the_next_start(tmp_path):
+    """SIGKILL gives the process no chance to remove its temporary data (every object, the
+    server's TLS key) and sockets; the next server started on the machine removes them, and
+    not those of a server still running."""
+    running = EmbeddedS3().start()
+    pid = None
+    try:
+        process = subprocess.Popen([sys.executable, "-c", _SERVE_AND_WAIT], stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, text=True)
+        assert process.stdout is not None
+        pid_text, data_dir, sockets = process.stdout.readline().split()
+        pid = int(pid_text)
+        process.kill()  # SIGKILL: no finally, no atexit
+        process.communicate()
+        assert os.path.isdir(data_dir) and os.path.isdir(sockets)
+        EmbeddedS3().start().stop()  # while the server may still be ending, its directories stay
+        deadline = time.monotonic() + 30
+        while _alive(pid) and time.monotonic() < deadline:
+            threading.Event().wait(0.05)  # polling for the server to end on its parent's death
+        assert not _alive(pid)
+        assert os.path.isdir(data_dir) and os.path.isdir(sockets)
+        with EmbeddedS3() as later:
+            assert later.data_dir != data_dir
+            assert not os.path.exists(data_dir) and not os.path.exists(sockets)
+            assert running.data_dir is not None and os.path.isdir(running.data_dir)
+        given = tmp_path / "mine"  # a data directory the user named is never the server's to remove
+        with EmbeddedS3(data_dir=str(given)):
+            pass
+        assert given.is_dir()
+    finally:
+        running.stop()
+        if pid is not None and _alive(pid):  # it ends on its parent's death; by PID if not yet
+            os.killpg(pid, signal.SIGKILL)
