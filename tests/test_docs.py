@@ -3,9 +3,10 @@
 Each page runs top to bottom in one namespace named ``__main__`` (as a reader's script or
 session), in a fresh directory, against one embedded S3 server with MinIO's default keys
 that every page shares, in the order of the site, as a reader who follows them all would:
-the endpoint the pages write, ``127.0.0.1:9000``, is replaced by the server's, and
-``AWS_ENDPOINT_URL`` and the keys are set for the ``s3://`` forms. Every setup a page
-needs is a block the reader sees: nothing runs from an HTML comment. The README's code
+the endpoint the pages write, ``127.0.0.1:9000``, is replaced by the server's. A page
+starts with no ``AWS_*`` variable in its environment, as a fresh terminal's: what its
+``s3://`` forms need, the page exports itself. Every setup a page needs is a block the
+reader sees: nothing runs from an HTML comment. The README's code
 also runs as a script under the ``spawn`` start method (macOS, Windows), where only code
 under ``if __name__ == "__main__":`` may start processes. Fences say what a block is:
 
@@ -13,7 +14,8 @@ under ``if __name__ == "__main__":`` may start processes. Fences say what a bloc
 - ``bash``: each line is a ``remote-loader`` command, run (as ``python -m remote_loader``)
   and expected to succeed.
 - ``console``: commands for the reader's own machine (installing, ``make``, ``torchrun``
-  across nodes, a long-running server); shown, not run.
+  across nodes, a long-running server); shown, not run, but for ``export NAME=VALUE ...``
+  lines, which set the page's environment as they would the reader's shell.
 - ``text`` or no language: output and layouts, not code; ``mermaid``: a diagram the site draws.
 """
 
@@ -90,24 +92,27 @@ def shared_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Embedded
         yield server
 
 
-def _environment(server: EmbeddedS3) -> dict[str, str]:
-    return {
-        "AWS_ENDPOINT_URL": server.endpoint_url,
-        "AWS_ACCESS_KEY_ID": server.access_key,
-        "AWS_SECRET_ACCESS_KEY": server.secret_key,
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }
-
-
 @pytest.fixture
 def server(shared_server: EmbeddedS3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[EmbeddedS3]:
-    for name, value in _environment(shared_server).items():
-        monkeypatch.setenv(name, value)
+    for name in list(os.environ):
+        if name.startswith("AWS_"):  # a fresh terminal's: the page exports what it needs
+            monkeypatch.delenv(name)
     work = tmp_path / "work"
     work.mkdir()
     monkeypatch.chdir(work)
     monkeypatch.syspath_prepend(str(work))
     yield shared_server
+
+
+def _exports(block: Block, endpoint: str) -> dict[str, str]:
+    """The variables the ``export`` lines of a console block set, the documented endpoint
+    replaced by the server's."""
+    names: dict[str, str] = {}
+    for line in block.code.splitlines():
+        if line.startswith("export "):
+            words = shlex.split(line.replace(DOCUMENTED_ENDPOINT, endpoint.removeprefix("http://")), comments=True)
+            names.update(word.split("=", 1) for word in words[1:])  # type: ignore[misc]
+    return names
 
 
 def _run_command(line: str, where: str, endpoint: str) -> None:
@@ -128,7 +133,7 @@ def _run_command(line: str, where: str, endpoint: str) -> None:
 
 
 @pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
-def test_every_code_block_of_the_page_runs(page: Path, server: EmbeddedS3) -> None:
+def test_every_code_block_of_the_page_runs(page: Path, server: EmbeddedS3, monkeypatch: pytest.MonkeyPatch) -> None:
     namespace: dict[str, object] = {"__name__": "__main__"}
     ran = 0
     for block in blocks(page.read_text()):
@@ -141,6 +146,9 @@ def test_every_code_block_of_the_page_runs(page: Path, server: EmbeddedS3) -> No
             for number, line in enumerate(block.code.splitlines()):
                 _run_command(line, f"{page.name}:{block.line + 1 + number}", server.endpoint_url)
             ran += 1
+        elif block.kind == "console":
+            for name, value in _exports(block, server.endpoint_url).items():
+                monkeypatch.setenv(name, value)
     assert ran or page.name in WITHOUT_CODE, f"{page.name} has no code block that runs"
 
 
@@ -171,6 +179,14 @@ def test_the_readme_runs_as_a_script_under_spawn(shared_server: EmbeddedS3, tmp_
         capture_output=True,
         text=True,
         timeout=600,
-        env={**os.environ, **_environment(shared_server)},
+        env={
+            **{name: value for name, value in os.environ.items() if not name.startswith("AWS_")},
+            **{
+                name: value
+                for block in blocks((ROOT / "README.md").read_text())
+                if block.kind == "console"
+                for name, value in _exports(block, shared_server.endpoint_url).items()
+            },
+        },
     )
     assert out.returncode == 0, out.stderr[-3000:]
