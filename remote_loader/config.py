@@ -225,15 +225,16 @@ class RetryConfig:
             default, 5 minutes, rides out a server restart; a hung server is detected
             after this plus one ``StorageConfig.read_timeout``.
         first_contact_deadline: The same, for an endpoint that has not answered once since
-            this process started (a wrong port, a host that does not resolve): a typo
-            fails in about this long (5 s), not after ``outage_deadline``. The smaller of
-            the two applies. A DataLoader or upload worker inherits what its parent knew.
+            this process started (a wrong port, a host that does not resolve, a server not
+            started): a typo fails in about this long (2 s), with one error and no warning
+            before it, not after ``outage_deadline``. The smaller of the two applies. A
+            DataLoader or upload worker inherits what its parent knew.
     """
 
     backoff: float = 0.05
     max_backoff: float = 2.0
     outage_deadline: float = 300.0
-    first_contact_deadline: float = 5.0
+    first_contact_deadline: float = 2.0
 
     def __post_init__(self) -> None:
         for name in ("backoff", "max_backoff", "outage_deadline", "first_contact_deadline"):

@@ -52,8 +52,8 @@ class _Outages:
         self._since: dict[str, float] = {}
 
     def failing(self, endpoint: str, since: float, error: BaseException, deadline: float, setting: str) -> None:
-        if time.monotonic() - since < _NOTICE_SECONDS:
-            return
+        if time.monotonic() - since < _NOTICE_SECONDS or not answered(endpoint):
+            return  # a first contact fails within seconds, with an error that says it all
         with self._lock:
             if endpoint in self._since:
                 return
@@ -111,11 +111,8 @@ class Retry:
                 deadline, setting = self._deadline()
                 _OUTAGES.failing(self.endpoint, first_failure, error, deadline, setting)
                 if failing >= deadline:
-                    never = "" if answered(self.endpoint) else ", and it has never answered: check the endpoint URL"
                     raise EndpointUnreachable(
-                        f"{self.endpoint} failed every request for {failing:.1f} s ({attempts} attempts,"
-                        f" last: {error});"
-                        f" gave up at RetryConfig.{setting}={deadline:g} s{never}",
+                        self._gave_up(error, failing, attempts, deadline, setting),
                         bucket=bucket if bucket is not None else getattr(error, "bucket", None),
                         key=key if key is not None else getattr(error, "key", None),
                         code=getattr(error, "code", None),
@@ -132,6 +129,21 @@ class Retry:
             note_answer(self.endpoint)
             _OUTAGES.answered(self.endpoint)
             return result
+
+    def _gave_up(self, error: BaseException, failing: float, attempts: int, deadline: float, setting: str) -> str:
+        if setting == "first_contact_deadline":
+            # Nothing ever answered: most likely a mistyped endpoint or a server not started.
+            # The request it was (a range of a manifest) means nothing to the user.
+            last = "" if isinstance(error, EndpointUnreachable) else f" (last: {error})"
+            return (
+                f"cannot connect to {self.endpoint}: it has never answered, {attempts} attempts in"
+                f" {failing:.1f} s{last}; check the endpoint URL and that the server runs"
+                f" (RetryConfig.first_contact_deadline={deadline:g} s)"
+            )
+        return (
+            f"{self.endpoint} failed every request for {failing:.1f} s ({attempts} attempts, last: {error});"
+            f" gave up at RetryConfig.{setting}={deadline:g} s"
+        )
 
     def _deadline(self) -> tuple[float, str]:
         """How long requests may fail, and the setting that says so."""
