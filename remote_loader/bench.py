@@ -72,13 +72,17 @@ def run(
 ) -> BenchResult:
     """Stream ``samples`` samples (default: one epoch) through a DataLoader and time it.
 
-    ``progress(n)`` is called with the number of samples each item brought.
+    ``progress(n)`` is called with 0 when the timed span starts (a progress bar restarts its
+    clock there, so its rate is this result's), then with the number of samples each item
+    brought.
     """
     base = RemoteDataset(client, bucket, prefix, fetch=fetch, rank=0, world_size=1, verify=verify)
     manifest = base.reader.manifest
     total = manifest.num_samples if samples is None else min(samples, manifest.num_samples)
     loader = DataLoader(_pipeline(base, decode, size, min_size), batch_size=None, num_workers=workers)
     started = time.perf_counter()
+    if progress is not None:
+        progress(0)
     first = 0.0
     count = 0
     for item in loader:

@@ -96,6 +96,7 @@ def cmd_upload(args: argparse.Namespace) -> int:
         "bytes": summary.bytes,
         "skipped": summary.skipped,
         "seconds": round(summary.seconds, 3),
+        "writing_seconds": round(summary.writing_seconds, 3),
         "mb_per_s": round(summary.mb_per_s, 2),
         "samples_per_s": round(summary.samples_per_s, 1),
         "kept_shards": summary.kept_shards,
@@ -252,9 +253,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ConfigError(f"{location} holds no samples: nothing to bench")
     results = []
     for decode in dict.fromkeys(("none", args.decode)):
-        with tqdm(total=total, unit="sample", desc=f"bench {decode}", disable=args.quiet or args.json) as bar:
+        # The bar's rate is the run's average over the span the summary times (smoothing=0, its
+        # clock restarted at progress(0)), so the two agree.
+        with tqdm(total=total, unit="sample", desc=f"bench {decode}", smoothing=0,
+                  disable=args.quiet or args.json) as bar:
+            def tick(n: int, bar: tqdm = bar) -> None:
+                bar.update(n) if n else bar.reset(total)
+
             results.append(
-                bench.run(store, location.bucket, location.base_folder, decode=decode, progress=bar.update, **options)
+                bench.run(store, location.bucket, location.base_folder, decode=decode, progress=tick, **options)
             )
     summary = bench.verdict(results[0], results[1] if len(results) > 1 else None)
     data = {"url": str(location), "workers": args.workers, "runs": [r.as_dict() for r in results], "verdict": summary}

@@ -24,8 +24,13 @@ class UploadSummary:
         skip_reasons: Why samples were skipped, one line each (the first 100).
         kept_samples: Samples of the kept shards.
         kept_bytes: Bytes of the kept shards.
+        writing_seconds: The part of ``seconds`` spent writing shards (encoding and sending),
+            the span the progress bar shows; the rest opened the dataset, claimed the
+            prefix, and wrote the manifest.
 
-    The rates (``samples_per_s``, ``mb_per_s``) are of what this call uploaded, not of what it kept.
+    The rates (``samples_per_s``, ``mb_per_s``) are of what this call uploaded, not of what it
+    kept, over ``writing_seconds``: the progress bar's final rate. Bytes are the shards' own
+    (tar headers and each shard's index included), in MB of 10^6 bytes, as the bar counts them.
     """
 
     location: Location
@@ -38,6 +43,7 @@ class UploadSummary:
     skip_reasons: tuple[str, ...] = ()
     kept_samples: int = 0
     kept_bytes: int = 0
+    writing_seconds: float = 0.0
 
     @classmethod
     def kept_whole(cls, location: Location, manifest: Manifest, seconds: float) -> UploadSummary:
@@ -62,11 +68,11 @@ class UploadSummary:
 
     @property
     def mb_per_s(self) -> float:
-        return self.uploaded_bytes / 1e6 / self.seconds if self.seconds > 0 else 0.0
+        return self.uploaded_bytes / 1e6 / self.writing_seconds if self.writing_seconds > 0 else 0.0
 
     @property
     def samples_per_s(self) -> float:
-        return self.uploaded_samples / self.seconds if self.seconds > 0 else 0.0
+        return self.uploaded_samples / self.writing_seconds if self.writing_seconds > 0 else 0.0
 
     def __str__(self) -> str:
         whole = f"{_count(self.samples, 'sample')} in {_count(self.shards, 'shard')} ({self.bytes / 1e6:.1f} MB)"
@@ -76,8 +82,9 @@ class UploadSummary:
                 f" run, the dataset now {whole}") if self.kept_shards else ""
         return (
             f"uploaded {_count(self.uploaded_samples, 'sample')} in {_count(self.uploaded_shards, 'shard')}"
-            f" ({self.uploaded_bytes / 1e6:.1f} MB) to {self.location} in {self.seconds:.1f} s:"
-            f" {self.samples_per_s:.0f} samples/s, {self.mb_per_s:.1f} MB/s; skipped {self.skipped}{kept}"
+            f" ({self.uploaded_bytes / 1e6:.1f} MB) to {self.location} in {self.seconds:.1f} s, of which"
+            f" {self.writing_seconds:.1f} s writing shards at {self.samples_per_s:,.0f} samples/s,"
+            f" {self.mb_per_s:.1f} MB/s; skipped {self.skipped}{kept}"
         ) + "".join(f"\n  skipped: {reason}" for reason in self.skip_reasons[:10])
 
 

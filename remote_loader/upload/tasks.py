@@ -167,6 +167,11 @@ class _ShardSequence:
         self._shard: ShardWriter | None = None
         self._committing: Future[None] | None = None  # the previous shard's commit
 
+    @property
+    def size(self) -> int:
+        """Bytes of this task's shards so far: the closed ones' and the open one's."""
+        return sum(e.size for e in self.entries) + (self._shard.size if self._shard is not None else 0)
+
     def add(self, key: str, fields: dict[str, bytes], index: int) -> None:
         spec = self.spec
         if self._shard is not None and (
@@ -293,7 +298,7 @@ def _write_task(
 ) -> TaskResult:
     result = TaskResult(task_id=task_id, entries=[])
     shards = _ShardSequence(spec, task_id)
-    pending_samples = pending_bytes = 0
+    pending_samples = reported = 0  # bytes: the shards' own, as the summary counts them
     try:
         for raw_index in indices:
             if stop.is_set():
@@ -310,10 +315,9 @@ def _write_task(
                 result.reasons.append(str(exc))
                 fields = {}
             pending_samples += 1
-            pending_bytes += sum(len(v) for v in fields.values())
             if pending_samples >= _REPORT_EVERY and progress is not None:
-                progress.put((pending_samples, pending_bytes))
-                pending_samples = pending_bytes = 0
+                progress.put((pending_samples, shards.size - reported))
+                pending_samples, reported = 0, shards.size
         result.entries, result.fields = shards.entries, sorted(shards.fields)  # the last entry joins at close
         shards.close(
             record=lambda: spec.store.put(
@@ -324,5 +328,5 @@ def _write_task(
         shards.abort(interrupted=not isinstance(error, Exception))
         raise
     if progress is not None:
-        progress.put((pending_samples, pending_bytes))
+        progress.put((pending_samples, shards.size - reported))
     return result

@@ -171,10 +171,14 @@ def _upload(ds: Any, client: Store, location: Location, params: dict[str, Any], 
     pending = [(t, order[t * held.task_size : (t + 1) * held.task_size]) for t in range(-(-num // held.task_size))
                if t not in kept]
     done_samples = sum(sum(e.samples for e in r.entries) + len(r.skipped) for r in kept.values())
-    with tqdm(total=num, initial=done_samples, unit="img", disable=not progress, desc="upload") as bar:
+    writing = time.perf_counter()
+    # smoothing=0: the bar's rate is the average since it started, the summary's writing rate.
+    with tqdm(total=num, initial=done_samples, unit="img", disable=not progress, desc="upload", smoothing=0) as bar:
         processes = (os.cpu_count() or 1) if workers is None else workers
         results = run_tasks(pending, spec, ds, processes, executor, bar, source)
         bar.update(num - bar.n)  # every task is done: the last counts may still be in the workers' queue
+    # The bar's own clock where it shows (its final rate is then the summary's to the digit).
+    writing = time.perf_counter() - writing if bar.disable else bar.format_dict["elapsed"]
     manifest, reasons = _manifest(
         {**kept, **{r.task_id: r for r in results}}, params, held.run, _class_names(ds), location
     )
@@ -191,6 +195,7 @@ def _upload(ds: Any, client: Store, location: Location, params: dict[str, Any], 
         skip_reasons=reasons,
         kept_samples=sum(e.samples for e in kept_entries),
         kept_bytes=sum(e.size for e in kept_entries),
+        writing_seconds=writing,
     )
 
 

@@ -248,7 +248,7 @@ def test_upload_killed_mid_shard_resumes(seaweed, s3, tmp_path):
     assert summary.kept_shards == 4 and summary.shards == 5 and summary.samples == n
     # What this call did, apart from what it kept: its rate is over what it uploaded.
     assert (summary.kept_samples, summary.uploaded_samples, summary.uploaded_shards) == (240, 60, 1)
-    assert summary.samples_per_s == pytest.approx(60 / summary.seconds)
+    assert summary.samples_per_s == pytest.approx(60 / summary.writing_seconds)
     assert str(summary).startswith("uploaded 60 samples in 1 shard (") and "kept 4 shards (240 samples)" in str(summary)
     again = rerun()
     assert (again.uploaded_samples, again.samples_per_s, again.mb_per_s) == (0, 0.0, 0.0)
@@ -444,19 +444,29 @@ def test_another_runs_parameters_are_named_in_the_refusal(s3):
         )
 
 
-def test_the_progress_bar_ends_at_its_total(s3, capsys):
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_progress_bar_ends_at_its_total_and_agrees_with_the_summary(s3, capsys, workers):
+    """The bar's bytes are the shards' (tar headers and indexes too) and its rate the average
+    over the span the summary's writing rate covers: the two say the same."""
     client, bucket = s3
-    upload_cv_dataset(
+    summary = upload_cv_dataset(
         SyntheticImages(100, size=(16, 16)),
         client=client,
         bucket=bucket,
-        base_folder="p",
-        maxcount=1,
-        workers=2,
+        base_folder=f"p{workers}",
+        maxcount=10,
+        workers=workers,
         progress=True,
     )
     final = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]
     assert "100/100" in final, final
+    rate, megabytes = re.search(r"([\d.]+)img/s, ([\d.]+) MB,", final).groups()  # type: ignore[union-attr]
+    assert f"{summary.bytes / 1e6:.1f}" == megabytes
+    assert float(rate) == pytest.approx(summary.samples_per_s, rel=0.01)
+    assert 0 < summary.writing_seconds <= summary.seconds
+    assert f"of which {summary.writing_seconds:.1f} s writing shards at {summary.samples_per_s:,.0f} samples/s" in str(
+        summary
+    )
 
 
 def test_an_unguarded_script_under_spawn_is_told_to_guard_its_upload(seaweed, s3, tmp_path):
