@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -12,7 +13,7 @@ from typing import Any
 from tqdm import tqdm
 
 from remote_loader import __version__
-from remote_loader.config import FetchConfig
+from remote_loader.config import FetchConfig, RetryConfig
 from remote_loader.errors import ConfigError, RemoteLoaderError
 from remote_loader.read.reader import DatasetReader
 from remote_loader.storage import Location, Store, open_location
@@ -44,15 +45,36 @@ def _seconds(text: str) -> float:
     return value
 
 
+_CONNECTION = """The endpoint and keys come from the environment: AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID,
+AWS_SECRET_ACCESS_KEY (AWS_SESSION_TOKEN, AWS_REGION, AWS_PROFILE), or MinIO's MINIO_ENDPOINT,
+MINIO_ACCESS_KEY, MINIO_SECRET_KEY. With no endpoint, s3:// means AWS S3. Keys are not options:
+a command line is visible to every user of the machine."""
+
+
+class _Help(argparse.RawDescriptionHelpFormatter):
+    """Each option's default at the end of its help, where it has one worth showing (not a
+    flag's False, not an unset None), and descriptions kept as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if "(default" in text or default is None or default is False or default == argparse.SUPPRESS:
+            return text
+        if not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def _connection(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("connection (default: AWS_* / MINIO_* environment variables)")
-    group.add_argument("--endpoint-url", help="S3 endpoint, e.g. http://127.0.0.1:9000")
-    group.add_argument("--region", help="signing region")
+    group = parser.add_argument_group("connection", _CONNECTION)
+    group.add_argument("--endpoint-url", help="S3 endpoint, e.g. http://127.0.0.1:9000 (default: AWS_ENDPOINT_URL)")
+    group.add_argument("--region", help="signing region (default: AWS_REGION, else us-east-1)")
     group.add_argument("--backend", choices=("boto3", "minio"), default="boto3", help="S3 client library")
+    retry = RetryConfig()
     group.add_argument("--outage-deadline", type=_seconds, default=None, metavar="SECONDS",
-                       help="how long to retry a failing store before giving up (default 300, or"
-                       " REMOTE_LOADER_OUTAGE_DEADLINE); a store that never answered gets at most 5 s"
-                       " (REMOTE_LOADER_FIRST_CONTACT_DEADLINE)")
+                       help=f"how long to retry a failing store before giving up (default: {retry.outage_deadline:g},"
+                       f" or REMOTE_LOADER_OUTAGE_DEADLINE); a store that never answered gets at most"
+                       f" {retry.first_contact_deadline:g} s (REMOTE_LOADER_FIRST_CONTACT_DEADLINE)")
 
 
 def _fetch(args: argparse.Namespace) -> FetchConfig:
@@ -167,6 +189,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if args.json:
         _emit(args, [{"name": n, "samples": c, "bytes": b} for b, c, n in rows], "")
     else:
+        sys.stdout.write(f"{'bytes':>14}  {'samples':>8}  shard\n")
         sys.stdout.writelines(f"{b:>14,d}  {c:>8,d}  {n}\n" for b, c, n in rows)
     return 0
 
@@ -304,16 +327,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"remote-loader {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("upload", help="pack a dataset into shards in a bucket")
+    p = sub.add_parser("upload", help="pack a dataset into shards in a bucket", formatter_class=_Help)
     p.add_argument("source", help="an image-folder tree (class subfolders) or module:function returning a dataset")
     p.add_argument("url", help="destination, s3://bucket/prefix or a local path")
-    p.add_argument("--maxsize", type=float, default=1e8, help="maximum shard size in bytes (default 1e8)")
+    p.add_argument("--maxsize", type=float, default=1e8, help="maximum shard size in bytes (default: 1e8)")
     p.add_argument("--maxcount", type=_count(1), default=100_000, help="maximum samples per shard")
-    p.add_argument("--workers", type=_count(0), default=None, help="encoding processes (default: CPU count)")
+    p.add_argument("--workers", type=_count(0), default=None,
+                   help="encoding processes; 0 encodes in this process (default: CPU count)")
     p.add_argument("--seed", type=_count(0), default=0, help="seed of the permutation before sharding")
-    p.add_argument("--image-format", default="jpeg", choices=("jpeg", "png", "webp"), help="for in-memory images")
-    p.add_argument("--quality", type=_count(1), default=90, help="1..100 (default 90)")
-    p.add_argument("--on-error", default="raise", choices=("raise", "skip"))
+    p.add_argument("--image-format", default="jpeg", choices=("jpeg", "png", "webp"),
+                   help="how in-memory images are encoded (files are stored as they are)")
+    p.add_argument("--quality", type=_count(1), default=90, help="JPEG and WebP quality, 1..100")
+    p.add_argument("--on-error", default="raise", choices=("raise", "skip"),
+                   help="raise: stop at the first sample that cannot be read or encoded, naming it; skip: leave it"
+                   " out, counted in the summary and the manifest")
     p.add_argument("--no-shuffle", action="store_true", help="keep the source order")
     p.add_argument("--overwrite", action="store_true", help="replace a dataset uploaded with other parameters")
     p.add_argument(
@@ -330,7 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("verify", cmd_verify, "check every shard against its checksums"),
         ("index", cmd_index, "index existing WebDataset .tar shards in place and write a manifest"),
     ):
-        p = sub.add_parser(name, help=help_text)
+        p = sub.add_parser(name, help=help_text, formatter_class=_Help)
         p.add_argument("url", help="s3://bucket/prefix or a local path")
         p.set_defaults(func=func)
         if name == "index":
@@ -339,13 +366,14 @@ def build_parser() -> argparse.ArgumentParser:
                 action="store_true",
                 help="replace the manifest of a dataset uploaded by remote_loader (drops its parameters)",
             )
-    for p in sub.choices.values():
-        if p.get_default("func") is not None:
-            _connection(p)
-            p.add_argument("--json", action="store_true", help="print JSON")
+    for name, p in sub.choices.items():
+        _connection(p)
+        p.add_argument("--json", action="store_true", help="print one JSON document on stdout, for scripts")
+        if name != "ls" and name != "info":  # the commands that show a progress bar
             p.add_argument("--quiet", action="store_true", help="no progress bar")
 
-    p = sub.add_parser("bench", help="stream a dataset and say whether storage or decoding limits the rate")
+    p = sub.add_parser("bench", help="stream a dataset and say whether storage or decoding limits the rate",
+                       formatter_class=_Help)
     p.add_argument("url", help="s3://bucket/prefix or a local path")
     p.add_argument("--samples", type=_count(1), default=None, help="samples per run (default: one epoch)")
     p.add_argument("--workers", type=_count(0), default=2, help="DataLoader workers")
@@ -360,11 +388,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-size", type=_count(1), default=None, help="reduced-size decoding for pil")
     p.add_argument("--no-verify", action="store_true", help="skip crc32 checks (to measure what they cost)")
     _connection(p)
-    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--json", action="store_true", help="print one JSON document on stdout, for scripts")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_bench)
 
-    p = sub.add_parser("serve", help="run an embedded S3 server (SeaweedFS) on 127.0.0.1")
+    p = sub.add_parser("serve", help="run an embedded S3 server (SeaweedFS) on 127.0.0.1", formatter_class=_Help)
     p.add_argument("--port", type=_count(1), default=None, help="S3 port (default: a free one)")
     p.add_argument("--data", default=None, help="data directory (default: temporary)")
     p.add_argument("--bucket", action="append", help="bucket to create (repeatable)")
@@ -390,6 +418,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2 if isinstance(exc, ConfigError) else 1  # argparse's convention: 2 for what the user typed
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # the reader of stdout went away (`| head`): stop quietly, as cat does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        return 141
 
 
 if __name__ == "__main__":

@@ -52,6 +52,9 @@ def test_upload_info_ls_verify(env, s3, image_folder):
     assert info["params"]["classes"] == ds.classes and info["params"]["upload"]["maxcount"] == 10
     listing = json.loads(run(env, "ls", url, "--json").stdout)
     assert [r["samples"] for r in listing] == [10, 10, 10, 6]
+    shown = run(env, "ls", url).stdout.splitlines()
+    assert shown[0].split() == ["bytes", "samples", "shard"] and len(shown) == 5  # columns named
+    assert shown[1].split()[2] == listing[0]["name"]
     text = run(env, "info", url).stdout
     assert "36 in 4 shards" in text
     assert "4 of 4 shards ok" in run(env, "verify", url, "--quiet").stdout
@@ -194,6 +197,46 @@ def test_version_and_python_dash_m():
     )
     result = subprocess.run([sys.executable, "-m", "remote_loader", "--help"], capture_output=True, text=True)
     assert result.returncode == 0 and "upload" in result.stdout
+
+
+def _help(*command: str) -> str:
+    result = subprocess.run([str(SCRIPT), *command, "--help"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return " ".join(result.stdout.split())  # argparse wraps lines where it likes
+
+
+@pytest.mark.parametrize("command", ["upload", "ls", "info", "verify", "index", "bench"])
+def test_each_commands_help_names_the_credential_variables_and_shows_defaults(command):
+    text = _help(command)
+    for name in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "MINIO_ACCESS_KEY"):
+        assert name in text, (command, name)
+    assert "S3 client library (default: boto3)" in text
+    assert f"never answered gets at most {remote_loader.RetryConfig().first_contact_deadline:g} s" in text
+    # --quiet hides a progress bar: offered where there is one
+    assert ("--quiet" in text) == (command not in ("ls", "info")), command
+
+
+def test_uploads_options_say_what_they_do_and_their_defaults():
+    text = _help("upload")
+    for shown in ("maximum shard size in bytes (default: 1e8)", "maximum samples per shard (default: 100000)",
+                  "before sharding (default: 0)", "1..100 (default: 90)", "(default: jpeg)", "(default: CPU count)",
+                  "--on-error {raise,skip} raise: stop at the first sample", "(default: raise)"):
+        assert shown in text, shown
+    assert "--no-shuffle keep the source order (default" not in text  # a flag's False is not a default to show
+
+
+def test_a_reader_that_stops_reading_ends_the_command_quietly(env, s3, image_folder):
+    """`remote-loader ls ... | head -1`: no BrokenPipeError traceback, the status a pipe's writer gets."""
+    tree, _ = image_folder
+    url = f"s3://{s3[1]}/piped"
+    run(env, "upload", str(tree), url, "--maxcount", "1", "--workers", "0", "--quiet")
+    process = subprocess.Popen([str(SCRIPT), "ls", url], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               bufsize=0)
+    assert process.stdout is not None and process.stderr is not None
+    process.stdout.close()  # the reader is gone before the command writes
+    err = process.stderr.read().decode()
+    process.stderr.close()
+    assert process.wait(timeout=120) == 141 and err == "", err
 
 
 def test_the_cli_imports_neither_torch_nor_the_test_server_until_a_command_needs_them():
