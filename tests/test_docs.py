@@ -16,7 +16,8 @@ under ``if __name__ == "__main__":`` may start processes. Fences say what a bloc
 - ``console``: commands for the reader's own machine (installing, ``make``, ``torchrun``
   across nodes, a long-running server); shown, not run, but for ``export NAME=VALUE ...``
   lines, which set the page's environment as they would the reader's shell.
-- ``text`` or no language: output and layouts, not code; ``mermaid``: a diagram the site draws.
+- ``text`` or no language: output, layouts and diagrams, not code. No ``mermaid``: the site
+  would draw it with a script fetched online, and offline a reader sees its source.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from remote_loader.testing.server import EmbeddedS3
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 DOCUMENTED_ENDPOINT = "127.0.0.1:9000"  # with or without http://
-KINDS = {"python", "bash", "console", "text", "mermaid", ""}
+KINDS = {"python", "bash", "console", "text", ""}
 WITHOUT_CODE = {"performance.md", "FORMAT.md", "api.md", "architecture.md"}
 
 _FENCE = re.compile(r"^```([\w-]*)\n(.*?)^```\n", re.M | re.S)
@@ -79,6 +80,20 @@ def test_the_block_reader_sees_hidden_blocks_and_line_numbers() -> None:
 def test_no_page_hides_code_from_its_reader() -> None:
     hidden = [(page.name, b.line) for page in PAGES for b in blocks(page.read_text()) if b.hidden]
     assert not hidden, f"blocks in HTML comments, which a reader cannot follow: {hidden}"
+
+
+CODE_COLUMNS = 110  # what a code block shows without scrolling in a 1280 px window (docs/stylesheets/extra.css)
+
+
+def test_no_code_line_is_wider_than_the_page_shows() -> None:
+    wide = [
+        f"{page.name}:{b.line + 1 + i}"
+        for page in PAGES
+        for b in blocks(page.read_text())
+        for i, line in enumerate(b.code.splitlines())
+        if len(line) > CODE_COLUMNS
+    ]
+    assert not wide, f"code lines over {CODE_COLUMNS} columns, clipped on the site: {wide}"
 
 
 def test_the_readme_stays_short() -> None:

@@ -186,6 +186,22 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+_SYSTEM_NAMES = {"remote_loader": "remote_loader", "webdataset": "WebDataset", "streaming": "MosaicML\nStreaming",
+                 "litdata": "LitData", "s3torchconnector": "s3torch-\nconnector"}
+
+
+def _server_name(server: str) -> str:
+    """A legend entry in a reader's words, not the suite's profile names."""
+    from benchmarks.shaper import PROFILES
+
+    base, _, profile = server.partition(" via ")
+    base = {"seaweedfs": "SeaweedFS", "minio": "MinIO"}.get(base, base)
+    if not profile:
+        return f"{base}, loopback"
+    link = PROFILES[profile]
+    return f"{base} across an S3-like link ({link.latency * 1e3:g} ms each way, {link.bandwidth / 1e6:g} MB/s a connection)"
+
+
 def chart(results: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -193,7 +209,7 @@ def chart(results: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     servers = list(results["servers"])
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), squeeze=False)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.4), squeeze=False)
     for axis, scenario, title in ((axes[0][0], "A", "A: bytes only"), (axes[0][1], "B", "B: decode + RRC 224")):
         names = list(results["servers"][servers[0]]["systems"])
         width = 0.8 / len(servers)
@@ -203,12 +219,13 @@ def chart(results: dict[str, Any], path: Path) -> None:
             for name in names:
                 key = "B-fused" if scenario == "B" and "B-fused" in systems[name] else scenario
                 values.append(systems[name][key]["samples_per_s"] if key in systems[name] else 0.0)
-            axis.bar([x + i * width for x in range(len(names))], values, width, label=server)
+            axis.bar([x + i * width for x in range(len(names))], values, width, label=_server_name(server))
         axis.set_xticks([x + width * (len(servers) - 1) / 2 for x in range(len(names))])
-        axis.set_xticklabels(names)
+        axis.set_xticklabels([_SYSTEM_NAMES.get(name, name) for name in names])
         axis.set_ylabel("samples/s (median)")
         axis.set_title(title + (" (remote_loader: fused path)" if scenario == "B" else ""))
-        axis.legend()
-    fig.tight_layout()
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(servers), frameon=False)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(path, dpi=100)
     plt.close(fig)
