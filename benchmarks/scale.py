@@ -35,7 +35,7 @@ import numpy as np
 from shaper import PROFILES, relayed  # type: ignore[import-not-found]
 
 from remote_loader.format import Manifest, ShardEntry, ShardTable, ShardWriter
-from remote_loader.pipeline.split import iter_assign
+from remote_loader.pipeline.split import PlanSpans, laps, shard_order, worker_bounds
 from remote_loader.testing.server import EmbeddedS3
 
 PER_SHARD = 1000
@@ -151,8 +151,9 @@ def needed(count: int, layouts: list[tuple[int, int, int]], samples: list[int]) 
     shards = {i // PER_SHARD for i in samples}
     for workers, rank, world in layouts:
         for worker in range(max(1, workers)):
-            spans = iter_assign(counts, seed=0, epoch=0, rank=rank, world_size=world, worker=worker,
-                                num_workers=max(1, workers), equalize=world > 1)
+            low, high = worker_bounds(len(counts) * PER_SHARD, rank=rank, world_size=world, worker=worker,
+                                      num_workers=max(1, workers), equalize=world > 1)
+            spans = PlanSpans(counts, shard_order(count, 0, 0, True), laps(len(counts) * PER_SHARD, low, high))
             for _, span in zip(range(AHEAD), spans, strict=False):
                 shards.add(span.shard)
     return shards

@@ -14,7 +14,6 @@ from remote_loader.pipeline.augment import RandomResizedCrop
 from remote_loader.pipeline.dataset import RemoteDataset
 from remote_loader.storage import Store
 
-DECODES = ("none", "pil", "rrc", "rrc-plain")
 BATCH = 64
 
 

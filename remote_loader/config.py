@@ -6,7 +6,7 @@ import operator
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from remote_loader.errors import ConfigError
@@ -202,10 +202,6 @@ class StorageConfig:
             raise ConfigError("give both access_key and secret_key, or neither (arguments or environment)")
         return cls(**values)  # type: ignore[arg-type]
 
-    def with_endpoint(self, endpoint_url: str) -> StorageConfig:
-        """Return a copy pointing at another endpoint."""
-        return replace(self, endpoint_url=endpoint_url)
-
 
 def _check_seconds(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
@@ -261,7 +257,7 @@ class RetryConfig:
 _RETRY_FIELDS = ("backoff", "max_backoff", "outage_deadline", "first_contact_deadline")
 
 
-@dataclass(frozen=True, init=False)
+@dataclass(frozen=True)
 class FetchConfig:
     """How shards are fetched ahead of use: the shape of the reads and their memory.
 
@@ -297,10 +293,6 @@ class FetchConfig:
         refetch_attempts: Fetches of bytes that fail their checksum before they are
             reported as corrupt (``CorruptShard`` / ``CorruptSampleError``, or skipped).
         retry: How each request is retried (``RetryConfig``).
-
-    The keywords ``max_attempts`` (now ``refetch_attempts``) and ``backoff``,
-    ``max_backoff``, ``outage_deadline``, ``first_contact_deadline`` (now in ``retry``) are
-    still accepted, with a ``DeprecationWarning``, and read back as properties.
     """
 
     part_size: int = 8 * 1024 * 1024
@@ -310,41 +302,11 @@ class FetchConfig:
     refetch_attempts: int = 5
     retry: RetryConfig = field(default_factory=RetryConfig)
 
-    def __init__(
-        self,
-        part_size: int = 8 * 1024 * 1024,
-        concurrency: int = 16,
-        prefetch_bytes: int = 128 * 1024 * 1024,
-        range_bytes: int = 8 * 1024 * 1024,
-        refetch_attempts: int = 5,
-        retry: RetryConfig | None = None,
-        **deprecated: float,
-    ) -> None:
-        unknown = set(deprecated) - {"max_attempts", *_RETRY_FIELDS}
-        if unknown:
-            raise TypeError(f"FetchConfig() got an unexpected keyword argument {sorted(unknown)[0]!r}")
-        if retry is not None and not isinstance(retry, RetryConfig):
-            raise ConfigError(f"retry must be a RetryConfig, got {type(retry).__name__}")
-        if deprecated:
-            import warnings
-
-            warnings.warn(
-                f"FetchConfig({', '.join(sorted(deprecated))}=...) is deprecated: use refetch_attempts"
-                " and retry=RetryConfig(...)",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            refetch_attempts = int(deprecated.pop("max_attempts", refetch_attempts))
-            retry = replace(retry or RetryConfig(), **deprecated)
-        for name, value in (
-            ("part_size", part_size),
-            ("concurrency", concurrency),
-            ("prefetch_bytes", prefetch_bytes),
-            ("range_bytes", range_bytes),
-            ("refetch_attempts", refetch_attempts),
-        ):
-            object.__setattr__(self, name, require_int(name, value, low=1))
-        object.__setattr__(self, "retry", retry or RetryConfig())
+    def __post_init__(self) -> None:
+        for name in ("part_size", "concurrency", "prefetch_bytes", "range_bytes", "refetch_attempts"):
+            object.__setattr__(self, name, require_int(name, getattr(self, name), low=1))
+        if not isinstance(self.retry, RetryConfig):
+            raise ConfigError(f"retry must be a RetryConfig, got {type(self.retry).__name__}")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> FetchConfig:
@@ -359,13 +321,6 @@ class FetchConfig:
         mib = 1 << 20
         ranges = -(-max(self.range_bytes, largest_sample) // mib) * mib
         return max(self.prefetch_bytes, ranges) + (open_shards + 2) * ranges + 8 * mib
-
-    # The deprecated names, read back (one release).
-    max_attempts = property(lambda self: self.refetch_attempts)
-    backoff = property(lambda self: self.retry.backoff)
-    max_backoff = property(lambda self: self.retry.max_backoff)
-    outage_deadline = property(lambda self: self.retry.outage_deadline)
-    first_contact_deadline = property(lambda self: self.retry.first_contact_deadline)
 
 
 def current_world(rank: int | None, world_size: int | None) -> tuple[int, int]:

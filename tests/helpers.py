@@ -85,9 +85,19 @@ def unpickled_count() -> int:
     return unpickled
 
 
+small_images_built = 0
+
+
 def small_images() -> SyntheticImages:
-    """A ``module:function`` source for uploads on a cluster."""
+    """A ``module:function`` source for uploads on a cluster (counted: ``small_images_count``)."""
+    global small_images_built
+    small_images_built += 1
     return SyntheticImages(300, num_classes=7, size=(64, 48))
+
+
+def small_images_count() -> int:
+    """How many times this process built ``small_images``."""
+    return small_images_built
 
 
 class BlockingImages(SyntheticImages):

@@ -106,8 +106,7 @@ def test_make_client_picks_the_backend(tmp_path):
 def test_parse_location():
     assert (parse_location("s3://bkt/a/b/").bucket, parse_location("s3://bkt/a/b/").base_folder) == ("bkt", "a/b")
     assert parse_location("s3://bkt").base_folder == ""
-    with pytest.warns(DeprecationWarning, match="base_folder"):
-        assert parse_location("s3://bkt/a").prefix == "a"  # the old name, for one release
+    assert not hasattr(parse_location("s3://bkt/a"), "prefix")  # one name: base_folder
     local = parse_location("file:///data/bkt/x")
     assert (local.bucket, local.base_folder, str(local)) == ("x", "", "/data/bkt/x")
     with pytest.raises(ConfigError):

@@ -199,7 +199,8 @@ def _server_name(server: str) -> str:
     if not profile:
         return f"{base}, loopback"
     link = PROFILES[profile]
-    return f"{base} across an S3-like link ({link.latency * 1e3:g} ms each way, {link.bandwidth / 1e6:g} MB/s a connection)"
+    return (f"{base} across an S3-like link ({link.latency * 1e3:g} ms each way,"
+            f" {link.bandwidth / 1e6:g} MB/s a connection)")
 
 
 def chart(results: dict[str, Any], path: Path) -> None:

@@ -114,7 +114,7 @@ class RemoteDataset(IterableDataset):
         self._checkpoints = Checkpoints()
         self._orders = EpochOrders()  # shared by the pipeline's copies
         if not unindexed:
-            self._orders.get(self.reader.counts, seed, 0, shuffle_shards)  # before DataLoader workers fork
+            self._orders.prepare(self.reader.counts, seed, 0, shuffle_shards)
 
     def __copy__(self) -> RemoteDataset:
         """A shallow copy with its own view of the checkpoints (what it loaded and its live
@@ -241,7 +241,7 @@ class RemoteDataset(IterableDataset):
             raise ConfigError(f"epoch must be an integer >= 0, got {epoch!r}")
         self._checkpoints.set_epoch(epoch, self._layout())
         if not self.unindexed:
-            self._orders.get(self.reader.counts, self.seed, epoch, self.shuffle_shards)  # before workers fork
+            self._orders.prepare(self.reader.counts, self.seed, epoch, self.shuffle_shards)
 
     def _layout(self) -> Layout:
         """This rank's place in the world now, with the dataset and the stages."""

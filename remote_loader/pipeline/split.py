@@ -54,6 +54,11 @@ class EpochOrders:
     def __getstate__(self) -> dict[str, Any]:
         return {"_last": None}
 
+    def prepare(self, counts: np.ndarray, seed: int, epoch: int, shuffle: bool) -> None:
+        """Make ``epoch``'s order now and keep it: in the main process, before the DataLoader
+        workers that read it fork."""
+        self.get(counts, seed, epoch, shuffle, keep=True)
+
     def get(self, counts: np.ndarray, seed: int, epoch: int, shuffle: bool,
             keep: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """``(order, ends)``: ``shard_order(...)``, and ``cumsum(counts[order])``; kept for
@@ -177,41 +182,6 @@ def _pieces(starts: np.ndarray, stops: np.ndarray, ends: np.ndarray, first: int,
 
 def _bounds(total: int, parts: int, part: int) -> tuple[int, int]:
     return total * part // parts, total * (part + 1) // parts
-
-
-def iter_assign(
-    counts: Sequence[int] | np.ndarray,
-    *,
-    seed: int,
-    epoch: int,
-    rank: int = 0,
-    world_size: int = 1,
-    worker: int = 0,
-    num_workers: int = 1,
-    shuffle: bool = True,
-    equalize: bool = False,
-) -> Iterator[Span]:
-    """The spans of samples worker ``worker`` of rank ``rank`` reads this epoch, in order,
-    each made when it is reached.
-
-    Args:
-        counts: Samples per shard, in manifest order.
-        seed: Seed of the shard order.
-        epoch: The epoch; each epoch has its own order.
-        rank: This process's rank, ``0 <= rank < world_size``.
-        world_size: Number of ranks.
-        worker: This DataLoader worker's id, ``0 <= worker < num_workers``.
-        num_workers: DataLoader workers per rank (1 without workers).
-        shuffle: Shuffle the shard order.
-        equalize: Give every rank the same number of samples by wrapping around.
-    """
-    counts = np.asarray(counts, dtype=np.int64)
-    low, high = worker_bounds(int(counts.sum()), rank=rank, world_size=world_size, worker=worker,
-                              num_workers=num_workers, equalize=equalize)
-    if low == high:
-        return iter(())
-    order = shard_order(len(counts), seed, epoch, shuffle)
-    return iter(PlanSpans(counts, order, laps(int(counts.sum()), low, high)))
 
 
 def worker_bounds(total: int, *, rank: int, world_size: int, worker: int, num_workers: int,

@@ -82,7 +82,7 @@ class Stage(ABC):
         return 1 if self.one_to_one else None
 
     def batch(self) -> tuple[int, bool] | None:
-        """``(size, partial)`` for a stage that groups samples into batches, else None."""
+        """``(size, keep_short)`` for a stage that groups samples into batches, else None."""
         return None
 
     def on_device(self) -> tuple[Any, Any] | None:
@@ -215,24 +215,24 @@ class Select(Stage):
 class Batched(Stage):
     """Groups of ``batchsize`` samples, collated by ``collation_fn``."""
 
-    def __init__(self, batchsize: int, collation_fn: Callable[[list[Any]], Any] | None, partial: bool) -> None:
+    def __init__(self, batchsize: int, collation_fn: Callable[[list[Any]], Any] | None, keep_short: bool) -> None:
         if type(batchsize) is not int or batchsize < 1:
             raise ConfigError(f"batch size must be an integer >= 1, got {batchsize!r}")
         if collation_fn is not None:
             _check_callable(collation_fn, "collation_fn")
-        self.batchsize, self.collation_fn, self.partial = batchsize, collation_fn, bool(partial)
+        self.batchsize, self.collation_fn, self.keep_short = batchsize, collation_fn, bool(keep_short)
 
     def run(self, samples: Iterable[Any], context: Context) -> Iterator[Any]:
-        return batched_stage(samples, self.batchsize, self.collation_fn, self.partial)
+        return batched_stage(samples, self.batchsize, self.collation_fn, self.keep_short)
 
     def outputs(self, inputs: int) -> int | None:
-        return -(-inputs // self.batchsize) if self.partial else inputs // self.batchsize
+        return -(-inputs // self.batchsize) if self.keep_short else inputs // self.batchsize
 
     def group(self) -> int | None:
         return self.batchsize
 
     def batch(self) -> tuple[int, bool] | None:
-        return self.batchsize, self.partial
+        return self.batchsize, self.keep_short
 
 
 # --------------------------------------------------------------------------- the generators stages run
@@ -285,14 +285,14 @@ def _pick(sample: dict[str, Any], choices: list[list[str]]) -> tuple[Any, ...]:
 
 
 def batched_stage(
-    samples: Iterable[Any], batchsize: int, collation_fn: Callable[[list[Any]], Any] | None, partial: bool
+    samples: Iterable[Any], batchsize: int, collation_fn: Callable[[list[Any]], Any] | None, keep_short: bool
 ) -> Iterator[Any]:
-    """Group samples into lists of ``batchsize`` and collate them; keep a short last batch if ``partial``."""
+    """Group samples into lists of ``batchsize`` and collate them; keep a short last batch if ``keep_short``."""
     batch: list[Any] = []
     for sample in samples:
         batch.append(sample)
         if len(batch) == batchsize:
             yield collation_fn(batch) if collation_fn else batch
             batch = []
-    if batch and partial:
+    if batch and keep_short:
         yield collation_fn(batch) if collation_fn else batch

@@ -1,4 +1,5 @@
-"""Storage: one small interface over S3 (boto3 or minio) and local directories."""
+"""Storage: one interface (``Store``: reads, writes, listing) over S3 (boto3 or minio) and
+local directories, and ``RetryingStore``, the retry policy every request goes through."""
 
 from typing import Any
 

@@ -122,10 +122,6 @@ class Store(ABC):
         """
         out[:] = self.get_range(bucket, key, start, end)
 
-    @abstractmethod
-    def get_tail(self, bucket: str, key: str, length: int) -> bytes:
-        """Return the last ``length`` bytes of the object (all of it if shorter)."""
-
     def get_first_bytes(self, bucket: str, key: str, length: int) -> tuple[bytes, int]:
         """Return the first ``length`` bytes of the object (all of it if shorter) and the
         object's size: a reader of a large object learns how to split the rest of it.
@@ -293,12 +289,6 @@ class RangedStore(Store):
         data, content_range = self._read(bucket, key, f"bytes={start}-{end - 1}")
         check_answer(bucket, key, start, end, content_range)
         return check_range(bucket, key, start, end, data[: end - start])
-
-    def get_tail(self, bucket: str, key: str, length: int) -> bytes:
-        if length <= 0:
-            return b""
-        data, content_range = self._read(bucket, key, f"bytes=-{length}")
-        return data if content_range is not None else data[-length:]  # a 200 holds the whole object
 
     def get_range_and_size(self, bucket: str, key: str, start: int, end: int) -> tuple[bytes, int]:
         if end <= start:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -156,12 +155,6 @@ class Location:
     def key(self, name: str) -> str:
         """Return the full key of object ``name`` inside the dataset's folder."""
         return f"{self.base_folder}/{name}" if self.base_folder else name
-
-    @property
-    def prefix(self) -> str:
-        """Deprecated name of ``base_folder`` (one release)."""
-        warnings.warn("Location.prefix is deprecated: use Location.base_folder", DeprecationWarning, stacklevel=2)
-        return self.base_folder
 
     def __str__(self) -> str:
         return self.path or f"s3://{self.bucket}/{self.base_folder}"

@@ -123,14 +123,6 @@ class LocalStore(Store):
             f.seek(start)
             return check_range(bucket, key, start, end, f.read(end - start)), size
 
-    def get_tail(self, bucket: str, key: str, length: int) -> bytes:
-        if length <= 0:
-            return b""
-        path, size = self._open(bucket, key)
-        with path.open("rb") as f:
-            f.seek(max(0, size - length))
-            return f.read()
-
     def head(self, bucket: str, key: str) -> int:
         return self._open(bucket, key)[1]
 

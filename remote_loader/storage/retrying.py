@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from remote_loader.config import RetryConfig
 from remote_loader.errors import EndpointUnreachable, StorageError, TransientStorageError
@@ -176,47 +176,38 @@ class RetryingStore(Store):
     def path_of(self, bucket: str, prefix: str) -> str:
         return self.inner.path_of(bucket, prefix)
 
+    def _call(self, method: str, bucket: str, key: str, *args: Any, **kwargs: Any) -> Any:
+        """``inner.<method>(bucket, key, ...)`` under the retry: every one-request method."""
+        request = partial(getattr(self.inner, method), bucket, key, *args, **kwargs)
+        return self.retry.call(request, bucket=bucket, key=key)
+
     def get(self, bucket: str, key: str) -> bytes:
-        return self.retry.call(partial(self.inner.get, bucket, key), bucket=bucket, key=key)
+        return self._call("get", bucket, key)  # type: ignore[no-any-return]
 
     def get_range(self, bucket: str, key: str, start: int, end: int) -> bytes:
-        return self.retry.call(partial(self.inner.get_range, bucket, key, start, end), bucket=bucket, key=key)
+        return self._call("get_range", bucket, key, start, end)  # type: ignore[no-any-return]
 
     def get_range_into(self, bucket: str, key: str, start: int, end: int, out: memoryview) -> None:
-        self.retry.call(partial(self.inner.get_range_into, bucket, key, start, end, out), bucket=bucket, key=key)
-
-    def get_tail(self, bucket: str, key: str, length: int) -> bytes:
-        return self.retry.call(partial(self.inner.get_tail, bucket, key, length), bucket=bucket, key=key)
+        self._call("get_range_into", bucket, key, start, end, out)
 
     def get_range_and_size(self, bucket: str, key: str, start: int, end: int) -> tuple[bytes, int]:
-        return self.retry.call(partial(self.inner.get_range_and_size, bucket, key, start, end), bucket=bucket, key=key)
+        return self._call("get_range_and_size", bucket, key, start, end)  # type: ignore[no-any-return]
 
     def get_first_bytes(self, bucket: str, key: str, length: int) -> tuple[bytes, int]:
-        return self.retry.call(partial(self.inner.get_first_bytes, bucket, key, length), bucket=bucket, key=key)
+        return self._call("get_first_bytes", bucket, key, length)  # type: ignore[no-any-return]
 
     def head(self, bucket: str, key: str) -> int:
-        return self.retry.call(partial(self.inner.head, bucket, key), bucket=bucket, key=key)
+        return self._call("head", bucket, key)  # type: ignore[no-any-return]
 
     def exists(self, bucket: str, key: str) -> bool:
-        return self.retry.call(partial(self.inner.exists, bucket, key), bucket=bucket, key=key)
+        return self._call("exists", bucket, key)  # type: ignore[no-any-return]
 
     def get_versioned(self, bucket: str, key: str) -> tuple[bytes, str]:
-        return self.retry.call(partial(self.inner.get_versioned, bucket, key), bucket=bucket, key=key)
+        return self._call("get_versioned", bucket, key)  # type: ignore[no-any-return]
 
-    def put(
-        self,
-        bucket: str,
-        key: str,
-        data: bytes | bytearray | memoryview,
-        *,
-        if_none_match: bool = False,
-        if_match: str | None = None,
-    ) -> None:
-        self.retry.call(
-            partial(self.inner.put, bucket, key, data, if_none_match=if_none_match, if_match=if_match),
-            bucket=bucket,
-            key=key,
-        )
+    def put(self, bucket: str, key: str, data: bytes | bytearray | memoryview, *,
+            if_none_match: bool = False, if_match: str | None = None) -> None:
+        self._call("put", bucket, key, data, if_none_match=if_none_match, if_match=if_match)
 
     def open_writer(self, bucket: str, key: str, *, part_size: int = DEFAULT_PART_SIZE) -> ObjectWriter:
         return _RetryingWriter(self.inner.open_writer(bucket, key, part_size=part_size), self.retry)
@@ -242,7 +233,7 @@ class RetryingStore(Store):
             yield found
 
     def delete(self, bucket: str, key: str) -> None:
-        self.retry.call(partial(self.inner.delete, bucket, key), bucket=bucket, key=key)
+        self._call("delete", bucket, key)
 
     def abort_uploads(self, bucket: str, prefix: str = "") -> int:
         return self.retry.call(partial(self.inner.abort_uploads, bucket, prefix), bucket=bucket)

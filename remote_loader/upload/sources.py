@@ -115,8 +115,3 @@ def resolve(dataset: Any) -> Any:
     if dataset.spec not in _built:
         _built[dataset.spec] = load_source(dataset.spec)
     return _built[dataset.spec]
-
-
-def built_count() -> int:
-    """How many datasets this process built from sources (1 per spec at most)."""
-    return len(_built)

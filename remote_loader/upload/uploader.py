@@ -12,7 +12,6 @@ import logging
 import multiprocessing
 import os
 import time
-import warnings
 from concurrent.futures import Executor
 from datetime import datetime, timezone
 from typing import Any
@@ -20,7 +19,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from remote_loader.config import FetchConfig, RetryConfig, require_bool, require_int
+from remote_loader.config import RetryConfig, require_bool, require_int
 from remote_loader.errors import (
     ConfigError,
     UploadError,
@@ -81,7 +80,6 @@ def upload_cv_dataset(
     retry: RetryConfig | None = None,
     overwrite: bool = False,
     progress: bool = True,
-    fetch: FetchConfig | None = None,
 ) -> UploadSummary:
     """Pack a torchvision-style dataset into shards in ``s3://bucket/base_folder/``.
 
@@ -116,7 +114,6 @@ def upload_cv_dataset(
             the old dataset, the manifest is switched in one PUT, and only then are the
             old shards deleted: a failed overwrite leaves the old dataset readable.
         progress: Show a progress bar.
-        fetch: Deprecated: its ``retry`` is used when ``retry`` is not given.
 
     Returns:
         What was uploaded, with throughput.
@@ -136,7 +133,7 @@ def upload_cv_dataset(
     client = as_store(client, bucket)
     location = Location(bucket, base_folder.strip("/"), client.path_of(bucket, base_folder.strip("/")))
     return _upload(ds, client, location, params, EncodeOptions(image_format=image_format, quality=quality),
-                   _retry(retry, fetch), started, workers=workers, executor=executor, part_size=part_size,
+                   _retry(retry), started, workers=workers, executor=executor, part_size=part_size,
                    overwrite=overwrite, progress=progress)
 
 
@@ -242,12 +239,7 @@ def _parameters(
     }
 
 
-def _retry(retry: RetryConfig | None, fetch: FetchConfig | None) -> RetryConfig:
-    if fetch is not None:
-        warnings.warn(
-            "upload_cv_dataset(fetch=...) is deprecated: pass retry=RetryConfig(...)", DeprecationWarning, stacklevel=3
-        )
-        retry = retry or fetch.retry
+def _retry(retry: RetryConfig | None) -> RetryConfig:
     retry = RetryConfig() if retry is None else retry
     if not isinstance(retry, RetryConfig):
         raise ConfigError(f"retry must be a RetryConfig, got {type(retry).__name__}")

@@ -8,12 +8,19 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from remote_loader.pipeline.split import iter_assign, rank_size, shard_order
+from remote_loader.pipeline.split import PlanSpans, laps, rank_size, shard_order, worker_bounds
 
 
-def assign(counts, **split):
-    """``iter_assign``'s spans as a list."""
-    return list(iter_assign(counts, **split))
+def assign(counts, *, seed, epoch, rank=0, world_size=1, worker=0, num_workers=1, shuffle=True, equalize=False):
+    """The spans of shards worker ``worker`` of rank ``rank`` reads in ``epoch``, in order: its
+    positions of the epoch's virtual sequence over that epoch's shard order, as a dataset's
+    iteration cuts them."""
+    counts = np.asarray(counts, dtype=np.int64)
+    low, high = worker_bounds(int(counts.sum()), rank=rank, world_size=world_size, worker=worker,
+                              num_workers=num_workers, equalize=equalize)
+    if low == high:
+        return []
+    return list(PlanSpans(counts, shard_order(len(counts), seed, epoch, shuffle), laps(int(counts.sum()), low, high)))
 
 
 def read(counts, **kwargs):

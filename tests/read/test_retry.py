@@ -71,8 +71,8 @@ def test_a_store_that_answered_once_gets_the_whole_outage_deadline():
 
 def test_deadlines_come_from_the_environment_and_are_checked():
     config = FetchConfig.from_env({"REMOTE_LOADER_OUTAGE_DEADLINE": "60", "REMOTE_LOADER_FIRST_CONTACT_DEADLINE": "5"})
-    assert (config.outage_deadline, config.first_contact_deadline) == (60, 5)
-    assert FetchConfig.from_env({"REMOTE_LOADER_OUTAGE_DEADLINE": "60"}, outage_deadline=7).outage_deadline == 7
+    assert (config.retry.outage_deadline, config.retry.first_contact_deadline) == (60, 5)
+    assert FetchConfig.from_env({"REMOTE_LOADER_OUTAGE_DEADLINE": "60"}, outage_deadline=7).retry.outage_deadline == 7
     with pytest.raises(ConfigError, match="REMOTE_LOADER_OUTAGE_DEADLINE must be a number"):
         FetchConfig.from_env({"REMOTE_LOADER_OUTAGE_DEADLINE": "soon"})
     with pytest.raises(ConfigError, match="first_contact_deadline"):

@@ -5,7 +5,6 @@ drive it have one home, ``RetryConfig``."""
 from __future__ import annotations
 
 import threading
-import warnings
 
 import pytest
 
@@ -32,7 +31,7 @@ def _every_request(store: Store, bucket: str) -> list[object]:
     results: list[object] = [
         bytes(store.get(bucket, "a/one")),
         bytes(store.get_range(bucket, "a/one", 2, 5)),
-        bytes(store.get_tail(bucket, "a/one", 3)),
+        store.get_range_and_size(bucket, "a/one", 7, 10),
         store.get_first_bytes(bucket, "a/big", 4),
         store.head(bucket, "a/big"),
         store.exists(bucket, "a/none"),
@@ -51,7 +50,7 @@ def _every_request(store: Store, bucket: str) -> list[object]:
 EXPECTED = [
     b"abcdefghij",
     b"cde",
-    b"hij",
+    (b"hij", 10),
     (bytes(range(4)), PART + 4),
     PART + 4,
     False,
@@ -95,13 +94,13 @@ def test_a_cancelled_retry_stops_before_the_next_attempt(seaweed):
         store.get("any", "key")
 
 
-def test_the_retry_settings_live_in_retry_config_and_the_old_names_still_work():
+def test_the_retry_settings_live_in_retry_config_and_nowhere_else():
     config = FetchConfig(range_bytes=1 << 20, refetch_attempts=3, retry=RetryConfig(outage_deadline=9))
     assert (config.retry.outage_deadline, config.refetch_attempts, config.range_bytes) == (9, 3, 1 << 20)
-    with pytest.warns(DeprecationWarning, match="refetch_attempts and retry=RetryConfig"):
-        old = FetchConfig(max_attempts=2, outage_deadline=7, backoff=0.5)
-    assert old == FetchConfig(refetch_attempts=2, retry=RetryConfig(outage_deadline=7, backoff=0.5))
-    assert (old.max_attempts, old.outage_deadline, old.backoff) == (2, 7, 0.5)
+    for name in ("max_attempts", "outage_deadline", "backoff"):
+        with pytest.raises(TypeError, match=repr(name)):
+            FetchConfig(**{name: 2})
+        assert not hasattr(config, name)
     with pytest.raises(TypeError, match="'outage'"):
         FetchConfig(outage=3)  # type: ignore[call-arg]
     with pytest.raises(ConfigError, match="retry must be a RetryConfig"):
@@ -112,32 +111,15 @@ def test_the_retry_settings_live_in_retry_config_and_the_old_names_still_work():
         RetryConfig(backoff=-1)
 
 
-def test_an_upload_given_the_old_fetch_argument_warns_and_uses_its_retry(seaweed):
+def test_an_upload_takes_its_retry_settings_as_a_retry_config(seaweed):
     client = seaweed.client()
-    client.create_bucket("retry-deprecated")
-    with pytest.warns(DeprecationWarning, match="retry=RetryConfig"):
-        summary = upload_cv_dataset(
-            SyntheticImages(4, size=(20, 20)),
-            client=client,
-            bucket="retry-deprecated",
-            base_folder="d",
-            workers=0,
-            progress=False,
-            fetch=FetchConfig(retry=RetryConfig(outage_deadline=5)),
-        )
-    assert summary.samples == 4
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        with pytest.raises(ConfigError, match="retry must be a RetryConfig"):
-            upload_cv_dataset(
-                SyntheticImages(4),
-                client=client,
-                bucket="retry-deprecated",
-                base_folder="e",
-                workers=0,
-                progress=False,
-                retry=5,
-            )  # type: ignore[arg-type]
+    client.create_bucket("retry-config")
+    with pytest.raises(TypeError, match="'fetch'"):
+        upload_cv_dataset(SyntheticImages(4), client=client, bucket="retry-config", base_folder="d", workers=0,
+                          progress=False, fetch=FetchConfig())  # type: ignore[call-arg]
+    with pytest.raises(ConfigError, match="retry must be a RetryConfig"):
+        upload_cv_dataset(SyntheticImages(4), client=client, bucket="retry-config", base_folder="e", workers=0,
+                          progress=False, retry=5)  # type: ignore[arg-type]
 
 
 def test_a_listing_rides_out_faults_between_its_pages_and_stays_lazy(seaweed):

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 
 from remote_loader import DatasetReader, UploadError, upload_cv_dataset
-from remote_loader.upload import sources
 from tests import helpers
 
 distributed = pytest.importorskip("distributed")
@@ -78,7 +77,7 @@ def test_a_source_spec_is_built_once_on_each_worker_and_matches_the_local_pool(d
                               maxcount=30, workers=2, progress=False)
     assert summary.samples == local.samples == 300
     assert read_back(store, bucket, "spec") == read_back(store, bucket, "local")
-    assert all(n <= 1 for n in dask_client.run(sources.built_count).values())
+    assert all(n <= 1 for n in dask_client.run(helpers.small_images_count).values())
 
 
 def test_skip_bad_samples_on_the_cluster(dask_client, s3):
