@@ -320,13 +320,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="remote-loader", description="Shard datasets into object storage and read them back."
-    )
-    parser.add_argument("--version", action="version", version=f"remote-loader {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def _upload_parser(sub: Any) -> None:
     p = sub.add_parser("upload", help="pack a dataset into shards in a bucket", formatter_class=_Help)
     p.add_argument("source", help="an image-folder tree (class subfolders) or module:function returning a dataset")
     p.add_argument("url", help="destination, s3://bucket/prefix or a local path")
@@ -351,6 +345,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_upload)
 
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="remote-loader", description="Shard datasets into object storage and read them back."
+    )
+    parser.add_argument("--version", action="version", version=f"remote-loader {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    _upload_parser(sub)
     for name, func, help_text in (
         ("ls", cmd_ls, "list a dataset's shards"),
         ("info", cmd_info, "show a dataset's size, fields and upload parameters"),
@@ -366,12 +369,6 @@ def build_parser() -> argparse.ArgumentParser:
                 action="store_true",
                 help="replace the manifest of a dataset uploaded by remote_loader (drops its parameters)",
             )
-    for name, p in sub.choices.items():
-        _connection(p)
-        p.add_argument("--json", action="store_true", help="print one JSON document on stdout, for scripts")
-        if name != "ls" and name != "info":  # the commands that show a progress bar
-            p.add_argument("--quiet", action="store_true", help="no progress bar")
-
     p = sub.add_parser("bench", help="stream a dataset and say whether storage or decoding limits the rate",
                        formatter_class=_Help)
     p.add_argument("url", help="s3://bucket/prefix or a local path")
@@ -387,10 +384,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--size", type=_count(1), default=224, help="crop size for rrc")
     p.add_argument("--min-size", type=_count(1), default=None, help="reduced-size decoding for pil")
     p.add_argument("--no-verify", action="store_true", help="skip crc32 checks (to measure what they cost)")
-    _connection(p)
-    p.add_argument("--json", action="store_true", help="print one JSON document on stdout, for scripts")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_bench)
+    for name, p in sub.choices.items():
+        _connection(p)
+        p.add_argument("--json", action="store_true", help="print one JSON document on stdout, for scripts")
+        if name != "ls" and name != "info":  # the commands that show a progress bar
+            p.add_argument("--quiet", action="store_true", help="no progress bar")
 
     p = sub.add_parser("serve", help="run an embedded S3 server (SeaweedFS) on 127.0.0.1", formatter_class=_Help)
     p.add_argument("--port", type=_count(1), default=None, help="S3 port (default: a free one)")
