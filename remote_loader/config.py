@@ -266,11 +266,9 @@ class FetchConfig:
     a range ``R`` is ``range_bytes`` or, when one sample is larger, that sample (rounded up
     to whole MiB): ranges being fetched, the ``open_shards`` ranges being read, two free
     buffers kept for reuse, and the heads of the first shards. With the defaults,
-    ``open_shards=4`` and samples under 8 MiB: 184 MiB; with 40 MB samples, 408 MiB. A
-    range holds as many samples as ``range_bytes`` holds at its shard's average sample
-    size: with sizes that vary much within a shard, a range of its largest samples is
-    larger than ``R``. The fetcher starts with 8 GETs in flight and
-    a 32 MiB budget (88 MiB in all) and reaches toward ``concurrency`` and
+    ``open_shards=4`` and samples under 8 MiB: 184 MiB; with 40 MB samples, 408 MiB. Ranges
+    are cut from each shard's index, so this holds for any mix of sample sizes. The fetcher
+    starts with 8 GETs in flight and a 32 MiB budget (88 MiB in all) and reaches toward ``concurrency`` and
     ``prefetch_bytes`` only while the reader waits for bytes and each step brings them in
     faster: across a network, where every GET costs a round trip; it starts there when the
     manifest's first GET took 15 ms or more. At the start of an
@@ -288,8 +286,8 @@ class FetchConfig:
             this is still fetched, alone. A worker's memory for shard data is at most this
             plus the ``open_shards`` ranges it reads.
         range_bytes: Largest range read from one shard at a time: a worker's part of a
-            shard is read as consecutive ranges of about this size (whole samples), so
-            memory does not grow with the shard size.
+            shard is read as consecutive ranges of whole samples of at most this size (a
+            sample larger than that alone), so memory does not grow with the shard size.
         refetch_attempts: Fetches of bytes that fail their checksum before they are
             reported as corrupt (``CorruptShard`` / ``CorruptSampleError``, or skipped).
         retry: How each request is retried (``RetryConfig``).

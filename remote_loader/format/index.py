@@ -150,6 +150,24 @@ class ShardIndex:
         present = offsets[offsets != 0]
         return int(present.min()) if present.size else 0
 
+    def cuts(self, first: int, stop: int, limit: int) -> list[int]:
+        """Boundaries ``[first, ..., stop]`` cutting samples ``[first, stop)`` into runs of
+        consecutive samples whose bytes, from a run's first data byte to its last, are at most
+        ``limit``; a sample larger than ``limit`` is a run of its own. Exact for members
+        written in sample order (ours, WebDataset's); for any other layout no run is larger."""
+        if first >= stop:
+            return [first]
+        offsets, sizes = self.offsets[first:stop], self.sizes[first:stop]
+        starts = np.where(offsets != 0, offsets, np.iinfo(np.uint64).max).min(axis=1)
+        reach = np.maximum.accumulate((offsets + sizes).max(axis=1))  # the furthest end so far
+        lowest = np.minimum.accumulate(starts[::-1])[::-1]  # the lowest start from each sample on
+        bounds, a, n = [first], 0, stop - first
+        while a < n:
+            b = int(np.searchsorted(reach, lowest[a] + np.uint64(limit), side="right"))
+            a = min(max(b, a + 1), n)
+            bounds.append(first + a)
+        return bounds
+
     def encode(self) -> bytes:
         """Serialise to the msgpack bytes stored as the shard's index member."""
         return msgpack.packb(

@@ -147,19 +147,22 @@ class Shuffler:
             yield items.pop()
 
 
-def ranges_in_need(group: Group, offset: int, per: Sequence[int]) -> list[tuple[int, int, int, int]]:
+def ranges_in_need(group: Group, offset: int, bounds: Sequence[Sequence[int]]) -> list[tuple[int, int, int, int]]:
     """The group's ranges from its read ``offset`` on, in the order its reads first need them:
-    ``(read, slot, first, stop)``, the span of slot ``s`` cut into ranges of ``per[s]``
-    samples from where the reads before ``offset`` left it. A reader that opens a slot's
-    next range whenever the slot has read its last one opens them in this order."""
+    ``(read, slot, first, stop)``. ``bounds[s]`` cuts what slot ``s`` has left to read (from
+    where the reads before ``offset`` left it to its span's end) into ranges: their
+    boundaries, sample numbers of its shard. A reader that opens a slot's next range whenever
+    the slot has read its last one opens them in this order."""
     rest = group.labels[offset:]
     cursors = group.cursors(offset)
     needed = []
     for slot, span in enumerate(group.spans):
+        cuts = bounds[slot]
+        if cuts[0] != span.start + int(cursors[slot]) or cuts[-1] != span.end:
+            raise ValueError(f"the ranges of slot {slot} cut {cuts[0]}..{cuts[-1]}, not what it has left to read,"
+                             f" {span.start + int(cursors[slot])}..{span.end}")
         reads = np.flatnonzero(rest == slot)
-        step = per[slot]
-        firsts = range(span.start + int(cursors[slot]), span.end, step)
-        needed += [(int(reads[i * step]), slot, a, min(a + step, span.end)) for i, a in enumerate(firsts)]
+        needed += [(int(reads[a - cuts[0]]), slot, a, b) for a, b in itertools.pairwise(cuts)]
     needed.sort()
     return needed
 

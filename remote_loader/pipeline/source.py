@@ -37,7 +37,7 @@ from remote_loader.pipeline.split import Span
 from remote_loader.read.fetch import Fetched, Job, Prefetcher
 from remote_loader.read.reader import DatasetReader
 from remote_loader.read.retry import RetryPolicy
-from remote_loader.read.shards import IndexCache, OpenRange, RangePlan, TarRead, locate_span
+from remote_loader.read.shards import DAMAGE, IndexCache, OpenRange, RangePlan, TarRead, locate_span
 
 _TRIM_EVERY = 4096  # outputs between trims of the kept positions of past outputs
 _GAP = 2  # samples of a shard between two a resumed buffer needs that are fetched with them (one GET, not two)
@@ -164,27 +164,41 @@ class ShardSource:
     def _jobs(self) -> Iterator[Job[Piece]]:
         yield from self._held_jobs()
         point = self.point
-        for group in groups(self.spans(), self.mixing.open_shards, self.seeds[0], first=point.group):
+        ahead = groups(self.spans(), self.mixing.open_shards, self.seeds[0], first=point.group)
+        group = next(ahead, None)
+        while group is not None:
+            # Ranges are cut from the indexes: this group's are fetched at once, in parallel,
+            # and the next group's while this one is read.
+            self.cache.prefetch(span.shard for span in group.spans)
+            following = next(ahead, None)
+            if following is not None:
+                self.cache.prefetch(span.shard for span in following.spans)
             offset = point.reads - point.group_start if group.index == point.group else 0
             yield from self._group_jobs(group, offset)
+            group = following
 
     def _group_jobs(self, group: Group, offset: int) -> list[Job[Piece]]:
         """The group's ranges from read ``offset`` on, in the order its reads first need them."""
         shards = self.reader.manifest.shards
-        per = [self._per_range(span.shard) for span in group.spans]
+        cursors = group.cursors(offset).tolist()
+        bounds = [self._cuts(span, span.start + cursor) for span, cursor in zip(group.spans, cursors, strict=True)]
         jobs = []
-        for _, slot, first, stop in ranges_in_need(group, offset, per):
+        for _, slot, first, stop in ranges_in_need(group, offset, bounds):
             shard = group.spans[slot].shard
-            # A shard's first sample lies just past its start: fetch from there while its index arrives.
+            # A shard's first sample lies just past its start: fetch from there while the range is located.
             head = (0, int(shards.size[shard])) if first == 0 else None
             jobs.append(Job(self.reader.location.key(shards.names[shard]),
                             partial(_locate, self.cache, shard, first, stop, self.on_error, slot, group.index), head))
         return jobs
 
-    def _per_range(self, shard: int) -> int:
-        """Samples of a shard in a range of about ``range_bytes`` (by the shard's mean sample)."""
-        shards = self.reader.manifest.shards
-        return max(1, self.policy.config.range_bytes * int(shards.samples[shard]) // max(1, int(shards.size[shard])))
+    def _cuts(self, span: Span, first: int) -> list[int]:
+        """Where the ranges of samples ``[first, span.end)`` of the span's shard begin and end:
+        each at most ``range_bytes`` of it, or one sample larger than that (its index says)."""
+        try:
+            index = self.cache.get(span.shard)
+        except DAMAGE:  # one range: locating it reports the damage, or skips the shard
+            return [first, span.end]
+        return index.cuts(first, span.end, self.policy.config.range_bytes)
 
     def _held_jobs(self) -> list[Job[Piece]]:
         """Jobs fetching the samples a resumed shuffle buffer held: per shard, runs of them
@@ -192,14 +206,14 @@ class ShardSource:
         if not self.point.held:
             return []
         shards, samples = (a.tolist() for a in self.locate(np.array(self.point.held, dtype=np.int64)))
+        self.cache.prefetch(set(shards))
         manifest = self.reader.manifest.shards
         runs: list[tuple[int, list[tuple[int, int]]]] = []
         for k in sorted(range(len(shards)), key=lambda k: (shards[k], samples[k])):
             shard, sample = shards[k], samples[k]
-            per = self._per_range(shard)
             if runs and runs[-1][0] == shard and sample - runs[-1][1][-1][0] <= _GAP + 1 \
-                    and sample - runs[-1][1][0][0] < per:
-                runs[-1][1].append((sample, k))
+                    and self._cuts(Span(shard, runs[-1][1][0][0], sample + 1), runs[-1][1][0][0])[1] > sample:
+                runs[-1][1].append((sample, k))  # within the range that starts at the run's first sample
             else:
                 runs.append((shard, [(sample, k)]))
         return [Job(self.reader.location.key(manifest.names[shard]),

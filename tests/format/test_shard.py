@@ -47,6 +47,24 @@ def test_round_trip_is_byte_identical(items):
     assert [s["__key__"] for s in view] == [f"{i:06d}" for i in range(len(items))]
 
 
+@settings(max_examples=100, deadline=None)
+@given(samples, st.integers(1, 9000), st.data())
+def test_cuts_make_the_longest_runs_within_the_limit_or_one_sample(items, limit, data):
+    """Each run's bytes (first data byte to last) are at most ``limit`` unless it is one
+    sample, and no run could take its next sample and stay within it: the fewest GETs."""
+    data_, summary = build(items)
+    index = open_view(data_, summary).index
+    first = data.draw(st.integers(0, len(items)))
+    stop = data.draw(st.integers(first, len(items)))
+    cuts = index.cuts(first, stop, limit)
+    assert cuts[0] == first and cuts[-1] == stop and all(a < b for a, b in zip(cuts, cuts[1:], strict=False))
+    for a, b in zip(cuts, cuts[1:], strict=False):
+        size = index.extent(a, b) - index.start(a, b)
+        assert size <= limit or b == a + 1, (a, b, size, limit)
+        if b < stop:
+            assert index.extent(a, b + 1) - index.start(a, b + 1) > limit  # the next sample would not fit
+
+
 @settings(max_examples=30, deadline=None)
 @given(samples)
 def test_python_tarfile_reads_the_same_members(items):

@@ -250,6 +250,35 @@ def test_range_memory_stays_within_the_documented_sum(seaweed):
     client.close()
 
 
+class _MixedSizes:
+    """40 samples per shard of 10 kB, but for a run of four of 4 MB in each: a shard's
+    average sample (~410 kB) says nothing of its largest."""
+
+    LARGE = 4_000_000
+
+    def __len__(self) -> int:
+        return 160
+
+    JPEG = SyntheticImages(1, size=(16, 16)).encoded(0)
+
+    def __getitem__(self, i: int) -> tuple[bytes, int]:
+        size = self.LARGE if 10 <= i % 40 < 14 else 10_000
+        return self.JPEG + np.random.default_rng(i).bytes(size - len(self.JPEG)), i  # a JPEG, padded
+
+
+def test_range_memory_holds_for_any_mix_of_sample_sizes(seaweed):
+    """Ranges are cut from the index's own offsets, so a run of a shard's largest samples
+    never makes a range larger than range_bytes or one sample: range_memory() holds."""
+    client = seaweed.client()
+    upload_to_new_bucket(client, "memory-mixed", "d", _MixedSizes(), maxcount=40, shuffle=False)
+    fetch = FetchConfig(part_size=1 << 20, range_bytes=1 << 20, prefetch_bytes=2 << 20)
+    dataset = RemoteDataset(client, "memory-mixed", "d", open_shards=2, fetch=fetch).to_tuple("cls")
+    assert sorted(int(label) for (label,) in dataset) == list(range(160))
+    bound = fetch.range_memory(open_shards=2, largest_sample=_MixedSizes.LARGE)
+    assert 0 < dataset.metrics.peak_range_memory <= bound, (dataset.metrics.peak_range_memory, bound)
+    client.close()
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_metrics_of_every_worker_reach_the_main_process(uploaded, num_workers):
     client, bucket, _ = uploaded

@@ -209,8 +209,15 @@ def test_ranges_come_in_the_order_a_reader_opens_them(lengths, per, offset, seed
     spans = list(PlanSpans(counts, np.arange(len(counts)), [(0, int(counts.sum()))]))
     group = next(groups(spans, len(spans), (seed,)))
     start = int(len(group) * offset)
-    needed = ranges_in_need(group, start, [per + slot % 2 for slot in range(len(spans))])
     cursors = group.cursors(start).tolist()
+    rng = random.Random(seed)
+    bounds = []  # ranges of any lengths, as a shard's sample sizes cut them
+    for slot, span in enumerate(spans):
+        cuts = [span.start + cursors[slot]]
+        while cuts[-1] < span.end:
+            cuts.append(min(span.end, cuts[-1] + rng.randint(1, per + slot % 2)))
+        bounds.append(cuts)
+    needed = ranges_in_need(group, start, bounds)
     left = [0] * len(spans)  # samples left in each slot's open range
     opened = []
     for read, slot in enumerate(group.labels[start:].tolist()):
