@@ -34,12 +34,13 @@ from remote_loader.pipeline.order import (
     undelivered_at,
 )
 from remote_loader.pipeline.split import Span
-from remote_loader.read.fetch import Fetched, Job, Prefetcher
+from remote_loader.read.fetch import Fetched, Job, Prefetcher, fetch_head
 from remote_loader.read.reader import DatasetReader
 from remote_loader.read.retry import RetryPolicy
 from remote_loader.read.shards import DAMAGE, IndexCache, OpenRange, RangePlan, TarRead, locate_span
 
 _TRIM_EVERY = 4096  # outputs between trims of the kept positions of past outputs
+_EARLY_HEADS = 4  # shards whose first bytes are fetched before their indexes have come, per iteration
 _GAP = 2  # samples of a shard between two a resumed buffer needs that are fetched with them (one GET, not two)
 
 
@@ -166,6 +167,7 @@ class ShardSource:
         point = self.point
         ahead = groups(self.spans(), self.mixing.open_shards, self.seeds[0], first=point.group)
         group = next(ahead, None)
+        heads = _EARLY_HEADS
         while group is not None:
             # Ranges are cut from the indexes: this group's are fetched at once, in parallel,
             # and the next group's while this one is read.
@@ -174,11 +176,28 @@ class ShardSource:
             if following is not None:
                 self.cache.prefetch(span.shard for span in following.spans)
             offset = point.reads - point.group_start if group.index == point.group else 0
-            yield from self._group_jobs(group, offset)
+            early = self._early_heads(group, offset, heads)
+            heads -= len(early)
+            yield from self._group_jobs(group, offset, early)
             group = following
 
-    def _group_jobs(self, group: Group, offset: int) -> list[Job[Piece]]:
-        """The group's ranges from read ``offset`` on, in the order its reads first need them."""
+    def _early_heads(self, group: Group, offset: int, most: int) -> dict[int, Any]:
+        """While the indexes a group's ranges are cut from are on their way (the first group's,
+        in practice), the first bytes of the shards it starts reading at their first sample,
+        which lies just past the shard's start: ``most`` of them, by slot."""
+        shards = self.reader.manifest.shards
+        cursors = group.cursors(offset).tolist()
+        early = {}
+        for slot, (span, cursor) in enumerate(zip(group.spans, cursors, strict=True)):
+            if len(early) < most and span.start + cursor == 0 and self.cache.cached(span.shard) is None:
+                early[slot] = fetch_head(self.policy, self.reader.location.bucket,
+                                         self.reader.location.key(shards.names[span.shard]), 0,
+                                         int(shards.size[span.shard]))
+        return early
+
+    def _group_jobs(self, group: Group, offset: int, early: dict[int, Any]) -> list[Job[Piece]]:
+        """The group's ranges from read ``offset`` on, in the order its reads first need them;
+        a slot's first range takes the head ``early`` holds for it."""
         shards = self.reader.manifest.shards
         cursors = group.cursors(offset).tolist()
         bounds = [self._cuts(span, span.start + cursor) for span, cursor in zip(group.spans, cursors, strict=True)]
@@ -188,7 +207,8 @@ class ShardSource:
             # A shard's first sample lies just past its start: fetch from there while the range is located.
             head = (0, int(shards.size[shard])) if first == 0 else None
             jobs.append(Job(self.reader.location.key(shards.names[shard]),
-                            partial(_locate, self.cache, shard, first, stop, self.on_error, slot, group.index), head))
+                            partial(_locate, self.cache, shard, first, stop, self.on_error, slot, group.index), head,
+                            early.pop(slot, None) if first == 0 else None))
         return jobs
 
     def _cuts(self, span: Span, first: int) -> list[int]:

@@ -46,6 +46,9 @@ def fetch_range_into(policy: RetryPolicy, bucket: str, key: str, start: int, end
     policy.metrics.add(bytes=end - start)
 
 
+_Head = tuple[int, int, Future[bytes]]  # bytes [start, end) of an object, fetched before their range was located
+
+
 @dataclass
 class Job(Generic[C]):
     """One object to fetch part of; ``locate()`` returns ``(start, end, context)``, the
@@ -56,9 +59,13 @@ class Job(Generic[C]):
     while ``locate()`` is still running (an index GET), saving a round trip.
     """
 
+
     key: str
     locate: Callable[[], tuple[int, int, C]]
     head: tuple[int, int] | None = None
+    early: _Head | None = None
+    """A head its maker fetches already (``fetch_head``), while it waits for the index it
+    needs to make the job: the fetcher then takes that instead of fetching ``head``."""
 
 
 @dataclass
@@ -104,7 +111,6 @@ _LOCATE_AHEAD = 4  # ranges located (index GETs) ahead of the one being queued
 _FIRST_PART = 1 << 20  # the first part of a range is small: its samples are needed first
 _SECOND_PART = 2 << 20  # and the first ranges' second part is not much larger
 _MIN_TAIL = 1 << 20  # a range's last part smaller than this joins the part before: a GET costs a round trip
-_Head = tuple[int, int, Future[bytes]]  # bytes [start, end) of an object, fetched before their range was located
 
 
 class _Slot(Generic[C]):
@@ -226,7 +232,7 @@ class Prefetcher(Generic[C]):
                 if job is None:
                     break
                 slot = _Slot(job)
-                early = self._fetch_head(job) if taken < _LOCATE_AHEAD else None
+                early = job.early or (self._fetch_head(job) if taken < _LOCATE_AHEAD else None)
                 taken += 1
                 pending.append((slot, in_daemon_thread(job.locate), early))
                 with self._lock:
@@ -254,9 +260,7 @@ class Prefetcher(Generic[C]):
     def _fetch_head(self, job: Job[C]) -> _Head | None:
         if job.head is None:
             return None
-        offset, size = job.head
-        stop = size if size - offset < _FIRST_PART + _MIN_TAIL else offset + _FIRST_PART  # a small object whole
-        return offset, stop, in_daemon_thread(partial(fetch_range, self.policy, self.bucket, job.key, offset, stop))
+        return fetch_head(self.policy, self.bucket, job.key, *job.head)
 
     def _submit(self, slot: _Slot[C], start: int, end: int, context: C, early: _Head | None = None) -> None:
         """Queue the parts of a located range. The first ranges start with small parts, so the
@@ -400,3 +404,10 @@ class Prefetcher(Generic[C]):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def fetch_head(policy: RetryPolicy, bucket: str, key: str, offset: int, size: int) -> _Head:
+    """Start fetching the first bytes of a range that starts at ``offset`` of an object of
+    ``size`` bytes (a small object whole), on a daemon thread: before the range is located."""
+    stop = size if size - offset < _FIRST_PART + _MIN_TAIL else offset + _FIRST_PART
+    return offset, stop, in_daemon_thread(partial(fetch_range, policy, bucket, key, offset, stop))
