@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -192,8 +193,10 @@ _SYSTEM_NAMES = {"remote_loader": "remote_loader", "webdataset": "WebDataset", "
 
 def _server_name(server: str) -> str:
     """A legend entry in a reader's words, not the suite's profile names."""
-    from benchmarks.shaper import PROFILES
-
+    benchmarks = str(Path(__file__).resolve().parents[1])  # where shaper.py is
+    if benchmarks not in sys.path:
+        sys.path.append(benchmarks)
+    from shaper import PROFILES
     base, _, profile = server.partition(" via ")
     base = {"seaweedfs": "SeaweedFS", "minio": "MinIO"}.get(base, base)
     if not profile:

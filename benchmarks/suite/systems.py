@@ -248,14 +248,17 @@ def _write_litdata(items: Sequence[tuple[str, int]], target: Target, prefix: str
 
 def loader(name: str, target: Target, prefix: str, scenario: str, workers: int, cache: str,
            setting: str | None = None) -> Iterable[Any]:
+    """System ``name``'s DataLoader (or iterable of batches) for one epoch, set up as its
+    documentation shows, with ``setting`` one of ``settings(name)`` (None where it has none)."""
+    if setting not in settings(name):
+        raise ValueError(f"{name} has no setting {setting!r}; it has {settings(name)}")
     os.environ.update(target.environ())
-    if name == "litdata":
-        return _load_litdata(target, prefix, scenario, workers, cache, setting or "auto")
     return {
         "remote_loader": _load_remote_loader,
         "webdataset": _load_webdataset,
         "streaming": _load_streaming,
-    }[name](target, prefix, scenario, workers, cache)
+        "litdata": _load_litdata,
+    }[name](target, prefix, scenario, workers, cache, setting)
 
 
 def _collate(scenario: str) -> Any:
@@ -267,7 +270,8 @@ def _augment_pair(pair: tuple[Any, Any]) -> tuple[Any, int]:
     return plain_augment(data), int(label)
 
 
-def _load_remote_loader(target: Target, prefix: str, scenario: str, workers: int, cache: str) -> Iterable[Any]:
+def _load_remote_loader(target: Target, prefix: str, scenario: str, workers: int, cache: str,
+                        setting: None) -> Iterable[Any]:
     from torch.utils.data import DataLoader
 
     from remote_loader import RandomResizedCrop, RemoteDataset, make_client
@@ -303,7 +307,8 @@ def _s3_opener(url: str, mode: str = "rb", bufsize: int = 8192, **kw: Any) -> An
     return _S3_CLIENT[1].get_object(Bucket=parts.netloc, Key=parts.path.lstrip("/"))["Body"]
 
 
-def _load_webdataset(target: Target, prefix: str, scenario: str, workers: int, cache: str) -> Iterable[Any]:
+def _load_webdataset(target: Target, prefix: str, scenario: str, workers: int, cache: str,
+                     setting: None) -> Iterable[Any]:
     import webdataset as wds
     from torch.utils.data import DataLoader
 
@@ -326,7 +331,8 @@ def _load_webdataset(target: Target, prefix: str, scenario: str, workers: int, c
     return DataLoader(dataset, batch_size=None, num_workers=workers)
 
 
-def _load_streaming(target: Target, prefix: str, scenario: str, workers: int, cache: str) -> Iterable[Any]:
+def _load_streaming(target: Target, prefix: str, scenario: str, workers: int, cache: str,
+                    setting: None) -> Iterable[Any]:
     import stubs
 
     stubs.install()
@@ -356,7 +362,7 @@ def _load_streaming(target: Target, prefix: str, scenario: str, workers: int, ca
 
 
 def _load_litdata(target: Target, prefix: str, scenario: str, workers: int, cache: str,
-                  batch_decode: str) -> Iterable[Any]:
+                  batch_decode: str | None) -> Iterable[Any]:
     import stubs
 
     stubs.install()

@@ -8,6 +8,7 @@ whose threads the interpreter joins at exit.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from typing import TypeVar
@@ -43,12 +44,13 @@ def in_daemon_thread(call: Callable[[], T], name: str = "remote-loader-request")
 
 
 def map_on_daemon_threads(call: Callable[[T], R], items: Sequence[T], threads: int,
-                          name: str = "remote-loader-request", *, settle: bool = False) -> list[R]:
+                          name: str = "remote-loader-request", *, settle: float = 0.0) -> list[R]:
     """``[call(item) for item in items]``, up to ``threads`` at once on daemon threads.
 
     Once a call fails, or the caller is interrupted (Ctrl-C), no thread starts another item;
-    the caller gets the error without waiting for calls still in a request, or with
-    ``settle`` once the calls already started have ended (Ctrl-C still does not wait).
+    the caller gets the error once the calls already started have ended, or ``settle``
+    seconds after it, whichever comes first (0: at once; Ctrl-C never waits): a call stuck
+    on a hung store does not hold the error back longer than that.
     """
     if len(items) <= 1 or threads <= 1:
         return [call(item) for item in items]
@@ -75,8 +77,9 @@ def map_on_daemon_threads(call: Callable[[T], R], items: Sequence[T], threads: i
         while len(done) < len(workers) and not any(w.exception() is not None for w in done):
             done, _ = wait(workers, timeout=_STEP, return_when=FIRST_EXCEPTION)  # in steps, as wait_result
         stop.set()
-        while settle and len(done) < len(workers):
-            done, _ = wait(workers, timeout=_STEP)
+        deadline = time.monotonic() + settle
+        while len(done) < len(workers) and time.monotonic() < deadline:
+            done, _ = wait(workers, timeout=min(_STEP, max(0.0, deadline - time.monotonic())))
         for worker in done:
             worker.result()  # the first error raises; the threads still in a request are left to end
     finally:

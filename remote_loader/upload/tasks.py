@@ -250,8 +250,10 @@ def write_tasks(
     time on daemon threads; their results, in order.
 
     After an error no other task starts; the tasks already running finish (a re-run keeps
-    them), then the error raises. On Ctrl-C they stop at their next sample and abort their
-    open shard on their own threads, which the caller does not wait for.
+    them), then the error raises, or at the outage deadline if one of them is still stuck
+    (a hung store, a dataset that blocks): it is told to stop and left to end. On Ctrl-C
+    they stop at their next sample and abort their open shard on their own threads, which
+    the caller does not wait for.
 
     Args:
         spec: Settings shared by every task of the upload.
@@ -269,7 +271,7 @@ def write_tasks(
     try:
         return map_on_daemon_threads(
             lambda task: write_task(spec, task[0], task[1], dataset, progress, stop),
-            list(group), TASKS_AT_ONCE, "remote-loader-task", settle=True,
+            list(group), TASKS_AT_ONCE, "remote-loader-task", settle=spec.retry.outage_deadline,
         )
     finally:
         stop.set()  # a task still running: Ctrl-C

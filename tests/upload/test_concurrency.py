@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from remote_loader import DatasetReader, UploadConflict, upload_cv_dataset
+from remote_loader import DatasetReader, RetryConfig, UploadConflict, UploadError, upload_cv_dataset
 from remote_loader.testing.synthetic import SyntheticImages
 from remote_loader.upload.uploader import _ESTIMATE_SAMPLES
 from tests.helpers import PausingImages
@@ -187,3 +187,52 @@ def test_two_uploads_in_one_process_on_threads_keep_their_own_samples(s3):
         stored = {int(s["__key__"]): bytes(s["jpg"]) for s in got}
         assert len(stored) == N
         assert all(stored[k] == source.encoded(k) for k in stored), f"upload {i} holds the other's samples"
+
+
+class _StuckAndBad(SyntheticImages):
+    """Sample ``stuck`` hangs (connected to the test's port until it closes), as a task on a
+    hung store does; sample ``bad`` is not an image, once the other one hangs."""
+
+    def __init__(self, n: int, stuck: int, bad: int, port: int) -> None:
+        super().__init__(n, size=(32, 24))
+        self.stuck, self.bad, self.port = stuck, bad, port
+        self.hanging = threading.Event()
+
+    def __getitem__(self, index: int):  # type: ignore[override]
+        if index == self.stuck:
+            with socket.create_connection(("127.0.0.1", self.port)) as connection:
+                self.hanging.set()
+                connection.recv(1)
+        if index == self.bad:
+            self.hanging.wait(60)
+            return b"not an image", 0
+        return super().__getitem__(index)
+
+
+def test_an_error_is_raised_by_the_outage_deadline_though_a_sibling_task_is_stuck(s3):
+    """The tasks running beside a failed one are waited for (a re-run keeps what they
+    finish), but not past RetryConfig.outage_deadline."""
+    client, bucket = s3
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(60)
+    ds = _StuckAndBad(N, stuck=_ESTIMATE_SAMPLES + 1, bad=_ESTIMATE_SAMPLES + 21, port=listener.getsockname()[1])
+    outcome: dict[str, BaseException] = {}
+
+    def run() -> None:
+        try:
+            _upload(client, bucket, "stuck", ds, shuffle=False, retry=RetryConfig(outage_deadline=1))
+        except BaseException as error:  # noqa: BLE001 - handed to the test
+            outcome["error"] = error
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    connection, _ = listener.accept()  # the stuck task hangs
+    try:
+        thread.join(60)
+        assert not thread.is_alive(), "the upload waited for its stuck task past the outage deadline"
+        error = outcome["error"]
+        assert isinstance(error, UploadError) and error.index == _ESTIMATE_SAMPLES + 21, error
+    finally:
+        connection.close()
+        listener.close()
+        thread.join(60)
