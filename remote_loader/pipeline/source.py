@@ -187,7 +187,7 @@ class ShardSource:
         which lies just past the shard's start: ``most`` of them, by slot."""
         shards = self.reader.manifest.shards
         cursors = group.cursors(offset).tolist()
-        early = {}
+        early: dict[int, Any] = {}
         for slot, (span, cursor) in enumerate(zip(group.spans, cursors, strict=True)):
             if len(early) < most and span.start + cursor == 0 and self.cache.cached(span.shard) is None:
                 early[slot] = fetch_head(self.policy, self.reader.location.bucket,

@@ -182,28 +182,28 @@ class RetryingStore(Store):
         return self.retry.call(request, bucket=bucket, key=key)
 
     def get(self, bucket: str, key: str) -> bytes:
-        return self._call("get", bucket, key)  # type: ignore[no-any-return]
+        return self._call("get", bucket, key)
 
     def get_range(self, bucket: str, key: str, start: int, end: int) -> bytes:
-        return self._call("get_range", bucket, key, start, end)  # type: ignore[no-any-return]
+        return self._call("get_range", bucket, key, start, end)
 
     def get_range_into(self, bucket: str, key: str, start: int, end: int, out: memoryview) -> None:
         self._call("get_range_into", bucket, key, start, end, out)
 
     def get_range_and_size(self, bucket: str, key: str, start: int, end: int) -> tuple[bytes, int]:
-        return self._call("get_range_and_size", bucket, key, start, end)  # type: ignore[no-any-return]
+        return self._call("get_range_and_size", bucket, key, start, end)
 
     def get_first_bytes(self, bucket: str, key: str, length: int) -> tuple[bytes, int]:
-        return self._call("get_first_bytes", bucket, key, length)  # type: ignore[no-any-return]
+        return self._call("get_first_bytes", bucket, key, length)
 
     def head(self, bucket: str, key: str) -> int:
-        return self._call("head", bucket, key)  # type: ignore[no-any-return]
+        return self._call("head", bucket, key)
 
     def exists(self, bucket: str, key: str) -> bool:
-        return self._call("exists", bucket, key)  # type: ignore[no-any-return]
+        return self._call("exists", bucket, key)
 
     def get_versioned(self, bucket: str, key: str) -> tuple[bytes, str]:
-        return self._call("get_versioned", bucket, key)  # type: ignore[no-any-return]
+        return self._call("get_versioned", bucket, key)
 
     def put(self, bucket: str, key: str, data: bytes | bytearray | memoryview, *,
             if_none_match: bool = False, if_match: str | None = None) -> None:
