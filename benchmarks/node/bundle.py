@@ -101,6 +101,9 @@ def source(out: Path, ref: str) -> Path:
     archive = out / "src.tar"
     subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", "--prefix=src/", "-o", str(archive), ref],
                    check=True)
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", ref], check=True, capture_output=True,
+                            text=True).stdout.strip()
+    (out / "commit").write_text(commit + "\n")  # run.sh hands it to run.py: a git archive has no .git
     return archive
 
 

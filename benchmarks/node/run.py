@@ -18,6 +18,9 @@ WebDataset's writer, then streams one shuffled epoch per row, each in a fresh pr
   device="cuda")`` through ``loader()`` (and at 8 workers); WebDataset with 8 workers and
   torchvision's GPU ``decode_jpeg`` of each batch, then a crop, resize and flip per image,
   as its users write it; and both decoders on 2,048 JPEGs held in memory (their ceilings).
+  Without a GPU, where nvImageCodec is installed (the ``gpu`` extra), our B-gpu rows run on
+  its CPU backend (``device="cpu", batched=True``: the same code path, so it runs end to
+  end anywhere); torchvision's need a GPU.
 
 Per row: samples/s, time to the first batch, cores busy (CPU-seconds of the process and
 its workers per second), and the node's memory for the loader: the peak of the sum of PSS
@@ -92,7 +95,8 @@ def _ours_on_gpu(spec: dict) -> Any:
 
     client = make_client(spec["endpoint"], spec["access_key"], spec["secret_key"])
     ds = (RemoteDataset(client, BUCKET, "ours", seed=0).shuffle(SHUFFLE)
-          .decode(RandomResizedCrop(224), device="cuda").to_tuple("jpg", "cls").batched(GPU_BATCH))
+          .decode(RandomResizedCrop(224), device=spec["device"], batched=True).to_tuple("jpg", "cls")
+          .batched(GPU_BATCH))
     return loader(ds) if spec["workers"] is None else loader(ds, num_workers=spec["workers"])
 
 
@@ -143,7 +147,7 @@ def _in_memory(spec: dict) -> Any:
 
     datas = [p.read_bytes() for p in sorted(Path(spec["images"]).glob("*.jpg"))[:IN_MEMORY]]
     crop, rng = RandomResizedCrop(224), np.random.default_rng(0)
-    decoder = DeviceDecoder(crop, torch.device(spec.get("device", "cuda")))
+    decoder = DeviceDecoder(crop, torch.device(spec["device"]))
     for _ in range(4):
         for first in range(0, len(datas), GPU_BATCH):
             chunk = datas[first : first + GPU_BATCH]
@@ -190,7 +194,7 @@ def epoch(spec: dict) -> dict[str, Any]:
         if not first:
             first = time.perf_counter() - started
         del batch
-    if spec["scenario"] == "B-gpu":
+    if spec["scenario"] == "B-gpu" and spec["device"] == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - started
     del stream  # persistent workers end here, and are counted below
@@ -250,20 +254,24 @@ def measure(spec: dict, timeout: float) -> dict[str, Any]:
     return {**json.loads(out.strip().splitlines()[-1]), "peak_pss_mb": peak / 1e6}
 
 
-def rows(cores: int, gpu: bool) -> list[dict[str, Any]]:
-    """The rows, most important first (the GPU's after the defaults and the peers)."""
+def rows(cores: int, device: str | None) -> list[dict[str, Any]]:
+    """The rows, most important first (the GPU's after the defaults and the peers). ``device``:
+    where the B-gpu rows decode (``cuda``; ``cpu``, nvImageCodec's CPU backend, runs ours
+    only: torchvision's GPU decode needs a GPU); None: no B-gpu rows."""
     sweep = sorted({w for w in (4, 8, 16) if w <= cores} | {cores})
     out: list[dict[str, Any]] = []
     for scenario in ("A", "B-fused"):
         out.append({"system": "ours", "scenario": scenario, "workers": None, "threads": 0, "default": True})
     out += [{"system": "webdataset", "scenario": "A", "workers": min(8, cores)},
             {"system": "webdataset", "scenario": "B", "workers": min(16, cores)}]
-    if gpu:
-        out += [{"system": "ours", "scenario": "B-gpu", "workers": None, "threads": 0, "default": True},
-                {"system": "webdataset", "scenario": "B-gpu", "workers": min(8, cores)},
-                {"system": "memory", "scenario": "B-gpu", "workers": 0, "decoder": "ours"},
-                {"system": "memory", "scenario": "B-gpu", "workers": 0, "decoder": "torchvision"},
-                {"system": "ours", "scenario": "B-gpu", "workers": min(8, cores), "threads": 0}]
+    if device:
+        gpu = [{"system": "ours", "scenario": "B-gpu", "workers": None, "threads": 0, "default": True},
+               {"system": "webdataset", "scenario": "B-gpu", "workers": min(8, cores)},
+               {"system": "memory", "scenario": "B-gpu", "workers": 0, "decoder": "ours"},
+               {"system": "memory", "scenario": "B-gpu", "workers": 0, "decoder": "torchvision"},
+               {"system": "ours", "scenario": "B-gpu", "workers": min(8, cores), "threads": 0}]
+        out += [{**row, "device": device} for row in gpu
+                if device == "cuda" or (row["system"] != "webdataset" and row.get("decoder") != "torchvision")]
     for scenario in ("A", "B-fused"):
         out.append({"system": "ours", "scenario": scenario, "workers": 0, "threads": cores})
         for workers in sweep:
@@ -285,23 +293,32 @@ def rows(cores: int, gpu: bool) -> list[dict[str, Any]]:
 
 def name(row: dict[str, Any]) -> str:
     if row["system"] == "memory":
-        return f"{row['decoder']} B-gpu, {IN_MEMORY} JPEGs in memory"
+        return f"{row['decoder']} B-gpu on {row['device']}, {IN_MEMORY} JPEGs in memory"
     workers = "default (loader)" if row.get("default") else f"workers={row['workers']}"
     threads = f", threads={row['threads']}" if row["system"] == "ours" and row.get("threads") else ""
-    return f"{row['system']} {row['scenario']} {workers}{threads}"
+    device = f" on {row['device']}" if row.get("device") else ""
+    return f"{row['system']} {row['scenario']}{device} {workers}{threads}"
 
 
 def environment(cores: int) -> dict[str, Any]:
     import torch
 
     import remote_loader
+    from remote_loader.errors import ConfigError
+    from remote_loader.pipeline.device import nvimgcodec
 
     commit = (BENCHMARKS.parent / ".git").exists() and subprocess.run(
         ["git", "-C", str(BENCHMARKS.parent), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
     ).stdout.strip()
+    try:
+        nvimgcodec()
+        gpu_rows = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: nvImageCodec's CPU backend
+    except ConfigError:
+        gpu_rows = None
     return {"device": device(), "cores": cores, "rank_cores": remote_loader.rank_cores(),
             "python": platform.python_version(), "torch": torch.__version__,
-            "cuda": torch.cuda.is_available(), "remote_loader": remote_loader.__version__, "commit": commit or None}
+            "cuda": torch.cuda.is_available(), "gpu_rows": gpu_rows, "remote_loader": remote_loader.__version__,
+            "commit": commit or os.environ.get("NODE_BENCH_COMMIT") or None}
 
 
 def prepare(images: int, cores: int, folder: Path, server: Any) -> dict[str, Any]:
@@ -395,8 +412,7 @@ def run(args: argparse.Namespace) -> None:
             for warm in ({"system": "ours", "scenario": "A", "workers": 0, "threads": 0},
                          {"system": "webdataset", "scenario": "A", "workers": 0}):
                 measure({**shared, **warm}, timeout=args.budget)  # every object read once: no row reads cold
-            gpu = bool(results["environment"]["cuda"])
-            for row in rows(cores, gpu):
+            for row in rows(cores, results["environment"]["gpu_rows"]):
                 left = args.budget - (time.monotonic() - started) - (60 if args.gil_images else 0)
                 if left < 20:
                     results.setdefault("skipped", []).append(name(row))
