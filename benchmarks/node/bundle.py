@@ -67,9 +67,12 @@ def site(out: Path, python_version: str) -> Path:
 def trim_nvimgcodec(folder: Path, python_version: str) -> None:
     """nvImageCodec's wheel carries its module for every Python and decoders for JPEG 2000,
     TIFF and OpenCV's formats: the node needs one Python's and JPEG's (67 MB less 55)."""
-    tag = "cpython-" + python_version.replace(".", "")
-    for module in folder.glob("nvimgcodec_impl.cpython-*"):
-        if not module.name.startswith(tag + "-"):
+    keep = f"nvimgcodec_impl.cpython-{python_version.replace('.', '')}-"
+    modules = list(folder.glob("nvimgcodec_impl.cpython-*"))
+    if not any(module.name.startswith(keep) for module in modules):
+        sys.exit(f"nvImageCodec's wheel has no module for Python {python_version}: {[m.name for m in modules]}")
+    for module in modules:
+        if not module.name.startswith(keep):
             module.unlink()
     for extension in (folder / "extensions").iterdir():
         if not extension.name.startswith(KEEP_NVIMGCODEC_EXTENSIONS):
