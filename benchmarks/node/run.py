@@ -138,17 +138,19 @@ def _webdataset_on_gpu(spec: dict) -> Any:
 
 def _in_memory(spec: dict) -> Any:
     """Batches of ``GPU_BATCH`` of the first ``IN_MEMORY`` JPEGs, four times over, decoded
-    by one of the two decoders in this thread: the decoder's own ceiling."""
+    by one of the two decoders in this thread: the decoder's own ceiling (on the CPU backend,
+    one batch: its dense resize is for a GPU)."""
     import numpy as np
     import torch
 
     from remote_loader import RandomResizedCrop
     from remote_loader.pipeline.device import DeviceDecoder, EncodedBatch, prepare
 
-    datas = [p.read_bytes() for p in sorted(Path(spec["images"]).glob("*.jpg"))[:IN_MEMORY]]
+    on_gpu = spec["device"] == "cuda"
+    datas = [p.read_bytes() for p in sorted(Path(spec["images"]).glob("*.jpg"))[: IN_MEMORY if on_gpu else GPU_BATCH]]
     crop, rng = RandomResizedCrop(224), np.random.default_rng(0)
     decoder = DeviceDecoder(crop, torch.device(spec["device"]))
-    for _ in range(4):
+    for _ in range(4 if on_gpu else 1):
         for first in range(0, len(datas), GPU_BATCH):
             chunk = datas[first : first + GPU_BATCH]
             if spec["decoder"] == "torchvision":
@@ -264,14 +266,13 @@ def rows(cores: int, device: str | None) -> list[dict[str, Any]]:
         out.append({"system": "ours", "scenario": scenario, "workers": None, "threads": 0, "default": True})
     out += [{"system": "webdataset", "scenario": "A", "workers": min(8, cores)},
             {"system": "webdataset", "scenario": "B", "workers": min(16, cores)}]
-    if device:
-        gpu = [{"system": "ours", "scenario": "B-gpu", "workers": None, "threads": 0, "default": True},
-               {"system": "webdataset", "scenario": "B-gpu", "workers": min(8, cores)},
-               {"system": "memory", "scenario": "B-gpu", "workers": 0, "decoder": "ours"},
-               {"system": "memory", "scenario": "B-gpu", "workers": 0, "decoder": "torchvision"},
-               {"system": "ours", "scenario": "B-gpu", "workers": min(8, cores), "threads": 0}]
-        out += [{**row, "device": device} for row in gpu
-                if device == "cuda" or (row["system"] != "webdataset" and row.get("decoder") != "torchvision")]
+    gpu = [{"system": "ours", "scenario": "B-gpu", "workers": None, "threads": 0, "default": True, "device": device},
+           {"system": "memory", "scenario": "B-gpu", "workers": 0, "decoder": "ours", "device": device}]
+    if device == "cuda":
+        out += [gpu[0], {"system": "webdataset", "scenario": "B-gpu", "workers": min(8, cores), "device": device},
+                gpu[1], {"system": "memory", "scenario": "B-gpu", "workers": 0, "decoder": "torchvision",
+                         "device": device},
+                {"system": "ours", "scenario": "B-gpu", "workers": min(8, cores), "threads": 0, "device": device}]
     for scenario in ("A", "B-fused"):
         out.append({"system": "ours", "scenario": scenario, "workers": 0, "threads": cores})
         for workers in sweep:
@@ -280,6 +281,8 @@ def rows(cores: int, device: str | None) -> list[dict[str, Any]]:
     out += [{"system": "ours", "scenario": "B", "workers": None, "threads": 0, "default": True},
             {"system": "webdataset", "scenario": "A", "workers": min(16, cores)},
             {"system": "webdataset", "scenario": "B", "workers": min(8, cores)}]
+    if device == "cpu":  # the GPU's code path on nvImageCodec's CPU backend: a check that it runs, last
+        out += gpu
     seen: set[tuple[Any, ...]] = set()
     unique = []
     for row in out:  # on fewer cores some set-ups are the same
@@ -293,7 +296,8 @@ def rows(cores: int, device: str | None) -> list[dict[str, Any]]:
 
 def name(row: dict[str, Any]) -> str:
     if row["system"] == "memory":
-        return f"{row['decoder']} B-gpu on {row['device']}, {IN_MEMORY} JPEGs in memory"
+        held = IN_MEMORY if row["device"] == "cuda" else GPU_BATCH
+        return f"{row['decoder']} B-gpu on {row['device']}, {held} JPEGs in memory"
     workers = "default (loader)" if row.get("default") else f"workers={row['workers']}"
     threads = f", threads={row['threads']}" if row["system"] == "ours" and row.get("threads") else ""
     device = f" on {row['device']}" if row.get("device") else ""
