@@ -266,8 +266,9 @@ def rows(cores: int, device: str | None) -> list[dict[str, Any]]:
         out.append({"system": "ours", "scenario": scenario, "workers": None, "threads": 0, "default": True})
     out += [{"system": "webdataset", "scenario": "A", "workers": min(8, cores)},
             {"system": "webdataset", "scenario": "B", "workers": min(16, cores)}]
-    gpu = [{"system": "ours", "scenario": "B-gpu", "workers": None, "threads": 0, "default": True, "device": device},
-           {"system": "memory", "scenario": "B-gpu", "workers": 0, "decoder": "ours", "device": device}]
+    gpu: list[dict[str, Any]] = [
+        {"system": "ours", "scenario": "B-gpu", "workers": None, "threads": 0, "default": True, "device": device},
+        {"system": "memory", "scenario": "B-gpu", "workers": 0, "decoder": "ours", "device": device}]
     if device == "cuda":
         out += [gpu[0], {"system": "webdataset", "scenario": "B-gpu", "workers": min(8, cores), "device": device},
                 gpu[1], {"system": "memory", "scenario": "B-gpu", "workers": 0, "decoder": "torchvision",
