@@ -24,12 +24,6 @@ from remote_loader.read import DatasetReader, Metrics
 from remote_loader.read.heap import release_free_memory
 from remote_loader.storage import Store, open_location
 
-# Bytes of per-shard counts from which an epoch's split gives its freed temporaries back to the
-# OS (tens of MB at a million shards). Below, trimming is not worth it: it returns the last
-# epoch's samples' memory too, which the next epoch takes again at a page fault per 4 KiB,
-# in the copy of each sample's bytes, holding the GIL (a quarter of a 4,000-sample epoch).
-_TRIM_FROM = 1 << 20
-
 
 class RemoteDataset(IterableDataset):
     """Samples of an uploaded dataset, in a fresh shard order every epoch.
@@ -361,8 +355,7 @@ class RemoteDataset(IterableDataset):
         order, ends = self._orders.get(counts, self.seed, epoch, self.shuffle_shards, keep=False)
         spans = PlanSpans(counts, order, iteration.plan.rows, ends)
         del order, ends
-        if counts.nbytes >= _TRIM_FROM:
-            release_free_memory()  # the split's temporaries, so that a worker keeps only its share
+        release_free_memory()  # the split's temporaries, so that a worker keeps only its share
 
         def where(positions: Any) -> Any:  # a resumed buffer's samples, or a failing one's (rare)
             return locate(counts, *self._orders.get(counts, self.seed, epoch, self.shuffle_shards, keep=False),
