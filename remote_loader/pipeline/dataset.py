@@ -219,7 +219,7 @@ class RemoteDataset(IterableDataset):
         """What decodes this pipeline's batches on a device, in the main process, when it
         has ``decode(..., device=...)``; None otherwise. ``loader()`` and
         ``decode_batches()`` use it."""
-        found = next((s.on_device() for s in self.stages if s.on_device()), None)
+        found = next(filter(None, (s.on_device() for s in self.stages)), None)
         if found is None:
             return None
         crop, device = found

@@ -59,7 +59,6 @@ class Job(Generic[C]):
     while ``locate()`` is still running (an index GET), saving a round trip.
     """
 
-
     key: str
     locate: Callable[[], tuple[int, int, C]]
     head: tuple[int, int] | None = None
