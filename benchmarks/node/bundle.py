@@ -6,7 +6,8 @@ A GPU node's image has Python, a CUDA torch, torchvision, numpy and Pillow; the 
 brings the rest, under 60 MB:
 
 - ``site.tar.xz``: the wheels it lacks (remote_loader's dependencies, WebDataset, psutil,
-  py-spy, cryptography for the embedded server's keys, nvImageCodec for the GPU rows) for
+  py-spy, cryptography for the embedded server's keys, nvImageCodec and nvJPEG for the GPU
+  rows) for
   ``--python-version`` on x86_64 Linux, installed into a folder and compressed; botocore
   keeps the data of S3 alone (its models of every AWS service are 30 MB), nvImageCodec
   its JPEG decoders and the node's Python's module;
@@ -38,7 +39,9 @@ LIMIT = 60 * 1024 * 1024
 # has (torch, numpy, pillow), and what the benchmark itself needs.
 WHEELS = ["boto3", "botocore", "s3transfer", "jmespath", "python-dateutil", "six", "urllib3", "msgpack", "tqdm",
           "isal", "simplejpeg", "webdataset", "braceexpand", "pyyaml", "psutil", "py-spy", "cryptography", "cffi",
-          "pycparser", "nvidia-nvimgcodec-cu13"]
+          "pycparser", "nvidia-nvimgcodec-cu13==0.9.0.20", "nvidia-nvjpeg==13.0.2.28"]
+# nvJPEG of CUDA 13.0, as the node's torch (cu130) and driver (580): nvImageCodec's GPU and hardware
+# decoders load it from beside themselves; without it they decode on the CPU.
 KEEP_BOTOCORE_DATA = {"s3", "_retry.json", "endpoints.json", "partitions.json", "sdk-default-configuration.json"}
 KEEP_NVIMGCODEC_EXTENSIONS = ("libnvjpeg_ext", "libjpeg_turbo_ext")  # JPEG on the GPU, and on the CPU
 

@@ -141,15 +141,16 @@ def _in_memory(spec: dict) -> Any:
     by one of the two decoders in this thread: the decoder's own ceiling (on the CPU backend,
     one batch: its dense resize is for a GPU)."""
     import numpy as np
-    import torch
 
     from remote_loader import RandomResizedCrop
-    from remote_loader.pipeline.device import DeviceDecoder, EncodedBatch, prepare
+    from remote_loader.pipeline.device import DeviceDecoder, EncodedBatch, check_device, prepare
 
     on_gpu = spec["device"] == "cuda"
     datas = [p.read_bytes() for p in sorted(Path(spec["images"]).glob("*.jpg"))[: IN_MEMORY if on_gpu else GPU_BATCH]]
     crop, rng = RandomResizedCrop(224), np.random.default_rng(0)
-    decoder = DeviceDecoder(crop, torch.device(spec["device"]))
+    place = check_device(spec["device"], True)
+    assert place is not None
+    decoder = DeviceDecoder(crop, place)
     for _ in range(4 if on_gpu else 1):
         for first in range(0, len(datas), GPU_BATCH):
             chunk = datas[first : first + GPU_BATCH]
@@ -157,6 +158,7 @@ def _in_memory(spec: dict) -> Any:
                 images = torchvision_augment(chunk)
             else:
                 batch = EncodedBatch([prepare(crop, d, rng, str(i), "memory") for i, d in enumerate(chunk)])
+                batch = batch.pin_memory() if on_gpu else batch
                 images, _ = decoder.decode(batch)
             yield images, [0] * len(chunk)
 
@@ -367,6 +369,20 @@ def gil(images: int, budget: float) -> dict[str, Any] | None:
         shutil.rmtree(out.parent, ignore_errors=True)
 
 
+def smoke(shared: dict[str, str], images: Path, out: Path) -> dict[str, Any]:
+    """``smoke.py`` in a fresh process, before any row: its checks, or why it failed."""
+    path = out / "smoke.json"
+    command = [sys.executable, str(HERE / "smoke.py"), "--images", str(images), "--endpoint", shared["endpoint"],
+               "--access-key", shared["access_key"], "--secret-key", shared["secret_key"], "--bucket", BUCKET,
+               "--json", str(path)]
+    try:
+        done = subprocess.run(command, timeout=150, capture_output=True, text=True)
+        print(done.stdout[-6000:], done.stderr[-3000:], flush=True)
+    except subprocess.TimeoutExpired:
+        print("the smoke check took more than 150 s", flush=True)
+    return json.loads(path.read_text()) if path.exists() else {"error": "no result"}
+
+
 def summary(results: dict[str, Any]) -> list[str]:
     """The table, and the default set-up against the best of the sweep per scenario."""
     lines = ["| set-up | samples/s | cores busy | first batch (s) | loader PSS (MB) |", "|---|---|---|---|---|"]
@@ -393,6 +409,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=BENCHMARKS / "results")
     parser.add_argument("--budget", type=float, default=280.0, help="seconds for the whole run")
     parser.add_argument("--gil-images", type=int, default=4000, help="images for gil_cost.py (0: skip it)")
+    parser.add_argument("--gpu-only", action="store_true", help="the smoke check and the B-gpu rows alone")
     args = parser.parse_args()
     if args.epoch:
         print(json.dumps(epoch(json.loads(args.epoch))), flush=True)
@@ -418,7 +435,11 @@ def run(args: argparse.Namespace) -> None:
             for warm in ({"system": "ours", "scenario": "A", "workers": 0, "threads": 0},
                          {"system": "webdataset", "scenario": "A", "workers": 0}):
                 measure({**shared, **warm}, timeout=args.budget)  # every object read once: no row reads cold
-            for row in rows(cores, results["environment"]["gpu_rows"]):
+            results["smoke"] = smoke(shared, folder, args.out)
+            chosen = rows(cores, results["environment"]["gpu_rows"])
+            if args.gpu_only:
+                chosen = [row for row in chosen if row["scenario"] == "B-gpu"]
+            for row in chosen:
                 left = args.budget - (time.monotonic() - started) - (60 if args.gil_images else 0)
                 if left < 20:
                     results.setdefault("skipped", []).append(name(row))

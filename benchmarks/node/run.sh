@@ -4,7 +4,7 @@
 #     bash run.sh [--images 20000] [--out DIR] [--budget 280]      # run.py's options
 #
 # Unpacks the wheels, SeaweedFS's binary and the source next to it (once), then runs
-# benchmarks/node/run.py with the Python that has torch (PYTHON, default python3).
+# benchmarks/node/run.py (its smoke check first) with the Python that has torch (PYTHON, default python3).
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 PYTHON="${PYTHON:-python3}"
@@ -24,17 +24,9 @@ if not os.path.exists(weed):
     os.chmod(weed + ".part", 0o755)
     os.replace(weed + ".part", weed)
 PY
-# nvImageCodec loads libnvjpeg.so.13 by that name: where the image has one only under another
-# (torchvision's wheel vendors it renamed), it is linked by that name into $WORK/lib.
-mkdir -p "$WORK/lib"
-"$PYTHON" - "$WORK/lib" <<'PY' || true
-import glob, os, site, sys
-found = [p for d in site.getsitepackages() for p in glob.glob(os.path.join(d, "**", "libnvjpeg*.so*"), recursive=True)]
-named = os.path.join(sys.argv[1], "libnvjpeg.so.13")
-if found and not any(os.path.basename(p) == "libnvjpeg.so.13" for p in found) and not os.path.exists(named):
-    os.symlink(sorted(found)[0], named)
-PY
-export LD_LIBRARY_PATH="$WORK/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# nvJPEG comes in the bundle (the nvidia-nvjpeg wheel), where nvImageCodec finds it; its folder is
+# named here too, for a loader that looks only there.
+export LD_LIBRARY_PATH="$WORK/site/nvidia/nvjpeg/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export PYTHONPATH="$WORK/src:$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
 export PATH="$WORK/bin:$WORK/site/bin:$PATH"
 export REMOTE_LOADER_BENCH_PHOTOS="$HERE/photos"

@@ -146,20 +146,37 @@ class RandomResizedCrop:
 
     def _jpeg(self, data: Any, rng: np.random.Generator) -> tuple[np.ndarray, tuple[int, int, int, int]]:
         height, width, _, _ = simplejpeg.decode_jpeg_header(data)
-        left, top, right, bottom = self.box(width, height, rng)
+        shrink, box = self._reduced(width, height, self.box(width, height, rng))
+        pixels = simplejpeg.decode_jpeg(data, colorspace="RGB", fastdct=self.fast, fastupsample=self.fast,
+                                        min_width=math.ceil(width / shrink), min_height=math.ceil(height / shrink))
+        return pixels, box
+
+    def _reduced(self, width: int, height: int,
+                 box: tuple[int, int, int, int]) -> tuple[int, tuple[int, int, int, int]]:
+        """The DCT scale a JPEG is decoded at (1, 2, 4 or 8: ``reduced``) and the box on the
+        image so decoded, whose sides are ``ceil(side / shrink)`` pixels."""
+        left, top, right, bottom = box
         shrink = 1
         if self.reduced:
             factor = min(right - left, bottom - top) / self.size
             while shrink < 8 and shrink * 2 <= factor:
                 shrink *= 2
-        pixels = simplejpeg.decode_jpeg(data, colorspace="RGB", fastdct=self.fast, fastupsample=self.fast,
-                                        min_width=math.ceil(width / shrink), min_height=math.ceil(height / shrink))
         if shrink == 1:
-            return pixels, (left, top, right, bottom)
-        sx, sy = pixels.shape[1] / width, pixels.shape[0] / height
-        box = (int(left * sx), int(top * sy), max(int(left * sx) + 1, round(right * sx)),
-               max(int(top * sy) + 1, round(bottom * sy)))
-        return pixels, box
+            return 1, box
+        sx, sy = math.ceil(width / shrink) / width, math.ceil(height / shrink) / height
+        return shrink, (int(left * sx), int(top * sy), max(int(left * sx) + 1, round(right * sx)),
+                        max(int(top * sy) + 1, round(bottom * sy)))
+
+    def source_box(self, width: int, height: int, box: tuple[int, int, int, int]) -> tuple[float, float, float, float]:
+        """The part of a ``width x height`` JPEG that ``decode`` resizes for ``box``, in the
+        image's own pixels: the box itself, or where ``reduced`` decoding moved its edges to
+        the reduced image's pixels, those edges (a decoder at full scale, the GPU's, resizes
+        this to give the same crop)."""
+        shrink, (left, top, right, bottom) = self._reduced(width, height, box)
+        if shrink == 1:
+            return float(box[0]), float(box[1]), float(box[2]), float(box[3])
+        return (float(left * shrink), float(top * shrink), float(min(width, right * shrink)),
+                float(min(height, bottom * shrink)))
 
     def _other(self, data: Any, rng: np.random.Generator) -> tuple[np.ndarray, tuple[int, int, int, int]]:
         image: Image.Image = Image.open(io.BytesIO(data))

@@ -167,7 +167,8 @@ class RemoteDataset(IterableDataset):
         return clone
 
     def decode(self, mode: str | Callable[..., Any] = "pil", *, min_size: int | None = None,
-               threads: int = 0, device: str = "cpu", batched: bool = False) -> RemoteDataset:
+               threads: int = 0, device: str = "cpu", batched: bool = False,
+               cpu_fallback: bool = False) -> RemoteDataset:
         """Decode images (``pil``, ``rgb8``, ``torchrgb``, ``raw`` or a callable) and labels.
 
         ``min_size``: JPEGs are decoded at a reduced scale (1/2, 1/4, 1/8) whose shorter side
@@ -179,10 +180,14 @@ class RemoteDataset(IterableDataset):
         crop (the same crops as on the CPU), ``batched`` gathers them, and ``loader()`` hands
         out batches decoded on the device (docs/gpu.md). ``"auto"``: the GPU where there is
         one (and the ``gpu`` extra), else the CPU. ``batched=True`` with ``device="cpu"`` runs
-        the batched path on nvImageCodec's CPU backend.
+        the batched path on nvImageCodec's CPU backend. ``cuda`` means this process's
+        current GPU (``torch.cuda.current_device()``, the rank's under torchrun): set it
+        first. Which decoder works there is found now, and a GPU stage that would decode on
+        the CPU raises ``ConfigError`` unless ``cpu_fallback=True``.
         """
         require_bool("batched", batched)
-        place = check_device(device, batched)
+        require_bool("cpu_fallback", cpu_fallback)
+        place = check_device(device, batched, cpu_fallback)
         return self._with(stages.Decode(mode, min_size, threads, device=place))
 
     def to_tuple(self, *fields: str) -> RemoteDataset:
@@ -222,8 +227,8 @@ class RemoteDataset(IterableDataset):
         found = next(filter(None, (s.on_device() for s in self.stages)), None)
         if found is None:
             return None
-        crop, device = found
-        return DeviceDecoder(crop, device, skip=self.on_error == "skip", metrics=Metrics(self._metrics[0].numpy()))
+        crop, place = found
+        return DeviceDecoder(crop, place, skip=self.on_error == "skip", metrics=Metrics(self._metrics[0].numpy()))
 
     # ------------------------------------------------------------------ epochs and sizes
 

@@ -11,7 +11,8 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from remote_loader.config import rank_cores, require_bool, require_int
 from remote_loader.errors import ConfigError
-from remote_loader.pipeline.device import DeviceDecoder, decoded_with_states, device_batches
+from remote_loader.pipeline.device import DeviceDecoder, decoded_with_states
+from remote_loader.pipeline.device import collate as device_collate
 
 
 def loader(dataset: IterableDataset, *, num_workers: int | None = None, stateful: bool = False,
@@ -49,6 +50,8 @@ def loader(dataset: IterableDataset, *, num_workers: int | None = None, stateful
                                 "pin_memory": torch.cuda.is_available()}
     if workers:
         settings.update(persistent_workers=True, prefetch_factor=2)
+    if decoder is not None and options.get("batch_size") is not None and not _batches(dataset):
+        settings["collate_fn"] = device_collate  # a DataLoader's batches of samples to decode
     settings.update(options)
     if not stateful:
         inner = DataLoader(dataset, **settings)
@@ -67,16 +70,21 @@ _FETCHING_WORKERS = 4
 fetching and drawing crops, a few cores' work for tens of thousands of images a second."""
 
 
+def _batches(dataset: Any) -> bool:
+    return any(stage.batch() for stage in getattr(dataset, "stages", ()))
+
+
 def _decoder(dataset: Any) -> DeviceDecoder | None:
     batch_decoder = getattr(dataset, "batch_decoder", None)
     return batch_decoder() if callable(batch_decoder) else None
 
 
 class DeviceLoader:
-    """A DataLoader whose batches are decoded on a device as they come (``device.py``):
+    """A DataLoader whose batches are decoded on a device as they come (``device/``):
     iterate it as the DataLoader it wraps, whose other attributes (``num_workers``...) it
     passes through. Its ``state_dict()`` is the wrapped loader's state as of the last batch
-    handed out (the decoding thread draws batches ahead of you)."""
+    handed out (batches are drawn two ahead of you, to decode); ``decoded_on`` says where
+    JPEGs are decoded (``"hardware decoder"``, ``"CUDA"`` or ``"CPU"``)."""
 
     def __init__(self, inner: Any, decoder: DeviceDecoder) -> None:
         self.inner, self.decoder = inner, decoder
@@ -91,6 +99,10 @@ class DeviceLoader:
     def __len__(self) -> int:
         return len(self.inner)
 
+    @property
+    def decoded_on(self) -> str:
+        return self.decoder.decoded_on
+
     def state_dict(self) -> Any:
         return self._state if self._state is not None else self.inner.state_dict()
 
@@ -104,12 +116,16 @@ class DeviceLoader:
         return getattr(self.inner, name)
 
 
-def decode_batches(batches: Iterable[Any], dataset: Any) -> Iterator[Any]:
+def decode_batches(batches: Iterable[Any], dataset: Any) -> DeviceLoader:
     """The batches of a DataLoader of your own over ``dataset`` (a pipeline with
     ``decode(..., device=...)``), decoded on the device as they come, on a thread and CUDA
-    stream of their own: each is ready when handed out. ``loader()`` does this by itself."""
+    stream of their own: each is ready when handed out. ``loader()`` does this by itself.
+
+    Batches are drawn two ahead of the one handed out, so a ``StatefulDataLoader``'s own
+    ``state_dict()`` counts batches you have not had: checkpoint the ``state_dict()`` of
+    what this returns, which is the DataLoader's state as of the last batch handed out."""
     decoder = _decoder(dataset)
     if decoder is None:
         raise ConfigError("decode_batches is for a pipeline with decode(..., device='cuda'): this one decodes on"
                           " the CPU, in its workers, and its batches need nothing more")
-    return device_batches(batches, decoder)
+    return DeviceLoader(batches, decoder)

@@ -86,8 +86,8 @@ class Stage(ABC):
         return None
 
     def on_device(self) -> tuple[Any, Any] | None:
-        """``(crop, device)`` for a stage whose images are decoded later, in batches, on a
-        device (``device.py``), else None."""
+        """``(crop, place)`` for a stage whose images are decoded later, in batches, on a
+        device (``device/``), else None."""
         return None
 
     def __repr__(self) -> str:
@@ -119,7 +119,7 @@ class Decode(Stage):
     """Decode images by ``mode`` and labels. A seeded decoder (``RandomResizedCrop``) gets a
     generator fixed by (seed, epoch, sample key) for every sample. With ``device``, a
     ``RandomResizedCrop``'s images are only prepared here (their crops drawn) and decoded
-    in batches on that device, in the main process (``device.py``)."""
+    in batches on that device, in the main process (``device/``)."""
 
     one_to_one = True
 

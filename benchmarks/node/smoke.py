@@ -1,0 +1,214 @@
+"""The node benchmark's smoke check: the GPU stage on this machine, each check reported
+whatever the others do, in well under 90 s. ``run.py`` runs it first, in a fresh process,
+against the bucket it has just written; without a GPU it checks the same path on
+nvImageCodec's CPU backend.
+
+    python benchmarks/node/smoke.py --images DIR --endpoint URL --access-key K --secret-key S
+        [--bucket node] [--prefix ours] [--json FILE]
+
+- first batch: from the start of this process (CUDA's start-up, the codec's probe) to the
+  first decoded batch of 256 from the bucket, through ``loader()``;
+- ``device="cuda"`` and ``"cuda:0"``: where each resolves, and where JPEGs are decoded
+  (``decoded_on``: the hardware decoder expected on an H100 or H200);
+- crops against the CPU path's, on 256 of the JPEGs: exact settings and the defaults
+  (mean and largest difference, in levels);
+- damaged JPEGs in a batch (cut short, garbage inside the scan, the scan's second half
+  zeroed): raised, skipped, or decoded into garbage (the mean difference from the intact
+  image's crop); and an EXIF-rotated JPEG against the CPU path;
+- an epoch left after one batch with persistent workers, then a whole epoch: its samples;
+- the decoding thread's CPU microseconds per image on 2,048 JPEGs from memory, and the rate
+  (``benchmarks/device_cost.py``).
+"""
+
+from __future__ import annotations
+
+import time
+
+STARTED = time.perf_counter()
+
+import argparse  # noqa: E402
+import io  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import traceback  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+
+def first_batch(args: argparse.Namespace, device: str) -> dict[str, Any]:
+    from remote_loader import RandomResizedCrop, RemoteDataset, loader, make_client
+
+    client = make_client(args.endpoint, args.access_key, args.secret_key)
+    ds = (RemoteDataset(client, args.bucket, args.prefix, seed=0).shuffle(1000)
+          .decode(RandomResizedCrop(224), device=device, batched=True).to_tuple("jpg", "cls").batched(256))
+    batches = loader(ds)
+    images, _ = next(iter(batches))
+    _sync(device)
+    return {"seconds_from_process_start": time.perf_counter() - STARTED, "shape": list(images.shape),
+            "decoded_on": batches.decoded_on, "workers": batches.num_workers}
+
+
+def devices(device: str) -> dict[str, Any]:
+    from remote_loader import RandomResizedCrop
+    from remote_loader.pipeline.device import DeviceDecoder, check_device
+
+    out = {}
+    for name in ((device, f"{device}:0") if device == "cuda" else (device,)):
+        place = check_device(name, True)
+        assert place is not None
+        out[name] = {"resolved": str(place.device), "decoded_on": DeviceDecoder(RandomResizedCrop(8), place).decoded_on}
+    return out
+
+
+def _crops(datas: list[bytes], crop: Any, device: str, skip: bool = False,
+           cpu_too: bool = True) -> tuple[Any, Any, list[int]]:
+    """The CPU path's crops (None without ``cpu_too``) and the device path's, each JPEG's box
+    drawn from its own seed."""
+    import numpy as np
+    import torch
+
+    from remote_loader.pipeline.device import DeviceDecoder, EncodedBatch, check_device, prepare
+
+    cpu = torch.stack([crop.decode(d, np.random.default_rng(i)) for i, d in enumerate(datas)]) if cpu_too else None
+    place = check_device(device, True)
+    assert place is not None
+    batch = EncodedBatch([prepare(crop, d, np.random.default_rng(i), str(i), "smoke") for i, d in enumerate(datas)])
+    images, kept = DeviceDecoder(crop, place, skip=skip).decode(batch)
+    return cpu, images.cpu(), kept
+
+
+def crops(datas: list[bytes], device: str) -> dict[str, Any]:
+    from remote_loader import RandomResizedCrop
+
+    out = {}
+    exact, default = RandomResizedCrop(224, reduced=False, fast=False), RandomResizedCrop(224)
+    for name, crop in (("exact", exact), ("default", default)):
+        cpu, ours, _ = _crops(datas, crop, device)
+        diff = (cpu.int() - ours.int()).abs().float()
+        out[name] = {"mean": float(diff.mean()), "max": float(diff.max()),
+                     "worst_image_mean": float(diff.mean(dim=(1, 2, 3)).max())}
+    return out
+
+
+def damaged(datas: list[bytes], device: str) -> dict[str, Any]:
+    import numpy as np
+
+    from remote_loader import DecodeError, RandomResizedCrop
+
+    good = datas[0]
+    scan = good.find(b"\xff\xda")
+    rng = np.random.default_rng(0)
+    garbage = bytearray(good)
+    noise = rng.integers(0, 255, size=(len(good) - scan) // 3, dtype=np.uint8).tobytes()  # no 0xff: markers kept
+    garbage[scan + 200 : scan + 200 + len(noise)] = noise
+    zeroed = bytearray(good)
+    zeroed[(scan + len(good)) // 2 : len(good) - 2] = bytes(len(good) - 2 - (scan + len(good)) // 2)
+    cases = {"cut short": good[: len(good) // 2], "garbage in the scan": bytes(garbage),
+             "second half zeroed": bytes(zeroed)}
+    crop = RandomResizedCrop(224, reduced=False, fast=False)
+    intact, _, _ = _crops([good], crop, device)
+    out: dict[str, Any] = {}
+    for name, data in cases.items():
+        row: dict[str, Any] = {}
+        try:
+            _, images, kept = _crops([datas[1], data, datas[2]], crop, device, cpu_too=False)
+            row["raised"] = None
+            row["mean_difference_from_intact"] = float((images[1].int() - intact[0].int()).abs().float().mean())
+        except DecodeError as error:
+            row["raised"] = str(error).splitlines()[0]
+            _, images, kept = _crops([datas[1], data, datas[2]], crop, device, skip=True, cpu_too=False)
+            row["kept_with_skip"] = kept
+        out[name] = row
+    return out
+
+
+def exif(datas: list[bytes], device: str) -> dict[str, Any]:
+    from PIL import Image
+
+    from remote_loader import RandomResizedCrop
+
+    image = Image.open(io.BytesIO(datas[3])).convert("RGB")
+    tags = Image.Exif()
+    tags[0x0112] = 6  # rotate 90 degrees clockwise to view
+    buffer = io.BytesIO()
+    image.save(buffer, "JPEG", quality=90, exif=tags.tobytes())
+    width, height = image.size
+    out = {}
+    for name, crop in (("random box", RandomResizedCrop(224, reduced=False, fast=False)),
+                       ("whole image", RandomResizedCrop(224, (1.0, 1.0), (width / height, width / height),
+                                                         reduced=False, fast=False))):
+        cpu, ours, _ = _crops([buffer.getvalue()], crop, device)
+        out[name] = {"mean": float((cpu.int() - ours.int()).abs().float().mean())}
+    return out
+
+
+def early_break(args: argparse.Namespace, device: str) -> dict[str, Any]:
+    import threading
+
+    from remote_loader import RandomResizedCrop, RemoteDataset, loader, make_client
+
+    client = make_client(args.endpoint, args.access_key, args.secret_key)
+    ds = (RemoteDataset(client, args.bucket, args.prefix, seed=0).shuffle(1000)
+          .decode(RandomResizedCrop(64), device=device, batched=True).to_tuple("jpg", "cls").batched(256))
+    batches = loader(ds, num_workers=2, persistent_workers=True)
+    for _ in batches:
+        break
+    samples = sum(len(labels) for _, labels in batches)
+    _sync(device)
+    stages = [t.name for t in threading.enumerate() if t.name.startswith("remote-loader-stage")]
+    total = len(RemoteDataset(client, args.bucket, args.prefix))
+    return {"second_epoch_samples": samples, "dataset_samples": total, "stage_threads_left": stages}
+
+
+def from_memory(datas: list[bytes], device: str) -> dict[str, Any]:
+    sys.path.insert(0, str(HERE.parent))
+    import device_cost
+
+    return device_cost.measure(datas, 256, device)
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--images", type=Path, required=True, help="a folder of the suite's JPEGs")
+    parser.add_argument("--endpoint", required=True)
+    parser.add_argument("--access-key", required=True)
+    parser.add_argument("--secret-key", required=True)
+    parser.add_argument("--bucket", default="node")
+    parser.add_argument("--prefix", default="ours")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    datas = [p.read_bytes() for p in sorted(args.images.glob("*.jpg"))[:2048]]
+    checks: list[tuple[str, Callable[[], Any]]] = [
+        ("first_batch", lambda: first_batch(args, device)), ("devices", lambda: devices(device)),
+        ("crops", lambda: crops(datas[:256], device)), ("damaged", lambda: damaged(datas, device)),
+        ("exif", lambda: exif(datas, device)), ("early_break", lambda: early_break(args, device)),
+        ("from_memory", lambda: from_memory(datas if device == "cuda" else datas[:256], device))]
+    results: dict[str, Any] = {"device": device}
+    for name, check in checks:
+        started = time.perf_counter()
+        try:
+            results[name] = check()
+        except Exception:  # noqa: BLE001 - every check is reported
+            results[name] = {"error": traceback.format_exc()[-1500:]}
+        results[name + "_seconds"] = round(time.perf_counter() - started, 2)
+        print(name, json.dumps(results[name]), flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

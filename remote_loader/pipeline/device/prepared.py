@@ -1,0 +1,110 @@
+"""The worker side of decoding on a device: each JPEG's crop box and flip drawn exactly as
+the CPU path draws them, the bytes checked for a whole JPEG's structure, and a batch's
+JPEGs gathered into one tensor (``EncodedBatch``) that DataLoader shares and pins."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import simplejpeg
+import torch
+from torch.utils.data import default_collate
+
+from remote_loader.errors import DecodeError
+from remote_loader.pipeline.augment import JPEG_MAGIC, RandomResizedCrop
+from remote_loader.pipeline.device.containers import holds
+
+Box = tuple[float, float, float, float]
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """A JPEG whose crop was drawn in a worker, to decode in the main process."""
+
+    data: bytes
+    box: Box  # left, top, right, bottom, in the image's own pixels (fractions where the CPU path's are)
+    flip: bool
+    key: str
+    shard: str
+    problem: str | None = None  # why the bytes are not a whole JPEG: left out of the decode, or DecodeError
+
+
+def prepare(crop: RandomResizedCrop, data: Any, rng: np.random.Generator, key: str, shard: str) -> Any:
+    """What a worker makes of an image field: a JPEG's ``Encoded`` (its box and flip drawn as
+    ``RandomResizedCrop.decode`` draws them: the box, then the flip), or the crop itself,
+    decoded on the CPU, for another format."""
+    if bytes(data[:2]) != JPEG_MAGIC:
+        return crop.decode(data, rng)
+    try:
+        height, width, _, _ = simplejpeg.decode_jpeg_header(data)
+    except ValueError as exc:
+        raise DecodeError(f"sample {key!r} of {shard} is not a decodable image ({exc})"[:300], key=key) from None
+    box = crop.source_box(width, height, crop.box(width, height, rng))
+    flip = bool(crop.flip and rng.random() < 0.5)
+    return Encoded(bytes(data), box, flip, key, shard, structure_problem(data))
+
+
+def structure_problem(data: Any) -> str | None:
+    """What makes ``data`` less than a whole JPEG's structure (no scan, or cut short before
+    its end marker), or None. A GPU's hardware decoder reports an image decoded once it is
+    queued, so a JPEG cut short must be caught before it gets there."""
+    view = memoryview(data)
+    end = len(view)
+    while end > 2 and view[end - 1] == 0:  # padding after the end marker is harmless
+        end -= 1
+    if bytes(view[end - 2 : end]) != b"\xff\xd9":
+        return "it ends before its end-of-image marker"
+    if bytes(data).find(b"\xff\xda", 2) < 0:
+        return "it has no image scan"
+    return None
+
+
+class EncodedBatch:
+    """A batch's images: the JPEGs' bytes in one uint8 tensor (``offsets`` into it), their
+    boxes and flips, and images already decoded (other formats), by position."""
+
+    def __init__(self, items: Sequence[Any]) -> None:
+        jpegs = [(i, item) for i, item in enumerate(items) if isinstance(item, Encoded)]
+        self.size = len(items)
+        self.positions = [i for i, _ in jpegs]
+        lengths = [len(item.data) for _, item in jpegs]
+        self.offsets = np.concatenate(([0], np.cumsum(lengths, dtype=np.int64))).tolist()
+        self.data = torch.empty(self.offsets[-1], dtype=torch.uint8)
+        data = self.data.numpy()
+        for k, (_, item) in enumerate(jpegs):  # one copy of each JPEG, into the tensor DataLoader shares
+            data[self.offsets[k] : self.offsets[k + 1]] = np.frombuffer(item.data, dtype=np.uint8)
+        self.boxes = [item.box for _, item in jpegs]
+        self.flips = [item.flip for _, item in jpegs]
+        self.names = [(item.key, item.shard) for _, item in jpegs]
+        self.problems = [item.problem for _, item in jpegs]
+        self.decoded = {i: item for i, item in enumerate(items) if not isinstance(item, Encoded)}
+
+    def __len__(self) -> int:
+        return self.size
+
+    def jpegs(self) -> list[np.ndarray]:
+        """Each JPEG's bytes, a view into the batch's tensor."""
+        data = self.data.numpy()
+        return [data[a:b] for a, b in zip(self.offsets, self.offsets[1:], strict=False)]
+
+    def pin_memory(self) -> EncodedBatch:
+        """DataLoader's ``pin_memory`` calls this: the bytes in page-locked memory."""
+        self.data = self.data.pin_memory()
+        return self
+
+
+def collate(batch: Sequence[Any]) -> Any:
+    """``default_collate``, with a batch's ``Encoded`` images gathered into an ``EncodedBatch``
+    (position by position in tuples, key by key in dicts)."""
+    first = batch[0]
+    if isinstance(first, Encoded) or (isinstance(first, torch.Tensor) and any(isinstance(b, Encoded) for b in batch)):
+        return EncodedBatch(batch)
+    if isinstance(first, tuple | list) and any(holds(b, Encoded) for b in batch):
+        columns = [collate(list(column)) for column in zip(*batch, strict=True)]
+        return tuple(columns) if isinstance(first, tuple) else columns
+    if isinstance(first, dict) and any(holds(b, Encoded) for b in batch):
+        return {k: collate([b[k] for b in batch]) for k in first}
+    return default_collate(list(batch))
