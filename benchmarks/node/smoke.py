@@ -40,16 +40,84 @@ sys.path.insert(0, str(HERE.parent))
 
 
 def first_batch(args: argparse.Namespace, device: str) -> dict[str, Any]:
+    """The first batch's time from this process's start, and its phases: imports, the chain
+    (``decode`` resolves the device and opens the codec: CUDA's start-up, the probes), the
+    loader, and the batch itself (workers' start, the first shards, the first decode)."""
+    phases = {"start": time.perf_counter() - STARTED}
     from remote_loader import RandomResizedCrop, RemoteDataset, loader, make_client
 
+    phases["imports"] = time.perf_counter() - STARTED
     client = make_client(args.endpoint, args.access_key, args.secret_key)
     ds = (RemoteDataset(client, args.bucket, args.prefix, seed=0).shuffle(1000)
           .decode(RandomResizedCrop(224), device=device, batched=True).to_tuple("jpg", "cls").batched(256))
+    phases["chain"] = time.perf_counter() - STARTED
     batches = loader(ds)
+    phases["loader"] = time.perf_counter() - STARTED
     images, _ = next(iter(batches))
     _sync(device)
-    return {"seconds_from_process_start": time.perf_counter() - STARTED, "shape": list(images.shape),
+    phases["first_batch"] = time.perf_counter() - STARTED
+    return {"seconds_from_process_start": phases, "shape": list(images.shape),
             "decoded_on": batches.decoded_on, "workers": batches.num_workers}
+
+
+def codec_startup(device: str) -> dict[str, Any]:
+    """How long making a decoder of each set of backends and its first decode take (after
+    the first batch: CUDA is up)."""
+    import torch
+
+    from remote_loader.pipeline.device import codec
+
+    if device != "cuda":
+        return {}
+    module, kinds = codec.nvimgcodec(), codec.nvimgcodec().BackendKind
+    out = {}
+    for name, backends in (("hw", [kinds.HW_GPU_ONLY]), ("hw+hybrid", [kinds.HW_GPU_ONLY, kinds.HYBRID_CPU_GPU]),
+                           ("gpu", [kinds.GPU_ONLY]), ("hybrid", [kinds.HYBRID_CPU_GPU])):
+        started = time.perf_counter()
+        made = codec._made(module, torch.cuda.current_device(), backends)
+        out[name] = {"seconds": time.perf_counter() - started, "decodes": made is not None}
+    return out
+
+
+def gil_share(datas: list[bytes], device: str) -> dict[str, Any]:
+    """The share of the GIL the decoding thread leaves to a pure-Python thread beside it:
+    that thread's loops a second while batches decode, over its loops a second alone."""
+    import threading
+
+    import numpy as np
+
+    from remote_loader import RandomResizedCrop
+    from remote_loader.pipeline.device import DeviceDecoder, EncodedBatch, check_device, prepare
+
+    crop = RandomResizedCrop(224)
+    place = check_device(device, True)
+    assert place is not None
+    decoder = DeviceDecoder(crop, place)
+    rng = np.random.default_rng(0)
+    batches = [EncodedBatch([prepare(crop, d, rng, str(i), "m") for i, d in enumerate(datas[f : f + 256])])
+               for f in range(0, len(datas), 256)]
+    batches = [b.pin_memory() for b in batches] if device == "cuda" else batches
+
+    def spin(seconds: float, stop: threading.Event | None = None) -> float:
+        loops, started = 0, time.perf_counter()
+        while (stop is None and time.perf_counter() - started < seconds) or (stop is not None and not stop.is_set()):
+            loops += 1
+        return loops / (time.perf_counter() - started)
+
+    for b in batches[:2]:
+        decoder.decode(b)
+    alone = spin(0.5)
+    stop, rates = threading.Event(), []
+    spinner = threading.Thread(target=lambda: rates.append(spin(0, stop)))
+    spinner.start()
+    started = time.perf_counter()
+    for b in batches:
+        decoder.decode(b)
+    _sync(device)
+    seconds = time.perf_counter() - started
+    stop.set()
+    spinner.join()
+    return {"spinner_share": rates[0] / alone, "rate_with_spinner": len(datas) / seconds}
 
 
 def devices(device: str) -> dict[str, Any]:
@@ -165,10 +233,34 @@ def early_break(args: argparse.Namespace, device: str) -> dict[str, Any]:
 
 
 def from_memory(datas: list[bytes], device: str) -> dict[str, Any]:
-    sys.path.insert(0, str(HERE.parent))
+    """``device_cost.py``'s figures, as the codec runs by default and with its variants: the
+    last batch's images reused, and ``as_tensor`` instead of DLPack (their crops compared)."""
     import device_cost
+    import torch
 
-    return device_cost.measure(datas, 256, device)
+    from remote_loader import RandomResizedCrop
+    from remote_loader.pipeline.device import check_device, open_codec
+
+    place = check_device(device, True)
+    assert place is not None
+    codec = open_codec(place.device)
+    out: dict[str, Any] = {}
+    reference = None
+    for name, reuse, dlpack in (("default", False, True), ("reuse", True, True), ("as_tensor", False, False),
+                                ("default again", False, True)):
+        codec.reuse, codec._dlpack = reuse, dlpack and device == "cuda"
+        out[name] = device_cost.measure(datas, 256, device)
+        crops = _last_crops(datas[:256], device, RandomResizedCrop(224, seed=0))
+        reference = crops if reference is None else reference
+        out[name]["same_crops_as_default"] = bool(torch.equal(crops, reference))
+    codec.reuse, codec._dlpack = False, device == "cuda"
+    return out
+
+
+def _last_crops(datas: list[bytes], device: str, crop: Any) -> Any:
+    """Two batches through the codec (so a reused image is written twice), the second's crops."""
+    _crops(datas[::-1], crop, device, cpu_too=False)
+    return _crops(datas, crop, device, cpu_too=False)[1]
 
 
 def _sync(device: str) -> None:
@@ -193,10 +285,12 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     datas = [p.read_bytes() for p in sorted(args.images.glob("*.jpg"))[:2048]]
     checks: list[tuple[str, Callable[[], Any]]] = [
-        ("first_batch", lambda: first_batch(args, device)), ("devices", lambda: devices(device)),
+        ("first_batch", lambda: first_batch(args, device)), ("codec_startup", lambda: codec_startup(device)),
+        ("devices", lambda: devices(device)),
         ("crops", lambda: crops(datas[:256], device)), ("damaged", lambda: damaged(datas, device)),
         ("exif", lambda: exif(datas, device)), ("early_break", lambda: early_break(args, device)),
-        ("from_memory", lambda: from_memory(datas if device == "cuda" else datas[:256], device))]
+        ("from_memory", lambda: from_memory(datas if device == "cuda" else datas[:256], device)),
+        ("gil_share", lambda: gil_share(datas if device == "cuda" else datas[:256], device))]
     results: dict[str, Any] = {"device": device}
     for name, check in checks:
         started = time.perf_counter()

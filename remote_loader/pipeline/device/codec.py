@@ -95,47 +95,61 @@ def open_codec(device: torch.device, cpu_fallback: bool = False) -> NvImageCodec
 _PROBE = simplejpeg.encode_jpeg(np.full((16, 16, 3), 128, np.uint8), quality=90)
 
 
-def _decodes_on_device(module: Any, index: int, kind: Any) -> bool:
-    """Whether a decoder of this one backend decodes a JPEG into the GPU's memory here."""
+def _made(module: Any, device_id: int, kinds: list[Any], cpu: bool = False) -> Any:
+    """A decoder of these backends (and the CPU's after them, with ``cpu``) that decodes a
+    JPEG into the GPU's memory here; None where it cannot be made or does not."""
+    backends = [module.Backend(k) for k in kinds] + ([module.Backend(module.BackendKind.CPU_ONLY)] if cpu else [])
     try:
-        decoder = module.Decoder(device_id=index, backends=[module.Backend(kind)])
+        decoder = module.Decoder(device_id=device_id, max_num_cpu_threads=rank_cores(), backends=backends)
         image = decoder.decode(module.CodeStream(_PROBE))
-    except RuntimeError:  # "Could not create decoder": the backend's library is missing
-        return False
-    return image is not None and image.buffer_kind == module.ImageBufferKind.STRIDED_DEVICE
+    except RuntimeError:  # "Could not create decoder": a backend's library is missing
+        return None
+    ok = image is not None and image.buffer_kind == module.ImageBufferKind.STRIDED_DEVICE
+    return decoder if ok else None
 
 
 class NvImageCodec:
-    """nvImageCodec's decoder for one device, with the backends that work there, its CPU
-    threads capped at the rank's cores."""
+    """nvImageCodec's decoder for one device, with the backends that work there (the GPU's
+    hardware decoder first, nvJPEG's CUDA decoders for what it does not take: progressive
+    JPEGs, CMYK), its CPU threads capped at the rank's cores."""
 
     def __init__(self, module: Any, device: torch.device, cpu_fallback: bool) -> None:
         self.module, self.device = module, device
-        kinds = module.BackendKind
         if device.type == "cpu":
-            backends, self.decoded_on = [kinds.CPU_ONLY], CPU
+            self.decoded_on = CPU
+            self._decoder: Any = module.Decoder(device_id=module.NVIMGCODEC_DEVICE_CPU_ONLY,
+                                                max_num_cpu_threads=rank_cores(),
+                                                backends=[module.Backend(module.BackendKind.CPU_ONLY)])
         else:
             index = device.index if device.index is not None else torch.cuda.current_device()
-            backends = [k for k in (kinds.HW_GPU_ONLY, kinds.GPU_ONLY, kinds.HYBRID_CPU_GPU)
-                        if _decodes_on_device(module, index, k)]
-            self.decoded_on = HARDWARE if kinds.HW_GPU_ONLY in backends else CUDA
-            if not backends and not cpu_fallback:
-                raise ConfigError(f"decode(device={str(device)!r}) found no GPU JPEG decoder: nvImageCodec could not"
-                                  " load nvJPEG (pip install 'nvidia-nvimgcodec-cu13[nvjpeg]', or the CUDA toolkit's);"
-                                  " pass cpu_fallback=True to decode on the CPU instead")
-            if not backends:
-                self.decoded_on = CPU
-                log.warning("decode(device=%r) decodes JPEGs on the CPU: nvImageCodec could not load nvJPEG",
-                            str(device))
-            if cpu_fallback:
-                backends.append(kinds.CPU_ONLY)
-        device_id = module.NVIMGCODEC_DEVICE_CPU_ONLY if device.type == "cpu" else index
-        self._decoder: Any = module.Decoder(device_id=device_id, max_num_cpu_threads=rank_cores(),
-                                            backends=[module.Backend(k) for k in backends])
+            self._decoder = self._on_gpu(module, index, cpu_fallback)
         self._params = module.DecodeParams(apply_exif_orientation=False, sample_format=module.SampleFormat.P_RGB)
         self._lock = threading.Lock()  # one decode at a time: a thread left from an epoch ended early may still run
         self._dlpack = device.type == "cuda"
+        self.reuse = False  # decode into the last batch's images (measured by benchmarks/node/smoke.py)
+        self._spare: list[Any] = []
         log.info("remote_loader decodes JPEGs on %s: %s", device, self.decoded_on)
+
+    def _on_gpu(self, module: Any, index: int, cpu_fallback: bool) -> Any:
+        """The GPU's decoder, its hardware decoder probed alone first (to say which decodes),
+        then as many of the GPU's backends as can be made together."""
+        kinds = module.BackendKind
+        hardware = _made(module, index, [kinds.HW_GPU_ONLY]) is not None
+        tries = ([kinds.HW_GPU_ONLY, kinds.HYBRID_CPU_GPU], [kinds.HW_GPU_ONLY]) if hardware else \
+            ([kinds.GPU_ONLY, kinds.HYBRID_CPU_GPU], [kinds.HYBRID_CPU_GPU], [kinds.GPU_ONLY])
+        for backends in tries:
+            decoder = _made(module, index, backends, cpu_fallback)
+            if decoder is not None:
+                self.decoded_on = HARDWARE if hardware else CUDA
+                return decoder
+        if not cpu_fallback:
+            raise ConfigError(f"decode(device={str(self.device)!r}) found no GPU JPEG decoder: nvImageCodec could not"
+                              " load nvJPEG (pip install 'nvidia-nvimgcodec-cu13[nvjpeg]', or the CUDA toolkit's);"
+                              " pass cpu_fallback=True to decode on the CPU instead")
+        self.decoded_on = CPU
+        log.warning("decode(device=%r) decodes JPEGs on the CPU: nvImageCodec could not load nvJPEG", str(self.device))
+        return module.Decoder(device_id=index, max_num_cpu_threads=rank_cores(),
+                              backends=[module.Backend(kinds.CPU_ONLY)])
 
     def decode(self, jpegs: Sequence[Any], cuda_stream: int) -> list[torch.Tensor | None]:
         module = self.module
@@ -149,7 +163,13 @@ class NvImageCodec:
         with self._lock:
             if self._decoder is None:
                 raise RuntimeError("the decoder was released: the interpreter is exiting")
-            images = iter(self._decoder.decode(todo, params=self._params, cuda_stream=cuda_stream) if todo else [])
+            # the last batch's images, their memory reused (stream-ordered: they were only read on this stream)
+            spare = self._spare[: len(todo)] if self.reuse and len(self._spare) >= len(todo) else None
+            decoded = self._decoder.decode(todo, images=spare, params=self._params,
+                                           cuda_stream=cuda_stream) if todo else []
+            if self.reuse:
+                self._spare = [image for image in decoded if image is not None]
+        images = iter(decoded)
         return [None if s is None else self._tensor(next(images)) for s in streams]
 
     def _tensor(self, image: Any) -> torch.Tensor | None:

@@ -3,7 +3,10 @@ a few kernels, on the decoder's own CUDA stream; the batch's other fields kept i
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import threading
+import weakref
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -64,6 +67,17 @@ class DeviceDecoder:
         self.codec = codec or open_codec(place.device, place.cpu_fallback)
         self._stream: Any = None
         self._scale: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._busy = threading.Lock()  # held through a whole batch's decode: close() waits for it
+        self._closed = False
+        _LIVE.add(self)
+
+    def close(self) -> None:
+        """Decode nothing more, once a batch under way is done (waiting at most about 2 s):
+        at exit, so no decoding thread is inside torch or the codec while the interpreter
+        tears down (that aborts the process: 'terminate called without an active exception')."""
+        if self._busy.acquire(timeout=_CLOSE_SECONDS):
+            self._closed = True
+            self._busy.release()
 
     @property
     def decoded_on(self) -> str:
@@ -129,6 +143,12 @@ class DeviceDecoder:
         left out by the decoder is left out of the item's other fields too (tensors and
         lists as long as the batch). A sample of a pipeline without ``batched`` is decoded
         as a batch of one (``SKIPPED`` where it is left out). Runs on the decoding thread."""
+        with self._busy:
+            if self._closed:
+                raise RuntimeError("the device decoder is closed: the interpreter is exiting")
+            return self._finish_item(item)
+
+    def _finish_item(self, item: Any) -> Decoded:
         singles = {path for path, _ in leaves(item, Encoded)}
         if singles:
             item = rebuild(item, lambda path, x: EncodedBatch([x]) if path in singles else WALK_ON)
@@ -172,6 +192,16 @@ class DeviceDecoder:
         while pending and (pending[0].event is None or pending[0].event.query()):
             pending.popleft()
         return decoded.item
+
+
+_CLOSE_SECONDS = 2.0
+_LIVE: weakref.WeakSet[DeviceDecoder] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for decoder in list(_LIVE):
+        decoder.close()
 
 
 class _Rebuild:
