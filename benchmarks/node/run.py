@@ -87,6 +87,7 @@ def _ours(spec: dict) -> Any:
 
 
 GPU_BATCH = 256
+SMOKE_SECONDS = 90
 IN_MEMORY = 2048
 
 
@@ -376,10 +377,10 @@ def smoke(shared: dict[str, str], images: Path, out: Path) -> dict[str, Any]:
                "--access-key", shared["access_key"], "--secret-key", shared["secret_key"], "--bucket", BUCKET,
                "--json", str(path)]
     try:
-        done = subprocess.run(command, timeout=150, capture_output=True, text=True)
+        done = subprocess.run(command, timeout=SMOKE_SECONDS, capture_output=True, text=True)
         print(done.stdout[-6000:], done.stderr[-3000:], flush=True)
     except subprocess.TimeoutExpired:
-        print("the smoke check took more than 150 s", flush=True)
+        print(f"the smoke check took more than {SMOKE_SECONDS} s", flush=True)
     return json.loads(path.read_text()) if path.exists() else {"error": "no result"}
 
 

@@ -126,8 +126,6 @@ class NvImageCodec:
         self._params = module.DecodeParams(apply_exif_orientation=False, sample_format=module.SampleFormat.P_RGB)
         self._lock = threading.Lock()  # one decode at a time: a thread left from an epoch ended early may still run
         self._dlpack = device.type == "cuda"
-        self.reuse = False  # decode into the last batch's images (measured by benchmarks/node/smoke.py)
-        self._spare: list[Any] = []
         log.info("remote_loader decodes JPEGs on %s: %s", device, self.decoded_on)
 
     def _on_gpu(self, module: Any, index: int, cpu_fallback: bool) -> Any:
@@ -163,12 +161,7 @@ class NvImageCodec:
         with self._lock:
             if self._decoder is None:
                 raise RuntimeError("the decoder was released: the interpreter is exiting")
-            # the last batch's images, their memory reused (stream-ordered: they were only read on this stream)
-            spare = self._spare[: len(todo)] if self.reuse and len(self._spare) >= len(todo) else None
-            decoded = self._decoder.decode(todo, images=spare, params=self._params,
-                                           cuda_stream=cuda_stream) if todo else []
-            if self.reuse:
-                self._spare = [image for image in decoded if image is not None]
+            decoded = self._decoder.decode(todo, params=self._params, cuda_stream=cuda_stream) if todo else []
         images = iter(decoded)
         return [None if s is None else self._tensor(next(images)) for s in streams]
 

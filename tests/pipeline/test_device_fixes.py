@@ -1,0 +1,286 @@
+"""The device stage's fixes, through nvImageCodec's CPU backend (the GPU's code path): JPEGs
+with an EXIF orientation, normalised images that are not JPEG, the default (reduced, fast)
+crop, pipelines without ``batched``, a StatefulDataLoader of your own resumed, a process
+that exits with a decode under way, an epoch left early on persistent workers; and the
+pure helpers (``chunks``, ``indexed``, ``structure_problem``)."""
+
+from __future__ import annotations
+
+import io
+import itertools
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from PIL import Image
+
+from remote_loader import ConfigError, RandomResizedCrop, RemoteDataset, decode_batches, loader
+from remote_loader.pipeline.device import Encoded, EncodedBatch, nvimgcodec
+from remote_loader.pipeline.device.place import indexed
+from remote_loader.pipeline.device.prepared import structure_problem
+from remote_loader.pipeline.device.resize import chunks
+from remote_loader.testing.synthetic import SyntheticImages
+from tests.helpers import upload_to_new_bucket
+
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+WIDTH, HEIGHT = 160, 120
+PLAIN, ROTATED, MIXED, LARGE = 64, 24, 32, 32  # samples in each bucket
+
+
+class Rotated(SyntheticImages):
+    """``WIDTH x HEIGHT`` JPEGs stored unrotated, with EXIF orientation 6 (shown turned 90°)."""
+
+    def __getitem__(self, index: int):  # type: ignore[override]
+        exif = Image.Exif()
+        exif[0x0112] = 6
+        out = io.BytesIO()
+        self.image(index).resize((WIDTH, HEIGHT)).save(out, "JPEG", quality=90, exif=exif.tobytes())
+        return out.getvalue(), self.label(index)
+
+
+@pytest.fixture(scope="module")
+def client(seaweed):
+    try:
+        nvimgcodec()
+    except ConfigError:
+        pytest.skip("nvImageCodec is not installed (the gpu extra)")
+    store = seaweed.client()
+    upload_to_new_bucket(store, "fixes-plain", "d", SyntheticImages(PLAIN, size=(WIDTH, HEIGHT)), maxcount=16)
+    upload_to_new_bucket(store, "fixes-rotated", "d", Rotated(ROTATED), maxcount=12)
+    mixed = SyntheticImages(MIXED, size=(WIDTH, HEIGHT), formats=("jpeg", "png"))  # odd indexes are PNG
+    upload_to_new_bucket(store, "fixes-mixed", "d", mixed, maxcount=16)
+    upload_to_new_bucket(store, "fixes-large", "d", SyntheticImages(LARGE, size=(400, 300)), maxcount=16)
+    yield store
+    store.close()
+
+
+def crops(client, bucket, crop, field="jpg", **decode):
+    """Every sample's crop by key, through ``loader`` in this process."""
+    ds = RemoteDataset(client, bucket, "d", seed=7).decode(crop, **decode).to_tuple(field, "__key__").batched(8)
+    return {key: image for images, keys in loader(ds, num_workers=0) for image, key in zip(images, keys, strict=True)}
+
+
+def both_paths(client, bucket, crop, field="jpg"):
+    """The CPU path's crops and the device path's (on nvImageCodec's CPU backend), by key."""
+    cpu = crops(client, bucket, crop, field)
+    device = crops(client, bucket, crop, field, device="cpu", batched=True)
+    assert device.keys() == cpu.keys() and len(cpu) > 0
+    return cpu, device
+
+
+def pipeline(client, bucket="fixes-plain", batch=16):
+    crop = RandomResizedCrop(48, reduced=False, fast=False)
+    return (RemoteDataset(client, bucket, "d", seed=7).shuffle(30)
+            .decode(crop, device="cpu", batched=True).to_tuple("jpg", "cls", "__key__").batched(batch))
+
+
+def keys_of(batches):
+    return [key for *_, keys in batches for key in keys]
+
+
+def level_gap(a, b):
+    return (a.int() - b.int()).abs().max().item()
+
+
+# ---------------------------------------------------------------- decoding, against the CPU path
+
+
+def test_a_jpeg_with_an_exif_orientation_is_cropped_as_the_cpu_path_crops_it(client):
+    data, _ = Rotated(1)[0]
+    with Image.open(io.BytesIO(data)) as stored:
+        assert stored.getexif()[0x0112] == 6 and stored.size == (WIDTH, HEIGHT)  # stored unrotated
+    cpu, device = both_paths(client, "fixes-rotated", RandomResizedCrop(48, reduced=False, fast=False))
+    assert len(device) == ROTATED
+    for key, image in device.items():
+        assert image.shape == (3, 48, 48) and level_gap(image, cpu[key]) <= 1, key
+    whole = RandomResizedCrop(48, scale=(1.0, 1.0), ratio=(WIDTH / HEIGHT, WIDTH / HEIGHT), reduced=False, fast=False)
+    assert whole.box(WIDTH, HEIGHT) == (0, 0, WIDTH, HEIGHT)  # the box is the whole, unrotated image
+    cpu, device = both_paths(client, "fixes-rotated", whole)  # no DecodeError: the box fits the decoded image
+    assert all(level_gap(image, cpu[key]) <= 1 for key, image in device.items())
+
+
+def test_normalised_images_that_are_not_jpeg_are_normalised_once(client):
+    crop = RandomResizedCrop(48, reduced=False, fast=False, mean=MEAN, std=STD)
+    cpu, device = both_paths(client, "fixes-mixed", crop, field="jpg;png")
+    pngs = {f"{i:06d}" for i in range(1, MIXED, 2)}  # formats cycle: odd indexes are PNG
+    assert pngs < device.keys()
+    tolerance = 1 / (255 * min(STD)) + 1e-4
+    for key, image in device.items():
+        assert image.dtype == torch.float32 and image.shape == (3, 48, 48)
+        assert (image - cpu[key]).abs().max().item() <= tolerance, (key, key in pngs)
+    spread = torch.stack([device[k] for k in sorted(pngs)])
+    assert spread.min() < -1.8 and spread.max() > 0  # not squeezed into [-2.12, -1.75] by a second pass
+
+
+def test_the_default_crop_is_close_to_the_cpu_paths_reduced_and_fast_decode(client):
+    # A small crop of a large image: the CPU path decodes at 1/4 or 1/8 scale, where its box's
+    # edges move to the reduced image's pixels; the device path takes the same edges (4.3 levels
+    # apart on average, 7.6 at worst, while it took the box as drawn; 1.3 and 5.7 now).
+    crop = RandomResizedCrop(24)
+    assert crop.reduced and crop.fast
+    probe = RandomResizedCrop(24, seed=0)
+    boxes = [probe.box(400, 300) for _ in range(20)]
+    assert any(probe.source_box(400, 300, box) != tuple(map(float, box)) for box in boxes)  # reduced decoding on
+    cpu, device = both_paths(client, "fixes-large", crop)
+    assert len(device) == LARGE
+    gaps = {key: (image.float() - cpu[key].float()).abs().mean().item() for key, image in device.items()}
+    assert sum(gaps.values()) / len(gaps) <= 2, gaps
+    assert max(gaps.values()) <= 8, gaps
+
+
+# ---------------------------------------------------------------- pure helpers
+
+
+def check_chunks(windows, budget):
+    runs = chunks(windows, budget)
+    assert [i for run in runs for i in run] == list(range(len(windows)))  # consecutive, each index once
+    assert all(len(run) > 0 and run.step == 1 for run in runs)
+    for k, run in enumerate(runs):
+        tall, wide = max(windows[i][0] for i in run), max(windows[i][1] for i in run)
+        if len(run) > 1:
+            assert len(run) * tall * wide <= budget, (run, windows, budget)
+        if k + 1 < len(runs):  # a run ends only where the next window would break the budget
+            nxt = windows[runs[k + 1][0]]
+            assert (len(run) + 1) * max(tall, nxt[0]) * max(wide, nxt[1]) > budget
+    for i, (h, w) in enumerate(windows):
+        if h * w > budget:
+            assert range(i, i + 1) in runs  # a window larger than the budget is alone
+    return runs
+
+
+@given(st.lists(st.tuples(st.integers(1, 64), st.integers(1, 64)), max_size=40), st.integers(1, 20_000))
+def test_chunks_keep_each_padded_run_within_the_budget(windows, budget):
+    check_chunks(windows, budget)
+
+
+def test_chunks_in_a_few_cases():
+    assert check_chunks([], 100) == []
+    assert check_chunks([(10, 10)] * 5, 250) == [range(0, 2), range(2, 4), range(4, 5)]
+    assert check_chunks([(5, 5), (100, 100), (5, 5)], 300) == [range(0, 1), range(1, 2), range(2, 3)]
+    assert check_chunks([(4, 2), (2, 4)], 32) == [range(0, 2)]  # 2 x 4 x 4: the padded box, not the sum
+    assert check_chunks([(4, 2), (2, 4)], 31) == [range(0, 1), range(1, 2)]
+
+
+def test_cuda_without_an_index_is_the_current_device_and_an_index_stays():
+    assert indexed(torch.device("cuda"), lambda: 3) == torch.device("cuda", 3)
+    calls = []
+
+    def current():
+        calls.append(None)
+        return 3
+
+    assert indexed(torch.device("cuda:1"), current) == torch.device("cuda", 1)
+    assert calls == []
+
+
+def test_structure_problem_tells_a_whole_jpeg_from_a_broken_one():
+    data = SyntheticImages(1, size=(32, 24)).encoded(0)
+    assert data[:2] == b"\xff\xd8" and data[-2:] == b"\xff\xd9"
+    assert structure_problem(data) is None
+    assert structure_problem(data + bytes(64)) is None  # zero padding after the end marker
+    assert structure_problem(memoryview(data + bytes(3))) is None
+    cut = data[: len(data) // 2]
+    assert cut[-2:] != b"\xff\xd9"
+    assert "end" in (structure_problem(cut) or "")
+    scan = data.find(b"\xff\xda")
+    no_scan = data[:scan] + b"\xff\xd9"
+    assert "scan" in (structure_problem(no_scan) or "")
+    assert structure_problem(b"") is not None and structure_problem(bytes(16)) is not None
+
+
+# ---------------------------------------------------------------- loaders
+
+
+def test_a_device_pipeline_without_batched_is_decoded_by_the_loaders_batches_or_one_by_one(client):
+    def unbatched():
+        crop = RandomResizedCrop(48, reduced=False, fast=False)
+        return (RemoteDataset(client, "fixes-plain", "d", seed=7)
+                .decode(crop, device="cpu", batched=True).to_tuple("jpg", "cls", "__key__"))
+
+    cpu = crops(client, "fixes-plain", RandomResizedCrop(48, reduced=False, fast=False))
+    batches = list(loader(unbatched(), num_workers=0, batch_size=4))
+    assert len(batches) == PLAIN // 4
+    for images, labels, keys in batches:
+        assert isinstance(images, torch.Tensor) and images.dtype == torch.uint8 and images.shape == (4, 3, 48, 48)
+        assert isinstance(labels, torch.Tensor) and labels.shape == (4,) and len(keys) == 4
+        assert all(level_gap(image, cpu[key]) <= 1 for image, key in zip(images, keys, strict=True))
+    assert sorted(keys_of(batches)) == sorted(cpu)
+    samples = list(loader(unbatched(), num_workers=0))
+    assert len(samples) == PLAIN
+    for image, label, key in samples:
+        assert not isinstance(image, Encoded | EncodedBatch)
+        assert isinstance(image, torch.Tensor) and image.dtype == torch.uint8 and image.shape == (3, 48, 48)
+        assert isinstance(label, int) and level_gap(image, cpu[key]) <= 1
+    assert sorted(key for _, _, key in samples) == sorted(cpu)
+
+
+def test_decode_batches_state_resumes_a_stateful_dataloader_of_your_own(client):
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    whole = keys_of(loader(pipeline(client), num_workers=1))
+    assert sorted(whole) == sorted(set(whole)) and len(whole) == PLAIN
+    ds = pipeline(client)
+    batches = decode_batches(stateful.StatefulDataLoader(ds, batch_size=None, num_workers=1), ds)
+    epoch = iter(batches)
+    first = list(itertools.islice(epoch, 2))
+    state = batches.state_dict()
+    epoch.close()
+    again = pipeline(client)
+    resumed = stateful.StatefulDataLoader(again, batch_size=None, num_workers=1)
+    resumed.load_state_dict(state)
+    rest = list(decode_batches(resumed, again))
+    assert len(first) == 2 and all(images.shape == (16, 3, 48, 48) for images, _, _ in first + rest)
+    done = keys_of(first) + keys_of(rest)
+    assert sorted(done) == sorted(whole)  # none missing, none twice
+
+
+EXIT_SCRIPTS = {
+    "dropped": "images, labels = next(iter(decode_batches(DataLoader(ds, batch_size=None), ds)))",
+    "held": "batches = iter(decode_batches(DataLoader(ds, batch_size=None), ds))\nimages, labels = next(batches)",
+}
+
+
+@pytest.mark.parametrize("iterator", sorted(EXIT_SCRIPTS))
+def test_processes_that_take_one_batch_exit_cleanly(client, seaweed, iterator):
+    # "held": the iterator is alive as the script ends, its thread decoding the batches after
+    code = textwrap.dedent(f"""
+        from torch.utils.data import DataLoader
+        from remote_loader import RandomResizedCrop, RemoteDataset, decode_batches, make_client
+        client = make_client({seaweed.endpoint_url!r}, {seaweed.access_key!r}, {seaweed.secret_key!r})
+        ds = RemoteDataset(client, "fixes-plain", "d").decode(RandomResizedCrop(32), device="cpu", batched=True)
+        ds = ds.to_tuple("jpg", "cls").batched(8)
+    """) + EXIT_SCRIPTS[iterator] + "\nprint(tuple(images.shape))\n"
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    runs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env=env) for _ in range(6)]
+    results = []
+    try:
+        for run in runs:
+            out, err = run.communicate(timeout=300)
+            results.append((run.returncode, out, err))
+    finally:
+        for run in runs:
+            if run.poll() is None:
+                run.kill()
+                run.wait()
+    assert [(rc, err) for rc, _, err in results] == [(0, "")] * 6
+    assert all(out.split() == ["(8,", "3,", "32,", "32)"] for _, out, _ in results)
+
+
+def test_an_epoch_left_early_on_persistent_workers_leaves_a_whole_next_epoch_and_no_threads(client):
+    before = set(threading.enumerate())  # another test's thread left in user code is not this one's
+    batches = loader(pipeline(client), num_workers=1, persistent_workers=True)
+    for images, _, keys in batches:
+        assert images.shape == (16, 3, 48, 48) and len(keys) == 16
+        break
+    second = keys_of(batches)
+    assert len(second) == PLAIN and sorted(second) == sorted(f"{i:06d}" for i in range(PLAIN))
+    left = [t for t in threading.enumerate() if t.name.startswith("remote-loader-stage") and t not in before]
+    for thread in left:
+        thread.join(timeout=10)
+    assert not [t.name for t in left if t.is_alive()]
