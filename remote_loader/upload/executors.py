@@ -1,10 +1,11 @@
 """Where an upload's tasks run: in the caller's process, on a process pool of the upload's
 own (whose workers receive the dataset once, at start), or on the caller's executor, such
-as a Dask cluster's (which receives the dataset once per worker, scattered or built there
-from a source spec)."""
+as a Dask cluster's (which receives the dataset once per worker, in a worker plugin, or
+built there from a source spec)."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import queue
 import threading
@@ -42,16 +43,27 @@ def _rate(nbytes: int, bar: tqdm) -> str:
     return f"{nbytes / 1e6:.1f} MB, {nbytes / 1e6 / elapsed:.1f} MB/s"
 
 
-def _ship(executor: Executor, dataset: Any, source: str | None) -> Any:
+def _ship(executor: Executor, dataset: Any, source: str | None) -> tuple[Any, str | None]:
     """What a caller's executor sends with each task so that the dataset reaches each of its
     workers once: the source spec (each worker builds the dataset), or, on a Dask cluster,
-    the dataset scattered once to every worker; any other executor gets the dataset itself."""
+    a token for the dataset sent to every worker in a plugin (whose name comes second, to
+    remove it when the upload ends); any other executor gets the dataset itself."""
     if source is not None:
-        return Source(source)
+        return Source(source), None
     client = getattr(executor, "_client", None)
     if _is_dask(executor) and client is not None:
-        return client.scatter(dataset, broadcast=True, hash=False)
-    return dataset
+        from remote_loader.upload.shipping import ship  # distributed: the dask extra
+
+        return ship(client, dataset)
+    return dataset, None
+
+
+def _unship(executor: Executor, plugin: str) -> None:
+    """Remove the dataset's plugin from the cluster; a cluster gone by now needs nothing."""
+    from remote_loader.upload.shipping import unship
+
+    with contextlib.suppress(Exception):
+        unship(getattr(executor, "_client", None), plugin)
 
 
 def _is_dask(executor: Executor) -> bool:
@@ -131,7 +143,7 @@ def run_tasks(
         )
     assert executor is not None
     bar_progress = _BarProgress(bar)
-    shipped = None if own else _ship(executor, dataset, source)
+    shipped, plugin = (None, None) if own else _ship(executor, dataset, source)
     # Dask names a task by its arguments unless told otherwise, and would hand a re-run of
     # a failed upload the same failures: each submission gets a key of its own.
     unique = {"pure": False} if _is_dask(executor) else {}
@@ -157,6 +169,8 @@ def run_tasks(
                     break
         return results
     finally:
+        if plugin is not None:
+            _unship(executor, plugin)
         if own:
             executor.shutdown(wait=True, cancel_futures=True)
             progress.close()

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from remote_loader.errors import ConfigError
+from remote_loader.errors import ConfigError, UploadError
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp", ".gif")
 
@@ -105,11 +105,33 @@ class Source:
     spec: str
 
 
+@dataclass(frozen=True)
+class Shipped:
+    """A dataset sent to this worker once, by a Dask worker plugin (``shipping.py``)."""
+
+    token: str
+
+
 _built: dict[str, Any] = {}
+_shipped: dict[str, Any] = {}
+
+
+def keep_shipped(token: str, dataset: Any) -> None:
+    _shipped[token] = dataset
+
+
+def drop_shipped(token: str) -> None:
+    _shipped.pop(token, None)
 
 
 def resolve(dataset: Any) -> Any:
-    """The dataset itself, or for a ``Source`` the one this process built from its spec."""
+    """The dataset itself; for a ``Source`` the one this process built from its spec; for a
+    ``Shipped`` the one its plugin left in this worker."""
+    if isinstance(dataset, Shipped):
+        if dataset.token not in _shipped:
+            raise UploadError("this Dask worker has not received the upload's dataset (its worker plugin was"
+                              " removed: the upload ended or was interrupted); re-run the upload")
+        return _shipped[dataset.token]
     if not isinstance(dataset, Source):
         return dataset
     if dataset.spec not in _built:

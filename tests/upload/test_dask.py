@@ -18,15 +18,19 @@ from remote_loader import DatasetReader, UploadError, upload_cv_dataset
 from tests import helpers
 
 distributed = pytest.importorskip("distributed")
+dask = pytest.importorskip("dask")
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def start_cluster() -> tuple[object, object, list[int]]:
     # The scheduler's HTTP server binds a free loopback port; the dashboard is off.
-    cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
-                                       protocol="tcp://", dashboard_address="127.0.0.1:0",
-                                       scheduler_kwargs={"dashboard": False})
+    # Dask's memory manager drops extra replicas of data every 2 s by default; every 50 ms here,
+    # so an upload whose dataset travelled as data would see it dropped and sent again.
+    with dask.config.set({"distributed.scheduler.active-memory-manager.interval": "50ms"}):
+        cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
+                                           protocol="tcp://", dashboard_address="127.0.0.1:0",
+                                           scheduler_kwargs={"dashboard": False})
     client = distributed.Client(cluster)
     pids = [pid for pid in client.run(os.getpid).values()]
     return cluster, client, pids
