@@ -105,7 +105,7 @@ def upload_cv_dataset(
         shuffle: Permute samples before sharding (on by default).
         executor: Run tasks here instead of a new process pool, e.g. a Dask cluster's
             ``dask_client.get_executor()``. The dataset reaches each Dask worker once
-            (scattered, or built there from ``ds`` given as a source spec); any other
+            (in a worker plugin, or built there from ``ds`` given as a source spec); any other
             executor receives it with every task.
         part_size: Multipart part size in bytes.
         retry: How every request is retried (``RetryConfig``: backoff and deadlines); a
