@@ -130,7 +130,8 @@ class Decode(Stage):
         if min_size is not None and (type(min_size) is not int or min_size < 1):
             raise ConfigError(f"min_size must be a positive integer, got {min_size!r}")
         if device is not None and not isinstance(mode, RandomResizedCrop):
-            raise ConfigError(f"decoding on a device ({device}) is for RandomResizedCrop(size); decode {mode!r}"
+            where = getattr(device, "device", device)
+            raise ConfigError(f"decoding on a device ({where}) is for RandomResizedCrop(size); decode {mode!r}"
                               " on the CPU")
         self.mode, self.min_size, self.threads, self.device = mode, min_size, _check_threads(threads), device
         self.seeded = bool(getattr(mode, "seeded", False))

@@ -33,6 +33,20 @@ WIDTH, HEIGHT = 160, 120
 PLAIN, ROTATED, MIXED, LARGE = 64, 24, 32, 32  # samples in each bucket
 
 
+BROKEN_OF, BROKEN = 12, 5
+
+
+class CutShort(SyntheticImages):
+    """JPEGs, one of them (``BROKEN``) cut short inside its scan."""
+
+    def __getitem__(self, index: int):  # type: ignore[override]
+        image, label = super().__getitem__(index)
+        if index == BROKEN:
+            data = self.encoded(index)
+            return data[: data.find(b"\xff\xda") + 20], label
+        return image, label
+
+
 class Rotated(SyntheticImages):
     """``WIDTH x HEIGHT`` JPEGs stored unrotated, with EXIF orientation 6 (shown turned 90°)."""
 
@@ -56,6 +70,7 @@ def client(seaweed):
     mixed = SyntheticImages(MIXED, size=(WIDTH, HEIGHT), formats=("jpeg", "png"))  # odd indexes are PNG
     upload_to_new_bucket(store, "fixes-mixed", "d", mixed, maxcount=16)
     upload_to_new_bucket(store, "fixes-large", "d", SyntheticImages(LARGE, size=(400, 300)), maxcount=16)
+    upload_to_new_bucket(store, "fixes-broken", "d", CutShort(BROKEN_OF, size=(64, 48)), maxcount=8)
     yield store
     store.close()
 
@@ -192,9 +207,73 @@ def test_structure_problem_tells_a_whole_jpeg_from_a_broken_one():
     no_scan = data[:scan] + b"\xff\xd9"
     assert "scan" in (structure_problem(no_scan) or "")
     assert structure_problem(b"") is not None and structure_problem(bytes(16)) is not None
+    for trailer in (b"\n", b"\xff", b"\xff\xff", b"a camera's trailer"):  # bytes after the end marker: whole
+        assert structure_problem(data + trailer) is None, trailer
+
+
+def test_a_jpeg_cut_short_after_an_exif_thumbnail_is_caught():
+    # The thumbnail inside APP1 has a scan and an end marker of its own, before the image's scan.
+    thumbnail = io.BytesIO()
+    Image.new("RGB", (16, 16), (200, 30, 30)).save(thumbnail, "JPEG")
+    exif = Image.Exif()
+    exif[0x0112] = 1
+    tags = exif.tobytes() + thumbnail.getvalue()
+    out = io.BytesIO()
+    SyntheticImages(1, size=(64, 48)).image(0).save(out, "JPEG", exif=tags)
+    data = out.getvalue()
+    first_scan, first_end = data.find(b"\xff\xda"), data.find(b"\xff\xd9")
+    assert first_scan < first_end < data.rfind(b"\xff\xda")  # the thumbnail's scan and end, then the image's scan
+    assert structure_problem(data) is None
+    assert "end" in (structure_problem(data[:-40]) or "")
 
 
 # ---------------------------------------------------------------- loaders
+
+
+def test_a_device_stage_is_checked_for_its_decoder_before_its_device(client):
+    base = RemoteDataset(client, "fixes-plain", "d")
+    for device in ("cuda", "cpu"):  # not "needs CUDA" first, on a machine without a GPU
+        with pytest.raises(ConfigError, match=r"decoding on a device \('(cuda|cpu)'\) is for RandomResizedCrop"):
+            base.decode("pil", device=device, batched=True)
+
+
+def test_a_batch_whose_every_jpeg_is_left_out_is_not_handed_out(client):
+    ds = (RemoteDataset(client, "fixes-broken", "d", seed=7, on_error="skip")
+          .decode(RandomResizedCrop(48), device="cpu", batched=True).to_tuple("jpg", "__key__").batched(1))
+    batches = list(loader(ds, num_workers=0))
+    assert sorted(k for _, keys in batches for k in keys) == [f"{i:06d}" for i in range(BROKEN_OF) if i != BROKEN]
+    assert all(len(images) == len(keys) == 1 for images, keys in batches)
+    assert ds.metrics.skipped == 1
+
+
+def test_images_that_are_not_jpeg_go_through_the_device_batch_too(client):
+    # A batch of PNGs alone must reach the device like a batch of JPEGs (it stayed on the CPU).
+    from remote_loader.pipeline.device import DeviceDecoder, EncodedBatch, Place, collate, prepare
+
+    crop = RandomResizedCrop(16, seed=0)
+    pngs = []
+    for i in range(3):
+        out = io.BytesIO()
+        SyntheticImages(3, size=(40, 30)).image(i).save(out, "PNG")
+        pngs.append(prepare(crop, out.getvalue(), None, str(i), "memory"))
+    batch = collate([(p, i) for i, p in enumerate(pngs)])
+    assert isinstance(batch[0], EncodedBatch) and len(batch[0]) == 3
+    images, kept = DeviceDecoder(crop, Place(torch.device("cpu"))).decode(batch[0])
+    assert images.shape == (3, 3, 16, 16) and kept == [0, 1, 2]
+
+
+def test_where_jpegs_are_decoded_is_said_once_past_the_silenced_stderr(seaweed):
+    code = textwrap.dedent("""
+        import logging
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+        from remote_loader.pipeline.device import open_codec
+        import torch
+        open_codec(torch.device("cpu"))
+        open_codec(torch.device("cpu"))
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stderr.count("remote_loader decodes JPEGs on cpu: CPU") == 1, done.stderr[-2000:]
 
 
 def test_a_device_pipeline_without_batched_is_decoded_by_the_loaders_batches_or_one_by_one(client):

@@ -87,8 +87,14 @@ def open_codec(device: torch.device, cpu_fallback: bool = False) -> NvImageCodec
         found = _CODECS.get(key)
     if found is None:
         with _LOCK, _stderr_quiet():
+            made = key not in _CODECS
             found = _CODECS.get(key) or NvImageCodec(module, device, cpu_fallback)
             _CODECS[key] = found
+        if made:  # said once, past the silenced stderr
+            if device.type == "cuda" and found.decoded_on == CPU:
+                log.warning("decode(device=%r) decodes JPEGs on the CPU: nvImageCodec could not load nvJPEG",
+                            str(device))
+            log.info("remote_loader decodes JPEGs on %s: %s", device, found.decoded_on)
     return found
 
 
@@ -126,7 +132,6 @@ class NvImageCodec:
         self._params = module.DecodeParams(apply_exif_orientation=False, sample_format=module.SampleFormat.P_RGB)
         self._lock = threading.Lock()  # one decode at a time: a thread left from an epoch ended early may still run
         self._dlpack = device.type == "cuda"
-        log.info("remote_loader decodes JPEGs on %s: %s", device, self.decoded_on)
 
     def _on_gpu(self, module: Any, index: int, cpu_fallback: bool) -> Any:
         """The GPU's decoder, its hardware decoder probed alone first (to say which decodes),
@@ -145,7 +150,6 @@ class NvImageCodec:
                               " load nvJPEG (pip install 'nvidia-nvimgcodec-cu13[nvjpeg]', or the CUDA toolkit's);"
                               " pass cpu_fallback=True to decode on the CPU instead")
         self.decoded_on = CPU
-        log.warning("decode(device=%r) decodes JPEGs on the CPU: nvImageCodec could not load nvJPEG", str(self.device))
         return module.Decoder(device_id=index, max_num_cpu_threads=rank_cores(),
                               backends=[module.Backend(kinds.CPU_ONLY)])
 

@@ -13,7 +13,7 @@ WALK_ON = object()
 walked into, anything else kept."""
 
 
-def leaves(item: Any, kind: type, path: Path = ()) -> Iterator[tuple[Path, Any]]:
+def leaves(item: Any, kind: type | tuple[type, ...], path: Path = ()) -> Iterator[tuple[Path, Any]]:
     """Every ``kind`` inside ``item``, with its path of indexes and keys."""
     if isinstance(item, kind):
         yield path, item
@@ -25,7 +25,7 @@ def leaves(item: Any, kind: type, path: Path = ()) -> Iterator[tuple[Path, Any]]
             yield from leaves(x, kind, (*path, k))
 
 
-def holds(item: Any, kind: type) -> bool:
+def holds(item: Any, kind: type | tuple[type, ...]) -> bool:
     return next(leaves(item, kind), None) is not None
 
 

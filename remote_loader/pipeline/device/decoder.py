@@ -18,7 +18,7 @@ from remote_loader.errors import DecodeError
 from remote_loader.pipeline.augment import RandomResizedCrop
 from remote_loader.pipeline.device.codec import Codec, open_codec
 from remote_loader.pipeline.device.containers import WALK_ON, leaves, rebuild
-from remote_loader.pipeline.device.prepared import Encoded, EncodedBatch
+from remote_loader.pipeline.device.prepared import IMAGES, EncodedBatch
 from remote_loader.pipeline.device.resize import resize
 from remote_loader.read.metrics import Metrics
 
@@ -33,7 +33,9 @@ class Place:
 
 
 SKIPPED = object()
-"""What ``finish`` makes of a lone sample whose JPEG it left out (``skip``)."""
+"""What ``finish`` makes of a sample or batch whose every JPEG it left out (``skip``)."""
+_DECODERS = {"hardware decoder": "the GPU's hardware decoder", "CUDA": "nvJPEG's CUDA decoder",
+             "CPU": "the CPU decoder"}
 
 
 @dataclass
@@ -63,6 +65,8 @@ class DeviceDecoder:
     def __init__(self, crop: RandomResizedCrop, place: Place | torch.device, skip: bool = False,
                  metrics: Metrics | None = None, codec: Codec | None = None) -> None:
         place = place if isinstance(place, Place) else Place(place)
+        if place.device.type == "cuda" and place.device.index is None:  # the decoding thread's is another
+            place = Place(torch.device("cuda", torch.cuda.current_device()), place.cpu_fallback)
         self.crop, self.device, self.skip, self.metrics = crop, place.device, skip, metrics or Metrics()
         self.codec = codec or open_codec(place.device, place.cpu_fallback)
         self._stream: Any = None
@@ -96,9 +100,9 @@ class DeviceDecoder:
         failed = [k for k, image in enumerate(images) if image is None]
         if failed and not self.skip:
             key, shard = batch.names[failed[0]]
-            why = batch.problems[failed[0]] or f"the {self.decoded_on} could not decode it"
+            why = batch.problems[failed[0]] or f"{_DECODERS.get(self.decoded_on, self.decoded_on)} could not decode it"
             raise DecodeError(f"sample {key!r} of {shard} is not a decodable JPEG: {why} ({len(failed)} of the"
-                              f" batch's {len(images)} are not)", key=key)
+                              f" batch's {len(images)} JPEGs are not)", key=key)
         if failed:
             self.metrics.add(skipped=len(failed))
         good = [k for k, image in enumerate(images) if image is not None]
@@ -149,7 +153,7 @@ class DeviceDecoder:
             return self._finish_item(item)
 
     def _finish_item(self, item: Any) -> Decoded:
-        singles = {path for path, _ in leaves(item, Encoded)}
+        singles = {path for path, _ in leaves(item, IMAGES)}
         if singles:
             item = rebuild(item, lambda path, x: EncodedBatch([x]) if path in singles else WALK_ON)
         with self._on_stream() as stream:
@@ -160,8 +164,10 @@ class DeviceDecoder:
             size = len(found[0][1])
             kept = sorted(set.intersection(*(set(k) for _, k in decoded.values())))
             out = rebuild(item, _Rebuild(decoded, kept if len(kept) < size else None, size))
-            if singles:
-                out = SKIPPED if not kept else rebuild(out, lambda path, x: x[0] if path in singles else WALK_ON)
+            if not kept:  # every image left out (skip): nothing to hand out
+                out = SKIPPED
+            elif singles:
+                out = rebuild(out, lambda path, x: x[0] if path in singles else WALK_ON)
             event = None
             if stream is not None:
                 event = torch.cuda.Event()

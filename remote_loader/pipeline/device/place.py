@@ -19,7 +19,12 @@ def check_device(device: Any, batched: bool, cpu_fallback: bool = False) -> Plac
     resolved to this process's current GPU (the rank's, as torchrun and DDP set it), and the
     codec opened there now, in the user's thread, so a missing decoder is said here."""
     if device == "auto":
-        device = "cuda" if torch.cuda.is_available() and _importable() else "cpu"
+        if not (torch.cuda.is_available() and _importable()):
+            return check_device("cpu", batched)
+        try:  # the GPU where it has a decoder; else the CPU path, as there is no GPU
+            return check_device("cuda", batched, cpu_fallback)
+        except ConfigError:
+            return check_device("cpu", batched)
     try:
         place = torch.device(device)
     except (RuntimeError, TypeError):
@@ -35,6 +40,9 @@ def check_device(device: Any, batched: bool, cpu_fallback: bool = False) -> Plac
                           " (no GPU, or a CPU build of torch): use device='auto' to decode on the CPU where there"
                           " is no GPU")
     place = indexed(place, torch.cuda.current_device)
+    if place.index is not None and place.index >= torch.cuda.device_count():
+        raise ConfigError(f"decode(device={device!r}): this process sees {torch.cuda.device_count()} GPU(s),"
+                          f" numbered from 0")
     open_codec(place, cpu_fallback)
     return Place(place, cpu_fallback)
 

@@ -37,7 +37,7 @@ def prepare(crop: RandomResizedCrop, data: Any, rng: np.random.Generator, key: s
     ``RandomResizedCrop.decode`` draws them: the box, then the flip), or the crop itself,
     decoded on the CPU, for another format."""
     if bytes(data[:2]) != JPEG_MAGIC:
-        return crop.decode(data, rng)
+        return Ready(crop.decode(data, rng))
     try:
         height, width, _, _ = simplejpeg.decode_jpeg_header(data)
     except ValueError as exc:
@@ -48,23 +48,49 @@ def prepare(crop: RandomResizedCrop, data: Any, rng: np.random.Generator, key: s
 
 
 def structure_problem(data: Any) -> str | None:
-    """What makes ``data`` less than a whole JPEG's structure (no scan, or cut short before
-    its end marker), or None. A GPU's hardware decoder reports an image decoded once it is
-    queued, so a JPEG cut short must be caught before it gets there."""
-    view = memoryview(data)
-    end = len(view)
-    while end > 2 and view[end - 1] == 0:  # padding after the end marker is harmless
-        end -= 1
-    if bytes(view[end - 2 : end]) != b"\xff\xd9":
-        return "it ends before its end-of-image marker"
-    if bytes(data).find(b"\xff\xda", 2) < 0:
+    """What makes ``data`` less than a whole JPEG's structure (no image scan, or cut short
+    before the end marker that follows its scan), or None. Bytes after the end marker
+    (a camera's trailer, padding) are harmless. A GPU's hardware decoder reports an image
+    decoded once it is queued, so a JPEG cut short must be caught before it gets there."""
+    raw = bytes(data)
+    scan = _scan_start(raw)
+    if scan is None:
         return "it has no image scan"
+    if raw.rfind(b"\xff\xd9") < scan:  # entropy-coded data never holds FF D9: it is the end
+        return "it ends before its end-of-image marker"
     return None
+
+
+def _scan_start(raw: bytes) -> int | None:
+    """Where the image's scan (its first SOS segment) starts, walking the segments from the
+    start-of-image marker (an EXIF thumbnail inside APP1 is skipped whole), or None."""
+    at = 2
+    while at + 4 <= len(raw):
+        if raw[at] != 0xFF:
+            return None
+        marker = raw[at + 1]
+        if marker == 0xFF:  # fill byte before a marker
+            at += 1
+            continue
+        if marker == 0xDA:
+            return at
+        if marker in (0xD8, 0x01) or 0xD0 <= marker <= 0xD7:  # markers without a length
+            at += 2
+            continue
+        at += 2 + int.from_bytes(raw[at + 2 : at + 4], "big")
+    return None
+
+
+class Ready:
+    """An image a worker decoded itself (not a JPEG), to move to the device with the batch."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
 
 
 class EncodedBatch:
     """A batch's images: the JPEGs' bytes in one uint8 tensor (``offsets`` into it), their
-    boxes and flips, and images already decoded (other formats), by position."""
+    boxes and flips, and images already decoded (``Ready``: other formats), by position."""
 
     def __init__(self, items: Sequence[Any]) -> None:
         jpegs = [(i, item) for i, item in enumerate(items) if isinstance(item, Encoded)]
@@ -80,7 +106,7 @@ class EncodedBatch:
         self.flips = [item.flip for _, item in jpegs]
         self.names = [(item.key, item.shard) for _, item in jpegs]
         self.problems = [item.problem for _, item in jpegs]
-        self.decoded = {i: item for i, item in enumerate(items) if not isinstance(item, Encoded)}
+        self.decoded = {i: item.tensor for i, item in enumerate(items) if isinstance(item, Ready)}
 
     def __len__(self) -> int:
         return self.size
@@ -96,15 +122,19 @@ class EncodedBatch:
         return self
 
 
+IMAGES = (Encoded, Ready)
+"""What a device stage makes of an image field: gathered into an ``EncodedBatch`` by ``collate``."""
+
+
 def collate(batch: Sequence[Any]) -> Any:
-    """``default_collate``, with a batch's ``Encoded`` images gathered into an ``EncodedBatch``
-    (position by position in tuples, key by key in dicts)."""
+    """``default_collate``, with a batch's images (``Encoded`` and ``Ready``) gathered into an
+    ``EncodedBatch`` (position by position in tuples, key by key in dicts)."""
     first = batch[0]
-    if isinstance(first, Encoded) or (isinstance(first, torch.Tensor) and any(isinstance(b, Encoded) for b in batch)):
+    if isinstance(first, IMAGES):
         return EncodedBatch(batch)
-    if isinstance(first, tuple | list) and any(holds(b, Encoded) for b in batch):
+    if isinstance(first, tuple | list) and any(holds(b, IMAGES) for b in batch):
         columns = [collate(list(column)) for column in zip(*batch, strict=True)]
         return tuple(columns) if isinstance(first, tuple) else columns
-    if isinstance(first, dict) and any(holds(b, Encoded) for b in batch):
+    if isinstance(first, dict) and any(holds(b, IMAGES) for b in batch):
         return {k: collate([b[k] for b in batch]) for k in first}
     return default_collate(list(batch))

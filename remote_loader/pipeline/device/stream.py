@@ -34,7 +34,12 @@ def decoded_with_states(batches: Iterable[Any], decoder: DeviceDecoder,
         return decoder.finish(pair[0]), pair[1]
 
     pending: deque[Decoded] = deque()
-    for decoded, state in threaded_map(decode, drawn(), 1):
-        item = decoder.hand_over(decoded, pending)
-        if item is not SKIPPED:
-            yield item, state
+    try:
+        for decoded, state in threaded_map(decode, drawn(), 1):
+            item = decoder.hand_over(decoded, pending)
+            if item is not SKIPPED:
+                yield item, state
+    finally:  # the inputs of batches still decoding go back to the pinned-memory cache only once read
+        for left in pending:
+            if left.event is not None:
+                left.event.synchronize()
