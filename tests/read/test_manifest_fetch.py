@@ -116,6 +116,8 @@ def test_ranges_cut_short_by_the_network_are_fetched_again_not_the_whole_manifes
             fetch = FetchConfig(concurrency=30, retry=RetryConfig(backoff=0.001, max_backoff=0.01))
             manifest = DatasetReader(client, "manifest-cuts", "ds", fetch=fetch).manifest
         assert manifest.encode() == data
-        assert proxy.injected["truncate"] >= 5
+        # Which requests the seeded faults land on follows their order, which threads decide:
+        # six runs here cut 11-20 bodies short, and one fresh-clone run of the suite only 4.
+        assert proxy.injected["truncate"] >= 3
     finally:
         proxy.close()
