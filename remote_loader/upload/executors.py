@@ -37,6 +37,13 @@ class _BarProgress:
             self.bar.update(item[0])
             self.bar.set_postfix_str(_rate(self.bytes, self.bar), refresh=False)
 
+    def settle(self, nbytes: int) -> None:
+        """Every task done: the bytes they wrote, whatever of the workers' last counts is still
+        on its way through their queue."""
+        with self._lock:
+            self.bytes = nbytes
+            self.bar.set_postfix_str(_rate(self.bytes, self.bar), refresh=False)
+
 
 def _rate(nbytes: int, bar: tqdm) -> str:
     elapsed = max(bar.format_dict.get("elapsed", 0.0), 1e-9)
@@ -167,6 +174,7 @@ def run_tasks(
                     bar_progress.put(progress.get_nowait())
                 except queue.Empty:
                     break
+        bar_progress.settle(sum(e.size for result in results for e in result.entries))
         return results
     finally:
         if plugin is not None:

@@ -174,8 +174,9 @@ def _upload(ds: Any, client: Store, location: Location, params: dict[str, Any], 
         processes = (os.cpu_count() or 1) if workers is None else workers
         results = run_tasks(pending, spec, ds, processes, executor, bar, source)
         bar.update(num - bar.n)  # every task is done: the last counts may still be in the workers' queue
-    # The bar's own clock where it shows (its final rate is then the summary's to the digit).
-    writing = time.perf_counter() - writing if bar.disable else bar.format_dict["elapsed"]
+        # The bar's own clock where it shows, read as it closes (its final rate is then the
+        # summary's); a closed bar says it is disabled, and its clock runs on.
+        writing = bar.format_dict["elapsed"] if not bar.disable else time.perf_counter() - writing
     manifest, reasons = _manifest(
         {**kept, **{r.task_id: r for r in results}}, params, held.run, _class_names(ds), location
     )
