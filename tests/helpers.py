@@ -170,3 +170,19 @@ class StuckInWorkers(SyntheticImages):
 def flaky_images() -> FlakyImages:
     """30 small synthetic images, 3 of them not images (``module:function`` for CLI tests)."""
     return FlakyImages(30, {3, 11, 29}, size=(32, 24))
+
+
+class CutShort(SyntheticImages):
+    """JPEGs, one of them (``broken``) cut short 20 bytes into its scan: the upload takes it,
+    a decoder does not."""
+
+    def __init__(self, *args: Any, broken: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.broken = broken
+
+    def __getitem__(self, index: int):  # type: ignore[override]
+        image, label = super().__getitem__(index)
+        if index == self.broken:
+            data = self.encoded(index)
+            return data[: data.find(b"\xff\xda") + 20], label
+        return image, label

@@ -18,7 +18,7 @@ import torch
 from remote_loader import ConfigError, DecodeError, RandomResizedCrop, RemoteDataset, decode_batches, loader
 from remote_loader.pipeline.device import EncodedBatch, nvimgcodec
 from remote_loader.testing.synthetic import SyntheticImages
-from tests.helpers import upload_to_new_bucket
+from tests.helpers import CutShort, upload_to_new_bucket
 
 try:
     nvimgcodec()
@@ -30,20 +30,11 @@ BROKEN = 37  # a JPEG cut short after its header: Pillow and the upload take it,
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
-class CutShort(SyntheticImages):
-    def __getitem__(self, index: int):  # type: ignore[override]
-        image, label = super().__getitem__(index)
-        if index == BROKEN:
-            data = self.encoded(index)
-            return data[: data.find(b"\xff\xda") + 20], label
-        return image, label
-
-
 @pytest.fixture(scope="module")
 def client(seaweed):
     store = seaweed.client()
     upload_to_new_bucket(store, "device-tests", "d", SyntheticImages(N, size=(160, 120)), maxcount=20)
-    upload_to_new_bucket(store, "device-tests-broken", "d", CutShort(40, size=(160, 120)), maxcount=20)
+    upload_to_new_bucket(store, "device-tests-broken", "d", CutShort(40, size=(160, 120), broken=BROKEN), maxcount=20)
     yield store
     store.close()
 

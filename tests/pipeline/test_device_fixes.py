@@ -26,7 +26,7 @@ from remote_loader.pipeline.device.place import indexed
 from remote_loader.pipeline.device.prepared import structure_problem
 from remote_loader.pipeline.device.resize import chunks
 from remote_loader.testing.synthetic import SyntheticImages
-from tests.helpers import upload_to_new_bucket
+from tests.helpers import CutShort, upload_to_new_bucket
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 WIDTH, HEIGHT = 160, 120
@@ -34,17 +34,6 @@ PLAIN, ROTATED, MIXED, LARGE = 64, 24, 32, 32  # samples in each bucket
 
 
 BROKEN_OF, BROKEN = 12, 5
-
-
-class CutShort(SyntheticImages):
-    """JPEGs, one of them (``BROKEN``) cut short inside its scan."""
-
-    def __getitem__(self, index: int):  # type: ignore[override]
-        image, label = super().__getitem__(index)
-        if index == BROKEN:
-            data = self.encoded(index)
-            return data[: data.find(b"\xff\xda") + 20], label
-        return image, label
 
 
 class Rotated(SyntheticImages):
@@ -70,7 +59,7 @@ def client(seaweed):
     mixed = SyntheticImages(MIXED, size=(WIDTH, HEIGHT), formats=("jpeg", "png"))  # odd indexes are PNG
     upload_to_new_bucket(store, "fixes-mixed", "d", mixed, maxcount=16)
     upload_to_new_bucket(store, "fixes-large", "d", SyntheticImages(LARGE, size=(400, 300)), maxcount=16)
-    upload_to_new_bucket(store, "fixes-broken", "d", CutShort(BROKEN_OF, size=(64, 48)), maxcount=8)
+    upload_to_new_bucket(store, "fixes-broken", "d", CutShort(BROKEN_OF, size=(64, 48), broken=BROKEN), maxcount=8)
     yield store
     store.close()
 
