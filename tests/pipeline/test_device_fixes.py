@@ -355,3 +355,11 @@ def test_an_epoch_left_early_on_persistent_workers_leaves_a_whole_next_epoch_and
     for thread in left:
         thread.join(timeout=10)
     assert not [t.name for t in left if t.is_alive()]
+
+
+def test_a_batch_mixing_images_with_something_else_is_refused_not_shortened():
+    from remote_loader.pipeline.device import collate
+    from remote_loader.pipeline.device.prepared import Ready
+
+    with pytest.raises(ConfigError, match="mixes images with a NoneType"):
+        collate([Ready(torch.zeros(3, 4, 4, dtype=torch.uint8)), None])

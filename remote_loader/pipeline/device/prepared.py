@@ -13,7 +13,7 @@ import simplejpeg
 import torch
 from torch.utils.data import default_collate
 
-from remote_loader.errors import DecodeError
+from remote_loader.errors import ConfigError, DecodeError
 from remote_loader.pipeline.augment import JPEG_MAGIC, RandomResizedCrop
 from remote_loader.pipeline.device.containers import holds
 
@@ -93,6 +93,10 @@ class EncodedBatch:
     boxes and flips, and images already decoded (``Ready``: other formats), by position."""
 
     def __init__(self, items: Sequence[Any]) -> None:
+        strays = [item for item in items if not isinstance(item, Encoded | Ready)]
+        if strays:  # a column mixing images with something else: decoding would lose its samples
+            raise ConfigError(f"a batch to decode on the device mixes images with a {type(strays[0]).__name__}:"
+                              " decode(device=...) puts images in the image fields alone")
         jpegs = [(i, item) for i, item in enumerate(items) if isinstance(item, Encoded)]
         self.size = len(items)
         self.positions = [i for i, _ in jpegs]
