@@ -13,7 +13,6 @@ from torch.utils.data import IterableDataset, get_worker_info
 from remote_loader.config import FetchConfig, current_world, require_bool, require_int
 from remote_loader.errors import ConfigError, DatasetNotFound, ResumeError
 from remote_loader.pipeline import stages
-from remote_loader.pipeline.augment import RandomResizedCrop
 from remote_loader.pipeline.device import DeviceDecoder, check_device
 from remote_loader.pipeline.device import collate as device_collate
 from remote_loader.pipeline.order import Mixing
@@ -188,9 +187,8 @@ class RemoteDataset(IterableDataset):
         """
         require_bool("batched", batched)
         require_bool("cpu_fallback", cpu_fallback)
-        if (batched or device not in ("cpu", "auto")) and not isinstance(mode, RandomResizedCrop):
-            raise ConfigError(f"decoding on a device ({device!r}) is for RandomResizedCrop(size); decode {mode!r}"
-                              " on the CPU")
+        if batched or device not in ("cpu", "auto"):  # before a device is probed for it
+            stages.require_crop(mode, repr(device))
         place = check_device(device, batched, cpu_fallback)
         return self._with(stages.Decode(mode, min_size, threads, device=place))
 

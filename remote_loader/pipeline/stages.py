@@ -129,10 +129,8 @@ class Decode(Stage):
             raise ConfigError(f"decode mode must be one of {', '.join(MODES)} or a callable, got {mode!r}")
         if min_size is not None and (type(min_size) is not int or min_size < 1):
             raise ConfigError(f"min_size must be a positive integer, got {min_size!r}")
-        if device is not None and not isinstance(mode, RandomResizedCrop):
-            where = getattr(device, "device", device)
-            raise ConfigError(f"decoding on a device ({where}) is for RandomResizedCrop(size); decode {mode!r}"
-                              " on the CPU")
+        if device is not None:
+            require_crop(mode, getattr(device, "device", device))
         self.mode, self.min_size, self.threads, self.device = mode, min_size, _check_threads(threads), device
         self.seeded = bool(getattr(mode, "seeded", False))
 
@@ -148,6 +146,14 @@ class Decode(Stage):
 
     def on_device(self) -> tuple[Any, Any] | None:
         return (self.mode, self.device) if self.device is not None else None
+
+
+def require_crop(mode: Any, device: Any) -> None:
+    """A stage decoding on a device takes a ``RandomResizedCrop`` (its boxes are what the
+    workers draw); ConfigError naming ``device`` for anything else."""
+    if not isinstance(mode, RandomResizedCrop):
+        raise ConfigError(f"decoding on a device ({device}) is for RandomResizedCrop(size); decode {mode!r}"
+                          " on the CPU")
 
 
 def _decode_seeded(mode: Any, min_size: int | None, context: Context, sample: dict[str, Any]) -> dict[str, Any]:

@@ -16,7 +16,7 @@ import torch
 
 from remote_loader.errors import DecodeError
 from remote_loader.pipeline.augment import RandomResizedCrop
-from remote_loader.pipeline.device.codec import Codec, open_codec
+from remote_loader.pipeline.device.codec import CPU, CUDA, HARDWARE, Codec, open_codec
 from remote_loader.pipeline.device.containers import WALK_ON, leaves, rebuild
 from remote_loader.pipeline.device.prepared import IMAGES, EncodedBatch
 from remote_loader.pipeline.device.resize import resize
@@ -34,8 +34,7 @@ class Place:
 
 SKIPPED = object()
 """What ``finish`` makes of a sample or batch whose every JPEG it left out (``skip``)."""
-_DECODERS = {"hardware decoder": "the GPU's hardware decoder", "CUDA": "nvJPEG's CUDA decoder",
-             "CPU": "the CPU decoder"}
+_DECODERS = {HARDWARE: "the GPU's hardware decoder", CUDA: "nvJPEG's CUDA decoder", CPU: "the CPU decoder"}
 
 
 @dataclass
