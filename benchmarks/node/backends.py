@@ -50,6 +50,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     import numpy as np
+    import simplejpeg
     import torch
 
     torch.set_num_threads(1)
@@ -78,7 +79,28 @@ def main() -> None:
         "hybrid": [m.Backend(kinds.HYBRID_CPU_GPU)],
     }
     results: dict[str, Any] = {"rank_cores": rank_cores(), "decoded_on": codec.decoded_on}
-    for threads in (rank_cores(), 1):
+    for side in (16, 64, 256):  # a decoder used for a probe's one JPEG first, then for the batches
+        probe = simplejpeg.encode_jpeg(np.full((side, side, 3), 128, np.uint8), quality=90)
+        for fresh in (False, True):
+            label = f"hw+hybrid after a {side} px probe{', then a fresh decoder' if fresh else ''}"
+            made = m.Decoder(
+                device_id=0,
+                max_num_cpu_threads=rank_cores(),
+                backends=[m.Backend(kinds.HW_GPU_ONLY), m.Backend(kinds.HYBRID_CPU_GPU)],
+            )
+            made.decode(m.CodeStream(probe))
+            codec._decoder = (
+                made
+                if not fresh
+                else m.Decoder(
+                    device_id=0,
+                    max_num_cpu_threads=rank_cores(),
+                    backends=[m.Backend(kinds.HW_GPU_ONLY), m.Backend(kinds.HYBRID_CPU_GPU)],
+                )
+            )
+            results[label] = measure(DeviceDecoder(crop, place, codec=codec), batches, args.passes)
+            print(label, results[label], flush=True)
+    for threads in (rank_cores(),):
         for name, backends in [*sets.items(), ("default again", None)]:
             label = f"{name}, {threads} codec threads"
             try:
