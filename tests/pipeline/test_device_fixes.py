@@ -13,6 +13,8 @@ import subprocess
 import sys
 import textwrap
 import threading
+import types
+from typing import Any
 
 import pytest
 import torch
@@ -22,6 +24,7 @@ from PIL import Image
 
 from remote_loader import ConfigError, RandomResizedCrop, RemoteDataset, decode_batches, loader
 from remote_loader.pipeline.device import Encoded, EncodedBatch, nvimgcodec
+from remote_loader.pipeline.device.codec import HARDWARE, NvImageCodec
 from remote_loader.pipeline.device.place import indexed
 from remote_loader.pipeline.device.prepared import structure_problem
 from remote_loader.pipeline.device.resize import chunks
@@ -80,8 +83,13 @@ def both_paths(client, bucket, crop, field="jpg"):
 
 def pipeline(client, bucket="fixes-plain", batch=16):
     crop = RandomResizedCrop(48, reduced=False, fast=False)
-    return (RemoteDataset(client, bucket, "d", seed=7).shuffle(30)
-            .decode(crop, device="cpu", batched=True).to_tuple("jpg", "cls", "__key__").batched(batch))
+    return (
+        RemoteDataset(client, bucket, "d", seed=7)
+        .shuffle(30)
+        .decode(crop, device="cpu", batched=True)
+        .to_tuple("jpg", "cls", "__key__")
+        .batched(batch)
+    )
 
 
 def keys_of(batches):
@@ -227,8 +235,12 @@ def test_a_device_stage_is_checked_for_its_decoder_before_its_device(client):
 
 
 def test_a_batch_whose_every_jpeg_is_left_out_is_not_handed_out(client):
-    ds = (RemoteDataset(client, "fixes-broken", "d", seed=7, on_error="skip")
-          .decode(RandomResizedCrop(48), device="cpu", batched=True).to_tuple("jpg", "__key__").batched(1))
+    ds = (
+        RemoteDataset(client, "fixes-broken", "d", seed=7, on_error="skip")
+        .decode(RandomResizedCrop(48), device="cpu", batched=True)
+        .to_tuple("jpg", "__key__")
+        .batched(1)
+    )
     batches = list(loader(ds, num_workers=0))
     assert sorted(k for _, keys in batches for k in keys) == [f"{i:06d}" for i in range(BROKEN_OF) if i != BROKEN]
     assert all(len(images) == len(keys) == 1 for images, keys in batches)
@@ -268,8 +280,11 @@ def test_where_jpegs_are_decoded_is_said_once_past_the_silenced_stderr(seaweed):
 def test_a_device_pipeline_without_batched_is_decoded_by_the_loaders_batches_or_one_by_one(client):
     def unbatched():
         crop = RandomResizedCrop(48, reduced=False, fast=False)
-        return (RemoteDataset(client, "fixes-plain", "d", seed=7)
-                .decode(crop, device="cpu", batched=True).to_tuple("jpg", "cls", "__key__"))
+        return (
+            RemoteDataset(client, "fixes-plain", "d", seed=7)
+            .decode(crop, device="cpu", batched=True)
+            .to_tuple("jpg", "cls", "__key__")
+        )
 
     cpu = crops(client, "fixes-plain", RandomResizedCrop(48, reduced=False, fast=False))
     batches = list(loader(unbatched(), num_workers=0, batch_size=4))
@@ -319,16 +334,24 @@ EXIT_RUNS = 2  # "held" aborted 12 runs of 12 before the fix: two say it, withou
 @pytest.mark.parametrize("iterator", sorted(EXIT_SCRIPTS))
 def test_processes_that_take_one_batch_exit_cleanly(client, seaweed, iterator):
     # "held": the iterator is alive as the script ends, its thread decoding the batches after
-    code = textwrap.dedent(f"""
+    code = (
+        textwrap.dedent(f"""
         from torch.utils.data import DataLoader
         from remote_loader import RandomResizedCrop, RemoteDataset, decode_batches, make_client
         client = make_client({seaweed.endpoint_url!r}, {seaweed.access_key!r}, {seaweed.secret_key!r})
         ds = RemoteDataset(client, "fixes-plain", "d").decode(RandomResizedCrop(32), device="cpu", batched=True)
         ds = ds.to_tuple("jpg", "cls").batched(8)
-    """) + EXIT_SCRIPTS[iterator] + "\nprint(tuple(images.shape))\n"
+    """)
+        + EXIT_SCRIPTS[iterator]
+        + "\nprint(tuple(images.shape))\n"
+    )
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    runs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, env=env) for _ in range(EXIT_RUNS)]
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        )
+        for _ in range(EXIT_RUNS)
+    ]
     results = []
     try:
         for run in runs:
@@ -363,3 +386,46 @@ def test_a_batch_mixing_images_with_something_else_is_refused_not_shortened():
 
     with pytest.raises(ConfigError, match="mixes images with a NoneType"):
         collate([Ready(torch.zeros(3, 4, 4, dtype=torch.uint8)), None])
+
+
+class _Recorded:
+    """A stand-in for nvImageCodec's module that records each decoder it makes and what
+    that decoder decoded (every backend decodes into the GPU's memory)."""
+
+    class BackendKind:
+        HW_GPU_ONLY, GPU_ONLY, HYBRID_CPU_GPU, CPU_ONLY = "hw", "gpu", "hybrid", "cpu"
+
+    class ImageBufferKind:
+        STRIDED_DEVICE = "device"
+
+    class SampleFormat:
+        P_RGB = "rgb"
+
+    def __init__(self) -> None:
+        self.decoders: list[Any] = []
+        recorded = self
+
+        class Decoder:
+            def __init__(self, device_id: int, max_num_cpu_threads: int, backends: list[str]) -> None:
+                self.backends, self.decoded = backends, 0
+                recorded.decoders.append(self)
+
+            def decode(self, stream: Any, **_: Any) -> Any:
+                self.decoded += 1
+                return types.SimpleNamespace(buffer_kind="device")
+
+        self.Decoder = Decoder
+        self.Backend = lambda kind: kind
+        self.CodeStream = lambda data: data
+        self.DecodeParams = lambda **_: None
+
+
+def test_the_gpu_decoder_handed_batches_has_decoded_no_probe_first():
+    # On an H100 a decoder that had decoded the probe's one JPEG sent its batches to the
+    # hybrid backend: 8 cores busy at half the rate (benchmarks/results/node-backends-*.json).
+    module = _Recorded()
+    codec = NvImageCodec(module, torch.device("cuda", 0), cpu_fallback=False)
+    assert codec.decoded_on == HARDWARE
+    assert codec._decoder.backends == ["hw", "hybrid"]
+    assert codec._decoder.decoded == 0
+    assert [d.decoded for d in module.decoders] == [1, 1, 0]
