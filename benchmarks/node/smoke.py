@@ -77,8 +77,8 @@ def codec_startup(device: str) -> dict[str, Any]:
     for name, backends in (("hw", [kinds.HW_GPU_ONLY]), ("hw+hybrid", [kinds.HW_GPU_ONLY, kinds.HYBRID_CPU_GPU]),
                            ("gpu", [kinds.GPU_ONLY]), ("hybrid", [kinds.HYBRID_CPU_GPU])):
         started = time.perf_counter()
-        made = codec._made(module, torch.cuda.current_device(), backends)
-        out[name] = {"seconds": time.perf_counter() - started, "decodes": made is not None}
+        decodes = codec._decodes(module, torch.cuda.current_device(), [module.Backend(k) for k in backends])
+        out[name] = {"seconds": time.perf_counter() - started, "decodes": decodes}
     return out
 
 
