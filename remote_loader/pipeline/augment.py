@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import io
 import math
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -31,6 +32,9 @@ from remote_loader.errors import ConfigError, DecodeError
 from remote_loader.pipeline.decode import IMAGE_FIELDS
 
 JPEG_MAGIC = b"\xff\xd8"
+
+
+BOX_FORMATS = ("xyxy", "xywh", "cxcywh")
 
 
 class RandomResizedCrop:
@@ -56,6 +60,14 @@ class RandomResizedCrop:
         mean: Per-channel means on a 0-1 scale (ImageNet's: ``(0.485, 0.456, 0.406)``):
             with ``std``, the crop comes out as normalised float32 instead of uint8.
         std: Per-channel standard deviations on a 0-1 scale, with ``mean``.
+        boxes: For structured samples (detection, segmentation, flow: docs/targets.md), the
+            fields holding boxes, each with its format (``"xyxy"``, ``"xywh"``, ``"cxcywh"``,
+            in the image's pixels): moved with the crop, clipped, and those left empty dropped.
+        per_box: Fields with one row per box (labels, flags), whose rows are dropped with
+            their boxes.
+        not_spatial: Fields (or stems: ``"1"`` names every field of position 1) left as they
+            are. A structured sample with a field the crop cannot place (an array, a JSON
+            value holding numbers) that is named nowhere is refused.
     """
 
     seeded = True
@@ -73,8 +85,20 @@ class RandomResizedCrop:
         seed: int | None = None,
         mean: tuple[float, float, float] | None = None,
         std: tuple[float, float, float] | None = None,
+        boxes: Mapping[str, str] | None = None,
+        per_box: Sequence[str] = (),
+        not_spatial: Sequence[str] = (),
     ) -> None:
         size = require_int("RandomResizedCrop size", size, 1)
+        boxes = dict(boxes or {})
+        bad = {k: v for k, v in boxes.items() if not isinstance(k, str) or v not in BOX_FORMATS}
+        if bad:
+            raise ConfigError(f"RandomResizedCrop boxes maps field names to one of {', '.join(BOX_FORMATS)};"
+                              f" got {bad!r}")
+        for name, names in (("per_box", per_box), ("not_spatial", not_spatial)):
+            if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+                raise ConfigError(f"RandomResizedCrop {name} is a list of field names, got {names!r}")
+        self.boxes, self.per_box, self.not_spatial = boxes, tuple(per_box), tuple(not_spatial)
         for name, pair in (("scale", scale), ("ratio", ratio)):
             if (not isinstance(pair, (tuple, list)) or len(pair) != 2
                     or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in pair)
@@ -133,11 +157,16 @@ class RandomResizedCrop:
                 pixels, box = self._other(data, rng)
         except (OSError, ValueError, Image.DecompressionBombError) as exc:
             raise DecodeError(f"not a decodable image ({type(exc).__name__})") from None
+        return self.resized(pixels, box, self.flip and rng.random() < 0.5)
+
+    def resized(self, pixels: np.ndarray, box: tuple[int, int, int, int], flip: bool) -> torch.Tensor:
+        """``box`` of ``H x W x 3`` uint8 ``pixels``, resized to the crop (antialiased bilinear),
+        flipped if ``flip``, normalised if the crop has ``mean`` and ``std``."""
         left, top, right, bottom = box
         region = torch.from_numpy(pixels)[top:bottom, left:right].permute(2, 0, 1).unsqueeze(0)
         crop = functional.interpolate(region, size=(self.size, self.size), mode="bilinear", antialias=True,
                                       align_corners=False)[0]
-        if self.flip and rng.random() < 0.5:
+        if flip:
             crop = crop.flip(-1)
         if self.mean is not None and self.std is not None:
             mean = torch.tensor(self.mean).view(3, 1, 1) * 255

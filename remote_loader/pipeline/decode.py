@@ -12,6 +12,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 from remote_loader.errors import ConfigError, DecodeError
+from remote_loader.format.fields import INPUT_MODES
 
 IMAGE_FIELDS = frozenset({"jpg", "jpeg", "png", "webp", "gif", "bmp", "tiff", "ppm", "pgm"})
 MODES = ("pil", "rgb8", "torchrgb", "raw")
@@ -25,12 +26,18 @@ def _draft(image: Image.Image, min_size: int) -> None:
         image.draft("RGB", (-(-width * min_size // shorter), -(-height * min_size // shorter)))
 
 
-def _image(data: Any, mode: str, where: str, min_size: int | None, facts: dict[str, Any]) -> Any:
+def _image(data: Any, mode: str, where: str, min_size: int | None, facts: dict[str, Any], target: bool) -> Any:
+    """An image field as ``mode`` says, in RGB; a ``target`` (a structured sample's image
+    stored in a mode that is not an input image's: a mask, a depth map) keeps its mode."""
     try:
-        opened = Image.open(io.BytesIO(data))
-        if min_size:
-            _draft(opened, min_size)
-        image = opened.convert("RGB")
+        opened: Image.Image = Image.open(io.BytesIO(data))
+        if target and opened.mode not in INPUT_MODES:
+            opened.load()
+            image = opened
+        else:
+            if min_size:
+                _draft(opened, min_size)
+            image = opened.convert("RGB")
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
         raise DecodeError(f"{where} is not a decodable image ({type(exc).__name__})", **facts) from None
     if mode == "pil":
@@ -38,13 +45,17 @@ def _image(data: Any, mode: str, where: str, min_size: int | None, facts: dict[s
     array = np.asarray(image)
     if mode == "rgb8":
         return array
-    return torch.from_numpy(array.copy()).permute(2, 0, 1)
+    tensor = torch.from_numpy(array.astype(np.int32) if array.dtype == np.uint16 else array.copy())
+    return tensor.permute(2, 0, 1) if tensor.ndim == 3 else tensor
 
 
 def decode_sample(
     sample: dict[str, Any], mode: str | Callable[..., Any], min_size: int | None = None, rng: Any = None
 ) -> dict[str, Any]:
-    """Decode every field of ``sample``: images by ``mode``, ``cls`` to int, ``txt`` to str, ``json`` to a dict.
+    """Decode every field of ``sample``: images by ``mode``, ``cls`` to int, ``txt`` to str,
+    ``json`` to its value, ``npy`` to a numpy array. A structured sample's masks and depth maps
+    (images stored in another mode than an input image's) keep their mode: ``"pil"`` gives
+    them as they were, ``"rgb8"`` their ``H x W`` values, ``"torchrgb"`` a tensor of them.
 
     A callable ``mode`` is called as ``mode(field, data)`` for image fields (``mode(field,
     data, rng=rng)`` when a generator is given, for seeded decoders); other fields are
@@ -68,7 +79,7 @@ def decode_sample(
             if callable(mode):
                 out[name] = mode(name, value) if rng is None else mode(name, value, rng=rng)
             else:
-                out[name] = bytes(value) if mode == "raw" else _image(value, mode, where, min_size, facts)
+                out[name] = bytes(value) if mode == "raw" else _image(value, mode, where, min_size, facts, "." in name)
         elif ext == "cls":
             try:
                 out[name] = int(bytes(value))
@@ -84,6 +95,11 @@ def decode_sample(
                 out[name] = json.loads(bytes(value))
             except ValueError:
                 raise DecodeError(f"{where} is not valid JSON", **facts) from None
+        elif ext == "npy" and isinstance(value, (bytes, bytearray, memoryview)):
+            try:
+                out[name] = np.load(io.BytesIO(bytes(value)), allow_pickle=False)
+            except (ValueError, EOFError, OSError):
+                raise DecodeError(f"{where} is not a NumPy .npy array", **facts) from None
         else:
             out[name] = bytes(value)
     return out

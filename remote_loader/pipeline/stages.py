@@ -26,6 +26,7 @@ from remote_loader.errors import ConfigError, DecodeError
 from remote_loader.pipeline.augment import RandomResizedCrop
 from remote_loader.pipeline.decode import IMAGE_FIELDS, MODES, decode_sample
 from remote_loader.pipeline.device import prepare
+from remote_loader.pipeline.joint import crop_together, is_structured
 from remote_loader.pipeline.threads import apply, threaded_map
 
 
@@ -157,12 +158,20 @@ def require_crop(mode: Any, device: Any) -> None:
 
 
 def _decode_seeded(mode: Any, min_size: int | None, context: Context, sample: dict[str, Any]) -> dict[str, Any]:
-    return decode_sample(sample, mode, min_size, rng=sample_rng(context, sample.get("__key__", "")))
+    rng = sample_rng(context, sample.get("__key__", ""))
+    if isinstance(mode, RandomResizedCrop) and is_structured(sample):  # its targets cropped with its images
+        return crop_together(mode, sample, rng, partial(decode_sample, mode="raw"))
+    return decode_sample(sample, mode, min_size, rng=rng)
 
 
 def _prepare_seeded(crop: RandomResizedCrop, context: Context, sample: dict[str, Any]) -> dict[str, Any]:
     """The sample with its images prepared for the device (``device.prepare``), labels decoded."""
     key, shard = sample.get("__key__", ""), sample.get("__shard__", "")
+
+    if is_structured(sample):
+        raise ConfigError(f"decode(device=...) crops classification samples (an image and its label); sample"
+                          f" {key!r} of {shard} has the fields {sorted(n for n in sample if not n.startswith('__'))}:"
+                          " decode it with RandomResizedCrop on the CPU, which crops its targets with its images")
 
     def prepared(field: str, data: Any, rng: Any = None) -> Any:
         return prepare(crop, data, rng, key, shard) if field.rsplit(".", 1)[-1] in IMAGE_FIELDS else data

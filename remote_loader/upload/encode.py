@@ -1,8 +1,10 @@
 """Turn one ``(image, target)`` item of a torchvision-style dataset into shard fields.
 
 Encoded files (bytes or a path) keep their bytes; in-memory images (PIL, uint8 arrays,
-CxHxW tensors) are encoded once, in the chosen format. Targets follow WebDataset's
-conventions: ``cls`` (ASCII digits), ``txt`` (UTF-8), ``json`` (a dict).
+CxHxW tensors) are encoded once, in the chosen format. Classification targets follow
+WebDataset's conventions: ``cls`` (ASCII digits), ``txt`` (UTF-8), ``json`` (a dict); any
+other sample (detection, masks, captions, flow, a dict of fields) follows the field rule of
+``remote_loader.format.fields``.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import io
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +21,7 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from remote_loader.errors import ConfigError, UploadError
+from remote_loader.format import fields
 
 # Pillow's format name -> the field (file extension) it is stored under.
 EXTENSIONS = {"JPEG": "jpg", "MPO": "jpg", "PNG": "png", "WEBP": "webp", "GIF": "gif", "BMP": "bmp", "TIFF": "tiff"}
@@ -112,10 +115,16 @@ def encode_image(image: Any, options: EncodeOptions, index: int) -> tuple[str, b
     raise _fail(index, f"image is a {type(image).__name__}; expected PIL image, uint8 array, tensor, bytes or path")
 
 
+def _is_tensor(value: Any) -> bool:
+    return type(value).__module__.startswith("torch") and hasattr(value, "detach")
+
+
 def _plain(value: Any, index: int, where: str) -> int | float | str:
     if isinstance(value, (np.integer, np.floating)) or (
         type(value).__module__.startswith("torch") and hasattr(value, "item")
     ):
+        if _is_tensor(value) and value.numel() != 1:
+            raise _fail(index, f"{where} is a tensor of {value.numel()} values; expected int, float or str")
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise _fail(index, f"{where} is a {type(value).__name__}; expected int, float or str")
@@ -125,7 +134,7 @@ def _plain(value: Any, index: int, where: str) -> int | float | str:
 
 
 def encode_target(target: Any, index: int) -> dict[str, bytes]:
-    """Return the label fields for ``target``: ``cls``, ``txt`` or ``json`` (none for None)."""
+    """Return the label fields for a classification target: ``cls``, ``txt`` or ``json`` (none for None)."""
     if target is None:
         return {}
     if isinstance(target, Mapping):
@@ -143,9 +152,160 @@ def encode_target(target: Any, index: int) -> dict[str, bytes]:
     return {"txt": value.encode("utf-8")}
 
 
+def _classic(target: Any) -> bool:
+    """Whether a pair's target is a classification target, stored under WebDataset's names
+    as before structured samples were: None, an int, a str (or a one-value numpy or torch
+    scalar of one), or a flat dict of str keys to finite scalars."""
+    try:
+        encode_target(target, 0)
+    except UploadError:
+        return False
+    return True
+
+
 def encode_item(item: Any, options: EncodeOptions, index: int) -> dict[str, bytes]:
-    """Return the fields of ``ds[index]``, which must be an ``(image, target)`` pair."""
-    if not isinstance(item, (tuple, list)) or len(item) != 2:
-        raise _fail(index, f"ds[{index}] returned a {type(item).__name__}; expected an (image, target) pair")
-    field, data = encode_image(item[0], options, index)
-    return {field: data, **encode_target(item[1], index)}
+    """Return the fields of ``ds[index]``: a classification pair under WebDataset's names,
+    any other tuple or a dict by the field rule (``remote_loader.format.fields``)."""
+    if isinstance(item, Mapping):
+        return Structured(options, index).sample(item)
+    if not isinstance(item, (tuple, list)) or not item:
+        raise _fail(index, f"ds[{index}] returned a {type(item).__name__}; expected an (image, target) pair,"
+                           " a tuple or a dict of fields")
+    if len(item) == 2 and _classic(item[1]):
+        field, data = encode_image(item[0], options, index)
+        return {field: data, **encode_target(item[1], index)}
+    return Structured(options, index).sample(item)
+
+
+class Structured:
+    """One structured sample's fields, by the field rule: each value under its stem, and
+    each array, tensor, image or bytes inside a nested value as a member of its own."""
+
+    def __init__(self, options: EncodeOptions, index: int) -> None:
+        self.options, self.index = options, index
+        self.fields: dict[str, bytes] = {}
+
+    def sample(self, item: Mapping[Any, Any] | Sequence[Any]) -> dict[str, bytes]:
+        if isinstance(item, Mapping):
+            for key, value in item.items():
+                if not isinstance(key, str) or not fields.NAMED.match(key) or key.startswith("__"):
+                    raise _fail(self.index, f"field name {key!r} of a dict sample is refused: use letters, digits,"
+                                            " '_' and '-', starting with a letter or '_' (not '__')")
+                self._top(key, value, f"item[{key!r}]", first=False)
+        else:
+            names = ("image", "target") if len(item) == 2 else tuple(f"item[{i}]" for i in range(len(item)))
+            for i, value in enumerate(item):
+                self._top(str(i), value, names[i], first=i == 0)
+        return self.fields
+
+    def _add(self, stem: str, steps: tuple[str, ...], ext: str, data: bytes, where: str) -> None:
+        bad = [s for s in steps if not fields.STEP.match(s)]
+        if bad:
+            raise _fail(self.index, f"{where} lies under the key {bad[0]!r}: keys above an array, tensor, image or"
+                                    " bytes use letters, digits, '_' and '-' only")
+        name = fields.render(stem, steps, ext)
+        if len(name) > 64:
+            raise _fail(self.index, f"{where} would be the field {name!r}, longer than 64 characters")
+        self.fields[name] = data
+
+    def _top(self, stem: str, value: Any, where: str, first: bool) -> None:
+        if value is None or isinstance(value, (bool, float, np.floating, np.bool_)):
+            self.fields[f"{stem}.json"] = _json(self._skeleton(stem, (), value, where))
+        elif isinstance(value, (int, np.integer)):
+            self.fields[f"{stem}.cls"] = str(int(value)).encode("ascii")
+        elif isinstance(value, str) and not first:
+            self.fields[f"{stem}.txt"] = value.encode("utf-8")
+        elif isinstance(value, (str, os.PathLike)):
+            ext, data = encode_image(value, self.options, self.index)
+            self.fields[f"{stem}.{ext}"] = data
+        elif isinstance(value, (bytes, bytearray, memoryview)):
+            ext, data = self._bytes(value, where)
+            self.fields[f"{stem}.{ext}"] = data
+        elif isinstance(value, Image.Image):
+            ext, data = self._image(value, where)
+            self.fields[f"{stem}.{ext}"] = data
+        elif isinstance(value, np.ndarray):
+            self.fields[f"{stem}.npy"] = _npy(value, self.index, where)
+        else:  # a tensor, a list, a tuple, a dict: a skeleton and its members
+            self.fields[f"{stem}.json"] = _json(self._skeleton(stem, (), value, where))
+
+    def _skeleton(self, stem: str, steps: tuple[str, ...], value: Any, where: str) -> Any:
+        if value is None or isinstance(value, (bool, str)):
+            return value
+        if isinstance(value, (np.bool_, np.integer, np.floating)):
+            value = value.item()
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float):
+            if not math.isfinite(value):
+                raise _fail(self.index, f"{where} is {value}: JSON holds finite numbers (store it in a numpy array)")
+            return value
+        if isinstance(value, (list, tuple)):
+            return [self._skeleton(stem, (*steps, str(i)), v, f"{where}[{i}]") for i, v in enumerate(value)]
+        if isinstance(value, Mapping):
+            out = {}
+            for key, v in value.items():
+                if not isinstance(key, str):
+                    raise _fail(self.index, f"{where} has the key {key!r}, a {type(key).__name__}: JSON keys are str")
+                out[key] = self._skeleton(stem, (*steps, key), v, f"{where}[{key!r}]")
+            return out
+        if isinstance(value, np.ndarray):
+            self._add(stem, steps, "npy", _npy(value, self.index, where), where)
+            return "numpy"
+        if _is_tensor(value):
+            self._add(stem, steps, "npy", _npy(_tensor_array(value, self.index, where), self.index, where), where)
+            return "torch"
+        if isinstance(value, Image.Image):
+            ext, data = self._image(value, where)
+            self._add(stem, steps, ext, data, where)
+            return "image"
+        if isinstance(value, (bytes, bytearray, memoryview)):
+            self._add(stem, steps, "bin", bytes(value), where)
+            return "bytes"
+        raise _fail(self.index, f"{where} is of type {type(value).__name__}: no field stores it (expected None,"
+                                " bool, int, float, str, list, tuple, dict, numpy array, tensor, PIL image or bytes)")
+
+    def _image(self, image: Image.Image, where: str) -> tuple[str, bytes]:
+        if image.mode in fields.INPUT_MODES:
+            return _encode_pil(image, self.options, self.index)
+        fmt = "TIFF" if image.mode in ("I", "F") else "PNG"
+        out = io.BytesIO()
+        try:
+            image.save(out, format=fmt)
+        except (OSError, ValueError, KeyError) as exc:
+            raise _fail(self.index, f"{where} is a {image.mode} image {fmt} cannot store ({exc}); convert it") from None
+        return EXTENSIONS[fmt], out.getvalue()
+
+    def _bytes(self, data: bytes | bytearray | memoryview, where: str) -> tuple[str, bytes]:
+        """An encoded image's own format, or ``bin`` for bytes Pillow does not read."""
+        raw = bytes(data)
+        try:
+            return _sniff(raw, self.index, where), raw
+        except UploadError:
+            return "bin", raw
+
+
+NUMERIC_KINDS = frozenset("biuf")
+
+
+def _npy(array: np.ndarray, index: int, where: str) -> bytes:
+    if array.dtype.kind not in NUMERIC_KINDS:
+        raise _fail(index, f"{where} is an array of {array.dtype}: arrays of bool, int, uint or float are stored")
+    out = io.BytesIO()
+    np.save(out, array, allow_pickle=False)
+    return out.getvalue()
+
+
+def _tensor_array(tensor: Any, index: int, where: str) -> np.ndarray:
+    if tensor.is_complex() or str(tensor.layout) != "torch.strided":
+        raise _fail(index, f"{where} is a {tensor.dtype} tensor ({tensor.layout}): dense bool, int, uint or float"
+                           " tensors are stored")
+    try:
+        return tensor.detach().cpu().resolve_conj().resolve_neg().numpy()
+    except (TypeError, RuntimeError):
+        raise _fail(index, f"{where} is a {tensor.dtype} tensor, which NumPy does not hold: convert it"
+                           " (bfloat16 to float32)") from None
+
+
+def _json(value: Any) -> bytes:
+    return json.dumps(value, ensure_ascii=False, allow_nan=False).encode()

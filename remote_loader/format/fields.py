@@ -1,0 +1,76 @@
+"""The field rule: how a sample's values are named as shard fields, and read back by name.
+
+A sample is a classification pair, a tuple, or a dict of named fields (docs/FORMAT.md,
+"Samples"). A pair ``(image, target)`` whose target is None, an int, a str or a flat dict of
+scalars keeps WebDataset's field names (``jpg``, ``cls``, ``txt``, ``json``). Any other sample
+is *structured*: each top-level value ``v`` has a *stem* (its position in the tuple, or its
+key in the dict) and is stored as
+
+- ``<stem>.<ext>`` when it is one member (an image, an int ``cls``, a str ``txt``, a numpy
+  array ``npy``, bytes ``bin``, or a JSON value ``json``);
+- ``<stem>.json`` (its *skeleton*: lists and dicts with scalars, and at each array, tensor,
+  image or bytes a placeholder string naming its type) plus one member
+  ``<stem>.<step>...<step>.<ext>`` per placeholder, its path from the value's root (list
+  positions in decimal, dict keys as they are) ahead of its extension.
+
+Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+PLACEHOLDERS = {"numpy": "npy", "torch": "npy", "image": None, "bytes": "bin"}
+"""Skeleton placeholders and the extension of the member each stands for (an image's is its format)."""
+
+STEP = re.compile(r"^[A-Za-z0-9_-]+$")
+"""A stem or a path step: a dict key or a list position (no '.', which separates steps)."""
+
+NAMED = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")
+"""A dict sample's key: starts with a letter or '_', so that a reader tells it from a tuple's position."""
+
+CLASSIC_TARGETS = ("cls", "txt", "json")
+
+INPUT_MODES = frozenset({"RGB", "RGBA", "CMYK", "YCbCr", "LAB", "HSV"})
+"""Image modes of a structured sample stored in the upload's ``image_format`` (and decoded to
+RGB); any other (masks, depth: ``1``, ``L``, ``LA``, ``P``, ``I;16``, ``I``, ``F``) is stored
+lossless, PNG or TIFF (``I``, ``F``), and read back in its mode with its palette."""
+
+
+@dataclass(frozen=True)
+class FieldName:
+    """A field's parts: ``stem`` (None for a classic field), the path ``steps`` inside the
+    stem's value, and the extension ``ext``."""
+
+    stem: str | None
+    steps: tuple[str, ...]
+    ext: str
+
+
+def parse(field: str) -> FieldName:
+    """``"1.objects.0.bbox.npy"`` -> stem ``"1"``, steps ``("objects", "0", "bbox")``, ext ``"npy"``."""
+    parts = field.split(".")
+    if len(parts) == 1:
+        return FieldName(None, (), parts[0])
+    return FieldName(parts[0], tuple(parts[1:-1]), parts[-1])
+
+
+def render(stem: str, steps: tuple[str, ...], ext: str) -> str:
+    return ".".join((stem, *steps, ext))
+
+
+def kind(fields: list[str]) -> str:
+    """``"pair"``, ``"tuple"`` or ``"dict"``: what a sample of these fields was uploaded as;
+    ValueError where they follow none of the rules."""
+    names = [parse(f) for f in fields if not f.startswith("__")]
+    stems = {n.stem for n in names}
+    if stems == {None}:
+        return "pair"
+    if None in stems:
+        raise ValueError(f"fields {sorted(fields)} mix classic names and stems")
+    if all(s is not None and s.isdigit() for s in stems):
+        return "tuple"
+    if all(s is not None and NAMED.match(s) for s in stems):
+        return "dict"
+    raise ValueError(f"fields {sorted(fields)} mix tuple positions and dict keys")

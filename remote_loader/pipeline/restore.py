@@ -1,0 +1,113 @@
+"""``restore(sample)``: a sample dict back as the item ``ds[i]`` gave at upload, by the field
+rule (``remote_loader.format.fields``): a classification pair, a tuple, or a dict of fields.
+Takes raw fields (bytes) and decoded ones (``decode()``'s output) alike."""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image, UnidentifiedImageError
+
+from remote_loader.errors import DecodeError
+from remote_loader.format import fields as rule
+from remote_loader.format.fields import FieldName
+from remote_loader.pipeline.decode import IMAGE_FIELDS
+
+_RAW = (bytes, bytearray, memoryview)
+
+
+def restore(sample: Mapping[str, Any]) -> Any:
+    """The item ``ds[i]`` returned at upload: ``(image, target)`` for a classification pair,
+    the tuple, or the dict of fields. Images come back as PIL images in their stored mode
+    (unless ``decode()`` made them something else), arrays with their dtype and shape, tensors
+    as tensors; lists and tuples inside a target come back as lists. DecodeError where the
+    sample's fields follow none of the rules."""
+    where = f"sample {sample.get('__key__')!r} of {sample.get('__shard__')}"
+    names = [name for name in sample if not name.startswith("__")]
+    try:
+        kind = rule.kind(names)
+    except ValueError as exc:
+        raise DecodeError(f"{where} cannot be restored: {exc}", key=sample.get("__key__")) from None
+    if kind == "pair":
+        return _pair(sample, names, where)
+    stems: dict[str, dict[FieldName, Any]] = {}
+    for name in names:
+        parsed = rule.parse(name)
+        stems.setdefault(str(parsed.stem), {})[parsed] = sample[name]
+    values = {stem: _value(members, f"{where}, field {stem!r}") for stem, members in stems.items()}
+    if kind == "dict":
+        return values
+    missing = [i for i in range(len(values)) if str(i) not in values]
+    if missing:
+        raise DecodeError(f"{where} cannot be restored: its tuple has no field for position {missing[0]}",
+                          key=sample.get("__key__"))
+    return tuple(values[str(i)] for i in range(len(values)))
+
+
+def _pair(sample: Mapping[str, Any], names: list[str], where: str) -> tuple[Any, Any]:
+    images = [n for n in names if n in IMAGE_FIELDS]
+    targets = [n for n in names if n in rule.CLASSIC_TARGETS]
+    if len(images) != 1 or len(targets) > 1 or len(images) + len(targets) != len(names):
+        raise DecodeError(f"{where} cannot be restored: fields {sorted(names)} are not an image and at most one"
+                          " target", key=sample.get("__key__"))
+    target = _leaf(targets[0], sample[targets[0]], where) if targets else None
+    return _leaf(images[0], sample[images[0]], where), target
+
+
+def _value(members: dict[FieldName, Any], where: str) -> Any:
+    skeleton = next((n for n in members if not n.steps and n.ext == "json"), None)
+    if skeleton is None:
+        if len(members) != 1:
+            raise DecodeError(f"{where} has {len(members)} members and no skeleton (.json)")
+        ((name, value),) = members.items()
+        return _leaf(name.ext, value, where)
+    root = _leaf("json", members.pop(skeleton), where)
+    for name, value in members.items():
+        root = _fill(root, name.steps, _leaf(name.ext, value, where), f"{where}, member {'.'.join(name.steps)!r}")
+    return root
+
+
+def _fill(node: Any, steps: tuple[str, ...], value: Any, where: str) -> Any:
+    """``node`` with the placeholder at ``steps`` replaced by ``value`` (converted by the placeholder)."""
+    if not steps:
+        if node == "torch":
+            return value if isinstance(value, torch.Tensor) else torch.from_numpy(np.asarray(value))
+        if node not in rule.PLACEHOLDERS:
+            raise DecodeError(f"{where} lands on {node!r}, not a placeholder")
+        return value
+    step, rest = steps[0], steps[1:]
+    if isinstance(node, list) and step.isdigit() and int(step) < len(node):
+        node[int(step)] = _fill(node[int(step)], rest, value, where)
+    elif isinstance(node, dict) and step in node:
+        node[step] = _fill(node[step], rest, value, where)
+    else:
+        raise DecodeError(f"{where} has no place in the field's skeleton")
+    return node
+
+
+def _leaf(ext: str, value: Any, where: str) -> Any:
+    """One member's value: decoded from its bytes by its extension, or as ``decode()`` left it."""
+    if not isinstance(value, _RAW) or ext == "bin":
+        return bytes(value) if isinstance(value, _RAW) else value
+    data = bytes(value)
+    try:
+        if ext in IMAGE_FIELDS:
+            image = Image.open(io.BytesIO(data))
+            image.load()
+            return image
+        if ext == "cls":
+            return int(data)
+        if ext == "txt":
+            return data.decode("utf-8")
+        if ext == "json":
+            return json.loads(data)
+        if ext == "npy":
+            return np.load(io.BytesIO(data), allow_pickle=False)
+    except (UnidentifiedImageError, OSError, ValueError, EOFError) as exc:
+        raise DecodeError(f"{where}: a {ext} member that does not decode ({type(exc).__name__})") from None
+    return data
