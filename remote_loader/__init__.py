@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from remote_loader.pipeline.augment import RandomResizedCrop
     from remote_loader.pipeline.dataset import RemoteDataset
     from remote_loader.pipeline.loader import decode_batches, loader
+    from remote_loader.pipeline.restore import restore
 
 __version__ = "0.1.0"
 
@@ -47,6 +48,7 @@ _LAZY = {
     "RemoteDataset": "remote_loader.pipeline.dataset",
     "loader": "remote_loader.pipeline.loader",
     "decode_batches": "remote_loader.pipeline.loader",
+    "restore": "remote_loader.pipeline.restore",
     "RemoteMapDataset": "remote_loader.mapstyle",
     "LocalitySampler": "remote_loader.mapstyle",
     "UniformSampler": "remote_loader.mapstyle",
@@ -104,5 +106,6 @@ __all__ = [
     "loader",
     "make_client",
     "rank_cores",
+    "restore",
     "upload_cv_dataset",
 ]
