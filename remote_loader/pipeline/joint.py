@@ -51,7 +51,7 @@ def crop_together(crop: RandomResizedCrop, sample: dict[str, Any], rng: np.rando
     flip = crop.flip and bool(rng.random() < 0.5)
     for name, image in images.items():
         if name in inputs:
-            out[name] = crop.resized(np.asarray(image.convert("RGB")), box, flip)
+            out[name] = crop.resized(np.array(image.convert("RGB")), box, flip)
         else:
             out[name] = torch.from_numpy(nearest(_pixels(image), box, crop.size, flip))
     kept = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 
 import numpy as np
 import pytest
@@ -80,17 +81,15 @@ def test_dict_target_is_json():
         ((np.zeros((4, 4, 3), np.float32), 1), "sample 5: image array has dtype float32"),
         ((np.zeros((4, 4, 2), np.uint8), 1), "sample 5: image array has shape"),
         ((3.5, 1), "sample 5: image is a float"),
-        ((Image.new("L", (4, 4)), 2.5), "sample 5: target is a float"),
-        ((Image.new("L", (4, 4)), [1, 2]), "sample 5: target is a list"),
-        ((Image.new("L", (4, 4)), {"a": float("nan")}), "must be finite"),
-        ((Image.new("L", (4, 4)), {1: 2}), "key 1 is not a str"),
+        ((Image.new("L", (4, 4)), {"a": float("nan")}), "sample 5: target['a'] is nan: JSON holds finite numbers"),
+        ((Image.new("L", (4, 4)), {1: 2}), "sample 5: target has the key 1"),
         (Image.new("L", (4, 4)), "expected an (image, target) pair"),
         ((Image.new("RGBA", (4, 4)), 1), "cannot encode a RGBA image as JPEG"),
     ],
 )
 def test_bad_items_name_the_sample(item, message):
     options = EncodeOptions() if "RGBA" in message else PNG
-    with pytest.raises(UploadError, match=message.replace("(", r"\(").replace(")", r"\)")) as info:
+    with pytest.raises(UploadError, match=re.escape(message)) as info:
         encode_item(item, options, 5)
     assert info.value.index == 5 and "\n" not in str(info.value)
 
