@@ -21,7 +21,6 @@ from remote_loader.format import fields as rule
 from remote_loader.storage import LocalStore
 from remote_loader.testing.synthetic import SyntheticImages
 from remote_loader.upload.encode import EncodeOptions, encode_item
-from tests.helpers import upload_to_new_bucket
 
 N = 6
 W, H = 24, 16
