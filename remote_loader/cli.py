@@ -15,6 +15,7 @@ from tqdm import tqdm
 from remote_loader import __version__
 from remote_loader.config import FetchConfig, RetryConfig
 from remote_loader.errors import ConfigError, RemoteLoaderError
+from remote_loader.format import fields
 from remote_loader.read.reader import DatasetReader
 from remote_loader.storage import Location, Store, open_location
 from remote_loader.storage.factory import Backend
@@ -204,6 +205,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         "shards": len(manifest.shards),
         "bytes": manifest.num_bytes,
         "fields": list(manifest.fields),
+        "field_types": {f: fields.describe(f) for f in manifest.fields},
         "skipped": manifest.skipped,
         "params": dict(manifest.params),
     }
@@ -217,7 +219,7 @@ def cmd_info(args: argparse.Namespace) -> int:
             f"dataset   {location}",
             f"samples   {manifest.num_samples:,d} in {len(manifest.shards):,d} shards,"
             f" {manifest.num_bytes / 1e6:,.1f} MB",
-            f"fields    {_shown(', '.join(manifest.fields))}",
+            f"fields    {_shown(', '.join(f'{f} ({fields.describe(f)})' for f in manifest.fields))}",
             f"skipped   {manifest.skipped}",
             "classes   "
             + (

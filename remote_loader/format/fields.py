@@ -74,3 +74,15 @@ def kind(fields: list[str]) -> str:
     if all(s is not None and NAMED.match(s) for s in stems):
         return "dict"
     raise ValueError(f"fields {sorted(fields)} mix tuple positions and dict keys")
+
+
+_TYPES = {"cls": "int", "txt": "str", "json": "JSON", "npy": "array", "bin": "bytes"}
+IMAGE_EXTENSIONS = frozenset({"jpg", "jpeg", "png", "webp", "gif", "bmp", "tiff", "ppm", "pgm"})
+
+
+def describe(field: str) -> str:
+    """A field's type in words: ``image``, ``int``, ``str``, ``JSON``, ``array``, ``bytes``;
+    a member inside a stem's skeleton says so (``array in 1``)."""
+    name = parse(field)
+    kind = "image" if name.ext in IMAGE_EXTENSIONS else _TYPES.get(name.ext, name.ext)
+    return f"{kind} in {name.stem}" if name.steps else kind

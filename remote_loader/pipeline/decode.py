@@ -12,9 +12,9 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 from remote_loader.errors import ConfigError, DecodeError
-from remote_loader.format.fields import INPUT_MODES
+from remote_loader.format.fields import IMAGE_EXTENSIONS, INPUT_MODES
 
-IMAGE_FIELDS = frozenset({"jpg", "jpeg", "png", "webp", "gif", "bmp", "tiff", "ppm", "pgm"})
+IMAGE_FIELDS = IMAGE_EXTENSIONS
 MODES = ("pil", "rgb8", "torchrgb", "raw")
 
 

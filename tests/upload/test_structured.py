@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
+import os
 from typing import Any
 
 import numpy as np
@@ -290,3 +292,22 @@ def test_a_dict_sample_with_a_key_a_reader_cannot_tell_from_a_position_is_refuse
     for key in ("0", "a.b", "__key__", "a/b"):
         with pytest.raises(UploadError, match=f"sample 2: field name {key!r} of a dict sample is refused"):
             encode_item({"image": _image(0), key: 1}, EncodeOptions(), 2)
+
+
+def widerface_dataset() -> Structured:
+    """``remote-loader upload tests.upload.test_structured:widerface_dataset ...``'s source."""
+    return Structured(widerface)
+
+
+def test_the_cli_uploads_a_structured_dataset_and_info_shows_its_fields_and_types(seaweed, s3):
+    from tests.cli.test_cli import run
+
+    _, bucket = s3
+    env = {**os.environ, **seaweed.env()}
+    url = f"s3://{bucket}/cli-widerface"
+    up = json.loads(run(env, "upload", "tests.upload.test_structured:widerface_dataset", url, "--json").stdout)
+    assert up["samples"] == N
+    info = json.loads(run(env, "info", url, "--json").stdout)
+    assert info["field_types"] == {"0.jpg": "image", "1.bbox.npy": "array in 1", "1.blur.npy": "array in 1",
+                                   "1.invalid.npy": "array in 1", "1.json": "JSON"}
+    assert "1.bbox.npy (array in 1)" in run(env, "info", url).stdout
