@@ -54,6 +54,7 @@ EXPECTED = {
     "loader",
     "make_client",
     "rank_cores",
+    "restore",
     "upload_cv_dataset",
 }
 

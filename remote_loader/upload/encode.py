@@ -186,6 +186,12 @@ class Structured:
         self.fields: dict[str, bytes] = {}
 
     def sample(self, item: Mapping[Any, Any] | Sequence[Any]) -> dict[str, bytes]:
+        try:
+            return self._sample(item)
+        except RecursionError:  # a list that holds itself, or nesting deeper than the interpreter's stack
+            raise _fail(self.index, f"ds[{self.index}] is nested too deep to store (or holds itself)") from None
+
+    def _sample(self, item: Mapping[Any, Any] | Sequence[Any]) -> dict[str, bytes]:
         if isinstance(item, Mapping):
             for key, value in item.items():
                 if not isinstance(key, str) or not fields.NAMED.match(key) or key.startswith("__"):

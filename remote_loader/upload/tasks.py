@@ -25,7 +25,7 @@ import numpy as np
 from remote_loader.config import RetryConfig
 from remote_loader.errors import RemoteLoaderError, UploadError
 from remote_loader.format import ShardEntry, ShardWriter
-from remote_loader.format.index import require, unpack
+from remote_loader.format.index import MAX_FIELDS, require, unpack
 from remote_loader.storage import Location, ObjectWriter, Store
 from remote_loader.storage.daemon import in_daemon_thread, map_on_daemon_threads, wait_result
 from remote_loader.storage.retrying import Cancelled, Retry
@@ -163,6 +163,7 @@ class _ShardSequence:
         self.task_id = task_id
         self.entries: list[ShardEntry] = []
         self.fields: set[str] = set()
+        self.fields_in_shard: set[str] = set()  # the open shard's, at most MAX_FIELDS
         self._upload: ObjectWriter | None = None
         self._shard: ShardWriter | None = None
         self._committing: Future[None] | None = None  # the previous shard's commit
@@ -174,8 +175,12 @@ class _ShardSequence:
 
     def add(self, key: str, fields: dict[str, bytes], index: int) -> None:
         spec = self.spec
+        if len(fields) > MAX_FIELDS:
+            raise UploadError(f"sample {index} has {len(fields)} fields; a shard holds at most {MAX_FIELDS}"
+                              " (each array, tensor or image inside a target is a field)", index=index)
         if self._shard is not None and (
             len(self._shard) >= spec.maxcount or self._shard.projected_size(key, fields) > spec.maxsize
+            or len(self.fields_in_shard | fields.keys()) > MAX_FIELDS
         ):
             self._finish()
         if self._shard is None:
@@ -183,6 +188,7 @@ class _ShardSequence:
             self._upload = spec.store.open_writer(spec.location.bucket, spec.location.key(name),
                                                   part_size=spec.part_size)
             self._shard = ShardWriter(self._upload.write)
+            self.fields_in_shard = set()
         if self._shard.projected_size(key, fields) > spec.maxsize:
             size = sum(len(v) for v in fields.values())
             raise UploadError(
@@ -190,6 +196,7 @@ class _ShardSequence:
             )
         self._shard.add(key, fields)
         self.fields.update(fields)
+        self.fields_in_shard.update(fields)
 
     def _end_shard(self) -> ObjectWriter | None:
         """Close the open shard and list it; its writer, to commit (None if it held no sample)."""

@@ -311,3 +311,27 @@ def test_the_cli_uploads_a_structured_dataset_and_info_shows_its_fields_and_type
     assert info["field_types"] == {"0.jpg": "image", "1.bbox.npy": "array in 1", "1.blur.npy": "array in 1",
                                    "1.invalid.npy": "array in 1", "1.json": "JSON"}
     assert "1.bbox.npy (array in 1)" in run(env, "info", url).stdout
+
+
+def test_a_target_that_holds_itself_is_refused_not_a_recursion_traceback():
+    looped: list[Any] = [1]
+    looped.append(looped)
+    with pytest.raises(UploadError, match=r"^sample 4: ds\[4\] is nested too deep to store \(or holds itself\)"):
+        encode_item((_image(0), looped), EncodeOptions(), 4)
+
+
+def test_more_fields_than_a_shard_holds_are_refused_naming_the_sample(s3):
+    client, bucket = s3
+    many = Structured(lambda i: (_image(i), [np.zeros(1)] * 70))
+    with pytest.raises(UploadError, match=r"^sample \d has 72 fields; a shard holds at most 64"):
+        upload_cv_dataset(many, client=client, bucket=bucket, base_folder="many", workers=0, progress=False)
+
+
+def test_samples_whose_fields_together_exceed_a_shards_start_a_new_shard_and_read_back(s3):
+    client, bucket = s3
+    ds = Structured(lambda i: (_image(i), {f"k{i}_{j}": np.full(2, j) for j in range(40)}))
+    upload_cv_dataset(ds, client=client, bucket=bucket, base_folder="wide", maxcount=100, workers=0, progress=False,
+                      image_format="png")
+    got = dict(RemoteMapDataset(client, bucket, "wide", transform=lambda s: (int(s["__key__"]), restore(s))))
+    for i in range(N):
+        same_item(ds[i], got[i])
