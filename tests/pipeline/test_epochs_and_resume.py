@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from remote_loader import ConfigError, RemoteDataset
+from remote_loader import ConfigError, RemoteDataset, ResumeError
 from remote_loader.testing.synthetic import SyntheticImages
 from tests.helpers import upload_to_new_bucket
 
@@ -241,3 +241,22 @@ def test_a_dataloader_made_anew_each_epoch_with_a_seeded_generator_takes_the_nex
     assert ds.epoch == 3
     assert [sorted(o) for o in orders] == [sorted(e) for e in _explicit(dataset, range(3))]
     assert len({tuple(o) for o in orders}) == 3
+
+
+def test_a_count_state_resumes_the_pipeline_it_counted_and_refuses_another_batch_size(dataset, seaweed):
+    # Loaded into batches of 8, a count state of batches of 4 repeated some samples and lost others.
+    client = seaweed.client()
+
+    def pipeline(batch: int) -> RemoteDataset:
+        return RemoteDataset(client, "epoch-resume-tests", "d", seed=3).map(lambda s: s["__key__"]).batched(batch)
+
+    saved = pipeline(4).state_dict(consumed=4, num_workers=2)
+    other = pipeline(8)
+    with pytest.raises(ResumeError, match=r"counts items of 4 samples on 1 rank\(s\); this pipeline's items hold 8"):
+        other.load_state_dict(saved)
+        list(DataLoader(other, batch_size=None, num_workers=2))
+    full = [k for batch in DataLoader(pipeline(4), batch_size=None, num_workers=2) for k in batch]
+    same = pipeline(4)
+    same.load_state_dict(saved)
+    rest = [k for batch in DataLoader(same, batch_size=None, num_workers=2) for k in batch]
+    assert Counter(full[:16]) + Counter(rest) == ALL and len(rest) == N - 16

@@ -218,7 +218,7 @@ class Checkpoints:
             items.append(-(-samples // per_item) if keeps_short_batch else samples // per_item)
         taken = consumed_per_worker(items, consumed)
         return ResumeState(self.current, layout.seed, workers, [t * per_item for t in taken],
-                           layout.reader.identity).as_dict()
+                           layout.reader.identity, (per_item, layout.world_size)).as_dict()
 
     # ------------------------------------------------------------------ loading states
 
@@ -273,6 +273,12 @@ class Checkpoints:
             raise ResumeError(f"state was saved with seed {resume.seed}, this dataset has seed {layout.seed}")
         layout.check_identity(resume.dataset)
         per_item = layout.per_item()
+        if resume.split is not None and resume.split != (per_item, layout.world_size):
+            (items, world), now = resume.split, (per_item, layout.world_size)
+            raise ResumeError(
+                f"this state counts items of {items} samples on {world} rank(s); this pipeline's items hold"
+                f" {now[0]} on {now[1]}: the workers' shares are cut by them, so a count state resumes the"
+                " pipeline it counted only (torchdata's StatefulDataLoader states resume any batch size and world)")
         shares = [layout.worker_samples(worker, resume.num_workers) for worker in range(len(resume.skip))]
         for worker, (skip, samples) in enumerate(zip(resume.skip, shares, strict=True)):
             if skip > -(-samples // per_item) * per_item:

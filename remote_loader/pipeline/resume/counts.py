@@ -53,11 +53,17 @@ class ResumeState:
     skip: list[int]
     dataset: int | None = None
     """The manifest's identity (its crc32 trailer); None in states saved before it existed."""
+    split: tuple[int, int] | None = None
+    """(samples per item, world size) of the pipeline counted: the workers' shares are cut by
+    them, so the counts mean nothing in another; None in states saved before."""
 
     def as_dict(self) -> dict[str, Any]:
         state = {"version": STATE_VERSION, **asdict(self)}
-        if self.dataset is None:
-            del state["dataset"]
+        for optional in ("dataset", "split"):
+            if state[optional] is None:
+                del state[optional]
+        if self.split is not None:
+            state["split"] = list(self.split)
         return state
 
     @classmethod
@@ -78,4 +84,11 @@ class ResumeState:
             raise ResumeError(f"RemoteDataset state field 'skip' must list one count per worker ({num_workers})")
         counts = [_count({f"skip[{w}]": n}, f"skip[{w}]") for w, n in enumerate(skip)]
         dataset = _count(state, "dataset", 0, 2**32 - 1) if "dataset" in state else None
-        return cls(epoch, seed, num_workers, counts, dataset)
+        split = None
+        if "split" in state:
+            saved = state["split"]
+            if not isinstance(saved, (list, tuple)) or len(saved) != 2:
+                raise ResumeError("RemoteDataset state field 'split' must be [samples per item, world size]")
+            per_item, world = (_count({f"split[{i}]": v}, f"split[{i}]", 1) for i, v in enumerate(saved))
+            split = (per_item, world)
+        return cls(epoch, seed, num_workers, counts, dataset, split)
