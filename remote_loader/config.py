@@ -72,32 +72,46 @@ def world_from_env(env: Mapping[str, str] | None = None) -> tuple[int, int]:
 
 
 def rank_cores(env: Mapping[str, str] | None = None, *, cgroup: str = "/sys/fs/cgroup/cpu.max",
-               allowed: int | None = None, machine: int | None = None) -> int:
-    """The cores this process (a rank) may use: those its CPU affinity allows (``allowed``),
-    under the container's CPU quota (cgroup v2 ``cpu.max``); when the affinity is the whole
-    machine (``machine`` cores) and ``LOCAL_WORLD_SIZE`` (torchrun's) says several ranks
-    share it, their share of it."""
+               cpuset: str = "/sys/fs/cgroup/cpuset.cpus.effective", allowed: int | None = None,
+               machine: int | None = None) -> int:
+    """The cores this process (a rank) may use, of those its container or job holds: its CPU
+    affinity (``allowed``) and the container's CPU quota (cgroup v2 ``cpu.max``), shared with
+    the other ranks on the node (``LOCAL_WORLD_SIZE``, torchrun's). The affinity is this rank's
+    own where it is narrower than the container's cpuset (``machine`` cores: cgroup v2
+    ``cpuset.cpus.effective``, else the machine's); the quota is always the container's."""
     env = os.environ if env is None else env
-    machine = machine or os.cpu_count() or 1
+    machine = machine or _cpuset_cores(cpuset) or os.cpu_count() or 1
     if allowed is None:
         sched = getattr(os, "sched_getaffinity", None)
         allowed = len(sched(0)) if sched is not None else machine
-    cores = allowed
+    text = env.get("LOCAL_WORLD_SIZE") or "1"
+    try:
+        ranks = max(1, int(text))
+    except ValueError:
+        raise ConfigError(f"the environment variable LOCAL_WORLD_SIZE must be an integer, got {text!r}") from None
+    cores = allowed if allowed < machine else allowed // ranks  # an affinity narrowed to this rank: all of it
     try:
         with open(cgroup) as handle:
             quota, period = handle.read().split()[:2]
         if quota != "max":
-            cores = min(cores, max(1, -(-int(quota) // int(period))))
+            cores = min(cores, -(-int(quota) // int(period)) // ranks)
     except (OSError, ValueError):
         pass
-    text = env.get("LOCAL_WORLD_SIZE") or "1"
-    try:
-        ranks = int(text)
-    except ValueError:
-        raise ConfigError(f"the environment variable LOCAL_WORLD_SIZE must be an integer, got {text!r}") from None
-    if ranks > 1 and allowed >= machine:  # the affinity was not narrowed to this rank
-        cores = cores // ranks
     return max(1, cores)
+
+
+def _cpuset_cores(path: str) -> int | None:
+    """The number of CPUs in a cgroup cpuset list (``0-31,64-95``), or None where unread."""
+    try:
+        with open(path) as handle:
+            text = handle.read().strip()
+        count = 0
+        for part in text.split(","):
+            low, _, high = part.partition("-")
+            count += int(high or low) - int(low) + 1
+    except (OSError, ValueError):
+        return None
+    return count or None
 
 
 def normalize_endpoint(endpoint: str, *, secure: bool = False) -> str:

@@ -27,17 +27,26 @@ def keys(seaweed):
 def test_rank_cores_takes_the_affinity_the_quota_and_the_ranks_sharing_the_node(tmp_path):
     missing = str(tmp_path / "none")
     assert rank_cores({}, cgroup=missing) == len(os.sched_getaffinity(0))  # this process, as it runs
-    node = {"cgroup": missing, "machine": 128}
+    node = {"cgroup": missing, "cpuset": missing, "machine": 128}
     assert rank_cores({}, allowed=128, **node) == 128
     assert rank_cores({"LOCAL_WORLD_SIZE": "8"}, allowed=128, **node) == 16  # 8 ranks share the node
     assert rank_cores({"LOCAL_WORLD_SIZE": "8"}, allowed=16, **node) == 16  # an affinity of its own: all of it
     assert rank_cores({"LOCAL_WORLD_SIZE": "256"}, allowed=128, **node) == 1
     quota = tmp_path / "cpu.max"
     quota.write_text("1550000 100000\n")  # a container allowed 15.5 cores
-    assert rank_cores({}, cgroup=str(quota), allowed=128, machine=128) == 16
+    assert rank_cores({}, cgroup=str(quota), cpuset=missing, allowed=128, machine=128) == 16
     assert rank_cores({"LOCAL_WORLD_SIZE": "2"}, cgroup=str(quota), allowed=128, machine=128) == 8
     quota.write_text("max 100000\n")
     assert rank_cores({}, cgroup=str(quota), allowed=128, machine=128) == 128
+    # A container (Docker --cpuset-cpus, Kubernetes' static CPU manager, a Slurm job) holding 32 of
+    # the machine's 64 cores, its 8 ranks sharing them: 4 each, not 32.
+    cpus = tmp_path / "cpuset.cpus.effective"
+    cpus.write_text("0-15,32-47\n")
+    assert rank_cores({"LOCAL_WORLD_SIZE": "8"}, cgroup=missing, cpuset=str(cpus), allowed=32) == 4
+    assert rank_cores({"LOCAL_WORLD_SIZE": "8"}, cgroup=missing, cpuset=str(cpus), allowed=4) == 4  # bound per rank
+    cpus.write_text("0-15\n")  # an 8-core quota in a 16-core cpuset, 4 ranks: 2 each, not 8
+    quota.write_text("800000 100000\n")
+    assert rank_cores({"LOCAL_WORLD_SIZE": "4"}, cgroup=str(quota), cpuset=str(cpus), allowed=16) == 2
     with pytest.raises(ConfigError, match="LOCAL_WORLD_SIZE must be an integer, got 'two'"):
         rank_cores({"LOCAL_WORLD_SIZE": "two"}, cgroup=missing)
 
