@@ -6,6 +6,10 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 TORCH := torch==2.13.0
+# PyTorch's CPU wheels: PyPI's Linux torch is the multi-GB CUDA build. Another build:
+# make TORCH_INDEX=https://download.pytorch.org/whl/cu130 (a local wheelhouse in pip's
+# find-links is used too, when the index cannot be reached).
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 STAMP := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.bench-installed
 PEERS := mosaicml-streaming==0.13.0 litdata==0.2.76
@@ -17,7 +21,7 @@ $(BIN)/python:
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet $(TORCH)
+	$(BIN)/python -m pip install --quiet --retries 1 --index-url $(TORCH_INDEX) $(TORCH)
 	echo '$(TORCH)' > $(VENV)/constraints.txt
 	$(BIN)/python -m pip install --quiet -c $(VENV)/constraints.txt -e '.[test]'
 	touch $(STAMP)
