@@ -190,6 +190,8 @@ class RemoteDataset(IterableDataset):
         if batched or device not in ("cpu", "auto"):  # before a device is probed for it
             stages.require_crop(mode, repr(device))
         place = check_device(device, batched, cpu_fallback)
+        if self.on_error == "skip" and place is None:  # a sample that does not decode is left out, counted
+            return self._with(stages.Decode(mode, min_size, threads, skip=True))._with(stages.DropUndecodable())
         return self._with(stages.Decode(mode, min_size, threads, device=place))
 
     def to_tuple(self, *fields: str) -> RemoteDataset:
@@ -257,6 +259,12 @@ class RemoteDataset(IterableDataset):
         bufsize, initial = self.buffer or (0, 0)
         return Layout(self.reader, self.seed, self.shuffle_shards, rank, world_size, equalize,
                       Mixing(self.open_shards, bufsize, initial), tuple(self.stages))
+
+    @property
+    def classes(self) -> list[str]:
+        """The class names recorded at upload (class ``i`` is ``classes[i]``), empty where none
+        were (and for unindexed tars)."""
+        return [] if self.unindexed else self.reader.classes
 
     def __len__(self) -> int:
         """Items this rank yields per epoch (batches, after ``batched``), whatever the number
@@ -371,7 +379,7 @@ class RemoteDataset(IterableDataset):
         source = ShardSource(self.reader, policy, spans=lambda: spans, rows=iteration.plan.rows,
                              mixing=layout.mixing, seeds=self._seeds(epoch, layout.rank, worker), locate=where,
                              on_error=self.on_error, start=iteration.start)
-        context = stages.Context(self.seed, epoch, layout.rank, worker)
+        context = stages.Context(self.seed, epoch, layout.rank, worker, metrics)
         return Run(source, self.stages, context, iteration.header, layout.mixing, iteration.plan.extras,
                    iteration.plan.rows, metrics)
 
@@ -397,7 +405,7 @@ class RemoteDataset(IterableDataset):
         source = TarSource(self.reader, self.reader.policy(metrics, cancel=threading.Event()),
                            [tars[k] for position, k in enumerate(order) if position % slots == slot],
                            layout.mixing, self._seeds(epoch, layout.rank, worker))
-        context = stages.Context(self.seed, epoch, layout.rank, worker)
+        context = stages.Context(self.seed, epoch, layout.rank, worker, metrics)
         return Run(source, self.stages, context, {}, layout.mixing, frozenset(), (), metrics)  # type: ignore[arg-type]
 
 

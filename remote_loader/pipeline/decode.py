@@ -77,7 +77,12 @@ def decode_sample(
         ext = name.rsplit(".", 1)[-1]
         if ext in IMAGE_FIELDS:
             if callable(mode):
-                out[name] = mode(name, value) if rng is None else mode(name, value, rng=rng)
+                try:
+                    out[name] = mode(name, value) if rng is None else mode(name, value, rng=rng)
+                except DecodeError as exc:  # a decoder's own, which knows no sample: named here
+                    if exc.key is not None:
+                        raise
+                    raise DecodeError(f"{where}: {exc}", **facts) from None
             else:
                 out[name] = bytes(value) if mode == "raw" else _image(value, mode, where, min_size, facts, "." in name)
         elif ext == "cls":

@@ -12,6 +12,7 @@ method is called, in the user's process. Stage objects pickle into DataLoader wo
 from __future__ import annotations
 
 import hashlib
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ from remote_loader.pipeline.device import prepare
 from remote_loader.pipeline.joint import crop_together, is_structured
 from remote_loader.pipeline.threads import apply, threaded_map
 
+log = logging.getLogger("remote_loader")
+
 
 @dataclass(frozen=True)
 class Context:
@@ -38,6 +41,8 @@ class Context:
     epoch: int
     rank: int
     worker: int
+    metrics: Any = None
+    """The worker's ``Metrics``, where a stage counts what it skipped."""
 
 
 def sample_rng(context: Context, key: str) -> np.random.Generator:
@@ -125,7 +130,7 @@ class Decode(Stage):
     one_to_one = True
 
     def __init__(self, mode: str | Callable[..., Any], min_size: int | None = None, threads: int = 0,
-                 device: Any = None) -> None:
+                 device: Any = None, skip: bool = False) -> None:
         if not callable(mode) and mode not in MODES:
             raise ConfigError(f"decode mode must be one of {', '.join(MODES)} or a callable, got {mode!r}")
         if min_size is not None and (type(min_size) is not int or min_size < 1):
@@ -133,7 +138,7 @@ class Decode(Stage):
         if device is not None:
             require_crop(mode, getattr(device, "device", device))
         self.mode, self.min_size, self.threads, self.device = mode, min_size, _check_threads(threads), device
-        self.seeded = bool(getattr(mode, "seeded", False))
+        self.seeded, self.skip = bool(getattr(mode, "seeded", False)), skip
 
     def run(self, samples: Iterable[Any], context: Context) -> Iterator[Any]:
         if self.device is not None:
@@ -143,10 +148,44 @@ class Decode(Stage):
             fn = partial(_decode_seeded, self.mode, self.min_size, context)
         else:
             fn = partial(decode_sample, mode=self.mode, min_size=self.min_size)
+        if self.skip:  # left out by DropUndecodable, in the calling thread, where it is counted
+            fn = partial(_or_undecodable, fn)
         return threaded_map(fn, samples, self.threads) if self.threads else apply(fn, samples)
 
     def on_device(self) -> tuple[Any, Any] | None:
         return (self.mode, self.device) if self.device is not None else None
+
+
+@dataclass(frozen=True)
+class Undecodable:
+    """What a ``Decode(skip=True)`` makes of a sample whose fields do not decode."""
+
+    error: DecodeError
+
+
+def _or_undecodable(fn: Callable[[Any], Any], sample: Any) -> Any:
+    try:
+        return fn(sample)
+    except DecodeError as error:
+        return Undecodable(error)
+
+
+class DropUndecodable(Stage):
+    """Leaves out the samples a ``Decode(skip=True)`` could not decode (``on_error="skip"``),
+    counted in ``metrics.skipped`` and logged. One sample in, one out, but for those: a
+    count state is off by the samples left out before it, as for damaged bytes."""
+
+    one_to_one = True
+    filters = True
+
+    def run(self, samples: Iterable[Any], context: Context) -> Iterator[Any]:
+        for sample in samples:
+            if isinstance(sample, Undecodable):
+                log.warning("skipped an undecodable sample (on_error='skip'): %s", sample.error)
+                if context.metrics is not None:
+                    context.metrics.add(skipped=1)
+                continue
+            yield sample
 
 
 def require_crop(mode: Any, device: Any) -> None:

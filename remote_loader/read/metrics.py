@@ -36,7 +36,8 @@ class Metrics:
         samples: Samples the pipeline delivered (counted as its items leave it; with
             DataLoader workers, as they reach the DataLoader, which holds up to
             ``prefetch_factor`` items per worker before your loop takes them).
-        skipped: Samples skipped by ``on_error="skip"`` (corrupt bytes, a damaged or missing shard).
+        skipped: Samples skipped by ``on_error="skip"`` (corrupt bytes, a damaged or missing shard, an
+            image that does not decode).
         peak_buffered: Most bytes of ranges fetched or being fetched and not yet handed
             to the reader (bounded by ``FetchConfig.prefetch_bytes``).
         peak_range_memory: Most bytes of range buffers alive at once: in flight, being
