@@ -104,7 +104,7 @@ def _emit(args: argparse.Namespace, data: Any, text: str) -> None:
 
 def cmd_upload(args: argparse.Namespace) -> int:
     store, location = _open(args)
-    if location.path:  # a local destination is a directory: made, as a bucket would have to be
+    if location.path or args.create_bucket:  # a local destination is a directory: made, as a bucket would be
         store.create_bucket(location.bucket)
     dask = _dask_client(args.dask, _fetch(args).retry.first_contact_deadline) if args.dask else None
     try:
@@ -217,7 +217,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     text = "\n".join(
         [
             f"dataset   {location}",
-            f"samples   {manifest.num_samples:,d} in {len(manifest.shards):,d} shards,"
+            f"samples   {manifest.num_samples:,d} in {len(manifest.shards):,d}"
+            f" shard{'' if len(manifest.shards) == 1 else 's'},"
             f" {manifest.num_bytes / 1e6:,.1f} MB",
             f"fields    {_shown(', '.join(f'{f} ({fields.describe(f)})' for f in manifest.fields))}",
             f"skipped   {manifest.skipped}",
@@ -339,6 +340,7 @@ def _upload_parser(sub: Any) -> None:
                    " out, counted in the summary and the manifest")
     p.add_argument("--no-shuffle", action="store_true", help="keep the source order")
     p.add_argument("--overwrite", action="store_true", help="replace a dataset uploaded with other parameters")
+    p.add_argument("--create-bucket", action="store_true", help="make the bucket first where it does not exist")
     p.add_argument(
         "--dask",
         metavar="ADDRESS",
@@ -405,6 +407,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_HINTS = {("upload", "BucketNotFound"): " (--create-bucket makes it)"}
+_INTERRUPTED = {"upload": ": the shards written are kept, and the same command again resumes the upload"}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
@@ -415,9 +421,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except RemoteLoaderError as exc:
-        print(f"remote-loader: error: {exc}", file=sys.stderr)
+        hint = _HINTS.get((args.command, type(exc).__name__), "")
+        print(f"remote-loader: error: {exc}{hint}", file=sys.stderr)
         return 2 if isinstance(exc, ConfigError) else 1  # argparse's convention: 2 for what the user typed
     except KeyboardInterrupt:
+        print(f"remote-loader: interrupted{_INTERRUPTED.get(args.command, '')}", file=sys.stderr)
         return 130
     except BrokenPipeError:  # the reader of stdout went away (`| head`): stop quietly, as cat does
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
