@@ -135,14 +135,17 @@ class Retry:
             # Nothing ever answered: most likely a mistyped endpoint or a server not started.
             # The request it was (a range of a manifest) means nothing to the user.
             last = "" if isinstance(error, EndpointUnreachable) else f" (last: {error})"
+            check = ("no endpoint is set: set AWS_ENDPOINT_URL (or pass endpoint_url, the CLI's --endpoint-url) for"
+                     " another server" if self.endpoint.startswith("AWS S3")
+                     else "check the endpoint URL and that the server runs")
             return (
                 f"cannot connect to {self.endpoint}: it has never answered, {attempts} attempts in"
-                f" {failing:.1f} s{last}; check the endpoint URL and that the server runs"
-                f" (RetryConfig.first_contact_deadline={deadline:g} s)"
+                f" {failing:.1f} s{last}; {check} (RetryConfig.first_contact_deadline={deadline:g} s,"
+                " or REMOTE_LOADER_FIRST_CONTACT_DEADLINE)"
             )
         return (
             f"{self.endpoint} failed every request for {failing:.1f} s ({attempts} attempts, last: {error});"
-            f" gave up at RetryConfig.{setting}={deadline:g} s"
+            f" gave up at RetryConfig.{setting}={deadline:g} s (or REMOTE_LOADER_{setting.upper()})"
         )
 
     def _deadline(self) -> tuple[float, str]:

@@ -30,7 +30,8 @@ NEVER = FetchConfig(retry=RetryConfig(outage_deadline=300, first_contact_deadlin
 def test_a_store_that_never_answered_fails_at_the_first_contact_deadline(endpoint):
     client = make_client(endpoint, "key", "secret")
     with pytest.raises(
-        EndpointUnreachable, match=r"never answered.*check the endpoint URL.*first_contact_deadline=0\.5 s\)"
+        EndpointUnreachable,
+        match=r"never answered.*check the endpoint URL.*first_contact_deadline=0\.5 s, or REMOTE_LOADER_FIRST_CO",
     ) as caught:
         RemoteDataset(client, "bkt", "ds", fetch=NEVER)
     assert endpoint in str(caught.value) and "secret" not in str(caught.value)
@@ -102,7 +103,8 @@ def test_by_default_a_mistyped_endpoint_fails_in_seconds_with_one_message_in_wor
             DatasetReader(client, "bkt", "ds").has_manifest()
     message = str(caught.value)
     assert message.startswith(f"cannot connect to {endpoint}: it has never answered, ")
-    assert "check the endpoint URL" in message and "(RetryConfig.first_contact_deadline=2 s)" in message
+    assert "check the endpoint URL" in message
+    assert "(RetryConfig.first_contact_deadline=2 s, or REMOTE_LOADER_FIRST_CONTACT_DEADLINE)" in message
     assert "GET" not in message and "bytes=" not in message  # the request it was means nothing to the user
     assert not [r.getMessage() for r in caplog.records if "is failing" in r.getMessage()]  # no warning repeating it
 
