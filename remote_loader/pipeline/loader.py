@@ -3,6 +3,7 @@ and ``decode_batches``, for a pipeline that decodes on a GPU, with a DataLoader 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -61,7 +62,9 @@ def loader(dataset: IterableDataset, *, num_workers: int | None = None, stateful
         except ImportError:
             raise ConfigError("stateful=True needs torchdata's StatefulDataLoader: install the torchdata extra"
                               " (pip install '.[torchdata]' in remote_loader's checkout)") from None
-        inner = StatefulDataLoader(dataset, **settings)
+        with warnings.catch_warnings():  # torchdata's own, on every StatefulDataLoader: nothing a user can act on
+            warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
+            inner = StatefulDataLoader(dataset, **settings)
     return inner if decoder is None else DeviceLoader(inner, decoder)
 
 
