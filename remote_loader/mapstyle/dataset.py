@@ -100,6 +100,11 @@ class RemoteMapDataset(Dataset):
     def __repr__(self) -> str:
         return f"RemoteMapDataset({self.reader.location}, samples={len(self)})"
 
+    @property
+    def classes(self) -> list[str]:
+        """The class names recorded at upload (class ``i`` is ``classes[i]``), empty where none were."""
+        return self.reader.classes
+
     def __len__(self) -> int:
         return int(self._ends[-1]) if len(self._ends) else 0
 

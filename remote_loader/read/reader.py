@@ -103,6 +103,12 @@ class DatasetReader:
         assert self._identity is not None
         return self._identity
 
+    @property
+    def classes(self) -> list[str]:
+        """The class names recorded at upload (an image folder's, or ``ds.classes``): class
+        ``i`` is ``classes[i]``; empty where none were recorded."""
+        return [str(name) for name in self.manifest.params.get("classes") or []]
+
     @cached_property
     def manifest(self) -> Manifest:
         """The dataset's manifest, fetched on first use (again, if its bytes arrive damaged)."""

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import remote_loader
-from remote_loader import DatasetReader, upload_cv_dataset
+from remote_loader import DatasetReader, RemoteDataset, RemoteMapDataset, upload_cv_dataset
 from remote_loader.testing.synthetic import SyntheticImages
 
 SCRIPT = Path(sys.executable).with_name("remote-loader")
@@ -50,6 +50,8 @@ def test_upload_info_ls_verify(env, s3, image_folder):
     info = json.loads(run(env, "info", url, "--json").stdout)
     assert info["samples"] == 36 and info["fields"] == ["cls", "jpg", "png"]
     assert info["params"]["classes"] == ds.classes and info["params"]["upload"]["maxcount"] == 10
+    assert RemoteDataset(client, bucket, "folder").classes == RemoteMapDataset(client, bucket, "folder").classes
+    assert RemoteMapDataset(client, bucket, "folder").classes == ds.classes
     listing = json.loads(run(env, "ls", url, "--json").stdout)
     assert [r["samples"] for r in listing] == [10, 10, 10, 6]
     shown = run(env, "ls", url).stdout.splitlines()
