@@ -18,6 +18,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from remote_loader.testing.processes import spawn_tied
+
 
 @dataclass(frozen=True)
 class S3Target:
@@ -61,9 +63,8 @@ class ProcessServer:
     def __init__(self, log_dir: Path) -> None:
         self.port, self.log_dir = free_port(), log_dir
         self.log = (log_dir / f"{self.name}.log").open("ab")
-        self.process = subprocess.Popen(
-            self.command(), stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        # Tied to this process: a test run interrupted or killed outright does not leave it running.
+        self.process = spawn_tied(self.command(), stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         wait_http(f"http://127.0.0.1:{self.port}/", self.process)
 
     def command(self) -> list[str]:
