@@ -1,4 +1,4 @@
-"""Datasets the tests upload (importable by worker processes), and an upload into a new bucket."""
+"""Datasets the tests upload (importable by worker processes), and uploads with no progress bar."""
 
 from __future__ import annotations
 
@@ -6,17 +6,26 @@ import os
 import signal
 from typing import Any
 
-from remote_loader import upload_cv_dataset
+from remote_loader import UploadSummary, upload_cv_dataset
 from remote_loader.storage import Store
 from remote_loader.testing.synthetic import SyntheticImages
+
+
+def upload(
+    client: Store | Any, bucket: str, folder: str, ds: Any, *, workers: int = 0, progress: bool = False, **options: Any
+) -> UploadSummary:
+    """Upload ``ds`` to ``folder`` of ``bucket`` (which exists already), in this process and with no
+    progress bar unless told otherwise; ``options`` as ``upload_cv_dataset`` takes them. Returns its summary."""
+    return upload_cv_dataset(
+        ds, client=client, bucket=bucket, base_folder=folder, workers=workers, progress=progress, **options
+    )
 
 
 def upload_to_new_bucket(client: Store, bucket: str, folder: str, ds: Any, *, maxcount: int, workers: int = 0,
                          **options: Any) -> None:
     """Create ``bucket`` and upload ``ds`` to ``folder`` in shards of ``maxcount``, with no progress bar."""
     client.create_bucket(bucket)
-    upload_cv_dataset(ds, client=client, bucket=bucket, base_folder=folder, maxcount=maxcount, workers=workers,
-                      progress=False, **options)
+    upload(client, bucket, folder, ds, maxcount=maxcount, workers=workers, **options)
 
 
 class FlakyImages(SyntheticImages):

@@ -39,6 +39,7 @@ from remote_loader.pipeline.decode import decode_sample
 from remote_loader.storage import Location
 from remote_loader.testing.synthetic import SyntheticImages
 from remote_loader.upload.indexer import index_webdataset
+from tests.helpers import upload
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "remote_loader"
 
@@ -52,8 +53,7 @@ def one_line(error: BaseException) -> str:
 @pytest.fixture
 def small(s3):
     client, bucket = s3
-    upload_cv_dataset(SyntheticImages(20, size=(32, 24)), client=client, bucket=bucket, base_folder="ok",
-                      maxcount=10, workers=0, progress=False)
+    upload(client, bucket, "ok", SyntheticImages(20, size=(32, 24)), maxcount=10)
     return client, bucket
 
 

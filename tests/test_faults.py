@@ -31,6 +31,7 @@ from remote_loader import (
 from remote_loader.testing.synthetic import SyntheticImages
 from tests.conftest import new_bucket
 from tests.faultproxy import FAULTS, FaultProxy
+from tests.helpers import upload, upload_to_new_bucket
 
 FAULTY_FETCH = FetchConfig(part_size=64 * 1024, concurrency=4, refetch_attempts=10, retry=RetryConfig(backoff=0.001))
 
@@ -90,9 +91,7 @@ def test_an_upload_through_faults_on_every_request_stores_every_sample_once(seaw
     )
     try:
         faulty = make_client(proxy.endpoint_url, seaweed.access_key, seaweed.secret_key)
-        summary = upload_cv_dataset(
-            ds, client=faulty, bucket=bucket, base_folder="up", maxcount=8, workers=0, progress=False
-        )
+        summary = upload(faulty, bucket, "up", ds, maxcount=8)
         faulty.close()
     finally:
         proxy.close()
@@ -115,8 +114,7 @@ def test_a_body_damaged_on_the_way_to_the_store_is_refused_and_sent_again(seawee
     proxy = FaultProxy(seaweed.endpoint_url, {"flip_body": 0.3}, seed=4, methods=("PUT",))
     try:
         faulty = make_client(proxy.endpoint_url, seaweed.access_key, seaweed.secret_key, backend=backend)
-        summary = upload_cv_dataset(ds, client=faulty, bucket=bucket, base_folder="up", maxcount=10,
-                                    maxsize=12_000, workers=0, progress=False)  # shards in several parts
+        summary = upload(faulty, bucket, "up", ds, maxcount=10, maxsize=12_000)  # shards in several parts
         faulty.close()
     finally:
         proxy.close()
@@ -137,9 +135,14 @@ def test_an_upload_whose_every_body_is_damaged_fails_and_leaves_no_dataset(seawe
                                secret_key=seaweed.secret_key)
         faulty = make_client(config=config)
         with pytest.raises(RemoteLoaderError, match="BadDigest"):
-            upload_cv_dataset(SyntheticImages(10, size=(32, 24)), client=faulty, bucket=bucket, base_folder="up",
-                              maxcount=5, workers=0, progress=False,
-                              retry=RetryConfig(backoff=0.0, max_backoff=0.0, outage_deadline=1.0))
+            upload(
+                faulty,
+                bucket,
+                "up",
+                SyntheticImages(10, size=(32, 24)),
+                maxcount=5,
+                retry=RetryConfig(backoff=0.0, max_backoff=0.0, outage_deadline=1.0),
+            )
         faulty.close()
     finally:
         proxy.close()
@@ -151,9 +154,7 @@ def test_a_range_refused_inside_an_object_of_the_right_size_blames_the_store_not
     """A 416 for bytes that lie inside a shard of the size its manifest says: the shard was
     not truncated or replaced, the store's answer is wrong, and the error says so."""
     client, bucket = seaweed.client(), "refused-range-tests"
-    client.create_bucket(bucket)
-    upload_cv_dataset(SyntheticImages(20, size=(32, 24)), client=client, bucket=bucket, base_folder="d", maxcount=10,
-                      workers=0, progress=False)
+    upload_to_new_bucket(client, bucket, "d", SyntheticImages(20, size=(32, 24)), maxcount=10)
     proxy = FaultProxy(seaweed.endpoint_url, {"refuse_range": 1.0}, paths="/d/shard-")
     try:
         dataset = RemoteDataset(make_client(proxy.endpoint_url, seaweed.access_key, seaweed.secret_key), bucket, "d")
@@ -195,8 +196,7 @@ def test_a_server_that_ignores_range_stops_the_epoch_naming_the_object(moto):
     target = moto.target
     client = make_client(target.endpoint_url, target.access_key, target.secret_key)
     bucket = new_bucket(client)
-    upload_cv_dataset(SyntheticImages(60), client=client, bucket=bucket, base_folder="d", maxcount=30, workers=0,
-                      progress=False)
+    upload(client, bucket, "d", SyntheticImages(60), maxcount=30)
     proxy = FaultProxy(target.endpoint_url, {"ignore_range": 1.0})
     try:
         through = make_client(proxy.endpoint_url, target.access_key, target.secret_key)
@@ -219,16 +219,7 @@ def rotten(seaweed):
     """A dataset whose stored bytes of one sample are damaged: no refetch can heal them."""
     client = seaweed.client()
     bucket = f"rotten-{uuid.uuid4().hex[:12]}"
-    client.create_bucket(bucket)
-    upload_cv_dataset(
-        SyntheticImages(60, size=(48, 36)),
-        client=client,
-        bucket=bucket,
-        base_folder="d",
-        maxcount=20,
-        workers=0,
-        progress=False,
-    )
+    upload_to_new_bucket(client, bucket, "d", SyntheticImages(60, size=(48, 36)), maxcount=20)
     reader = DatasetReader(client, bucket, "d")
     entry = reader.manifest.shards[1]
     index = reader.read_index(entry)

@@ -25,7 +25,6 @@ from remote_loader import (
     RemoteMapDataset,
     RetryConfig,
     TruncatedShard,
-    upload_cv_dataset,
 )
 from remote_loader.checksum import crc32
 from remote_loader.format import MANIFEST_NAME, Manifest, ShardIndex
@@ -33,6 +32,7 @@ from remote_loader.read import whole
 from remote_loader.storage import Location
 from remote_loader.testing.synthetic import SyntheticImages
 from remote_loader.upload.indexer import index_webdataset
+from tests.helpers import upload
 
 # A short outage deadline: a fault taken for an outage would fail the test in seconds, as
 # EndpointUnreachable, instead of hanging it for five minutes.
@@ -42,8 +42,7 @@ QUICK = FetchConfig(retry=RetryConfig(outage_deadline=10, first_contact_deadline
 @pytest.fixture
 def dataset(s3):
     client, bucket = s3
-    upload_cv_dataset(SyntheticImages(60, size=(32, 24)), client=client, bucket=bucket, base_folder="ds",
-                      maxcount=20, workers=0, progress=False, shuffle=False)
+    upload(client, bucket, "ds", SyntheticImages(60, size=(32, 24)), maxcount=20, shuffle=False)
     return client, bucket
 
 
@@ -231,8 +230,7 @@ def test_info_never_prints_control_characters(seaweed, s3):
 
     images = SyntheticImages(4, num_classes=2)
     images.classes = ["cat", "\x1b]0;PWNED\x07dog"]  # folder names of an image folder can hold anything
-    upload_cv_dataset(images, client=client, bucket=bucket, base_folder="cls", workers=0,
-                      progress=False)
+    upload(client, bucket, "cls", images)
     env = {**os.environ, **seaweed.env()}
     out = subprocess.run([sys.executable, "-m", "remote_loader", "info", f"s3://{bucket}/cls"], env=env,
                          capture_output=True, text=True, timeout=120)

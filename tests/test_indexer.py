@@ -20,13 +20,12 @@ from remote_loader import (
     DatasetReader,
     RemoteDataset,
     UploadError,
-    upload_cv_dataset,
 )
 from remote_loader.mapstyle.dataset import RemoteMapDataset
 from remote_loader.storage import Location
 from remote_loader.testing.synthetic import SyntheticImages
 from remote_loader.upload.indexer import index_webdataset
-from tests.helpers import FlakyImages
+from tests.helpers import FlakyImages, upload
 
 
 def write_wds_shards(tmp_path: Path, shards: int = 3, per_shard: int = 30) -> dict[str, dict[str, bytes]]:
@@ -120,16 +119,7 @@ def test_a_prefix_without_a_manifest_is_no_dataset_and_says_why(s3, tmp_path):
     with pytest.raises(DatasetNotFound, match=f"remote-loader index s3://{bucket}/plain.*unindexed=True"):
         RemoteDataset(client, bucket, "plain")
     with pytest.raises(UploadError, match="sample 50"):  # an upload that stops part-way leaves shards behind
-        upload_cv_dataset(
-            FlakyImages(60, {50}, size=(32, 24)),
-            client=client,
-            bucket=bucket,
-            base_folder="cut",
-            maxcount=10,
-            workers=0,
-            shuffle=False,
-            progress=False,
-        )
+        upload(client, bucket, "cut", FlakyImages(60, {50}, size=(32, 24)), maxcount=10, shuffle=False)
     assert any(o.key.endswith(".tar") for o in client.list(bucket, "cut/"))
     for make in (
         lambda: RemoteDataset(client, bucket, "cut"),
@@ -141,30 +131,14 @@ def test_a_prefix_without_a_manifest_is_no_dataset_and_says_why(s3, tmp_path):
         assert caught.value.key == "cut/manifest.msgpack"
     with pytest.raises(DatasetNotFound, match="mistyped"):
         RemoteDataset(client, bucket, "nothing-here")
-    upload_cv_dataset(
-        SyntheticImages(20, size=(32, 24)),
-        client=client,
-        bucket=bucket,
-        base_folder="whole",
-        maxcount=10,
-        workers=0,
-        progress=False,
-    )
+    upload(client, bucket, "whole", SyntheticImages(20, size=(32, 24)), maxcount=10)
     with pytest.raises(ConfigError, match="unindexed=True is for tars without one"):
         RemoteDataset(client, bucket, "whole", unindexed=True)
 
 
 def test_indexing_an_uploaded_dataset_is_refused_unless_forced(s3, seaweed):
     client, bucket = s3
-    upload_cv_dataset(
-        SyntheticImages(30, size=(32, 24)),
-        client=client,
-        bucket=bucket,
-        base_folder="up",
-        maxcount=10,
-        workers=0,
-        progress=False,
-    )
+    upload(client, bucket, "up", SyntheticImages(30, size=(32, 24)), maxcount=10)
     before = client.get(bucket, "up/manifest.msgpack")
     with pytest.raises(UploadError, match=r"uploaded by remote_loader.*--force"):
         index_webdataset(client, Location(bucket, "up"))

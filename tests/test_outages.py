@@ -25,10 +25,10 @@ from remote_loader import (
     RetryConfig,
     StorageConfig,
     make_client,
-    upload_cv_dataset,
 )
 from remote_loader.testing.server import EmbeddedS3
 from remote_loader.testing.synthetic import SyntheticImages
+from tests.helpers import upload
 
 N = 1200
 # Small ranges and a small budget: most of the epoch is still to be fetched when the server goes away.
@@ -41,8 +41,7 @@ def server(tmp_path_factory):
     server = EmbeddedS3(data_dir=str(tmp_path_factory.mktemp("outage-s3")), buckets=["outages"])
     server.start()
     client = server.client()
-    upload_cv_dataset(SyntheticImages(N, size=(64, 48)), client=client, bucket="outages", base_folder="d", maxcount=60,
-                      workers=0, progress=False)
+    upload(client, "outages", "d", SyntheticImages(N, size=(64, 48)), maxcount=60)
     client.close()
     yield server
     if server.pid is not None:
@@ -131,8 +130,7 @@ def test_server_killed_as_a_shard_completes_beside_encoding_loses_nothing(server
 
     client.open_writer = killing_at_completion
     with caplog.at_level(logging.WARNING, logger="remote_loader"):
-        summary = upload_cv_dataset(ds, client=client, bucket="outages", base_folder="killed-at-completion",
-                                    maxcount=60, workers=0, part_size=5 * 1024 * 1024, progress=False)
+        summary = upload(client, "outages", "killed-at-completion", ds, maxcount=60, part_size=5 * 1024 * 1024)
     restart[0].join()
     assert killed.is_set() and not failures
     assert (summary.samples, summary.shards) == (240, 4)

@@ -27,11 +27,10 @@ from remote_loader import (
     StorageError,
     UploadError,
     make_client,
-    upload_cv_dataset,
 )
 from remote_loader.testing.server import EmbeddedS3
 from remote_loader.testing.synthetic import SyntheticImages
-from tests.helpers import FlakyImages, NoisyImages
+from tests.helpers import FlakyImages, NoisyImages, upload
 
 # ------------------------------------------------------------------ typed errors through workers
 
@@ -90,39 +89,13 @@ def _keys_and_bytes(client, bucket, folder):
 
 def test_a_failed_overwrite_leaves_the_old_dataset_readable(s3):
     client, bucket = s3
-    upload_cv_dataset(
-        SyntheticImages(40, size=(32, 24)),
-        client=client,
-        bucket=bucket,
-        base_folder="d",
-        maxcount=10,
-        workers=0,
-        progress=False,
-    )
+    upload(client, bucket, "d", SyntheticImages(40, size=(32, 24)), maxcount=10)
     before = _keys_and_bytes(client, bucket, "d")
     with pytest.raises(UploadError, match="sample 33"):
-        upload_cv_dataset(
-            FlakyImages(40, {33}, size=(32, 24), seed=9),
-            client=client,
-            bucket=bucket,
-            base_folder="d",
-            maxcount=10,
-            workers=0,
-            overwrite=True,
-            progress=False,
-        )
+        upload(client, bucket, "d", FlakyImages(40, {33}, size=(32, 24), seed=9), maxcount=10, overwrite=True)
     assert _keys_and_bytes(client, bucket, "d") == before
     # The overwrite run by itself succeeds later, and leaves only its own shards.
-    upload_cv_dataset(
-        SyntheticImages(40, size=(32, 24), seed=9),
-        client=client,
-        bucket=bucket,
-        base_folder="d",
-        maxcount=10,
-        workers=0,
-        overwrite=True,
-        progress=False,
-    )
+    upload(client, bucket, "d", SyntheticImages(40, size=(32, 24), seed=9), maxcount=10, overwrite=True)
     after = _keys_and_bytes(client, bucket, "d")
     assert after != before and sum(after.values()) == 40
     names = {f"d/{e.name}" for e in DatasetReader(client, bucket, "d").manifest.shards}
@@ -132,30 +105,15 @@ def test_a_failed_overwrite_leaves_the_old_dataset_readable(s3):
 def test_an_oversized_sample_is_skipped_and_the_reason_reported(s3, caplog):
     client, bucket = s3
     with caplog.at_level(logging.WARNING, logger="remote_loader"):
-        summary = upload_cv_dataset(
-            NoisyImages(30, noisy={11}, size=(16, 12)),
-            client=client,
-            bucket=bucket,
-            base_folder="big",
-            maxsize=16384,
-            workers=0,
-            on_error="skip",
-            progress=False,
+        summary = upload(
+            client, bucket, "big", NoisyImages(30, noisy={11}, size=(16, 12)), maxsize=16384, on_error="skip"
         )
     assert summary.skipped == 1 and summary.samples == 29
     assert len(summary.skip_reasons) == 1 and "sample 11" in summary.skip_reasons[0]
     assert "too large" in summary.skip_reasons[0] and "too large" in str(summary)
     assert any("sample 11" in r.getMessage() for r in caplog.records)
     with pytest.raises(UploadError, match="sample 11 is .* too large"):
-        upload_cv_dataset(
-            NoisyImages(30, noisy={11}, size=(16, 12)),
-            client=client,
-            bucket=bucket,
-            base_folder="big2",
-            maxsize=16384,
-            workers=0,
-            progress=False,
-        )
+        upload(client, bucket, "big2", NoisyImages(30, noisy={11}, size=(16, 12)), maxsize=16384)
 
 
 # ------------------------------------------------------------------ damaged shards, replaced datasets
@@ -164,15 +122,7 @@ def test_an_oversized_sample_is_skipped_and_the_reason_reported(s3, caplog):
 @pytest.fixture
 def uploaded(s3):
     client, bucket = s3
-    upload_cv_dataset(
-        SyntheticImages(100, size=(32, 24)),
-        client=client,
-        bucket=bucket,
-        base_folder="d",
-        maxcount=20,
-        workers=0,
-        progress=False,
-    )
+    upload(client, bucket, "d", SyntheticImages(100, size=(32, 24)), maxcount=20)
     return client, bucket, DatasetReader(client, bucket, "d").manifest
 
 
@@ -204,16 +154,7 @@ def test_a_dataset_replaced_while_read_says_so(uploaded):
     fetch = FetchConfig(part_size=4096, range_bytes=4096, prefetch_bytes=8192, concurrency=1)
     stream = iter(RemoteDataset(client, bucket, "d", fetch=fetch, open_shards=1))
     next(stream)
-    upload_cv_dataset(
-        SyntheticImages(100, size=(32, 24)),
-        client=client,
-        bucket=bucket,
-        base_folder="d",
-        maxcount=25,
-        workers=0,
-        overwrite=True,
-        progress=False,
-    )
+    upload(client, bucket, "d", SyntheticImages(100, size=(32, 24)), maxcount=25, overwrite=True)
     with pytest.raises(DatasetChanged, match="replaced by another upload") as caught:
         for _ in stream:
             pass

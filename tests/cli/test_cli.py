@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 import remote_loader
-from remote_loader import DatasetReader, RemoteDataset, RemoteMapDataset, upload_cv_dataset
+from remote_loader import DatasetReader, RemoteDataset, RemoteMapDataset
 from remote_loader.testing.synthetic import SyntheticImages
+from tests.helpers import upload
 
 SCRIPT = Path(sys.executable).with_name("remote-loader")
 
@@ -121,15 +122,7 @@ def test_upload_from_module_function_to_a_local_directory(tmp_path):
 
 def test_bench_reports_rates_and_a_verdict(env, s3):
     client, bucket = s3
-    upload_cv_dataset(
-        SyntheticImages(40, size=(64, 48)),
-        client=client,
-        bucket=bucket,
-        base_folder="b",
-        maxcount=10,
-        workers=0,
-        progress=False,
-    )
+    upload(client, bucket, "b", SyntheticImages(40, size=(64, 48)), maxcount=10)
     report = json.loads(
         run(env, "bench", f"s3://{bucket}/b", "--decode", "rrc", "--size", "32", "--workers", "1", "--json").stdout
     )
@@ -370,15 +363,7 @@ def test_local_paths_are_paths_everywhere_in_the_cli(image_folder, tmp_path, mon
 def test_advice_at_a_bucket_holding_datasets_never_merges_them(env, s3, tmp_path):
     client, bucket = s3
     for name in ("a", "b"):
-        upload_cv_dataset(
-            SyntheticImages(6, size=(16, 16)),
-            client=client,
-            bucket=bucket,
-            base_folder=f"sets/{name}",
-            maxcount=3,
-            workers=0,
-            progress=False,
-        )
+        upload(client, bucket, f"sets/{name}", SyntheticImages(6, size=(16, 16)), maxcount=3)
     before = sorted(o.key for o in client.list(bucket))
     shown = run(env, "ls", f"s3://{bucket}/sets", check=False)
     assert shown.returncode == 1 and "index" not in shown.stderr, shown.stderr

@@ -20,8 +20,9 @@ from operator import itemgetter
 import pytest
 from torch.utils.data._utils import worker as torch_worker
 
-from remote_loader import ConfigError, FetchConfig, RemoteDataset, upload_cv_dataset
+from remote_loader import ConfigError, FetchConfig, RemoteDataset
 from remote_loader.testing.synthetic import SyntheticImages
+from tests.helpers import upload
 from tests.pipeline.conftest import CHECKPOINT_SAMPLES as N
 
 ALL = Counter(f"{i:06d}" for i in range(N))
@@ -262,14 +263,13 @@ def test_state_in_the_main_process_while_workers_iterate_is_refused(location):
 
 def test_a_state_saved_on_a_replaced_dataset_is_refused(s3):
     client, bucket = s3
-    upload = dict(client=client, bucket=bucket, base_folder="d", maxcount=10, workers=0, progress=False)
-    upload_cv_dataset(SyntheticImages(60, size=(32, 24)), **upload)
+    upload(client, bucket, "d", SyntheticImages(60, size=(32, 24)), maxcount=10)
     dataset = RemoteDataset(client, bucket, "d", seed=1).map(itemgetter("__key__"))
     stream = iter(dataset)
     [next(stream) for _ in range(20)]
     position, counts = dataset.state_dict(), dataset.state_dict(consumed=20)
     # Other images, the same count in the same shard sizes: every number in the states still fits.
-    upload_cv_dataset(SyntheticImages(60, size=(32, 24), seed=9), seed=4, overwrite=True, **upload)
+    upload(client, bucket, "d", SyntheticImages(60, size=(32, 24), seed=9), maxcount=10, seed=4, overwrite=True)
     for state in (position, counts):
         fresh = RemoteDataset(client, bucket, "d", seed=1).map(itemgetter("__key__"))
         with pytest.raises(ConfigError, match="another upload"):

@@ -11,11 +11,11 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from remote_loader import ConfigError, DatasetReader, upload_cv_dataset
+from remote_loader import ConfigError, DatasetReader
 from remote_loader.config import FetchConfig
 from remote_loader.pipeline.dataset import RemoteDataset
 from remote_loader.testing.synthetic import SyntheticImages
-from tests.helpers import upload_to_new_bucket
+from tests.helpers import upload, upload_to_new_bucket
 
 
 @pytest.fixture(scope="module")
@@ -183,9 +183,7 @@ def test_decode_min_size_uses_reduced_jpeg_decoding(seaweed):
     client = seaweed.client()
     bucket = "pipeline-draft"
     client.create_bucket(bucket)
-    upload_cv_dataset(
-        SyntheticImages(6, size=(640, 480)), client=client, bucket=bucket, base_folder="big", workers=0, progress=False
-    )
+    upload(client, bucket, "big", SyntheticImages(6, size=(640, 480)))
     full = [s["jpg"].size for s in RemoteDataset(client, bucket, "big", shuffle_shards=False).decode("pil")]
     small = [
         s["jpg"].size for s in RemoteDataset(client, bucket, "big", shuffle_shards=False).decode("pil", min_size=100)

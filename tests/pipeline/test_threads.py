@@ -13,9 +13,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from remote_loader import ConfigError, DecodeError, RandomResizedCrop, RemoteDataset, upload_cv_dataset
+from remote_loader import ConfigError, DecodeError, RandomResizedCrop, RemoteDataset
 from remote_loader.pipeline.threads import threaded_map
 from remote_loader.testing.synthetic import SyntheticImages
+from tests.helpers import upload_to_new_bucket
 
 N = 120
 
@@ -23,9 +24,7 @@ N = 120
 @pytest.fixture(scope="module")
 def uploaded(seaweed):
     client = seaweed.client()
-    client.create_bucket("thread-tests")
-    upload_cv_dataset(SyntheticImages(N, size=(80, 60)), client=client, bucket="thread-tests", base_folder="d",
-                      maxcount=20, workers=0, progress=False)
+    upload_to_new_bucket(client, "thread-tests", "d", SyntheticImages(N, size=(80, 60)), maxcount=20)
     yield client
     client.close()
 

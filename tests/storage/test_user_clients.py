@@ -16,6 +16,7 @@ from remote_loader import ConfigError, RemoteDataset, RemoteMapDataset, upload_c
 from remote_loader.storage import Boto3Store, as_store
 from remote_loader.testing.synthetic import SyntheticImages
 from tests.conftest import new_bucket
+from tests.helpers import upload
 
 
 def _boto3(seaweed):
@@ -45,8 +46,7 @@ def test_a_users_own_client_uploads_streams_and_reads_in_this_process(seaweed, k
     sent = []
     if kind == "boto3":
         client.meta.events.register("before-send.s3", lambda request, **_: sent.append(request.method))
-    summary = upload_cv_dataset(SyntheticImages(30, size=(16, 16)), client=client, bucket=bucket, base_folder="own",
-                                maxcount=10, workers=0, progress=False)
+    summary = upload(client, bucket, "own", SyntheticImages(30, size=(16, 16)), maxcount=10)
     assert summary.samples == 30
     keys = [s["__key__"] for s in RemoteDataset(client, bucket, "own")]
     assert Counter(keys) == Counter(f"{i:06d}" for i in range(30))
@@ -64,8 +64,7 @@ def test_a_users_own_client_uploads_streams_and_reads_in_this_process(seaweed, k
 @pytest.mark.parametrize("kind", ["boto3", "minio"])
 def test_in_a_worker_process_the_client_is_remade_with_the_environments_credentials(seaweed, kind, monkeypatch):
     bucket = new_bucket(seaweed.client())
-    upload_cv_dataset(SyntheticImages(24, size=(16, 16)), client=seaweed.client(), bucket=bucket, base_folder="w",
-                      maxcount=6, workers=0, progress=False)
+    upload(seaweed.client(), bucket, "w", SyntheticImages(24, size=(16, 16)), maxcount=6)
     for name, value in seaweed.env().items():
         monkeypatch.setenv(name, value)
     client = _boto3(seaweed) if kind == "boto3" else _minio(seaweed)
@@ -79,8 +78,7 @@ def test_in_a_worker_process_the_client_is_remade_with_the_environments_credenti
 @pytest.mark.parametrize("kind", ["boto3", "minio"])
 def test_without_credentials_in_a_workers_environment_the_error_says_what_to_do(seaweed, kind, monkeypatch, tmp_path):
     bucket = new_bucket(seaweed.client())
-    upload_cv_dataset(SyntheticImages(12, size=(16, 16)), client=seaweed.client(), bucket=bucket, base_folder="w",
-                      maxcount=6, workers=0, progress=False)
+    upload(seaweed.client(), bucket, "w", SyntheticImages(12, size=(16, 16)), maxcount=6)
     _no_credentials_in_the_environment(monkeypatch, tmp_path)
     client = _boto3(seaweed) if kind == "boto3" else _minio(seaweed)
     loader = DataLoader(RemoteDataset(client, bucket, "w"), batch_size=None, num_workers=1)

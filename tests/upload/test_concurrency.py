@@ -17,17 +17,16 @@ from typing import Any
 import numpy as np
 import pytest
 
-from remote_loader import DatasetReader, RetryConfig, UploadConflict, UploadError, upload_cv_dataset
+from remote_loader import DatasetReader, RetryConfig, UploadConflict, UploadError
 from remote_loader.testing.synthetic import SyntheticImages
 from remote_loader.upload.uploader import _ESTIMATE_SAMPLES
-from tests.helpers import PausingImages
+from tests.helpers import PausingImages, upload
 
 N = _ESTIMATE_SAMPLES + 36  # more than the samples measured before the prefix is claimed
 
 
 def _upload(client: Any, bucket: str, folder: str, ds: Any, **options: Any) -> Any:
-    return upload_cv_dataset(ds, client=client, bucket=bucket, base_folder=folder, maxcount=10, workers=0,
-                             progress=False, **options)
+    return upload(client, bucket, folder, ds, maxcount=10, **options)
 
 
 @contextmanager

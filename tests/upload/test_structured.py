@@ -18,11 +18,12 @@ import pytest
 import torch
 from PIL import Image
 
-from remote_loader import RemoteDataset, RemoteMapDataset, UploadError, restore, upload_cv_dataset
+from remote_loader import RemoteDataset, RemoteMapDataset, UploadError, restore
 from remote_loader.format import fields as rule
 from remote_loader.storage import LocalStore
 from remote_loader.testing.synthetic import SyntheticImages
 from remote_loader.upload.encode import EncodeOptions, encode_item
+from tests.helpers import upload, upload_to_new_bucket
 
 N = 6
 W, H = 24, 16
@@ -183,8 +184,7 @@ def uploaded(seaweed):
     client = seaweed.client()
     client.create_bucket("structured")
     for name, make in STRUCTURES.items():
-        upload_cv_dataset(Structured(make), client=client, bucket="structured", base_folder=name, maxcount=4,
-                          workers=0, progress=False, image_format="png")
+        upload(client, "structured", name, Structured(make), maxcount=4, image_format="png")
     return client
 
 
@@ -252,9 +252,7 @@ class Classic:
 def test_a_classification_shard_is_byte_identical_to_before_structured_samples(tmp_path):
     # The digest of this upload's shard at 5b7dc74, before structured samples existed.
     store = LocalStore(tmp_path)
-    store.create_bucket("b")
-    upload_cv_dataset(Classic(), client=store, bucket="b", base_folder="d", maxcount=100, workers=0, progress=False,
-                      seed=3)
+    upload_to_new_bucket(store, "b", "d", Classic(), maxcount=100, seed=3)
     shards = sorted(p for p in (tmp_path / "b" / "d").iterdir() if p.suffix == ".tar")
     assert [hashlib.sha256(p.read_bytes()).hexdigest()[:16] for p in shards] == [CLASSIC_DIGEST]
 
@@ -282,8 +280,7 @@ def test_a_value_no_field_stores_is_refused_naming_the_sample_path_and_type(s3, 
             return (_image(index), target) if index == 3 else coco_detection(index)
 
     with pytest.raises(UploadError) as info:
-        upload_cv_dataset(Bad(None), client=client, bucket=bucket, base_folder="bad", maxcount=2, workers=0,
-                          progress=False)
+        upload(client, bucket, "bad", Bad(None), maxcount=2)
     assert str(info.value).startswith(message) and "\n" not in str(info.value) and info.value.index == 3
     assert not client.exists(bucket, "bad/manifest.msgpack")  # no dataset to read: the upload is unfinished
 
@@ -324,14 +321,13 @@ def test_more_fields_than_a_shard_holds_are_refused_naming_the_sample(s3):
     client, bucket = s3
     many = Structured(lambda i: (_image(i), [np.zeros(1)] * 70))
     with pytest.raises(UploadError, match=r"^sample \d has 72 fields; a shard holds at most 64"):
-        upload_cv_dataset(many, client=client, bucket=bucket, base_folder="many", workers=0, progress=False)
+        upload(client, bucket, "many", many)
 
 
 def test_samples_whose_fields_together_exceed_a_shards_start_a_new_shard_and_read_back(s3):
     client, bucket = s3
     ds = Structured(lambda i: (_image(i), {f"k{i}_{j}": np.full(2, j) for j in range(40)}))
-    upload_cv_dataset(ds, client=client, bucket=bucket, base_folder="wide", maxcount=100, workers=0, progress=False,
-                      image_format="png")
+    upload(client, bucket, "wide", ds, maxcount=100, image_format="png")
     got = dict(RemoteMapDataset(client, bucket, "wide", transform=lambda s: (int(s["__key__"]), restore(s))))
     for i in range(N):
         same_item(ds[i], got[i])

@@ -30,7 +30,7 @@ from remote_loader import (
 )
 from remote_loader.format import INDEX_MEMBER
 from remote_loader.testing.synthetic import SyntheticImages
-from tests.helpers import FlakyImages
+from tests.helpers import FlakyImages, upload, upload_to_new_bucket
 from tests.servers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -83,7 +83,7 @@ def test_shards_open_with_tarfile_and_respect_limits(s3):
 def test_class_ordered_data_is_shuffled_at_write_time(s3):
     client, bucket = s3
     ds = SyntheticImages(600, num_classes=10, size=(32, 24))
-    upload_cv_dataset(ds, client=client, bucket=bucket, base_folder="shuf", maxcount=100, workers=0, progress=False)
+    upload(client, bucket, "shuf", ds, maxcount=100)
     labels = [int(bytes(s["cls"])) for s in DatasetReader(client, bucket, "shuf")]
     adjacent_equal = np.mean(np.diff(labels) == 0)
     # Written in class order this is 0.985; a uniform shuffle of 10 classes gives about 0.1.
@@ -135,9 +135,7 @@ def test_skip_counts_bad_samples_in_manifest_and_summary(s3):
 def test_in_memory_images_round_trip_pixels(s3):
     client, bucket = s3
     ds = SyntheticImages(30, size=(40, 30), output="pil")
-    upload_cv_dataset(
-        ds, client=client, bucket=bucket, base_folder="pil", image_format="png", workers=0, progress=False
-    )
+    upload(client, bucket, "pil", ds, image_format="png")
     for sample in DatasetReader(client, bucket, "pil"):
         index = int(sample["__key__"])
         assert np.array_equal(np.asarray(Image.open(io.BytesIO(bytes(sample["png"])))), np.asarray(ds.image(index)))
@@ -285,9 +283,8 @@ def test_round_trip_on_a_store_without_multipart_listing(localbucket):
     """localbucket answers NotImplemented to ListMultipartUploads: the upload goes on and reads back exactly."""
     target = localbucket.target
     client = make_client(target.endpoint_url, target.access_key, target.secret_key)
-    client.create_bucket("plain")
     ds = SyntheticImages(30, size=(48, 32))
-    upload_cv_dataset(ds, client=client, bucket="plain", base_folder="ds", maxcount=8, workers=0, progress=False)
+    upload_to_new_bucket(client, "plain", "ds", ds, maxcount=8)
     stored = sorted(bytes(s["jpg"]) for s in DatasetReader(client, "plain", "ds"))
     assert stored == sorted(ds[i][0] for i in range(len(ds)))
     client.close()
@@ -315,9 +312,10 @@ def test_a_task_record_whose_shard_is_missing_is_written_again(s3):
     land for a shard that never appeared: a resumed upload trusts a record only for shards
     listed at their recorded sizes, and writes that task again."""
     client, bucket = s3
-    args = dict(client=client, bucket=bucket, base_folder="half", maxcount=10, shuffle=False, workers=0, progress=False)
+    args = dict(maxcount=10, shuffle=False)
     with pytest.raises(UploadError, match="sample 35"):
-        upload_cv_dataset(FlakyImages(40, {35}, size=(32, 24)), **args)  # tasks 0-2 finished, task 3 stopped
+        # tasks 0-2 finished, task 3 stopped
+        upload(client, bucket, "half", FlakyImages(40, {35}, size=(32, 24)), **args)
     records = sorted(o.key for o in client.list(bucket, "half/_upload/") if "/task-" in o.key)
     assert [r.rsplit("/", 1)[1] for r in records] == [
         "task-000000.msgpack",
@@ -326,12 +324,12 @@ def test_a_task_record_whose_shard_is_missing_is_written_again(s3):
     ]
     (shard,) = [o.key for o in client.list(bucket, "half/shard-") if "-000001-" in o.key]
     client.delete(bucket, shard)  # task 1's record is there, its shard is not
-    summary = upload_cv_dataset(SyntheticImages(40, size=(32, 24)), **args)
+    summary = upload(client, bucket, "half", SyntheticImages(40, size=(32, 24)), **args)
     assert summary.kept_shards == 2 and summary.shards == 4 and summary.samples == 40
     samples, seen = read_back(client, bucket, "half")
     assert set(seen) == set(range(40)) and set(seen.values()) == {1}
     assert client.exists(bucket, shard)
-    upload_cv_dataset(SyntheticImages(40, size=(32, 24)), **{**args, "base_folder": "whole"})
+    upload(client, bucket, "whole", SyntheticImages(40, size=(32, 24)), **args)
     assert samples == read_back(client, bucket, "whole")[0]  # byte for byte what one clean run writes
 
 
@@ -560,8 +558,7 @@ def test_a_process_writes_two_tasks_at_once(tmp_path):
     arrives once, byte-identical."""
     store = _holding_first_commit(tmp_path)
     ds = SyntheticImages(40, size=(32, 32))
-    summary = upload_cv_dataset(ds, client=store, bucket="b", base_folder="d", maxcount=10, workers=0,
-                                progress=False)
+    summary = upload(store, "b", "d", ds, maxcount=10)
     assert store.held == [True] and summary.shards == 4
     got, seen = read_back(store, "b", "d")
     assert set(seen) == set(range(40)) and set(seen.values()) == {1}
@@ -607,8 +604,7 @@ def test_ctrl_c_stops_the_task_running_beside_it(tmp_path):
     store = LocalStore(tmp_path)
     store.create_bucket("b")
     with pytest.raises(KeyboardInterrupt):
-        upload_cv_dataset(Interrupting(40, size=(32, 32)), client=store, bucket="b", base_folder="d", maxcount=10,
-                          workers=0, shuffle=False, progress=False)
+        upload(store, "b", "d", Interrupting(40, size=(32, 32)), maxcount=10, shuffle=False)
     release.set()
     for thread in [t for t in threading.enumerate() if t.name == "remote-loader-task"]:
         thread.join(10)
@@ -654,9 +650,8 @@ def test_a_new_upload_spends_no_round_trip_it_can_save(tmp_path):
             return super().open_writer(bucket, key, part_size=part_size)
 
     store = Recording(tmp_path)
-    store.create_bucket("b")
     ds = SyntheticImages(40, size=(32, 32))
-    upload_cv_dataset(ds, client=store, bucket="b", base_folder="d", maxcount=10, workers=0, progress=False)
+    upload_to_new_bucket(store, "b", "d", ds, maxcount=10)
     before_shards = calls[: calls.index("shard")]
     assert sorted(before_shards[:2]) == ["get _upload/state.msgpack", "get manifest.msgpack"]
     assert before_shards[2:] == ["put _upload/state.msgpack"]
@@ -687,7 +682,6 @@ def test_tasks_are_sized_from_enough_samples_to_leave_no_sliver_shards(tmp_path)
 
     store = LocalStore(tmp_path)
     store.create_bucket("b")
-    upload_cv_dataset(Photos(), client=store, bucket="b", base_folder="d", maxsize=8_000_000, workers=0,
-                      progress=False)
+    upload(store, "b", "d", Photos(), maxsize=8_000_000)
     shards = sorted(int(e.size) for e in DatasetReader(store, "b", "d").manifest.shards)
     assert sum(s < 4_000_000 for s in shards) <= 1, shards
