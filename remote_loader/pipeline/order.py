@@ -111,9 +111,8 @@ class Shuffler:
 
     def run(self, source: Iterator[T]) -> Iterator[T]:
         """The items of ``source`` (an iterator) in the buffer's order, after what it holds."""
-        items, bufsize, initial, rng = self.items, self.bufsize, self.initial, self._rng
-        draws: list[float] = []
-        k = 0
+        items, bufsize, initial = self.items, self.bufsize, self.initial
+        uniforms = _uniforms(self._rng)
         taken = self.reads
         for item in source:
             items.append(item)
@@ -128,23 +127,24 @@ class Shuffler:
                 taken += 1
             self.reads = taken
             if len(items) >= initial:
-                if k == len(draws):
-                    draws, k = rng.random(_DRAWS).tolist(), 0
-                n = len(items)
-                pick = min(int(draws[k] * n), n - 1)
-                k += 1
-                items[pick], items[-1] = items[-1], items[pick]
-                self.outputs += 1
-                yield items.pop()
+                yield self._take(next(uniforms))
         while items:
-            if k == len(draws):
-                draws, k = rng.random(_DRAWS).tolist(), 0
-            n = len(items)
-            pick = min(int(draws[k] * n), n - 1)
-            k += 1
-            items[pick], items[-1] = items[-1], items[pick]
-            self.outputs += 1
-            yield items.pop()
+            yield self._take(next(uniforms))
+
+    def _take(self, uniform: float) -> Any:
+        """The next output: the item at ``uniform`` of the buffer, which the last one replaces."""
+        items = self.items
+        n = len(items)
+        pick = min(int(uniform * n), n - 1)
+        items[pick], items[-1] = items[-1], items[pick]
+        self.outputs += 1
+        return items.pop()
+
+
+def _uniforms(rng: np.random.Generator) -> Iterator[float]:
+    """``rng``'s uniforms, one at a time, drawn ``_DRAWS`` at once as they are needed."""
+    while True:
+        yield from rng.random(_DRAWS).tolist()
 
 
 def ranges_in_need(group: Group, offset: int, bounds: Sequence[Sequence[int]]) -> list[tuple[int, int, int, int]]:
