@@ -32,6 +32,7 @@ from remote_loader.storage.base import (
     error_for,
 )
 from remote_loader.storage.receive import BODY_ERRORS, receive_into
+from remote_loader.storage.writer import MultipartWriter
 
 _UNREACHABLE = (bce.EndpointConnectionError, bce.ConnectTimeoutError, bce.ProxyConnectionError)
 _TRANSIENT = (
@@ -337,37 +338,25 @@ class Boto3Store(RangedStore):
         super().close()
 
 
-class _Boto3Writer(ObjectWriter):
-    def __init__(self, store: Boto3Store, bucket: str, key: str, part_size: int) -> None:
-        super().__init__(bucket, key, part_size)
-        self._store = store
-        self._upload_id = ""
-        self._etags: list[dict[str, Any]] = []
+class _Boto3Writer(MultipartWriter[Boto3Store, dict[str, Any]]):
+    def _create_request(self) -> str:
+        created = self._store._sdk().create_multipart_upload(
+            Bucket=self.bucket, Key=self.key, ChecksumAlgorithm="CRC32")
+        return str(created["UploadId"])
 
-    def _put_whole(self, data: bytes) -> None:
-        self._store.put(self.bucket, self.key, data)
-
-    def _start(self) -> None:
-        with self._store._errors("create multipart upload", self.bucket, self.key):
-            self._upload_id = self._store._sdk().create_multipart_upload(
-                Bucket=self.bucket, Key=self.key, ChecksumAlgorithm="CRC32")["UploadId"]
-
-    def _upload_part(self, number: int, part: bytes) -> None:
+    def _part_request(self, number: int, part: bytes) -> dict[str, Any]:
         checksum = crc32_header(part)
-        with self._store._errors("upload part", self.bucket, self.key):
-            response = self._store._sdk().upload_part(
-                Bucket=self.bucket, Key=self.key, UploadId=self._upload_id, PartNumber=number, Body=part,
-                ChecksumCRC32=checksum,
-            )
-        self._etags.append({"ETag": response["ETag"], "PartNumber": number, "ChecksumCRC32": checksum})
+        response = self._store._sdk().upload_part(
+            Bucket=self.bucket, Key=self.key, UploadId=self._upload_id, PartNumber=number, Body=part,
+            ChecksumCRC32=checksum,
+        )
+        return {"ETag": response["ETag"], "PartNumber": number, "ChecksumCRC32": checksum}
 
-    def _complete(self) -> None:
-        with self._store._errors("complete multipart upload", self.bucket, self.key):
-            self._store._sdk().complete_multipart_upload(
-                Bucket=self.bucket, Key=self.key, UploadId=self._upload_id,
-                MultipartUpload={"Parts": sorted(self._etags, key=lambda p: p["PartNumber"])}
-            )
+    def _complete_request(self, parts: list[tuple[int, dict[str, Any]]]) -> None:
+        self._store._sdk().complete_multipart_upload(
+            Bucket=self.bucket, Key=self.key, UploadId=self._upload_id,
+            MultipartUpload={"Parts": [part for _, part in parts]}
+        )
 
-    def _abort_upload(self) -> None:
-        with self._store._errors("abort multipart upload", self.bucket, self.key):
-            self._store._sdk().abort_multipart_upload(Bucket=self.bucket, Key=self.key, UploadId=self._upload_id)
+    def _abort_request(self) -> None:
+        self._store._sdk().abort_multipart_upload(Bucket=self.bucket, Key=self.key, UploadId=self._upload_id)

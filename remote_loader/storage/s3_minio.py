@@ -46,6 +46,7 @@ from remote_loader.storage.base import (
     error_for,
 )
 from remote_loader.storage.receive import BODY_ERRORS, receive_into
+from remote_loader.storage.writer import MultipartWriter
 
 _MAX_ABORT_ROUNDS = 100
 _PRESIGNED_FOR = timedelta(minutes=15)  # a request is sent at once; a part may take minutes on a slow link
@@ -320,45 +321,33 @@ class MinioStore(RangedStore):
         super().close()
 
 
-class _MinioWriter(ObjectWriter):
-    def __init__(self, store: MinioStore, bucket: str, key: str, part_size: int) -> None:
-        super().__init__(bucket, key, part_size)
-        self._store = store
-        self._upload_id = ""
-        self._etags: list[tuple[int, str]] = []
+class _MinioWriter(MultipartWriter[MinioStore, str]):
+    def _create_request(self) -> str:
+        created = self._store._signed("POST", self.bucket, self.key, query={"uploads": ""})
+        (upload_id,) = _xml(created.data, "UploadId")
+        return upload_id
 
-    def _put_whole(self, data: bytes) -> None:
-        self._store.put(self.bucket, self.key, data)
+    def _part_request(self, number: int, part: bytes) -> str:
+        sent = self._store._signed(
+            "PUT", self.bucket, self.key, body=part,
+            query={"partNumber": str(number), "uploadId": self._upload_id, **_checksum(part)},
+        )
+        return str(sent.headers.get("ETag", ""))
 
-    def _start(self) -> None:
-        with self._store._errors("create multipart upload", self.bucket, self.key):
-            created = self._store._signed("POST", self.bucket, self.key, query={"uploads": ""})
-            (self._upload_id,) = _xml(created.data, "UploadId")
-
-    def _upload_part(self, number: int, part: bytes) -> None:
-        with self._store._errors("upload part", self.bucket, self.key):
-            sent = self._store._signed(
-                "PUT", self.bucket, self.key, body=part,
-                query={"partNumber": str(number), "uploadId": self._upload_id, **_checksum(part)},
-            )
-        self._etags.append((number, sent.headers.get("ETag", "")))
-
-    def _complete(self) -> None:
+    def _complete_request(self, parts: list[tuple[int, str]]) -> None:
         root = ElementTree.Element("CompleteMultipartUpload")
-        for number, etag in sorted(self._etags):
+        for number, etag in parts:
             element = ElementTree.SubElement(root, "Part")
             ElementTree.SubElement(element, "PartNumber").text = str(number)
             ElementTree.SubElement(element, "ETag").text = etag
-        with self._store._errors("complete multipart upload", self.bucket, self.key):
-            self._store._signed(
-                "POST",
-                self.bucket,
-                self.key,
-                query={"uploadId": self._upload_id},
-                body=ElementTree.tostring(root),
-                headers={"Content-Type": "application/xml"},
-            )
+        self._store._signed(
+            "POST",
+            self.bucket,
+            self.key,
+            query={"uploadId": self._upload_id},
+            body=ElementTree.tostring(root),
+            headers={"Content-Type": "application/xml"},
+        )
 
-    def _abort_upload(self) -> None:
-        with self._store._errors("abort multipart upload", self.bucket, self.key):
-            self._store._signed("DELETE", self.bucket, self.key, query={"uploadId": self._upload_id})
+    def _abort_request(self) -> None:
+        self._store._signed("DELETE", self.bucket, self.key, query={"uploadId": self._upload_id})

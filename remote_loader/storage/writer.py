@@ -1,13 +1,15 @@
 """Streaming uploads: ``ObjectWriter``, what ``Store.open_writer`` returns, sends an object
-part by part while its caller produces the next part, on daemon threads."""
+part by part while its caller produces the next part, on daemon threads; ``MultipartWriter``
+is its S3 multipart upload, to which each S3 backend adds its four requests."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import deque
 from concurrent.futures import Future
-from contextlib import suppress
+from contextlib import AbstractContextManager, suppress
 from types import TracebackType
+from typing import Generic, Protocol, TypeVar
 
 from remote_loader.errors import ConfigError, StorageError
 from remote_loader.storage.daemon import in_daemon_thread, wait_result
@@ -189,3 +191,66 @@ class ObjectWriter(ABC):
             return
         with suppress(StorageError):  # the exception in flight says more than a failed clean-up
             self.abort(interrupted=not issubclass(exc_type, Exception))
+
+
+class WritingStore(Protocol):
+    """What a ``MultipartWriter`` asks of its store: a whole-object PUT, and the context that
+    translates the store's SDK exceptions into ours."""
+
+    def put(self, bucket: str, key: str, data: bytes | bytearray | memoryview) -> None: ...
+
+    def _errors(self, operation: str, bucket: str | None = None,
+                key: str | None = None) -> AbstractContextManager[None]: ...
+
+
+StoreT = TypeVar("StoreT", bound=WritingStore)
+PartT = TypeVar("PartT")
+
+
+class MultipartWriter(ObjectWriter, Generic[StoreT, PartT]):
+    """An ``ObjectWriter`` on an S3 multipart upload of ``store``. A backend supplies its four
+    requests (``_create_request``, ``_part_request``, ``_complete_request``, ``_abort_request``);
+    each runs here under the store's exception translation, and what each part's request
+    answered (a ``PartT``) is kept for the completion."""
+
+    def __init__(self, store: StoreT, bucket: str, key: str, part_size: int) -> None:
+        super().__init__(bucket, key, part_size)
+        self._store = store
+        self._upload_id = ""
+        self._answers: list[tuple[int, PartT]] = []  # (part number, what its request answered), as they finished
+
+    def _put_whole(self, data: bytes) -> None:
+        self._store.put(self.bucket, self.key, data)
+
+    def _start(self) -> None:
+        with self._store._errors("create multipart upload", self.bucket, self.key):
+            self._upload_id = self._create_request()
+
+    def _upload_part(self, number: int, part: bytes) -> None:
+        with self._store._errors("upload part", self.bucket, self.key):
+            sent = self._part_request(number, part)
+        self._answers.append((number, sent))
+
+    def _complete(self) -> None:
+        with self._store._errors("complete multipart upload", self.bucket, self.key):
+            self._complete_request(sorted(self._answers, key=lambda p: p[0]))
+
+    def _abort_upload(self) -> None:
+        with self._store._errors("abort multipart upload", self.bucket, self.key):
+            self._abort_request()
+
+    @abstractmethod
+    def _create_request(self) -> str:
+        """Create the multipart upload; return its upload id."""
+
+    @abstractmethod
+    def _part_request(self, number: int, part: bytes) -> PartT:
+        """Send part ``number`` of the upload ``self._upload_id``; return what completing it needs of the part."""
+
+    @abstractmethod
+    def _complete_request(self, parts: list[tuple[int, PartT]]) -> None:
+        """Complete the upload from its ``parts`` (number, what its request answered), by number."""
+
+    @abstractmethod
+    def _abort_request(self) -> None:
+        """Abort the upload ``self._upload_id``."""
