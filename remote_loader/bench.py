@@ -105,8 +105,8 @@ def verdict(bytes_only: BenchResult, decoded: BenchResult | None) -> str:
         return "bytes only: this is the rate storage and the loader can deliver; add --decode to compare"
     ratio = decoded.samples_per_s / bytes_only.samples_per_s if bytes_only.samples_per_s else 0.0
     if ratio < 0.8:
-        return (
-            f"decoding limits the rate: with decoding {ratio:.0%} of the bytes-only rate;"
-            " more DataLoader workers or reduced-size decoding help"
-        )
+        helps = ("more DataLoader workers (cores), or decoding on a GPU (decode(..., device='cuda'))"
+                 if decoded.decode == "rrc" else "more DataLoader workers, or --decode rrc (a crop fused with"
+                 " reduced-size JPEG decoding)")
+        return f"decoding limits the rate: with decoding {ratio:.0%} of the bytes-only rate; {helps} help"
     return f"storage limits the rate: decoding keeps up ({ratio:.0%} of the bytes-only rate)"

@@ -24,7 +24,8 @@ class UploadSummary:
         skip_reasons: Why samples were skipped, one line each (the first 100).
         kept_samples: Samples of the kept shards.
         kept_bytes: Bytes of the kept shards.
-        writing_seconds: The part of ``seconds`` spent writing shards (encoding and sending),
+        writing_seconds: The part of ``seconds`` spent writing shards (reading each ``ds[i]``, which for a
+            generated dataset includes making it, encoding and sending),
             the span the progress bar shows; the rest opened the dataset, claimed the
             prefix, and wrote the manifest.
 
@@ -83,7 +84,8 @@ class UploadSummary:
         return (
             f"uploaded {_count(self.uploaded_samples, 'sample')} in {_count(self.uploaded_shards, 'shard')}"
             f" ({self.uploaded_bytes / 1e6:.1f} MB) to {self.location} in {self.seconds:.1f} s, of which"
-            f" {self.writing_seconds:.1f} s writing shards at {self.samples_per_s:,.0f} samples/s,"
+            f" {self.writing_seconds:.1f} s reading ds[i], encoding and writing at"
+            f" {self.samples_per_s:,.0f} samples/s,"
             f" {self.mb_per_s:.1f} MB/s; skipped {self.skipped}{kept}"
         ) + "".join(f"\n  skipped: {reason}" for reason in self.skip_reasons[:10])
 

@@ -371,3 +371,11 @@ def test_advice_at_a_bucket_holding_datasets_never_merges_them(env, s3, tmp_path
     refused = run(env, "index", f"s3://{bucket}/sets", "--quiet", check=False)
     assert refused.returncode == 1 and "holds 2 datasets below it" in refused.stderr, refused.stderr
     assert sorted(o.key for o in client.list(bucket)) == before
+
+
+def test_the_bench_verdict_suggests_what_the_decode_it_ran_does_not_already_do():
+    from remote_loader.bench import BenchResult, verdict
+
+    fast, slow = BenchResult("none", 100, 1.0, 0.1, 10.0), BenchResult("rrc", 100, 4.0, 0.1, 10.0)
+    assert "reduced-size" not in verdict(fast, slow) and "decoding on a GPU" in verdict(fast, slow)
+    assert "--decode rrc" in verdict(fast, BenchResult("pil", 100, 4.0, 0.1, 10.0))
