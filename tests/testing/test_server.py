@@ -141,7 +141,10 @@ def _http(method: str, url: str, body: bytes | None = None, context=None) -> tup
         with urllib.request.urlopen(request, timeout=10, context=context) as response:
             return response.status, response.read()
     except urllib.error.HTTPError as error:
-        return error.code, error.read()
+        try:
+            return error.code, error.read()
+        except ConnectionError:  # refused, then the connection reset while its body was read (seen: a 400)
+            return error.code, b""
     except (urllib.error.URLError, ConnectionError, ssl.SSLError):
         return 0, b""
 
