@@ -52,8 +52,9 @@ def crop_together(crop: RandomResizedCrop, sample: dict[str, Any], rng: np.rando
     for name, image in images.items():
         if name in inputs:
             out[name] = crop.resized(np.array(image.convert("RGB")), box, flip)
-        else:
-            out[name] = torch.from_numpy(nearest(_pixels(image), box, crop.size, flip))
+        else:  # H x W, or C x H x W for a mask of several channels (LA), as decode("torchrgb") gives them
+            values = torch.from_numpy(nearest(_pixels(image), box, crop.size, flip))
+            out[name] = values.permute(2, 0, 1) if values.ndim == 3 else values
     kept = None
     for name, form in crop.boxes.items():
         if name in out:
