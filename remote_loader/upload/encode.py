@@ -152,17 +152,6 @@ def encode_target(target: Any, index: int) -> dict[str, bytes]:
     return {"txt": value.encode("utf-8")}
 
 
-def _classic(target: Any) -> bool:
-    """Whether a pair's target is a classification target, stored under WebDataset's names
-    as before structured samples were: None, an int, a str (or a one-value numpy or torch
-    scalar of one), or a flat dict of str keys to finite scalars."""
-    try:
-        encode_target(target, 0)
-    except UploadError:
-        return False
-    return True
-
-
 def encode_item(item: Any, options: EncodeOptions, index: int) -> dict[str, bytes]:
     """Return the fields of ``ds[index]``: a classification pair under WebDataset's names,
     any other tuple or a dict by the field rule (``remote_loader.format.fields``)."""
@@ -171,9 +160,14 @@ def encode_item(item: Any, options: EncodeOptions, index: int) -> dict[str, byte
     if not isinstance(item, (tuple, list)) or not item:
         raise _fail(index, f"ds[{index}] returned a {type(item).__name__}; expected an (image, target) pair,"
                            " a tuple or a dict of fields")
-    if len(item) == 2 and _classic(item[1]):
-        field, data = encode_image(item[0], options, index)
-        return {field: data, **encode_target(item[1], index)}
+    if len(item) == 2:
+        try:  # a classification target (None, int, str, a flat dict of scalars): WebDataset's names, as always
+            target = encode_target(item[1], index)
+        except UploadError:
+            target = None
+        if target is not None:
+            field, data = encode_image(item[0], options, index)
+            return {field: data, **target}
     return Structured(options, index).sample(item)
 
 
