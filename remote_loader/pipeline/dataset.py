@@ -160,7 +160,7 @@ class RemoteDataset(IterableDataset):
         buffer = stages.check_shuffle(bufsize, start)
         if self.buffer is not None:
             raise ConfigError(f"this pipeline shuffles already (shuffle({self.buffer[0]})): give shuffle once")
-        if not all(s.one_to_one for s in self.stages):
+        if not all(s.cardinality.one_to_one for s in self.stages):
             raise ConfigError("shuffle mixes samples at the source: put it before select and batched")
         clone = self._with(None)
         clone.buffer = buffer
@@ -275,7 +275,7 @@ class RemoteDataset(IterableDataset):
         layout = self._layout()
         count: int | None = rank_size(len(self.reader), layout.rank, layout.world_size, layout.equalize)
         for stage in self.stages:
-            count = None if count is None else stage.outputs(count)
+            count = None if count is None else stage.cardinality.outputs(count)
         if count is None:
             raise TypeError("len() of a pipeline with select() is unknown: it depends on the samples")
         return count

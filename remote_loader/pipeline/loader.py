@@ -74,7 +74,7 @@ fetching and drawing crops, a few cores' work for tens of thousands of images a 
 
 
 def _batches(dataset: Any) -> bool:
-    return any(stage.batch() for stage in getattr(dataset, "stages", ()))
+    return any(stage.cardinality.batches for stage in getattr(dataset, "stages", ()))
 
 
 def _decoder(dataset: Any) -> DeviceDecoder | None:

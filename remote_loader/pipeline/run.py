@@ -64,13 +64,14 @@ class Run:
         self.mixing, self.extras, self.rows, self.metrics = mixing, extras, rows, metrics
         self.items = 0
         self.finished = False
-        self._kept: dict[int, _Kept] = {i: _Kept() for i, s in enumerate(self.stages) if s.filters}
+        self._kept: dict[int, _Kept] = {i: _Kept() for i, s in enumerate(self.stages) if s.cardinality.filters}
         self._counted = 0  # samples counted in metrics
 
     def __iter__(self) -> Iterator[Any]:
         data: Iterator[Any] = iter(self.source)
         for i, stage in enumerate(self.stages):
-            data = self._named(i, self._filter(i, stage, data) if stage.filters else stage.run(data, self.context))
+            out = self._filter(i, stage, data) if stage.cardinality.filters else stage.run(data, self.context)
+            data = self._named(i, out)
         busy, waited = 0.0, self.metrics.wait_seconds
         try:
             while True:
@@ -114,11 +115,10 @@ class Run:
         delivered account for: walking back from the end, batches multiply, filters look up."""
         n = self.items
         for i in range(len(self.stages) - 1, stage - 1, -1):
-            s = self.stages[i]
-            batch = s.batch()
-            if batch is not None:
-                n *= batch[0]
-            elif s.filters:
+            held = self.stages[i].cardinality
+            if held.batches:
+                n *= held.size or 1
+            elif held.filters:
                 n = self._kept[i].taken_by(n)
         return n
 
@@ -166,7 +166,7 @@ class Run:
             number = getattr(error, ITEM, None)
             if number is not None:
                 delattr(error, ITEM)
-                if all(s.one_to_one for s in self.stages[:i]):
+                if all(s.cardinality.one_to_one for s in self.stages[:i]):
                     where = self.source.describe(number + 1)
                     if where is not None:
                         note(error, f"while processing {where}")

@@ -1,8 +1,9 @@
 """Pipeline stages: the stage objects a chain is made of, and the generators they run.
 
-A stage is a plain generator over samples. Its object says what it is: whether it maps one
-sample to one, keeps some and drops others (``filters``), or groups them (``batch()``),
-which is all a checkpoint needs to count what left the pipeline; whether it draws randomness
+A stage is a plain generator over samples. Its object says what it is: what one of its
+outputs holds of its inputs (its ``Cardinality``, stated once: one sample, a batch, or one
+sample of those a filter kept), which is all a checkpoint needs to count what left the
+pipeline; whether it draws randomness
 (from the iteration's ``Context`` and the sample's key, never from a generator each worker
 starts alike); and on how many threads it runs. Stages know nothing of checkpoints: the
 source (``source.py``) holds an iteration's state. Arguments are checked when the chain
@@ -18,7 +19,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from operator import itemgetter
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 
@@ -63,13 +64,47 @@ def _check_callable(fn: Any, what: str) -> None:
         raise ConfigError(f"{what} must be callable, got {type(fn).__name__}")
 
 
+@dataclass(frozen=True)
+class Cardinality:
+    """What one output of a stage holds of its input samples: the one fact the pipeline
+    counts by (``len()``, the workers' shares, what a checkpoint's items account for).
+
+    Attributes:
+        size: Input samples per output; None where a filter decides.
+        batches: Outputs are batches of ``size`` (the last shorter where ``keep_short``).
+        keep_short: A last batch shorter than ``size`` is kept.
+        filters: It leaves some samples out, in order, in the calling thread (a kept
+            sample's output is noted against how many it had taken in).
+    """
+
+    size: int | None = 1
+    batches: bool = False
+    keep_short: bool = True
+    filters: bool = False
+
+    @property
+    def one_to_one(self) -> bool:
+        """One sample in gives one out, in order (a filter of failures only counts as one)."""
+        return self.size == 1 and not self.batches
+
+    def outputs(self, inputs: int) -> int | None:
+        """Outputs for ``inputs`` samples; None where that depends on the samples."""
+        if self.size is None:
+            return None
+        if self.batches and not self.keep_short:
+            return inputs // self.size
+        return -(-inputs // self.size)
+
+
+ONE = Cardinality()
+"""One sample in, one out."""
+
+
 class Stage(ABC):
     """One step of a pipeline."""
 
-    one_to_one: ClassVar[bool] = False
-    """Every input sample gives exactly one output sample, in order."""
-    filters: ClassVar[bool] = False
-    """It keeps some samples and drops the others, in order, in the calling thread."""
+    cardinality: Cardinality = ONE
+    """What one of its outputs holds of its inputs."""
     seeded: bool = False
     """It draws randomness from the iteration's context."""
     threads: int = 0
@@ -79,25 +114,13 @@ class Stage(ABC):
     def run(self, samples: Iterable[Any], context: Context) -> Iterator[Any]:
         """The stage's output for ``samples``."""
 
-    def outputs(self, inputs: int) -> int | None:
-        """How many items it gives for ``inputs`` samples, or None if that depends on them."""
-        return inputs if self.one_to_one else None
-
-    def group(self) -> int | None:
-        """How many input samples each output item holds (None: not fixed)."""
-        return 1 if self.one_to_one else None
-
-    def batch(self) -> tuple[int, bool] | None:
-        """``(size, keep_short)`` for a stage that groups samples into batches, else None."""
-        return None
-
     def on_device(self) -> tuple[Any, Any] | None:
         """``(crop, place)`` for a stage whose images are decoded later, in batches, on a
         device (``device/``), else None."""
         return None
 
     def __repr__(self) -> str:
-        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not callable(v))
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not callable(v) and k != "cardinality")
         return f"{type(self).__name__}({fields})"
 
 
@@ -110,8 +133,6 @@ def check_shuffle(bufsize: Any, initial: Any) -> tuple[int, int]:
 
 class Map(Stage):
     """``fn`` applied to every sample, on ``threads`` threads (order kept) or in this one."""
-
-    one_to_one = True
 
     def __init__(self, fn: Callable[[Any], Any], threads: int = 0) -> None:
         _check_callable(fn, "map's function")
@@ -126,8 +147,6 @@ class Decode(Stage):
     generator fixed by (seed, epoch, sample key) for every sample. With ``device``, a
     ``RandomResizedCrop``'s images are only prepared here (their crops drawn) and decoded
     in batches on that device, in the main process (``device/``)."""
-
-    one_to_one = True
 
     def __init__(self, mode: str | Callable[..., Any], min_size: int | None = None, threads: int = 0,
                  device: Any = None, skip: bool = False) -> None:
@@ -175,8 +194,7 @@ class DropUndecodable(Stage):
     counted in ``metrics.skipped`` and logged. One sample in, one out, but for those: a
     count state is off by the samples left out before it, as for damaged bytes."""
 
-    one_to_one = True
-    filters = True
+    cardinality = Cardinality(filters=True)
 
     def run(self, samples: Iterable[Any], context: Context) -> Iterator[Any]:
         for sample in samples:
@@ -221,8 +239,6 @@ def _prepare_seeded(crop: RandomResizedCrop, context: Context, sample: dict[str,
 class ToTuple(Stage):
     """Dict samples become tuples of these fields (``"jpg;png"``: the first present)."""
 
-    one_to_one = True
-
     def __init__(self, fields: Sequence[str]) -> None:
         if not fields or not all(isinstance(f, str) and f.strip() for f in fields):
             raise ConfigError(f"to_tuple needs one or more field names, got {tuple(fields)!r}")
@@ -242,8 +258,6 @@ class ToTuple(Stage):
 class MapTuple(Stage):
     """``fns[i]`` applied to element ``i`` of each tuple (None keeps it)."""
 
-    one_to_one = True
-
     def __init__(self, fns: Sequence[Callable[[Any], Any] | None]) -> None:
         for fn in fns:
             if fn is not None:
@@ -257,7 +271,7 @@ class MapTuple(Stage):
 class Select(Stage):
     """Keep the samples for which ``predicate`` is true."""
 
-    filters = True
+    cardinality = Cardinality(size=None, filters=True)
 
     def __init__(self, predicate: Callable[[Any], bool]) -> None:
         _check_callable(predicate, "select's predicate")
@@ -276,18 +290,10 @@ class Batched(Stage):
         if collation_fn is not None:
             _check_callable(collation_fn, "collation_fn")
         self.batchsize, self.collation_fn, self.keep_short = batchsize, collation_fn, bool(keep_short)
+        self.cardinality = Cardinality(batchsize, batches=True, keep_short=self.keep_short)
 
     def run(self, samples: Iterable[Any], context: Context) -> Iterator[Any]:
         return batched_stage(samples, self.batchsize, self.collation_fn, self.keep_short)
-
-    def outputs(self, inputs: int) -> int | None:
-        return -(-inputs // self.batchsize) if self.keep_short else inputs // self.batchsize
-
-    def group(self) -> int | None:
-        return self.batchsize
-
-    def batch(self) -> tuple[int, bool] | None:
-        return self.batchsize, self.keep_short
 
 
 # --------------------------------------------------------------------------- the generators stages run

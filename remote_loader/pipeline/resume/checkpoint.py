@@ -209,8 +209,8 @@ class Checkpoints:
     def count_state(self, layout: Layout, consumed: int, num_workers: int) -> dict[str, Any]:
         """The state after ``consumed`` items came out of a DataLoader with ``num_workers``."""
         per_item = layout.per_item()
-        batch = layout.stages[-1].batch() if layout.stages else None
-        keeps_short_batch = per_item == 1 or (batch is not None and batch[1])
+        last = layout.stages[-1].cardinality if layout.stages else None
+        keeps_short_batch = per_item == 1 or (last is not None and last.batches and last.keep_short)
         workers = max(1, num_workers)
         items = []
         for worker in range(workers):

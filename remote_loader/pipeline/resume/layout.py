@@ -33,10 +33,10 @@ class Layout:
         multiples of it, so batches come out whole and as many as ``len()`` says."""
         align = 1
         for stage in self.stages:
-            group = stage.group()
-            if group is None:
+            size = stage.cardinality.size
+            if size is None:
                 return 1
-            align *= group
+            align *= size
         return align
 
     def worker_samples(self, worker: int, num_workers: int) -> int:
@@ -55,14 +55,14 @@ class Layout:
         """Samples per item, for a state counted in items (a plain DataLoader's): every stage
         must map one sample to one, the last may batch them."""
         stages = list(self.stages)
-        batch = stages[-1].batch() if stages else None
-        if batch is not None:
+        last = stages[-1].cardinality if stages else None
+        if last is not None and last.batches:
             stages = stages[:-1]
-        if not all(s.one_to_one for s in stages):
+        if not all(s.cardinality.one_to_one for s in stages):
             raise ResumeError("a state counted in items needs every stage to map one sample to one (decode, map,"
                               " map_tuple, to_tuple), optionally ending with batched; select or an inner batched"
                               " breaks that: use torchdata's StatefulDataLoader, whose states need neither")
-        return batch[0] if batch is not None else 1
+        return (last.size or 1) if last is not None and last.batches else 1
 
     def check(self, state: WorkerState) -> WorkerState:
         expected = {"seed": self.seed, "shuffle": self.shuffle, "samples": len(self.reader),
