@@ -46,17 +46,18 @@ _GAP = 2  # samples of a shard between two a resumed buffer needs that are fetch
 
 @dataclass(frozen=True)
 class Piece:
-    """What a fetched range is for: the next range of slot ``slot`` of group ``group``, or
+    """What a fetched range is for: the next range of slot ``slot`` of ``group`` (the reads
+    take their groups from the ranges, so the order is walked once, where jobs are made), or
     samples a resumed shuffle buffer held (``wanted``: pairs of the sample in its shard and
     its index in the buffer)."""
 
     plan: RangePlan
     slot: int = -1
-    group: int = -1
+    group: Group | None = None
     wanted: tuple[tuple[int, int], ...] = ()
 
 
-def _locate(cache: IndexCache, shard: int, first: int, stop: int, on_error: str, slot: int, group: int,
+def _locate(cache: IndexCache, shard: int, first: int, stop: int, on_error: str, slot: int, group: Group | None,
             wanted: tuple[tuple[int, int], ...] = ()) -> tuple[int, int, Piece]:
     start, end, plan = locate_span(cache, shard, first, stop, on_error)
     return start, end, Piece(plan, slot, group, wanted)
@@ -207,7 +208,7 @@ class ShardSource:
             # A shard's first sample lies just past its start: fetch from there while the range is located.
             head = (0, int(shards.size[shard])) if first == 0 else None
             jobs.append(Job(self.reader.location.key(shards.names[shard]),
-                            partial(_locate, self.cache, shard, first, stop, self.on_error, slot, group.index), head,
+                            partial(_locate, self.cache, shard, first, stop, self.on_error, slot, group), head,
                             early.pop(slot, None) if first == 0 else None))
         return jobs
 
@@ -237,7 +238,7 @@ class ShardSource:
             else:
                 runs.append((shard, [(sample, k)]))
         return [Job(self.reader.location.key(manifest.names[shard]),
-                    partial(_locate, self.cache, shard, run[0][0], run[-1][0] + 1, self.on_error, -1, -1, tuple(run)))
+                    partial(_locate, self.cache, shard, run[0][0], run[-1][0] + 1, self.on_error, -1, None, tuple(run)))
                 for shard, run in runs]
 
     # ------------------------------------------------------------------ what it yields
@@ -293,10 +294,16 @@ class ShardSource:
         return out
 
     def _reads(self, fetched: Iterator[Fetched[Piece]]) -> Iterator[tuple[int, Sample | None]]:
-        """``(position, sample)`` in the source order; None for a sample skipped."""
+        """``(position, sample)`` in the source order; None for a sample skipped. Each group
+        comes with its first range: the jobs were made in the order its reads need them."""
         point = self.point
         start = point.group_start
-        for group in groups(self.spans(), self.mixing.open_shards, self.seeds[0], first=point.group):
+        item = next(fetched, None)
+        while item is not None:
+            group = item.context.group
+            if group is None:
+                item.release()
+                raise RuntimeError("the fetcher handed a resumed buffer's range where a group's was next")
             offset = point.reads - start if group.index == point.group else 0
             cursors = group.cursors(offset).tolist()
             nexts = [s.position + c for s, c in zip(group.spans, cursors, strict=True)]
@@ -308,7 +315,9 @@ class ShardSource:
                     if reading is None or reading.done:
                         if reading is not None:
                             reading.close()
-                        reading = readers[slot] = self._open(next(fetched), slot, group.index)
+                        reading = readers[slot] = self._open(item if item is not None else next(fetched), slot,
+                                                             group)
+                        item = None
                     position = nexts[slot]
                     nexts[slot] = position + 1
                     yield position, reading.next_sample()
@@ -318,13 +327,14 @@ class ShardSource:
                         reading.close()
             start += len(group)
             self._group, self._group_start, self._next = None, start, []
+            item = next(fetched, None)
 
-    def _open(self, item: Fetched[Piece], slot: int, group: int) -> OpenRange:
+    def _open(self, item: Fetched[Piece], slot: int, group: Group) -> OpenRange:
         piece = item.context
-        if (piece.slot, piece.group) != (slot, group):
+        if piece.slot != slot or piece.group is not group:
             item.release()
-            raise RuntimeError(f"the fetcher handed a range of slot {piece.slot} of group {piece.group} where slot"
-                               f" {slot} of group {group} was next: its jobs are out of order")
+            raise RuntimeError(f"the fetcher handed a range of slot {piece.slot} where slot {slot} of group"
+                               f" {group.index} was next: its jobs are out of order")
         return OpenRange(self.reader, item, piece.plan, self.policy, self.on_error)
 
 
