@@ -11,17 +11,18 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from remote_loader.config import FetchConfig, current_world, require_bool, require_int
-from remote_loader.errors import ConfigError, DatasetNotFound, ResumeError
-from remote_loader.pipeline import stages
+from remote_loader.errors import ConfigError, ResumeError
+from remote_loader.pipeline import resume, stages
 from remote_loader.pipeline.device import DeviceDecoder, check_device
 from remote_loader.pipeline.device import collate as device_collate
+from remote_loader.pipeline.epochs import Epochs
 from remote_loader.pipeline.order import Mixing
-from remote_loader.pipeline.resume import MAX_WORKERS, Checkpoints, Iteration, Layout
-from remote_loader.pipeline.run import Run
-from remote_loader.pipeline.source import ShardSource, TarSource
-from remote_loader.pipeline.split import EpochOrders, PlanSpans, locate, rank_size, shard_order
+from remote_loader.pipeline.resume import MAX_WORKERS, Layout
+from remote_loader.pipeline.source import Indexed
+from remote_loader.pipeline.split import rank_size
+from remote_loader.pipeline.stream import Data, WorkerStream
+from remote_loader.pipeline.tars import Unindexed
 from remote_loader.read import DatasetReader, Metrics
-from remote_loader.read.heap import release_free_memory
 from remote_loader.storage import Store, open_location
 
 
@@ -102,26 +103,21 @@ class RemoteDataset(IterableDataset):
         self.fetch = fetch or FetchConfig()
         self.reader = DatasetReader(client, bucket, base_folder, verify=verify, fetch=self.fetch)
         self.unindexed = unindexed
-        if not unindexed:
-            _ = self.reader.counts  # read now, so forked DataLoader workers share its arrays; DatasetNotFound
-        elif self.reader.has_manifest():
-            raise ConfigError(f"{self.reader.location} has a manifest: unindexed=True is for tars without one")
-        self.seed, self.shuffle_shards, self.open_shards = seed, shuffle_shards, open_shards
+        self._data: Data = Unindexed(self.reader) if unindexed else Indexed(self.reader, on_error)
+        self.seed, self.shuffle_shards = seed, shuffle_shards
+        self.mixing = Mixing(open_shards)  # what the source's order mixes: open shards, then shuffle()'s buffer
         self.rank, self.world_size, self.equalize = rank, world_size, equalize
         self.stages: list[stages.Stage] = []
-        self.buffer: tuple[int, int] | None = None  # the shuffle buffer: (bufsize, initial)
         self._metrics = Metrics.table(1 + MAX_WORKERS)  # row 0: this process; row 1 + w: worker w
-        self._checkpoints = Checkpoints()
-        self._orders = EpochOrders()  # shared by the pipeline's copies
-        if not unindexed:
-            self._orders.prepare(self.reader.counts, seed, 0, shuffle_shards)
+        self._epochs = Epochs()
+        self._data.prepare(seed, 0, shuffle_shards)
 
     def __copy__(self) -> RemoteDataset:
-        """A shallow copy with its own view of the checkpoints (what it loaded and its live
-        iteration), sharing the counters in shared memory, as a forked worker does."""
+        """A shallow copy with its own view of the epochs (what it loaded and its live
+        stream), sharing the numbers in shared memory, as a forked worker does."""
         clone = object.__new__(type(self))
         clone.__dict__.update(self.__dict__)
-        clone._checkpoints = copy.copy(self._checkpoints)
+        clone._epochs = copy.copy(self._epochs)
         return clone
 
     @property
@@ -134,7 +130,7 @@ class RemoteDataset(IterableDataset):
     def epoch(self) -> int:
         """The epoch whose order the next iteration follows: until ``set_epoch`` is called,
         each iteration takes the next one by itself (see ``set_epoch``)."""
-        return self._checkpoints.epoch
+        return self._epochs.epoch
 
     def __repr__(self) -> str:
         return f"RemoteDataset({self.reader.location}, stages={len(self.stages)}, epoch={self.epoch})"
@@ -145,7 +141,7 @@ class RemoteDataset(IterableDataset):
         clone = copy.copy(self)
         clone.stages = [*self.stages, *([stage] if stage is not None else [])]
         clone._metrics = Metrics.table(1 + MAX_WORKERS)
-        clone._checkpoints = Checkpoints(self.epoch, auto=self._checkpoints.auto)
+        clone._epochs = Epochs(self.epoch, auto=self._epochs.auto)
         return clone
 
     def shuffle(self, bufsize: int, initial: int | None = None) -> RemoteDataset:
@@ -157,13 +153,13 @@ class RemoteDataset(IterableDataset):
         alone, give the same results. It comes before ``select`` and ``batched``, once.
         """
         start = initial if initial is not None else min(bufsize, 100) if isinstance(bufsize, int) else 0
-        buffer = stages.check_shuffle(bufsize, start)
-        if self.buffer is not None:
-            raise ConfigError(f"this pipeline shuffles already (shuffle({self.buffer[0]})): give shuffle once")
+        bufsize, start = stages.check_shuffle(bufsize, start)
+        if self.mixing.bufsize:
+            raise ConfigError(f"this pipeline shuffles already (shuffle({self.mixing.bufsize})): give shuffle once")
         if not all(s.cardinality.one_to_one for s in self.stages):
             raise ConfigError("shuffle mixes samples at the source: put it before select and batched")
         clone = self._with(None)
-        clone.buffer = buffer
+        clone.mixing = Mixing(self.mixing.open_shards, bufsize, start)
         return clone
 
     def decode(self, mode: str | Callable[..., Any] = "pil", *, min_size: int | None = None,
@@ -248,32 +244,29 @@ class RemoteDataset(IterableDataset):
         """
         if type(epoch) is not int or epoch < 0:
             raise ConfigError(f"epoch must be an integer >= 0, got {epoch!r}")
-        self._checkpoints.set_epoch(epoch, self._layout())
-        if not self.unindexed:
-            self._orders.prepare(self.reader.counts, self.seed, epoch, self.shuffle_shards)
+        self._epochs.set_epoch(epoch)
+        self._data.prepare(self.seed, epoch, self.shuffle_shards)
 
     def _layout(self) -> Layout:
         """This rank's place in the world now, with the dataset and the stages."""
         rank, world_size = current_world(self.rank, self.world_size)
         equalize = world_size > 1 if self.equalize is None else self.equalize
-        bufsize, initial = self.buffer or (0, 0)
-        return Layout(self.reader, self.seed, self.shuffle_shards, rank, world_size, equalize,
-                      Mixing(self.open_shards, bufsize, initial), tuple(self.stages))
+        return Layout(self.reader, self.seed, self.shuffle_shards, rank, world_size, equalize, self.mixing,
+                      tuple(self.stages))
 
     @property
     def classes(self) -> list[str]:
         """The class names recorded at upload (class ``i`` is ``classes[i]``), empty where none
         were (and for unindexed tars)."""
-        return [] if self.unindexed else self.reader.classes
+        return self._data.classes
 
     def __len__(self) -> int:
         """Items this rank yields per epoch (batches, after ``batched``), whatever the number
         of DataLoader workers. A TypeError where that cannot be known in advance: after
         ``select`` (it depends on the samples) and for unindexed tars."""
-        if self.unindexed:
-            raise TypeError("len() of unindexed tars is unknown: their sample counts are read as they stream")
+        total = self._data.samples()
         layout = self._layout()
-        count: int | None = rank_size(len(self.reader), layout.rank, layout.world_size, layout.equalize)
+        count: int | None = rank_size(total, layout.rank, layout.world_size, layout.equalize)
         for stage in self.stages:
             count = None if count is None else stage.cardinality.outputs(count)
         if count is None:
@@ -298,17 +291,15 @@ class RemoteDataset(IterableDataset):
         Such a state resumes on the same ranks and workers only.
         """
         if consumed is not None:
-            return self._checkpoints.count_state(self._layout(), consumed, num_workers)
-        if self.unindexed:
+            return resume.count_state(self._layout(), self._epochs.current, consumed, num_workers)
+        if not self._data.resumable:
             raise ResumeError("checkpoints need an indexed dataset: run remote-loader index on it")
         info = get_worker_info()
-        state = self._checkpoints.state(info)
+        state = self._epochs.state(info)
         if state is not None:
             return state
         worker, workers = (info.id, info.num_workers) if info else (0, 1)  # the next iteration's, before it starts
-        layout = self._layout()
-        epoch = self._checkpoints.epoch
-        return self._run(layout, self._checkpoints.plan(layout, epoch, worker, workers), epoch, worker).state()
+        return self._stream(self._epochs.epoch, worker, workers).get_state()
 
     def load_state_dict(self, state: Any) -> None:
         """Resume an epoch from a checkpoint: the next iteration of that epoch delivers
@@ -325,15 +316,19 @@ class RemoteDataset(IterableDataset):
 
         Load before the DataLoader starts its workers.
         """
-        self._checkpoints.load(self._layout(), state, get_worker_info())
+        if not self._data.resumable:
+            raise ResumeError("resume needs an indexed dataset: run remote-loader index on it")
+        info = get_worker_info()
+        loaded = resume.load(self._layout(), state, (info.id, info.num_workers) if info else None)
+        self._epochs.hold(loaded, in_worker=info is not None)
 
     # ------------------------------------------------------------------ iteration
 
     def __iter__(self) -> Iterator[Any]:
-        # The plan is made now, so that a StatefulDataLoader asking for the state before the
+        # The stream is made now, so that a StatefulDataLoader asking for the state before the
         # first item gets this iteration's; an error waits for the first next(), where
         # DataLoader workers report it (one raised here ends a persistent worker).
-        self._checkpoints.live = None
+        self._epochs.live = None
         try:
             return self._start()
         except Exception as error:  # noqa: BLE001 - raised unchanged at the first next()
@@ -344,69 +339,23 @@ class RemoteDataset(IterableDataset):
         worker, num_workers = (info.id, info.num_workers) if info else (0, 1)
         if num_workers > MAX_WORKERS:
             raise ConfigError(f"RemoteDataset supports up to {MAX_WORKERS} DataLoader workers, got {num_workers}")
-        self._checkpoints.iterating_in(info)
-        epoch = self._checkpoints.begin(info)  # once: the main process may set the next one while this runs
-        if self.unindexed:
-            checkpoints = self._checkpoints
-            if checkpoints.resume_for(epoch, worker, num_workers) is not None or checkpoints.position is not None:
-                raise ResumeError("resume needs an indexed dataset: run remote-loader index on it")
-            return iter(self._tars(epoch, worker, num_workers))
-        layout = self._layout()
-        iteration = self._checkpoints.plan(layout, epoch, worker, num_workers)
-        self._checkpoints.take(iteration, worker)
-        run = self._run(layout, iteration, epoch, worker)
-        if iteration.expect is not None and run.source.at_start() != iteration.expect:
-            raise ResumeError(f"the state of rank {layout.rank} worker {worker} lists positions its order does"
-                              " not leave undelivered: it was altered, or the dataset's order differs from the one"
-                              " it was taken in")
-        self._checkpoints.live = run
-        return iter(run)
+        epoch = self._epochs.begin(info)  # once: the main process may set the next one while this runs
+        stream = self._stream(epoch, worker, num_workers, take=True)
+        self._epochs.live = stream
+        return iter(stream)
 
-    def _run(self, layout: Layout, iteration: Iteration, epoch: int, worker: int) -> Run:
-        """The iteration of ``epoch`` by ``worker`` that ``iteration`` plans (not started)."""
+    def _stream(self, epoch: int, worker: int, num_workers: int, take: bool = False) -> WorkerStream:
+        """Worker ``worker``'s stream of ``epoch``, reset to where it starts (a loaded state
+        applies once: ``take`` marks it used)."""
+        layout = self._layout()
+        loaded = self._epochs.applying(epoch, worker)
+        start = resume.start(layout, loaded, epoch, worker, num_workers) if self._data.resumable else None
         metrics = Metrics(self._metrics[1 + worker if get_worker_info() else 0].numpy())
         policy = self.reader.policy(metrics, cancel=threading.Event())
-        counts = self.reader.counts
-        order, ends = self._orders.get(counts, self.seed, epoch, self.shuffle_shards, keep=False)
-        spans = PlanSpans(counts, order, iteration.plan.rows, ends)
-        del order, ends
-        release_free_memory()  # the split's temporaries, so that a worker keeps only its share
-
-        def where(positions: Any) -> Any:  # a resumed buffer's samples, or a failing one's (rare)
-            return locate(counts, *self._orders.get(counts, self.seed, epoch, self.shuffle_shards, keep=False),
-                          positions)
-
-        source = ShardSource(self.reader, policy, spans=lambda: spans, rows=iteration.plan.rows,
-                             mixing=layout.mixing, seeds=self._seeds(epoch, layout.rank, worker), locate=where,
-                             on_error=self.on_error, start=iteration.start)
-        context = stages.Context(self.seed, epoch, layout.rank, worker, metrics)
-        return Run(source, self.stages, context, iteration.header, layout.mixing, iteration.plan.extras,
-                   iteration.plan.rows, metrics)
-
-    def _seeds(self, epoch: int, rank: int, worker: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """The seeds of a worker's source order and of its shuffle buffer."""
-        seed = self.seed & (2**64 - 1)
-        return (seed, epoch, rank, worker, 1), (seed, epoch, rank, worker, 2)
-
-    def _tars(self, epoch: int, worker: int, num_workers: int) -> Run:
-        """Plain WebDataset tars without a manifest: whole tars dealt round-robin to ranks x
-        workers in the epoch's order."""
-        tars = self.reader.list_tars()
-        if not tars:
-            raise DatasetNotFound(
-                f"no .tar objects under {self.reader.location} to stream unindexed",
-                bucket=self.reader.location.bucket,
-                key=self.reader.location.key(""),
-            )
-        layout = self._layout()
-        slots, slot = layout.world_size * num_workers, layout.rank * num_workers + worker
-        order = shard_order(len(tars), self.seed, epoch, self.shuffle_shards)
-        metrics = Metrics(self._metrics[1 + worker if get_worker_info() else 0].numpy())
-        source = TarSource(self.reader, self.reader.policy(metrics, cancel=threading.Event()),
-                           [tars[k] for position, k in enumerate(order) if position % slots == slot],
-                           layout.mixing, self._seeds(epoch, layout.rank, worker))
-        context = stages.Context(self.seed, epoch, layout.rank, worker, metrics)
-        return Run(source, self.stages, context, {}, layout.mixing, frozenset(), (), metrics)  # type: ignore[arg-type]
+        stream = WorkerStream(self._data, layout, epoch, worker, num_workers, metrics, policy).reset(start)
+        if take:
+            self._epochs.applied(loaded, worker)
+        return stream
 
 
 def _failing(error: Exception) -> Iterator[Any]:

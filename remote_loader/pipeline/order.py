@@ -84,6 +84,12 @@ def groups(spans: Iterable[Span], open_shards: int, seed: Sequence[int], first: 
         yield Group(index, block, labels)
 
 
+def worker_seeds(seed: int, epoch: int, rank: int, worker: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The seeds of a worker's source order and of its shuffle buffer."""
+    seed &= 2**64 - 1
+    return (seed, epoch, rank, worker, 1), (seed, epoch, rank, worker, 2)
+
+
 class Shuffler:
     """The shuffle buffer: for each sample in, up to two more while it holds fewer than
     ``bufsize``; once it holds ``initial``, one out per sample in, drawn uniformly; at the

@@ -1,8 +1,8 @@
-"""The sample source of one worker: its plan's shards fetched ahead in ranges and read in its
-delivery order (``order.py``): groups of ``open_shards`` spans interleaved, then the shuffle
-buffer.
+"""An indexed dataset (``Indexed``) and the sample source of one of its workers
+(``ShardSource``): its plan's shards fetched ahead in ranges and read in its delivery order
+(``order.py``): groups of ``open_shards`` spans interleaved, then the shuffle buffer.
 
-It is the one stateful part of a pipeline. It counts its outputs (a skipped sample is an
+The source is the one stateful part of a pipeline. It counts its outputs (a skipped sample is an
 output that yields nothing), keeps the positions of the latest ones, and says at any output
 which positions are not yet delivered (``undelivered``). Given a count of outputs to start
 from (a checkpoint's), it regenerates its order up to there on integers and fetches only what
@@ -32,12 +32,15 @@ from remote_loader.pipeline.order import (
     plan_after,
     ranges_in_need,
     undelivered_at,
+    worker_seeds,
 )
-from remote_loader.pipeline.split import Span
+from remote_loader.pipeline.resume import Layout, Start, share
+from remote_loader.pipeline.split import EpochOrders, PlanSpans, Span, locate
 from remote_loader.read.fetch import Fetched, Job, Prefetcher, fetch_head
+from remote_loader.read.heap import release_free_memory
 from remote_loader.read.reader import DatasetReader
 from remote_loader.read.retry import RetryPolicy
-from remote_loader.read.shards import DAMAGE, IndexCache, OpenRange, RangePlan, TarRead, locate_span
+from remote_loader.read.shards import DAMAGE, IndexCache, OpenRange, RangePlan, locate_span
 
 _TRIM_EVERY = 4096  # outputs between trims of the kept positions of past outputs
 _EARLY_HEADS = 4  # shards whose first bytes are fetched before their indexes have come, per iteration
@@ -338,71 +341,41 @@ class ShardSource:
         return OpenRange(self.reader, item, piece.plan, self.policy, self.on_error)
 
 
-# --------------------------------------------------------------------------- plain tars, without a manifest
+# --------------------------------------------------------------------------- the dataset it reads
 
 
-def _whole(name: str, size: int) -> tuple[int, int, TarRead]:
-    return 0, size, TarRead(name)
+class Indexed:
+    """An indexed dataset (a manifest): its epochs split by positions, its iterations resumable."""
 
+    resumable = True
 
-class TarSource:
-    """The samples of whole unindexed tars ``(name, size)``: ``open_shards`` read at once (each
-    next sample from one of them, by the seed), then the shuffle buffer if any. It keeps no
-    positions, so its iterations have no state."""
-
-    def __init__(self, reader: DatasetReader, policy: RetryPolicy, tars: Sequence[tuple[str, int]], mixing: Mixing,
-                 seeds: tuple[Sequence[int], Sequence[int]]) -> None:
-        self.reader, self.policy, self.tars, self.mixing, self.seeds = reader, policy, tars, mixing, seeds
-        self.emitted = 0
+    def __init__(self, reader: DatasetReader, on_error: str) -> None:
+        self.reader, self.on_error = reader, on_error
+        _ = reader.counts  # read now, so forked DataLoader workers share its arrays; DatasetNotFound
+        self.orders = EpochOrders()  # shared by the pipeline's copies
 
     @property
-    def outputs(self) -> int:
-        return self.emitted
+    def classes(self) -> list[str]:
+        return self.reader.classes
 
-    def output_of(self, emitted: int) -> int:
-        return emitted
+    def samples(self) -> int:
+        return len(self.reader)
 
-    def trim(self, delivered: int) -> None:
-        pass
+    def prepare(self, seed: int, epoch: int, shuffle: bool) -> None:
+        self.orders.prepare(self.reader.counts, seed, epoch, shuffle)
 
-    def describe(self, emitted: int) -> str | None:
-        return None
+    def source(self, layout: Layout, epoch: int, worker: int, num_workers: int, start: Start | None,
+               policy: RetryPolicy) -> ShardSource:
+        plan = start.plan if start is not None else share(layout, None, worker, num_workers)
+        counts, seed, shuffle = self.reader.counts, layout.seed, layout.shuffle
+        order, ends = self.orders.get(counts, seed, epoch, shuffle, keep=False)
+        spans = PlanSpans(counts, order, plan.rows, ends)
+        del order, ends
+        release_free_memory()  # the split's temporaries, so that a worker keeps only its share
 
-    def __iter__(self) -> Iterator[Sample]:
-        jobs = [Job(self.reader.location.key(name), partial(_whole, name, size)) for name, size in self.tars]
-        with Prefetcher(self.reader.location.bucket, jobs, self.policy, self.reader.round_trip) as prefetcher:
-            fetched = iter(prefetcher)
-            try:
-                samples = self._mixed(fetched)
-                if self.mixing.bufsize:
-                    samples = Shuffler(self.mixing.bufsize, self.mixing.initial, self.seeds[1]).run(samples)
-                for sample in samples:
-                    self.emitted += 1
-                    yield sample
-            finally:
-                fetched.close()
+        def where(positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # a resumed buffer's samples (rare)
+            return locate(counts, *self.orders.get(counts, seed, epoch, shuffle, keep=False), positions)
 
-    def _mixed(self, fetched: Iterator[Fetched[TarRead]]) -> Iterator[Sample]:
-        rng = np.random.default_rng(list(self.seeds[0]))
-        reading: list[OpenRange] = []
-        exhausted = False
-        try:
-            while True:
-                while not exhausted and len(reading) < self.mixing.open_shards:
-                    item = next(fetched, None)
-                    if item is None:
-                        exhausted = True
-                    else:
-                        reading.append(OpenRange(self.reader, item, item.context, self.policy, "raise"))
-                for done in [r for r in reading if r.done]:
-                    reading.remove(done)
-                    done.close()
-                if not reading:
-                    return
-                current = reading[int(rng.integers(len(reading)))] if len(reading) > 1 else reading[0]
-                sample = current.next_sample()
-                if sample is not None:
-                    yield sample
-        finally:
-            for r in reading:
-                r.close()
+        return ShardSource(self.reader, policy, spans=lambda: spans, rows=plan.rows, mixing=layout.mixing,
+                           seeds=worker_seeds(seed, epoch, layout.rank, worker), locate=where,
+                           on_error=self.on_error, start=start.delivered if start is not None else 0)

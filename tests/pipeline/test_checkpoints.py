@@ -76,8 +76,9 @@ def run(client, ranks, workers, stops=None, states=None, **options):
                     items = list(stream)
                 else:
                     # Stop points are fractions of the worker's share (0: before its first item).
-                    share = copy_._checkpoints.live.rows
-                    total = sum(b - a for a, b in share) // (options.get("batch") or 1)
+                    untaken = copy_.state_dict()  # before its first item: its whole share is undelivered
+                    share = sum(untaken["remaining"][1::2]) - sum(untaken["remaining"][::2]) + len(untaken["extras"]) // 2
+                    total = share // (options.get("batch") or 1)
                     items = list(itertools.islice(stream, stops(rank, worker, total)))
                 keys += flat(items)
                 saved.append(pickle.loads(pickle.dumps(copy_.state_dict())))

@@ -113,4 +113,4 @@ def test_forked_workers_take_the_epochs_shard_order_from_the_main_process(versio
     assert sorted(got) == sorted(expected)
     in_process = list(DataLoader(dataset.shuffle(20).map(lambda s: s["__key__"]), batch_size=None, num_workers=0))
     assert in_process == expected  # the same order as one made afresh
-    assert dataset._orders._last is not None and pickle.loads(pickle.dumps(dataset))._orders._last is None
+    assert dataset._data.orders._last is not None and pickle.loads(pickle.dumps(dataset))._data.orders._last is None

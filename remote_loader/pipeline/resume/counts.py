@@ -14,6 +14,7 @@ from typing import Any
 
 from remote_loader.config import require_int
 from remote_loader.errors import ResumeError
+from remote_loader.pipeline.resume.layout import Layout
 
 STATE_VERSION = 1
 MAX_WORKERS = 1024
@@ -92,3 +93,19 @@ class ResumeState:
             per_item, world = (_count({f"split[{i}]": v}, f"split[{i}]", 1) for i, v in enumerate(saved))
             split = (per_item, world)
         return cls(epoch, seed, num_workers, counts, dataset, split)
+
+
+def count_state(layout: Layout, epoch: int, consumed: int, num_workers: int) -> dict[str, Any]:
+    """The state after ``consumed`` items of ``epoch`` came out of a DataLoader with
+    ``num_workers`` workers (``RemoteDataset.state_dict(consumed=...)``)."""
+    per_item = layout.per_item()
+    last = layout.stages[-1].cardinality if layout.stages else None
+    keeps_short_batch = per_item == 1 or (last is not None and last.batches and last.keep_short)
+    workers = max(1, num_workers)
+    items = []
+    for worker in range(workers):
+        samples = layout.worker_samples(worker, workers)
+        items.append(-(-samples // per_item) if keeps_short_batch else samples // per_item)
+    taken = consumed_per_worker(items, consumed)
+    return ResumeState(epoch, layout.seed, workers, [t * per_item for t in taken], layout.reader.identity,
+                       (per_item, layout.world_size)).as_dict()

@@ -54,18 +54,18 @@ class WorkerState:
     header: dict[str, Any]
     mixing: Mixing
     delivered: int
-    remaining: list[tuple[int, int]]
+    remaining: list[tuple[int, int]] | None  # None: a count state's, which lists no positions
     extras: list[tuple[int, bool]]  # (position, delivered)
     rows: tuple[tuple[int, int], ...] | None = None  # the plan of a resumed rest's worker
 
     def undelivered(self) -> list[tuple[int, int]]:
         """The positions not delivered, extras included, as sorted merged intervals."""
-        return merge([*self.remaining, *((p, p + 1) for p, delivered in self.extras if not delivered)])
+        return merge([*(self.remaining or ()), *((p, p + 1) for p, delivered in self.extras if not delivered)])
 
     @property
     def unfinished(self) -> bool:
         """Whether the worker stopped with samples not yet delivered (mid-epoch)."""
-        return bool(self.remaining) or any(not delivered for _, delivered in self.extras)
+        return self.remaining is None or bool(self.remaining) or any(not delivered for _, delivered in self.extras)
 
     @property
     def where(self) -> str:
@@ -233,7 +233,7 @@ def gather(states: Sequence[WorkerState]) -> Remainder:
             f"states lack {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}: gather the"
             f" state of every rank ({first['world_size']} ranks x {first['num_workers']} workers)"
         )
-    intervals = sorted(interval for s in states for interval in s.remaining)
+    intervals = sorted(interval for s in states for interval in s.remaining or ())
     for (_, b1), (a2, _) in pairwise(intervals):
         if a2 < b1:
             raise ResumeError(f"states overlap at position {a2}: they are not from one checkpoint of one run")

@@ -1,0 +1,209 @@
+"""Which epoch each iteration of a ``RemoteDataset`` follows, and which loaded state it
+resumes from, in whatever process it runs: a few numbers in shared memory, made with the
+dataset, carry what the main process sets to DataLoader workers started later, persistent
+ones included.
+
+Until ``set_epoch`` is called, every iteration takes the next epoch by itself (0, 1, 2...;
+after a loaded state, that state's epoch and then the ones after it). The workers of one
+DataLoader pass each begin an iteration and must agree on its epoch: a pass is known by its
+loader's base seed (``worker_info.seed - worker_info.id``), and each worker joins the pass
+recorded if it has not begun an iteration in it yet, else records a new one with the next
+epoch. Persistent workers (one base seed for all passes) and a DataLoader made anew with the
+same seeded generator (the same base seed again) each begin a pass's iteration once, so
+their next pass is a new one. After ``set_epoch(e)``, iterations follow ``e`` exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import tempfile
+import uuid
+import weakref
+from collections.abc import Iterator
+from enum import IntEnum
+from typing import Any
+
+import torch
+
+from remote_loader.errors import ResumeError
+from remote_loader.pipeline.resume import MAX_WORKERS, Loaded
+
+
+class Slot(IntEnum):
+    """The numbers in shared memory."""
+
+    EPOCH = 0  # the epoch set_epoch chose, or a loaded state's
+    AUTO = 1  # 1 while set_epoch was never called: each iteration takes the next epoch
+    NEXT = 2  # that next epoch
+    PASS = 3  # the pass that took an epoch last: its loader's base seed (-2: one in the main process; -1: none)
+    PASS_EPOCH = 4  # and the epoch it took
+    GENERATION = 5  # how many states the main process loaded
+    IN_WORKERS = 6  # 1 once DataLoader workers iterated: the main process cannot be asked for their state
+    JOINED = 7  # per worker from here: 1 once it began an iteration of the pass recorded
+
+
+_APPLIED = Slot.JOINED + MAX_WORKERS  # per worker from here: the generation of the last loaded state it applied
+
+
+def _remove(path: str, owner: int) -> None:
+    if os.getpid() == owner:  # not a forked child that exits normally
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+class _FileLock:
+    """A lock among a process and the DataLoader workers it starts, forked or spawned: an
+    exclusive ``flock`` on a file named when the lock is made (created on first use, removed
+    with the lock in the process that made it). A multiprocessing lock is tied to one start
+    method, and the loader's is not known when a dataset is made."""
+
+    def __init__(self) -> None:
+        self.path = os.path.join(tempfile.gettempdir(), f"remote-loader-epochs-{uuid.uuid4().hex}")
+        weakref.finalize(self, _remove, self.path, os.getpid())
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"path": self.path}  # a copy uses the file, never removes it
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        with open(self.path, "a") as file:
+            fcntl.flock(file, fcntl.LOCK_EX)
+            yield  # closing the file releases the lock
+
+
+class Epochs:
+    """A dataset's epochs and loaded state (see the module's docstring), and the live stream
+    of this process, which gives its state."""
+
+    def __init__(self, epoch: int = 0, auto: bool = True) -> None:
+        self.shared = torch.zeros(_APPLIED + MAX_WORKERS, dtype=torch.int64).share_memory_()
+        self.shared[Slot.EPOCH] = self.shared[Slot.NEXT] = epoch
+        self.shared[Slot.AUTO] = int(auto)
+        self.shared[Slot.PASS] = -1
+        self.lock = _FileLock()
+        self.loaded: Loaded | None = None
+        self.local = False  # the loaded state was loaded in this process, a DataLoader worker, for itself
+        self.generation = 0  # the main process's loads this copy knows of
+        self.live: Any = None  # the latest stream of this process
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["live"] = None  # a stream stays in its process
+        return state
+
+    @property
+    def auto(self) -> bool:
+        """Whether iterations take the next epoch by themselves (``set_epoch`` never called)."""
+        return bool(int(self.shared[Slot.AUTO]))
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next iteration follows."""
+        return int(self.shared[Slot.NEXT if self.auto else Slot.EPOCH])
+
+    @property
+    def current(self) -> int:
+        """The epoch of the iteration under way (the latest begun), else of the next one."""
+        if self.auto and int(self.shared[Slot.PASS]) != -1:
+            return int(self.shared[Slot.PASS_EPOCH])
+        return self.epoch
+
+    def begin(self, worker_info: Any) -> int:
+        """The epoch of an iteration beginning now in this process."""
+        if worker_info is not None:
+            self.shared[Slot.IN_WORKERS] = 1
+        if not self.auto:
+            return int(self.shared[Slot.EPOCH])
+        shared = self.shared
+        with self.lock.held():
+            if worker_info is not None:
+                base, joined = (int(worker_info.seed) - int(worker_info.id)) % 2**62, Slot.JOINED + worker_info.id
+                if int(shared[Slot.PASS]) == base and not int(shared[joined]):
+                    shared[joined] = 1
+                    return int(shared[Slot.PASS_EPOCH])
+            epoch, loaded = int(shared[Slot.NEXT]), self.loaded
+            if loaded is not None and self.local:  # this worker's own state: its epoch, or the next once finished
+                epoch = loaded.epoch + int(loaded.finished)
+            shared[Slot.JOINED:_APPLIED] = 0
+            if worker_info is not None:
+                shared[Slot.PASS], shared[joined] = base, 1
+            else:
+                shared[Slot.PASS] = -2
+            shared[Slot.PASS_EPOCH], shared[Slot.NEXT] = epoch, epoch + 1
+            return epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        owed = self.owed()
+        if owed is not None and owed.epoch != epoch:
+            raise ResumeError(f"the loaded state stopped mid-way through epoch {owed.epoch} and its rest has not been"
+                              f" iterated: set_epoch({owed.epoch}) and finish it first, or make a new dataset to start"
+                              f" epoch {epoch} without it")
+        self.shared[Slot.EPOCH] = epoch
+        self.shared[Slot.AUTO] = 0
+        if self.loaded is not None and self.loaded.epoch != epoch:
+            self.loaded = None
+
+    def owed(self) -> Loaded | None:
+        """A loaded mid-epoch state whose rest no iteration has taken yet."""
+        loaded = self.loaded
+        if loaded is None or not loaded.pending:
+            return None
+        if not self.local and bool((self.shared[_APPLIED:] >= self.generation).any()):
+            return None
+        return loaded
+
+    # ------------------------------------------------------------------ loaded states
+
+    def hold(self, loaded: Loaded, in_worker: bool) -> None:
+        """Hold ``loaded`` for the next iteration of its epoch: in this process only for a
+        DataLoader worker's own, else here and in the DataLoader workers started from now on
+        (an iteration that takes its epoch by itself takes the next one after a finished state)."""
+        self.loaded, self.local, self.live = loaded, in_worker, None
+        if in_worker:
+            return
+        self.shared[Slot.EPOCH] = loaded.epoch
+        self.shared[Slot.NEXT] = loaded.epoch + int(loaded.finished)
+        self.shared[Slot.GENERATION] += 1
+        self.generation = int(self.shared[Slot.GENERATION])
+
+    def applying(self, epoch: int, worker: int) -> Loaded | None:
+        """The loaded state worker ``worker``'s iteration of ``epoch`` resumes from: at the first
+        iteration of its epoch only (``applied`` marks it used)."""
+        if int(self.shared[Slot.GENERATION]) != self.generation:
+            raise ResumeError("load_state_dict was called after this DataLoader's persistent workers started;"
+                              " load the state before the first epoch, or create a new DataLoader")
+        loaded = self.loaded
+        if loaded is None:
+            return None
+        if not self.local:
+            applied = int(self.shared[_APPLIED + worker]) >= self.generation
+            return loaded if loaded.epoch == epoch and not applied else None
+        if loaded.epoch != epoch:
+            if loaded.pending:
+                raise ResumeError(f"the loaded state stopped mid-way through epoch {loaded.epoch}, but this iteration"
+                                  f" is epoch {epoch}: call set_epoch({loaded.epoch}) first")
+            self.loaded = None  # a state of a finished epoch is used up by any later iteration
+        return self.loaded
+
+    def applied(self, loaded: Loaded | None, worker: int) -> None:
+        """Mark ``loaded`` used by ``worker``."""
+        if loaded is None:
+            return
+        if self.local:
+            self.loaded = None
+        else:
+            self.shared[_APPLIED + worker] = self.generation
+
+    # ------------------------------------------------------------------ the live stream's state
+
+    def state(self, worker_info: Any) -> dict[str, Any] | None:
+        """The state of this process's live stream; None if there is none yet."""
+        if self.live is not None:
+            return dict(self.live.get_state())
+        if worker_info is None and int(self.shared[Slot.IN_WORKERS]):
+            raise ResumeError("this dataset's iteration runs in DataLoader workers, which this process cannot ask:"
+                              " use torchdata's StatefulDataLoader and its state_dict(), or pass consumed= and"
+                              " num_workers= for a plain DataLoader")
+        return None

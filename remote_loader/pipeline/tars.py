@@ -1,0 +1,119 @@
+"""Plain WebDataset tars without a manifest (``unindexed=True``): whole tars dealt to ranks
+and workers in the epoch's order, read ``open_shards`` at once, then the shuffle buffer."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from functools import partial
+
+import numpy as np
+
+from remote_loader.errors import ConfigError, DatasetNotFound
+from remote_loader.format import Sample
+from remote_loader.format.order import shard_order
+from remote_loader.pipeline.order import Mixing, Shuffler, worker_seeds
+from remote_loader.pipeline.resume import Layout, Start
+from remote_loader.read.fetch import Fetched, Job, Prefetcher
+from remote_loader.read.reader import DatasetReader
+from remote_loader.read.retry import RetryPolicy
+from remote_loader.read.shards import OpenRange, TarRead
+
+
+class Unindexed:
+    """The ``.tar`` objects under a prefix without a manifest: no ``len()``, no states."""
+
+    resumable = False
+    classes: list[str] = []
+
+    def __init__(self, reader: DatasetReader) -> None:
+        if reader.has_manifest():
+            raise ConfigError(f"{reader.location} has a manifest: unindexed=True is for tars without one")
+        self.reader = reader
+
+    def samples(self) -> int:
+        raise TypeError("len() of unindexed tars is unknown: their sample counts are read as they stream")
+
+    def prepare(self, seed: int, epoch: int, shuffle: bool) -> None:
+        pass
+
+    def source(self, layout: Layout, epoch: int, worker: int, num_workers: int, start: Start | None,
+               policy: RetryPolicy) -> TarSource:
+        tars = self.reader.list_tars()
+        if not tars:
+            raise DatasetNotFound(f"no .tar objects under {self.reader.location} to stream unindexed",
+                                  bucket=self.reader.location.bucket, key=self.reader.location.key(""))
+        slots, slot = layout.world_size * num_workers, layout.rank * num_workers + worker
+        order = shard_order(len(tars), layout.seed, epoch, layout.shuffle)
+        mine = [tars[k] for position, k in enumerate(order) if position % slots == slot]
+        seeds = worker_seeds(layout.seed, epoch, layout.rank, worker)
+        return TarSource(self.reader, policy, mine, layout.mixing, seeds)
+
+
+def _whole(name: str, size: int) -> tuple[int, int, TarRead]:
+    return 0, size, TarRead(name)
+
+
+class TarSource:
+    """The samples of whole unindexed tars ``(name, size)``: ``open_shards`` read at once (each
+    next sample from one of them, by the seed), then the shuffle buffer if any. It keeps no
+    positions, so its iterations have no state."""
+
+    def __init__(self, reader: DatasetReader, policy: RetryPolicy, tars: Sequence[tuple[str, int]], mixing: Mixing,
+                 seeds: tuple[Sequence[int], Sequence[int]]) -> None:
+        self.reader, self.policy, self.tars, self.mixing, self.seeds = reader, policy, tars, mixing, seeds
+        self.emitted = 0
+
+    @property
+    def outputs(self) -> int:
+        return self.emitted
+
+    def output_of(self, emitted: int) -> int:
+        return emitted
+
+    def trim(self, delivered: int) -> None:
+        pass
+
+    def undelivered(self, delivered: int) -> list[tuple[int, int]]:
+        return []
+
+    def describe(self, emitted: int) -> str | None:
+        return None
+
+    def __iter__(self) -> Iterator[Sample]:
+        jobs = [Job(self.reader.location.key(name), partial(_whole, name, size)) for name, size in self.tars]
+        with Prefetcher(self.reader.location.bucket, jobs, self.policy, self.reader.round_trip) as prefetcher:
+            fetched = iter(prefetcher)
+            try:
+                samples = self._mixed(fetched)
+                if self.mixing.bufsize:
+                    samples = Shuffler(self.mixing.bufsize, self.mixing.initial, self.seeds[1]).run(samples)
+                for sample in samples:
+                    self.emitted += 1
+                    yield sample
+            finally:
+                fetched.close()
+
+    def _mixed(self, fetched: Iterator[Fetched[TarRead]]) -> Iterator[Sample]:
+        rng = np.random.default_rng(list(self.seeds[0]))
+        reading: list[OpenRange] = []
+        exhausted = False
+        try:
+            while True:
+                while not exhausted and len(reading) < self.mixing.open_shards:
+                    item = next(fetched, None)
+                    if item is None:
+                        exhausted = True
+                    else:
+                        reading.append(OpenRange(self.reader, item, item.context, self.policy, "raise"))
+                for done in [r for r in reading if r.done]:
+                    reading.remove(done)
+                    done.close()
+                if not reading:
+                    return
+                current = reading[int(rng.integers(len(reading)))] if len(reading) > 1 else reading[0]
+                sample = current.next_sample()
+                if sample is not None:
+                    yield sample
+        finally:
+            for r in reading:
+                r.close()
