@@ -260,3 +260,12 @@ def test_a_count_state_resumes_the_pipeline_it_counted_and_refuses_another_batch
     same.load_state_dict(saved)
     rest = [k for batch in DataLoader(same, batch_size=None, num_workers=2) for k in batch]
     assert Counter(full[:16]) + Counter(rest) == ALL and len(rest) == N - 16
+
+
+def test_a_count_state_on_other_workers_is_refused_naming_the_workers_it_counted(dataset):
+    state = _fresh(dataset).state_dict(consumed=10, num_workers=2)
+    resumed = _fresh(dataset)
+    resumed.load_state_dict(state)
+    with pytest.raises(ResumeError, match=r"rank 0/1 worker 0/2's own, not this worker's \(0/1, 0/1\): a count state"
+                                          " resumes the ranks and workers it counted only"):
+        list(resumed)
