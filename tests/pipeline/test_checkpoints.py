@@ -77,7 +77,8 @@ def run(client, ranks, workers, stops=None, states=None, **options):
                 else:
                     # Stop points are fractions of the worker's share (0: before its first item).
                     untaken = copy_.state_dict()  # before its first item: its whole share is undelivered
-                    share = sum(untaken["remaining"][1::2]) - sum(untaken["remaining"][::2]) + len(untaken["extras"]) // 2
+                    remaining, extras = untaken["remaining"], untaken["extras"]
+                    share = sum(remaining[1::2]) - sum(remaining[::2]) + len(extras) // 2
                     total = share // (options.get("batch") or 1)
                     items = list(itertools.islice(stream, stops(rank, worker, total)))
                 keys += flat(items)
