@@ -1,9 +1,12 @@
-"""Metadata at scale: manifests of 1k, 100k and 1M shards of 1,000 samples (up to 1B samples).
+"""Metadata at scale: manifests of 1k, 100k, 1M (and 10M) shards of 1,000 samples (up to 10B samples).
 
 For each size, against the embedded SeaweedFS, each figure from a fresh process:
 
 - opening: construction to a ready ``RemoteDataset`` / ``RemoteMapDataset`` (``len()``
-  answered: manifest GET, decode, counts), and the RSS it added;
+  answered: manifest GET, decode, counts), the RSS it added and the bytes its store's reads
+  returned; and the same for one rank of 8;
+- one rank of 8 with one DataLoader worker: construction to its first batch, and the
+  worker's private memory (USS) then;
 - first batch: construction to the first batch of 64 through a 1,000-sample shuffle buffer
   with 2 DataLoader workers, and each worker's private memory (USS) then;
 - random access: ``ds[i]`` for random ``i``, index cache cold (index GET + sample GET) and
@@ -73,20 +76,42 @@ _COMMON = textwrap.dedent("""
                     pass
         return sorted(out)
 
+    received = [0]  # bytes the store returned to this process
+
+    def counted(store):
+        # the store, counting the bytes each of its reads returns
+        sizes = {"get": len, "get_range": len, "get_first_bytes": lambda r: len(r[0]),
+                 "get_range_and_size": lambda r: len(r[0]), "get_versioned": lambda r: len(r[0])}
+        for name, size in sizes.items():
+            def read(*a, _method=getattr(store, name), _size=size, **k):
+                out = _method(*a, **k)
+                received[0] += _size(out)
+                return out
+            setattr(store, name, read)
+        into = store.get_range_into
+
+        def read_into(bucket, key, start, end, out):
+            into(bucket, key, start, end, out)
+            received[0] += end - start
+        store.get_range_into = read_into
+        return store
+
     endpoint, key, secret, prefix, mode = sys.argv[1:6]
     args = sys.argv[6:]
-    client = make_client(endpoint, key, secret)
+    client = counted(make_client(endpoint, key, secret))
     client.head("scale", f"{prefix}/manifest.msgpack")  # SDK set-up and a connection, outside the timings
 """)
 
 _CHILD = _COMMON + textwrap.dedent("""
     if mode in ("open-stream", "open-map"):
-        before = memory()
+        world = {"rank": int(args[0]), "world_size": int(args[1])} if args else {}
+        before, read = memory(), received[0]
         t0 = time.perf_counter()
-        ds = (RemoteDataset if mode == "open-stream" else RemoteMapDataset)(client, "scale", prefix)
+        ds = (RemoteDataset if mode == "open-stream" else RemoteMapDataset)(client, "scale", prefix, **world)
         n = len(ds)
         seconds = time.perf_counter() - t0
-        print(json.dumps({"seconds": seconds, "rss_mb": memory()["rss"] - before["rss"], "samples": n}))
+        print(json.dumps({"seconds": seconds, "rss_mb": memory()["rss"] - before["rss"],
+                          "read_mb": (received[0] - read) / 1e6, "samples": n}))
     elif mode == "first-batch":
         from remote_loader import FetchConfig
         workers, rank, world = int(args[0]), int(args[1]), int(args[2])
@@ -185,7 +210,7 @@ def main() -> None:
             data = manifest(count, entry)
             client.put(BUCKET, f"{prefix}/manifest.msgpack", data)
             samples = [int(i) for i in np.random.default_rng(count).integers(0, count * PER_SHARD, RANDOM)]
-            layouts = [(2, 0, 1)] + ([(0, 0, 2), (4, 0, 2), (4, 1, 2)] if count == max(args.sizes) else [])
+            layouts = [(2, 0, 1), (1, 3, 8)] + ([(0, 0, 2), (4, 0, 2), (4, 1, 2)] if count == max(args.sizes) else [])
             shards = needed(count, layouts, samples)
             list(pool.map(lambda s: client.put(BUCKET, f"{prefix}/shard-{RUN}-{s:06d}-000.tar", body), shards))
 
@@ -203,6 +228,8 @@ def main() -> None:
             row["open_stream"] = median("open-stream")
             row["open_map"] = median("open-map")
             row["first_batch"] = median("first-batch", 2, 0, 1)
+            row["open_rank"] = median("open-stream", 3, 8)
+            row["rank_first_batch"] = median("first-batch", 1, 3, 8)
             row["random"] = median("random", *samples)
             if count == max(args.sizes):
                 # Where a worker's private memory goes: the same first batch without the
@@ -235,19 +262,31 @@ def report(results: dict[str, Any]) -> str:
         ]
         return "\n".join(lines)
     lines = [
-        "| shards (samples) | manifest | open RemoteDataset | open RemoteMapDataset | first batch (2 workers) "
-        "| USS per worker | ds[i] cold / warm |",
+        "| shards (samples) | manifest | open RemoteDataset (time, RSS, read) | open RemoteMapDataset "
+        "| first batch (2 workers) | USS per worker | ds[i] cold / warm |",
         "|---|---|---|---|---|---|---|",
     ]
     for count, row in results.items():
         workers = row["first_batch"]["workers"]
         lines.append(
             f"| {int(count):,d} ({row['samples']:,d}) | {row['manifest_mb']:.1f} MB "
-            f"| {row['open_stream']['seconds']:.3f} s, +{row['open_stream']['rss_mb']:.0f} MB "
+            f"| {row['open_stream']['seconds']:.3f} s, +{row['open_stream']['rss_mb']:.0f} MB,"
+            f" {row['open_stream']['read_mb']:.1f} MB "
             f"| {row['open_map']['seconds']:.3f} s, +{row['open_map']['rss_mb']:.0f} MB "
             f"| {row['first_batch']['seconds']:.2f} s "
             f"| {statistics.mean(w['uss'] for w in workers):.0f} MB "
             f"| {row['random']['cold_ms']:.1f} / {row['random']['warm_ms']:.1f} ms |"
+        )
+    smallest = results[min(results, key=int)]
+    lines += ["", "One rank of 8 (rank 3), and its one DataLoader worker:", "",
+              "| shards | open: time, RSS added, bytes read | first batch | against the smallest | worker USS |",
+              "|---|---|---|---|---|"]
+    for count, row in results.items():
+        opened, first = row["open_rank"], row["rank_first_batch"]
+        lines.append(
+            f"| {int(count):,d} | {opened['seconds']:.3f} s, +{opened['rss_mb']:.0f} MB, {opened['read_mb']:.1f} MB "
+            f"| {first['seconds']:.2f} s | {first['seconds'] / smallest['rank_first_batch']['seconds']:.2f}x "
+            f"| {statistics.mean(w['uss'] for w in first['workers']):.0f} MB |"
         )
     largest = results[max(results, key=int)]
     if "breakdown" in largest:
