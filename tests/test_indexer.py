@@ -19,6 +19,7 @@ from remote_loader import (
     DatasetNotFound,
     DatasetReader,
     RemoteDataset,
+    ResumeError,
     UploadError,
 )
 from remote_loader.mapstyle.dataset import RemoteMapDataset
@@ -110,6 +111,16 @@ def test_plain_webdataset_shards_stream_without_an_index(s3, tmp_path, world_siz
             got[sample["__key__"]] = as_bytes(sample)
     assert got == expected
     assert not client.exists(bucket, "plain/manifest.msgpack")
+
+
+def test_plain_tars_have_no_checkpoints_whichever_way_asked(s3, tmp_path):
+    client, bucket = s3
+    write_wds_shards(tmp_path, shards=2)
+    put_dir(client, bucket, "plain", tmp_path)
+    ds = RemoteDataset(client, bucket, "plain", unindexed=True)
+    for ask in (ds.state_dict, lambda: ds.state_dict(consumed=1, num_workers=1), lambda: ds.load_state_dict({})):
+        with pytest.raises(ResumeError, match="needs? an indexed dataset: run remote-loader index on it"):
+            ask()
 
 
 def test_a_prefix_without_a_manifest_is_no_dataset_and_says_why(s3, tmp_path):

@@ -290,16 +290,17 @@ class RemoteDataset(IterableDataset):
         of a DataLoader with ``num_workers`` workers, which hands out items round-robin.
         Such a state resumes on the same ranks and workers only.
         """
-        if consumed is not None:
-            return resume.count_state(self._layout(), self._epochs.current, consumed, num_workers)
         if not self._data.resumable:
             raise ResumeError("checkpoints need an indexed dataset: run remote-loader index on it")
+        if consumed is not None:
+            epoch = self._epochs.current
+            return resume.count_state(self._layout(), epoch, consumed, num_workers, self._epochs.counted_before(epoch))
         info = get_worker_info()
         state = self._epochs.state(info)
         if state is not None:
             return state
         worker, workers = (info.id, info.num_workers) if info else (0, 1)  # the next iteration's, before it starts
-        return self._stream(self._epochs.epoch, worker, workers).get_state()
+        return self._stream(self._epochs.next_in_this_process(), worker, workers).get_state()
 
     def load_state_dict(self, state: Any) -> None:
         """Resume an epoch from a checkpoint: the next iteration of that epoch delivers

@@ -6,11 +6,19 @@ ones included.
 Until ``set_epoch`` is called, every iteration takes the next epoch by itself (0, 1, 2...;
 after a loaded state, that state's epoch and then the ones after it). The workers of one
 DataLoader pass each begin an iteration and must agree on its epoch: a pass is known by its
-loader's base seed (``worker_info.seed - worker_info.id``), and each worker joins the pass
-recorded if it has not begun an iteration in it yet, else records a new one with the next
-epoch. Persistent workers (one base seed for all passes) and a DataLoader made anew with the
-same seeded generator (the same base seed again) each begin a pass's iteration once, so
-their next pass is a new one. After ``set_epoch(e)``, iterations follow ``e`` exactly.
+loader's base seed (``worker_info.seed - worker_info.id``) and number of workers, and each
+worker joins the pass recorded if it has not begun an iteration in it yet and the worker
+that recorded it is still running (the workers of a pass begin together), else records a
+new one with the next epoch. Persistent workers (one base seed for all passes) and a
+DataLoader made anew with the same seeded generator (the same base seed again) each begin a
+pass's iteration once, so their next pass is a new one. After ``set_epoch(e)``, iterations
+follow ``e`` exactly.
+
+A DataLoader worker that loaded its own state (torchdata's StatefulDataLoader restores each
+worker so, right before the pass that goes on from it) follows that state's epoch in its
+next iteration, whatever the epoch set: the workers of the restored pass finish the epoch of
+their checkpoint (those whose share was done yield nothing), and the pass after it takes the
+next epoch, or the one set.
 """
 
 from __future__ import annotations
@@ -37,14 +45,29 @@ class Slot(IntEnum):
     EPOCH = 0  # the epoch set_epoch chose, or a loaded state's
     AUTO = 1  # 1 while set_epoch was never called: each iteration takes the next epoch
     NEXT = 2  # that next epoch
-    PASS = 3  # the pass that took an epoch last: its loader's base seed (-2: one in the main process; -1: none)
-    PASS_EPOCH = 4  # and the epoch it took
-    GENERATION = 5  # how many states the main process loaded
-    IN_WORKERS = 6  # 1 once DataLoader workers iterated: the main process cannot be asked for their state
-    JOINED = 7  # per worker from here: 1 once it began an iteration of the pass recorded
+    PASS = 3  # the pass that took an epoch last: its loader's base seed (-2: one in the main process; -1: none),
+    PASS_WORKERS = 4  # its number of workers,
+    PASS_EPOCH = 5  # the epoch it took,
+    PASS_PID = 6  # and the process of the worker that recorded it
+    GENERATION = 7  # how many states the main process loaded
+    IN_WORKERS = 8  # 1 once DataLoader workers iterated: the main process cannot be asked for their state
+    JOINED = 9  # per worker from here: 1 once it began an iteration of the pass recorded
 
 
 _APPLIED = Slot.JOINED + MAX_WORKERS  # per worker from here: the generation of the last loaded state it applied
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` is running (a worker of a pass that ended has exited)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _remove(path: str, owner: int) -> None:
@@ -110,25 +133,30 @@ class Epochs:
             return int(self.shared[Slot.PASS_EPOCH])
         return self.epoch
 
+    def next_in_this_process(self) -> int:
+        """The epoch the next iteration in this process follows (before it begins)."""
+        return self.loaded.epoch if self.local and self.loaded is not None else self.epoch
+
     def begin(self, worker_info: Any) -> int:
         """The epoch of an iteration beginning now in this process."""
         if worker_info is not None:
             self.shared[Slot.IN_WORKERS] = 1
+        own = self.loaded.epoch if self.local and self.loaded is not None else None
         if not self.auto:
-            return int(self.shared[Slot.EPOCH])
+            return own if own is not None else int(self.shared[Slot.EPOCH])
         shared = self.shared
         with self.lock.held():
             if worker_info is not None:
                 base, joined = (int(worker_info.seed) - int(worker_info.id)) % 2**62, Slot.JOINED + worker_info.id
-                if int(shared[Slot.PASS]) == base and not int(shared[joined]):
+                recorded = int(shared[Slot.PASS]) == base and int(shared[Slot.PASS_WORKERS]) == worker_info.num_workers
+                if recorded and not int(shared[joined]) and _running(int(shared[Slot.PASS_PID])):
                     shared[joined] = 1
                     return int(shared[Slot.PASS_EPOCH])
-            epoch, loaded = int(shared[Slot.NEXT]), self.loaded
-            if loaded is not None and self.local:  # this worker's own state: its epoch, or the next once finished
-                epoch = loaded.epoch + int(loaded.finished)
+            epoch = own if own is not None else int(shared[Slot.NEXT])
             shared[Slot.JOINED:_APPLIED] = 0
             if worker_info is not None:
-                shared[Slot.PASS], shared[joined] = base, 1
+                shared[Slot.PASS], shared[Slot.PASS_WORKERS], shared[joined] = base, worker_info.num_workers, 1
+                shared[Slot.PASS_PID] = os.getpid()
             else:
                 shared[Slot.PASS] = -2
             shared[Slot.PASS_EPOCH], shared[Slot.NEXT] = epoch, epoch + 1
@@ -195,6 +223,15 @@ class Epochs:
             self.loaded = None
         else:
             self.shared[_APPLIED + worker] = self.generation
+
+    def counted_before(self, epoch: int) -> list[int] | None:
+        """The samples each worker had delivered where ``epoch`` resumed from a count state
+        loaded here, if it did."""
+        loaded = self.loaded
+        if self.local or loaded is None or loaded.epoch != epoch or not loaded.own \
+                or any(s.remaining is not None for s in loaded.own.values()):
+            return None
+        return [loaded.own[w].delivered for w in sorted(loaded.own)]
 
     # ------------------------------------------------------------------ the live stream's state
 

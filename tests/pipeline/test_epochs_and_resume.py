@@ -269,3 +269,51 @@ def test_a_count_state_on_other_workers_is_refused_naming_the_workers_it_counted
     with pytest.raises(ResumeError, match=r"rank 0/1 worker 0/2's own, not this worker's \(0/1, 0/1\): a count state"
                                           " resumes the ranks and workers it counted only"):
         list(resumed)
+
+
+def test_an_end_of_epoch_count_state_without_short_batches_lets_the_next_epoch_start_whole(dataset):
+    # Batches of 8 without the short one leave some samples of each worker's share undelivered
+    # for good: such a state was taken for mid-epoch, and set_epoch(1) refused.
+    def pipeline():
+        return _fresh(dataset).batched(8, partial=False)
+
+    ds = pipeline()
+    batches = list(DataLoader(ds, batch_size=None, num_workers=2))
+    resumed = pipeline()
+    resumed.load_state_dict(ds.state_dict(consumed=len(batches), num_workers=2))
+    assert resumed.epoch == 1
+    resumed.set_epoch(1)
+    expected = pipeline()
+    expected.set_epoch(1)
+    assert list(DataLoader(resumed, batch_size=None, num_workers=2)) == list(
+        DataLoader(expected, batch_size=None, num_workers=2))
+
+
+def test_a_count_state_taken_after_a_resume_counts_the_whole_epoch(dataset):
+    # The resumed DataLoader starts its round-robin anew: the items before the resume are the
+    # loaded state's, those after it are dealt from there (a second count state repeated one).
+    ds = _fresh(dataset)
+    ds.set_epoch(0)
+    stream = iter(DataLoader(ds, batch_size=None, num_workers=2))
+    first = [next(stream) for _ in range(5)]
+    del stream
+    resumed = _fresh(dataset)
+    resumed.load_state_dict(ds.state_dict(consumed=5, num_workers=2))
+    resumed.set_epoch(0)
+    stream = iter(DataLoader(resumed, batch_size=None, num_workers=2))
+    more = [next(stream)]
+    del stream
+    with pytest.raises(ResumeError, match="had delivered 5 items: count every item of the epoch"):
+        resumed.state_dict(consumed=1, num_workers=2)
+    last = _fresh(dataset)
+    last.load_state_dict(resumed.state_dict(consumed=6, num_workers=2))
+    last.set_epoch(0)
+    rest = list(DataLoader(last, batch_size=None, num_workers=2))
+    assert Counter(first + more + rest) == ALL and len(first + more + rest) == N
+
+
+def test_a_count_state_that_cuts_an_item_is_refused(dataset):
+    state = _fresh(dataset).batched(4).state_dict(consumed=2, num_workers=2)
+    state["skip"] = [5, 4]
+    with pytest.raises(ResumeError, match="skips 5 samples of worker 0: not a whole number of items of 4"):
+        _fresh(dataset).batched(4).load_state_dict(state)

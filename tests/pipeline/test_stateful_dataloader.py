@@ -158,4 +158,20 @@ def test_without_set_epoch_a_state_saved_at_an_epochs_end_starts_the_next(locati
     resumed = StatefulDataLoader(dataset, batch_size=None, num_workers=2)
     resumed.load_state_dict(state)
     nxt = list(resumed)
-    assert Counter(nxt) == ALL and nxt != first
+    # torchdata restores the workers for a pass that finds the epoch done, then starts another:
+    # that one is epoch 1 (the restored pass took an epoch of its own, and this was epoch 2)
+    assert nxt != first and nxt == list(StatefulDataLoader(make(location, epoch=1), batch_size=None, num_workers=2))
+    assert list(resumed) == list(StatefulDataLoader(make(location, epoch=2), batch_size=None, num_workers=2))
+
+
+def test_a_state_of_a_finished_epoch_from_sparse_snapshots_resumes_the_next_epoch_set(location):
+    # The workers' last snapshots are mid-epoch while the loader had finished: the restored pass
+    # replays the epoch's end and is dropped, then the next epoch set comes. It was refused: the
+    # workers held a mid-epoch state of epoch 1 in an iteration of epoch 2.
+    loader = StatefulDataLoader(make(location, epoch=1), batch_size=8, num_workers=2, snapshot_every_n_steps=3)
+    assert Counter(keys(loader)) == ALL
+    dataset = make(location, epoch=1)
+    resumed = StatefulDataLoader(dataset, batch_size=8, num_workers=2, snapshot_every_n_steps=3)
+    resumed.load_state_dict(saved(loader.state_dict()))
+    dataset.set_epoch(2)
+    assert keys(resumed) == keys(StatefulDataLoader(make(location, epoch=2), batch_size=8, num_workers=2))

@@ -95,17 +95,20 @@ class ResumeState:
         return cls(epoch, seed, num_workers, counts, dataset, split)
 
 
-def count_state(layout: Layout, epoch: int, consumed: int, num_workers: int) -> dict[str, Any]:
+def count_state(layout: Layout, epoch: int, consumed: int, num_workers: int,
+                before: Sequence[int] | None = None) -> dict[str, Any]:
     """The state after ``consumed`` items of ``epoch`` came out of a DataLoader with
-    ``num_workers`` workers (``RemoteDataset.state_dict(consumed=...)``)."""
+    ``num_workers`` workers (``RemoteDataset.state_dict(consumed=...)``). ``before``: the
+    samples each worker had delivered where this iteration resumed from a count state: a
+    DataLoader starts its round-robin anew there, and ``consumed`` counts those items too."""
     per_item = layout.per_item()
-    last = layout.stages[-1].cardinality if layout.stages else None
-    keeps_short_batch = per_item == 1 or (last is not None and last.batches and last.keep_short)
     workers = max(1, num_workers)
-    items = []
-    for worker in range(workers):
-        samples = layout.worker_samples(worker, workers)
-        items.append(-(-samples // per_item) if keeps_short_batch else samples // per_item)
-    taken = consumed_per_worker(items, consumed)
+    items = [layout.worker_items(worker, workers) for worker in range(workers)]
+    done = [-(-s // per_item) for s in before] if before is not None and len(before) == workers else [0] * workers
+    if consumed < sum(done):
+        raise ResumeError(f"consumed={consumed}, but the state this epoch resumed from had delivered {sum(done)} items:"
+                          " count every item of the epoch, those before the resume included")
+    rest = consumed_per_worker([n - d for n, d in zip(items, done, strict=True)], consumed - sum(done))
+    taken = [d + t for d, t in zip(done, rest, strict=True)]
     return ResumeState(epoch, layout.seed, workers, [t * per_item for t in taken], layout.reader.identity,
                        (per_item, layout.world_size)).as_dict()

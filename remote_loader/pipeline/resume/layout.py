@@ -45,6 +45,13 @@ class Layout:
                                   num_workers=num_workers, equalize=self.equalize, align=self.align())
         return high - low
 
+    def worker_items(self, worker: int, num_workers: int) -> int:
+        """Items worker ``worker`` of this rank gives per epoch, for a state counted in items."""
+        per_item, samples = self.per_item(), self.worker_samples(worker, num_workers)
+        last = self.stages[-1].cardinality if self.stages else None
+        keeps_short = per_item == 1 or (last is not None and last.batches and last.keep_short)
+        return -(-samples // per_item) if keeps_short else samples // per_item
+
     def header(self, epoch: int, worker: int, num_workers: int) -> dict[str, Any]:
         """What every state of this worker in ``epoch`` starts with."""
         return {"epoch": epoch, "seed": self.seed, "shuffle": self.shuffle, "samples": len(self.reader),

@@ -112,9 +112,13 @@ def _counted(layout: Layout, counts: ResumeState) -> Loaded:
         if skip > -(-samples // per_item) * per_item:
             raise ResumeError(f"state skips {skip} samples of worker {w}, which has {samples} in epoch"
                               f" {counts.epoch}: it was saved for another dataset or split")
+        if skip % per_item and skip < samples:
+            raise ResumeError(f"state skips {skip} samples of worker {w}: not a whole number of items of {per_item}")
     own = {w: WorkerState(layout.header(counts.epoch, w, counts.num_workers), layout.mixing, skip, None, [])
            for w, skip in enumerate(counts.skip)}
-    finished = all(s >= n for s, n in zip(counts.skip, shares, strict=True))
+    # Done where every worker delivered all its items (without a short last batch, the samples after them are none)
+    ends = [min(layout.worker_items(w, counts.num_workers) * per_item, n) for w, n in enumerate(shares)]
+    finished = all(skip >= end for skip, end in zip(counts.skip, ends, strict=True))
     return Loaded(counts.epoch, own=own, finished=finished, pending=not finished and any(counts.skip))
 
 
