@@ -133,15 +133,20 @@ class Epochs:
             return int(self.shared[Slot.PASS_EPOCH])
         return self.epoch
 
+    def _own_epoch(self) -> int | None:
+        """The epoch of the state a DataLoader worker loaded for itself, while unused."""
+        return self.loaded.epoch if self.local and self.loaded is not None else None
+
     def next_in_this_process(self) -> int:
         """The epoch the next iteration in this process follows (before it begins)."""
-        return self.loaded.epoch if self.local and self.loaded is not None else self.epoch
+        own = self._own_epoch()
+        return own if own is not None else self.epoch
 
     def begin(self, worker_info: Any) -> int:
         """The epoch of an iteration beginning now in this process."""
         if worker_info is not None:
             self.shared[Slot.IN_WORKERS] = 1
-        own = self.loaded.epoch if self.local and self.loaded is not None else None
+        own = self._own_epoch()
         if not self.auto:
             return own if own is not None else int(self.shared[Slot.EPOCH])
         shared = self.shared
