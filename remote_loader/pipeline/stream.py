@@ -35,7 +35,7 @@ from typing import Any, Protocol
 
 from remote_loader.errors import ResumeError
 from remote_loader.format import Sample
-from remote_loader.pipeline.resume import Layout, Start, encode
+from remote_loader.pipeline.resume import Layout, Start, encode, share
 from remote_loader.pipeline.stages import Context
 from remote_loader.pipeline.threads import ITEM, note
 from remote_loader.read.metrics import Metrics
@@ -154,10 +154,10 @@ class WorkerStream:
         if not self.data.resumable or self.source is None:
             raise ResumeError("checkpoints need an indexed dataset: run remote-loader index on it")
         delivered = self.delivered()
-        plan = self.start.plan if self.start is not None else None
-        header = {**self.layout.header(self.epoch, self.worker, self.num_workers), "run": plan.run if plan else 0}
-        return encode(header, self.layout.mixing, delivered, self.source.undelivered(delivered),
-                      plan.extras if plan else (), plan.rows if plan else None)
+        plan = self.start.plan if self.start is not None else share(self.layout, None, self.worker, self.num_workers)
+        header = {**self.layout.header(self.epoch, self.worker, self.num_workers), "run": plan.run}
+        return encode(header, self.layout.mixing, delivered, self.source.undelivered(delivered), plan.extras,
+                      plan.rows)
 
     # ------------------------------------------------------------------ iterating
 

@@ -184,6 +184,11 @@ def _states(location):
     return run(location, 2, 1, stops=STOPS["mid-epoch"])[1]
 
 
+def _unplanned(state):
+    """A state as versions before ``planned`` saved it."""
+    return {k: v for k, v in state.items() if k != "planned"}
+
+
 @pytest.mark.parametrize("change, message", [
     (lambda s: s[:1], "states lack rank 1 worker 0"),
     (lambda s: s + s[:1], "state of rank 0 worker 0 is given twice"),
@@ -194,7 +199,10 @@ def _states(location):
     (lambda s: [s[0], {**s[1], "remaining": [0, 10**9]}], "not a position in 0..241"),
     (lambda s: [s[0], {**s[1], "remaining": [1, 2, 3]}], "flat list of pairs"),
     (lambda s: [s[0], {**s[1], "remaining": [True, 2]}], "holds True"),
-    (lambda s: [s[0], {**s[1], "remaining": s[0]["remaining"]}], "states overlap"),
+    (lambda s: [s[0], {**_unplanned(s[1]), "remaining": s[0]["remaining"]}], "states overlap"),
+    (lambda s: [s[0], {**s[1], "remaining": s[1]["remaining"][2:]}], "rank 1 worker 0 does not add up"),
+    (lambda s: [s[0], {**s[1], "planned": s[1]["planned"] + 1}], "rank 1 worker 0 does not add up"),
+    (lambda s: [s[0], {**s[1], "planned": -1}], "'planned' must be an integer"),
     (lambda s: [s[0], {**s[1], "run": 5}], "lacks its 'plan'"),
     (lambda s: [s[0], {**s[1], "run": 5, "plan": [9, 3]}], "'plan' must hold non-empty intervals"),
     (lambda s: [s[0], {**s[1], "delivered": 10**6}], "'delivered' must be an integer in 0..241"),

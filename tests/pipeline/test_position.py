@@ -181,7 +181,7 @@ def test_gather_refuses_missing_repeated_and_overlapping_states():
         gather(states[:1])
     with pytest.raises(ConfigError, match="given twice"):
         gather([states[0], states[0], states[1]])
-    overlapping = parse({**encode(states[1].header, Mixing(2, 7, 7), 0, states[0].remaining, ())})
+    overlapping = parse({**encode(states[1].header, Mixing(2, 7, 7), 0, states[0].remaining, (), states[0].remaining)})
     with pytest.raises(ConfigError, match="overlap"):
         gather([states[0], overlapping])
 

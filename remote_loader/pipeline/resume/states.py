@@ -33,17 +33,18 @@ _MAX_BUFFER = 1 << 24  # the largest shuffle buffer a state may name (a bound on
 
 
 def encode(header: dict[str, Any], mixing: Mixing, delivered: int, undelivered: list[tuple[int, int]],
-           extras: Iterable[int], rows: Sequence[tuple[int, int]] | None = None) -> dict[str, Any]:
-    """A worker's state (see the module's docstring); ``rows``, the plan, for a run that is
-    not an epoch's own split."""
+           extras: Iterable[int], rows: Sequence[tuple[int, int]]) -> dict[str, Any]:
+    """A worker's state (see the module's docstring); ``rows``, its plan, is listed for a run
+    that is not an epoch's own split, and counted for every state (``planned``)."""
     extras = sorted(extras)
     flags = [0 if contains(undelivered, e) else 1 for e in extras]
     kept = without(undelivered, extras)
     state = {MARK: STATE_VERSION, **header, "mixing": mixing.as_list(), "delivered": delivered,
              "remaining": [x for interval in kept for x in interval],
-             "extras": [x for pair in zip(extras, flags, strict=True) for x in pair]}
+             "extras": [x for pair in zip(extras, flags, strict=True) for x in pair],
+             "planned": sum(b - a for a, b in rows)}
     if header["run"]:
-        state["plan"] = [x for row in rows or () for x in row]
+        state["plan"] = [x for row in rows for x in row]
     return state
 
 
@@ -141,9 +142,24 @@ def parse(state: Any) -> WorkerState:
         rows = tuple(_intervals(state, "plan", samples, ordered=True))
         if sum(b - a for a, b in merge(rows)) != sum(b - a for a, b in rows):
             raise ResumeError("RemoteDataset state field 'plan' names a position twice")
-    planned = sum(b - a for a, b in rows) if rows is not None else samples
-    delivered = _int(state, "delivered", 0, planned)
-    return WorkerState(header, _mixing(state, samples), delivered, remaining, extras, rows)
+    bound = sum(b - a for a, b in rows) if rows is not None else samples
+    delivered = _int(state, "delivered", 0, bound)
+    parsed = WorkerState(header, _mixing(state, samples), delivered, remaining, extras, rows)
+    if "planned" in state:  # states saved before it was added lack it
+        _adds_up(parsed, _int(state, "planned", 0, bound))
+    return parsed
+
+
+def _adds_up(state: WorkerState, planned: int) -> None:
+    """Every position of the worker's plan is either delivered or listed as not: a state whose
+    lists were cut by hand would lose their samples in an elastic resume."""
+    listed = sum(b - a for a, b in state.undelivered())
+    if state.rows is not None and sum(b - a for a, b in state.rows) != planned:
+        raise ResumeError(f"the state of {state.where} says its plan holds {planned} positions; its 'plan' lists"
+                          f" {sum(b - a for a, b in state.rows)}: it was altered")
+    if state.delivered + listed != planned:
+        raise ResumeError(f"the state of {state.where} does not add up: {state.delivered} positions delivered and"
+                          f" {listed} listed as not, of the {planned} it reads: it was altered")
 
 
 def find_states(obj: Any, depth: int = 0) -> list[Any]:
