@@ -14,7 +14,8 @@ takes and resumes them is told in ``pipeline/stream.py``.
 **Refused, with ``ResumeError`` (a ``ConfigError``):** a state of another dataset, seed,
 shuffle or upload (a replaced dataset would name other samples), a worker's own state on
 another worker or in a pipeline that mixes otherwise (open shards, shuffle buffer), one
-whose listed positions are not those of its order, states from different runs, overlapping
+whose listed positions are not those of its order or do not add up to its plan with what it
+delivered, a count state that cuts an item, states from different runs, overlapping
 or missing ones, a count state in a pipeline whose items hold another number of samples or
 on another number of ranks, a state StatefulDataLoader took some batches after its workers'
 last snapshot (it cannot say what those held, so an elastic resume would lose or repeat
