@@ -34,7 +34,7 @@ from remote_loader.pipeline.order import (
     undelivered_at,
     worker_seeds,
 )
-from remote_loader.pipeline.resume import Layout, Start, share
+from remote_loader.pipeline.resume import Layout, Start
 from remote_loader.pipeline.split import EpochOrders, PlanSpans, Span, locate
 from remote_loader.read.fetch import Fetched, Job, Prefetcher, fetch_head
 from remote_loader.read.heap import release_free_memory
@@ -42,7 +42,6 @@ from remote_loader.read.reader import DatasetReader
 from remote_loader.read.retry import RetryPolicy
 from remote_loader.read.shards import DAMAGE, IndexCache, OpenRange, RangePlan, locate_span
 
-_TRIM_EVERY = 4096  # outputs between trims of the kept positions of past outputs
 _EARLY_HEADS = 4  # shards whose first bytes are fetched before their indexes have come, per iteration
 _GAP = 2  # samples of a shard between two a resumed buffer needs that are fetched with them (one GET, not two)
 
@@ -366,7 +365,9 @@ class Indexed:
 
     def source(self, layout: Layout, epoch: int, worker: int, num_workers: int, start: Start | None,
                policy: RetryPolicy) -> ShardSource:
-        plan = start.plan if start is not None else share(layout, None, worker, num_workers)
+        if start is None:
+            raise ValueError("an indexed dataset's source starts from a Start (WorkerStream.reset makes one)")
+        plan = start.plan
         counts, seed, shuffle = self.reader.counts, layout.seed, layout.shuffle
         order, ends = self.orders.get(counts, seed, epoch, shuffle, keep=False)
         spans = PlanSpans(counts, order, plan.rows, ends)
@@ -378,4 +379,4 @@ class Indexed:
 
         return ShardSource(self.reader, policy, spans=lambda: spans, rows=plan.rows, mixing=layout.mixing,
                            seeds=worker_seeds(seed, epoch, layout.rank, worker), locate=where,
-                           on_error=self.on_error, start=start.delivered if start is not None else 0)
+                           on_error=self.on_error, start=start.delivered)

@@ -88,7 +88,7 @@ class Data(Protocol):
 
     def source(self, layout: Layout, epoch: int, worker: int, num_workers: int, start: Start | None,
                policy: RetryPolicy) -> Source:
-        """Worker ``worker``'s source in ``epoch``, from ``start`` (None: its whole share)."""
+        """Worker ``worker``'s source in ``epoch``, from ``start`` (given where ``resumable``)."""
 
 
 class _Kept:
@@ -139,6 +139,8 @@ class WorkerStream:
 
     def reset(self, start: Start | None = None) -> WorkerStream:
         """Start over from ``start`` (None: the start of the worker's share of the epoch)."""
+        if start is None and self.data.resumable:
+            start = Start(share(self.layout, None, self.worker, self.num_workers))
         source = self.data.source(self.layout, self.epoch, self.worker, self.num_workers, start, self.policy)
         if start is not None and start.listed is not None and source.undelivered(start.delivered) != start.listed:
             raise ResumeError(f"the state of rank {self.layout.rank} worker {self.worker} lists positions its order"
@@ -151,10 +153,10 @@ class WorkerStream:
 
     def get_state(self) -> dict[str, Any]:
         """Where the stream stands: see the module's docstring and docs/FORMAT.md."""
-        if not self.data.resumable or self.source is None:
+        if not self.data.resumable or self.source is None or self.start is None:
             raise ResumeError("checkpoints need an indexed dataset: run remote-loader index on it")
         delivered = self.delivered()
-        plan = self.start.plan if self.start is not None else share(self.layout, None, self.worker, self.num_workers)
+        plan = self.start.plan
         header = {**self.layout.header(self.epoch, self.worker, self.num_workers), "run": plan.run}
         return encode(header, self.layout.mixing, delivered, self.source.undelivered(delivered), plan.extras,
                       plan.rows)
