@@ -7,7 +7,7 @@ import json
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from tqdm import tqdm
@@ -15,7 +15,7 @@ from tqdm import tqdm
 from remote_loader import __version__
 from remote_loader.config import FetchConfig, RetryConfig
 from remote_loader.errors import ConfigError, RemoteLoaderError
-from remote_loader.format import fields
+from remote_loader.format import ShardTable, fields
 from remote_loader.read.reader import DatasetReader
 from remote_loader.storage import Location, Store, open_location
 from remote_loader.storage.factory import Backend
@@ -184,9 +184,12 @@ def cmd_index(args: argparse.Namespace) -> int:
 def cmd_ls(args: argparse.Namespace) -> int:
     reader, _ = _reader(args)
     table = reader.manifest.shards
-    names = (table.names[i] for i in range(len(table)))
-    # Columns, not an entry object per shard:
-    rows = zip(table.size.tolist(), table.samples.tolist(), names, strict=True)
+    rows: Iterable[tuple[int, int, str]]
+    if isinstance(table, ShardTable):  # columns, not an entry object per shard
+        rows = zip(table.size.tolist(), table.samples.tolist(), (table.names[i] for i in range(len(table))),
+                   strict=True)
+    else:  # a manifest read by pages: page after page
+        rows = ((e.size, e.samples, e.name) for e in table)
     if args.json:
         _emit(args, [{"name": n, "samples": c, "bytes": b} for b, c, n in rows], "")
     else:

@@ -1,10 +1,11 @@
 """The manifest: one msgpack object, written last, that lists every shard of a dataset.
 
 Its size grows with the number of shards, not of samples: one GET of it plus one ranged
-GET of a shard's index locate any sample. Version 2 stores the per-shard numbers as
-little-endian column arrays that load with ``numpy.frombuffer``, so a manifest of a million
-shards opens without building a Python object per shard; version 1 (one msgpack row per
-shard) is still read.
+GET of a shard's index locate any sample. Version 3 is read by parts: a head of kilobytes
+(sample counts as runs, the name template, a directory of pages) and pages of per-shard
+numbers read when a shard of them is asked for (``pages.py``), so a manifest of ten million
+shards opens in one small GET. Version 2 stores the per-shard numbers as little-endian column
+arrays that load with ``numpy.frombuffer``; version 1 (one msgpack row per shard) is still read.
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ from remote_loader.checksum import crc32
 from remote_loader.errors import CorruptShard
 from remote_loader.format.columns import column
 from remote_loader.format.index import check_version, require, unpack
+from remote_loader.format import pages as paging
+from remote_loader.format.pages import Load, PagedTable, decode_paged, encode_pages
 from remote_loader.format.table import COLUMNS, ENTRY_FIELDS, ShardEntry, ShardTable, decode_columns, decode_rows
 
 __all__ = ["FORMAT_NAME", "MANIFEST_NAME", "MANIFEST_VERSION", "UPLOAD_STATE", "Manifest", "ShardEntry", "ShardTable"]
 
-MANIFEST_VERSION = 2
+MANIFEST_VERSION = 3
 MANIFEST_NAME = "manifest.msgpack"
 UPLOAD_STATE = "_upload/state.msgpack"
 """An unfinished upload's state, beside its shards until the manifest is written."""
@@ -51,15 +54,16 @@ class Manifest:
 
     Attributes:
         shards: Every shard, in upload order: a ShardTable (a sequence of ShardEntry backed
-            by arrays); a writer may pass any sequence of ShardEntry.
+            by arrays), or a PagedTable (version 3, read by pages); a writer may pass any
+            sequence of ShardEntry.
         fields: Field names present in the dataset (``cls``, ``jpg``...).
         params: The upload parameters (seed, limits, image format...).
         skipped: How many source samples were skipped by ``on_error="skip"``.
         skipped_indices: Their indices in the source dataset (the first 10,000).
-        version: Format version to encode (1 or 2), or the version decoded.
+        version: Format version to encode (1, 2 or 3), or the version decoded.
     """
 
-    shards: ShardTable
+    shards: ShardTable | PagedTable
     fields: tuple[str, ...]
     params: Mapping[str, Any] = field(default_factory=dict)
     skipped: int = 0
@@ -67,23 +71,43 @@ class Manifest:
     version: int = MANIFEST_VERSION
 
     def __post_init__(self) -> None:
-        if not isinstance(self.shards, ShardTable):
+        if not isinstance(self.shards, (ShardTable, PagedTable)):
             object.__setattr__(self, "shards", ShardTable.from_entries(tuple(self.shards)))
 
     @property
     def num_samples(self) -> int:
         """Total number of samples."""
-        return int(self.shards.samples.sum(dtype=np.int64))
+        return self.shards.counts.total
 
     @property
     def num_bytes(self) -> int:
         """Total bytes of all shards."""
-        return int(self.shards.size.sum(dtype=np.uint64))
+        return self.shards.total_bytes
 
     def encode(self) -> bytes:
-        """Serialise: a msgpack map followed by the crc32 of those bytes (4 bytes, little-endian)."""
+        """Serialise: a msgpack map followed by the crc32 of those bytes (4 bytes, little-endian).
+        Version 3 keeps its pages inline here; ``encode_parts`` puts them apart when they are large."""
+        head, pages = self.encode_parts(None)
+        assert pages is None
+        return head
+
+    def encode_parts(self, pages_object: str | None) -> tuple[bytes, bytes | None]:
+        """The head and, for version 3 with pages over ``INLINE_BYTES`` (and ``pages_object``
+        given), the pages' bytes to put at ``pages_object`` before the head."""
         body: dict[str, Any] = {"format": FORMAT_NAME, "version": self.version, "fields": list(self.fields)}
-        if self.version == 1:
+        pages = None
+        if self.version == 3:
+            table = self.shards if isinstance(self.shards, ShardTable) else self.shards.table()
+            parts, pages = encode_pages(table)
+            body["shards"] = len(self.shards)
+            body.update(parts)
+            if pages_object is None or len(pages) <= paging.INLINE_BYTES:
+                body["pages"]["data"], pages = pages, None
+            else:
+                body["pages"]["object"] = pages_object
+        elif not isinstance(self.shards, ShardTable):
+            raise ValueError("a manifest read by pages is encoded as version 3")
+        elif self.version == 1:
             body["columns"] = list(ENTRY_FIELDS)
             body["shards"] = [s.as_row() for s in self.shards]
         else:
@@ -95,14 +119,16 @@ class Manifest:
         body.update(params=dict(self.params), skipped=self.skipped,
                     skipped_indices=list(self.skipped_indices[:_MAX_SKIPPED_LISTED]))
         data = msgpack.packb(body, use_bin_type=True)
-        return data + struct.pack("<I", crc32(data))
+        return data + struct.pack("<I", crc32(data)), pages
 
     @classmethod
     def decode(
-        cls, data: bytes | bytearray | memoryview, *, name: str | None = None, trailer_checked: bool = False
+        cls, data: bytes | bytearray | memoryview, *, name: str | None = None, trailer_checked: bool = False,
+        load: Load | None = None,
     ) -> Manifest:
-        """Parse and validate manifest bytes (version 1 or 2); ``trailer_checked`` skips the
-        crc32 check that the caller has just made.
+        """Parse and validate manifest bytes (version 1, 2 or 3); ``trailer_checked`` skips the
+        crc32 check that the caller has just made. ``load`` reads a version 3 manifest's pages
+        kept apart (without it, only the head is at hand).
 
         Raises:
             UnsupportedVersion: Written by a newer format version.
@@ -124,7 +150,11 @@ class Manifest:
         skipped_indices = require(raw, "skipped_indices", list, what=what, name=name)
         if not all(isinstance(f, str) for f in fields) or not all(isinstance(i, int) for i in skipped_indices):
             raise CorruptShard(f"manifest {name}: fields or skipped indices malformed", name=name)
-        shards = decode_rows(raw, name) if version == 1 else decode_columns(raw, name)
+        shards: ShardTable | PagedTable
+        if version == 3:
+            shards = decode_paged(raw, name, load)
+        else:
+            shards = decode_rows(raw, name) if version == 1 else decode_columns(raw, name)
         return cls(
             shards=shards,
             fields=tuple(fields),

@@ -3,6 +3,7 @@ names with offsets; rendered one at a time, checked as a reader must."""
 
 from __future__ import annotations
 
+import bisect
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -51,6 +52,21 @@ class TemplateNames(Names):
     def encode(self) -> dict[str, Any]:
         return {"parts": list(self.parts), "widths": list(self.widths), "numbers": [column(a) for a in self.numbers]}
 
+    def __contains__(self, name: object) -> bool:
+        """Whether some row renders as ``name``: its numbers parsed, then a binary search of
+        the rows (which increase), so no set of every name is built."""
+        if not isinstance(name, str):
+            return False
+        pattern = r"(\d+)".join(re.escape(p) for p in self.parts)
+        found = re.fullmatch(pattern, name)
+        if found is None:
+            return False
+        target = tuple(int(g) for g in found.groups())
+        if any(str(v).zfill(w) != g for v, w, g in zip(target, self.widths, found.groups(), strict=True)):
+            return False
+        row = bisect.bisect_left(range(self.count), target, key=lambda i: tuple(int(a[i]) for a in self.numbers))
+        return row < self.count and tuple(int(a[row]) for a in self.numbers) == target
+
     @classmethod
     def infer(cls, names: Sequence[str]) -> TemplateNames | None:
         """The template all ``names`` follow with their numbers in strictly increasing order, if any."""
@@ -95,6 +111,9 @@ class BlobNames(Names):
     def encode(self) -> dict[str, Any]:
         return {"blob": self.blob, "offsets": column(self.offsets)}
 
+    def __contains__(self, name: object) -> bool:
+        return any(self[i] == name for i in range(len(self)))
+
     @classmethod
     def of(cls, names: Sequence[str]) -> BlobNames:
         encoded = [n.encode() for n in names]
@@ -124,19 +143,10 @@ def decode_names(raw: dict[str, Any], count: int, name: str | None, *, allow_emp
         if not allow_empty and len(seen) != count:
             raise manifest_error(name, "a shard is listed twice")
         return names
-    parts, widths, numbers = raw.get("parts"), raw.get("widths"), raw.get("numbers")
-    if (
-        allow_empty
-        or not isinstance(parts, list) or not all(isinstance(p, str) and NAME_CHARS.match(p) for p in parts)
-        or not isinstance(widths, list) or not all(isinstance(w, int) and 1 <= w <= 20 for w in widths)
-        or not isinstance(numbers, list) or not len(parts) == len(widths) + 1 == len(numbers) + 1
-    ):
-        raise manifest_error(name, "names are neither a blob with offsets nor a template of parts, widths and numbers")
-    if not all(p and not p[0].isdigit() for p in parts[1:-1]):
-        raise manifest_error(name, f"template parts {parts!r}: every part between two numbers must be non-empty and"
-                                   " start with a character that is not a digit, or two rows could render one name")
-    if not widths and count > 1:
-        raise manifest_error(name, f"a template without numbers names one shard, not {count}")
+    numbers = raw.get("numbers")
+    widths = raw.get("widths")
+    parts, widths = template_parts(raw, count, name, numbers=not allow_empty and isinstance(numbers, list)
+                                   and isinstance(widths, list) and len(numbers) == len(widths))
     arrays = tuple(array(column, count, f"names number column {j}", name) for j, column in enumerate(numbers))
     template = TemplateNames(tuple(parts), tuple(widths), arrays, count)
     if not increasing(arrays):
@@ -144,6 +154,26 @@ def decode_names(raw: dict[str, Any], count: int, name: str | None, *, allow_emp
     if count:
         check_name(template[0], name)  # digits never make a '.' or '/', so one name shows all names' shape
     return template
+
+
+def template_parts(raw: dict[str, Any], count: int, name: str | None,
+                   numbers: bool = True) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """A template's checked ``parts`` and ``widths`` for ``count`` shards (``numbers``: its
+    number columns came as the widths ask, where they come with it)."""
+    parts, widths = raw.get("parts"), raw.get("widths")
+    if (
+        not numbers
+        or not isinstance(parts, list) or not all(isinstance(p, str) and NAME_CHARS.match(p) for p in parts)
+        or not isinstance(widths, list) or not all(isinstance(w, int) and 1 <= w <= 20 for w in widths)
+        or not len(parts) == len(widths) + 1
+    ):
+        raise manifest_error(name, "names are neither a blob with offsets nor a template of parts, widths and numbers")
+    if not all(p and not p[0].isdigit() for p in parts[1:-1]):
+        raise manifest_error(name, f"template parts {parts!r}: every part between two numbers must be non-empty and"
+                                   " start with a character that is not a digit, or two rows could render one name")
+    if not widths and count > 1:
+        raise manifest_error(name, f"a template without numbers names one shard, not {count}")
+    return tuple(parts), tuple(widths)
 
 
 def valid_shard_name(object_name: str) -> bool:

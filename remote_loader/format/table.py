@@ -11,6 +11,7 @@ import numpy as np
 
 from remote_loader.errors import IndexOutOfBounds
 from remote_loader.format.columns import LIMIT, array, manifest_error, narrow
+from remote_loader.format.counts import ArrayCounts
 from remote_loader.format.index import require
 from remote_loader.format.names import BlobNames, Names, TemplateNames, check_name, decode_names
 from remote_loader.format.shard import ShardSummary
@@ -71,6 +72,7 @@ class ShardTable(Sequence[ShardEntry]):
         self.columns = dict(columns)
         self.names = names
         self.index_names = index_names
+        self._counts: ArrayCounts | None = None
 
     @classmethod
     def from_entries(cls, entries: Sequence[ShardEntry]) -> ShardTable:
@@ -94,6 +96,21 @@ class ShardTable(Sequence[ShardEntry]):
     def samples(self) -> np.ndarray:
         """Samples per shard."""
         return self.columns["samples"]
+
+    @property
+    def counts(self) -> ArrayCounts:
+        """Samples per shard, as the split and lookups ask for them (made once)."""
+        if self._counts is None:
+            self._counts = ArrayCounts(self.samples)
+        return self._counts
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of all shards."""
+        return int(self.size.sum(dtype=np.uint64))
+
+    rows = None
+    """Shards per block of the epoch's order: None, one block of every shard (versions 1 and 2)."""
 
     @property
     def size(self) -> np.ndarray:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -67,13 +66,8 @@ class RemoteMapDataset(Dataset):
         self.reader = DatasetReader(client, bucket, base_folder, verify=verify, fetch=self.fetch)
         self.transform, self.cache_shards, self.merge_gap = transform, cache_shards, merge_gap
         self.metrics = Metrics()
-        _ = self._ends  # the manifest, fetched now: a missing or damaged dataset fails here
+        self._total = len(self.reader)  # the manifest, fetched now: a missing or damaged dataset fails here
         self._reset()
-
-    @cached_property
-    def _ends(self) -> np.ndarray:
-        """Cumulative samples per shard: sample ``i`` lies in shard ``searchsorted(ends, i, "right")``."""
-        return np.cumsum(self.reader.counts)
 
     def _reset(self) -> None:
         """Per-process state: a forked child must not use a lock a parent thread may have
@@ -90,7 +84,6 @@ class RemoteMapDataset(Dataset):
         state = self.__dict__.copy()
         for name in ("_indexes", "_policy", "_pid"):
             state.pop(name)
-        state.pop("_ends", None)  # recomputed from the manifest, which the worker fetches once
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -106,16 +99,15 @@ class RemoteMapDataset(Dataset):
         return self.reader.classes
 
     def __len__(self) -> int:
-        return int(self._ends[-1]) if len(self._ends) else 0
+        return self._total
 
     def locate(self, i: int) -> tuple[int, int]:
         """Return ``(shard position, sample position in the shard)`` of sample ``i``."""
         n = len(self)
         if not -n <= i < n:
             raise IndexError(f"sample index {i} out of range for {n} samples")
-        i %= n
-        shard = int(np.searchsorted(self._ends, i, side="right"))
-        return shard, i - (int(self._ends[shard - 1]) if shard else 0)
+        shards, samples = self.reader.counts.locate(np.array([i % n], dtype=np.int64))
+        return int(shards[0]), int(samples[0])
 
     def _index(self, shard: int) -> ShardIndex:
         self._own()

@@ -152,7 +152,8 @@ class _EpochSampler(Sampler[int]):
 
 def _sizes(shard_sizes: Sequence[int] | RemoteMapDataset) -> np.ndarray:
     if isinstance(shard_sizes, RemoteMapDataset):
-        return shard_sizes.reader.counts
+        counts = shard_sizes.reader.counts
+        return counts.take(np.arange(len(counts), dtype=np.int64))
     sizes = np.asarray(shard_sizes, dtype=np.int64)
     if sizes.ndim != 1 or (sizes < 0).any():
         raise ConfigError("shard_sizes must be a list of sample counts >= 0, one per shard")

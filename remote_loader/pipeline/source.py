@@ -35,7 +35,7 @@ from remote_loader.pipeline.order import (
     worker_seeds,
 )
 from remote_loader.pipeline.resume import Layout, Start
-from remote_loader.pipeline.split import EpochOrders, PlanSpans, Span, locate
+from remote_loader.pipeline.split import EpochOrders, PlanSpans, Span
 from remote_loader.read.fetch import Fetched, Job, Prefetcher, fetch_head
 from remote_loader.read.heap import release_free_memory
 from remote_loader.read.reader import DatasetReader
@@ -130,7 +130,7 @@ class ShardSource:
             return None
         shards, samples = self.locate(np.array([position], dtype=np.int64))
         shard, sample = int(shards[0]), int(samples[0])
-        name = self.reader.manifest.shards.names[shard]
+        name = self.reader.manifest.shards[shard].name
         index = self.cache.cached(shard)
         return f"sample {index.keys[sample]!r} of {name}" if index is not None else f"sample {sample} of {name}"
 
@@ -193,9 +193,9 @@ class ShardSource:
         early: dict[int, Any] = {}
         for slot, (span, cursor) in enumerate(zip(group.spans, cursors, strict=True)):
             if len(early) < most and span.start + cursor == 0 and self.cache.cached(span.shard) is None:
+                entry = shards[span.shard]
                 early[slot] = fetch_head(self.policy, self.reader.location.bucket,
-                                         self.reader.location.key(shards.names[span.shard]), 0,
-                                         int(shards.size[span.shard]))
+                                         self.reader.location.key(entry.name), 0, entry.size)
         return early
 
     def _group_jobs(self, group: Group, offset: int, early: dict[int, Any]) -> list[Job[Piece]]:
@@ -207,9 +207,10 @@ class ShardSource:
         jobs = []
         for _, slot, first, stop in ranges_in_need(group, offset, bounds):
             shard = group.spans[slot].shard
+            entry = shards[shard]
             # A shard's first sample lies just past its start: fetch from there while the range is located.
-            head = (0, int(shards.size[shard])) if first == 0 else None
-            jobs.append(Job(self.reader.location.key(shards.names[shard]),
+            head = (0, entry.size) if first == 0 else None
+            jobs.append(Job(self.reader.location.key(entry.name),
                             partial(_locate, self.cache, shard, first, stop, self.on_error, slot, group), head,
                             early.pop(slot, None) if first == 0 else None))
         return jobs
@@ -239,7 +240,7 @@ class ShardSource:
                 runs[-1][1].append((sample, k))  # within the range that starts at the run's first sample
             else:
                 runs.append((shard, [(sample, k)]))
-        return [Job(self.reader.location.key(manifest.names[shard]),
+        return [Job(self.reader.location.key(manifest[shard].name),
                     partial(_locate, self.cache, shard, run[0][0], run[-1][0] + 1, self.on_error, -1, None, tuple(run)))
                 for shard, run in runs]
 
@@ -351,6 +352,7 @@ class Indexed:
     def __init__(self, reader: DatasetReader, on_error: str) -> None:
         self.reader, self.on_error = reader, on_error
         _ = reader.counts  # read now, so forked DataLoader workers share its arrays; DatasetNotFound
+        self.rows = reader.manifest.shards.rows  # blocks of the epoch's order (None: one block)
         self.orders = EpochOrders()  # shared by the pipeline's copies
 
     @property
@@ -361,7 +363,7 @@ class Indexed:
         return len(self.reader)
 
     def prepare(self, seed: int, epoch: int, shuffle: bool) -> None:
-        self.orders.prepare(self.reader.counts, seed, epoch, shuffle)
+        self.orders.prepare(self.reader.counts, self.rows, seed, epoch, shuffle)
 
     def source(self, layout: Layout, epoch: int, worker: int, num_workers: int, start: Start | None,
                policy: RetryPolicy) -> ShardSource:
@@ -369,13 +371,11 @@ class Indexed:
             raise ValueError("an indexed dataset's source starts from a Start (WorkerStream.reset makes one)")
         plan = start.plan
         counts, seed, shuffle = self.reader.counts, layout.seed, layout.shuffle
-        order, ends = self.orders.get(counts, seed, epoch, shuffle, keep=False)
-        spans = PlanSpans(counts, order, plan.rows, ends)
-        del order, ends
+        spans = PlanSpans(self.orders.get(counts, self.rows, seed, epoch, shuffle, keep=False), plan.rows)
         release_free_memory()  # the split's temporaries, so that a worker keeps only its share
 
         def where(positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # a resumed buffer's samples (rare)
-            return locate(counts, *self.orders.get(counts, seed, epoch, shuffle, keep=False), positions)
+            return self.orders.get(counts, self.rows, seed, epoch, shuffle, keep=False).locate(positions)
 
         return ShardSource(self.reader, policy, spans=lambda: spans, rows=plan.rows, mixing=layout.mixing,
                            seeds=worker_seeds(seed, epoch, layout.rank, worker), locate=where,

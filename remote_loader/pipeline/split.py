@@ -1,7 +1,8 @@
 """Which samples each rank and DataLoader worker reads in an epoch (pure, no I/O).
 
-The epoch's shard order is a permutation drawn from (seed, epoch). The shards, in that
-order, form one virtual sequence of samples; ranks take contiguous ranges of it, and each
+The epoch's shard order is drawn from (seed, epoch): a permutation of blocks of shards, each
+block's shards permuted (``EpochOrder``). The shards, in that order, form one virtual
+sequence of samples; ranks take contiguous ranges of it, and each
 rank's workers take contiguous ranges of the rank's range. Ranges cut shards only at their
 ends, so shards stay whole reads except at most one cut per boundary, and any number of
 ranks x workers works, even more than there are shards.
@@ -14,6 +15,7 @@ by at most one.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +23,8 @@ from typing import Any
 import numpy as np
 
 from remote_loader.errors import ConfigError
-from remote_loader.format.order import shard_order
+from remote_loader.format.counts import Counts, block_totals
+from remote_loader.format.order import block_shards, shard_order
 
 
 @dataclass(frozen=True)
@@ -39,41 +42,116 @@ class Span:
 
 
 
+class EpochOrder:
+    """One epoch's shard order, as blocks: the order of the blocks, and each block's shards in
+    order, made when a block is first asked for and kept for the next few.
+
+    A manifest read by pages (version 3) is ordered in blocks of its page's rows: the blocks
+    in ``shard_order(blocks, seed, epoch)``, each block's shards in ``block_shards``'s order,
+    so a rank's share is a run of blocks and it reads the pages of those blocks only. Versions
+    1 and 2 are one block of every shard in ``shard_order(shards, seed, epoch)``: the order
+    saved states were taken with.
+    """
+
+    def __init__(self, counts: Counts, rows: int | None, seed: int, epoch: int, shuffle: bool) -> None:
+        n = len(counts)
+        self.counts, self.seed, self.epoch, self.shuffle = counts, seed, epoch, shuffle
+        self.whole = rows is None
+        self.rows = max(n, 1) if rows is None else rows
+        blocks = -(-n // self.rows)
+        self.blocks = np.arange(blocks) if self.whole else shard_order(blocks, seed, epoch, shuffle)
+        self.sizes = block_totals(counts, self.rows)[self.blocks]
+        self.ends = np.cumsum(self.sizes)  # the position past each block, in the epoch's order
+        self.total = int(self.ends[-1]) if blocks else 0
+        self._index_type = np.int32 if n < 2**31 else np.int64
+        self._made: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_made": OrderedDict()}
+
+    def block(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The ``k``-th block of the epoch: its shards in order, and the position past each."""
+        made = self._made.get(k)
+        if made is not None:
+            return made
+        n, b = len(self.counts), int(self.blocks[k])
+        if self.whole:
+            shards = shard_order(n, self.seed, self.epoch, self.shuffle)
+        else:
+            shards = block_shards(b, self.rows, n, self.seed, self.epoch, self.shuffle)
+        shards = shards.astype(self._index_type)
+        ends = int(self.ends[k] - self.sizes[k]) + np.cumsum(self.counts.take(shards))
+        self._made[k] = shards, ends
+        while len(self._made) > _KEPT_BLOCKS:
+            self._made.popitem(last=False)
+        return shards, ends
+
+    def pieces(self, first: int, last: int) -> list[tuple[np.ndarray, int, int, int]]:
+        """Positions ``[first, last)`` as pieces: (the shards holding them, in order; the
+        position where the first of those begins; and ``first``, ``last`` of the piece)."""
+        out = []
+        if first >= last:
+            return out
+        k0, k1 = (int(k) for k in np.searchsorted(self.ends, [first, last - 1], side="right"))
+        for k in range(k0, k1 + 1):
+            shards, ends = self.block(k)
+            a, b = max(first, int(self.ends[k] - self.sizes[k])), min(last, int(self.ends[k]))
+            i, j = (int(x) for x in np.searchsorted(ends, [a, b - 1], side="right"))
+            begin = int(ends[i]) - int(self.counts.take(shards[i : i + 1])[0])
+            out.append((shards[i : j + 1].copy(), begin, a, b))
+        return out
+
+    def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The shard (its number in the manifest) and the sample in it at each of ``positions``."""
+        positions = np.asarray(positions, dtype=np.int64)
+        blocks = np.searchsorted(self.ends, positions, side="right")
+        shards = np.empty(len(positions), dtype=np.int64)
+        samples = np.empty(len(positions), dtype=np.int64)
+        for k in np.unique(blocks).tolist():
+            chosen = blocks == k
+            order, ends = self.block(k)
+            i = np.searchsorted(ends, positions[chosen], side="right")
+            shards[chosen] = order[i]
+            samples[chosen] = positions[chosen] - (ends[i] - self.counts.take(order[i]))
+        return shards, samples
+
+
+_KEPT_BLOCKS = 4
+
+
 class EpochOrders:
-    """The epoch's shard order and where each shard ends in the epoch's virtual sequence,
-    kept for the last epoch asked.
+    """The last epoch's order asked for, kept.
 
     The main process asks when a dataset is made and at ``set_epoch``, so the DataLoader
     workers it forks next share those pages instead of each permuting every shard (at 1M
-    shards: ~20 ms and ~7 MB per worker). Not pickled: a spawned worker makes its own.
+    shards of a version 2 manifest: ~20 ms and ~7 MB per worker). Not pickled: a spawned
+    worker makes its own.
     """
 
     def __init__(self) -> None:
-        self._last: tuple[tuple[int, int, int, bool], np.ndarray, np.ndarray] | None = None
+        self._last: tuple[tuple[int, int | None, int, int, bool], EpochOrder] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         return {"_last": None}
 
-    def prepare(self, counts: np.ndarray, seed: int, epoch: int, shuffle: bool) -> None:
+    def prepare(self, counts: Counts, rows: int | None, seed: int, epoch: int, shuffle: bool) -> None:
         """Make ``epoch``'s order now and keep it: in the main process, before the DataLoader
-        workers that read it fork."""
-        self.get(counts, seed, epoch, shuffle, keep=True)
+        workers that read it fork (one whole block of a version 2 manifest made too)."""
+        order = self.get(counts, rows, seed, epoch, shuffle)
+        if order.whole and len(order.blocks):
+            order.block(0)
 
-    def get(self, counts: np.ndarray, seed: int, epoch: int, shuffle: bool,
-            keep: bool = True) -> tuple[np.ndarray, np.ndarray]:
-        """``(order, ends)``: ``shard_order(...)``, and ``cumsum(counts[order])``; kept for
-        the next call unless ``keep`` is false (a worker reads each epoch once)."""
-        key = (len(counts), seed, epoch, shuffle)
+    def get(self, counts: Counts, rows: int | None, seed: int, epoch: int, shuffle: bool,
+            keep: bool = True) -> EpochOrder:
+        """``epoch``'s order; kept for the next call unless ``keep`` is false (a worker reads each epoch once)."""
+        key = (len(counts), rows, seed, epoch, shuffle)
         last = self._last
         if last is not None and last[0] == key:
-            return last[1], last[2]
-        order = shard_order(len(counts), seed, epoch, shuffle)
-        if len(counts) < 2**31:
-            order = order.astype(np.int32)
-        ends = np.cumsum(counts[order])
+            return last[1]
+        order = EpochOrder(counts, rows, seed, epoch, shuffle)
         if keep:
-            self._last = key, order, ends
-        return order, ends
+            self._last = key, order
+        return order
 
 
 def laps(total: int, start: int, stop: int) -> list[tuple[int, int]]:
@@ -92,22 +170,11 @@ class PlanSpans:
     """Spans covering the intervals ``rows`` of the virtual sequence, in that order, made
     anew at each iteration: only the order of the shards in the rows is kept (4 bytes a
     shard), so a worker's share of a million shards costs one small array, not an object per
-    shard. ``ends``, if known, is ``cumsum(counts[order])``."""
+    shard."""
 
-    def __init__(self, counts: np.ndarray, order: np.ndarray, rows: Sequence[tuple[int, int]],
-                 ends: np.ndarray | None = None) -> None:
-        self.counts = counts
-        self.kept: list[tuple[np.ndarray, int, int, int]] = []
-        rows = [(a, b) for a, b in rows if a < b]
-        if not rows:
-            return
-        if ends is None:
-            ends = np.cumsum(counts[order])
-        index_type = np.int32 if len(counts) < 2**31 else np.int64
-        for first, last in rows:
-            i, j = (int(k) for k in np.searchsorted(ends, [first, last - 1], side="right"))
-            begin = int(ends[i] - counts[order[i]])
-            self.kept.append((order[i : j + 1].astype(index_type), begin, first, last))
+    def __init__(self, order: EpochOrder, rows: Sequence[tuple[int, int]]) -> None:
+        self.counts = order.counts
+        self.kept = [piece for first, last in rows for piece in order.pieces(first, last)]
 
     def __iter__(self) -> Iterator[Span]:
         return _lap_spans(self.counts, self.kept)
@@ -116,27 +183,18 @@ class PlanSpans:
 _CHUNK = 4096
 
 
-def _lap_spans(counts: np.ndarray, kept: list[tuple[np.ndarray, int, int, int]]) -> Iterator[Span]:
+def _lap_spans(counts: Counts, kept: list[tuple[np.ndarray, int, int, int]]) -> Iterator[Span]:
     """``kept``: (shards in order, position where the first begins, first and last position read)."""
     for shards, begin, first, last in kept:
         for k in range(0, len(shards), _CHUNK):
             chunk = shards[k : k + _CHUNK]
-            sizes = counts[chunk]
+            sizes = counts.take(chunk)
             ends = (begin + np.cumsum(sizes)).tolist()
             for shard, size, end in zip(chunk.tolist(), sizes.tolist(), ends, strict=True):
                 start = end - size
                 low = max(first, start)
                 yield Span(shard, low - start, min(last, end) - start, low)
             begin = ends[-1]
-
-
-def locate(counts: np.ndarray, order: np.ndarray, ends: np.ndarray,
-           positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The shard (its number in the manifest) and the sample in it at each of ``positions``
-    of the epoch whose shard order is ``order`` (``ends``: ``cumsum(counts[order])``)."""
-    k = np.searchsorted(ends, positions, side="right")
-    shards = order[k].astype(np.int64)
-    return shards, positions - (ends[k] - counts[shards])
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,10 @@ from __future__ import annotations
 import itertools
 import struct
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property, partial
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -31,6 +31,7 @@ from remote_loader.errors import (
     TruncatedShard,
 )
 from remote_loader.format import MANIFEST_NAME, UPLOAD_STATE, Manifest, Sample, ShardEntry, ShardIndex, ShardView
+from remote_loader.format.counts import Counts
 from remote_loader.format.manifest import datasets_inside
 from remote_loader.format.tar import scan_tar
 from remote_loader.read.heap import release_free_memory
@@ -38,6 +39,9 @@ from remote_loader.read.metrics import Metrics
 from remote_loader.read.retry import RetryPolicy
 from remote_loader.read.whole import fetch_whole
 from remote_loader.storage import Location, Store, as_store
+
+
+T = TypeVar("T")
 
 
 def _identity(manifest: bytes | bytearray) -> int:
@@ -116,7 +120,8 @@ class DatasetReader:
         if data is None:
             raise DatasetNotFound(f"no dataset at {self.location}: {self._why_no_manifest()}",
                                   bucket=self.location.bucket, key=self.location.key(MANIFEST_NAME), code="NoSuchKey")
-        manifest = Manifest.decode(data, name=f"{self.location}/{MANIFEST_NAME}", trailer_checked=True)
+        manifest = Manifest.decode(data, name=f"{self.location}/{MANIFEST_NAME}", trailer_checked=True,
+                                   load=self._pages)
         if self._identity is not None and _identity(data) != self._identity:
             raise DatasetChanged(
                 f"the dataset at {self.location} was replaced by another upload since this reader first read it;"
@@ -126,11 +131,32 @@ class DatasetReader:
         release_free_memory()
         return manifest
 
-    @cached_property
-    def counts(self) -> np.ndarray:
-        """Samples per shard, in manifest order, as one int64 array: the manifest's column,
-        widened once, so the per-epoch split and lookups are array operations."""
-        return self.manifest.shards.samples.astype(np.int64)
+    @property
+    def counts(self) -> Counts:
+        """Samples per shard, in manifest order: runs (version 3) or one int64 array, so the
+        per-epoch split and lookups are array operations."""
+        return self.manifest.shards.counts
+
+    def _pages(self, name: str, size: int, start: int, end: int, parse: Callable[[bytes], T]) -> T:
+        """A version 3 manifest's pages ``[start, end)`` of object ``name`` (``size`` bytes), parsed;
+        fetched again while they fail their checksum, then told apart from a dataset replaced."""
+        policy, key = self.policy(), self.location.key(name)
+
+        def fetch() -> bytes:
+            try:
+                data, real = policy.store.get_range_and_size(self.location.bucket, key, start, end)
+            except (ObjectNotFound, InvalidRange):
+                real, data = -1, b""
+            if real != size:
+                raise TruncatedShard(f"manifest pages {self.location}/{name} are {max(real, 0):,d} bytes; the manifest"
+                                     f" says {size:,d}: they were removed, truncated or replaced", name=name)
+            return data
+
+        try:
+            return policy.refetch(fetch, parse)
+        except CorruptShard as exc:
+            self.check_unchanged(exc)
+            raise
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled (to a spawned worker) without the manifest: the worker fetches it once
@@ -226,7 +252,7 @@ class DatasetReader:
         )
 
     def __len__(self) -> int:
-        return int(self.counts.sum())
+        return self.counts.total
 
     def parse_index(self, entry: ShardEntry, data: bytes | memoryview) -> ShardIndex:
         """Check index bytes against the manifest's crc32 (when verifying) and decode them."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import re
 import secrets
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Container, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
@@ -22,7 +22,7 @@ from typing import Any
 import msgpack
 
 from remote_loader.errors import FormatError, ObjectNotFound, PreconditionFailed, StorageError, UploadConflict
-from remote_loader.format import MANIFEST_NAME, UPLOAD_STATE, Manifest
+from remote_loader.format import MANIFEST_NAME, UPLOAD_STATE, Manifest, ShardTable
 from remote_loader.format.index import unpack
 from remote_loader.storage import Location, ObjectInfo, Store
 from remote_loader.storage.daemon import in_daemon_thread, map_on_daemon_threads, wait_result
@@ -106,6 +106,35 @@ def own(location: Location, run: str) -> str:
     return location.key(f"shard-{run}-")
 
 
+def pages_name(run: str) -> str:
+    """The object holding the manifest pages of upload ``run`` (version 3, when not inline):
+    under the run's own prefix, so it goes with the run's shards."""
+    return f"shard-{run}-manifest.pages"
+
+
+class _Kept:
+    """The names a manifest lists (and its pages object), as a membership test: no set of
+    every name is built."""
+
+    def __init__(self, table: Any, pages: str) -> None:
+        self.table, self.pages = table, pages
+
+    def __contains__(self, name: object) -> bool:
+        return name == self.pages or name in self.table.names
+
+
+def names_of(store: Store, location: Location, data: bytes) -> Container[str]:
+    """The shard names (and pages object) of the manifest ``data`` at ``location``, its pages read
+    from ``store`` if kept apart."""
+    def load(pages: str, size: int, start: int, end: int, parse: Callable[[bytes], Any]) -> Any:
+        return parse(store.get_range(location.bucket, location.key(pages), start, end))
+
+    table = Manifest.decode(data, name=location.key(MANIFEST_NAME), load=load).shards
+    if isinstance(table, ShardTable):
+        return _Kept(table, "")
+    return {entry.name for entry in table} | {table.directory.object or ""}
+
+
 def delete_all(store: Store, bucket: str, keys: Iterable[str]) -> None:
     """Delete ``keys``, 16 at once: each DELETE costs a round trip, and an overwrite may
     leave thousands of old shards. On daemon threads: Ctrl-C on a store that hangs does
@@ -113,7 +142,7 @@ def delete_all(store: Store, bucket: str, keys: Iterable[str]) -> None:
     map_on_daemon_threads(partial(store.delete, bucket), list(keys), 16, "remote-loader-delete")
 
 
-def run_keys(store: Store, location: Location, run: str, keep: Collection[str] = ()) -> list[str]:
+def run_keys(store: Store, location: Location, run: str, keep: Container[str] = ()) -> list[str]:
     """The shards and task records of upload ``run``, less the shard names in ``keep``."""
     found = [
         info.key
@@ -123,7 +152,7 @@ def run_keys(store: Store, location: Location, run: str, keep: Collection[str] =
     return [key for key in found if key[len(location.key("")) :] not in keep]
 
 
-def delete_run(store: Store, location: Location, run: str, keep: Collection[str] = ()) -> None:
+def delete_run(store: Store, location: Location, run: str, keep: Container[str] = ()) -> None:
     """Delete the shards and task records of upload ``run``, less the shard names in ``keep``."""
     delete_all(store, location.bucket, run_keys(store, location, run, keep))
 
@@ -164,8 +193,7 @@ def switch(store: Store, location: Location, manifest: bytes, record: bytes, run
             ) from None
     except UploadConflict:
         now = read_versioned(store, location.bucket, key)
-        table = None if now is None else Manifest.decode(now[0], name=key).shards
-        keep = set() if table is None else {table.names[i] for i in range(len(table))}
+        keep: Container[str] = () if now is None else names_of(store, location, now[0])
         delete_run(store, location, run, keep=keep)
         release(store, location, record)
         raise
@@ -261,19 +289,20 @@ def finish(store: Store, location: Location, manifest: Manifest, held: Held, bef
     time. The state goes last. Across a network each step in sequence costs a round trip,
     so what does not depend on the step before goes out beside it: the listings beside the
     switch (every object they list is written by then), the state's check beside the deletes."""
-    names = set(manifest.shards.names[i] for i in range(len(manifest.shards)))
+    pages = pages_name(held.run)
+    head, body = manifest.encode_parts(pages)
+    if body is not None:
+        store.put(location.bucket, location.key(pages), body)
+    names = _Kept(manifest.shards, pages)
     runs = [held.run] if held.abandoned is None else [held.run, held.abandoned]
+    old = before.existing.params.get("upload_id") if before.existing is not None else None
+    if isinstance(old, str) and old not in runs:  # the replaced upload's shards (and pages), by their run's name
+        runs.append(old)
     listing = in_daemon_thread(partial(map_on_daemon_threads, lambda r: run_keys(
         store, location, r, keep=names if r == held.run else ()), runs, len(runs), "remote-loader-list"))
-    switch(
-        store, location, manifest.encode(), held.record, held.run, None if before.found is None else before.found[1]
-    )
+    switch(store, location, head, held.record, held.run, None if before.found is None else before.found[1])
     aborting = in_daemon_thread(partial(abort_unfinished, store, location, held.run))
     leftovers = [key for keys in wait_result(listing) for key in keys]
-    existing = before.existing
-    if existing is not None and existing.params.get("upload_id"):
-        old = existing.shards.names
-        leftovers += [location.key(old[i]) for i in range(len(old)) if old[i] not in names]
     reading_state = in_daemon_thread(partial(read_versioned, store, location.bucket, location.key(_STATE)))
     delete_all(store, location.bucket, leftovers)
     wait_result(aborting)

@@ -93,8 +93,11 @@ def index_webdataset(
         fields.update(index.fields)
         if progress:
             progress(name)
+    # Version 2: tars indexed in place keep their own names and index objects, which version 3's
+    # template and in-shard indexes do not hold.
     manifest = Manifest(
-        shards=ShardTable.from_entries(entries), fields=tuple(sorted(fields)), params={"indexed": "webdataset"}
+        shards=ShardTable.from_entries(entries), fields=tuple(sorted(fields)), params={"indexed": "webdataset"},
+        version=2,
     )
     body = manifest.encode()
     try:  # only over the manifest read above: an upload that finished meanwhile is not replaced

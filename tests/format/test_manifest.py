@@ -88,8 +88,8 @@ def test_any_flipped_byte_fails_the_checksum(version):
 
 
 def test_newer_version_is_refused_with_a_clear_message():
-    with pytest.raises(UnsupportedVersion, match="version 3.*upgrade"):
-        Manifest.decode(edit(2, version=3), name="s3://b/p/manifest.msgpack")
+    with pytest.raises(UnsupportedVersion, match="version 4.*upgrade"):
+        Manifest.decode(edit(2, version=4), name="s3://b/p/manifest.msgpack")
 
 
 @pytest.mark.parametrize("cut", [1, 10, 50, -1])

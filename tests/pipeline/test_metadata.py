@@ -1,5 +1,6 @@
-"""Manifest metadata in the pipeline: versions 1 and 2 give the same epochs, and workers
-share the manifest read by the main process instead of fetching or copying it."""
+"""Manifest metadata in the pipeline: versions 1 and 2 give the same epochs, version 3 (read by
+pages) every sample once too, and workers share the manifest read by the main process instead
+of fetching or copying it."""
 
 from __future__ import annotations
 
@@ -21,15 +22,19 @@ from tests.helpers import upload_to_new_bucket
 
 @pytest.fixture(scope="module")
 def versions(seaweed):
-    """The same dataset under "v2" (as uploaded) and "v1" (its manifest rewritten as version 1)."""
+    """The same dataset under "v3" (as uploaded), and "v2" and "v1" (its manifest rewritten as
+    versions 2 and 1, as earlier releases wrote them)."""
     client = seaweed.client()
     bucket = "metadata-tests"
-    upload_to_new_bucket(client, bucket, "v2", SyntheticImages(131, size=(32, 24), num_classes=5), maxcount=9)
-    manifest = Manifest.decode(client.get(bucket, f"v2/{MANIFEST_NAME}"))
-    assert manifest.version == 2
-    for entry in manifest.shards:
-        client.put(bucket, f"v1/{entry.name}", client.get(bucket, f"v2/{entry.name}"))
-    client.put(bucket, f"v1/{MANIFEST_NAME}", dataclasses.replace(manifest, version=1).encode())
+    upload_to_new_bucket(client, bucket, "v3", SyntheticImages(131, size=(32, 24), num_classes=5), maxcount=9)
+    manifest = Manifest.decode(client.get(bucket, f"v3/{MANIFEST_NAME}"))
+    assert manifest.version == 3
+    table = manifest.shards.table()
+    for version in (1, 2):
+        for entry in table:
+            client.put(bucket, f"v{version}/{entry.name}", client.get(bucket, f"v3/{entry.name}"))
+        client.put(bucket, f"v{version}/{MANIFEST_NAME}",
+                   dataclasses.replace(manifest, shards=table, version=version).encode())
     yield client, bucket
     client.close()
 
@@ -53,9 +58,26 @@ def test_versions_1_and_2_give_the_same_epochs_exactly_once(versions, equalize):
         assert set(seen) == {f"{i:06d}" for i in range(131)} and sum(seen.values()) == 132
     else:
         assert seen == Counter(f"{i:06d}" for i in range(131))
-    v1, v2 = (RemoteMapDataset(client, bucket, v) for v in ("v1", "v2"))
-    assert len(v1) == len(v2) == 131
-    assert all(v1[i] == v2[i] for i in (0, 8, 9, 64, 130))
+    v1, v2, v3 = (RemoteMapDataset(client, bucket, v) for v in ("v1", "v2", "v3"))
+    assert len(v1) == len(v2) == len(v3) == 131
+    assert all(v1[i] == v2[i] == v3[i] for i in (0, 8, 9, 64, 130))
+
+
+@pytest.mark.parametrize("equalize", [False, True])
+def test_version_3_gives_every_sample_once_a_new_order_each_epoch(versions, equalize):
+    client, bucket = versions
+    epochs = []
+    for epoch in (0, 1):
+        ranks = []
+        for r in range(3):
+            dataset = RemoteDataset(client, bucket, "v3", rank=r, world_size=3, equalize=equalize, seed=4)
+            dataset.set_epoch(epoch)
+            ranks.append(keys(dataset.shuffle(20), 2))
+        seen = Counter(k for rank in ranks for k in rank)
+        assert set(seen) == {f"{i:06d}" for i in range(131)}
+        assert sum(seen.values()) == (132 if equalize else 131)
+        epochs.append(ranks)
+    assert epochs[0] != epochs[1]
 
 
 def test_forked_workers_share_the_manifest_read_at_construction(versions):

@@ -24,7 +24,8 @@ from remote_loader.pipeline.order import (
     undelivered_at,
 )
 from remote_loader.pipeline.resume.states import Remainder, encode, gather, parse
-from remote_loader.pipeline.split import PlanSpans, divide, worker_bounds
+from remote_loader.format.counts import ArrayCounts
+from remote_loader.pipeline.split import EpochOrder, PlanSpans, divide, worker_bounds
 
 SEEDS = ((1, 0, 0, 0, 1), (1, 0, 0, 0, 2))
 
@@ -44,10 +45,14 @@ def _plans(total: int, world: int, workers: int, equalize: bool, sequence: Remai
             yield rank, worker, divide(starts, stops, low, high, 0 if sequence is None else sequence.run)
 
 
+def _manifest_order(counts: np.ndarray) -> EpochOrder:
+    return EpochOrder(ArrayCounts(counts), None, 0, 0, shuffle=False)
+
+
 def _spans(total: int, shard: int, rows):
     """A dataset of ``total`` samples in shards of ``shard``, in manifest order."""
     counts = np.array([shard] * (total // shard) + ([total % shard] if total % shard else []), dtype=np.int64)
-    return PlanSpans(counts, np.arange(len(counts)), rows)
+    return PlanSpans(_manifest_order(counts), rows)
 
 
 def _order(spans, mixing: Mixing) -> list[int]:
@@ -206,7 +211,7 @@ def test_orders_differ_by_seed_and_mixing():
        seed=st.integers(0, 100))
 def test_ranges_come_in_the_order_a_reader_opens_them(lengths, per, offset, seed):
     counts = np.array(lengths, dtype=np.int64)
-    spans = list(PlanSpans(counts, np.arange(len(counts)), [(0, int(counts.sum()))]))
+    spans = list(PlanSpans(_manifest_order(counts), [(0, int(counts.sum()))]))
     group = next(groups(spans, len(spans), (seed,)))
     start = int(len(group) * offset)
     cursors = group.cursors(start).tolist()
