@@ -16,7 +16,7 @@ by at most one.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,20 +86,22 @@ class EpochOrder:
             self._made.popitem(last=False)
         return shards, ends
 
-    def pieces(self, first: int, last: int) -> list[tuple[np.ndarray, int, int, int]]:
-        """Positions ``[first, last)`` as pieces: (the shards holding them, in order; the
-        position where the first of those begins; and ``first``, ``last`` of the piece)."""
-        out = []
+    def pieces(self, first: int, last: int) -> list[tuple[int, int, int]]:
+        """Positions ``[first, last)`` as pieces within one block each: (the block's place ``k``
+        in the epoch's order, and the piece's first and last position)."""
         if first >= last:
-            return out
+            return []
         k0, k1 = (int(k) for k in np.searchsorted(self.ends, [first, last - 1], side="right"))
-        for k in range(k0, k1 + 1):
-            shards, ends = self.block(k)
-            a, b = max(first, int(self.ends[k] - self.sizes[k])), min(last, int(self.ends[k]))
-            i, j = (int(x) for x in np.searchsorted(ends, [a, b - 1], side="right"))
-            begin = int(ends[i]) - int(self.counts.take(shards[i : i + 1])[0])
-            out.append((shards[i : j + 1].copy(), begin, a, b))
-        return out
+        return [(k, max(first, int(self.ends[k] - self.sizes[k])), min(last, int(self.ends[k])))
+                for k in range(k0, k1 + 1)]
+
+    def piece(self, k: int, first: int, last: int) -> tuple[np.ndarray, int, int, int]:
+        """A piece made: (the shards holding positions ``[first, last)`` of block ``k``, in
+        order; the position where the first of them begins; ``first``; ``last``)."""
+        shards, ends = self.block(k)
+        i, j = (int(x) for x in np.searchsorted(ends, [first, last - 1], side="right"))
+        begin = int(ends[i]) - int(self.counts.take(shards[i : i + 1])[0])
+        return shards[i : j + 1].copy(), begin, first, last
 
     def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The shard (its number in the manifest) and the sample in it at each of ``positions``."""
@@ -168,22 +170,26 @@ def laps(total: int, start: int, stop: int) -> list[tuple[int, int]]:
 
 class PlanSpans:
     """Spans covering the intervals ``rows`` of the virtual sequence, in that order, made
-    anew at each iteration: only the order of the shards in the rows is kept (4 bytes a
-    shard), so a worker's share of a million shards costs one small array, not an object per
-    shard."""
+    anew at each iteration. Of one block of every shard (versions 1 and 2) only the order of
+    the shards in the rows is kept (4 bytes a shard), so a worker's share of a million shards
+    costs one small array, not an object per shard; of blocks (version 3), only which part of
+    which block, each block's order made again as the iteration reaches it."""
 
     def __init__(self, order: EpochOrder, rows: Sequence[tuple[int, int]]) -> None:
-        self.counts = order.counts
-        self.kept = [piece for first, last in rows for piece in order.pieces(first, last)]
+        self.order, self.counts = order, order.counts
+        pieces = [piece for first, last in rows for piece in order.pieces(first, last)]
+        self.kept = [order.piece(*piece) for piece in pieces] if order.whole else None
+        self.pieces = pieces
 
     def __iter__(self) -> Iterator[Span]:
-        return _lap_spans(self.counts, self.kept)
+        made = self.kept if self.kept is not None else (self.order.piece(*piece) for piece in self.pieces)
+        return _lap_spans(self.counts, made)
 
 
 _CHUNK = 4096
 
 
-def _lap_spans(counts: Counts, kept: list[tuple[np.ndarray, int, int, int]]) -> Iterator[Span]:
+def _lap_spans(counts: Counts, kept: Iterable[tuple[np.ndarray, int, int, int]]) -> Iterator[Span]:
     """``kept``: (shards in order, position where the first begins, first and last position read)."""
     for shards, begin, first, last in kept:
         for k in range(0, len(shards), _CHUNK):
