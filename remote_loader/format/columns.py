@@ -71,7 +71,7 @@ def array(column: Any, count: int, what: str, name: str | None) -> np.ndarray:
     if dtype.itemsize > 1 and top < 1 << (4 * dtype.itemsize):  # the next narrower type holds every value
         raise manifest_error(
             name,
-            f"{what} is stored as {dtype.str} but its values fit {narrow(values).dtype.str}:"
+            f"{what} is stored as {dtype.str} but its values fit <u{narrow(values).dtype.itemsize}:"
             " a column takes the narrowest type that holds it",
         )
     return values

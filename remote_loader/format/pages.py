@@ -15,6 +15,7 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, overload
 
@@ -198,11 +199,12 @@ class PagedTable(Sequence[ShardEntry]):
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._pages: OrderedDict[int, tuple[np.ndarray, ...]] = OrderedDict()
+        self._reading: dict[int, Future[tuple[np.ndarray, ...]]] = {}
         self.pages_read = 0
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for key in ("_lock", "_pages", "_pid"):
+        for key in ("_lock", "_pages", "_pid", "_reading"):
             state.pop(key)
         return state
 
@@ -230,7 +232,8 @@ class PagedTable(Sequence[ShardEntry]):
         return "".join(out)
 
     def page(self, p: int) -> tuple[np.ndarray, ...]:
-        """Page ``p``'s columns (``columns_of``), read and checked on first use."""
+        """Page ``p``'s columns (``columns_of``), read and checked on first use. Threads asking
+        for one page wait for one read of it; pages apart are read at once."""
         if self._pid != os.getpid():
             self._reset()
         with self._lock:
@@ -238,16 +241,35 @@ class PagedTable(Sequence[ShardEntry]):
             if got is not None:
                 self._pages.move_to_end(p)
                 return got
-            if self.load is None:
-                raise CorruptShard(f"manifest {self.name}: its pages were not read with it", name=self.name)
-            d = self.directory
-            got = self.load(d.object or "", d.size, int(d.offsets[p]), int(d.offsets[p + 1]),
-                            lambda data: self._parse(p, data))
+            reading = self._reading.get(p)
+            mine = reading is None
+            if reading is None:
+                reading = self._reading[p] = Future()
+        if not mine:
+            return reading.result()  # the reading thread's GET is bounded by the retry deadlines
+        try:
+            got = self._read(p)
+        except BaseException as exc:
+            reading.set_exception(exc)
+            raise
+        finally:
+            with self._lock:
+                self._reading.pop(p, None)
+        reading.set_result(got)
+        return got
+
+    def _read(self, p: int) -> tuple[np.ndarray, ...]:
+        if self.load is None:
+            raise CorruptShard(f"manifest {self.name}: its pages were not read with it", name=self.name)
+        d = self.directory
+        got = self.load(d.object or "", d.size, int(d.offsets[p]), int(d.offsets[p + 1]),
+                        lambda data: self._parse(p, data))
+        with self._lock:
             self.pages_read += 1
             self._pages[p] = got
             while len(self._pages) > self.keep:
                 self._pages.popitem(last=False)
-            return got
+        return got
 
     def _parse(self, p: int, data: bytes) -> tuple[np.ndarray, ...]:
         d = self.directory

@@ -26,8 +26,10 @@ class RemoteMapDataset(Dataset):
     ``transform`` if given. ``ds.__getitems__(indices)`` (used by DataLoader for batches)
     fetches a batch concurrently and merges samples of one shard that lie within
     ``merge_gap`` bytes of each other into one GET. Shard indexes are fetched on first
-    use and kept in an LRU cache of ``cache_shards``; memory grows with the number of
-    shards (the manifest), not of samples.
+    use and kept in an LRU cache of ``cache_shards``; so are the pages of a manifest read by
+    pages (version 3: ``cache_pages`` of them, each the numbers of 4,096 shards), so memory
+    follows those caches, not the number of shards or samples. A shard whose page is not
+    cached costs one more ranged GET the first time.
 
     Args:
         client: A store, a boto3 S3 client or ``minio.Minio`` of your own, or an ``s3://bucket/prefix`` URL.
@@ -35,6 +37,8 @@ class RemoteMapDataset(Dataset):
         base_folder: The dataset's prefix (omit with a URL).
         transform: Applied to each sample dict.
         cache_shards: Shard indexes kept in memory.
+        cache_pages: Manifest pages kept in memory (version 3; about 60 kB each): 256 hold
+            every page of a million shards.
         merge_gap: Largest gap in bytes bridged when merging ranges of one shard.
         fetch: Concurrency (``concurrency`` GETs at once for a batch), checksum refetches, and
             in ``fetch.retry`` how requests are retried.
@@ -50,6 +54,7 @@ class RemoteMapDataset(Dataset):
         *,
         transform: Callable[[Sample], Any] | None = None,
         cache_shards: int = 64,
+        cache_pages: int = 256,
         merge_gap: int = 256 * 1024,
         fetch: FetchConfig | None = None,
         verify: bool = True,
@@ -60,10 +65,11 @@ class RemoteMapDataset(Dataset):
             bucket, base_folder = location.bucket, location.base_folder
         if bucket is None or base_folder is None:
             raise ConfigError("RemoteMapDataset needs (client, bucket, base_folder) or an s3:// URL")
-        if cache_shards < 1 or merge_gap < 0:
-            raise ConfigError("cache_shards must be >= 1 and merge_gap >= 0")
+        if cache_shards < 1 or cache_pages < 1 or merge_gap < 0:
+            raise ConfigError("cache_shards and cache_pages must be >= 1 and merge_gap >= 0")
         self.fetch = fetch or FetchConfig()
-        self.reader = DatasetReader(client, bucket, base_folder, verify=verify, fetch=self.fetch)
+        self.reader = DatasetReader(client, bucket, base_folder, verify=verify, fetch=self.fetch,
+                                    cache_pages=cache_pages)
         self.transform, self.cache_shards, self.merge_gap = transform, cache_shards, merge_gap
         self.metrics = Metrics()
         self._total = len(self.reader)  # the manifest, fetched now: a missing or damaged dataset fails here

@@ -33,6 +33,7 @@ from remote_loader.errors import (
 from remote_loader.format import MANIFEST_NAME, UPLOAD_STATE, Manifest, Sample, ShardEntry, ShardIndex, ShardView
 from remote_loader.format.counts import Counts
 from remote_loader.format.manifest import datasets_inside
+from remote_loader.format.pages import PagedTable
 from remote_loader.format.tar import scan_tar
 from remote_loader.read.heap import release_free_memory
 from remote_loader.read.metrics import Metrics
@@ -73,6 +74,8 @@ class DatasetReader:
         base_folder: The dataset's key prefix.
         verify: Check crc32s of indexes and sample members as they are read.
         fetch: Checksum refetches and, in ``fetch.retry``, how requests are retried.
+        cache_pages: Pages of a version 3 manifest kept once read (each holds 4,096 shards'
+            sizes, index places and checksums: about 60 kB).
 
     Examples:
         >>> reader = DatasetReader(client, "bucket", "imagenet-val")
@@ -81,12 +84,13 @@ class DatasetReader:
     """
 
     def __init__(self, client: Store | Any, bucket: str, base_folder: str, *, verify: bool = True,
-                 fetch: FetchConfig | None = None) -> None:
+                 fetch: FetchConfig | None = None, cache_pages: int = 32) -> None:
         self.client = as_store(client, bucket)
         base_folder = base_folder.strip("/")
         self.location = Location(bucket, base_folder, self.client.path_of(bucket, base_folder))
         self.verify = verify
         self.fetch = fetch or FetchConfig()
+        self.cache_pages = cache_pages
         self._identity: int | None = None  # of the manifest read
         self.round_trip: float | None = None
         """Seconds the manifest's first GET took beyond its transfer at 1 GB/s, once read: a
@@ -127,6 +131,8 @@ class DatasetReader:
                 f"the dataset at {self.location} was replaced by another upload since this reader first read it;"
                 " start the epoch again", bucket=self.location.bucket, key=self.location.key(MANIFEST_NAME))
         self._identity = _identity(data)
+        if isinstance(manifest.shards, PagedTable):
+            manifest.shards.keep = self.cache_pages
         del data
         release_free_memory()
         return manifest
