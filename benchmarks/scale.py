@@ -38,7 +38,9 @@ import numpy as np
 from shaper import PROFILES, relayed  # type: ignore[import-not-found]
 
 from remote_loader.format import Manifest, ShardEntry, ShardTable, ShardWriter
-from remote_loader.pipeline.split import PlanSpans, laps, shard_order, worker_bounds
+from remote_loader.format.counts import ArrayCounts, RunCounts
+from remote_loader.format.pages import PAGE_ROWS
+from remote_loader.pipeline.split import EpochOrder, PlanSpans, laps, worker_bounds
 from remote_loader.testing.server import EmbeddedS3
 
 PER_SHARD = 1000
@@ -161,24 +163,30 @@ def one_shard() -> tuple[bytes, ShardEntry]:
     return out.getvalue(), ShardEntry.from_summary("x.tar", summary)
 
 
-def manifest(count: int, entry: ShardEntry) -> bytes:
-    """``count`` shards like ``entry`` under ``shard-RUN-<task>-000.tar``, built as columns."""
+PAGES = f"shard-{RUN}-manifest.pages"
+
+
+def manifest(count: int, entry: ShardEntry, version: int) -> tuple[bytes, bytes | None]:
+    """``count`` shards like ``entry`` under ``shard-RUN-<task>-000.tar``, built as columns:
+    the manifest, and (version 3) its pages when they are not inline."""
     column = {c: np.full(count, getattr(entry, c), dtype=np.uint64) for c in
               ("samples", "size", "index_offset", "index_size", "index_crc", "crc32")}
     table = ShardTable.from_template(column, (f"shard-{RUN}-", "-", ".tar"), (6, 3),
                                      (np.arange(count), np.zeros(count, dtype=np.uint8)))
-    return Manifest(shards=table, fields=("cls",)).encode()
+    return Manifest(shards=table, fields=("cls",), version=version).encode_parts(PAGES)
 
 
-def needed(count: int, layouts: list[tuple[int, int, int]], samples: list[int]) -> set[int]:
+def needed(count: int, layouts: list[tuple[int, int, int]], samples: list[int], version: int) -> set[int]:
     """Shards the runs read: the first AHEAD of each worker's order, and those of ``samples``."""
     counts = np.full(count, PER_SHARD, dtype=np.int64)
     shards = {i // PER_SHARD for i in samples}
+    order = (EpochOrder(RunCounts.of(counts), PAGE_ROWS, 0, 0, True) if version == 3
+             else EpochOrder(ArrayCounts(counts), None, 0, 0, True))
     for workers, rank, world in layouts:
         for worker in range(max(1, workers)):
             low, high = worker_bounds(len(counts) * PER_SHARD, rank=rank, world_size=world, worker=worker,
                                       num_workers=max(1, workers), equalize=world > 1)
-            spans = PlanSpans(counts, shard_order(count, 0, 0, True), laps(len(counts) * PER_SHARD, low, high))
+            spans = PlanSpans(order, laps(len(counts) * PER_SHARD, low, high))
             for _, span in zip(range(AHEAD), spans, strict=False):
                 shards.add(span.shard)
     return shards
@@ -199,6 +207,8 @@ def main() -> None:
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--profile", choices=["loopback", *sorted(PROFILES)], default="loopback")
     parser.add_argument("--first-batch-only", action="store_true")
+    parser.add_argument("--manifest-version", type=int, choices=[2, 3], default=3,
+                        help="the manifest version to write (2: one object; 3: a head and pages)")
     args = parser.parse_args()
     body, entry = one_shard()
     results: dict[str, Any] = {}
@@ -207,11 +217,13 @@ def main() -> None:
         client = server.client()
         for count in args.sizes:
             prefix = f"n{count}"
-            data = manifest(count, entry)
+            data, pages = manifest(count, entry, args.manifest_version)
+            if pages is not None:
+                client.put(BUCKET, f"{prefix}/{PAGES}", pages)
             client.put(BUCKET, f"{prefix}/manifest.msgpack", data)
             samples = [int(i) for i in np.random.default_rng(count).integers(0, count * PER_SHARD, RANDOM)]
             layouts = [(2, 0, 1), (1, 3, 8)] + ([(0, 0, 2), (4, 0, 2), (4, 1, 2)] if count == max(args.sizes) else [])
-            shards = needed(count, layouts, samples)
+            shards = needed(count, layouts, samples, args.manifest_version)
             list(pool.map(lambda s: client.put(BUCKET, f"{prefix}/shard-{RUN}-{s:06d}-000.tar", body), shards))
 
             def median(mode: str, *extra: Any) -> dict[str, Any]:
@@ -219,7 +231,8 @@ def main() -> None:
                 return {k: statistics.median(r[k] for r in runs) for k in runs[0] if isinstance(runs[0][k], float)} | {
                     k: runs[-1][k] for k in runs[0] if not isinstance(runs[0][k], float)}
 
-            row: dict[str, Any] = {"manifest_mb": len(data) / 1e6, "samples": count * PER_SHARD}
+            row: dict[str, Any] = {"manifest_mb": len(data) / 1e6, "pages_mb": len(pages or b"") / 1e6,
+                                   "samples": count * PER_SHARD, "version": args.manifest_version}
             if args.first_batch_only:
                 row["first_batch"] = median("first-batch", 2, 0, 1)
                 results[str(count)] = row
