@@ -9,7 +9,7 @@ import contextlib
 import multiprocessing
 import queue
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
@@ -125,17 +125,21 @@ def run_tasks(
     workers: int,
     executor: Executor | None,
     bar: tqdm,
+    collect: Callable[[TaskResult], None],
     source: str | None = None,
-) -> list[TaskResult]:
+) -> None:
     """Write the ``pending`` tasks ``(task id, sample indices)``: in this process
     (``workers=0``), on a pool of ``workers`` processes of its own, or on ``executor``,
-    counting progress on ``bar``; return their results. Wherever they run, a process writes
-    ``TASKS_AT_ONCE`` tasks at a time (``write_tasks``)."""
+    counting progress on ``bar``; hand each result to ``collect`` as it comes (none is
+    kept here). Wherever they run, a process writes ``TASKS_AT_ONCE`` tasks at a time
+    (``write_tasks``)."""
     pending = list(pending)
     if not pending:
-        return []
+        return
     if executor is None and workers <= 0:
-        return write_tasks(spec, pending, dataset, _BarProgress(bar))
+        for result in write_tasks(spec, pending, dataset, _BarProgress(bar)):
+            collect(result)
+        return
     groups = task_groups(pending, workers)
     progress: Any = None
     own = executor is None
@@ -160,12 +164,13 @@ def run_tasks(
             for group in groups
         }
         futures = set(ids_of)
-        results = []
+        written = 0
         while futures:
             done, futures = wait(futures, timeout=0.2, return_when=FIRST_COMPLETED)
             for future in done:
                 for result in _result(future, ids_of[future], own):
-                    results.append(result)
+                    collect(result)
+                    written += sum(e.size for e in result.entries)
                     if not own:  # a caller's executor has no progress queue: count whole tasks
                         samples = sum(e.samples for e in result.entries) + len(result.skipped)
                         bar_progress.put((samples, sum(e.size for e in result.entries)))
@@ -174,8 +179,7 @@ def run_tasks(
                     bar_progress.put(progress.get_nowait())
                 except queue.Empty:
                     break
-        bar_progress.settle(sum(e.size for result in results for e in result.entries))
-        return results
+        bar_progress.settle(written)
     finally:
         if plugin is not None:
             _unship(executor, plugin)

@@ -24,7 +24,7 @@ from remote_loader.errors import (
     ConfigError,
     UploadError,
 )
-from remote_loader.format import Manifest, ShardEntry, ShardTable
+from remote_loader.format import Manifest
 from remote_loader.format.shard import member_bytes
 from remote_loader.storage import DEFAULT_PART_SIZE, Location, Store, as_store
 from remote_loader.storage.retrying import Retry, RetryingStore
@@ -33,7 +33,8 @@ from remote_loader.upload.encode import EncodeOptions, encode_item
 from remote_loader.upload.executors import run_tasks
 from remote_loader.upload.sources import load_source
 from remote_loader.upload.summary import UploadSummary
-from remote_loader.upload.tasks import TaskResult, TaskSpec
+from remote_loader.upload.tasks import TaskSpec
+from remote_loader.upload.written import Written
 
 log = logging.getLogger("remote_loader")
 
@@ -168,20 +169,24 @@ def _upload(ds: Any, client: Store, location: Location, params: dict[str, Any], 
     pending = [(t, order[t * held.task_size : (t + 1) * held.task_size]) for t in range(-(-num // held.task_size))
                if t not in kept]
     done_samples = sum(sum(e.samples for e in r.entries) + len(r.skipped) for r in kept.values())
+    kept_entries = [e for r in kept.values() for e in r.entries]
+    kept_numbers = len(kept_entries), sum(e.samples for e in kept_entries), sum(e.size for e in kept_entries)
+    written = Written(held.run)
+    for result in kept.values():
+        written.add(result)
+    del kept, kept_entries
     writing = time.perf_counter()
     # smoothing=0: the bar's rate is the average since it started, the summary's writing rate.
     with tqdm(total=num, initial=done_samples, unit="img", disable=not progress, desc="upload", smoothing=0) as bar:
         processes = (os.cpu_count() or 1) if workers is None else workers
-        results = run_tasks(pending, spec, ds, processes, executor, bar, source)
+        run_tasks(pending, spec, ds, processes, executor, bar, written.add, source)
         bar.update(num - bar.n)  # every task is done: the last counts may still be in the workers' queue
         # The bar's own clock where it shows, read as it closes (its final rate is then the
         # summary's); a closed bar says it is disabled, and its clock runs on.
         writing = bar.format_dict["elapsed"] if not bar.disable else time.perf_counter() - writing
-    manifest, reasons = _manifest(
-        {**kept, **{r.task_id: r for r in results}}, params, held.run, _class_names(ds), location
-    )
+    manifest, reasons = _manifest(written, params, _class_names(ds), location)
+    del written
     claim.finish(store, location, manifest, held, before)
-    kept_entries = [e for r in kept.values() for e in r.entries]
     return UploadSummary(
         location,
         manifest.num_samples,
@@ -189,10 +194,10 @@ def _upload(ds: Any, client: Store, location: Location, params: dict[str, Any], 
         manifest.num_bytes,
         manifest.skipped,
         time.perf_counter() - started,
-        kept_shards=len(kept_entries),
+        kept_shards=kept_numbers[0],
         skip_reasons=reasons,
-        kept_samples=sum(e.samples for e in kept_entries),
-        kept_bytes=sum(e.size for e in kept_entries),
+        kept_samples=kept_numbers[1],
+        kept_bytes=kept_numbers[2],
         writing_seconds=writing,
     )
 
@@ -248,22 +253,21 @@ def _retry(retry: RetryConfig | None) -> RetryConfig:
 
 
 def _manifest(
-    by_task: dict[int, TaskResult], params: dict[str, Any], run: str, classes: list[str], location: Location
+    written: Written, params: dict[str, Any], classes: list[str], location: Location
 ) -> tuple[Manifest, tuple[str, ...]]:
-    """The dataset's manifest from every task's result, and why samples were skipped (the first 100)."""
-    entries: list[ShardEntry] = [e for t in sorted(by_task) for e in by_task[t].entries]
-    skipped = sorted(i for r in by_task.values() for i in r.skipped)
-    reasons = tuple(reason for t in sorted(by_task) for reason in by_task[t].reasons)[:100]
+    """The dataset's manifest from every task's shards, and why samples were skipped (the first 100)."""
+    reasons = written.reasons()
     for reason in reasons:
         log.warning("upload to %s skipped a sample: %s", location, reason)
-    if not entries:
-        raise UploadError(f"every sample was skipped ({len(skipped)}); nothing to upload")
+    if not written.shards:
+        raise UploadError(f"every sample was skipped ({len(written.skipped)}); nothing to upload")
+    skipped = sorted(written.skipped)
     manifest = Manifest(
-        shards=ShardTable.from_entries(entries),
-        fields=tuple(sorted({f for r in by_task.values() for f in r.fields})),
+        shards=written.table(),
+        fields=tuple(sorted(written.fields)),
         params={
             "upload": params,
-            "upload_id": run,
+            "upload_id": written.run,
             "classes": classes,
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         },

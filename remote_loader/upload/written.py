@@ -1,0 +1,60 @@
+"""Every shard an upload wrote, gathered as its tasks finish: as arrays, what the manifest
+needs (48 bytes a shard), not an entry object per shard, so the process that writes the
+manifest of ten million shards holds its columns and little else."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from remote_loader.format import ShardTable
+from remote_loader.upload.tasks import TaskResult, shard_name
+
+NUMBERS = ("samples", "size", "index_offset", "index_size", "index_crc", "crc32")
+_REASONS = 100
+
+
+class Written:
+    """The shards, fields, skipped samples and skip reasons of upload ``run``'s tasks."""
+
+    def __init__(self, run: str) -> None:
+        self.run = run
+        self._rows: dict[int, np.ndarray] = {}  # task id -> one row of NUMBERS per shard, in part order
+        self._reasons: dict[int, list[str]] = {}
+        self.fields: set[str] = set()
+        self.skipped: list[int] = []
+
+    def add(self, result: TaskResult) -> None:
+        """Take a task's result (its entry objects may then go)."""
+        for part, entry in enumerate(result.entries):
+            if entry.name != shard_name(self.run, result.task_id, part) or entry.index_name:
+                raise RuntimeError(f"task {result.task_id} wrote {entry.name!r} as its shard {part}, not"
+                                   f" {shard_name(self.run, result.task_id, part)!r}")
+        self._rows[result.task_id] = np.array([[getattr(e, c) for c in NUMBERS] for e in result.entries],
+                                              dtype=np.uint64).reshape(-1, len(NUMBERS))
+        self.fields.update(result.fields)
+        self.skipped.extend(result.skipped)
+        if result.reasons:
+            self._reasons[result.task_id] = result.reasons[:_REASONS]
+
+    @property
+    def shards(self) -> int:
+        return sum(len(rows) for rows in self._rows.values())
+
+    def reasons(self) -> tuple[str, ...]:
+        """Why samples were skipped, in task order (the first 100)."""
+        return tuple(reason for task in sorted(self._reasons) for reason in self._reasons[task])[:_REASONS]
+
+    def table(self) -> ShardTable:
+        """The shards in task order, named ``shard-<run>-<task>-<part>.tar`` by a template
+        (see docs/FORMAT.md: one number when every task wrote one part, none for one shard)."""
+        tasks = sorted(self._rows)
+        rows = np.concatenate([self._rows[t] for t in tasks]) if tasks else np.zeros((0, len(NUMBERS)), np.uint64)
+        lengths = [len(self._rows[t]) for t in tasks]
+        columns = {c: rows[:, j] for j, c in enumerate(NUMBERS)}
+        numbers = np.repeat(np.array(tasks, dtype=np.uint64), lengths)
+        parts = np.concatenate([np.arange(n, dtype=np.uint64) for n in lengths]) if tasks else numbers
+        if len(rows) == 1:
+            return ShardTable.from_template(columns, (shard_name(self.run, tasks[lengths.index(1)], 0),), (), ())
+        if not len(parts) or int(parts.max()) == 0:
+            return ShardTable.from_template(columns, (f"shard-{self.run}-", "-000.tar"), (6,), (numbers,))
+        return ShardTable.from_template(columns, (f"shard-{self.run}-", "-", ".tar"), (6, 3), (numbers, parts))
