@@ -196,9 +196,10 @@ class PagedTable(Sequence[ShardEntry]):
         self._reset()
 
     def _reset(self) -> None:
+        """A lock and reads of this process's own; pages read before a fork are kept."""
         self._pid = os.getpid()
         self._lock = threading.Lock()
-        self._pages: OrderedDict[int, tuple[np.ndarray, ...]] = OrderedDict()
+        self._pages: OrderedDict[int, tuple[np.ndarray, ...]] = getattr(self, "_pages", OrderedDict())
         self._reading: dict[int, Future[tuple[np.ndarray, ...]]] = {}
         self.pages_read = 0
 
