@@ -263,13 +263,22 @@ def main() -> None:
             json.dump(results, f, indent=2)
 
 
+def _size(row: dict[str, Any]) -> str:
+    """The manifest's size: one object (version 2), or its head and its pages (version 3)."""
+    if row.get("pages_mb"):
+        return f"{1000 * row['manifest_mb']:.0f} kB head, {row['pages_mb']:.0f} MB pages"
+    if row.get("version") == 3:
+        return f"{1000 * row['manifest_mb']:.0f} kB, pages inline"
+    return f"{row['manifest_mb']:.1f} MB"
+
+
 def report(results: dict[str, Any]) -> str:
     if "open_stream" not in next(iter(results.values())):
         smallest = results[min(results, key=int)]["first_batch"]["seconds"]
         lines = ["| shards (samples) | manifest | first batch (2 workers) | against the smallest |",
                  "|---|---|---|---|"]
         lines += [
-            f"| {int(count):,d} ({row['samples']:,d}) | {row['manifest_mb']:.1f} MB "
+            f"| {int(count):,d} ({row['samples']:,d}) | {_size(row)} "
             f"| {row['first_batch']['seconds']:.2f} s | {row['first_batch']['seconds'] / smallest:.2f}x |"
             for count, row in results.items()
         ]
@@ -282,9 +291,9 @@ def report(results: dict[str, Any]) -> str:
     for count, row in results.items():
         workers = row["first_batch"]["workers"]
         lines.append(
-            f"| {int(count):,d} ({row['samples']:,d}) | {row['manifest_mb']:.1f} MB "
+            f"| {int(count):,d} ({row['samples']:,d}) | {_size(row)} "
             f"| {row['open_stream']['seconds']:.3f} s, +{row['open_stream']['rss_mb']:.0f} MB,"
-            f" {row['open_stream']['read_mb']:.1f} MB "
+            f" {1000 * row['open_stream']['read_mb']:.0f} kB "
             f"| {row['open_map']['seconds']:.3f} s, +{row['open_map']['rss_mb']:.0f} MB "
             f"| {row['first_batch']['seconds']:.2f} s "
             f"| {statistics.mean(w['uss'] for w in workers):.0f} MB "
@@ -297,7 +306,7 @@ def report(results: dict[str, Any]) -> str:
     for count, row in results.items():
         opened, first = row["open_rank"], row["rank_first_batch"]
         lines.append(
-            f"| {int(count):,d} | {opened['seconds']:.3f} s, +{opened['rss_mb']:.0f} MB, {opened['read_mb']:.1f} MB "
+            f"| {int(count):,d} | {opened['seconds']:.3f} s, +{opened['rss_mb']:.0f} MB, {1000 * opened['read_mb']:.0f} kB "
             f"| {first['seconds']:.2f} s | {first['seconds'] / smallest['rank_first_batch']['seconds']:.2f}x "
             f"| {statistics.mean(w['uss'] for w in first['workers']):.0f} MB |"
         )

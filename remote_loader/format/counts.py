@@ -33,6 +33,8 @@ class Counts(Protocol):
 def block_totals(counts: Counts, rows: int) -> np.ndarray:
     """Samples in each block of ``rows`` shards: shards ``[b * rows, (b + 1) * rows)``, the last one shorter."""
     n = len(counts)
+    if 0 < n <= rows:  # one block: no running sum over every shard (one count per shard holds it apart)
+        return np.array([counts.total], dtype=np.int64)
     edges = np.minimum(np.arange(0, n + rows, rows, dtype=np.int64), n) if n else np.zeros(1, dtype=np.int64)
     return np.diff(counts.prefix(edges))
 
