@@ -306,7 +306,8 @@ def report(results: dict[str, Any]) -> str:
     for count, row in results.items():
         opened, first = row["open_rank"], row["rank_first_batch"]
         lines.append(
-            f"| {int(count):,d} | {opened['seconds']:.3f} s, +{opened['rss_mb']:.0f} MB, {1000 * opened['read_mb']:.0f} kB "
+            f"| {int(count):,d} | {opened['seconds']:.3f} s, +{opened['rss_mb']:.0f} MB,"
+            f" {1000 * opened['read_mb']:.0f} kB "
             f"| {first['seconds']:.2f} s | {first['seconds'] / smallest['rank_first_batch']['seconds']:.2f}x "
             f"| {statistics.mean(w['uss'] for w in first['workers']):.0f} MB |"
         )

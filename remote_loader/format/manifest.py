@@ -16,13 +16,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
-import numpy as np
 
 from remote_loader.checksum import crc32
 from remote_loader.errors import CorruptShard
+from remote_loader.format import pages as paging
 from remote_loader.format.columns import column
 from remote_loader.format.index import check_version, require, unpack
-from remote_loader.format import pages as paging
 from remote_loader.format.pages import Load, PagedTable, decode_paged, encode_pages
 from remote_loader.format.table import COLUMNS, ENTRY_FIELDS, ShardEntry, ShardTable, decode_columns, decode_rows
 

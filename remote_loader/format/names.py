@@ -147,7 +147,7 @@ def decode_names(raw: dict[str, Any], count: int, name: str | None, *, allow_emp
     widths = raw.get("widths")
     parts, widths = template_parts(raw, count, name, numbers=not allow_empty and isinstance(numbers, list)
                                    and isinstance(widths, list) and len(numbers) == len(widths))
-    arrays = tuple(array(column, count, f"names number column {j}", name) for j, column in enumerate(numbers))
+    arrays = tuple(array(column, count, f"names number column {j}", name) for j, column in enumerate(numbers or ()))
     template = TemplateNames(tuple(parts), tuple(widths), arrays, count)
     if not increasing(arrays):
         raise manifest_error(name, "template name numbers are not in strictly increasing order")

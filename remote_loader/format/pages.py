@@ -189,7 +189,7 @@ class PagedTable(Sequence[ShardEntry]):
 
     def __init__(self, count: int, counts: RunCounts, parts: tuple[str, ...], widths: tuple[int, ...],
                  directory: Directory, load: Load | None, total_bytes: int, name: str | None) -> None:
-        self.count, self.counts, self.parts, self.widths = count, counts, parts, widths
+        self.num_shards, self.counts, self.parts, self.widths = count, counts, parts, widths
         self.directory, self.load, self.total_bytes, self.name = directory, load, total_bytes, name
         self.columns_named = columns_of(len(widths))
         self.keep = _CACHED_PAGES
@@ -199,7 +199,8 @@ class PagedTable(Sequence[ShardEntry]):
         """A lock and reads of this process's own; pages read before a fork are kept."""
         self._pid = os.getpid()
         self._lock = threading.Lock()
-        self._pages: OrderedDict[int, tuple[np.ndarray, ...]] = getattr(self, "_pages", OrderedDict())
+        kept: OrderedDict[int, tuple[np.ndarray, ...]] | None = self.__dict__.get("_pages")
+        self._pages = kept if kept is not None else OrderedDict()
         self._reading: dict[int, Future[tuple[np.ndarray, ...]]] = {}
         self.pages_read = 0
 
@@ -223,7 +224,7 @@ class PagedTable(Sequence[ShardEntry]):
         return self.counts.total
 
     def __len__(self) -> int:
-        return self.count
+        return self.num_shards
 
     def render(self, i: int, numbers: Sequence[int]) -> str:
         out = [self.parts[0]]
@@ -275,7 +276,7 @@ class PagedTable(Sequence[ShardEntry]):
     def _parse(self, p: int, data: bytes) -> tuple[np.ndarray, ...]:
         d = self.directory
         first = p * d.rows
-        rows = min(d.rows, self.count - first)
+        rows = min(d.rows, self.num_shards - first)
         where = f"page {p} (shards {first}-{first + rows - 1})"
         if len(data) != int(d.offsets[p + 1] - d.offsets[p]) or crc32(data) != int(d.crcs[p]):
             raise CorruptShard(f"manifest {self.name}: {where} fails its crc32 check", name=self.name)
@@ -322,7 +323,7 @@ class PagedTable(Sequence[ShardEntry]):
     def __getitem__(self, i: int | slice) -> ShardEntry | list[ShardEntry]:
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
-        n = self.count
+        n = self.num_shards
         if not -n <= i < n:
             raise IndexError(f"shard {i} out of range: the manifest lists {n}")
         i %= n
@@ -341,8 +342,8 @@ class PagedTable(Sequence[ShardEntry]):
         joined = [np.concatenate([page[k].astype(np.uint64) for page in pages]) if pages else np.zeros(0, np.uint64)
                   for k in range(len(self.columns_named))]
         columns = dict(zip(PAGE_COLUMNS, joined[:5], strict=True))
-        columns["samples"] = self.counts.take(np.arange(self.count, dtype=np.int64))
+        columns["samples"] = self.counts.take(np.arange(self.num_shards, dtype=np.int64))
         return ShardTable.from_template(columns, self.parts, self.widths, joined[5:])
 
     def __repr__(self) -> str:
-        return f"PagedTable({self.count} shards, pages of {self.directory.rows})"
+        return f"PagedTable({self.num_shards} shards, pages of {self.directory.rows})"

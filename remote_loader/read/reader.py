@@ -14,8 +14,6 @@ from dataclasses import dataclass, field
 from functools import cached_property, partial
 from typing import Any, TypeVar
 
-import numpy as np
-
 from remote_loader.checksum import crc32
 from remote_loader.config import FetchConfig
 from remote_loader.errors import (
@@ -40,7 +38,6 @@ from remote_loader.read.metrics import Metrics
 from remote_loader.read.retry import RetryPolicy
 from remote_loader.read.whole import fetch_whole
 from remote_loader.storage import Location, Store, as_store
-
 
 T = TypeVar("T")
 

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from remote_loader.errors import ConfigError
+from remote_loader.format.counts import ArrayCounts
 from remote_loader.pipeline.intervals import merge
 from remote_loader.pipeline.order import (
     Mixing,
@@ -24,7 +25,6 @@ from remote_loader.pipeline.order import (
     undelivered_at,
 )
 from remote_loader.pipeline.resume.states import Remainder, encode, gather, parse
-from remote_loader.format.counts import ArrayCounts
 from remote_loader.pipeline.split import EpochOrder, PlanSpans, divide, worker_bounds
 
 SEEDS = ((1, 0, 0, 0, 1), (1, 0, 0, 0, 2))
