@@ -33,7 +33,7 @@ def narrow(values: np.ndarray) -> np.ndarray:
     top = int(values.max()) if len(values) else 0
     for dtype in DTYPES.values():
         if top < 1 << (8 * dtype.itemsize):
-            return values.astype(dtype)
+            return values.astype(dtype, copy=False)
     raise ValueError(f"value {top} does not fit 64 bits")
 
 
@@ -58,7 +58,8 @@ def increasing(columns: Sequence[np.ndarray]) -> bool:
 
 def array(column: Any, count: int, what: str, name: str | None) -> np.ndarray:
     """A column's array, after checking its dtype and that its bytes hold exactly ``count`` values."""
-    if not isinstance(column, dict) or column.get("dtype") not in DTYPES or not isinstance(column.get("data"), bytes):
+    if not isinstance(column, dict) or not isinstance(column.get("dtype"), str) or column["dtype"] not in DTYPES \
+            or not isinstance(column.get("data"), bytes):
         raise manifest_error(name, f"{what} is not a map of a dtype ({', '.join(DTYPES)}) and bytes")
     dtype = DTYPES[column["dtype"]]
     if len(column["data"]) != count * dtype.itemsize:

@@ -90,11 +90,11 @@ class Manifest:
         assert pages is None
         return head
 
-    def encode_parts(self, pages_object: str | None) -> tuple[bytes, bytes | None]:
+    def encode_parts(self, pages_object: str | None) -> tuple[bytes, bytes | bytearray | None]:
         """The head and, for version 3 with pages over ``INLINE_BYTES`` (and ``pages_object``
         given), the pages' bytes to put at ``pages_object`` before the head."""
         body: dict[str, Any] = {"format": FORMAT_NAME, "version": self.version, "fields": list(self.fields)}
-        pages = None
+        pages: bytes | bytearray | None = None
         if self.version == 3:
             table = self.shards if isinstance(self.shards, ShardTable) else self.shards.table()
             parts, pages = encode_pages(table)

@@ -89,7 +89,7 @@ class ShardTable(Sequence[ShardEntry]):
         """A table whose names follow a template (see docs/FORMAT.md), built from arrays:
         ``parts[0] + numbers[0][i] zero-padded to widths[0] + parts[1] + ...``."""
         count = len(numbers[0]) if numbers else len(columns["samples"])
-        return cls({c: narrow(np.asarray(columns[c], dtype=np.uint64)) for c in COLUMNS},
+        return cls({c: narrow(_unsigned(columns[c])) for c in COLUMNS},
                    TemplateNames(tuple(parts), tuple(widths), tuple(narrow(np.asarray(a)) for a in numbers), count))
 
     @property
@@ -148,6 +148,12 @@ class ShardTable(Sequence[ShardEntry]):
 
     def __repr__(self) -> str:
         return f"ShardTable({len(self)} shards)"
+
+
+def _unsigned(values: np.ndarray) -> np.ndarray:
+    """``values`` as unsigned integers: as they are if they are already."""
+    values = np.asarray(values)
+    return values if values.dtype.kind == "u" else values.astype(np.uint64)
 
 
 def decode_rows(raw: dict[str, Any], name: str | None) -> ShardTable:

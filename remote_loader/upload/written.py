@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from remote_loader.format import ShardTable
+from remote_loader.format.columns import narrow
 from remote_loader.upload.tasks import TaskResult, shard_name
 
 NUMBERS = ("samples", "size", "index_offset", "index_size", "index_crc", "crc32")
@@ -45,15 +46,26 @@ class Written:
         return tuple(reason for task in sorted(self._reasons) for reason in self._reasons[task])[:_REASONS]
 
     def table(self) -> ShardTable:
-        """The shards in task order, named ``shard-<run>-<task>-<part>.tar`` by a template
-        (see docs/FORMAT.md: one number when every task wrote one part, none for one shard)."""
+        """Once, when every task is in: the shards in task order, named ``shard-<run>-<task>-<part>.tar`` by a template
+        (see docs/FORMAT.md: one number when every task wrote one part, none for one shard).
+        Each task's rows are let go as they are copied into the columns, each in its
+        narrowest type, so the rows and the columns are not held whole at once."""
         tasks = sorted(self._rows)
-        rows = np.concatenate([self._rows[t] for t in tasks]) if tasks else np.zeros((0, len(NUMBERS)), np.uint64)
         lengths = [len(self._rows[t]) for t in tasks]
-        columns = {c: rows[:, j] for j, c in enumerate(NUMBERS)}
-        numbers = np.repeat(np.array(tasks, dtype=np.uint64), lengths)
-        parts = np.concatenate([np.arange(n, dtype=np.uint64) for n in lengths]) if tasks else numbers
-        if len(rows) == 1:
+        tops = np.zeros(len(NUMBERS), dtype=np.uint64)
+        for rows in self._rows.values():
+            if len(rows):
+                np.maximum(tops, rows.max(axis=0), out=tops)
+        columns = {c: np.empty(sum(lengths), dtype=narrow(tops[j : j + 1]).dtype) for j, c in enumerate(NUMBERS)}
+        at = 0
+        for task in tasks:
+            rows = self._rows.pop(task)
+            for j, c in enumerate(NUMBERS):
+                columns[c][at : at + len(rows)] = rows[:, j]
+            at += len(rows)
+        numbers = np.repeat(narrow(np.array(tasks, dtype=np.uint64)), lengths)
+        parts = np.concatenate([np.arange(n, dtype=np.uint32) for n in lengths]) if tasks else numbers
+        if sum(lengths) == 1:
             return ShardTable.from_template(columns, (shard_name(self.run, tasks[lengths.index(1)], 0),), (), ())
         if not len(parts) or int(parts.max()) == 0:
             return ShardTable.from_template(columns, (f"shard-{self.run}-", "-000.tar"), (6,), (numbers,))

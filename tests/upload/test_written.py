@@ -23,16 +23,18 @@ def result(task: int, parts: int, **extra) -> TaskResult:
     ({4: 1}, ([f"shard-{RUN}-000004-000.tar"], [])),
     ({0: 1, 1: 1, 7: 1}, ([f"shard-{RUN}-", "-000.tar"], [6])),
     ({0: 2, 1: 0, 2: 3}, ([f"shard-{RUN}-", "-", ".tar"], [6, 3])),
+    ({0: 2, 1: 1}, ([f"shard-{RUN}-", "-", ".tar"], [6, 3])),  # the last task one shard, not the upload
 ])
 def test_the_shards_come_back_in_task_order_under_the_documented_template(parts, template):
     written = Written(RUN)
     results = [result(task, n) for task, n in parts.items()]
     for r in reversed(results):  # tasks finish in any order
         written.add(r)
-    encoded = Manifest(shards=written.table(), fields=("cls",), version=2).encode()
+    table = written.table()
+    encoded = Manifest(shards=table, fields=("cls",), version=2).encode()
     names = Manifest.decode(encoded, name="m").shards.names
     assert [names.parts, names.widths] == [tuple(template[0]), tuple(template[1])]
-    assert list(written.table()) == [e for r in results for e in r.entries]
+    assert list(table) == [e for r in results for e in r.entries]
 
 
 def test_skips_and_their_reasons_are_kept_in_task_order():
