@@ -15,7 +15,7 @@ from functools import cached_property, partial
 from typing import Any, TypeVar
 
 from remote_loader.checksum import crc32
-from remote_loader.config import FetchConfig
+from remote_loader.config import FetchConfig, require_int
 from remote_loader.errors import (
     CorruptSampleError,
     CorruptShard,
@@ -87,7 +87,7 @@ class DatasetReader:
         self.location = Location(bucket, base_folder, self.client.path_of(bucket, base_folder))
         self.verify = verify
         self.fetch = fetch or FetchConfig()
-        self.cache_pages = cache_pages
+        self.cache_pages = require_int("cache_pages", cache_pages, 1)
         self._identity: int | None = None  # of the manifest read
         self.round_trip: float | None = None
         """Seconds the manifest's first GET took beyond its transfer at 1 GB/s, once read: a

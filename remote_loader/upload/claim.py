@@ -123,9 +123,13 @@ class _Kept:
         return name == self.pages or name in self.table.names
 
 
-def names_of(store: Store, location: Location, data: bytes) -> Container[str]:
-    """The shard names (and pages object) of the manifest ``data`` at ``location``, its pages read
-    from ``store`` if kept apart."""
+def names_of(store: Store, location: Location, data: bytes, run: str) -> Container[str]:
+    """Those of upload ``run``'s objects that the manifest ``data`` at ``location`` names
+    (shards, pages object): none unless it is that run's own (two processes finishing one
+    upload); then its pages are read from ``store`` if kept apart."""
+    if Manifest.decode(data, name=location.key(MANIFEST_NAME)).params.get("upload_id") != run:
+        return ()
+
     def load(pages: str, size: int, start: int, end: int, parse: Callable[[bytes], Any]) -> Any:
         return parse(store.get_range(location.bucket, location.key(pages), start, end))
 
@@ -193,7 +197,7 @@ def switch(store: Store, location: Location, manifest: bytes, record: bytes, run
             ) from None
     except UploadConflict:
         now = read_versioned(store, location.bucket, key)
-        keep: Container[str] = () if now is None else names_of(store, location, now[0])
+        keep: Container[str] = () if now is None else names_of(store, location, now[0], run)
         delete_run(store, location, run, keep=keep)
         release(store, location, record)
         raise

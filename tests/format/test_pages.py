@@ -3,6 +3,7 @@ every malformed head or page is refused by name (pure, no server)."""
 
 from __future__ import annotations
 
+import pickle
 import struct
 import zlib
 
@@ -115,6 +116,10 @@ def column(values, width: int | None = None) -> dict:
     (lambda r: r["pages"].update(data=b"x"), "neither an object's name nor their bytes inline"),
     (lambda r: r["names"].update(parts=["shard-", "7", ".tar"]), "must be non-empty and start with"),
     (lambda r: r.update(bytes=-1), "byte total"),
+    # lengths whose 64-bit sum wraps around to the shard count
+    (lambda r: r["samples"].update(runs=2, values=column([7, 3]), lengths=column([2**64 - 5, 15])), "more than the"),
+    (lambda r: r["pages"]["crcs"].update(dtype={"<u4": 1}), "pages crcs is not a map of a dtype"),
+    (lambda r: r["pages"].update(rows=1 << 17), "a page holds 1 to 65,536"),  # a block made whole: bounded
 ])
 def test_a_malformed_head_is_refused_saying_what_is_wrong(monkeypatch, change, message):
     raw, body = head_map(monkeypatch)
@@ -198,3 +203,9 @@ def test_a_manifest_of_ten_million_shards_opens_from_a_head_of_kilobytes(monkeyp
     shards = Manifest.decode(head, name="m", load=pages).shards
     assert shards.counts.total == 10**10 and len(shards.counts.values) == 1
     assert shards[9_999_999].name == "shard-0a1b2c3d-9999999-000.tar" and len(pages.reads) == 1
+
+
+def test_a_table_with_its_pages_inline_pickles_and_reads_the_same():
+    t = table(10)
+    shards = Manifest.decode(Manifest(shards=t, fields=("cls",), version=3).encode(), name="m").shards
+    assert list(pickle.loads(pickle.dumps(shards))) == list(t)

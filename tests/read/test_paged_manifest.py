@@ -11,9 +11,10 @@ from collections import Counter
 import msgpack
 import pytest
 
-from remote_loader import CorruptShard, DatasetChanged, RemoteDataset, RemoteMapDataset
+from remote_loader import ConfigError, CorruptShard, DatasetChanged, RemoteDataset, RemoteMapDataset
 from remote_loader.format import MANIFEST_NAME
 from remote_loader.format import pages as paging
+from remote_loader.read.reader import DatasetReader
 from remote_loader.testing.synthetic import SyntheticImages
 from tests.helpers import upload
 
@@ -84,6 +85,13 @@ def test_states_taken_on_two_ranks_resume_on_three_exactly_once(paged):
         dataset.load_state_dict(states)
         rest += keys(dataset)
     assert len(seen) == 22 and Counter(seen + rest) == Counter(f"{i:06d}" for i in range(SAMPLES))
+
+
+def test_a_page_cache_of_no_pages_is_refused(paged):
+    client, bucket = paged
+    for bad in (0, -1):
+        with pytest.raises(ConfigError, match="cache_pages"):
+            DatasetReader(client, bucket, "ds", cache_pages=bad)
 
 
 def test_damaged_pages_are_refused_naming_the_page(paged):
