@@ -16,8 +16,8 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
-from functools import partial
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, overload
 
 import numpy as np
