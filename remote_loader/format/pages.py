@@ -192,7 +192,8 @@ def decode_paged(raw: dict[str, Any], name: str | None, load: Load | None) -> Pa
 
 class PagedTable(Sequence[ShardEntry]):
     """Every shard of a manifest read by parts: ``table[i]`` reads shard ``i``'s page if it is
-    not among the last pages read (thread-safe; a forked process starts its own cache).
+    not among the last pages read (thread-safe; a forked process keeps the pages read before
+    the fork, with a lock of its own).
 
     Args:
         count: Shards.
