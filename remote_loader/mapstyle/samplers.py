@@ -27,7 +27,8 @@ from torch.utils.data import Sampler
 
 from remote_loader.config import current_world, require_int
 from remote_loader.errors import ConfigError
-from remote_loader.format.order import shard_order
+from remote_loader.format.counts import ArrayCounts, Counts
+from remote_loader.format.order import EpochOrder
 from remote_loader.mapstyle.dataset import RemoteMapDataset
 
 _BLOCK = 1 << 16  # positions turned into indices at a time
@@ -150,14 +151,14 @@ class _EpochSampler(Sampler[int]):
         return epoch, delivered
 
 
-def _sizes(shard_sizes: Sequence[int] | RemoteMapDataset) -> np.ndarray:
+def _counts(shard_sizes: Sequence[int] | RemoteMapDataset) -> tuple[Counts, int | None]:
+    """Samples per shard, and the blocks of the epoch's shard order (None: one block)."""
     if isinstance(shard_sizes, RemoteMapDataset):
-        counts = shard_sizes.reader.counts
-        return counts.take(np.arange(len(counts), dtype=np.int64))
+        return shard_sizes.reader.counts, shard_sizes.reader.manifest.shards.rows
     sizes = np.asarray(shard_sizes, dtype=np.int64)
     if sizes.ndim != 1 or (sizes < 0).any():
         raise ConfigError("shard_sizes must be a list of sample counts >= 0, one per shard")
-    return sizes
+    return ArrayCounts(sizes), None
 
 
 class LocalitySampler(_EpochSampler):
@@ -165,8 +166,10 @@ class LocalitySampler(_EpochSampler):
 
     A batch then draws from about ``window`` shards instead of from ``batch`` shards, so
     ``RemoteMapDataset.__getitems__`` merges its samples into fewer, larger GETs. Larger
-    windows mix better and cost more GETs per batch. Memory: a few arrays of one number per
-    shard, and one window's samples.
+    windows mix better and cost more GETs per batch. The shards come in the epoch's shard
+    order of the streaming dataset: for a manifest read by pages (version 3), blocks of a
+    page's shards, so the windows that follow one another read one page. Memory: the
+    order of the blocks, one block's shards, and one window's samples.
 
     Args:
         shard_sizes: Samples per shard in manifest order, or a ``RemoteMapDataset``.
@@ -188,41 +191,46 @@ class LocalitySampler(_EpochSampler):
         world_size: int | None = None,
     ) -> None:
         self.window = require_int("window", window, 1)
-        self.sizes = _sizes(shard_sizes)
-        self.starts = np.concatenate([[0], np.cumsum(self.sizes)[:-1]]).astype(np.int64)
-        super().__init__(int(self.sizes.sum()), seed, rank, world_size)
-        self._layout: tuple[int, np.ndarray, np.ndarray] | None = None  # epoch, shard order, window ends
+        self.counts, self.rows = _counts(shard_sizes)
+        if self.rows is not None:
+            self.order_version = 3  # windows inside blocks of a page's shards
+        super().__init__(self.counts.total, seed, rank, world_size)
+        self._epoch_order: EpochOrder | None = None
 
-    def _epoch_layout(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-        if self._layout is None or self._layout[0] != epoch:
-            shards = shard_order(len(self.sizes), self.seed, epoch)
-            ends = np.cumsum(self.sizes[shards])[
-                np.minimum(np.arange(self.window, len(shards) + self.window, self.window), len(shards)) - 1
-            ]
-            self._layout = (epoch, shards, ends)
-        return self._layout[1], self._layout[2]
+    def _order(self, epoch: int) -> EpochOrder:
+        if self._epoch_order is None or self._epoch_order.epoch != epoch:
+            self._epoch_order = EpochOrder(self.counts, self.rows, self.seed, epoch, True)
+        return self._epoch_order
 
-    def _in_window(self, epoch: int, w: int, shards: np.ndarray, offsets: np.ndarray) -> np.ndarray:
-        """The samples at ``offsets`` of window ``w``'s order: a seeded bijection of the
-        window's samples (its shards' samples, one after another), computed for these
-        offsets only."""
-        group = shards[w * self.window : (w + 1) * self.window]
-        ends = np.cumsum(self.sizes[group])
-        keys = np.random.default_rng([self.seed, epoch, 1, w]).integers(
+    def _in_window(self, epoch: int, window: int, shards: np.ndarray, ends: np.ndarray,
+                   offsets: np.ndarray) -> np.ndarray:
+        """The samples at ``offsets`` of a window's order: a seeded bijection of the window's
+        samples (``shards``, one after another; ``ends``: the position past each), computed
+        for these offsets only."""
+        sizes = self.counts.take(shards)
+        ends = ends - (ends[0] - sizes[0])  # samples past each shard, from the window's start
+        keys = np.random.default_rng([self.seed, epoch, 1, window]).integers(
             0, 2**63, size=_Bijection.rounds, dtype=np.uint64
         )
         drawn = _Bijection(int(ends[-1]), keys)(offsets)
         k = np.searchsorted(ends, drawn, side="right")
-        return self.starts[group[k]] + drawn - (ends[k] - self.sizes[group[k]])
+        return self.counts.prefix(shards[k]) + drawn - (ends[k] - sizes[k])
 
     def indices(self, epoch: int, positions: np.ndarray) -> np.ndarray:
-        shards, ends = self._epoch_layout(epoch)
-        windows = np.searchsorted(ends, positions, side="right")
+        order = self._order(epoch)
         out = np.empty(len(positions), dtype=np.int64)
-        for w in np.unique(windows):
-            chosen = windows == w
-            first = int(ends[w - 1]) if w > 0 else 0
-            out[chosen] = self._in_window(epoch, int(w), shards, positions[chosen] - first)
+        blocks = np.searchsorted(order.ends, positions, side="right")
+        per_block = -(-order.rows // self.window)  # windows of a block: none spans two
+        for k in np.unique(blocks).tolist():
+            shards, ends = order.block(k)
+            chosen = np.flatnonzero(blocks == k)
+            windows = np.searchsorted(ends, positions[chosen], side="right") // self.window
+            for w in np.unique(windows).tolist():
+                inside = chosen[windows == w]
+                first, last = w * self.window, min((w + 1) * self.window, len(shards))
+                start = int(ends[first] - self.counts.take(shards[first : first + 1])[0])
+                out[inside] = self._in_window(epoch, k * per_block + w, shards[first:last], ends[first:last],
+                                              positions[inside] - start)
         return out
 
     def order(self) -> np.ndarray:

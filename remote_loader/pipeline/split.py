@@ -15,7 +15,6 @@ by at most one.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,8 +22,8 @@ from typing import Any
 import numpy as np
 
 from remote_loader.errors import ConfigError
-from remote_loader.format.counts import Counts, block_totals
-from remote_loader.format.order import block_shards, shard_order
+from remote_loader.format.counts import Counts
+from remote_loader.format.order import EpochOrder, shard_order
 
 
 @dataclass(frozen=True)
@@ -40,85 +39,6 @@ class Span:
     def __len__(self) -> int:
         return self.end - self.start
 
-
-
-class EpochOrder:
-    """One epoch's shard order, as blocks: the order of the blocks, and each block's shards in
-    order, made when a block is first asked for and kept for the next few.
-
-    A manifest read by pages (version 3) is ordered in blocks of its page's rows: the blocks
-    in ``shard_order(blocks, seed, epoch)``, each block's shards in ``block_shards``'s order,
-    so a rank's share is a run of blocks and it reads the pages of those blocks only. Versions
-    1 and 2 are one block of every shard in ``shard_order(shards, seed, epoch)``: the order
-    saved states were taken with.
-    """
-
-    def __init__(self, counts: Counts, rows: int | None, seed: int, epoch: int, shuffle: bool) -> None:
-        n = len(counts)
-        self.counts, self.seed, self.epoch, self.shuffle = counts, seed, epoch, shuffle
-        self.whole = rows is None
-        self.rows = max(n, 1) if rows is None else rows
-        blocks = -(-n // self.rows)
-        self.blocks = np.arange(blocks) if self.whole else shard_order(blocks, seed, epoch, shuffle)
-        self.sizes = block_totals(counts, self.rows)[self.blocks]
-        self.ends = np.cumsum(self.sizes)  # the position past each block, in the epoch's order
-        self.total = int(self.ends[-1]) if blocks else 0
-        self._index_type = np.int32 if n < 2**31 else np.int64
-        self._made: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_made": OrderedDict()}
-
-    def block(self, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """The ``k``-th block of the epoch: its shards in order, and the position past each."""
-        made = self._made.get(k)
-        if made is not None:
-            return made
-        n, b = len(self.counts), int(self.blocks[k])
-        if self.whole:
-            shards = shard_order(n, self.seed, self.epoch, self.shuffle)
-        else:
-            shards = block_shards(b, self.rows, n, self.seed, self.epoch, self.shuffle)
-        shards = shards.astype(self._index_type)
-        ends = int(self.ends[k] - self.sizes[k]) + np.cumsum(self.counts.take(shards))
-        self._made[k] = shards, ends
-        while len(self._made) > _KEPT_BLOCKS:
-            self._made.popitem(last=False)
-        return shards, ends
-
-    def pieces(self, first: int, last: int) -> list[tuple[int, int, int]]:
-        """Positions ``[first, last)`` as pieces within one block each: (the block's place ``k``
-        in the epoch's order, and the piece's first and last position)."""
-        if first >= last:
-            return []
-        k0, k1 = (int(k) for k in np.searchsorted(self.ends, [first, last - 1], side="right"))
-        return [(k, max(first, int(self.ends[k] - self.sizes[k])), min(last, int(self.ends[k])))
-                for k in range(k0, k1 + 1)]
-
-    def piece(self, k: int, first: int, last: int) -> tuple[np.ndarray, int, int, int]:
-        """A piece made: (the shards holding positions ``[first, last)`` of block ``k``, in
-        order; the position where the first of them begins; ``first``; ``last``)."""
-        shards, ends = self.block(k)
-        i, j = (int(x) for x in np.searchsorted(ends, [first, last - 1], side="right"))
-        begin = int(ends[i]) - int(self.counts.take(shards[i : i + 1])[0])
-        return shards[i : j + 1].copy(), begin, first, last
-
-    def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The shard (its number in the manifest) and the sample in it at each of ``positions``."""
-        positions = np.asarray(positions, dtype=np.int64)
-        blocks = np.searchsorted(self.ends, positions, side="right")
-        shards = np.empty(len(positions), dtype=np.int64)
-        samples = np.empty(len(positions), dtype=np.int64)
-        for k in np.unique(blocks).tolist():
-            chosen = blocks == k
-            order, ends = self.block(k)
-            i = np.searchsorted(ends, positions[chosen], side="right")
-            shards[chosen] = order[i]
-            samples[chosen] = positions[chosen] - (ends[i] - self.counts.take(order[i]))
-        return shards, samples
-
-
-_KEPT_BLOCKS = 4
 
 
 class EpochOrders:

@@ -11,7 +11,14 @@ from collections import Counter
 import msgpack
 import pytest
 
-from remote_loader import ConfigError, CorruptShard, DatasetChanged, RemoteDataset, RemoteMapDataset
+from remote_loader import (
+    ConfigError,
+    CorruptShard,
+    DatasetChanged,
+    LocalitySampler,
+    RemoteDataset,
+    RemoteMapDataset,
+)
 from remote_loader.format import MANIFEST_NAME
 from remote_loader.format import pages as paging
 from remote_loader.read.reader import DatasetReader
@@ -70,6 +77,21 @@ def test_random_access_reads_any_sample_by_its_page(paged):
     assert sorted(one_by_one) == [f"{i:06d}" for i in range(SAMPLES)]
     batch = RemoteMapDataset(client, bucket, "ds").__getitems__(list(range(SAMPLES - 1, -1, -7)))
     assert [s["__key__"] for s in batch] == one_by_one[::-1][::7]
+
+
+def test_a_locality_sampler_reads_each_page_once_an_epoch(paged):
+    """Its windows follow the blocks of the epoch's order: one page at a time (two where a
+    batch spans two blocks), each once."""
+    client, bucket = paged
+    mapped = RemoteMapDataset(client, bucket, "ds", cache_pages=2)
+    seen: Counter[str] = Counter()
+    for rank in range(2):
+        sampler = LocalitySampler(mapped, window=2, seed=4, rank=rank, world_size=2)
+        indices = list(sampler)
+        for first in range(0, len(indices), 8):
+            seen.update(s["__key__"] for s in mapped.__getitems__(indices[first : first + 8]))
+    assert seen == Counter(f"{i:06d}" for i in range(SAMPLES))
+    assert mapped.reader.manifest.shards.pages_read <= 8 + 2  # 8 pages; a rank's edge may share one
 
 
 def test_states_taken_on_two_ranks_resume_on_three_exactly_once(paged):
