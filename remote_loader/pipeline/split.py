@@ -23,7 +23,7 @@ import numpy as np
 
 from remote_loader.errors import ConfigError
 from remote_loader.format.counts import Counts
-from remote_loader.format.order import EpochOrder, shard_order
+from remote_loader.format.order import EpochOrder
 
 
 @dataclass(frozen=True)

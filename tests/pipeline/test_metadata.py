@@ -13,8 +13,7 @@ import pytest
 from torch.utils.data import DataLoader
 
 from remote_loader import DatasetChanged, RemoteMapDataset
-from remote_loader.format import MANIFEST_NAME, Manifest
-from remote_loader.format import order
+from remote_loader.format import MANIFEST_NAME, Manifest, order
 from remote_loader.pipeline.dataset import RemoteDataset
 from remote_loader.testing.synthetic import SyntheticImages
 from tests.helpers import upload_to_new_bucket
