@@ -1,14 +1,15 @@
-"""What the epoch split holds at many shards: today's order against an order by blocks of shards.
+"""What the epoch split holds at many shards: the order of a version 2 manifest against the
+order by blocks of a version 3 manifest.
 
     python benchmarks/split_memory.py [--shards 10000000] [--block 4096]
 
-Today (``pipeline/split.py``), each epoch's shard order is a permutation of every shard, and
-positions are found through the cumulative sample counts along it: two arrays over all
-shards, made in every process that splits the epoch. The alternative measured beside it
-permutes blocks of ``--block`` consecutive shards, then each block's shards when a reader
-reaches it, with sample counts kept as runs (a full upload is one run of full shards per
-task): what a rank of 8 then touches is its share of the blocks. Each part is measured in a
-fresh process (RSS added, seconds).
+A manifest of version 1 or 2 orders an epoch as one permutation of every shard, positions
+found through the cumulative sample counts along it: two arrays over all shards, made in
+every process that splits the epoch. Version 3 permutes blocks of ``--block`` consecutive
+shards (a page's), then each block's shards when a reader reaches it, with sample counts
+kept as runs (a full upload is one run of full shards per task): what a rank of 8 then
+touches is its share of the blocks. Both are ``format.order.EpochOrder``; each is measured
+in a fresh process (RSS added, seconds), up to rank 3 of 8's first block made.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import textwrap
 _CHILD = textwrap.dedent("""
     import json, sys, time
     import numpy as np
-    from remote_loader.pipeline.split import EpochOrders
+    from remote_loader.format.counts import ArrayCounts, RunCounts
+    from remote_loader.format.order import EpochOrder
 
     def rss():
         with open("/proc/self/statm") as f:
@@ -35,27 +37,14 @@ _CHILD = textwrap.dedent("""
     lengths[-2] += shards - int(lengths.sum())
     before, t0 = rss(), time.perf_counter()
     if mode == "today":
-        counts = np.repeat(values, lengths)  # what the reader holds today: one count per shard
-        order, ends = EpochOrders().get(counts, 0, 0, True, keep=True)
-        touched = 1.0
+        counts = ArrayCounts(np.repeat(values, lengths))  # a version 2 manifest: one count per shard
+        order = EpochOrder(counts, None, 0, 0, True)
     else:
-        starts = np.concatenate([[0], np.cumsum(lengths)])
-        totals = np.concatenate([[0], np.cumsum(values * lengths)])
-
-        def before_shard(x):  # samples in shards [0, x)
-            run = np.minimum(np.searchsorted(starts, x, side="right") - 1, len(values) - 1)
-            return totals[run] + (x - starts[run]) * values[run]
-
-        edges = np.minimum(np.arange(0, shards + block, block), shards)
-        blocks = np.diff(before_shard(edges))
-        order = np.random.default_rng([0, 0]).permutation(len(blocks))
-        ends = np.cumsum(blocks[order])
-        total = int(ends[-1])
-        first, last = np.searchsorted(ends, [3 * total // 8, 4 * total // 8 - 1], side="right")
-        touched = (int(last) - int(first) + 1) / len(blocks)
-        k = int(order[first])  # the first block rank 3 of 8 reads: its shards' order and counts
-        inner = np.random.default_rng([0, 0, k]).permutation(int(edges[k + 1] - edges[k])) + edges[k]
-        _ = before_shard(inner + 1) - before_shard(inner)
+        order = EpochOrder(RunCounts(values, lengths), block, 0, 0, True)
+    total = order.total
+    pieces = order.pieces(3 * total // 8, 4 * total // 8)
+    touched = len(pieces) / len(order.blocks)
+    order.piece(*pieces[0])  # rank 3 of 8's first block: its shards' order and where each ends
     print(json.dumps({"seconds": time.perf_counter() - t0, "rss_mb": rss() - before, "rank_3_of_8_touches": touched}))
 """)
 
@@ -67,8 +56,8 @@ def main() -> None:
     args = parser.parse_args()
     print(f"| {args.shards:,d} shards | seconds | RSS added | share of the per-shard rows rank 3 of 8 touches |")
     print("|---|---|---|---|")
-    for mode, label in (("today", "today: a permutation of every shard"),
-                        ("blocks", f"blocks of {args.block:,d} shards, counts as runs")):
+    for mode, label in (("today", "version 2: a permutation of every shard"),
+                        ("blocks", f"version 3: blocks of {args.block:,d} shards, counts as runs")):
         out = subprocess.run([sys.executable, "-c", _CHILD, mode, str(args.shards), str(args.block)],
                              capture_output=True, text=True, check=True)
         row = json.loads(out.stdout)

@@ -417,9 +417,12 @@ def test_params_and_skipped_are_required(key):
 
 
 def test_the_epoch_shard_order_is_the_generator_the_spec_names():
-    from remote_loader.pipeline.split import shard_order
+    from remote_loader.format.order import block_shards, shard_order
 
     assert shard_order(1000, 7, 3).tolist() == np.random.default_rng([7, 3]).permutation(1000).tolist()
+    # version 3: block 2 of pages of 64 rows, in a manifest of 150 shards (the last block shorter)
+    expected = 128 + np.random.default_rng([7, 3, 1, 2]).permutation(22)
+    assert block_shards(2, 64, 150, 7, 3).tolist() == expected.tolist()
 
 
 def test_a_column_wider_than_its_values_need_is_refused():

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from remote_loader.errors import ConfigError
 from remote_loader.format.counts import ArrayCounts
+from remote_loader.format.order import EpochOrder
 from remote_loader.pipeline.intervals import merge
 from remote_loader.pipeline.order import (
     Mixing,
@@ -25,7 +26,7 @@ from remote_loader.pipeline.order import (
     undelivered_at,
 )
 from remote_loader.pipeline.resume.states import Remainder, encode, gather, parse
-from remote_loader.pipeline.split import EpochOrder, PlanSpans, divide, worker_bounds
+from remote_loader.pipeline.split import PlanSpans, divide, worker_bounds
 
 SEEDS = ((1, 0, 0, 0, 1), (1, 0, 0, 0, 2))
 

@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from remote_loader.format.counts import ArrayCounts, RunCounts
-from remote_loader.pipeline.split import EpochOrder, PlanSpans, laps, rank_size, shard_order, worker_bounds
+from remote_loader.format.order import EpochOrder, shard_order
+from remote_loader.pipeline.split import PlanSpans, laps, rank_size, worker_bounds
 
 
 def order_of(counts, rows, seed, epoch, shuffle=True):
