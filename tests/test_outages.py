@@ -22,10 +22,12 @@ from remote_loader import (
     EndpointUnreachable,
     FetchConfig,
     RemoteDataset,
+    RemoteMapDataset,
     RetryConfig,
     StorageConfig,
     make_client,
 )
+from remote_loader.format import pages as paging
 from remote_loader.testing.server import EmbeddedS3
 from remote_loader.testing.synthetic import SyntheticImages
 from tests.helpers import upload
@@ -95,6 +97,33 @@ def test_server_killed_and_restarted_mid_epoch_loses_nothing(server, workers, ca
     if workers == 0:  # log records of worker processes do not reach caplog
         messages = [r.getMessage() for r in caplog.records]
         assert any("is failing" in m for m in messages) and any("answers again" in m for m in messages), messages
+
+
+def test_manifest_pages_are_read_through_a_server_restart(server, monkeypatch):
+    """A dataset whose manifest keeps its pages apart, opened from its head; the server is
+    killed before any page is read and comes back 3 s later: the pages' GETs are retried."""
+    monkeypatch.setattr(paging, "PAGE_ROWS", 4)
+    monkeypatch.setattr(paging, "INLINE_BYTES", 0)
+    client = _client(server)
+    upload(client, "outages", "paged", SyntheticImages(240, size=(16, 12)), maxcount=12)  # 20 shards, 5 pages
+    mapped = RemoteMapDataset(client, "outages", "paged")  # its head only
+    failures: list[BaseException] = []
+
+    def start_again() -> None:
+        try:
+            server.start()
+        except BaseException as exc:  # reported by the test, not lost in a thread
+            failures.append(exc)
+
+    server.kill()
+    restart = threading.Timer(3.0, start_again)  # a 3 s outage, then the same port and data
+    restart.start()
+    try:
+        keys = [mapped[i]["__key__"] for i in range(0, 240, 12)]  # a sample of every shard: every page
+    finally:
+        restart.join()
+    assert not failures
+    assert len(set(keys)) == 20 and mapped.reader.manifest.shards.pages_read == 5
 
 
 def test_server_killed_as_a_shard_completes_beside_encoding_loses_nothing(server, caplog):

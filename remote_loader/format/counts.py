@@ -44,20 +44,20 @@ class ArrayCounts:
 
     def __init__(self, values: np.ndarray) -> None:
         self.values = values.astype(np.int64)
-        self._ends: np.ndarray | None = None
+        self._starts: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.values)
 
     def __getstate__(self) -> dict[str, object]:
-        return {"values": self.values, "_ends": None}
+        return {"values": self.values, "_starts": None}
 
     @property
-    def ends(self) -> np.ndarray:
-        """Cumulative samples per shard, made on first use."""
-        if self._ends is None:
-            self._ends = np.cumsum(self.values)
-        return self._ends
+    def starts(self) -> np.ndarray:
+        """Samples before each shard, and the total last (``len + 1`` values), made on first use."""
+        if self._starts is None:
+            self._starts = np.concatenate([[0], np.cumsum(self.values)])
+        return self._starts
 
     @property
     def total(self) -> int:
@@ -67,12 +67,11 @@ class ArrayCounts:
         return self.values[shards]
 
     def prefix(self, shards: np.ndarray) -> np.ndarray:
-        shards = np.asarray(shards, dtype=np.int64)
-        return np.where(shards > 0, self.ends[np.maximum(shards - 1, 0)] if len(self.values) else 0, 0)
+        return self.starts[np.asarray(shards, dtype=np.int64)]
 
     def locate(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        shards = np.searchsorted(self.ends, samples, side="right")
-        return shards, samples - (self.ends[shards] - self.values[shards])
+        shards = np.searchsorted(self.starts, samples, side="right") - 1
+        return shards, samples - self.starts[shards]
 
 
 class RunCounts:

@@ -30,6 +30,16 @@ class Names:
         raise NotImplementedError
 
 
+def render(parts: Sequence[str], widths: Sequence[int], numbers: Sequence[int]) -> str:
+    """A template's name for one row: ``parts[0] + numbers[0]`` zero-padded to ``widths[0]``
+    ``+ parts[1] + ...``."""
+    out = [parts[0]]
+    for number, width, part in zip(numbers, widths, parts[1:], strict=False):
+        out.append(str(number).zfill(width))
+        out.append(part)
+    return "".join(out)
+
+
 @dataclass(frozen=True, eq=False)
 class TemplateNames(Names):
     """``parts[0] + number(0) + parts[1] + ... + parts[k]``, each number zero-padded to its width."""
@@ -43,11 +53,7 @@ class TemplateNames(Names):
         return self.count
 
     def __getitem__(self, i: int) -> str:
-        out = [self.parts[0]]
-        for numbers, width, part in zip(self.numbers, self.widths, self.parts[1:], strict=False):
-            out.append(str(int(numbers[i])).zfill(width))
-            out.append(part)
-        return "".join(out)
+        return render(self.parts, self.widths, [int(numbers[i]) for numbers in self.numbers])
 
     def encode(self) -> dict[str, Any]:
         return {"parts": list(self.parts), "widths": list(self.widths), "numbers": [column(a) for a in self.numbers]}

@@ -14,21 +14,21 @@ from __future__ import annotations
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, overload
+from typing import Any
 
 import numpy as np
 
 from remote_loader.checksum import crc32
-from remote_loader.errors import CorruptShard, IndexOutOfBounds
+from remote_loader.errors import CorruptShard
 from remote_loader.format.columns import LIMIT, array, column, increasing, manifest_error, narrow
 from remote_loader.format.counts import RunCounts
 from remote_loader.format.index import require
-from remote_loader.format.names import TemplateNames, check_name, template_parts
-from remote_loader.format.table import ShardEntry, ShardTable
+from remote_loader.format.names import TemplateNames, check_name, render, template_parts
+from remote_loader.format.table import ShardEntry, Shards, ShardTable, check_table
 
 PAGE_ROWS = 4096
 """Shards per page, and per block of the epoch's order, that remote_loader writes."""
@@ -186,11 +186,11 @@ def decode_paged(raw: dict[str, Any], name: str | None, load: Load | None) -> Pa
         load = partial(_inline, directory.data)
     table = PagedTable(count, counts, parts, widths, directory, load, total, name)
     if count:
-        check_name(table.render(0, [int(f[0]) for f in directory.firsts]), name)
+        check_name(render(parts, widths, [int(f[0]) for f in directory.firsts]), name)
     return table
 
 
-class PagedTable(Sequence[ShardEntry]):
+class PagedTable(Shards):
     """Every shard of a manifest read by parts: ``table[i]`` reads shard ``i``'s page if it is
     not among the last pages read (thread-safe; a forked process keeps the pages read before
     the fork, with a lock of its own).
@@ -244,13 +244,6 @@ class PagedTable(Sequence[ShardEntry]):
 
     def __len__(self) -> int:
         return self.num_shards
-
-    def render(self, i: int, numbers: Sequence[int]) -> str:
-        out = [self.parts[0]]
-        for number, width, part in zip(numbers, self.widths, self.parts[1:], strict=False):
-            out.append(str(number).zfill(width))
-            out.append(part)
-        return "".join(out)
 
     def page(self, p: int) -> tuple[np.ndarray, ...]:
         """Page ``p``'s columns (``columns_of``), read and checked on first use. Threads asking
@@ -309,52 +302,25 @@ class PagedTable(Sequence[ShardEntry]):
         return tuple(out)
 
     def _check(self, p: int, first: int, page: tuple[np.ndarray, ...], where: str) -> None:
-        """The value checks of version 2, on one page."""
-        size, offset, index_size, index_crc, crc = page[:5]
-        numbers = page[5:]
-        if index_crc.dtype.itemsize > 4 or crc.dtype.itemsize > 4:
+        """The value checks of version 2 (``check_table``) on one page, and its names' place."""
+        if page[3].dtype.itemsize > 4 or page[4].dtype.itemsize > 4:
             raise manifest_error(self.name, f"{where} holds a crc32 over 32 bits")
-        for values, label in ((size, "size"), (offset, "index_offset"), (index_size, "index_size")):
-            if int(values.max()) >= LIMIT:
-                raise manifest_error(self.name, f"{where} column {label!r} holds a value over 63 bits")
-        samples = self.counts.take(np.arange(first, first + len(size), dtype=np.int64)).astype(np.uint64)
-        crowded = samples * np.uint64(512) > size.astype(np.uint64)
-        if crowded.any():
-            k = int(np.argmax(crowded))
-            raise manifest_error(self.name, f"shard {first + k} of {where} claims {int(samples[k]):,d} samples in"
-                                            f" {int(size[k]):,d} bytes; each sample takes at least 512")
-        outside = (offset.astype(np.uint64) < 1024) | (offset.astype(np.uint64) + index_size > size)
-        if outside.any():
-            k = int(np.argmax(outside))
-            raise IndexOutOfBounds(f"manifest {self.name}: shard {first + k} says its index lies at {int(offset[k])}"
-                                   f"+{int(index_size[k])}, outside its {int(size[k])} bytes", name=self.name)
+        numbers = page[5:]
+        rows = np.arange(first, first + len(page[0]), dtype=np.int64)
+        columns = {**dict(zip(PAGE_COLUMNS, page[:5], strict=True)), "samples": self.counts.take(rows)}
+        check_table(ShardTable(columns, TemplateNames(self.parts, self.widths, numbers, len(rows))), self.name)
         d = self.directory
         after = [np.concatenate([n, f[p + 1 : p + 2]]) for n, f in zip(numbers, d.firsts, strict=True)]
         if any(int(n[0]) != int(f[p]) for n, f in zip(numbers, d.firsts, strict=True)) or not increasing(after):
             raise manifest_error(self.name, f"{where}: template name numbers are not in strictly increasing order"
                                             " or do not begin where the directory says")
 
-    @overload
-    def __getitem__(self, i: int) -> ShardEntry: ...
-
-    @overload
-    def __getitem__(self, i: slice) -> list[ShardEntry]: ...
-
-    def __getitem__(self, i: int | slice) -> ShardEntry | list[ShardEntry]:
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        n = self.num_shards
-        if not -n <= i < n:
-            raise IndexError(f"shard {i} out of range: the manifest lists {n}")
-        i %= n
+    def entry(self, i: int) -> ShardEntry:
         page = self.page(i // self.directory.rows)
         k = i % self.directory.rows
         size, offset, index_size, index_crc, crc = (int(a[k]) for a in page[:5])
-        name = self.render(i, [int(a[k]) for a in page[5:]])
+        name = render(self.parts, self.widths, [int(a[k]) for a in page[5:]])
         return ShardEntry(name, int(self.counts.take(np.array([i]))[0]), size, offset, index_size, index_crc, crc)
-
-    def __iter__(self) -> Iterator[ShardEntry]:
-        return (self[i] for i in range(len(self)))
 
     def table(self) -> ShardTable:
         """Every page read: the whole table as columns (to encode it again)."""

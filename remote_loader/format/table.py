@@ -60,7 +60,32 @@ class ShardEntry:
         return [getattr(self, f) for f in ENTRY_FIELDS]
 
 
-class ShardTable(Sequence[ShardEntry]):
+class Shards(Sequence[ShardEntry]):
+    """Every shard of a manifest, shard ``i``'s ShardEntry built on demand by ``entry(i)``."""
+
+    def entry(self, i: int) -> ShardEntry:
+        """Shard ``i`` (``0 <= i < len``)."""
+        raise NotImplementedError
+
+    @overload
+    def __getitem__(self, i: int) -> ShardEntry: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[ShardEntry]: ...
+
+    def __getitem__(self, i: int | slice) -> ShardEntry | list[ShardEntry]:
+        if isinstance(i, slice):
+            return [self.entry(j) for j in range(*i.indices(len(self)))]
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"shard {i} out of range: the manifest lists {n}")
+        return self.entry(i % n)
+
+    def __iter__(self) -> Iterator[ShardEntry]:
+        return (self.entry(i) for i in range(len(self)))
+
+
+class ShardTable(Shards):
     """Every shard of a manifest as columns: ``table[i]`` builds shard ``i``'s ShardEntry on demand.
 
     ``samples``, ``size``, ``index_offset``, ``index_size``, ``index_crc`` and ``crc32`` are
@@ -120,26 +145,11 @@ class ShardTable(Sequence[ShardEntry]):
     def __len__(self) -> int:
         return len(self.names)
 
-    @overload
-    def __getitem__(self, i: int) -> ShardEntry: ...
-
-    @overload
-    def __getitem__(self, i: slice) -> list[ShardEntry]: ...
-
-    def __getitem__(self, i: int | slice) -> ShardEntry | list[ShardEntry]:
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        n = len(self)
-        if not -n <= i < n:
-            raise IndexError(f"shard {i} out of range: the manifest lists {n}")
-        i %= n
+    def entry(self, i: int) -> ShardEntry:
         c = self.columns
         return ShardEntry(self.names[i], int(c["samples"][i]), int(c["size"][i]), int(c["index_offset"][i]),
                           int(c["index_size"][i]), int(c["index_crc"][i]), int(c["crc32"][i]),
                           self.index_names[i] if self.index_names else "")
-
-    def __iter__(self) -> Iterator[ShardEntry]:
-        return (self[i] for i in range(len(self)))
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, ShardTable):
