@@ -149,7 +149,7 @@ def _pipeline(spec: dict):  # noqa: ANN202
     return base.to_tuple("jpg", "cls").map(augment_pair, threads=threads).batched(BATCH, stack_batch)
 
 
-class _Spy:
+class Spy:
     """py-spy on this process, counting GIL-held samples by part (see the module's docstring)."""
 
     def __init__(self, py_spy: str, rate: int) -> None:
@@ -186,7 +186,7 @@ def child(spec: dict) -> dict:
     scenario = spec["scenario"]
     count = (lambda batch: batch[0]) if scenario.startswith("A") else (lambda batch: len(batch[1]))
     warm = sum(count(next(stream)) for _ in range(3))
-    spy = _Spy(spec["py_spy"], spec["rate"])
+    spy = Spy(spec["py_spy"], spec["rate"])
     wall, cpu, own = time.perf_counter(), time.process_time(), time.thread_time()
     samples = sum(count(batch) for batch in stream)
     while time.perf_counter() - wall < MEASURE_SECONDS:
@@ -213,7 +213,7 @@ def gets_child(spec: dict) -> dict:
         client.get_range_into(BUCKET, key, start, end, buffer.data[: end - start])
     from remote_loader.testing.processes import cpu_seconds
 
-    spy = _Spy(spec["py_spy"], spec["rate"])
+    spy = Spy(spec["py_spy"], spec["rate"])
     wall, cpu, served = time.perf_counter(), time.process_time(), cpu_seconds(spec["server"])
     gets = 0
     while not gets or time.perf_counter() - wall < MEASURE_SECONDS:

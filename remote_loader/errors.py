@@ -203,6 +203,22 @@ class DecodeError(RemoteLoaderError):
         super().__init__(message, key=key, field=field)
 
 
+class DecoderExited(RemoteLoaderError):
+    """The process that decodes a device pipeline's batches (``loader()``'s decoding
+    process) ended without being asked to: killed, out of memory, or crashed in a library.
+
+    Attributes:
+        pid: Its process id.
+        returncode: Its exit status (negative: the signal that ended it), if known.
+    """
+
+    pid: int | None
+    returncode: int | None
+
+    def __init__(self, message: str = "", *, pid: int | None = None, returncode: int | None = None) -> None:
+        super().__init__(message, pid=pid, returncode=returncode)
+
+
 class UploadError(RemoteLoaderError):
     """The upload could not be completed, or a sample could not be encoded.
 

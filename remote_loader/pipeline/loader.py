@@ -3,7 +3,9 @@ and ``decode_batches``, for a pipeline that decodes on a GPU, with a DataLoader 
 
 from __future__ import annotations
 
+import logging
 import warnings
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -12,19 +14,30 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from remote_loader.config import rank_cores, require_bool, require_int
 from remote_loader.errors import ConfigError
-from remote_loader.pipeline.device import DeviceDecoder, decoded_with_states
+from remote_loader.pipeline.device import (
+    DecodingProcess,
+    DeviceDecoder,
+    decoded_with_states,
+    give_back,
+    pipeline_bytes,
+    take,
+)
 from remote_loader.pipeline.device import collate as device_collate
+
+log = logging.getLogger("remote_loader")
+DECODING = ("process", "thread")
 
 
 def loader(dataset: IterableDataset, *, num_workers: int | None = None, stateful: bool = False,
-           **options: Any) -> Any:
+           decoding: str = "process", **options: Any) -> Any:
     """A ``DataLoader`` over ``dataset`` set up to fill this rank's cores.
 
     One Python process runs its Python on one core at a time, so cores are filled by
     DataLoader worker processes: one per core this rank may use (``rank_cores()``: its CPU
     affinity, the container's CPU quota, and its share of the node under torchrun's
     ``LOCAL_WORLD_SIZE``); at most 4 for a pipeline that decodes on the GPU, whose batches
-    are then decoded in this process as they come (docs/gpu.md). Items come as the
+    are decoded as they come by a process of its own, which runs the DataLoader too
+    (``DeviceLoader``, docs/gpu.md). Items come as the
     pipeline makes them (``batch_size=None``: batch with ``.batched``), workers persist
     across epochs, and batches land in pinned memory when CUDA is available, so their copy
     to the GPU can overlap the step.
@@ -34,6 +47,8 @@ def loader(dataset: IterableDataset, *, num_workers: int | None = None, stateful
         num_workers: Worker processes; default one per core of this rank.
         stateful: A torchdata ``StatefulDataLoader`` (its ``state_dict()`` gathers each
             worker's position: see docs/checkpointing.md); needs the ``torchdata`` extra.
+        decoding: For a pipeline that decodes on a device: ``"process"``, in a process of
+            its own (``DeviceLoader``), or ``"thread"``, in a thread of this one.
         **options: Any other ``DataLoader`` argument, overriding these defaults
             (``pin_memory``, ``persistent_workers``, ``prefetch_factor``...).
 
@@ -65,7 +80,7 @@ def loader(dataset: IterableDataset, *, num_workers: int | None = None, stateful
         with warnings.catch_warnings():  # torchdata's own, on every StatefulDataLoader: nothing a user can act on
             warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
             inner = StatefulDataLoader(dataset, **settings)
-    return inner if decoder is None else DeviceLoader(inner, decoder)
+    return inner if decoder is None else DeviceLoader(inner, decoder, dataset, decoding)
 
 
 _FETCHING_WORKERS = 4
@@ -85,50 +100,133 @@ def _decoder(dataset: Any) -> DeviceDecoder | None:
 class DeviceLoader:
     """A DataLoader whose batches are decoded on a device as they come (``device/``):
     iterate it as the DataLoader it wraps, whose other attributes (``num_workers``...) it
-    passes through. Its ``state_dict()`` is the wrapped loader's state as of the last batch
-    handed out (batches are drawn two ahead of you, to decode); ``decoded_on`` says where
-    JPEGs are decoded (``"hardware decoder"``, ``"CUDA"`` or ``"CPU"``)."""
+    passes through.
 
-    def __init__(self, inner: Any, decoder: DeviceDecoder) -> None:
-        self.inner, self.decoder = inner, decoder
+    With ``decoding="process"`` (the default) the DataLoader and the decoder run in a
+    process of their own, started with the loader, so that Python threads of this process
+    (the training step, logging) cannot starve the decoder; this process receives each
+    batch ready. ``"thread"``: a thread of this process decodes, as it does anyway for an
+    iterable that is not a DataLoader, and for a pipeline that cannot be pickled.
+
+    Its ``state_dict()`` is the wrapped loader's state as of the last batch handed out
+    (batches are decoded ahead of you); ``decoded_on`` says where JPEGs are decoded
+    (``"hardware decoder"``, ``"CUDA"`` or ``"CPU"``); ``close()`` ends the decoding
+    process now (it ends by itself when the loader is collected, and at exit)."""
+
+    def __init__(self, inner: Any, decoder: DeviceDecoder, dataset: Any, decoding: str = "process") -> None:
+        if decoding not in DECODING:
+            raise ConfigError(f"decoding must be one of {', '.join(map(repr, DECODING))}, got {decoding!r}")
+        self.inner, self.decoder, self.dataset = inner, decoder, dataset
         self._state: Any = None  # the wrapped loader's state after the last batch handed out
+        self._to_load: Any = None  # a state loaded for the next pass (decoding process)
+        self._process: DecodingProcess | None = None
+        self._sent = False  # the decoding process holds the pipeline (persistent workers: it keeps them)
+        if decoding == "process" and isinstance(inner, DataLoader):
+            self._start()
+        else:
+            _ = decoder.codec  # opened now, in your thread: its probe and messages happen here, not mid-epoch
+
+    def _start(self) -> None:
+        self._process = take(self.decoder.place)
+        self._give_back = weakref.finalize(self, give_back, self._process)
+        self._sent = False
 
     def __iter__(self) -> Iterator[Any]:
-        snapshot = getattr(self.inner, "state_dict", None)
-        for item, state in decoded_with_states(self.inner, self.decoder, snapshot):
+        if self._process is not None and not self._process.alive():  # it was killed: a new one
+            self._give_back.detach()
+            self._start()
+        pipeline = self._pipeline() if self._process is not None else None
+        if self._process is None:
+            _ = self.decoder.codec  # opened in your thread (closed, the loader decodes here)
+            snapshot = getattr(self.inner, "state_dict", None)
+            for item, state in decoded_with_states(self.inner, self.decoder, snapshot):
+                self._state = state
+                yield item
+            return
+        to_load, self._to_load = self._to_load, None
+        for item, state in self._process.run(pipeline, to_load, _world()):
             self._state = state
             yield item
+
+    def _pipeline(self) -> bytes | None:
+        """The loader and its pipeline to send for this pass (None: the process has them and
+        its persistent workers); where they do not pickle, decode in this process instead."""
+        persistent = bool(getattr(self.inner, "persistent_workers", False)) and self.inner.num_workers > 0
+        if self._sent and persistent:
+            return None
+        try:
+            pipeline = pipeline_bytes((self.inner, self.dataset))
+        except Exception as error:  # noqa: BLE001 - what pickling raises varies; the fallback is the same
+            log.warning("this loader's pipeline cannot go to a decoding process (%s: %s): its batches are decoded in"
+                        " this process instead, where Python threads of your own slow them; make its functions"
+                        " picklable, or say decoding='thread'", type(error).__name__, str(error)[:200])
+            self.close()
+            _ = self.decoder.codec
+            if self._to_load is not None:
+                self.inner.load_state_dict(self._to_load)
+                self._to_load = None
+            return None
+        self._sent = True
+        return pipeline
 
     def __len__(self) -> int:
         return len(self.inner)
 
     @property
+    def pid(self) -> int | None:
+        """The decoding process's id (None where this process decodes)."""
+        return self._process.pid if self._process is not None else None
+
+    @property
     def decoded_on(self) -> str:
-        return self.decoder.decoded_on
+        return self._process.opened() if self._process is not None else self.decoder.decoded_on
 
     def state_dict(self) -> Any:
-        return self._state if self._state is not None else self.inner.state_dict()
+        if self._state is not None:
+            return self._state
+        return self._to_load if self._to_load is not None else self.inner.state_dict()
 
     def load_state_dict(self, state: Any) -> None:
         self._state = None
-        self.inner.load_state_dict(state)
+        if self._process is not None:
+            self._to_load = state
+        else:
+            self.inner.load_state_dict(state)
+
+    def close(self) -> None:
+        """End the decoding process and its DataLoader workers now (nothing in ``"thread"``
+        mode); the loader decodes in this process from then on."""
+        if self._process is not None:
+            self._give_back.detach()
+            self._process.close()
+            self._process = None
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("inner", "decoder", "_state"):
+        if name in ("inner", "decoder", "dataset", "_state", "_to_load", "_process", "_sent", "_give_back"):
             raise AttributeError(name)
         return getattr(self.inner, name)
 
 
-def decode_batches(batches: Iterable[Any], dataset: Any) -> DeviceLoader:
-    """The batches of a DataLoader of your own over ``dataset`` (a pipeline with
-    ``decode(..., device=...)``), decoded on the device as they come, on a thread and CUDA
-    stream of their own: each is ready when handed out. ``loader()`` does this by itself.
+def _world() -> tuple[int, int] | None:
+    """This rank and the world's size where torch.distributed was set up in this process
+    (the decoding process, which has none, reads them from its environment otherwise)."""
+    import torch.distributed as dist
 
-    Batches are drawn two ahead of the one handed out, so a ``StatefulDataLoader``'s own
-    ``state_dict()`` counts batches you have not had: checkpoint the ``state_dict()`` of
-    what this returns, which is the DataLoader's state as of the last batch handed out."""
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else None
+
+
+def decode_batches(batches: Iterable[Any], dataset: Any, *, decoding: str = "process") -> DeviceLoader:
+    """The batches of a DataLoader of your own over ``dataset`` (a pipeline with
+    ``decode(..., device=...)``), decoded on the device as they come: each is ready when
+    handed out. ``loader()`` does this by itself. A DataLoader runs in a decoding process
+    with the decoder (``DeviceLoader``; pickled there, once for persistent workers, else at
+    each epoch); any other iterable of batches is decoded by a thread of this process.
+
+    Batches are decoded ahead of the one handed out, so a ``StatefulDataLoader``'s own
+    ``state_dict()`` would count batches you have not had: checkpoint the ``state_dict()``
+    of what this returns, which is the DataLoader's state as of the last batch handed out."""
     decoder = _decoder(dataset)
     if decoder is None:
         raise ConfigError("decode_batches is for a pipeline with decode(..., device='cuda'): this one decodes on"
                           " the CPU, in its workers, and its batches need nothing more")
-    return DeviceLoader(batches, decoder)
+    return DeviceLoader(batches, decoder, dataset, decoding)

@@ -13,11 +13,14 @@ nvImageCodec's CPU backend runs the same code on the CPU (``batched=True`` with
 Images that are not JPEG are decoded by the workers on the CPU, as the CPU path does.
 """
 
+from remote_loader.pipeline.device.channel import pipeline_bytes
 from remote_loader.pipeline.device.codec import CPU, CUDA, EXTRA, HARDWARE, Codec, nvimgcodec, open_codec
 from remote_loader.pipeline.device.decoder import DeviceDecoder, Place
 from remote_loader.pipeline.device.place import check_device
 from remote_loader.pipeline.device.prepared import Encoded, EncodedBatch, collate, prepare
+from remote_loader.pipeline.device.process import DecodingProcess, give_back, take
 from remote_loader.pipeline.device.stream import decoded_with_states, device_batches
 
-__all__ = ["CPU", "CUDA", "EXTRA", "HARDWARE", "Codec", "DeviceDecoder", "Encoded", "EncodedBatch", "Place",
-           "check_device", "collate", "decoded_with_states", "device_batches", "nvimgcodec", "open_codec", "prepare"]
+__all__ = ["CPU", "CUDA", "EXTRA", "HARDWARE", "Codec", "DecodingProcess", "DeviceDecoder", "Encoded", "EncodedBatch",
+           "Place", "check_device", "collate", "decoded_with_states", "device_batches", "give_back", "nvimgcodec",
+           "open_codec", "pipeline_bytes", "prepare", "take"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import importlib
+import importlib.util
 import logging
 import os
 import sys
@@ -60,6 +61,23 @@ _CLOSE_SECONDS = 2.0
 _LOCK = threading.Lock()
 _MODULE: list[Any] = []
 _CODECS: dict[tuple[str, bool], NvImageCodec] = {}
+
+
+def installed() -> bool:
+    """Whether nvImageCodec can be imported, found without loading it (loading starts its
+    libraries: the process that decodes loads it)."""
+    if "nvidia.nvimgcodec" in sys.modules:
+        return sys.modules["nvidia.nvimgcodec"] is not None
+    try:
+        return importlib.util.find_spec("nvidia.nvimgcodec") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def require_installed() -> None:
+    """ConfigError naming the extra unless nvImageCodec can be imported."""
+    if not installed():
+        raise ConfigError(f"decoding batches needs nvImageCodec: {EXTRA}")
 
 
 def nvimgcodec() -> Any:

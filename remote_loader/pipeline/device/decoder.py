@@ -58,7 +58,8 @@ class DeviceDecoder:
         skip: Leave out a sample whose JPEG does not decode (counted in ``metrics.skipped``)
             instead of raising ``DecodeError`` naming it.
         metrics: Where skipped samples are counted.
-        codec: The JPEG decoder (default: nvImageCodec's for the place, opened once).
+        codec: The JPEG decoder (default: nvImageCodec's for the place, opened once per
+            process when first used).
     """
 
     def __init__(self, crop: RandomResizedCrop, place: Place | torch.device, skip: bool = False,
@@ -67,7 +68,8 @@ class DeviceDecoder:
         if place.device.type == "cuda" and place.device.index is None:  # the decoding thread's is another
             place = Place(torch.device("cuda", torch.cuda.current_device()), place.cpu_fallback)
         self.crop, self.device, self.skip, self.metrics = crop, place.device, skip, metrics or Metrics()
-        self.codec = codec or open_codec(place.device, place.cpu_fallback)
+        self.place = place
+        self._codec = codec
         self._stream: Any = None
         self._scale: tuple[torch.Tensor, torch.Tensor] | None = None
         self._busy = threading.Lock()  # held through a whole batch's decode: close() waits for it
@@ -81,6 +83,14 @@ class DeviceDecoder:
         if self._busy.acquire(timeout=_CLOSE_SECONDS):
             self._closed = True
             self._busy.release()
+
+    @property
+    def codec(self) -> Codec:
+        """The JPEG decoder, opened on first use (on a GPU: CUDA's start-up and the probe of
+        its decoders), once per process."""
+        if self._codec is None:
+            self._codec = open_codec(self.place.device, self.place.cpu_fallback)
+        return self._codec
 
     @property
     def decoded_on(self) -> str:

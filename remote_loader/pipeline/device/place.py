@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from remote_loader.errors import ConfigError
-from remote_loader.pipeline.device.codec import nvimgcodec, open_codec
+from remote_loader.pipeline.device.codec import installed, open_codec, require_installed
 from remote_loader.pipeline.device.decoder import Place
 
 _DEVICES = "decode device must be 'cpu', 'cuda', 'cuda:N' or 'auto'"
@@ -16,14 +16,22 @@ _DEVICES = "decode device must be 'cpu', 'cuda', 'cuda:N' or 'auto'"
 
 def check_device(device: Any, batched: bool, cpu_fallback: bool = False) -> Place | None:
     """None for the CPU path in the workers, else where the batched path decodes: ``"cuda"``
-    resolved to this process's current GPU (the rank's, as torchrun and DDP set it), and the
-    codec opened there now, in the user's thread, so a missing decoder is said here."""
+    resolved to this process's current GPU (the rank's, as torchrun and DDP set it).
+
+    Only what is cheap to know is checked here (the device, CUDA, nvImageCodec installed):
+    which of the GPU's decoders work is found where the batches are decoded, when the
+    decoder opens, so CUDA and the decoders start in the decoding process while the
+    DataLoader's workers start. ``"auto"`` must choose between the two paths now, so it
+    opens the GPU's decoder here: where none decodes, it takes the CPU path."""
     if device == "auto":
-        if not (torch.cuda.is_available() and _importable()):
+        if not (torch.cuda.is_available() and installed()):
             return check_device("cpu", batched)
-        try:  # the GPU where it has a decoder; else the CPU path, as there is no GPU
-            return check_device("cuda", batched, cpu_fallback)
-        except ConfigError:
+        try:
+            found = check_device("cuda", batched, cpu_fallback)
+            assert found is not None
+            open_codec(found.device, cpu_fallback)
+            return found
+        except ConfigError:  # the GPU has no decoder: the CPU path, as where there is no GPU
             return check_device("cpu", batched)
     try:
         place = torch.device(device)
@@ -31,7 +39,7 @@ def check_device(device: Any, batched: bool, cpu_fallback: bool = False) -> Plac
         raise ConfigError(f"{_DEVICES}, got {device!r}") from None
     if place.type == "cpu":
         if batched:
-            open_codec(place)
+            require_installed()
         return Place(place) if batched else None
     if place.type != "cuda":
         raise ConfigError(f"{_DEVICES}, got {device!r}")
@@ -39,11 +47,11 @@ def check_device(device: Any, batched: bool, cpu_fallback: bool = False) -> Plac
         raise ConfigError(f"decode(device={device!r}) needs CUDA, and torch.cuda.is_available() is False here"
                           " (no GPU, or a CPU build of torch): use device='auto' to decode on the CPU where there"
                           " is no GPU")
-    place = indexed(place, torch.cuda.current_device)
+    place = indexed(place, _current_device)
     if place.index is not None and place.index >= torch.cuda.device_count():
         raise ConfigError(f"decode(device={device!r}): this process sees {torch.cuda.device_count()} GPU(s),"
                           f" numbered from 0")
-    open_codec(place, cpu_fallback)
+    require_installed()
     return Place(place, cpu_fallback)
 
 
@@ -52,9 +60,7 @@ def indexed(place: torch.device, current: Callable[[], int]) -> torch.device:
     return place if place.index is not None else torch.device(place.type, current())
 
 
-def _importable() -> bool:
-    try:
-        nvimgcodec()
-    except ConfigError:
-        return False
-    return True
+def _current_device() -> int:
+    """This process's current GPU, without starting CUDA for it: where CUDA has not
+    started, nothing chose another (``torch.cuda.set_device`` starts it), so it is 0."""
+    return torch.cuda.current_device() if torch.cuda.is_initialized() else 0

@@ -6,7 +6,7 @@ waits in the DataLoader, so an epoch left early leaves nothing behind in it."""
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import Any
 
 from remote_loader.pipeline.device.decoder import SKIPPED, Decoded, DeviceDecoder
@@ -21,7 +21,7 @@ def device_batches(batches: Iterable[Any], decoder: DeviceDecoder) -> Iterator[A
 
 
 def decoded_with_states(batches: Iterable[Any], decoder: DeviceDecoder,
-                        snapshot: Callable[[], Any] | None) -> Iterator[tuple[Any, Any]]:
+                        snapshot: Callable[[], Any] | None) -> Generator[tuple[Any, Any], None, None]:
     """``device_batches``, each batch with ``snapshot()`` taken just after it was drawn from
     ``batches``: batches are drawn ahead of the one handed out, so a stateful loader's own
     state is ahead of what the caller has; this is the state that matches each batch."""

@@ -1,0 +1,243 @@
+"""The decoding process (``loader()`` of a device pipeline, ``decoding="process"``), through
+nvImageCodec's CPU backend: the process that iterates never decodes; what the decoding
+process raises, warns and logs arrives here as its own; a killed process is named and a
+stateful loader resumes past it exactly; a pipeline that does not pickle is decoded here;
+one iteration at a time; a process is reused by the next loader; a forked copy starts
+its own and leaves its parent's alone; Ctrl-C gets through while a batch is awaited; ``close()`` ends a
+stopped process; the rank torch.distributed set up here reaches it."""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import logging
+import multiprocessing
+import os
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import warnings
+
+import pytest
+import torch
+
+from remote_loader import ConfigError, RandomResizedCrop, RemoteDataset, loader
+from remote_loader.errors import DecoderExited
+from remote_loader.pipeline.device import nvimgcodec
+from remote_loader.testing.synthetic import SyntheticImages
+from tests.helpers import upload_to_new_bucket
+
+N, OTHER = 48, 24
+
+
+@pytest.fixture(scope="module")
+def client(seaweed):
+    try:
+        nvimgcodec()
+    except ConfigError:
+        pytest.skip("nvImageCodec is not installed (the gpu extra)")
+    store = seaweed.client()
+    upload_to_new_bucket(store, "decoding-process", "d", SyntheticImages(N, size=(64, 48)), maxcount=12)
+    upload_to_new_bucket(store, "decoding-other", "d", SyntheticImages(OTHER, size=(64, 48), seed=5), maxcount=12)
+    yield store
+    store.close()
+
+
+def pipeline(client, bucket="decoding-process", batch=8, rank=None, world_size=None, fn=None):
+    ds = RemoteDataset(client, bucket, "d", seed=3, rank=rank, world_size=world_size).shuffle(20)
+    ds = ds.decode(RandomResizedCrop(32), device="cpu", batched=True).to_tuple("jpg", "cls", "__key__")
+    return (ds.map(fn) if fn is not None else ds).batched(batch)
+
+
+def keys(batches):
+    return [key for *_, ks in batches for key in ks]
+
+
+EVERY = sorted(f"{i:06d}" for i in range(N))
+
+
+def test_the_process_that_iterates_never_loads_the_decoder(client, seaweed):
+    # Decoded here, every batch retakes this process's GIL many times: a Python thread of the
+    # user's then starves it (benchmarks/beside_python.py: 0.02x of its rate alone).
+    code = textwrap.dedent(f"""
+        import sys
+        from remote_loader import RandomResizedCrop, RemoteDataset, loader, make_client
+        client = make_client({seaweed.endpoint_url!r}, {seaweed.access_key!r}, {seaweed.secret_key!r})
+        ds = (RemoteDataset(client, "decoding-process", "d").decode(RandomResizedCrop(32), device="cpu", batched=True)
+              .to_tuple("jpg", "cls").batched(8))
+        batches = loader(ds, num_workers=1, decoding=sys.argv[1])
+        print(sum(len(labels) for _, labels in batches), "nvidia.nvimgcodec" in sys.modules, batches.decoded_on)
+    """)
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    for decoding, loaded in (("process", "False"), ("thread", "True")):
+        done = subprocess.run([sys.executable, "-c", code, decoding], capture_output=True, text=True, timeout=300,
+                              env=env)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.split() == [str(N), loaded, "CPU"], (decoding, done.stdout)
+
+
+def test_a_killed_decoding_process_is_named_and_a_stateful_loader_resumes_past_it_exactly(client):
+    pytest.importorskip("torchdata")
+    whole = keys(loader(pipeline(client), num_workers=1))
+    assert sorted(whole) == EVERY
+    batches = loader(pipeline(client), num_workers=1, stateful=True)
+    epoch = iter(batches)
+    first = keys(itertools.islice(epoch, 2))
+    pid = batches.pid
+    assert pid is not None and pid != os.getpid()
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(DecoderExited, match=rf"decoding process \(pid {pid}\) was ended by signal 9") as info:
+        list(epoch)
+    assert info.value.pid == pid and info.value.returncode == -signal.SIGKILL
+    batches.load_state_dict(batches.state_dict())  # as of the last batch handed out
+    rest = keys(batches)
+    assert batches.pid != pid  # a new process
+    assert len(first) == 16 and sorted(first + rest) == EVERY  # none lost, none twice
+
+
+def warn_and_log(sample):
+    warnings.warn("from the map, in the decoding process", UserWarning, stacklevel=1)
+    logging.getLogger("remote_loader.tests").warning("a record from the decoding process")
+    return sample
+
+
+def test_warnings_and_log_records_of_the_decoding_process_are_this_processs(client, caplog):
+    batches = loader(pipeline(client, fn=warn_and_log), num_workers=0)  # the pipeline runs in the decoding process
+    with caplog.at_level(logging.WARNING, logger="remote_loader"), \
+            pytest.warns(UserWarning, match="from the map, in the decoding process"):
+        assert sorted(keys(batches)) == EVERY
+    assert "a record from the decoding process" in caplog.messages
+
+
+def test_a_pipeline_that_cannot_be_pickled_is_decoded_in_this_process(client, caplog):
+    lock = threading.Lock()
+
+    def holding_a_lock(sample):
+        with lock:
+            return sample
+
+    batches = loader(pipeline(client, fn=holding_a_lock), num_workers=1)
+    with caplog.at_level(logging.WARNING, logger="remote_loader"):
+        assert sorted(keys(batches)) == EVERY
+    assert any("cannot go to a decoding process (TypeError" in m for m in caplog.messages), caplog.messages
+    assert batches.pid is None and batches.decoded_on == "CPU"
+
+
+def test_an_iteration_begun_while_another_runs_ends_the_first(client):
+    batches = loader(pipeline(client), num_workers=1)
+    first = iter(batches)
+    next(first)
+    second = iter(batches)
+    begun = keys([next(second)])
+    with pytest.raises(ConfigError, match="began another iteration, which ended this one"):
+        next(first)
+    assert sorted(begun + keys(second)) == EVERY  # the second is a whole epoch
+
+
+def test_a_process_left_by_a_collected_loader_serves_the_next_and_keeps_nothing_of_it(client):
+    pytest.importorskip("torchdata")
+    batches = loader(pipeline(client), num_workers=1, stateful=True)
+    epoch = iter(batches)
+    next(epoch)
+    pid, state = batches.pid, batches.state_dict()
+    del epoch, batches
+    gc.collect()
+    other = loader(pipeline(client, "decoding-other"), num_workers=1, stateful=True)
+    assert other.pid == pid  # CUDA and the decoder started already
+    assert sorted(keys(other)) == [f"{i:06d}" for i in range(OTHER)]  # its own dataset, from its start
+    resumed = loader(pipeline(client), num_workers=1, stateful=True)
+    resumed.load_state_dict(state)
+    assert len(keys(resumed)) == N - 8
+
+
+def ended_within(pid, seconds):
+    """Whether process ``pid`` (not a child of this one) ends within ``seconds``."""
+    try:
+        handle = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        return bool(select.select([handle], [], [], seconds)[0])
+    finally:
+        os.close(handle)
+
+
+def _iterate_in_fork(batches, results):
+    seen = sorted(keys(batches))
+    results.put((os.getpid(), batches.pid, seen))
+
+
+def test_a_forked_copy_of_a_loader_decodes_in_a_process_of_its_own_and_leaves_its_parents(client):
+    batches = loader(pipeline(client), num_workers=1)
+    assert sorted(keys(batches)) == EVERY
+    parents = batches.pid
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+    child = context.Process(target=_iterate_in_fork, args=(batches, results))
+    child.start()
+    forked, its_own, seen = results.get(timeout=120)
+    child.join(timeout=60)
+    assert its_own not in (parents, None) and forked != os.getpid()
+    assert seen == EVERY
+    assert ended_within(its_own, 60)  # its socket closed with the fork that started it
+    assert batches.pid == parents and sorted(keys(batches)) == EVERY  # the parent's still serves it
+
+
+def test_ctrl_c_while_a_batch_is_awaited_gets_through_and_the_next_epoch_is_whole(client):
+    batches = loader(pipeline(client), num_workers=1)
+    epoch = iter(batches)
+    next(epoch)
+    os.kill(batches.pid, signal.SIGSTOP)  # nothing more comes: this process waits
+    try:
+        interrupt = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
+        interrupt.start()
+        with pytest.raises(KeyboardInterrupt):
+            list(epoch)
+        interrupt.join()
+    finally:
+        os.kill(batches.pid, signal.SIGCONT)
+    assert sorted(keys(batches)) == EVERY
+
+
+def test_close_ends_a_stopped_process_and_the_loader_then_decodes_here(client):
+    batches = loader(pipeline(client), num_workers=1)
+    next(iter(batches))
+    pid = batches.pid
+    os.kill(pid, signal.SIGSTOP)  # it can answer nothing: killed after the wait
+    batches.close()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # ended and reaped
+    assert batches.pid is None and sorted(keys(batches)) == EVERY
+
+
+def test_the_rank_torch_distributed_set_up_here_reaches_the_decoding_process(client):
+    import torch.distributed as dist
+
+    fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
+    ours = sorted(keys(loader(pipeline(client, rank=1, world_size=2), num_workers=1)))
+    assert 0 < len(ours) < N
+    dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=1, world_size=2)
+    try:
+        from_here = sorted(keys(loader(pipeline(client), num_workers=1)))  # the decoding process has no group
+    finally:
+        dist.destroy_process_group()
+    assert from_here == ours
+    gc.collect()
+    after = loader(pipeline(client), num_workers=1)  # the same process, which keeps nothing of that world
+    assert sorted(keys(after)) == EVERY
+
+
+def test_a_cpu_tensor_comes_back_by_value_and_writable():
+    from remote_loader.pipeline.device.channel import batch_bytes
+
+    values = torch.arange(12, dtype=torch.int16).reshape(3, 4)[:, 1:]  # not contiguous
+    import pickle
+
+    back = pickle.loads(batch_bytes(("batch", 1, (values, torch.tensor(2.5), "key"), None)))
+    assert torch.equal(back[2][0], values) and back[2][0].dtype == torch.int16
+    assert back[2][1].item() == 2.5 and back[2][2] == "key"
+    back[2][0][0, 0] = 7  # its own memory, writable
+    assert values[0, 0] == 1
