@@ -14,20 +14,25 @@ WebDataset's writer, then streams one shuffled epoch per row, each in a fresh pr
 - remote_loader at a sweep: one process with a stage thread per core (``num_workers=0``),
   and 4, 8, 16 (up to the cores) workers, each without and with 2 stage threads;
 - WebDataset at 8 and 16 workers (A and B), set up as in the suite (``suite/systems.py``);
-- on a GPU (B-gpu, batches of 256): remote_loader's ``decode(RandomResizedCrop(224),
-  device="cuda")`` through ``loader()`` (and at 8 workers); WebDataset with 8 workers and
-  torchvision's GPU ``decode_jpeg`` of each batch, then a crop, resize and flip per image,
-  as its users write it; and both decoders on 2,048 JPEGs held in memory (their ceilings).
-  Without a GPU, where nvImageCodec is installed (the ``gpu`` extra), our B-gpu rows run on
-  its CPU backend (``device="cpu", batched=True``: the same code path, so it runs end to
-  end anywhere); torchvision's need a GPU.
+- on a GPU (B-gpu, batches of 256; ``gpu.py``): remote_loader's ``decode(RandomResizedCrop(224),
+  device="cuda")`` through ``loader()``; the ceiling (nvImageCodec alone decoding whole
+  batches from memory, the hardware decoder alone and splitting batches with the hybrid
+  decoder); DALI's ImageNet training pipeline fed from the bucket and from memory;
+  WebDataset with torchvision's GPU decode as its users write it; a ResNet-50 training
+  step alone and fed by ours (and by DALI); ours beside a spinning Python thread; both
+  decoders from memory. Without a GPU the rows that can run on the CPU do, last (ours on
+  nvImageCodec's CPU backend, nvImageCodec alone, DALI's CPU operators where installed): a
+  check that the script runs end to end.
 
 Per row: samples/s, time to the first batch, cores busy (CPU-seconds of the process and
 its workers per second), and the node's memory for the loader: the peak of the sum of PSS
-over the process and its workers (shared pages counted once), sampled every 0.1 s. Then
-``gil_cost.py`` from memory (GIL-held microseconds per sample on this node, and its Python
-speed). Rows run most important first, within ``--budget`` seconds; results are written
-after each row to ``<out>/node-<device>.json`` (device: the GPU's name, or the CPU's).
+over the process and its workers (shared pages counted once), sampled every 0.1 s. Then,
+where there are GPU rows, ``beside_python.py`` (the GPU stage beside a Python thread, and
+the GIL-held microseconds an image of the process that iterates), and but for
+``--gpu-only`` ``gil_cost.py`` from memory (GIL-held microseconds per sample on this node,
+and its Python speed). Rows run most important first, within ``--budget`` seconds; results
+are written after each row to ``<out>/node-<device>.json`` (device: the GPU's name, or the
+CPU's), and the GPU stage's targets are printed as ratios of this run's rows.
 """
 
 from __future__ import annotations
@@ -86,82 +91,8 @@ def _ours(spec: dict) -> Any:
     return loader(ds) if spec["workers"] is None else loader(ds, num_workers=spec["workers"])
 
 
-GPU_BATCH = 256
 SMOKE_SECONDS = 90
-IN_MEMORY = 2048
-
-
-def _ours_on_gpu(spec: dict) -> Any:
-    from remote_loader import RandomResizedCrop, RemoteDataset, loader, make_client
-
-    client = make_client(spec["endpoint"], spec["access_key"], spec["secret_key"])
-    ds = (RemoteDataset(client, BUCKET, "ours", seed=0).shuffle(SHUFFLE)
-          .decode(RandomResizedCrop(224), device=spec["device"], batched=True).to_tuple("jpg", "cls")
-          .batched(GPU_BATCH))
-    return loader(ds) if spec["workers"] is None else loader(ds, num_workers=spec["workers"])
-
-
-def torchvision_augment(datas: list[Any]) -> Any:
-    """What a WebDataset user writes for GPU decoding: torchvision's batched ``decode_jpeg`` on
-    the GPU, then its RandomResizedCrop box, an antialiased resize and a flip per image."""
-    import random
-
-    import torch
-    from torchvision.io import decode_jpeg
-    from torchvision.transforms.v2 import RandomResizedCrop
-    from torchvision.transforms.v2 import functional as tvf
-
-    images = decode_jpeg([torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in datas], device="cuda")
-    out = []
-    for image in images:
-        top, left, height, width = RandomResizedCrop.get_params(image, (0.08, 1.0), (3 / 4, 4 / 3))
-        crop = tvf.resized_crop(image, top, left, height, width, [224, 224], antialias=True)
-        out.append(tvf.horizontal_flip(crop) if random.random() < 0.5 else crop)
-    return torch.stack(out)
-
-
-def _webdataset_on_gpu(spec: dict) -> Any:
-    import systems
-    import webdataset as wds
-    from torch.utils.data import DataLoader
-
-    target = systems.Target(spec["endpoint"], BUCKET, spec["access_key"], spec["secret_key"])
-    os.environ.update(target.environ())
-    wds.gopen_schemes["s3"] = systems._s3_opener
-    listing = target.boto3().list_objects_v2(Bucket=BUCKET, Prefix="wds/")
-    urls = sorted(f"s3://{BUCKET}/{o['Key']}" for o in listing.get("Contents", []) if o["Key"].endswith(".tar"))
-    dataset = (wds.WebDataset(urls, shardshuffle=len(urls), seed=0, nodesplitter=wds.single_node_only,
-                              workersplitter=wds.split_by_worker, empty_check=False)
-               .shuffle(SHUFFLE).to_tuple("jpg", "cls").batched(GPU_BATCH, collation_fn=list))
-    batches = DataLoader(dataset, batch_size=None, num_workers=spec["workers"], pin_memory=True)
-    return ((torchvision_augment([d for d, _ in batch]), [int(c) for _, c in batch]) for batch in batches)
-
-
-def _in_memory(spec: dict) -> Any:
-    """Batches of ``GPU_BATCH`` of the first ``IN_MEMORY`` JPEGs, four times over, decoded
-    by one of the two decoders in this thread: the decoder's own ceiling (on the CPU backend,
-    one batch: its dense resize is for a GPU)."""
-    import numpy as np
-
-    from remote_loader import RandomResizedCrop
-    from remote_loader.pipeline.device import DeviceDecoder, EncodedBatch, check_device, prepare
-
-    on_gpu = spec["device"] == "cuda"
-    datas = [p.read_bytes() for p in sorted(Path(spec["images"]).glob("*.jpg"))[: IN_MEMORY if on_gpu else GPU_BATCH]]
-    crop, rng = RandomResizedCrop(224), np.random.default_rng(0)
-    place = check_device(spec["device"], True)
-    assert place is not None
-    decoder = DeviceDecoder(crop, place)
-    for _ in range(4 if on_gpu else 1):
-        for first in range(0, len(datas), GPU_BATCH):
-            chunk = datas[first : first + GPU_BATCH]
-            if spec["decoder"] == "torchvision":
-                images = torchvision_augment(chunk)
-            else:
-                batch = EncodedBatch([prepare(crop, d, rng, str(i), "memory") for i, d in enumerate(chunk)])
-                batch = batch.pin_memory() if on_gpu else batch
-                images, _ = decoder.decode(batch)
-            yield images, [0] * len(chunk)
+TRAIN_STEPS = 40  # the training rows: 10,240 images, the first step's start-up included once
 
 
 def _augment_pair(pair: tuple[Any, Any]) -> tuple[Any, int]:
@@ -177,36 +108,100 @@ def _webdataset(spec: dict) -> Any:
     return systems.loader("webdataset", target, "wds", spec["scenario"], spec["workers"], tempfile.gettempdir())
 
 
+def _gpu_stream(spec: dict) -> Any:
+    import gpu
+
+    system = spec["system"]
+    if system == "ours":
+        return gpu.ours(spec, BUCKET, SHUFFLE)
+    if system == "webdataset":
+        return gpu.webdataset(spec, BUCKET, SHUFFLE)
+    if system == "dali":
+        return gpu.dali(spec, BUCKET)
+    if system == "model":
+        return gpu.model(spec, TRAIN_STEPS)
+    return {"memory": gpu.memory, "raw": gpu.raw}[system](spec)
+
+
+class Spinner:
+    """A thread spinning pure Python (a training step's Python, logging, a tokenizer at their
+    worst): the share of its loops a second alone that it keeps beside the loader. Alone and
+    beside, the same loop, stopped by an event."""
+
+    def __init__(self) -> None:
+        alone = threading.Event()
+        threading.Timer(0.5, alone.set).start()
+        self.alone = self._spin(alone)
+        self.stop = threading.Event()
+        self.rate = 0.0
+        self.thread = threading.Thread(target=lambda: setattr(self, "rate", self._spin(self.stop)), daemon=True)
+
+    @staticmethod
+    def _spin(stop: threading.Event) -> float:
+        loops, started = 0, time.perf_counter()
+        while not stop.is_set():
+            loops += 1
+        return loops / (time.perf_counter() - started)
+
+    def share(self) -> float:
+        self.stop.set()
+        self.thread.join()
+        return self.rate / self.alone
+
+
 def epoch(spec: dict) -> dict[str, Any]:
     """One shuffled epoch: samples, seconds, first batch, and the CPU-seconds of this process
-    and its workers (counted once they have exited)."""
+    and its workers (counted once they have exited); a training step on each batch with
+    ``train``, a spinning thread beside the loop from the first batch with ``spinner``."""
     import torch
 
     torch.set_num_threads(1)
     import systems
 
     systems.prepare("remote_loader" if spec["system"] == "ours" else "webdataset")
+    on_gpu = spec.get("device") == "cuda"
+    spinner = Spinner() if spec.get("spinner") else None
     before = resource.getrusage(resource.RUSAGE_SELF)
     started = time.perf_counter()
     if spec["scenario"] == "B-gpu":
-        stream = {"ours": _ours_on_gpu, "webdataset": _webdataset_on_gpu, "memory": _in_memory}[spec["system"]](spec)
+        stream = _gpu_stream(spec)
     else:
         stream = _ours(spec) if spec["system"] == "ours" else _webdataset(spec)
+    train = None
+    if spec.get("train"):
+        import gpu
+
+        train = gpu.Trainer(spec["device"])
     workers = getattr(stream, "num_workers", spec.get("workers") or 0)
-    samples, first = 0, 0.0
+    samples, first, first_samples, batches = 0, 0.0, 0, 0
     for batch in stream:
+        if train is not None:
+            train(batch[0], batch[1])
         samples += batch[0] if spec["scenario"] == "A" else len(batch[1])
+        batches += 1
         if not first:
+            first_samples = samples
+            if on_gpu:
+                torch.cuda.synchronize()
             first = time.perf_counter() - started
+            if spinner is not None:
+                spinner.thread.start()
         del batch
-    if spec["scenario"] == "B-gpu" and spec["device"] == "cuda":
+    if on_gpu:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - started
+    close = getattr(stream, "close", None)
+    if close is not None:  # a decoding process ends (and is counted below) now, not at exit
+        close()
     del stream  # persistent workers end here, and are counted below
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (own.ru_utime - before.ru_utime + own.ru_stime - before.ru_stime + children.ru_utime + children.ru_stime)
-    return {"samples": samples, "seconds": seconds, "first_batch_seconds": first, "workers": workers,
-            "rate": samples / seconds, "steady_rate": samples / max(1e-9, seconds - first), "cores": cpu / seconds}
+    steady = (samples - first_samples) / (seconds - first) if batches > 1 and seconds > first else None
+    out = {"samples": samples, "batches": batches, "seconds": seconds, "first_batch_seconds": first,
+           "workers": workers, "rate": samples / seconds, "steady_rate": steady, "cores": cpu / seconds}
+    if spinner is not None:
+        out["spinner_share"] = spinner.share()
+    return out
 
 
 # ---------------------------------------------------------------------------- the orchestration
@@ -259,24 +254,44 @@ def measure(spec: dict, timeout: float) -> dict[str, Any]:
     return {**json.loads(out.strip().splitlines()[-1]), "peak_pss_mb": peak / 1e6}
 
 
-def rows(cores: int, device: str | None) -> list[dict[str, Any]]:
+def gpu_rows(cores: int, device: str, dali: bool) -> list[dict[str, Any]]:
+    """The B-gpu rows (``gpu.py``), most important first: ours by ``loader()``'s defaults; the
+    ceiling (nvImageCodec alone, the hardware decoder, then batches split with the hybrid
+    decoder); DALI from the bucket; WebDataset with torchvision's GPU decode; the training
+    step alone and fed by ours; ours beside a spinning Python thread; then the rest. On the
+    CPU (``device="cpu"``: nvImageCodec's CPU backend) the rows that run there, as a check."""
+    base = {"scenario": "B-gpu", "device": device}
+    ours = {**base, "system": "ours", "workers": None, "threads": 0, "default": True}
+    dali_bucket = {**base, "system": "dali", "source": "bucket", "threads": min(4, cores), "workers": min(4, cores)}
+    out = [ours, {**base, "system": "raw", "workers": 0, "load": None},
+           {**base, "system": "raw", "workers": 0, "load": 0.8}, dali_bucket,
+           {**base, "system": "webdataset", "workers": min(8, cores)},
+           {**base, "system": "model", "workers": 0, "train": True}, {**ours, "train": True},
+           {**ours, "spinner": True},
+           {**base, "system": "raw", "workers": 0, "load": 0.65}, {**base, "system": "raw", "workers": 0, "load": 0.5},
+           {**base, "system": "dali", "source": "memory", "threads": min(4, cores), "workers": 0},
+           {**dali_bucket, "threads": min(8, cores), "workers": min(8, cores)},
+           {**base, "system": "memory", "workers": 0, "decoder": "ours"},
+           {**base, "system": "memory", "workers": 0, "decoder": "torchvision"},
+           {**dali_bucket, "train": True}, {**ours, "default": False, "workers": min(8, cores)}]
+    on_gpu_only = ("webdataset", "model")
+    return [row for row in out if (dali or row["system"] != "dali")
+            and (device == "cuda" or (row["system"] not in on_gpu_only and not row.get("train")
+                                      and row.get("decoder") != "torchvision" and row.get("load") is None))]
+
+
+def rows(cores: int, device: str | None, dali: bool = False) -> list[dict[str, Any]]:
     """The rows, most important first (the GPU's after the defaults and the peers). ``device``:
-    where the B-gpu rows decode (``cuda``; ``cpu``, nvImageCodec's CPU backend, runs ours
-    only: torchvision's GPU decode needs a GPU); None: no B-gpu rows."""
+    where the B-gpu rows decode (``cuda``; ``cpu``: nvImageCodec's and DALI's CPU backends,
+    last, a check that they run); None: no B-gpu rows. ``dali``: DALI is installed."""
     sweep = sorted({w for w in (4, 8, 16) if w <= cores} | {cores})
     out: list[dict[str, Any]] = []
     for scenario in ("A", "B-fused"):
         out.append({"system": "ours", "scenario": scenario, "workers": None, "threads": 0, "default": True})
     out += [{"system": "webdataset", "scenario": "A", "workers": min(8, cores)},
             {"system": "webdataset", "scenario": "B", "workers": min(16, cores)}]
-    gpu: list[dict[str, Any]] = [
-        {"system": "ours", "scenario": "B-gpu", "workers": None, "threads": 0, "default": True, "device": device},
-        {"system": "memory", "scenario": "B-gpu", "workers": 0, "decoder": "ours", "device": device}]
     if device == "cuda":
-        out += [gpu[0], {"system": "webdataset", "scenario": "B-gpu", "workers": min(8, cores), "device": device},
-                gpu[1], {"system": "memory", "scenario": "B-gpu", "workers": 0, "decoder": "torchvision",
-                         "device": device},
-                {"system": "ours", "scenario": "B-gpu", "workers": min(8, cores), "threads": 0, "device": device}]
+        out += gpu_rows(cores, device, dali)
     for scenario in ("A", "B-fused"):
         out.append({"system": "ours", "scenario": scenario, "workers": 0, "threads": cores})
         for workers in sweep:
@@ -285,13 +300,12 @@ def rows(cores: int, device: str | None) -> list[dict[str, Any]]:
     out += [{"system": "ours", "scenario": "B", "workers": None, "threads": 0, "default": True},
             {"system": "webdataset", "scenario": "A", "workers": min(16, cores)},
             {"system": "webdataset", "scenario": "B", "workers": min(8, cores)}]
-    if device == "cpu":  # the GPU's code path on nvImageCodec's CPU backend: a check that it runs, last
-        out += gpu
-    seen: set[tuple[Any, ...]] = set()
+    if device == "cpu":
+        out += gpu_rows(cores, device, dali)
+    seen: set[str] = set()
     unique = []
     for row in out:  # on fewer cores some set-ups are the same
-        key = (row["system"], row["scenario"], row["workers"], row.get("threads", 0), row.get("default", False),
-               row.get("decoder"))
+        key = json.dumps({**row, "threads": row.get("threads", 0)}, sort_keys=True)
         if key not in seen:
             seen.add(key)
             unique.append(row)
@@ -299,13 +313,30 @@ def rows(cores: int, device: str | None) -> list[dict[str, Any]]:
 
 
 def name(row: dict[str, Any]) -> str:
-    if row["system"] == "memory":
-        held = IN_MEMORY if row["device"] == "cuda" else GPU_BATCH
-        return f"{row['decoder']} B-gpu on {row['device']}, {held} JPEGs in memory"
-    workers = "default (loader)" if row.get("default") else f"workers={row['workers']}"
-    threads = f", threads={row['threads']}" if row["system"] == "ours" and row.get("threads") else ""
-    device = f" on {row['device']}" if row.get("device") else ""
-    return f"{row['system']} {row['scenario']}{device} {workers}{threads}"
+    import gpu
+
+    device = row.get("device")
+    held = gpu.IN_MEMORY if device == "cuda" else gpu.GPU_BATCH
+    system = row["system"]
+    if system == "memory":
+        text = f"{row['decoder']} B-gpu on {device}, {held} JPEGs in memory"
+    elif system == "raw":
+        backends = "hardware decoder" if row["load"] is None else f"hardware {row['load']:.0%} + hybrid"
+        text = f"nvImageCodec alone on {device} ({backends}), {held} JPEGs in memory"
+    elif system == "dali":
+        source = "the bucket" if row["source"] == "bucket" else f"{held} JPEGs in memory"
+        text = f"DALI on {device} from {source}, {row['threads']} threads, {row['workers']} source workers"
+    elif system == "model":
+        text = f"ResNet-50 training step alone on {device}, one fixed batch"
+    else:
+        workers = "default (loader)" if row.get("default") else f"workers={row['workers']}"
+        threads = f", threads={row['threads']}" if system == "ours" and row.get("threads") else ""
+        text = f"{system} {row['scenario']}{f' on {device}' if device else ''} {workers}{threads}"
+    if row.get("train") and system != "model":
+        text += ", feeding ResNet-50 training"
+    if row.get("spinner"):
+        text += ", beside a spinning Python thread"
+    return text
 
 
 def environment(cores: int) -> dict[str, Any]:
@@ -324,10 +355,16 @@ def environment(cores: int) -> dict[str, Any]:
             nvimgcodec()
         except ConfigError:
             gpu_rows = None
+    try:
+        import nvidia.dali
+
+        dali: str | None = nvidia.dali.__version__
+    except ImportError:
+        dali = None
     return {"device": device(), "cores": cores, "rank_cores": remote_loader.rank_cores(),
             "python": platform.python_version(), "torch": torch.__version__,
             "cuda": torch.cuda.is_available(), "gpu_rows": gpu_rows, "remote_loader": remote_loader.__version__,
-            "commit": commit or os.environ.get("NODE_BENCH_COMMIT") or None}
+            "dali": dali, "commit": commit or os.environ.get("NODE_BENCH_COMMIT") or None}
 
 
 def prepare(images: int, cores: int, folder: Path, server: Any) -> dict[str, Any]:
@@ -352,6 +389,9 @@ def prepare(images: int, cores: int, folder: Path, server: Any) -> dict[str, Any
     summary = upload_cv_dataset(Files(), client=server.client(), bucket=BUCKET, base_folder="ours", maxsize=64e6,
                                 workers=min(cores, 8), progress=False)
     systems.write("webdataset", [(str(p), label) for p, label in items], target, "wds")
+    import gpu
+
+    gpu.dali_index(target, "wds", folder)  # what DALI's rows read the shards by
     return {"images": images, "sample_kb": summary.bytes / summary.samples / 1e3, "generate_seconds": made,
             "prepare_seconds": time.perf_counter() - started}
 
@@ -365,6 +405,22 @@ def gil(images: int, budget: float) -> dict[str, Any] | None:
         subprocess.run(command, check=True, timeout=budget, capture_output=True, text=True)
         return json.loads(out.read_text())["this"]
     except (subprocess.SubprocessError, OSError, KeyError, ValueError) as error:
+        return {"error": str(error)[-500:]}
+    finally:
+        shutil.rmtree(out.parent, ignore_errors=True)
+
+
+def beside_python(images: int, device: str, budget: float) -> dict[str, Any]:
+    """``beside_python.py`` on this node: the GPU stage's ``loader()`` alone and beside a
+    spinning Python thread, and the GIL-held microseconds an image in the process that
+    iterates, with the decoding process and with a decoding thread; its JSON."""
+    out = Path(tempfile.mkdtemp(prefix="node-beside-")) / "beside.json"
+    command = [sys.executable, str(BENCHMARKS / "beside_python.py"), "--images", str(images), "--size", "400", "300",
+               "--crop", "224", "--workers", "4", "--device", device, "--repeats", "1", "--json", str(out)]
+    try:
+        subprocess.run(command, check=True, timeout=budget, capture_output=True, text=True)
+        return json.loads(out.read_text())
+    except (subprocess.SubprocessError, OSError, ValueError) as error:
         return {"error": str(error)[-500:]}
     finally:
         shutil.rmtree(out.parent, ignore_errors=True)
@@ -385,22 +441,73 @@ def smoke(shared: dict[str, str], images: Path, out: Path) -> dict[str, Any]:
 
 
 def summary(results: dict[str, Any]) -> list[str]:
-    """The table, and the default set-up against the best of the sweep per scenario."""
-    lines = ["| set-up | samples/s | cores busy | first batch (s) | loader PSS (MB) |", "|---|---|---|---|---|"]
+    """The table, the default set-up against the best of the sweep per scenario, and the GPU
+    stage's targets (``gpu_targets``)."""
+    lines = ["| set-up | samples/s | after the first batch | cores busy | first batch (s) | loader PSS (MB) |",
+             "|---|---|---|---|---|---|"]
     for row in results["rows"]:
         if "error" in row:
-            lines.append(f"| {row['name']} | failed: {row['error'][-80:]} | | | |")
+            lines.append(f"| {row['name']} | failed: {row['error'][-80:]} | | | | |")
             continue
-        lines.append(f"| {row['name']} | {row['rate']:,.0f} | {row['cores']:.1f} | {row['first_batch_seconds']:.2f} |"
-                     f" {row['peak_pss_mb']:,.0f} |")
+        kept = f" (the thread kept {row['spinner_share']:.2f})" if "spinner_share" in row else ""
+        steady = "" if row["steady_rate"] is None else f"{row['steady_rate']:,.0f}"
+        lines.append(f"| {row['name']} | {row['rate']:,.0f} | {steady}{kept} | {row['cores']:.1f} |"
+                     f" {row['first_batch_seconds']:.2f} | {row['peak_pss_mb']:,.0f} |")
     for scenario in ("A", "B-fused", "B", "B-gpu"):
-        ours = [r for r in results["rows"] if r.get("system") == "ours" and r["scenario"] == scenario and "rate" in r]
+        ours = [r for r in results["rows"] if r.get("system") == "ours" and r["scenario"] == scenario and "rate" in r
+                and not r.get("train") and not r.get("spinner")]
         default = [r["rate"] for r in ours if r.get("default")]
         if default and len(ours) > 1:
             best = max(ours, key=lambda r: r["rate"])
             lines.append(f"\n{scenario}: the default gives {default[0] / best['rate']:.0%} of the best row"
                          f" ({best['name']}, {best['rate']:,.0f}/s)")
-    return lines
+    return lines + gpu_targets(results)
+
+
+def gpu_targets(results: dict[str, Any]) -> list[str]:
+    """The GPU stage's figures against its targets, each a ratio of rows of this run (rates
+    after the first batch): the ceiling, DALI, beside training and a Python thread, the first
+    batch, and the GIL-held time per image of the process that iterates."""
+    done = [r for r in results["rows"] if r["scenario"] == "B-gpu" and r.get("steady_rate") is not None]
+
+    def pick(**match: Any) -> dict[str, Any] | None:
+        found = [r for r in done if all(r.get(k) == v for k, v in match.items())]
+        return max(found, key=lambda r: r["steady_rate"]) if found else None
+
+    ours = pick(system="ours", default=True, train=None, spinner=None)
+    out = ["\nGPU stage (rates after the first batch):"]
+    ceiling = pick(system="raw")
+    if ours and ceiling:
+        out.append(f"- 1. ceiling: ours {ours['steady_rate']:,.0f}/s on {ours['cores']:.1f} cores busy is"
+                   f" {ours['steady_rate'] / ceiling['steady_rate']:.2f}x of {ceiling['name']}"
+                   f" ({ceiling['steady_rate']:,.0f}/s); target >= 0.80")
+    dali = pick(system="dali", source="bucket", train=None)
+    if ours and dali:
+        out.append(f"- 2. DALI: ours is {ours['steady_rate'] / dali['steady_rate']:.2f}x of {dali['name']}"
+                   f" ({dali['steady_rate']:,.0f}/s); target >= 1.0")
+    model, fed = pick(system="model"), pick(system="ours", default=True, train=True)
+    if ours and model and fed:
+        slower = min(model["steady_rate"], ours["steady_rate"])
+        out.append(f"- 3. training: fed by ours {fed['steady_rate']:,.0f}/s, the step alone"
+                   f" {model['steady_rate']:,.0f}/s, ours alone {ours['steady_rate']:,.0f}/s:"
+                   f" {fed['steady_rate'] / slower:.2f}x of the slower;"
+                   f" target >= 0.90")
+    spun = pick(system="ours", default=True, spinner=True)
+    if ours and spun:
+        out.append(f"- 3. beside a spinning Python thread: {spun['steady_rate']:,.0f}/s,"
+                   f" {spun['steady_rate'] / ours['steady_rate']:.2f}x of ours alone (the thread kept"
+                   f" {spun['spinner_share']:.2f} of its loops); target >= 0.50")
+    webdataset = pick(system="webdataset")
+    if ours and webdataset:
+        out.append(f"- 4. first batch: ours {ours['first_batch_seconds']:.2f} s, WebDataset + torchvision"
+                   f" {webdataset['first_batch_seconds']:.2f} s; target <= 1.0x")
+    beside = results.get("beside_python", {}).get("summary", {})
+    for name, row in beside.items():
+        if row.get("gil_us") is not None:
+            out.append(f"- 5. {name}: GIL held {row['gil_us']:.1f} us an image in the process that iterates"
+                       f" ({row['cpu_us']:.1f} us of its CPU); beside a Python thread {row['ratio']:.2f}x;"
+                       f" target <= 10 us")
+    return out
 
 
 def main() -> None:
@@ -409,7 +516,10 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=20000)
     parser.add_argument("--out", type=Path, default=BENCHMARKS / "results")
     parser.add_argument("--budget", type=float, default=280.0, help="seconds for the whole run")
-    parser.add_argument("--gil-images", type=int, default=4000, help="images for gil_cost.py (0: skip it)")
+    parser.add_argument("--gil-images", type=int, default=4000,
+                        help="images for gil_cost.py (0: skip it; --gpu-only skips it)")
+    parser.add_argument("--beside-images", type=int, default=2048,
+                        help="images for beside_python.py, where there are GPU rows (0: skip it)")
     parser.add_argument("--gpu-only", action="store_true", help="the smoke check and the B-gpu rows alone")
     args = parser.parse_args()
     if args.epoch:
@@ -437,11 +547,13 @@ def run(args: argparse.Namespace) -> None:
                          {"system": "webdataset", "scenario": "A", "workers": 0}):
                 measure({**shared, **warm}, timeout=args.budget)  # every object read once: no row reads cold
             results["smoke"] = smoke(shared, folder, args.out)
-            chosen = rows(cores, results["environment"]["gpu_rows"])
+            chosen = rows(cores, results["environment"]["gpu_rows"], results["environment"]["dali"] is not None)
             if args.gpu_only:
                 chosen = [row for row in chosen if row["scenario"] == "B-gpu"]
             for row in chosen:
-                left = args.budget - (time.monotonic() - started) - (60 if args.gil_images else 0)
+                reserved = (60 if args.gil_images and not args.gpu_only else 0) + (
+                    90 if args.beside_images and results["environment"]["gpu_rows"] else 0)
+                left = args.budget - (time.monotonic() - started) - reserved
                 if left < 20:
                     results.setdefault("skipped", []).append(name(row))
                     continue
@@ -455,7 +567,12 @@ def run(args: argparse.Namespace) -> None:
                 path.write_text(json.dumps(results, indent=1))
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    if args.gil_images:
+    gpu_rows = results["environment"]["gpu_rows"]
+    if args.beside_images and gpu_rows:
+        left = args.budget - (time.monotonic() - started)
+        results["beside_python"] = (beside_python(args.beside_images, gpu_rows, left) if left > 30
+                                    else {"skipped": "out of time"})
+    if args.gil_images and not args.gpu_only:
         left = args.budget - (time.monotonic() - started)
         results["gil"] = gil(args.gil_images, max(30.0, left)) if left > 30 else {"skipped": "out of time"}
     results["seconds"] = time.monotonic() - started

@@ -101,17 +101,19 @@ def gil_share(datas: list[bytes], device: str) -> dict[str, Any]:
                for f in range(0, len(datas), 256)]
     batches = [b.pin_memory() for b in batches] if device == "cuda" else batches
 
-    def spin(seconds: float, stop: threading.Event | None = None) -> float:
+    def spin(stop: threading.Event) -> float:  # alone and beside, the same loop
         loops, started = 0, time.perf_counter()
-        while (stop is None and time.perf_counter() - started < seconds) or (stop is not None and not stop.is_set()):
+        while not stop.is_set():
             loops += 1
         return loops / (time.perf_counter() - started)
 
     for b in batches[:2]:
         decoder.decode(b)
-    alone = spin(0.5)
+    timer = threading.Event()
+    threading.Timer(0.5, timer.set).start()
+    alone = spin(timer)
     stop, rates = threading.Event(), []
-    spinner = threading.Thread(target=lambda: rates.append(spin(0, stop)))
+    spinner = threading.Thread(target=lambda: rates.append(spin(stop)))
     spinner.start()
     started, images = time.perf_counter(), 0
     for b in batches:  # at most about GIL_SECONDS: beside a thread that never lets go, each retake waits

@@ -230,14 +230,16 @@ def test_the_rank_torch_distributed_set_up_here_reaches_the_decoding_process(cli
     assert sorted(keys(after)) == EVERY
 
 
-def test_a_cpu_tensor_comes_back_by_value_and_writable():
-    from remote_loader.pipeline.device.channel import batch_bytes
+def test_a_small_cpu_tensor_comes_back_by_value_and_writable_a_large_one_in_shared_memory():
+    from remote_loader.pipeline.device.channel import BY_VALUE, batch_bytes, loads
 
     values = torch.arange(12, dtype=torch.int16).reshape(3, 4)[:, 1:]  # not contiguous
-    import pickle
-
-    back = pickle.loads(batch_bytes(("batch", 1, (values, torch.tensor(2.5), "key"), None)))
-    assert torch.equal(back[2][0], values) and back[2][0].dtype == torch.int16
-    assert back[2][1].item() == 2.5 and back[2][2] == "key"
-    back[2][0][0, 0] = 7  # its own memory, writable
+    large = torch.arange(BY_VALUE // 4 + 1, dtype=torch.int32)
+    message = batch_bytes(("batch", 1, (values, torch.tensor(2.5), "key", large), None))
+    assert len(message) < BY_VALUE  # the large one is not in the message
+    back = loads(message)[2]
+    assert torch.equal(back[0], values) and back[0].dtype == torch.int16
+    assert back[1].item() == 2.5 and back[2] == "key"
+    assert torch.equal(back[3], large) and back[3].is_shared()
+    back[0][0, 0] = 7  # its own memory, writable
     assert values[0, 0] == 1

@@ -6,10 +6,11 @@ DataLoader worker would have it), its tensors in shared memory by torch's own re
 the dataset's epochs and counters stay the very numbers the user's process reads.
 
 Back come decoded batches. A CUDA tensor comes by CUDA IPC, torch's reduction: no copy,
-and the receiving stream waits for the one that made it. A CPU tensor comes by value, in
-the message: passing a file descriptor instead costs the receiver about ten system calls a
-tensor, each of which lets a Python thread of the user's take the GIL for a switch interval
-(5 ms), which is what the decoding process exists to avoid.
+and the receiving stream waits for the one that made it. A small CPU tensor (labels, the
+CPU backend's small crops) comes by value, in the message: passing a file descriptor
+instead costs the receiver about ten system calls a tensor, each of which lets a Python
+thread of the user's take the GIL for a switch interval (5 ms), which is what the decoding
+process exists to avoid; a large one (``BY_VALUE``) in shared memory, as torch shares it.
 """
 
 from __future__ import annotations
@@ -64,21 +65,29 @@ def _cpu_tensor(data: bytearray, dtype: str, shape: tuple[int, ...]) -> torch.Te
     return torch.from_numpy(np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape))
 
 
+BY_VALUE = 1 << 20
+"""A CPU tensor up to this size comes by value; a larger one in shared memory, where the
+few system calls that pass its file descriptor cost less than copying it through the socket."""
+
+
 class _BatchPickler(_BASE):  # type: ignore[misc, valid-type]
-    """Plain tensors on a GPU by CUDA IPC, on the CPU by value; everything else as pickle
-    (or cloudpickle) does it."""
+    """Plain tensors on a GPU by CUDA IPC, on the CPU by value up to ``BY_VALUE`` bytes, in
+    shared memory past it; everything else as pickle (or cloudpickle) does it."""
 
     def reducer_override(self, obj: Any) -> Any:
         if type(obj) is torch.Tensor and not obj.requires_grad:
-            if obj.is_cuda:
+            if obj.is_cuda or (obj.device.type == "cpu" and obj.nbytes > BY_VALUE):
                 return reductions.reduce_tensor(obj)
             if obj.device.type == "cpu" and obj.dtype in _NUMPY:
                 array = np.ascontiguousarray(obj.numpy())
                 return _cpu_tensor, (pickle.PickleBuffer(array.data), array.dtype.str, array.shape)
+        elif type(obj) in _STORAGES:  # a shared tensor's storage: shared as well
+            return _SHARED[type(obj)](obj)
         parent = getattr(super(), "reducer_override", None)
         return parent(obj) if parent is not None else NotImplemented
 
 
+_STORAGES = (torch.UntypedStorage, torch.storage.TypedStorage)
 _NUMPY = {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.float32,
           torch.float64, torch.complex64, torch.complex128}
 

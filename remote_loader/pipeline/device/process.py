@@ -48,6 +48,7 @@ AHEAD = 2
 """Decoded batches the process may send before this one has received them."""
 _STEP = 1.0  # waits in steps: Ctrl-C gets through, and a process that died is noticed
 _CLOSE_SECONDS = 5.0
+_SOCKET_BUFFER = 4 << 20
 _BOOT = ("import sys\n"
          "from multiprocessing.connection import Connection\n"
          "conn = Connection(int(sys.argv[1]))\n"
@@ -78,6 +79,9 @@ class DecodingProcess:
         self._run = 0
         self._received = _Received(place.device)
         ours, theirs = socket.socketpair()
+        for end in (ours, theirs):  # a message in few reads: each read lets another thread take the GIL
+            end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKET_BUFFER)
+            end.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCKET_BUFFER)
         with theirs:
             self._process = subprocess.Popen(
                 [sys.executable, "-c", _BOOT, str(theirs.fileno())], pass_fds=(theirs.fileno(),),
