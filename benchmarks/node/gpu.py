@@ -100,7 +100,7 @@ def memory(spec: dict[str, Any]) -> Any:
     on_gpu = spec["device"] == "cuda"
     datas = _jpegs(spec, IN_MEMORY if on_gpu else GPU_BATCH)
     crop, rng = RandomResizedCrop(224), np.random.default_rng(0)
-    place = check_device(spec["device"], True)
+    place = check_device(spec["device"], True, start=False)
     assert place is not None
     decoder = DeviceDecoder(crop, place)
     for _ in range(4 if on_gpu else 1):

@@ -44,8 +44,10 @@ GIL_SECONDS = 5.0
 
 def first_batch(args: argparse.Namespace, device: str) -> dict[str, Any]:
     """The first batch's time from this process's start, and its phases: imports, the chain
-    (``decode`` resolves the device and opens the codec: CUDA's start-up, the probes), the
-    loader, and the batch itself (workers' start, the first shards, the first decode)."""
+    (``decode`` resolves the device and starts the decoding process), the loader, and the
+    batch itself (in the decoding process: Python and torch's start, the workers' start and
+    the first shards beside CUDA's start-up and the decoder's probe, the first decode; its
+    own seconds from its start to its imports done and its decoder open)."""
     phases = {"start": time.perf_counter() - STARTED}
     from remote_loader import RandomResizedCrop, RemoteDataset, loader, make_client
 
@@ -59,8 +61,10 @@ def first_batch(args: argparse.Namespace, device: str) -> dict[str, Any]:
     images, _ = next(iter(batches))
     _sync(device)
     phases["first_batch"] = time.perf_counter() - STARTED
+    process = getattr(batches, "_process", None)  # the decoding process's own phases, where there is one
     return {"seconds_from_process_start": phases, "shape": list(images.shape),
-            "decoded_on": batches.decoded_on, "workers": batches.num_workers}
+            "decoded_on": batches.decoded_on, "workers": batches.num_workers,
+            "decoding_process": getattr(process, "startup", None)}
 
 
 def codec_startup(device: str) -> dict[str, Any]:
@@ -93,7 +97,7 @@ def gil_share(datas: list[bytes], device: str) -> dict[str, Any]:
     from remote_loader.pipeline.device import DeviceDecoder, EncodedBatch, check_device, prepare
 
     crop = RandomResizedCrop(224)
-    place = check_device(device, True)
+    place = check_device(device, True, start=False)
     assert place is not None
     decoder = DeviceDecoder(crop, place)
     rng = np.random.default_rng(0)
@@ -134,7 +138,7 @@ def devices(device: str) -> dict[str, Any]:
 
     out = {}
     for name in ((device, f"{device}:0") if device == "cuda" else (device,)):
-        place = check_device(name, True)
+        place = check_device(name, True, start=False)
         assert place is not None
         out[name] = {"resolved": str(place.device), "decoded_on": DeviceDecoder(RandomResizedCrop(8), place).decoded_on}
     return out
@@ -150,7 +154,7 @@ def _crops(datas: list[bytes], crop: Any, device: str, skip: bool = False,
     from remote_loader.pipeline.device import DeviceDecoder, EncodedBatch, check_device, prepare
 
     cpu = torch.stack([crop.decode(d, np.random.default_rng(i)) for i, d in enumerate(datas)]) if cpu_too else None
-    place = check_device(device, True)
+    place = check_device(device, True, start=False)
     assert place is not None
     batch = EncodedBatch([prepare(crop, d, np.random.default_rng(i), str(i), "smoke") for i, d in enumerate(datas)])
     images, kept = DeviceDecoder(crop, place, skip=skip).decode(batch)

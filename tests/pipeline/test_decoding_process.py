@@ -90,12 +90,13 @@ def test_a_killed_decoding_process_is_named_and_a_stateful_loader_resumes_past_i
     assert pid is not None and pid != os.getpid()
     os.kill(pid, signal.SIGKILL)
     with pytest.raises(DecoderExited, match=rf"decoding process \(pid {pid}\) was ended by signal 9") as info:
-        list(epoch)
+        for batch in epoch:  # the batches it had sent before it was killed still come
+            first += keys([batch])
     assert info.value.pid == pid and info.value.returncode == -signal.SIGKILL
     batches.load_state_dict(batches.state_dict())  # as of the last batch handed out
     rest = keys(batches)
     assert batches.pid != pid  # a new process
-    assert len(first) == 16 and sorted(first + rest) == EVERY  # none lost, none twice
+    assert len(first) >= 16 and rest and sorted(first + rest) == EVERY  # none lost, none twice
 
 
 def warn_and_log(sample):

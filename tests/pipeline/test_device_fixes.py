@@ -401,12 +401,14 @@ class _Recorded:
     class SampleFormat:
         P_RGB = "rgb"
 
-    def __init__(self) -> None:
+    def __init__(self, refused: tuple[str, ...] = ()) -> None:
         self.decoders: list[Any] = []
         recorded = self
 
         class Decoder:
             def __init__(self, device_id: int, max_num_cpu_threads: int, backends: list[str]) -> None:
+                if any(kind in refused for kind in backends):
+                    raise RuntimeError("Could not create decoder")
                 self.backends, self.decoded = backends, 0
                 recorded.decoders.append(self)
 
@@ -428,4 +430,11 @@ def test_the_gpu_decoder_handed_batches_has_decoded_no_probe_first():
     assert codec.decoded_on == HARDWARE
     assert codec._decoder.backends == ["hw", "hybrid"]
     assert codec._decoder.decoded == 0
-    assert [d.decoded for d in module.decoders] == [1, 1, 0]
+    assert [d.decoded for d in module.decoders] == [1, 0]  # the hardware decoder's probe, then the one used
+
+
+def test_a_hardware_decoder_whose_hybrid_partner_cannot_be_made_decodes_alone():
+    module = _Recorded(refused=("hybrid",))
+    codec = NvImageCodec(module, torch.device("cuda", 0), cpu_fallback=False)
+    assert codec.decoded_on == HARDWARE and codec._decoder.backends == ["hw"]
+    assert [d.decoded for d in module.decoders] == [1, 0]

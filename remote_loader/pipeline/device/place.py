@@ -10,37 +10,47 @@ import torch
 from remote_loader.errors import ConfigError
 from remote_loader.pipeline.device.codec import installed, open_codec, require_installed
 from remote_loader.pipeline.device.decoder import Place
+from remote_loader.pipeline.device.process import prestart
 
 _DEVICES = "decode device must be 'cpu', 'cuda', 'cuda:N' or 'auto'"
 
 
-def check_device(device: Any, batched: bool, cpu_fallback: bool = False) -> Place | None:
+def check_device(device: Any, batched: bool, cpu_fallback: bool = False, start: bool = True) -> Place | None:
     """None for the CPU path in the workers, else where the batched path decodes: ``"cuda"``
     resolved to this process's current GPU (the rank's, as torchrun and DDP set it).
 
     Only what is cheap to know is checked here (the device, CUDA, nvImageCodec installed):
     which of the GPU's decoders work is found where the batches are decoded, when the
-    decoder opens, so CUDA and the decoders start in the decoding process while the
-    DataLoader's workers start. ``"auto"`` must choose between the two paths now, so it
-    opens the GPU's decoder here: where none decodes, it takes the CPU path."""
+    decoder opens, so CUDA and the decoders start in the decoding process, which starts
+    now (the first pipeline of this process and place) while you go on. ``"auto"`` must
+    choose between the two paths now, so it opens the GPU's decoder here: where none
+    decodes, it takes the CPU path. ``start=False``: no process (a decoder of this one's)."""
+    place = _resolved(device, batched, cpu_fallback)
+    if place is not None and start:
+        prestart(place)
+    return place
+
+
+def _resolved(device: Any, batched: bool, cpu_fallback: bool = False) -> Place | None:
     if device == "auto":
         if not (torch.cuda.is_available() and installed()):
-            return check_device("cpu", batched)
+            return _resolved("cpu", batched)
         try:
-            found = check_device("cuda", batched, cpu_fallback)
+            found = _resolved("cuda", batched, cpu_fallback)
             assert found is not None
             open_codec(found.device, cpu_fallback)
             return found
         except ConfigError:  # the GPU has no decoder: the CPU path, as where there is no GPU
-            return check_device("cpu", batched)
+            return _resolved("cpu", batched)
     try:
         place = torch.device(device)
     except (RuntimeError, TypeError):
         raise ConfigError(f"{_DEVICES}, got {device!r}") from None
     if place.type == "cpu":
-        if batched:
-            require_installed()
-        return Place(place) if batched else None
+        if not batched:
+            return None
+        require_installed()
+        return Place(place)
     if place.type != "cuda":
         raise ConfigError(f"{_DEVICES}, got {device!r}")
     if not torch.cuda.is_available():

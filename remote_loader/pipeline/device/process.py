@@ -28,6 +28,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import warnings
 import weakref
 from collections import deque
@@ -74,6 +75,8 @@ class DecodingProcess:
         self.place = place
         self.owner = os.getpid()
         self.decoded_on: str | None = None
+        self.startup: dict[str, float] = {}  # seconds from its start to its imports done, its decoder open
+        self._started = time.time()
         self._open_error: BaseException | None = None
         self._early: deque[tuple[Any, ...]] = deque()  # messages read while waiting for another
         self._run = 0
@@ -183,6 +186,7 @@ class DecodingProcess:
             kind = message[0]
             if kind == "opened":
                 self.decoded_on, error = message[1], message[2]
+                self.startup = {name: at - self._started for name, at in message[3].items()}
                 if error is not None:
                     self._open_error = loads(error)
                 else:
@@ -262,6 +266,25 @@ def _close(process: subprocess.Popen[bytes], conn: Connection, owner: int) -> No
 
 _IDLE: dict[tuple[str, bool], DecodingProcess] = {}
 _IDLE_LOCK = threading.Lock()
+
+
+_PRESTARTED: set[tuple[int, str, bool]] = set()
+
+
+def prestart(place: Place) -> None:
+    """Start a decoding process for ``place`` now, once per process and place, for the first
+    loader to take: it starts Python, torch, CUDA and the decoder while you make your model.
+    Later loaders take the processes earlier ones left."""
+    key = (os.getpid(), str(place.device), place.cpu_fallback)
+    with _IDLE_LOCK:
+        if key in _PRESTARTED:
+            return
+        _PRESTARTED.add(key)
+    started = DecodingProcess(place)
+    with _IDLE_LOCK:
+        kept = _IDLE.setdefault(key[1:], started) is started
+    if not kept:
+        started.close()
 
 
 def take(place: Place) -> DecodingProcess:

@@ -15,6 +15,7 @@ import multiprocessing
 import os
 import signal
 import threading
+import time
 import warnings
 from collections.abc import Generator
 from multiprocessing.connection import Connection
@@ -42,6 +43,7 @@ def serve(conn: Connection, setup: dict[str, Any]) -> None:
 class _Server:
     def __init__(self, conn: Connection, setup: dict[str, Any]) -> None:
         self.conn, self.pid, self.lock = conn, os.getpid(), threading.Lock()
+        self.began = time.time()
         self.place = Place(torch.device(setup["device"]), setup["cpu_fallback"])
         self.ahead: int = setup["ahead"]
         self.level: int = setup["log_level"]
@@ -97,9 +99,9 @@ class _Server:
         try:
             decoded_on = open_codec(self.place.device, self.place.cpu_fallback).decoded_on
         except Exception as error:  # noqa: BLE001 - reported; a pass raises it again
-            self.send(("opened", None, error_bytes(error, self.pid)))
+            self.send(("opened", None, error_bytes(error, self.pid), {}))
         else:
-            self.send(("opened", decoded_on, None))
+            self.send(("opened", decoded_on, None, {"imports": self.began, "decoder": time.time()}))
 
     # ---------------------------------------------------------------- one pass
 
