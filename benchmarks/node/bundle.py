@@ -1,6 +1,6 @@
 """Build the offline bundle the node benchmark runs from, on a GPU node with no network.
 
-    python benchmarks/node/bundle.py [--out build/node-bundle] [--python-version 3.12] [--ref HEAD]
+    python benchmarks/node/bundle.py [--out build/node-bundle] [--python-version 3.12] [--ref HEAD] [--dali]
 
 A GPU node's image has Python, a CUDA torch, torchvision, numpy and Pillow; the bundle
 brings the rest, under 60 MB:
@@ -17,7 +17,10 @@ brings the rest, under 60 MB:
   which the node makes its JPEGs;
 - ``run.sh``: what the node runs (``benchmarks/node/run.sh``).
 
-Its size is printed; more than 60 MB is an error.
+Its size is printed; more than 60 MB is an error. With ``--dali``, DALI for the GPU rows'
+peer too, in parts of its own (``build/node-dali/dali.tar.xz.part-N``, about 150 MB in
+three), each carried by a call of its own to the node while it stays warm; ``run.sh``
+unpacks them once every part is there (see benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ WHEELS = ["boto3", "botocore", "s3transfer", "jmespath", "python-dateutil", "six
           "pycparser", "nvidia-nvimgcodec-cu13==0.9.0.20", "nvidia-nvjpeg==13.0.2.28"]
 # nvJPEG of CUDA 13.0, as the node's torch (cu130) and driver (580): nvImageCodec's GPU and hardware
 # decoders load it from beside themselves; without it they decode on the CPU.
+PLATFORMS = ("manylinux2014_x86_64", "manylinux_2_17_x86_64", "manylinux_2_28_x86_64", "manylinux1_x86_64",
+             "manylinux_2_5_x86_64", "manylinux_2_12_x86_64", "manylinux2010_x86_64", "manylinux_2_26_x86_64")
 KEEP_BOTOCORE_DATA = {"s3", "_retry.json", "endpoints.json", "partitions.json", "sdk-default-configuration.json"}
 KEEP_NVIMGCODEC_EXTENSIONS = ("libnvjpeg_ext", "libjpeg_turbo_ext")  # JPEG on the GPU, and on the CPU
 
@@ -50,13 +55,7 @@ def site(out: Path, python_version: str) -> Path:
     """The wheels installed for the node into a folder, botocore trimmed, as ``site.tar.xz``."""
     with tempfile.TemporaryDirectory() as tmp:
         target = Path(tmp) / "site"
-        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--only-binary=:all:",
-                        "--target", str(target), "--python-version", python_version, "--implementation", "cp",
-                        "--platform", "manylinux2014_x86_64", "--platform", "manylinux_2_17_x86_64",
-                        "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux1_x86_64",
-                        "--platform", "manylinux_2_5_x86_64", "--platform", "manylinux_2_12_x86_64",
-                        "--platform", "manylinux2010_x86_64", "--platform", "manylinux_2_26_x86_64", *WHEELS],
-                       check=True)
+        _install(target, python_version, WHEELS)
         for entry in (target / "botocore" / "data").iterdir():
             if entry.name not in KEEP_BOTOCORE_DATA:
                 shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
@@ -113,6 +112,47 @@ def source(out: Path, ref: str) -> Path:
     return archive
 
 
+# DALI, the GPU rows' peer: its wheel (200 MB) and what it needs that a CUDA torch image lacks.
+DALI_WHEELS = ["nvidia-dali-cuda130==2.4.0", "nvidia-libnvcomp-cu13==5.3.0.16", "astunparse", "gast", "optree",
+               "makefun", "libcst", "nvtx"]
+DALI_STRIP = ("libdali_operators.so", "libdali_kernels.so", "libdali.so", "libdali_core.so")
+
+
+def dali(out: Path, python_version: str) -> list[Path]:
+    """DALI installed for the node into a folder, its modules for other Pythons removed and
+    its libraries stripped, as one ``tar.xz`` stream cut into parts of at most ``LIMIT``:
+    about 150 MB, more than one call to a node carries, so each part goes in a call of its
+    own and ``run.sh`` puts them together once all are there."""
+    with tempfile.TemporaryDirectory() as tmp:
+        target = Path(tmp) / "dali"
+        _install(target, python_version, DALI_WHEELS)
+        keep = f".cpython-{python_version.replace('.', '')}-"
+        for module in (target / "nvidia" / "dali").glob("*.cpython-*.so"):
+            if keep not in module.name:
+                module.unlink()
+        for library in DALI_STRIP:
+            subprocess.run(["strip", "--strip-unneeded", str(target / "nvidia" / "dali" / library)], check=True)
+        stream = Path(tmp) / "dali.tar.xz"
+        with tarfile.open(stream, "w:xz", preset=9) as tar:
+            tar.add(target, arcname="dali")
+        out.mkdir(parents=True, exist_ok=True)
+        for old in out.glob("dali.tar.xz.part-*"):
+            old.unlink()
+        parts, piece = [], LIMIT - (4 << 20)  # a part and the working tree fit one call
+        with open(stream, "rb") as source:
+            while chunk := source.read(piece):
+                parts.append(out / f"dali.tar.xz.part-{len(parts) + 1}")
+                parts[-1].write_bytes(chunk)
+    (out / "parts").write_text(f"{len(parts)}\n")
+    return parts
+
+
+def _install(target: Path, python_version: str, wheels: list[str]) -> None:
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--only-binary=:all:",
+                    "--target", str(target), "--python-version", python_version, "--implementation", "cp",
+                    *(arg for platform in PLATFORMS for arg in ("--platform", platform)), *wheels], check=True)
+
+
 def size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
 
@@ -122,7 +162,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "build" / "node-bundle")
     parser.add_argument("--python-version", default="3.12", help="the node's Python (3.12 on the lent nodes)")
     parser.add_argument("--ref", default="HEAD", help="the commit measured")
+    parser.add_argument("--dali", type=Path, nargs="?", const=ROOT / "build" / "node-dali", default=None,
+                        help="also DALI, in parts, into this folder (default build/node-dali)")
     args = parser.parse_args()
+    if args.dali is not None:
+        for part in dali(args.dali, args.python_version):
+            print(f"{size(part) / 2**20:8.1f} MiB  {part}")
     shutil.rmtree(args.out, ignore_errors=True)
     args.out.mkdir(parents=True)
     parts = [site(args.out, args.python_version), weed(args.out), photos(args.out), source(args.out, args.ref)]

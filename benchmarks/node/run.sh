@@ -3,8 +3,9 @@
 #
 #     bash run.sh [--images 20000] [--out DIR] [--budget 280]      # run.py's options
 #
-# Unpacks the wheels, SeaweedFS's binary and the source next to it (once), then runs
-# benchmarks/node/run.py (its smoke check first) with the Python that has torch (PYTHON, default python3).
+# Unpacks the wheels, SeaweedFS's binary and the source next to it (once), and DALI where its
+# parts are beside the bundle (build/node-dali), then runs benchmarks/node/run.py (its smoke
+# check first) with the Python that has torch (PYTHON, default python3).
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 PYTHON="${PYTHON:-python3}"
@@ -24,10 +25,50 @@ if not os.path.exists(weed):
     os.chmod(weed + ".part", 0o755)
     os.replace(weed + ".part", weed)
 PY
+# DALI, where its parts were carried here (bundle.py --dali; each part in a call of its own):
+# unpacked once, beside them, when every part is there.
+DALI="${NODE_BENCH_DALI:-$HERE/../node-dali}"
+DALI_SITE=""
+if [ -f "$DALI/parts" ]; then
+    DALI_SITE="$("$PYTHON" - "$DALI" <<'PY'
+import lzma, os, sys, tarfile
+folder = sys.argv[1]
+count = int(open(os.path.join(folder, "parts")).read())
+parts = [os.path.join(folder, f"dali.tar.xz.part-{k}") for k in range(1, count + 1)]
+site = os.path.join(folder, "dali")
+if not os.path.isdir(site):
+    missing = [os.path.basename(p) for p in parts if not os.path.exists(p)]
+    if missing:
+        print(f"DALI: {', '.join(missing)} not here yet: its rows are left out", file=sys.stderr)
+        sys.exit(0)
+
+    class Joined:  # the parts as one stream
+        def __init__(self):
+            self.files = iter(parts)
+            self.current = open(next(self.files), "rb")
+
+        def read(self, size=-1):
+            while True:
+                data = self.current.read(size)
+                if data or size == 0:
+                    return data
+                self.current.close()
+                name = next(self.files, None)
+                if name is None:
+                    return b""
+                self.current = open(name, "rb")
+
+    with lzma.open(Joined()) as stream, tarfile.open(fileobj=stream, mode="r|") as tar:
+        tar.extractall(folder + ".part", filter="data")
+    os.replace(os.path.join(folder + ".part", "dali"), site)
+print(site)
+PY
+)"
+fi
 # nvJPEG comes in the bundle (the nvidia-nvjpeg wheel), where nvImageCodec finds it; its folder is
 # named here too, for a loader that looks only there.
 export LD_LIBRARY_PATH="$WORK/site/nvidia/nvjpeg/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-export PYTHONPATH="$WORK/src:$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$WORK/src:$WORK/site${DALI_SITE:+:$DALI_SITE}${PYTHONPATH:+:$PYTHONPATH}"
 export PATH="$WORK/bin:$WORK/site/bin:$PATH"
 export REMOTE_LOADER_BENCH_PHOTOS="$HERE/photos"
 export NODE_BENCH_COMMIT="$(cat "$HERE/commit" 2>/dev/null || true)"
