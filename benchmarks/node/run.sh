@@ -68,6 +68,9 @@ fi
 # nvJPEG comes in the bundle (the nvidia-nvjpeg wheel), where nvImageCodec finds it; its folder is
 # named here too, for a loader that looks only there.
 export LD_LIBRARY_PATH="$WORK/site/nvidia/nvjpeg/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+if [ -n "$DALI_SITE" ]; then  # DALI loads nvImageCodec and nvCOMP by name, not from beside itself
+    export LD_LIBRARY_PATH="$WORK/site/nvidia/nvimgcodec:$DALI_SITE/nvidia/libnvcomp/lib64:$LD_LIBRARY_PATH"
+fi
 export PYTHONPATH="$WORK/src:$WORK/site${DALI_SITE:+:$DALI_SITE}${PYTHONPATH:+:$PYTHONPATH}"
 export PATH="$WORK/bin:$WORK/site/bin:$PATH"
 export REMOTE_LOADER_BENCH_PHOTOS="$HERE/photos"
