@@ -244,3 +244,17 @@ def test_a_small_cpu_tensor_comes_back_by_value_and_writable_a_large_one_in_shar
     assert torch.equal(back[3], large) and back[3].is_shared()
     back[0][0, 0] = 7  # its own memory, writable
     assert values[0, 0] == 1
+
+
+def test_a_pass_that_fails_before_the_decoder_opens_is_raised_and_it_still_says_where_it_decodes(client):
+    import pickle
+
+    from remote_loader.pipeline.device import DecodingProcess, Place
+
+    process = DecodingProcess(Place(torch.device("cpu")))  # a pass sent at once: it arrives before its imports end
+    try:
+        with pytest.raises(pickle.UnpicklingError):
+            next(process.run(b"not a pipeline"))
+        assert process.opened() == "CPU"  # not a wait for a decoder the failed pass never opened
+    finally:
+        process.close()

@@ -34,6 +34,7 @@ import weakref
 from collections import deque
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import torch
@@ -129,7 +130,7 @@ class DecodingProcess:
                     continue  # a batch of a pass left early, unpickled so its memory goes back
                 kind = message[0]
                 if kind == "batch":
-                    self._conn.send_bytes(credit(run))
+                    self._send_bytes(credit(run))
                     yield message[2], message[3]
                 elif kind == "end":
                     ended = True
@@ -139,14 +140,14 @@ class DecodingProcess:
                     raise loads(message[2])
         finally:
             if not ended and run == self._run:
-                with contextlib.suppress(OSError, ValueError):  # a process already gone needs no stop
+                with contextlib.suppress(DecoderExited, ValueError):  # a process already gone needs no stop
                     self._send(("stop", run))
 
     def opened(self) -> str:
         """Where the process decodes JPEGs (``"hardware decoder"``, ``"CUDA"`` or ``"CPU"``),
         once it has opened its decoder; the error that kept it from opening one."""
         while self.decoded_on is None and self._open_error is None:
-            self._early.append(self._receive())
+            self._early.append(self._receive(early=False))  # a pass's messages wait their turn
         if self._open_error is not None:
             raise self._open_error
         return self.decoded_on  # type: ignore[return-value]
@@ -166,13 +167,20 @@ class DecodingProcess:
     # ---------------------------------------------------------------- messages
 
     def _send(self, message: tuple[Any, ...]) -> None:
-        self._conn.send(message)
+        self._send_bytes(ForkingPickler.dumps(message))
 
-    def _receive(self) -> tuple[Any, ...]:
+    def _send_bytes(self, data: bytes | memoryview) -> None:
+        try:
+            self._conn.send_bytes(data)
+        except OSError:  # its end of the socket is closed: it is gone
+            raise self._exited() from None
+
+    def _receive(self, early: bool = True) -> tuple[Any, ...]:
         """The next message of a pass (batch, end, error), having handled those that report
-        (the decoder opened, warnings and log records, raised or logged here as they come)."""
+        (the decoder opened, warnings and log records, raised or logged here as they come);
+        ``early``: one read before, while waiting for another, first."""
         while True:
-            if self._early:
+            if early and self._early:
                 message = self._early.popleft()
             else:
                 while not self._conn.poll(_STEP):
@@ -304,7 +312,7 @@ def give_back(process: DecodingProcess) -> None:
         return
     try:
         process.forget()
-    except (OSError, ValueError):
+    except (DecoderExited, ValueError):
         process.close()
         return
     key = (str(process.place.device), process.place.cpu_fallback)

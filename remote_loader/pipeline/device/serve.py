@@ -110,15 +110,7 @@ class _Server:
         """One pass, its batches sent as credits allow; the command that ended it early, if one did."""
         self.run_id, self.credits = run, self.ahead
         try:
-            if pipeline is not None:
-                self.loader = self.dataset = None  # the workers of the one before end
-                self.loader, self.dataset = loads(pipeline)
-            self.set_world(world)
-            if to_load is not None:
-                self.loader.load_state_dict(to_load)
-            batches = iter(self.loader)  # the workers start fetching while the decoder opens
-            if not self.opened:
-                self.open()
+            batches = self.begin(pipeline, to_load, world)
             snapshot = getattr(self.loader, "state_dict", None)
             stream: Generator[tuple[Any, Any], None, None] = decoded_with_states(
                 batches, self.dataset.batch_decoder(), snapshot)
@@ -135,10 +127,26 @@ class _Server:
             finally:
                 stream.close()
         except Exception as error:  # noqa: BLE001 - the pass's error, raised in the user's process
+            if not self.opened:  # the user's process may wait to hear where it decodes
+                self.open()
             self.send(("error", run, error_bytes(error, self.pid)))
             return None
         self.send(("end", run))
         return None
+
+    def begin(self, pipeline: bytes | None, to_load: Any, world: tuple[int, int] | None) -> Any:
+        """The pass's batches begun: the loader received (or the one held), its state loaded,
+        its workers started, and the decoder opened while they start fetching."""
+        if pipeline is not None:
+            self.loader = self.dataset = None  # the workers of the one before end
+            self.loader, self.dataset = loads(pipeline)
+        self.set_world(world)
+        if to_load is not None:
+            self.loader.load_state_dict(to_load)
+        batches = iter(self.loader)
+        if not self.opened:
+            self.open()
+        return batches
 
     def set_world(self, world: tuple[int, int] | None) -> None:
         """The rank and world size as torch.distributed says in the user's process, where it
