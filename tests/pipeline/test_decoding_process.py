@@ -258,3 +258,23 @@ def test_a_pass_that_fails_before_the_decoder_opens_is_raised_and_it_still_says_
         assert process.opened() == "CPU"  # not a wait for a decoder the failed pass never opened
     finally:
         process.close()
+
+
+def test_a_decoding_process_whose_user_is_killed_ends_without_a_word(client, seaweed):
+    # Killed, its user's process leaves the socket closed under a batch being sent.
+    code = textwrap.dedent(f"""
+        import os, signal
+        from remote_loader import RandomResizedCrop, RemoteDataset, loader, make_client
+        client = make_client({seaweed.endpoint_url!r}, {seaweed.access_key!r}, {seaweed.secret_key!r})
+        ds = (RemoteDataset(client, "decoding-process", "d").decode(RandomResizedCrop(32), device="cpu", batched=True)
+              .to_tuple("jpg", "cls").batched(4))
+        batches = loader(ds, num_workers=1)
+        next(iter(batches))
+        print(batches.pid, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    run = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    out, err = run.communicate(timeout=300)  # its pipes close once the decoding process and its workers have ended
+    assert run.returncode == -signal.SIGKILL and out.strip().isdigit()
+    assert err == "", err[-2000:]

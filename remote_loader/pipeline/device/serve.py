@@ -32,12 +32,20 @@ _STEP = 1.0
 _STOP = ("stop",)
 
 
+class _Gone(BaseException):
+    """The user's process has ended (its end of the socket is closed): stop, quietly. Not an
+    ``Exception``, so that no handler of a pass's errors takes it for one."""
+
+
 def serve(conn: Connection, setup: dict[str, Any]) -> None:
     """Serve the user's process on ``conn`` until it asks to close, or ends."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the user's process's to handle
     multiprocessing.current_process().authkey = setup["authkey"]  # it shares tensors' memory by file descriptor
     torch.set_num_threads(1)  # its torch ops are a GPU's (or the CPU backend's few); its cores are the workers'
-    _Server(conn, setup).serve()
+    try:
+        _Server(conn, setup).serve()
+    except _Gone:
+        pass
 
 
 class _Server:
@@ -56,8 +64,11 @@ class _Server:
 
     def send(self, message: tuple[Any, ...]) -> None:
         data = batch_bytes(message)
-        with self.lock:  # whole messages: a warning may come from another thread
-            self.conn.send_bytes(data)
+        try:
+            with self.lock:  # whole messages: a warning may come from another thread
+                self.conn.send_bytes(data)
+        except OSError:
+            raise _Gone from None
 
     def serve(self) -> None:
         if not self.conn.poll(0):  # no pass waits: open the decoder while the user's process goes on
