@@ -11,6 +11,19 @@ from remote_loader.storage import Store
 from remote_loader.testing.synthetic import SyntheticImages
 
 
+def require_nvimagecodec() -> None:
+    """Skip the calling test unless nvImageCodec (the gpu extra) imports."""
+    import pytest
+
+    from remote_loader.errors import ConfigError
+    from remote_loader.pipeline.device import nvimgcodec
+
+    try:
+        nvimgcodec()
+    except ConfigError:
+        pytest.skip("nvImageCodec is not installed (the gpu extra)")
+
+
 def upload(
     client: Store | Any, bucket: str, folder: str, ds: Any, *, workers: int = 0, progress: bool = False, **options: Any
 ) -> UploadSummary:

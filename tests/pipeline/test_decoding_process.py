@@ -26,19 +26,15 @@ import torch
 
 from remote_loader import ConfigError, RandomResizedCrop, RemoteDataset, loader
 from remote_loader.errors import DecoderExited
-from remote_loader.pipeline.device import nvimgcodec
 from remote_loader.testing.synthetic import SyntheticImages
-from tests.helpers import upload_to_new_bucket
+from tests.helpers import require_nvimagecodec, upload_to_new_bucket
 
 N, OTHER = 48, 24
 
 
 @pytest.fixture(scope="module")
 def client(seaweed):
-    try:
-        nvimgcodec()
-    except ConfigError:
-        pytest.skip("nvImageCodec is not installed (the gpu extra)")
+    require_nvimagecodec()
     store = seaweed.client()
     upload_to_new_bucket(store, "decoding-process", "d", SyntheticImages(N, size=(64, 48)), maxcount=12)
     upload_to_new_bucket(store, "decoding-other", "d", SyntheticImages(OTHER, size=(64, 48), seed=5), maxcount=12)

@@ -23,13 +23,13 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from remote_loader import ConfigError, RandomResizedCrop, RemoteDataset, decode_batches, loader
-from remote_loader.pipeline.device import Encoded, EncodedBatch, nvimgcodec
+from remote_loader.pipeline.device import Encoded, EncodedBatch
 from remote_loader.pipeline.device.codec import HARDWARE, NvImageCodec
 from remote_loader.pipeline.device.place import indexed
 from remote_loader.pipeline.device.prepared import structure_problem
 from remote_loader.pipeline.device.resize import chunks
 from remote_loader.testing.synthetic import SyntheticImages
-from tests.helpers import CutShort, upload_to_new_bucket
+from tests.helpers import CutShort, require_nvimagecodec, upload_to_new_bucket
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 WIDTH, HEIGHT = 160, 120
@@ -52,10 +52,7 @@ class Rotated(SyntheticImages):
 
 @pytest.fixture(scope="module")
 def client(seaweed):
-    try:
-        nvimgcodec()
-    except ConfigError:
-        pytest.skip("nvImageCodec is not installed (the gpu extra)")
+    require_nvimagecodec()
     store = seaweed.client()
     upload_to_new_bucket(store, "fixes-plain", "d", SyntheticImages(PLAIN, size=(WIDTH, HEIGHT)), maxcount=16)
     upload_to_new_bucket(store, "fixes-rotated", "d", Rotated(ROTATED), maxcount=12)
