@@ -91,7 +91,7 @@ def _ours(spec: dict) -> Any:
     return loader(ds) if spec["workers"] is None else loader(ds, num_workers=spec["workers"])
 
 
-SMOKE_SECONDS = 90
+SMOKE_SECONDS = 120
 TRAIN_STEPS = 40  # the training rows: 10,240 images, the first step's start-up included once
 
 

@@ -16,6 +16,8 @@ nvImageCodec's CPU backend.
   zeroed): raised, skipped, or decoded into garbage (the mean difference from the intact
   image's crop); and an EXIF-rotated JPEG against the CPU path;
 - an epoch left after one batch with persistent workers, then a whole epoch: its samples;
+- where the decoding process spends its time while ``loader()`` streams from the bucket
+  (py-spy, by function);
 - the decoding thread's CPU microseconds per image on 2,048 JPEGs from memory, and the rate
   (``benchmarks/device_cost.py``);
 - how much of the GIL a decoding thread leaves to a pure-Python thread beside it, and its
@@ -244,6 +246,55 @@ def early_break(args: argparse.Namespace, device: str) -> dict[str, Any]:
     return {"second_epoch_samples": samples, "dataset_samples": total, "stage_threads_left": stages}
 
 
+PROFILE_SECONDS = 5
+
+
+def decoding_profile(args: argparse.Namespace, device: str) -> dict[str, Any]:
+    """Where the decoding process spends its time while ``loader()`` streams from the bucket:
+    py-spy's samples of it (its busy threads, for ``PROFILE_SECONDS``), by the function on
+    top and by the first of remote_loader's functions under it, the most first."""
+    import collections
+    import shutil
+    import subprocess
+    import tempfile
+
+    from remote_loader import RandomResizedCrop, RemoteDataset, loader, make_client
+
+    py_spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
+    if py_spy is None:
+        return {"skipped": "no py-spy"}
+    client = make_client(args.endpoint, args.access_key, args.secret_key)
+    ds = (RemoteDataset(client, args.bucket, args.prefix, seed=0).shuffle(1000)
+          .decode(RandomResizedCrop(224), device=device, batched=True).to_tuple("jpg", "cls").batched(256))
+    batches = loader(ds)
+    epoch = iter(batches)
+    next(epoch)
+    out = Path(tempfile.mkdtemp(prefix="decoding-profile-")) / "raw.txt"
+    spy = subprocess.Popen([py_spy, "record", "--pid", str(batches.pid), "--duration", str(PROFILE_SECONDS),
+                            "--rate", "250", "--nonblocking", "--format", "raw", "--output", str(out)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    images = 0
+    while spy.poll() is None:
+        try:
+            images += len(next(epoch)[1])
+        except StopIteration:
+            epoch = iter(batches)
+    leaves: collections.Counter[str] = collections.Counter()
+    ours: collections.Counter[str] = collections.Counter()
+    for line in out.read_text().splitlines() if out.exists() else []:
+        stack, _, count = line.rpartition(" ")
+        frames = stack.split(";")
+        leaves[frames[-1]] += int(count)
+        mine = [f for f in frames if "remote_loader/" in f]
+        ours[mine[-1] if mine else "(not remote_loader)"] += int(count)
+    shutil.rmtree(out.parent, ignore_errors=True)
+    batches.close()
+    total = sum(leaves.values()) or 1
+    return {"images": images, "samples": total,
+            "top": [(f, round(n / total, 3)) for f, n in leaves.most_common(15)],
+            "ours": [(f, round(n / total, 3)) for f, n in ours.most_common(10)]}
+
+
 def from_memory(datas: list[bytes], device: str) -> dict[str, Any]:
     """``device_cost.py``'s figures: the decoding thread's CPU per image, and the rate."""
     import device_cost
@@ -277,6 +328,7 @@ def main() -> None:
         ("devices", lambda: devices(device)),
         ("crops", lambda: crops(datas[:256], device)), ("damaged", lambda: damaged(datas, device)),
         ("exif", lambda: exif(datas, device)), ("early_break", lambda: early_break(args, device)),
+        ("decoding_profile", lambda: decoding_profile(args, device)),
         ("from_memory", lambda: from_memory(datas if device == "cuda" else datas[:256], device)),
         ("gil_share", lambda: gil_share(datas if device == "cuda" else datas[:256], device))]
     results: dict[str, Any] = {"device": device}
