@@ -274,3 +274,19 @@ def test_a_decoding_process_whose_user_is_killed_ends_without_a_word(client, sea
     out, err = run.communicate(timeout=300)  # its pipes close once the decoding process and its workers have ended
     assert run.returncode == -signal.SIGKILL and out.strip().isdigit()
     assert err == "", err[-2000:]
+
+
+def interrupt_at_the_eighth(sample):
+    if sample[2] == "000007":
+        raise KeyboardInterrupt
+    return sample
+
+
+def test_a_keyboard_interrupt_raised_by_a_map_in_the_decoding_process_is_raised_here_and_it_goes_on(client):
+    batches = loader(pipeline(client, fn=interrupt_at_the_eighth), num_workers=0)  # the map runs in that process
+    pid = batches.pid
+    with pytest.raises(KeyboardInterrupt):
+        keys(batches)
+    assert batches.pid == pid  # the process still serves (it was not ended by the exception)
+    with pytest.raises(KeyboardInterrupt):
+        keys(batches)

@@ -137,7 +137,9 @@ class _Server:
                         torch.cuda.ipc_collect()  # blocks the user's process has let go of
             finally:
                 stream.close()
-        except Exception as error:  # noqa: BLE001 - the pass's error, raised in the user's process
+        except _Gone:
+            raise
+        except BaseException as error:  # noqa: BLE001 - the pass's error (SystemExit from a map too), raised there
             if not self.opened:  # the user's process may wait to hear where it decodes
                 self.open()
             self.send(("error", run, error_bytes(error, self.pid)))
