@@ -114,6 +114,8 @@ class Epochs:
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["live"] = None  # a stream stays in its process
+        if self.loaded is None:  # states loaded since in another process (a decoding process), applied there
+            state["generation"] = max(self.generation, int(self.shared[Slot.GENERATION]))
         return state
 
     @property

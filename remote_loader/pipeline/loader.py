@@ -18,6 +18,7 @@ from remote_loader.pipeline.device import (
     DecodingProcess,
     DeviceDecoder,
     decoded_with_states,
+    discard,
     give_back,
     pipeline_bytes,
     take,
@@ -124,6 +125,8 @@ class DeviceLoader:
         if decoding == "process" and isinstance(inner, DataLoader):
             self._start()
         else:
+            if decoding == "thread":  # the process started for the place's first pipeline serves nothing
+                discard(decoder.place)
             _ = decoder.codec  # opened now, in your thread: its probe and messages happen here, not mid-epoch
 
     def _start(self) -> None:
@@ -144,9 +147,13 @@ class DeviceLoader:
                 yield item
             return
         to_load, self._to_load = self._to_load, None
-        for item, state in self._process.run(pipeline, to_load, _world()):
-            self._state = state
-            yield item
+        try:
+            for item, state in self._process.run(pipeline, to_load, _world()):
+                self._state = state
+                yield item
+        except BaseException:
+            self._sent = False  # the pass failed, perhaps before the pipeline arrived whole: send it again
+            raise
 
     def _pipeline(self) -> bytes | None:
         """The loader and its pipeline to send for this pass (None: the process has them and
@@ -162,9 +169,6 @@ class DeviceLoader:
                         " picklable, or say decoding='thread'", type(error).__name__, str(error)[:200])
             self.close()
             _ = self.decoder.codec
-            if self._to_load is not None:
-                self.inner.load_state_dict(self._to_load)
-                self._to_load = None
             return None
         self._sent = True
         return pipeline
@@ -200,6 +204,9 @@ class DeviceLoader:
             self._give_back.detach()
             self._process.close()
             self._process = None
+        if self._to_load is not None:  # loaded for the decoding process's next pass: this one's now
+            self.inner.load_state_dict(self._to_load)
+            self._to_load = None
 
     def __getattr__(self, name: str) -> Any:
         if name in ("inner", "decoder", "dataset", "_state", "_to_load", "_process", "_sent", "_give_back"):

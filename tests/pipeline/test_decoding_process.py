@@ -227,19 +227,34 @@ def test_the_rank_torch_distributed_set_up_here_reaches_the_decoding_process(cli
     assert sorted(keys(after)) == EVERY
 
 
-def test_a_small_cpu_tensor_comes_back_by_value_and_writable_a_large_one_in_shared_memory():
-    from remote_loader.pipeline.device.channel import BY_VALUE, batch_bytes, loads
+def test_cpu_tensors_come_through_the_channel_by_value_writable_and_holding_no_file_descriptor():
+    import socket
 
+    from remote_loader.pipeline.device.channel import Channel
+
+    ours, theirs = socket.socketpair()
+    sender, receiver = Channel(ours), Channel(theirs)
     values = torch.arange(12, dtype=torch.int16).reshape(3, 4)[:, 1:]  # not contiguous
-    large = torch.arange(BY_VALUE // 4 + 1, dtype=torch.int32)
-    message = batch_bytes(("batch", 1, (values, torch.tensor(2.5), "key", large), None))
-    assert len(message) < BY_VALUE  # the large one is not in the message
-    back = loads(message)[2]
-    assert torch.equal(back[0], values) and back[0].dtype == torch.int16
-    assert back[1].item() == 2.5 and back[2] == "key"
-    assert torch.equal(back[3], large) and back[3].is_shared()
-    back[0][0, 0] = 7  # its own memory, writable
-    assert values[0, 0] == 1
+    large = torch.arange(3 << 20, dtype=torch.int32)  # 12 MiB: more than the socket holds at once
+    fds = len(os.listdir("/proc/self/fd"))
+    held = []
+    sending = threading.Thread(target=lambda: [sender.send(("batch", k, (values, large, "key"), None))
+                                               for k in range(4)])
+    sending.start()
+    for k in range(4):
+        held.append(receiver.receive())
+    sending.join()
+    assert len(os.listdir("/proc/self/fd")) == fds  # none held for the tensors kept
+    kind, number, (small, big, key), state = held[-1]
+    assert (kind, number, key, state) == ("batch", 3, "key", None)
+    assert torch.equal(small, values) and small.dtype == torch.int16 and torch.equal(big, large)
+    assert not big.is_shared()
+    small[0, 0] = 7  # its own memory, writable
+    assert values[0, 0] == 1 and held[0][2][0][0, 0] == 1
+    sender.close()
+    with pytest.raises(EOFError):
+        receiver.receive()
+    receiver.close()
 
 
 def test_a_pass_that_fails_before_the_decoder_opens_is_raised_and_it_still_says_where_it_decodes(client):

@@ -6,21 +6,26 @@ In one process, every call that releases the GIL (a read from a worker's pipe, a
 op, the codec) waits for it to come back, and a thread that holds the GIL gives it up
 only every switch interval (5 ms): a decoding thread that retakes the GIL thousands of
 times a batch decodes a few dozen images a second beside such a thread. The decoding
-process has its own GIL; the user's process receives each batch in about four system
-calls, and its tensors come without a copy (CUDA IPC, ``channel``), as DALI's pipeline
+process has its own GIL; the user's process receives each batch in a few system calls,
+and its tensors come without a copy across processes (``channel``), as DALI's pipeline
 runs in threads of its own and touches Python once per batch.
 
 The process starts with ``python -c`` (not ``multiprocessing``: a spawned process
 re-imports the user's ``__main__``, and a daemonic one may not start DataLoader workers),
-imports torch and opens the decoder while the user's process goes on; at the first
-epoch it receives the pipeline, starts the DataLoader's workers, and opens the decoder
-while they fetch, if it has not yet. It ends when asked, when its loader is collected,
-at exit, or when the user's process ends (it reads the end of its socket).
+with the first device pipeline of a process (``prestart``): it imports torch and opens
+the decoder while the user's process goes on. Each pass brings the user's process's
+``sys.path``, working directory, environment, warning filters and logging levels as they
+are then, and the pipeline where the process does not hold it. A pass's workers start
+before the decoder opens, where it has not yet. The process ends when asked, when the
+user's process ends (its socket's end closes, or its parent changes), and at exit; a
+stream left half read or written (Ctrl-C mid-message) ends it, and the next pass starts
+another.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import multiprocessing
 import os
@@ -33,14 +38,12 @@ import warnings
 import weakref
 from collections import deque
 from collections.abc import Iterator
-from multiprocessing.connection import Connection
-from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import torch
 
 from remote_loader.errors import ConfigError, DecoderExited
-from remote_loader.pipeline.device.channel import loads
+from remote_loader.pipeline.device.channel import Channel, loads
 from remote_loader.pipeline.device.containers import WALK_ON, leaves, rebuild
 from remote_loader.pipeline.device.decoder import Place
 
@@ -50,23 +53,25 @@ AHEAD = 2
 """Decoded batches the process may send before this one has received them."""
 _STEP = 1.0  # waits in steps: Ctrl-C gets through, and a process that died is noticed
 _CLOSE_SECONDS = 5.0
+_SEND_SECONDS = 60.0  # a process that reads nothing for this long (stopped, hung) is given up
 _SOCKET_BUFFER = 4 << 20
-_BOOT = ("import sys\n"
-         "from multiprocessing.connection import Connection\n"
-         "conn = Connection(int(sys.argv[1]))\n"
-         "setup = conn.recv()\n"
-         "sys.path[:] = setup['path']\n"
+_BOOT = ("import json, sys\n"
+         "sys.path[:] = json.loads(sys.argv[2])\n"
          "from remote_loader.pipeline.device.serve import serve\n"
-         "serve(conn, setup)\n")
+         "serve(int(sys.argv[1]))\n")
 
 
-def credit(run: int) -> bytes:
-    """What tells the process that one more batch of ``run`` may come."""
-    return b"c" + run.to_bytes(8, "little")
+def context() -> dict[str, Any]:
+    """What a pass takes from this process as it is when the pass begins: where modules and
+    files are found, the environment (``RANK``...), warning filters, logging levels."""
+    levels = {name: logger.level for name, logger in logging.root.manager.loggerDict.items()
+              if isinstance(logger, logging.Logger) and logger.level}
+    return {"path": list(sys.path), "cwd": os.getcwd(), "env": dict(os.environ), "warnings": list(warnings.filters),
+            "levels": {**levels, "": logging.root.level}}
 
 
 class DecodingProcess:
-    """A decoding process for one loader (see the module's docstring), started now.
+    """A decoding process for one loader at a time (see the module's docstring), started now.
 
     Args:
         place: Where it decodes.
@@ -77,7 +82,6 @@ class DecodingProcess:
         self.owner = os.getpid()
         self.decoded_on: str | None = None
         self.startup: dict[str, float] = {}  # seconds from its start to its imports done, its decoder open
-        self._started = time.time()
         self._open_error: BaseException | None = None
         self._early: deque[tuple[Any, ...]] = deque()  # messages read while waiting for another
         self._run = 0
@@ -86,15 +90,16 @@ class DecodingProcess:
         for end in (ours, theirs):  # a message in few reads: each read lets another thread take the GIL
             end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKET_BUFFER)
             end.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCKET_BUFFER)
+        self._started = time.time()
         with theirs:
             self._process = subprocess.Popen(
-                [sys.executable, "-c", _BOOT, str(theirs.fileno())], pass_fds=(theirs.fileno(),),
-                stdin=subprocess.DEVNULL, start_new_session=True)  # Ctrl-C is this process's to handle
-        self._conn = Connection(ours.detach())
-        self._conn.send({"path": list(sys.path), "authkey": bytes(multiprocessing.current_process().authkey),
-                         "device": str(place.device), "cpu_fallback": place.cpu_fallback, "ahead": AHEAD,
-                         "log_level": log.getEffectiveLevel()})
-        self._finalizer = weakref.finalize(self, _close, self._process, self._conn, self.owner)
+                [sys.executable, "-c", _BOOT, str(theirs.fileno()), json.dumps(sys.path)],
+                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+                start_new_session=True)  # Ctrl-C is this process's to handle
+        self._channel = Channel(ours, timeout=_SEND_SECONDS)
+        self._finalizer = weakref.finalize(self, _close, self._process, self._channel, self.owner)
+        self._send({"authkey": bytes(multiprocessing.current_process().authkey), "device": str(place.device),
+                    "cpu_fallback": place.cpu_fallback, "ahead": AHEAD, "parent": self.owner, "context": context()})
         if place.device.type == "cuda" and not torch.cuda.is_initialized():
             # tensors will come by CUDA IPC: start CUDA here while the process starts
             threading.Thread(target=_start_cuda, name="remote-loader-cuda-start", daemon=True).start()
@@ -106,7 +111,7 @@ class DecodingProcess:
     def __repr__(self) -> str:
         return f"DecodingProcess(pid={self.pid}, {self.place.device}, decoded_on={self.decoded_on!r})"
 
-    # ---------------------------------------------------------------- epochs
+    # ---------------------------------------------------------------- passes
 
     def run(self, pipeline: bytes | None, to_load: Any = None, world: tuple[int, int] | None = None
             ) -> Iterator[tuple[Any, Any]]:
@@ -118,7 +123,7 @@ class DecodingProcess:
         self._check_owner()
         self._run += 1
         run = self._run
-        self._send(("run", run, pipeline, to_load, world))
+        self._send(("run", run, pipeline, to_load, world, context()))
         ended = False
         try:
             while True:
@@ -130,17 +135,17 @@ class DecodingProcess:
                     continue  # a batch of a pass left early, unpickled so its memory goes back
                 kind = message[0]
                 if kind == "batch":
-                    self._send_bytes(credit(run))
+                    self._send(("credit", run))
                     yield message[2], message[3]
                 elif kind == "end":
                     ended = True
                     return
                 else:  # "error"
                     ended = True
-                    raise loads(message[2])
+                    raise message[2]
         finally:
-            if not ended and run == self._run:
-                with contextlib.suppress(DecoderExited, ValueError):  # a process already gone needs no stop
+            if not ended and run == self._run and self.alive():
+                with contextlib.suppress(DecoderExited):  # a process already gone needs no stop
                     self._send(("stop", run))
 
     def opened(self) -> str:
@@ -166,14 +171,15 @@ class DecodingProcess:
 
     # ---------------------------------------------------------------- messages
 
-    def _send(self, message: tuple[Any, ...]) -> None:
-        self._send_bytes(ForkingPickler.dumps(message))
-
-    def _send_bytes(self, data: bytes | memoryview) -> None:
+    def _send(self, message: Any) -> None:
         try:
-            self._conn.send_bytes(data)
-        except OSError:  # its end of the socket is closed: it is gone
+            self._channel.send(message)
+        except OSError:  # closed (it is gone), or it read nothing for _SEND_SECONDS (stopped, hung)
+            self._abandon()
             raise self._exited() from None
+        except BaseException:  # Ctrl-C mid-message: what it reads next is no message
+            self._abandon()
+            raise
 
     def _receive(self, early: bool = True) -> tuple[Any, ...]:
         """The next message of a pass (batch, end, error), having handled those that report
@@ -183,28 +189,44 @@ class DecodingProcess:
             if early and self._early:
                 message = self._early.popleft()
             else:
-                while not self._conn.poll(_STEP):
-                    if self._process.poll() is not None:
-                        raise self._exited()
-                try:
-                    data = self._conn.recv_bytes()
-                except (EOFError, OSError):
-                    raise self._exited() from None
-                message = self._received.loads(data)
+                message = self._next()
             kind = message[0]
             if kind == "opened":
-                self.decoded_on, error = message[1], message[2]
+                self.decoded_on, self._open_error = message[1], message[2]
                 self.startup = {name: at - self._started for name, at in message[3].items()}
-                if error is not None:
-                    self._open_error = loads(error)
-                else:
-                    log.info("remote_loader decodes JPEGs on %s: %s", self.place.device, self.decoded_on)
             elif kind == "warning":
                 warnings.warn_explicit(message[2], message[1], message[3], message[4])
             elif kind == "log":
-                log.log(message[1], "%s", message[2])
+                record = logging.makeLogRecord(message[1])
+                logging.getLogger(record.name).handle(record)
             else:
                 return message
+
+    def _next(self) -> tuple[Any, ...]:
+        while not self._channel.ready(_STEP):
+            if self._process.poll() is not None:
+                raise self._exited()
+        try:
+            data, buffers = self._channel.receive_raw()
+        except (EOFError, ConnectionError):
+            raise self._exited() from None
+        except BaseException:  # Ctrl-C, or a message cut short: the stream is lost with the process
+            self._abandon()
+            raise
+        try:
+            return self._received.loads(data, buffers)
+        except Exception:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._process.wait(timeout=_STEP)
+            if self._process.poll() is not None:  # its tensors went with it (CUDA IPC)
+                raise self._exited() from None
+            raise
+
+    def _abandon(self) -> None:
+        """End the process now, without a word: its stream cannot be trusted."""
+        with contextlib.suppress(OSError):
+            self._process.kill()
+        self._finalizer()
 
     def _exited(self) -> DecoderExited:
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -235,13 +257,13 @@ class _Received:
         self.device = device
         self._stream: Any = None
 
-    def loads(self, data: bytes) -> Any:
+    def loads(self, data: bytearray, buffers: list[bytearray]) -> Any:
         if self.device.type != "cuda":
-            return loads(data)
+            return loads(data, buffers)
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.device)
         with torch.cuda.stream(self._stream):
-            received = loads(data)
+            received = loads(data, buffers)
             own = rebuild(received, lambda _, x: x.clone() if isinstance(x, torch.Tensor) and x.is_cuda else WALK_ON)
             copied = torch.cuda.Event()
             copied.record(self._stream)
@@ -259,23 +281,23 @@ def _start_cuda() -> None:
         torch.cuda.init()
 
 
-def _close(process: subprocess.Popen[bytes], conn: Connection, owner: int) -> None:
+def _close(process: subprocess.Popen[bytes], channel: Channel, owner: int) -> None:
     if os.getpid() != owner:  # a forked copy leaves its parent's process alone
         return
-    with contextlib.suppress(OSError, ValueError):
-        conn.send(("close",))
-    try:
-        process.wait(timeout=_CLOSE_SECONDS)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-    conn.close()
+    if process.poll() is None:
+        with contextlib.suppress(OSError):
+            channel.sock.settimeout(_STEP)  # a process that reads nothing is killed below
+            channel.send(("close",))
+        try:
+            process.wait(timeout=_CLOSE_SECONDS)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    channel.close()
 
 
 _IDLE: dict[tuple[str, bool], DecodingProcess] = {}
 _IDLE_LOCK = threading.Lock()
-
-
 _PRESTARTED: set[tuple[int, str, bool]] = set()
 
 
@@ -305,6 +327,15 @@ def take(place: Place) -> DecodingProcess:
     return DecodingProcess(place)
 
 
+def discard(place: Place) -> None:
+    """End the process kept for ``place``, if one is (a loader that decodes in its own
+    process will not take it)."""
+    with _IDLE_LOCK:
+        idle = _IDLE.pop((str(place.device), place.cpu_fallback), None)
+    if idle is not None:
+        idle.close()
+
+
 def give_back(process: DecodingProcess) -> None:
     """A loader's process, once the loader is collected: kept for the next loader of its
     place (one a place), else ended."""
@@ -312,8 +343,7 @@ def give_back(process: DecodingProcess) -> None:
         return
     try:
         process.forget()
-    except (DecoderExited, ValueError):
-        process.close()
+    except DecoderExited:
         return
     key = (str(process.place.device), process.place.cpu_fallback)
     with _IDLE_LOCK:

@@ -3,9 +3,13 @@ loader it was sent with the thread engine that decodes in any process
 (``stream.decoded_with_states``), and sends each decoded batch back as soon as the user's
 process has room for it (``process.AHEAD`` batches sent and not yet received).
 
-Its warnings and the library's log records go to the user's process, which raises or
-logs them as its own would be; an error of a pass goes there whole (type and facts) and
-ends the pass, not the process.
+A thread reads the socket all along, so the user's process never waits to send while this
+one sends to it; it also ends this process once the user's has ended (its end of the
+socket closes, or this process's parent changes: a fork of the user's process may hold the
+socket open). Warnings and log records go to the user's process, which raises or logs them
+as its own would be (a DataLoader worker forked from here, which has no socket of its own,
+shows its warnings as Python does); an error of a pass goes there whole (type and facts)
+and ends the pass, not the process.
 """
 
 from __future__ import annotations
@@ -13,23 +17,27 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import queue
 import signal
+import socket
+import sys
 import threading
 import time
 import warnings
 from collections.abc import Generator
-from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
 
-from remote_loader.pipeline.device.channel import batch_bytes, error_bytes, loads
+from remote_loader.pipeline.device.channel import Channel, load_pipeline, sendable
 from remote_loader.pipeline.device.codec import open_codec
 from remote_loader.pipeline.device.decoder import Place
 from remote_loader.pipeline.device.stream import decoded_with_states
 
 _STEP = 1.0
 _STOP = ("stop",)
+_RECORD = ("name", "msg", "levelname", "levelno", "pathname", "filename", "module", "lineno", "funcName", "created",
+           "msecs", "relativeCreated", "thread", "threadName", "processName", "process", "exc_text", "stack_info")
 
 
 class _Gone(BaseException):
@@ -37,65 +45,79 @@ class _Gone(BaseException):
     ``Exception``, so that no handler of a pass's errors takes it for one."""
 
 
-def serve(conn: Connection, setup: dict[str, Any]) -> None:
-    """Serve the user's process on ``conn`` until it asks to close, or ends."""
+def serve(fd: int) -> None:
+    """Serve the user's process on the socket ``fd`` until it asks to close, or ends."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the user's process's to handle
+    channel = Channel(socket.socket(fileno=fd))
+    try:
+        setup = channel.receive()
+    except (EOFError, OSError):
+        return
     multiprocessing.current_process().authkey = setup["authkey"]  # it shares tensors' memory by file descriptor
     torch.set_num_threads(1)  # its torch ops are a GPU's (or the CPU backend's few); its cores are the workers'
     try:
-        _Server(conn, setup).serve()
+        _Server(channel, setup).serve()
     except _Gone:
         pass
 
 
 class _Server:
-    def __init__(self, conn: Connection, setup: dict[str, Any]) -> None:
-        self.conn, self.pid, self.lock = conn, os.getpid(), threading.Lock()
+    def __init__(self, channel: Channel, setup: dict[str, Any]) -> None:
+        self.channel, self.pid = channel, os.getpid()
         self.began = time.time()
         self.place = Place(torch.device(setup["device"]), setup["cpu_fallback"])
         self.ahead: int = setup["ahead"]
-        self.level: int = setup["log_level"]
         self.loader: Any = None
         self.dataset: Any = None
         self.opened = False
         self.run_id, self.credits = 0, 0
-        self.environ = {name: os.environ.get(name) for name in ("RANK", "WORLD_SIZE")}
+        self.commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._forward_warnings_and_logs()
+        self.adopt(setup["context"])
+        threading.Thread(target=self._read, args=(setup["parent"],), name="remote-loader-commands",
+                         daemon=True).start()
 
     def send(self, message: tuple[Any, ...]) -> None:
-        data = batch_bytes(message)
         try:
-            with self.lock:  # whole messages: a warning may come from another thread
-                self.conn.send_bytes(data)
+            self.channel.send(message)  # whole messages: a warning may come from another thread
         except OSError:
             raise _Gone from None
 
+    def _read(self, parent: int) -> None:
+        """The socket, read into ``commands`` as messages come; this process ended (quietly,
+        its workers with it) once the user's process has ended."""
+        while True:
+            try:
+                if not self.channel.ready(_STEP):
+                    if os.getppid() != parent:
+                        os._exit(0)
+                    continue
+                self.commands.put(self.channel.receive())
+            except (EOFError, OSError):
+                self.commands.put(("close",))
+                return
+
+    def command(self, timeout: float | None = None) -> tuple[Any, ...] | None:
+        try:
+            return self.commands.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
     def serve(self) -> None:
-        if not self.conn.poll(0):  # no pass waits: open the decoder while the user's process goes on
+        if self.commands.empty():  # no pass waits: open the decoder while the user's process goes on
             self.open()
         pending: tuple[Any, ...] | None = None
         while True:
             message = pending or self.command()
             pending = None
+            if message is None or message[0] in ("credit", "stop"):  # of a pass already over
+                continue
             if message[0] == "close":
                 return
             if message[0] == "run":
                 pending = self.run(*message[1:])
             elif message[0] == "forget":
                 self.forget()
-
-    def command(self) -> tuple[Any, ...]:
-        """The next pass or close (credits and stops of passes already over are dropped);
-        close when the user's process has ended."""
-        while True:
-            try:
-                data = self.conn.recv_bytes()
-            except (EOFError, OSError):
-                return ("close",)
-            if data[:1] != b"c":
-                message = loads(data)
-                if message[0] in ("run", "close", "forget"):
-                    return message
 
     def forget(self) -> None:
         """Drop the loader (its workers end) and what the GPU's allocator keeps for it."""
@@ -110,18 +132,18 @@ class _Server:
         try:
             decoded_on = open_codec(self.place.device, self.place.cpu_fallback).decoded_on
         except Exception as error:  # noqa: BLE001 - reported; a pass raises it again
-            self.send(("opened", None, error_bytes(error, self.pid), {}))
+            self.send(("opened", None, sendable(error, self.pid), {}))
         else:
             self.send(("opened", decoded_on, None, {"imports": self.began, "decoder": time.time()}))
 
     # ---------------------------------------------------------------- one pass
 
-    def run(self, run: int, pipeline: bytes | None, to_load: Any, world: tuple[int, int] | None
-            ) -> tuple[Any, ...] | None:
+    def run(self, run: int, pipeline: bytes | None, to_load: Any, world: tuple[int, int] | None,
+            context: dict[str, Any]) -> tuple[Any, ...] | None:
         """One pass, its batches sent as credits allow; the command that ended it early, if one did."""
         self.run_id, self.credits = run, self.ahead
         try:
-            batches = self.begin(pipeline, to_load, world)
+            batches = self.begin(pipeline, to_load, world, context)
             snapshot = getattr(self.loader, "state_dict", None)
             stream: Generator[tuple[Any, Any], None, None] = decoded_with_states(
                 batches, self.dataset.batch_decoder(), snapshot)
@@ -142,18 +164,24 @@ class _Server:
         except BaseException as error:  # noqa: BLE001 - the pass's error (SystemExit from a map too), raised there
             if not self.opened:  # the user's process may wait to hear where it decodes
                 self.open()
-            self.send(("error", run, error_bytes(error, self.pid)))
+            self.send(("error", run, sendable(error, self.pid)))
             return None
         self.send(("end", run))
         return None
 
-    def begin(self, pipeline: bytes | None, to_load: Any, world: tuple[int, int] | None) -> Any:
-        """The pass's batches begun: the loader received (or the one held), its state loaded,
-        its workers started, and the decoder opened while they start fetching."""
+    def begin(self, pipeline: bytes | None, to_load: Any, world: tuple[int, int] | None,
+              context: dict[str, Any]) -> Any:
+        """The pass's batches begun: the user's process's context taken, the loader received
+        (or the one held), its state loaded, its workers started, and the decoder opened
+        while they start fetching."""
+        self.adopt(context)
+        if world is not None:  # as torch.distributed says there: this process has no group
+            os.environ.update(RANK=str(world[0]), WORLD_SIZE=str(world[1]))
         if pipeline is not None:
             self.loader = self.dataset = None  # the workers of the one before end
-            self.loader, self.dataset = loads(pipeline)
-        self.set_world(world)
+            self.loader, self.dataset = load_pipeline(pipeline)
+        if self.loader is None:
+            raise RuntimeError("the decoding process holds no pipeline: the one sent before did not arrive whole")
         if to_load is not None:
             self.loader.load_state_dict(to_load)
         batches = iter(self.loader)
@@ -161,45 +189,40 @@ class _Server:
             self.open()
         return batches
 
-    def set_world(self, world: tuple[int, int] | None) -> None:
-        """The rank and world size as torch.distributed says in the user's process, where it
-        is set up there (this process has no group: it reads ``RANK`` and ``WORLD_SIZE``);
-        else the environment as this process began (it may serve another loader after one)."""
-        for name, value in self.environ.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        if world is not None:
-            os.environ.update(RANK=str(world[0]), WORLD_SIZE=str(world[1]))
+    def adopt(self, context: dict[str, Any]) -> None:
+        """The user's process's ``sys.path``, working directory, environment, warning filters
+        and logging levels as a pass begins there (this process may serve many loaders)."""
+        sys.path[:] = context["path"]
+        os.chdir(context["cwd"])
+        os.environ.clear()
+        os.environ.update(context["env"])
+        warnings.filters[:] = context["warnings"]  # type: ignore[index]
+        for name, level in context["levels"].items():
+            logging.getLogger(name or None).setLevel(level)
 
     def wait_for_credit(self) -> tuple[Any, ...] | None:
         """None once a batch may be sent; ``_STOP`` where the user's process left this pass,
-        or the command (a new pass, close) that ends it."""
-        while self.credits <= 0 or self.conn.poll(0):
-            if not self.conn.poll(_STEP):
+        or the command (a new pass, close, forget) that ends it."""
+        while True:
+            message = self.command(timeout=0 if self.credits > 0 else _STEP)
+            if message is None:
+                if self.credits > 0:
+                    return None
                 continue
-            try:
-                data = self.conn.recv_bytes()
-            except (EOFError, OSError):
-                return ("close",)
-            if data[:1] == b"c":
-                self.credits += int.from_bytes(data[1:], "little") == self.run_id
-                continue
-            message = loads(data)
-            if message[0] == "stop":
+            if message[0] == "credit":
+                self.credits += message[1] == self.run_id
+            elif message[0] == "stop":
                 if message[1] == self.run_id:
                     return _STOP
-                continue
-            return message
-        return None
+            else:
+                return message
 
     # ---------------------------------------------------------------- what it says
 
     def _forward_warnings_and_logs(self) -> None:
-        """Warnings and the library's log records go to the user's process; in a DataLoader
-        worker forked from here (which has its own stderr and no socket of its own) they
-        stay as Python shows them."""
+        """Warnings and log records go to the user's process; in a DataLoader worker forked
+        from here they stay as Python shows them where nothing is set up (on stderr, from
+        the level of a warning)."""
         server, show = self, warnings.showwarning
 
         def showwarning(message: Any, category: type[Warning], filename: str, lineno: int, file: Any = None,
@@ -211,11 +234,15 @@ class _Server:
 
         class Forward(logging.Handler):
             def emit(self, record: logging.LogRecord) -> None:
-                if os.getpid() == server.pid:
-                    server.send(("log", record.levelno, record.getMessage()))
+                if os.getpid() != server.pid:
+                    if logging.lastResort is not None and record.levelno >= logging.lastResort.level:
+                        logging.lastResort.handle(record)
+                    return
+                if record.exc_info and not record.exc_text:
+                    record.exc_text = logging.Formatter().formatException(record.exc_info)
+                fields = {name: getattr(record, name, None) for name in _RECORD}
+                fields["msg"] = record.getMessage()
+                server.send(("log", fields))
 
         warnings.showwarning = showwarning
-        logger = logging.getLogger("remote_loader")
-        logger.addHandler(Forward())
-        logger.setLevel(self.level)  # the user's process's: records it would drop are not sent
-        logger.propagate = False
+        logging.root.addHandler(Forward())
