@@ -42,9 +42,9 @@ def client(seaweed):
     store.close()
 
 
-def pipeline(client, bucket="decoding-process", batch=8, rank=None, world_size=None, fn=None):
+def pipeline(client, bucket="decoding-process", batch=8, rank=None, world_size=None, fn=None, crop=32):
     ds = RemoteDataset(client, bucket, "d", seed=3, rank=rank, world_size=world_size).shuffle(20)
-    ds = ds.decode(RandomResizedCrop(32), device="cpu", batched=True).to_tuple("jpg", "cls", "__key__")
+    ds = ds.decode(RandomResizedCrop(crop), device="cpu", batched=True).to_tuple("jpg", "cls", "__key__")
     return (ds.map(fn) if fn is not None else ds).batched(batch)
 
 
@@ -241,7 +241,7 @@ def test_cpu_tensors_come_through_the_channel_by_value_writable_and_holding_no_f
     sending = threading.Thread(target=lambda: [sender.send(("batch", k, (values, large, "key"), None))
                                                for k in range(4)])
     sending.start()
-    for k in range(4):
+    for _ in range(4):
         held.append(receiver.receive())
     sending.join()
     assert len(os.listdir("/proc/self/fd")) == fds  # none held for the tensors kept
@@ -305,3 +305,157 @@ def test_a_keyboard_interrupt_raised_by_a_map_in_the_decoding_process_is_raised_
     assert batches.pid == pid  # the process still serves (it was not ended by the exception)
     with pytest.raises(KeyboardInterrupt):
         keys(batches)
+
+
+# ---------------------------------------------------------------- from a break-it pass, each seen failing first
+
+
+def run_script(seaweed, body, *args, timeout=300):
+    """``body`` as a script of its own (its ``__main__``), with ``client`` and ``pipeline(fn,
+    batch, crop)`` over the module's dataset; its exit status, stdout and stderr."""
+    head = textwrap.dedent(f"""
+        import os, signal, sys, warnings, logging
+        from remote_loader import RandomResizedCrop, RemoteDataset, loader, make_client
+        client = make_client({seaweed.endpoint_url!r}, {seaweed.access_key!r}, {seaweed.secret_key!r})
+        def pipeline(fn=None, batch=8, crop=32):
+            ds = (RemoteDataset(client, "decoding-process", "d").decode(RandomResizedCrop(crop), device="cpu",
+                  batched=True).to_tuple("jpg", "cls", "__key__"))
+            return (ds.map(fn) if fn else ds).batched(batch)
+        def keys(batches):
+            return sorted(k for *_, ks in batches for k in ks)
+    """)
+    done = subprocess.run([sys.executable, "-c", head + textwrap.dedent(body), *args], capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    return done.returncode, done.stdout, done.stderr
+
+
+def test_classes_of_the_users_main_reach_the_workers_samples_and_errors(client, seaweed):
+    # The workers were forked from a process whose __main__ is not the user's: a sample holding
+    # a class of the user's script did not pickle there, and was lost without a word.
+    code, out, err = run_script(seaweed, """
+        class Key(str):
+            pass
+        class BadSample(Exception):
+            pass
+        def as_key(sample):
+            return (*sample[:2], Key(sample[2]))
+        def refuse(sample):
+            if sample[2] == "000007":
+                raise BadSample("not this one")
+            return sample
+        got = loader(pipeline(as_key), num_workers=1)
+        print(len(keys(got)))
+        try:
+            keys(loader(pipeline(refuse), num_workers=1))
+        except BadSample as error:
+            print("BadSample", "not this one" in str(error))
+    """, timeout=120)
+    assert code == 0, err[-2000:]
+    assert out.split() == ["48", "BadSample", "True"], (out, err[-2000:])
+
+
+def test_a_pipeline_sent_again_while_the_process_sends_a_large_batch_does_not_deadlock(client):
+    big = b"v" * (40 << 20)  # a lookup table the map holds: the pipeline is larger than the socket holds
+
+    def keep(sample):
+        return (*sample, big[: 3 << 20])  # and each sample 3 MB
+
+    batches = loader(pipeline(client, fn=keep), num_workers=0)  # sent again each epoch
+    epoch = iter(batches)
+    next(epoch)
+    del epoch  # left early, the process blocked sending the next batch
+    assert sorted(k for *_, ks, _ in batches for k in ks) == EVERY
+
+
+def test_a_killed_decoding_process_with_large_batches_is_named_too(client):
+    batches = loader(pipeline(client, batch=16, crop=160), num_workers=1)  # 1.2 MB a batch
+    epoch = iter(batches)
+    next(epoch)
+    os.kill(batches.pid, signal.SIGKILL)
+    with pytest.raises(DecoderExited):
+        for _ in epoch:
+            pass
+
+
+def test_a_state_loaded_in_the_decoding_process_leaves_the_next_epoch_whole(client):
+    pytest.importorskip("torchdata")
+    stopped = loader(pipeline(client), num_workers=0, stateful=True)
+    first = keys(itertools.islice(iter(stopped), 2))
+    resumed = loader(pipeline(client), num_workers=0, stateful=True)
+    resumed.load_state_dict(stopped.state_dict())
+    assert sorted(first + keys(resumed)) == EVERY
+    assert sorted(keys(resumed)) == EVERY  # the next epoch: no ResumeError, every sample
+
+
+def test_a_state_loaded_then_close_is_the_one_the_loader_resumes_from(client):
+    pytest.importorskip("torchdata")
+    stopped = loader(pipeline(client), num_workers=1, stateful=True)
+    first = keys(itertools.islice(iter(stopped), 2))
+    resumed = loader(pipeline(client), num_workers=1, stateful=True)
+    resumed.load_state_dict(stopped.state_dict())
+    resumed.close()  # decoded here from now on, from the state loaded
+    rest = keys(resumed)
+    assert len(first) == 16 and sorted(first + rest) == EVERY
+
+
+def test_the_environment_and_sys_path_of_a_pass_are_this_processs_as_it_begins(client, monkeypatch, tmp_path):
+    ds = pipeline(client)  # the decoding process starts now, with the environment of now
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    ours = keys(loader(pipeline(client, rank=1, world_size=2), num_workers=1))
+    assert sorted(keys(loader(ds, num_workers=1))) == sorted(ours) and len(ours) < N
+    (tmp_path / "late_module.py").write_text("def same(sample):\n    return sample\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # after the process started
+    import late_module
+
+    assert len(keys(loader(pipeline(client, fn=late_module.same, rank=1, world_size=2), num_workers=1))) == len(ours)
+
+
+def test_a_pipeline_that_did_not_arrive_whole_is_sent_again(client, tmp_path, monkeypatch):
+    (tmp_path / "flaky_module.py").write_text("def same(sample):\n    return sample\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import flaky_module
+
+    batches = loader(pipeline(client, fn=flaky_module.same), num_workers=1, persistent_workers=True)
+    (tmp_path / "flaky_module.py").rename(tmp_path / "elsewhere.py")  # the decoding process cannot import it
+    with pytest.raises(ModuleNotFoundError):
+        keys(batches)
+    (tmp_path / "elsewhere.py").rename(tmp_path / "flaky_module.py")
+    assert sorted(keys(batches)) == EVERY
+
+
+def log_from_the_pipeline(sample):
+    logging.getLogger("myapp").info("a record of the user's own, for %s", sample[2])
+    return sample
+
+
+def test_the_users_own_log_records_from_the_decoding_process_reach_this_processs_handlers(client, caplog):
+    with caplog.at_level(logging.INFO, logger="myapp"):
+        assert sorted(keys(loader(pipeline(client, fn=log_from_the_pipeline), num_workers=0))) == EVERY
+    assert sum("a record of the user's own" in m for m in caplog.messages) == N
+
+
+def test_a_decoding_process_ends_with_its_user_though_a_fork_holds_the_socket(client, seaweed):
+    script = textwrap.dedent(f"""
+        import os, signal, time
+        from remote_loader import RandomResizedCrop, RemoteDataset, loader, make_client
+        client = make_client({seaweed.endpoint_url!r}, {seaweed.access_key!r}, {seaweed.secret_key!r})
+        ds = (RemoteDataset(client, "decoding-process", "d").decode(RandomResizedCrop(32), device="cpu",
+              batched=True).to_tuple("jpg", "cls").batched(8))
+        batches = loader(ds, num_workers=1)
+        next(iter(batches))
+        helper = os.fork()
+        if helper == 0:  # a helper of the user's, which holds the user's end of the socket
+            time.sleep(120)
+            os._exit(0)
+        print(batches.pid, helper, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    run = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    decoding, helper = map(int, run.stdout.readline().split())
+    run.wait(timeout=60)
+    try:
+        assert ended_within(decoding, 30)  # with its user, not with the helper
+    finally:
+        os.kill(helper, signal.SIGKILL)
+        run.stdout.close()
