@@ -377,22 +377,24 @@ def test_a_killed_decoding_process_with_large_batches_is_named_too(client):
             pass
 
 
-def test_a_state_loaded_in_the_decoding_process_leaves_the_next_epoch_whole(client):
+def stopped_then_resumed(client, workers):
+    """Two batches of one stateful loader, and a second loader given its state."""
     pytest.importorskip("torchdata")
-    stopped = loader(pipeline(client), num_workers=0, stateful=True)
+    stopped = loader(pipeline(client), num_workers=workers, stateful=True)
     first = keys(itertools.islice(iter(stopped), 2))
-    resumed = loader(pipeline(client), num_workers=0, stateful=True)
+    resumed = loader(pipeline(client), num_workers=workers, stateful=True)
     resumed.load_state_dict(stopped.state_dict())
+    return first, resumed
+
+
+def test_a_state_loaded_in_the_decoding_process_leaves_the_next_epoch_whole(client):
+    first, resumed = stopped_then_resumed(client, 0)
     assert sorted(first + keys(resumed)) == EVERY
     assert sorted(keys(resumed)) == EVERY  # the next epoch: no ResumeError, every sample
 
 
 def test_a_state_loaded_then_close_is_the_one_the_loader_resumes_from(client):
-    pytest.importorskip("torchdata")
-    stopped = loader(pipeline(client), num_workers=1, stateful=True)
-    first = keys(itertools.islice(iter(stopped), 2))
-    resumed = loader(pipeline(client), num_workers=1, stateful=True)
-    resumed.load_state_dict(stopped.state_dict())
+    first, resumed = stopped_then_resumed(client, 1)
     resumed.close()  # decoded here from now on, from the state loaded
     rest = keys(resumed)
     assert len(first) == 16 and sorted(first + rest) == EVERY
