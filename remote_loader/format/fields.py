@@ -18,11 +18,56 @@ Pure: no I/O.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 
 PLACEHOLDERS = {"numpy": "npy", "torch": "npy", "image": None, "bytes": "bin"}
 """Skeleton placeholders and the extension of the member each stands for (an image's is its format)."""
+
+TV_TENSORS = ("Image", "Video", "Mask", "BoundingBoxes", "KeyPoints")
+"""torchvision's tv_tensors, stored as ``npy`` members under a placeholder that names the
+class and its metadata: ``tv_tensors.BoundingBoxes{"format": "XYXY", "canvas_size": [48, 64]}``."""
+
+TV_PREFIX = "tv_tensors."
+
+
+def tv_placeholder(kind: str, meta: dict[str, object]) -> str:
+    """The skeleton placeholder of a tv_tensor of class ``kind`` with ``meta`` (JSON values)."""
+    return TV_PREFIX + kind + (json.dumps(meta, sort_keys=True, separators=(",", ":")) if meta else "")
+
+
+def tv_tensor(node: object) -> tuple[str, dict[str, object]] | None:
+    """``(class, metadata)`` of a tv_tensor placeholder, None for anything else."""
+    if not isinstance(node, str) or not node.startswith(TV_PREFIX):
+        return None
+    kind, brace, rest = node[len(TV_PREFIX):].partition("{")
+    if kind not in TV_TENSORS:
+        return None
+    try:
+        meta = json.loads(brace + rest) if brace else {}
+    except ValueError:
+        return None
+    return (kind, meta) if isinstance(meta, dict) else None
+
+
+def is_placeholder(node: object) -> bool:
+    return (isinstance(node, str) and node in PLACEHOLDERS) or tv_tensor(node) is not None
+
+
+def placeholders(skeleton: object, steps: tuple[str, ...] = ()) -> dict[tuple[str, ...], str]:
+    """Every placeholder string of a skeleton by its path (list positions in decimal)."""
+    found: dict[tuple[str, ...], str] = {}
+    stack = [(skeleton, steps)]
+    while stack:
+        node, at = stack.pop()
+        if isinstance(node, dict):
+            stack.extend((v, (*at, str(k))) for k, v in node.items())
+        elif isinstance(node, list):
+            stack.extend((v, (*at, str(i))) for i, v in enumerate(node))
+        elif is_placeholder(node):
+            found[at] = str(node)
+    return found
 
 STEP = re.compile(r"^[A-Za-z0-9_-]+$")
 """A stem or a path step: a dict key or a list position (no '.', which separates steps)."""

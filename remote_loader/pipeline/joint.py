@@ -37,7 +37,10 @@ def crop_together(crop: RandomResizedCrop, sample: dict[str, Any], rng: np.rando
     images = {name: _open(value, f"field {name!r} of {where}", key, name)
               for name, value in sample.items() if not name.startswith("__") and _ext(name) in IMAGE_FIELDS}
     out = decode_rest({name: value for name, value in sample.items() if name not in images})
-    _refuse_unplaced(crop, out, where)
+    typed = Typed(out, where)
+    boxes = {**typed.boxes, **crop.boxes}
+    per_box = typed.per_box(out, boxes)
+    _refuse_unplaced(crop, out, where, (*boxes, *typed.masks, *per_box))
     if not images:
         return out
     inputs = [n for n, image in images.items() if image.mode in rule.INPUT_MODES]
@@ -55,16 +58,94 @@ def crop_together(crop: RandomResizedCrop, sample: dict[str, Any], rng: np.rando
         else:  # H x W, or C x H x W for a mask of several channels (LA), as decode("torchrgb") gives them
             values = torch.from_numpy(nearest(_pixels(image), box, crop.size, flip))
             out[name] = values.permute(2, 0, 1) if values.ndim == 3 else values
+    for name in typed.masks:
+        out[name] = _mask(out[name], box, crop.size, flip, (height, width), f"field {name!r} of {where}")
     kept = None
-    for name, form in crop.boxes.items():
+    for name, form in boxes.items():
         if name in out:
             out[name], keep = moved_boxes(out[name], form, box, crop.size, flip, f"field {name!r} of {where}")
             kept = keep if kept is None else kept & keep
     if kept is not None:
-        for name in (*crop.boxes, *crop.per_box):
+        for name in {*boxes, *crop.per_box, *per_box}:
             if name in out:
                 out[name] = _rows(out[name], kept, f"field {name!r} of {where}")
+    typed.resize_canvas(out, crop.size)
     return out
+
+
+FORMS = {"XYXY": "xyxy", "XYWH": "xywh", "CXCYWH": "cxcywh"}
+"""torchvision's box formats the crop moves, by its name for each."""
+
+
+class Typed:
+    """The fields a sample's skeletons say are torchvision ``BoundingBoxes`` (with their
+    format) and ``Mask``s: the crop moves them for their type, with nothing to declare."""
+
+    def __init__(self, decoded: dict[str, Any], where: str) -> None:
+        self.boxes: dict[str, str] = {}
+        self.masks: list[str] = []
+        self.skeletons: dict[str, dict[tuple[str, ...], str]] = {}
+        for name, value in decoded.items():
+            parsed = rule.parse(name)
+            if name.startswith("__") or parsed.stem is None or parsed.steps or parsed.ext != "json":
+                continue
+            self.skeletons[name] = found = rule.placeholders(value)
+            for steps, node in found.items():
+                member = rule.render(parsed.stem, steps, "npy")
+                kind, meta = rule.tv_tensor(node) or (None, {})
+                if kind == "BoundingBoxes":
+                    form = FORMS.get(str(meta.get("format")))
+                    if form is None:
+                        raise DecodeError(f"field {member!r} of {where} holds {meta.get('format')} boxes: the crop"
+                                          f" moves {', '.join(FORMS)}; name it in not_spatial= to leave it")
+                    self.boxes[member] = form
+                elif kind == "Mask":
+                    self.masks.append(member)
+
+    def per_box(self, decoded: dict[str, Any], boxes: dict[str, str]) -> list[str]:
+        """Arrays beside a box field, in the same dict, whose first dimension is its boxes' count
+        (labels, flags, a Mask per box): their rows go with their boxes'."""
+        rows = {}
+        for name in boxes:
+            parsed = rule.parse(name)
+            if parsed.steps and name in decoded and isinstance(decoded[name], (np.ndarray, torch.Tensor)):
+                rows[(parsed.stem, parsed.steps[:-1])] = len(decoded[name]) if decoded[name].ndim else -1
+        found = []
+        for name, value in decoded.items():
+            parsed = rule.parse(name)
+            if (name not in boxes and parsed.steps and isinstance(value, (np.ndarray, torch.Tensor))
+                    and value.ndim >= 1 and rows.get((parsed.stem, parsed.steps[:-1])) == len(value)
+                    and (name not in self.masks or value.ndim == 3)):
+                found.append(name)
+        return found
+
+    def resize_canvas(self, decoded: dict[str, Any], size: int) -> None:
+        """Say in each tv_tensor's placeholder that its canvas is now the crop's."""
+        for name, found in self.skeletons.items():
+            for steps, node in found.items():
+                kind, meta = rule.tv_tensor(node) or (None, {})
+                if kind is not None and "canvas_size" in meta:
+                    decoded[name] = _replaced(decoded[name], steps, rule.tv_placeholder(kind, {
+                        **meta, "canvas_size": [size, size]}))
+
+
+def _replaced(node: Any, steps: tuple[str, ...], value: Any) -> Any:
+    if not steps:
+        return value
+    key: Any = int(steps[0]) if isinstance(node, list) else steps[0]
+    node[key] = _replaced(node[key], steps[1:], value)
+    return node
+
+
+def _mask(value: Any, box: Box, size: int, flip: bool, image: tuple[int, int], where: str) -> Any:
+    """A ``[... x] H x W`` mask cropped by nearest neighbour, as the image's masks are."""
+    array = np.asarray(value)
+    if array.ndim < 2 or array.shape[-2:] != image:
+        raise DecodeError(f"{where} is a mask of shape {list(array.shape)} for an image of {image[1]} x {image[0]}"
+                          " pixels (H x W last)")
+    lead = array.shape[:-2]
+    stacked = np.moveaxis(array.reshape(-1, *image), 0, -1)
+    return np.moveaxis(nearest(stacked, box, size, flip), -1, 0).reshape(*lead, size, size)
 
 
 def _ext(name: str) -> str:
@@ -140,14 +221,16 @@ def _rows(value: Any, keep: np.ndarray, where: str) -> Any:
     return [v for v, k in zip(value, keep, strict=True) if k]
 
 
-def _refuse_unplaced(crop: RandomResizedCrop, decoded: dict[str, Any], where: str) -> None:
+def _refuse_unplaced(crop: RandomResizedCrop, decoded: dict[str, Any], where: str, placed: tuple[str, ...]) -> None:
     """ConfigError for the first field that may hold positions the crop does not move."""
-    declared = (*crop.boxes, *crop.per_box)
+    declared = (*placed, *crop.per_box)
     for name, value in decoded.items():
         if name.startswith("__") or name in declared or _named(name, crop.not_spatial):
             continue
         ext = _ext(name)
         if ext in ("cls", "txt", "bin") or (ext == "json" and not _holds_numbers(value)):
+            continue
+        if ext == "npy" and np.size(value) <= 1:  # one number (a label, an id) is no position
             continue
         raise ConfigError(f"RandomResizedCrop cannot tell where field {name!r} of {where} lies in the image: name it"
                           " in boxes= (with its format) or per_box=, or in not_spatial= to leave it as it is")
@@ -158,17 +241,18 @@ def _named(name: str, entries: tuple[str, ...]) -> bool:
 
 
 def _holds_numbers(value: Any) -> bool:
-    """Whether a JSON value holds a number inside a list or dict (a box, a polygon, a point)."""
+    """Whether a JSON value holds a number that may be a position: in a list (a box, a polygon),
+    or in a nested dict (a point); not a number alone, nor one under a key of the value's own
+    dict (an image id, an area)."""
     if isinstance(value, (bytes, bytearray, memoryview)):
         value = json.loads(bytes(value))
-    stack, top = [value], True
+    stack = [(value, 0, False)]
     while stack:
-        node = stack.pop()
+        node, depth, listed = stack.pop()
         if isinstance(node, dict):
-            stack.extend(node.values())
+            stack.extend((v, depth + 1, False) for v in node.values())
         elif isinstance(node, list):
-            stack.extend(node)
-        elif isinstance(node, (int, float)) and not isinstance(node, bool) and not top:
+            stack.extend((v, depth + 1, True) for v in node)
+        elif isinstance(node, (int, float)) and not isinstance(node, bool) and (listed or depth > 1):
             return True
-        top = False
     return False

@@ -4,8 +4,10 @@ Takes raw fields (bytes) and decoded ones (``decode()``'s output) alike."""
 
 from __future__ import annotations
 
+import functools
 import io
 import json
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -75,8 +77,10 @@ def _value(members: dict[FieldName, Any], where: str) -> Any:
 def _fill(node: Any, steps: tuple[str, ...], value: Any, where: str) -> Any:
     """``node`` with the placeholder at ``steps`` replaced by ``value`` (converted by the placeholder)."""
     if not steps:
-        if node == "torch":
-            return value if isinstance(value, torch.Tensor) else torch.from_numpy(np.asarray(value))
+        tv = rule.tv_tensor(node)
+        if node == "torch" or tv is not None:
+            tensor = value if isinstance(value, torch.Tensor) else torch.from_numpy(np.asarray(value))
+            return tensor if tv is None else _as_tv_tensor(tensor, *tv, where)
         if node not in rule.PLACEHOLDERS:
             raise DecodeError(f"{where} lands on {node!r}, not a placeholder")
         return value
@@ -88,6 +92,45 @@ def _fill(node: Any, steps: tuple[str, ...], value: Any, where: str) -> Any:
     else:
         raise DecodeError(f"{where} has no place in the field's skeleton")
     return node
+
+
+@functools.cache
+def tv_tensors() -> Any:
+    """torchvision's ``tv_tensors`` module, None where torchvision cannot be imported."""
+    try:
+        from torchvision import tv_tensors as module
+    except Exception:  # not installed, or a build that does not import beside this torch
+        return None
+    return module
+
+
+_warned: list[str] = []
+
+
+def _as_tv_tensor(tensor: torch.Tensor, kind: str, meta: dict[str, Any], where: str) -> torch.Tensor:
+    """``tensor`` as the tv_tensor it was uploaded as; a plain tensor (with one warning)
+    where torchvision cannot be imported."""
+    module = tv_tensors()
+    if module is None:
+        if not _warned:
+            _warned.append(kind)
+            warnings.warn(f"{where} was a torchvision {kind} ({meta}); torchvision cannot be imported here, so it"
+                          " and every tv_tensor after it come back as plain tensors", RuntimeWarning, stacklevel=2)
+        return tensor
+    kwargs: dict[str, Any] = {}
+    if "format" in meta:
+        kwargs["format"] = meta["format"]
+    if "canvas_size" in meta:
+        kwargs["canvas_size"] = tuple(meta["canvas_size"]) if isinstance(meta["canvas_size"], list) else None
+    try:
+        if "clamping_mode" in meta:
+            try:
+                return getattr(module, kind)(tensor, **kwargs, clamping_mode=meta["clamping_mode"])
+            except TypeError:  # a torchvision before clamping modes
+                pass
+        return getattr(module, kind)(tensor, **kwargs)
+    except (TypeError, ValueError, KeyError, AttributeError, RuntimeError) as exc:
+        raise DecodeError(f"{where}: a {kind} whose metadata {meta} torchvision refuses ({exc})") from None
 
 
 def _leaf(ext: str, value: Any, where: str) -> Any:

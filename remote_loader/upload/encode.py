@@ -120,11 +120,9 @@ def _is_tensor(value: Any) -> bool:
 
 
 def _plain(value: Any, index: int, where: str) -> int | float | str:
-    if isinstance(value, (np.integer, np.floating)) or (
-        type(value).__module__.startswith("torch") and hasattr(value, "item")
-    ):
-        if _is_tensor(value) and value.numel() != 1:
-            raise _fail(index, f"{where} is a tensor of {value.numel()} values; expected int, float or str")
+    """A classification target's value; a tensor (even of one value) is not one: it is
+    stored as a tensor, by the field rule, and comes back a tensor."""
+    if isinstance(value, (np.integer, np.floating)):
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise _fail(index, f"{where} is a {type(value).__name__}; expected int, float or str")
@@ -254,7 +252,7 @@ class Structured:
             return "numpy"
         if _is_tensor(value):
             self._add(stem, steps, "npy", _npy(_tensor_array(value, self.index, where), self.index, where), where)
-            return "torch"
+            return _tv_placeholder(value) or "torch"
         if isinstance(value, Image.Image):
             ext, data = self._image(value, where)
             self._add(stem, steps, ext, data, where)
@@ -294,6 +292,22 @@ def _npy(array: np.ndarray, index: int, where: str) -> bytes:
     out = io.BytesIO()
     np.save(out, array, allow_pickle=False)
     return out.getvalue()
+
+
+def _tv_placeholder(tensor: Any) -> str | None:
+    """The placeholder of a torchvision tv_tensor (its class and metadata), None for a plain tensor."""
+    cls = next((c for c in type(tensor).__mro__
+                if c.__module__.startswith("torchvision.tv_tensors") and c.__name__ in fields.TV_TENSORS), None)
+    if cls is None:
+        return None
+    meta: dict[str, Any] = {}
+    if getattr(tensor, "format", None) is not None:
+        meta["format"] = tensor.format.name
+    if getattr(tensor, "canvas_size", None) is not None:
+        meta["canvas_size"] = [int(v) for v in tensor.canvas_size]
+    if hasattr(tensor, "clamping_mode"):
+        meta["clamping_mode"] = tensor.clamping_mode
+    return fields.tv_placeholder(cls.__name__, meta)
 
 
 def _tensor_array(tensor: Any, index: int, where: str) -> np.ndarray:

@@ -56,7 +56,6 @@ def test_image_format_and_quality(fmt, field, magic):
     [
         (7, {"cls": b"7"}),
         (np.int64(12), {"cls": b"12"}),
-        (torch.tensor(5), {"cls": b"5"}),
         ("a cat", {"txt": b"a cat"}),
         (None, {}),
     ],
@@ -66,6 +65,12 @@ def test_targets(target, expected):
     fields = encode_item((image, target), PNG, 0)
     fields.pop("png")
     assert fields == expected
+
+
+def test_a_tensor_target_is_stored_as_a_tensor_even_of_one_value():
+    fields = encode_item((Image.new("L", (4, 4)), torch.tensor([5])), PNG, 0)
+    assert sorted(fields) == ["0.png", "1.json", "1.npy"] and fields["1.json"] == b'"torch"'
+    assert np.load(io.BytesIO(fields["1.npy"])).tolist() == [5]
 
 
 def test_dict_target_is_json():

@@ -1,0 +1,150 @@
+"""What torchvision's own dataset classes hand over, over files in their real on-disk format:
+tv_tensors keep their type and metadata through upload and restore, the fused crop moves
+``BoundingBoxes`` and ``Mask`` fields for their type, and tensors stay tensors. Skipped where
+torchvision does not import."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from remote_loader import RandomResizedCrop, RemoteDataset, restore
+from remote_loader.pipeline import restore as restoring
+from tests.helpers import upload, vision
+
+W, H = 64, 48
+# pycocotools' masks under NumPy 2, inside torchvision's wrapper: not this project's to change
+pytestmark = pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")
+
+
+@pytest.fixture(scope="module")
+def coco_files(tmp_path_factory):
+    """A COCO detection set as the files CocoDetection reads: JPEGs and instances.json,
+    each object a rectangle polygon (so its mask fills its box)."""
+    root = tmp_path_factory.mktemp("coco")
+    rng = np.random.default_rng(5)
+    images, annotations = [], []
+    for i in range(6):
+        name = f"{i:012d}.jpg"
+        Image.fromarray(rng.integers(0, 256, (H, W, 3), dtype=np.uint8)).save(root / name, quality=95)
+        images.append({"id": i, "file_name": name, "width": W, "height": H})
+        for k in range(1 + i % 3):
+            x, y, w, h = 4.0 + 14 * k, 6.0 + i, 12.0, 16.0 + k
+            annotations.append({"id": len(annotations) + 1, "image_id": i, "category_id": 1 + k, "iscrowd": 0,
+                                "bbox": [x, y, w, h], "area": w * h,
+                                "segmentation": [[x, y, x + w, y, x + w, y + h, x, y + h]]})
+    (root / "instances.json").write_text(json.dumps({
+        "images": images, "annotations": annotations,
+        "categories": [{"id": c, "name": f"class{c}", "supercategory": "thing"} for c in (1, 2, 3)]}))
+    return root
+
+
+@pytest.fixture(scope="module")
+def coco_v2(coco_files):
+    """``wrap_dataset_for_transforms_v2(CocoDetection(...))``: PIL images, targets of
+    ``BoundingBoxes``, ``Mask`` and label tensors."""
+    torchvision = vision()
+    pytest.importorskip("pycocotools")
+    from torchvision.datasets import CocoDetection, wrap_dataset_for_transforms_v2
+
+    return wrap_dataset_for_transforms_v2(CocoDetection(str(coco_files), str(coco_files / "instances.json")),
+                                          target_keys={"boxes", "masks", "labels", "image_id"}), torchvision
+
+
+@pytest.fixture(scope="module")
+def uploaded(seaweed, coco_v2):
+    ds, _ = coco_v2
+    client = seaweed.client()
+    client.create_bucket("vision-classes")
+    upload(client, "vision-classes", "coco", ds, maxcount=4)
+    return client
+
+
+def indexed(sample):
+    return int(sample["__key__"]), restore(sample)
+
+
+def test_tv_tensors_come_back_of_their_type_with_their_metadata(uploaded, coco_v2):
+    ds, torchvision = coco_v2
+    tv = torchvision.tv_tensors
+    got = dict(RemoteDataset(uploaded, "vision-classes", "coco").map(indexed))
+    assert sorted(got) == list(range(len(ds)))
+    for i, (image, target) in got.items():
+        _, expected = ds[i]
+        boxes, masks = target["boxes"], target["masks"]
+        assert type(boxes) is tv.BoundingBoxes and type(masks) is tv.Mask
+        assert boxes.format == expected["boxes"].format and boxes.canvas_size == expected["boxes"].canvas_size == (H, W)
+        assert boxes.clamping_mode == expected["boxes"].clamping_mode
+        assert torch.equal(boxes, expected["boxes"]) and torch.equal(masks, expected["masks"])
+        assert torch.equal(target["labels"], expected["labels"]) and target["image_id"] == expected["image_id"]
+
+
+def test_a_v2_transform_crops_the_restored_masks_and_boxes_with_the_image(uploaded, coco_v2):
+    _, torchvision = coco_v2
+    from torchvision.transforms import v2
+
+    crop = v2.Compose([v2.ToImage(), v2.RandomCrop((24, 32))])
+    for _, (image, target) in RemoteDataset(uploaded, "vision-classes", "coco").map(indexed):
+        image, target = crop(image, target)
+        assert image.shape[-2:] == target["masks"].shape[-2:] == (24, 32)
+        assert target["boxes"].canvas_size == (24, 32)
+
+
+def test_the_fused_crop_moves_boxes_and_masks_for_their_type_and_their_rows_go_together(uploaded, coco_v2):
+    ds, torchvision = coco_v2
+    tv = torchvision.tv_tensors
+    crop = RandomResizedCrop(32, scale=(0.3, 1.0))
+    seen, kept = 0, 0
+    for image, target in RemoteDataset(uploaded, "vision-classes", "coco", seed=3).decode(crop).map(restore):
+        boxes, masks, labels = target["boxes"], target["masks"], target["labels"]
+        kept += len(boxes)
+        assert image.shape == (3, 32, 32)
+        assert type(boxes) is tv.BoundingBoxes and boxes.canvas_size == (32, 32) and boxes.format.name == "XYXY"
+        assert type(masks) is tv.Mask and masks.shape[1:] == (32, 32)
+        assert len(boxes) == len(masks) == len(labels)
+        for box, mask in zip(boxes.tolist(), masks, strict=True):  # each object's mask lies under its moved box
+            rows, cols = np.nonzero(mask.numpy())
+            if len(rows):
+                left, top, right, bottom = box
+                assert cols.min() >= left - 1.5 and cols.max() + 1 <= right + 1.5
+                assert rows.min() >= top - 1.5 and rows.max() + 1 <= bottom + 1.5
+                seen += 1
+    assert 0 < seen and kept < sum(len(target["boxes"]) for _, target in ds)  # some boxes left the crops
+
+
+def test_a_tensor_target_of_one_value_comes_back_a_tensor(s3):
+    client, bucket = s3
+    items = [(Image.new("RGB", (8, 8)), torch.tensor(2880)), (Image.new("RGB", (8, 8)), torch.tensor([5])),
+             (Image.new("RGB", (8, 8)), {"identity": torch.tensor(7, dtype=torch.int32)})]
+
+    class Targets:
+        def __len__(self):
+            return len(items)
+
+        def __getitem__(self, i):
+            return items[i]
+
+    upload(client, bucket, "celeba", Targets())
+    got = dict(RemoteDataset(client, bucket, "celeba").map(indexed))
+    for i, (_, target) in got.items():
+        expected = items[i][1]
+        value, want = (target["identity"], expected["identity"]) if isinstance(expected, dict) else (target, expected)
+        assert isinstance(value, torch.Tensor) and value.dtype == want.dtype and torch.equal(value, want)
+    crop = RandomResizedCrop(4)  # one number is no position: the crop takes the sample as it is
+    assert len(list(RemoteDataset(client, bucket, "celeba").decode(crop))) == len(items)
+
+
+def test_without_torchvision_tv_tensors_come_back_plain_with_one_warning(uploaded, coco_v2, monkeypatch):
+    monkeypatch.setattr(restoring, "tv_tensors", lambda: None)
+    monkeypatch.setattr(restoring, "_warned", [])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = list(RemoteDataset(uploaded, "vision-classes", "coco").map(restore))
+    assert all(type(target["boxes"]) is torch.Tensor and type(target["masks"]) is torch.Tensor
+               for _, target in got)
+    assert len(caught) == 1 and "torchvision cannot be imported" in str(caught[0].message)
