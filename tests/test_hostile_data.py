@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -19,12 +20,14 @@ import pytest
 from remote_loader import (
     CorruptShard,
     DatasetReader,
+    DecodeError,
     FetchConfig,
     IndexOutOfBounds,
     RemoteDataset,
     RemoteMapDataset,
     RetryConfig,
     TruncatedShard,
+    restore,
 )
 from remote_loader.checksum import crc32
 from remote_loader.format import MANIFEST_NAME, Manifest, ShardIndex
@@ -292,3 +295,44 @@ def test_an_index_whose_ranges_overlap_is_refused_by_the_format():
     raw["keys"] = ["a", "../b"]
     with pytest.raises(CorruptShard, match=r"invalid sample key '../b'"):
         ShardIndex.decode(msgpack.packb(raw, use_bin_type=True), data_end=10_000, name="s.tar")
+
+
+def _npy_claiming(values: int) -> bytes:
+    """A small .npy whose header claims ``values`` uint8 values."""
+    header = {"descr": "|u1", "fortran_order": False, "shape": (values,)}
+    out = io.BytesIO()
+    np.lib.format.write_array_header_1_0(out, header)
+    return out.getvalue() + b"\0" * 16
+
+
+def _structured(hostile: dict[str, bytes]) -> dict[str, bytes]:
+    """Three samples of an image and an array; the second's array is ``hostile`` instead."""
+    out = io.BytesIO()
+    np.save(out, np.arange(4))
+    members = {}
+    for i, image in enumerate(_images(3)[f"{i:06d}.jpg"] for i in range(3)):
+        members[f"{i:06d}.0.jpg"] = image
+        for name, data in (hostile if i == 1 else {"1.npy": out.getvalue()}).items():
+            members[f"{i:06d}.{name}"] = data
+    return members
+
+
+@pytest.mark.parametrize("member, data, message", [
+    ("1.npy", _npy_claiming(2**40), r"header claiming \(1099511627776,\)"),
+    ("1.json", b"[" * 100_000 + b"]" * 100_000, "nested deeper"),
+])
+def test_a_member_claiming_more_than_it_holds_is_a_decode_error_and_skipped_under_skip(s3, member, data, message):
+    client, bucket = s3
+    _indexed_tar(client, bucket, "claims", _structured({member: data}))
+    index_webdataset(client, Location(bucket, "claims"))
+    with pytest.raises(DecodeError, match=f"field '{re.escape(member)}' of sample '000001'.*{message}"):
+        list(RemoteDataset(client, bucket, "claims", fetch=QUICK).decode("rgb8"))
+    kept = RemoteDataset(client, bucket, "claims", fetch=QUICK, on_error="skip").decode("rgb8")
+    assert sorted(sample["__key__"] for sample in kept) == ["000000", "000002"]
+
+
+def test_restoring_a_member_whose_path_lands_on_a_list_of_its_skeleton_is_a_decode_error():
+    sample = {"__key__": "000001", "__shard__": "part-0.tar", "1.json": b'{"boxes": [1, 2]}',
+              "1.boxes.npy": _npy_claiming(0)[:-16], "0.jpg": _images(1)["000000.jpg"]}
+    with pytest.raises(DecodeError, match="member 'boxes' lands on a list, not a placeholder"):
+        restore(sample)

@@ -18,6 +18,27 @@ IMAGE_FIELDS = IMAGE_EXTENSIONS
 MODES = ("pil", "rgb8", "torchrgb", "raw")
 
 
+def load_npy(data: bytes) -> np.ndarray:
+    """A ``.npy`` member's array; ValueError where it is not one, or where its header claims
+    other than the values its bytes hold (a 150-byte member claiming 2**40 values would
+    otherwise allocate them)."""
+    fp = io.BytesIO(data)
+    version = np.lib.format.read_magic(fp)
+    if version == (1, 0):
+        shape, _, dtype = np.lib.format.read_array_header_1_0(fp)
+    elif version == (2, 0):
+        shape, _, dtype = np.lib.format.read_array_header_2_0(fp)
+    else:
+        raise ValueError(f"a .npy of version {version}, which is not read")
+    count = 1
+    for side in shape:
+        count *= int(side)
+    if dtype.hasobject or count * dtype.itemsize != len(data) - fp.tell():
+        raise ValueError(f"a .npy header claiming {shape} of {dtype} over {len(data) - fp.tell()} bytes")
+    fp.seek(0)
+    return np.load(fp, allow_pickle=False)
+
+
 def _draft(image: Image.Image, min_size: int) -> None:
     """Let libjpeg decode at 1/2, 1/4 or 1/8 scale while the shorter side stays >= ``min_size``."""
     width, height = image.size
@@ -100,11 +121,13 @@ def decode_sample(
                 out[name] = json.loads(bytes(value))
             except ValueError:
                 raise DecodeError(f"{where} is not valid JSON", **facts) from None
+            except RecursionError:
+                raise DecodeError(f"{where} is JSON nested deeper than Python reads", **facts) from None
         elif ext == "npy" and isinstance(value, (bytes, bytearray, memoryview)):
             try:
-                out[name] = np.load(io.BytesIO(bytes(value)), allow_pickle=False)
-            except (ValueError, EOFError, OSError):
-                raise DecodeError(f"{where} is not a NumPy .npy array", **facts) from None
+                out[name] = load_npy(bytes(value))
+            except (ValueError, EOFError, OSError) as exc:
+                raise DecodeError(f"{where} is not a NumPy .npy array ({exc})", **facts) from None
         else:
             out[name] = bytes(value)
     return out

@@ -18,7 +18,7 @@ from PIL import Image, UnidentifiedImageError
 from remote_loader.errors import DecodeError
 from remote_loader.format import fields as rule
 from remote_loader.format.fields import FieldName
-from remote_loader.pipeline.decode import IMAGE_FIELDS
+from remote_loader.pipeline.decode import IMAGE_FIELDS, load_npy
 
 _RAW = (bytes, bytearray, memoryview)
 
@@ -81,8 +81,8 @@ def _fill(node: Any, steps: tuple[str, ...], value: Any, where: str) -> Any:
         if node == "torch" or tv is not None:
             tensor = value if isinstance(value, torch.Tensor) else torch.from_numpy(np.asarray(value))
             return tensor if tv is None else _as_tv_tensor(tensor, *tv, where)
-        if node not in rule.PLACEHOLDERS:
-            raise DecodeError(f"{where} lands on {node!r}, not a placeholder")
+        if not rule.is_placeholder(node):
+            raise DecodeError(f"{where} lands on {_brief(node)}, not a placeholder")
         return value
     step, rest = steps[0], steps[1:]
     if isinstance(node, list) and step.isdigit() and int(step) < len(node):
@@ -133,6 +133,10 @@ def _as_tv_tensor(tensor: torch.Tensor, kind: str, meta: dict[str, Any], where: 
         raise DecodeError(f"{where}: a {kind} whose metadata {meta} torchvision refuses ({exc})") from None
 
 
+def _brief(node: Any) -> str:
+    return f"a {type(node).__name__}" if isinstance(node, (list, dict)) else repr(node)[:40]
+
+
 def _leaf(ext: str, value: Any, where: str) -> Any:
     """One member's value: decoded from its bytes by its extension, or as ``decode()`` left it."""
     if not isinstance(value, _RAW) or ext == "bin":
@@ -150,7 +154,7 @@ def _leaf(ext: str, value: Any, where: str) -> Any:
         if ext == "json":
             return json.loads(data)
         if ext == "npy":
-            return np.load(io.BytesIO(data), allow_pickle=False)
-    except (UnidentifiedImageError, OSError, ValueError, EOFError) as exc:
+            return load_npy(data)
+    except (UnidentifiedImageError, OSError, ValueError, EOFError, RecursionError) as exc:
         raise DecodeError(f"{where}: a {ext} member that does not decode ({type(exc).__name__})") from None
     return data

@@ -150,9 +150,25 @@ def encode_target(target: Any, index: int) -> dict[str, bytes]:
     return {"txt": value.encode("utf-8")}
 
 
+MAX_NAME = 64
+"""A field name's length at most (``remote_loader.format.index``)."""
+
+
 def encode_item(item: Any, options: EncodeOptions, index: int) -> dict[str, bytes]:
     """Return the fields of ``ds[index]``: a classification pair under WebDataset's names,
-    any other tuple or a dict by the field rule (``remote_loader.format.fields``)."""
+    any other tuple or a dict by the field rule (``remote_loader.format.fields``).
+    UploadError for a sample with no field, or a field name longer than a shard holds."""
+    fields = _fields(item, options, index)
+    if not fields:
+        raise _fail(index, f"ds[{index}] is an empty {type(item).__name__}: a sample has at least one field")
+    for name in fields:
+        if len(name) > MAX_NAME:
+            raise _fail(index, f"field {name[:24]!r}... is {len(name)} characters long, more than a shard's {MAX_NAME}:"
+                               " shorten its key")
+    return fields
+
+
+def _fields(item: Any, options: EncodeOptions, index: int) -> dict[str, bytes]:
     if isinstance(item, Mapping):
         return Structured(options, index).sample(item)
     if not isinstance(item, (tuple, list)) or not item:
@@ -201,10 +217,7 @@ class Structured:
         if bad:
             raise _fail(self.index, f"{where} lies under the key {bad[0]!r}: keys above an array, tensor, image or"
                                     " bytes use letters, digits, '_' and '-' only")
-        name = fields.render(stem, steps, ext)
-        if len(name) > 64:
-            raise _fail(self.index, f"{where} would be the field {name!r}, longer than 64 characters")
-        self.fields[name] = data
+        self.fields[fields.render(stem, steps, ext)] = data
 
     def _top(self, stem: str, value: Any, where: str, first: bool) -> None:
         if value is None or isinstance(value, (bool, float, np.floating, np.bool_)):

@@ -315,8 +315,7 @@ def _write_task(
             index = int(raw_index)
             try:
                 fields = encode_item(read_item(dataset, index), spec.options, index)
-                if fields:
-                    shards.add(f"{index:0{spec.key_width}d}", fields, index)
+                shards.add(f"{index:0{spec.key_width}d}", fields, index)
             except UploadError as exc:
                 if spec.on_error != "skip":
                     raise

@@ -291,6 +291,24 @@ def test_a_dict_sample_with_a_key_a_reader_cannot_tell_from_a_position_is_refuse
             encode_item({"image": _image(0), key: 1}, EncodeOptions(), 2)
 
 
+@pytest.mark.parametrize("sample, message", [
+    ({"k" * 70: 1}, r"sample 3: field 'kkkkkkkkkkkkkkkkkkkkkkkk'\.\.\. is 74 characters long, more than a shard's 64"),
+    ({}, "sample 3: ds\\[3\\] is an empty dict: a sample has at least one field"),
+])
+def test_a_sample_a_shard_cannot_hold_is_refused_under_raise_and_counted_under_skip(s3, sample, message):
+    client, bucket = s3
+
+    class Bad(Structured):
+        def __getitem__(self, index: int) -> Any:
+            return sample if index == 3 else {"image": _image(index), "label": index}
+
+    with pytest.raises(UploadError, match=message):
+        upload(client, bucket, "bad", Bad(None), maxcount=2)
+    summary = upload(client, bucket, "skipped", Bad(None), maxcount=2, on_error="skip")
+    assert summary.skipped == 1 and summary.samples == N - 1
+    assert sorted(int(s["__key__"]) for s in RemoteDataset(client, bucket, "skipped")) == [0, 1, 2, 4, 5]
+
+
 def widerface_dataset() -> Structured:
     """``remote-loader upload tests.upload.test_structured:widerface_dataset ...``'s source."""
     return Structured(widerface)

@@ -74,7 +74,7 @@ def test_tv_tensors_come_back_of_their_type_with_their_metadata(uploaded, coco_v
     tv = torchvision.tv_tensors
     got = dict(RemoteDataset(uploaded, "vision-classes", "coco").map(indexed))
     assert sorted(got) == list(range(len(ds)))
-    for i, (image, target) in got.items():
+    for i, (_, target) in got.items():
         _, expected = ds[i]
         boxes, masks = target["boxes"], target["masks"]
         assert type(boxes) is tv.BoundingBoxes and type(masks) is tv.Mask
@@ -148,3 +148,37 @@ def test_without_torchvision_tv_tensors_come_back_plain_with_one_warning(uploade
     assert all(type(target["boxes"]) is torch.Tensor and type(target["masks"]) is torch.Tensor
                for _, target in got)
     assert len(caught) == 1 and "torchvision cannot be imported" in str(caught[0].message)
+
+
+@pytest.fixture(scope="module")
+def widerface(tmp_path_factory):
+    """torchvision's WIDERFace over its own layout: images under WIDER_train/images, and
+    wider_face_split/wider_face_train_bbx_gt.txt (x y w h blur expression illumination
+    invalid occlusion pose, one face a line)."""
+    vision()
+    from torchvision.datasets import WIDERFace
+
+    root = tmp_path_factory.mktemp("wider")
+    base = root / "widerface"
+    for folder in ("WIDER_train/images/0--Parade", "WIDER_val", "WIDER_test", "wider_face_split"):
+        (base / folder).mkdir(parents=True)
+    rng, lines = np.random.default_rng(8), []
+    for i in range(5):
+        name = f"0--Parade/0_Parade_{i}.jpg"
+        Image.fromarray(rng.integers(0, 256, (H, W, 3), dtype=np.uint8)).save(base / "WIDER_train/images" / name)
+        faces = [[2 + 20 * k, 4 + 3 * i, 14, 18, k % 3, 0, i % 2, 0, k % 2, 1] for k in range(1 + i % 3)]
+        lines += [name, str(len(faces)), *(" ".join(map(str, face)) for face in faces)]
+    (base / "wider_face_split/wider_face_train_bbx_gt.txt").write_text("\n".join(lines) + "\n")
+    return WIDERFace(str(root), split="train")
+
+
+def test_arrays_beside_named_boxes_with_one_row_a_box_are_per_box_without_naming_them(s3, widerface):
+    client, bucket = s3
+    upload(client, bucket, "faces", widerface)
+    crop = RandomResizedCrop(32, scale=(0.2, 0.6), boxes={"1.bbox.npy": "xywh"})  # no per_box= for its six arrays
+    counts, annotations = [], [info["annotations"] for info in widerface.img_info]  # ds[i] opens a file
+    for image, target in RemoteDataset(client, bucket, "faces", seed=2).decode(crop).map(restore):
+        assert image.shape == (3, 32, 32) and set(target) == set(annotations[0])
+        counts.append({name: len(value) for name, value in target.items()})
+    assert all(len(set(count.values())) == 1 for count in counts)  # every field lost the rows its boxes lost
+    assert sum(count["bbox"] for count in counts) < sum(len(a["bbox"]) for a in annotations)
