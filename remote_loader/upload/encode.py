@@ -80,17 +80,38 @@ def _from_tensor(tensor: Any, index: int) -> Image.Image:
     return _to_pil(array, index)
 
 
-def _encode_pil(image: Image.Image, options: EncodeOptions, index: int) -> tuple[str, bytes]:
+HOLDS = {"JPEG": frozenset({"1", "L", "P", "RGB", "CMYK", "YCbCr"}),
+         "PNG": frozenset({"1", "L", "LA", "P", "RGB", "RGBA", "I;16"}),
+         "WEBP": frozenset({"RGB"})}
+"""The modes each ``image_format`` stores (``P`` in JPEG: as its RGB colours, when it has no
+transparency; WebP gives an opaque RGBA image back as RGB, so it takes RGB only); an image in
+another mode is stored lossless, in PNG or TIFF."""
+
+
+def _encode_pil(image: Image.Image, options: EncodeOptions, index: int, where: str = "image") -> tuple[str, bytes]:
     fmt = ENCODINGS[options.image_format.lower()]
     if image.mode == "P" and fmt == "JPEG" and "transparency" not in image.info:
         image = image.convert("RGB")  # a palette holds RGB colours: no information is lost
+    if image.mode not in HOLDS[fmt] or (image.mode == "P" and fmt == "JPEG"):
+        return _lossless(image, index, where)
     out = io.BytesIO()
     try:
         image.save(out, format=fmt, quality=options.quality)
     except (OSError, ValueError, KeyError) as exc:
-        raise _fail(
-            index, f"cannot encode a {image.mode} image as {fmt} ({exc}); convert it or pick another image_format"
-        ) from None
+        raise _fail(index, f"{where}: cannot encode a {image.mode} image as {fmt} ({exc}); convert it or pick another"
+                           " image_format") from None
+    return EXTENSIONS[fmt], out.getvalue()
+
+
+def _lossless(image: Image.Image, index: int, where: str) -> tuple[str, bytes]:
+    """``image`` in PNG, or TIFF for the modes PNG does not hold (CMYK, LAB, YCbCr, I, F)."""
+    fmt = "PNG" if image.mode in HOLDS["PNG"] else "TIFF"
+    out = io.BytesIO()
+    try:
+        image.save(out, format=fmt)
+    except (OSError, ValueError, KeyError):
+        raise _fail(index, f"{where} is a {image.mode} image, which no image format stores; convert it (to RGB, for"
+                           " one)") from None
     return EXTENSIONS[fmt], out.getvalue()
 
 
@@ -278,14 +299,8 @@ class Structured:
 
     def _image(self, image: Image.Image, where: str) -> tuple[str, bytes]:
         if image.mode in fields.INPUT_MODES:
-            return _encode_pil(image, self.options, self.index)
-        fmt = "TIFF" if image.mode in ("I", "F") else "PNG"
-        out = io.BytesIO()
-        try:
-            image.save(out, format=fmt)
-        except (OSError, ValueError, KeyError) as exc:
-            raise _fail(self.index, f"{where} is a {image.mode} image {fmt} cannot store ({exc}); convert it") from None
-        return EXTENSIONS[fmt], out.getvalue()
+            return _encode_pil(image, self.options, self.index, where)
+        return _lossless(image, self.index, where)
 
     def _bytes(self, data: bytes | bytearray | memoryview, where: str) -> tuple[str, bytes]:
         """An encoded image's own format, or ``bin`` for bytes Pillow does not read."""

@@ -89,7 +89,7 @@ def test_dict_target_is_json():
         ((Image.new("L", (4, 4)), {"a": float("nan")}), "sample 5: target['a'] is nan: JSON holds finite numbers"),
         ((Image.new("L", (4, 4)), {1: 2}), "sample 5: target has the key 1"),
         (Image.new("L", (4, 4)), "expected an (image, target) pair"),
-        ((Image.new("RGBA", (4, 4)), 1), "cannot encode a RGBA image as JPEG"),
+        ((Image.new("HSV", (4, 4)), 1), "sample 5: image is a HSV image, which no image format stores"),
     ],
 )
 def test_bad_items_name_the_sample(item, message):

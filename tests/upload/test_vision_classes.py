@@ -13,7 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
-from remote_loader import RandomResizedCrop, RemoteDataset, restore
+from remote_loader import RandomResizedCrop, RemoteDataset, UploadError, restore
 from remote_loader.pipeline import restore as restoring
 from tests.helpers import upload, vision
 
@@ -182,3 +182,67 @@ def test_arrays_beside_named_boxes_with_one_row_a_box_are_per_box_without_naming
         counts.append({name: len(value) for name, value in target.items()})
     assert all(len(set(count.values())) == 1 for count in counts)  # every field lost the rows its boxes lost
     assert sum(count["bbox"] for count in counts) < sum(len(a["bbox"]) for a in annotations)
+
+
+@pytest.fixture(scope="module")
+def cityscapes(tmp_path_factory):
+    """torchvision's Cityscapes over its own layout, with a semantic (L) and a colour (RGBA) target."""
+    vision()
+    from torchvision.datasets import Cityscapes
+
+    root = tmp_path_factory.mktemp("cityscapes")
+    rng = np.random.default_rng(9)
+    for folder in ("leftImg8bit/train/aachen", "gtFine/train/aachen"):
+        (root / folder).mkdir(parents=True)
+    for i in range(4):
+        stem = f"aachen_{i:06d}_000019"
+        Image.fromarray(rng.integers(0, 256, (H, W, 3), dtype=np.uint8)).save(
+            root / f"leftImg8bit/train/aachen/{stem}_leftImg8bit.png")
+        Image.fromarray(rng.integers(0, 34, (H, W), dtype=np.uint8)).save(
+            root / f"gtFine/train/aachen/{stem}_gtFine_labelIds.png")
+        Image.fromarray(rng.integers(0, 256, (H, W, 4), dtype=np.uint8), "RGBA").save(
+            root / f"gtFine/train/aachen/{stem}_gtFine_color.png")
+    return Cityscapes(str(root), split="train", mode="fine", target_type=["semantic", "color"])
+
+
+def test_a_colour_target_in_rgba_is_stored_lossless_under_the_default_format(s3, cityscapes):
+    client, bucket = s3
+    upload(client, bucket, "city", cityscapes)  # image_format="jpeg"
+    got = dict(RemoteDataset(client, bucket, "city").map(indexed))
+    assert sorted(got) == list(range(len(cityscapes)))
+    for i, (image, (semantic, colour)) in got.items():
+        with Image.open(cityscapes.targets[i][1]) as expected_colour, Image.open(cityscapes.targets[i][0]) as labels:
+            assert colour.mode == "RGBA" and np.array_equal(np.asarray(colour), np.asarray(expected_colour))
+            assert semantic.mode == "L" and np.array_equal(np.asarray(semantic), np.asarray(labels))
+        assert image.mode == "RGB" and image.size == (W, H)
+
+
+def test_images_in_modes_the_upload_format_cannot_hold_are_stored_lossless_or_refused_naming_the_field(s3):
+    client, bucket = s3
+    rgb = Image.fromarray(np.random.default_rng(1).integers(0, 256, (H, W, 3), dtype=np.uint8))
+    la = Image.fromarray(np.random.default_rng(2).integers(0, 256, (H, W, 2), dtype=np.uint8), "LA")
+    modes = {"la": la, "cmyk": rgb.convert("CMYK"), "lab": rgb.convert("LAB"), "rgba": rgb.convert("RGBA")}
+
+    class Modes:
+        def __len__(self):
+            return 2
+
+        def __getitem__(self, i):
+            return {"image": rgb, **modes} if i == 0 else (rgb.convert("RGBA"), i)
+
+    for image_format in ("jpeg", "webp", "png"):
+        upload(client, bucket, image_format, Modes(), image_format=image_format)
+        got = dict(RemoteDataset(client, bucket, image_format).map(indexed))
+        for name, image in modes.items():
+            if name != "cmyk" or image_format != "jpeg":  # JPEG holds CMYK, lossy as it holds RGB
+                assert got[0][name].mode == image.mode and np.array_equal(np.asarray(got[0][name]), np.asarray(image))
+        assert got[1][0].mode == "RGBA" and got[1][1] == 1
+        if image_format == "jpeg":
+            assert np.array_equal(np.asarray(got[1][0]), np.asarray(rgb.convert("RGBA")))  # a classification image too
+
+    class HSV(Modes):
+        def __getitem__(self, i):
+            return {"image": rgb, "hue": rgb.convert("HSV")}
+
+    with pytest.raises(UploadError, match=r"sample 0: item\['hue'\] is a HSV image, which no image format stores"):
+        upload(client, bucket, "hsv", HSV())
