@@ -243,8 +243,8 @@ class RetryConfig:
 
     backoff: float = 0.05
     max_backoff: float = 2.0
-    outage_deadline: float = 300.0
-    first_contact_deadline: float = 2.0
+    outage_deadline: float = field(default_factory=lambda: _env_seconds("outage_deadline", 300.0))
+    first_contact_deadline: float = field(default_factory=lambda: _env_seconds("first_contact_deadline", 2.0))
 
     def __post_init__(self) -> None:
         for name in ("backoff", "max_backoff", "outage_deadline", "first_contact_deadline"):
@@ -253,19 +253,27 @@ class RetryConfig:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> RetryConfig:
         """The defaults, with ``REMOTE_LOADER_OUTAGE_DEADLINE`` and
-        ``REMOTE_LOADER_FIRST_CONTACT_DEADLINE`` (seconds) when set, then ``overrides``
-        (None values ignored)."""
-        env = os.environ if env is None else env
-        values: dict[str, object] = {}
-        for field_name in ("outage_deadline", "first_contact_deadline"):
-            name = f"REMOTE_LOADER_{field_name.upper()}"
-            if env.get(name):
-                try:
-                    values[field_name] = float(env[name])
-                except ValueError:
-                    raise ConfigError(f"{name} must be a number of seconds, got {env[name]!r}") from None
+        ``REMOTE_LOADER_FIRST_CONTACT_DEADLINE`` (seconds) of ``env`` when set, then
+        ``overrides`` (None values ignored). ``RetryConfig()`` reads the process's environment
+        the same way."""
+        values: dict[str, object] = {name: _env_seconds(name, None, env) for name in ENV_DEADLINES}
         values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)  # type: ignore[arg-type]
+        return cls(**{k: v for k, v in values.items() if v is not None})  # type: ignore[arg-type]
+
+
+ENV_DEADLINES = ("outage_deadline", "first_contact_deadline")
+"""RetryConfig's fields a variable sets: ``REMOTE_LOADER_<FIELD>``, in seconds."""
+
+
+def _env_seconds(field_name: str, default: float | None, env: Mapping[str, str] | None = None) -> float | None:
+    env = os.environ if env is None else env
+    name = f"REMOTE_LOADER_{field_name.upper()}"
+    if not env.get(name):
+        return default
+    try:
+        return float(env[name])
+    except ValueError:
+        raise ConfigError(f"{name} must be a number of seconds, got {env[name]!r}") from None
 
 
 _RETRY_FIELDS = ("backoff", "max_backoff", "outage_deadline", "first_contact_deadline")

@@ -196,6 +196,22 @@ def test_hung_server_gives_endpoint_unreachable_within_the_deadline(server):
     assert _wait_for(lambda: not _loader_threads(before), 10), _loader_threads(before)
 
 
+def test_the_outage_deadline_of_the_environment_holds_through_the_python_api(server, monkeypatch):
+    monkeypatch.setenv("REMOTE_LOADER_OUTAGE_DEADLINE", "3")
+    dataset = RemoteDataset(_client(server, read_timeout=2), "outages", "d", fetch=FetchConfig(**SLOW_FETCH))
+    assert dataset.fetch.retry.outage_deadline == 3  # as the CLI reads it (it was read by the CLI only)
+    stream = iter(dataset)
+    for _ in range(100):
+        next(stream)
+    os.killpg(server.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(EndpointUnreachable, match=r"gave up at RetryConfig.outage_deadline=3 s"):
+            for _ in stream:
+                pass
+    finally:
+        os.killpg(server.pid, signal.SIGCONT)
+
+
 def test_closing_an_iterator_on_a_hung_server_returns_at_once(server):
     before = frozenset(threading.enumerate())
     dataset = RemoteDataset(_client(server, read_timeout=5), "outages", "d", fetch=FetchConfig(**SLOW_FETCH))
