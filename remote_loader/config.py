@@ -243,8 +243,8 @@ class RetryConfig:
 
     backoff: float = 0.05
     max_backoff: float = 2.0
-    outage_deadline: float = field(default_factory=lambda: _env_seconds("outage_deadline", 300.0))
-    first_contact_deadline: float = field(default_factory=lambda: _env_seconds("first_contact_deadline", 2.0))
+    outage_deadline: float = field(default_factory=lambda: _env_default("outage_deadline", 300.0))
+    first_contact_deadline: float = field(default_factory=lambda: _env_default("first_contact_deadline", 2.0))
 
     def __post_init__(self) -> None:
         for name in ("backoff", "max_backoff", "outage_deadline", "first_contact_deadline"):
@@ -256,7 +256,7 @@ class RetryConfig:
         ``REMOTE_LOADER_FIRST_CONTACT_DEADLINE`` (seconds) of ``env`` when set, then
         ``overrides`` (None values ignored). ``RetryConfig()`` reads the process's environment
         the same way."""
-        values: dict[str, object] = {name: _env_seconds(name, None, env) for name in ENV_DEADLINES}
+        values: dict[str, object] = {name: _env_seconds(name, env) for name in ENV_DEADLINES}
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**{k: v for k, v in values.items() if v is not None})  # type: ignore[arg-type]
 
@@ -265,11 +265,16 @@ ENV_DEADLINES = ("outage_deadline", "first_contact_deadline")
 """RetryConfig's fields a variable sets: ``REMOTE_LOADER_<FIELD>``, in seconds."""
 
 
-def _env_seconds(field_name: str, default: float | None, env: Mapping[str, str] | None = None) -> float | None:
+def _env_default(field_name: str, default: float) -> float:
+    value = _env_seconds(field_name)
+    return default if value is None else value
+
+
+def _env_seconds(field_name: str, env: Mapping[str, str] | None = None) -> float | None:
     env = os.environ if env is None else env
     name = f"REMOTE_LOADER_{field_name.upper()}"
     if not env.get(name):
-        return default
+        return None
     try:
         return float(env[name])
     except ValueError:
