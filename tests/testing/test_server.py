@@ -8,6 +8,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -232,15 +233,20 @@ sys.stdin.readline()
 """
 
 
-def test_what_a_server_killed_outright_leaves_is_removed_at_the_next_start(tmp_path):
+def test_what_a_server_killed_outright_leaves_is_removed_at_the_next_start(tmp_path, monkeypatch):
     """SIGKILL gives the process no chance to remove its temporary data (every object, the
     server's TLS key) and sockets; the next server started on the machine removes them, and
-    not those of a server still running."""
+    not those of a server still running. The servers here keep their temporary directories
+    in one of the test's own, where the servers other tests start at the same time (which
+    clean the machine's) cannot remove them first."""
+    private = tmp_path / "tmp"
+    private.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(private))
     running = EmbeddedS3().start()
     pid = None
     try:
         process = subprocess.Popen([sys.executable, "-c", _SERVE_AND_WAIT], stdin=subprocess.PIPE,
-                                   stdout=subprocess.PIPE, text=True)
+                                   stdout=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": str(private)})
         assert process.stdout is not None
         pid_text, data_dir, sockets = process.stdout.readline().split()
         pid = int(pid_text)
