@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import signal
@@ -10,6 +11,8 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
+from PIL import Image
 from tqdm import tqdm
 
 from remote_loader import __version__
@@ -198,9 +201,40 @@ def cmd_ls(args: argparse.Namespace) -> int:
     return 0
 
 
+def _image_kinds(reader: DatasetReader) -> dict[str, str]:
+    """What each image field of a structured dataset holds, by its first member's header (a few
+    KB read): ``mask (P)`` for a stored mode an input image does not have, ``image (RGBA)``."""
+    manifest = reader.manifest
+    wanted = [f for f in manifest.fields
+              if fields.parse(f).stem is not None and fields.parse(f).ext in fields.IMAGE_EXTENSIONS]
+    if not wanted or not len(manifest.shards):
+        return {}
+    entry = manifest.shards[0]
+    index = reader.read_index(entry)
+    kinds = {}
+    for column, name in enumerate(index.fields):
+        if name not in wanted:
+            continue
+        present = np.flatnonzero(index.offsets[:, column])
+        if not len(present):
+            continue
+        start = int(index.offsets[present[0], column])
+        head = reader.policy().store.get_range(reader.location.bucket, reader.location.key(entry.name), start,
+                                               start + min(int(index.sizes[present[0], column]), 1 << 16))
+        try:
+            with Image.open(io.BytesIO(head)) as image:
+                mode = image.mode
+        except (OSError, ValueError, Image.DecompressionBombError):
+            continue
+        target = mode not in fields.INPUT_MODES and fields.parse(name).stem != "0"
+        kinds[name] = f"{'mask' if target else 'image'} ({mode})" if target or mode != "RGB" else "image"
+    return kinds
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     reader, location = _reader(args)
     manifest = reader.manifest
+    kinds = {f: fields.describe(f) for f in manifest.fields} | _image_kinds(reader)
     data = {
         "url": str(location),
         "format_version": manifest.version,
@@ -208,7 +242,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         "shards": len(manifest.shards),
         "bytes": manifest.num_bytes,
         "fields": list(manifest.fields),
-        "field_types": {f: fields.describe(f) for f in manifest.fields},
+        "field_types": kinds,
         "skipped": manifest.skipped,
         "params": dict(manifest.params),
     }
@@ -223,7 +257,7 @@ def cmd_info(args: argparse.Namespace) -> int:
             f"samples   {manifest.num_samples:,d} in {len(manifest.shards):,d}"
             f" shard{'' if len(manifest.shards) == 1 else 's'},"
             f" {manifest.num_bytes / 1e6:,.1f} MB",
-            f"fields    {_shown(', '.join(f'{f} ({fields.describe(f)})' for f in manifest.fields))}",
+            f"fields    {_shown(', '.join(f'{f} ({kinds[f]})' for f in manifest.fields))}",
             f"skipped   {manifest.skipped}",
             "classes   "
             + (
@@ -231,7 +265,7 @@ def cmd_info(args: argparse.Namespace) -> int:
                 if classes
                 else unknown
             ),
-            f"upload    {_shown(', '.join(f'{k}={v}' for k, v in sorted(upload.items())))}",
+            f"upload    {_shown(', '.join(f'{k}={v}' for k, v in sorted(upload.items()) if k != 'items'))}",
             f"created   {_shown(str(manifest.params.get('created', '?')))}",
             f"format    version {manifest.version}",
         ]

@@ -27,6 +27,7 @@ from remote_loader.format.index import unpack
 from remote_loader.storage import Location, ObjectInfo, Store
 from remote_loader.storage.daemon import in_daemon_thread, map_on_daemon_threads, wait_result
 from remote_loader.upload import tasks
+from remote_loader.upload.fingerprint import first_difference
 from remote_loader.upload.tasks import STATE_DIR, TaskResult
 
 _STATE = UPLOAD_STATE
@@ -315,25 +316,51 @@ def finish(store: Store, location: Location, manifest: Manifest, held: Held, bef
 
 def _resumable(unfinished: dict[str, Any], params: dict[str, Any]) -> bool:
     """Whether an upload with ``params`` may finish an unfinished run made with ``unfinished``:
-    the same parameters, or the same but ``on_error`` going from raise to skip (its finished
-    tasks met no bad sample; the usual next step after a run that stopped at one)."""
-    if unfinished == params:
+    the same parameters and items, or the same but ``on_error`` going from raise to skip (its
+    finished tasks met no bad sample; the usual next step after a run that stopped at one)."""
+    if not same_items(unfinished, params):
+        return False
+    there, here = _settings(unfinished), _settings(params)
+    if there == here:
         return True
-    return (
-        unfinished.get("on_error") == "raise"
-        and params["on_error"] == "skip"
-        and {**unfinished, "on_error": "skip"} == params
-    )
+    return there.get("on_error") == "raise" and here["on_error"] == "skip" and {**there, "on_error": "skip"} == here
+
+
+def _settings(params: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in params.items() if k != "items"}
+
+
+def same_items(there: Any, params: dict[str, Any]) -> bool:
+    """Whether a recorded upload's items are those of ``params`` (``fingerprint.items``)."""
+    return isinstance(there, dict) and first_difference(there.get("items"), params["items"], params["samples"]) is None
+
+
+def same_upload(there: Any, params: dict[str, Any]) -> bool:
+    """Whether a finished upload's recorded parameters are ``params``, over the same items."""
+    return same_items(there, params) and _settings(there) == _settings(params)
 
 
 def _differences(unfinished: dict[str, Any], params: dict[str, Any]) -> str:
     """What an unfinished run's parameters and these differ in, for the refusal's message."""
-    keys = sorted(set(unfinished) | set(params))
-    return (
-        ", ".join(
-            f"{k}={unfinished.get(k)!r} there, {params.get(k)!r} here"
-            for k in keys
-            if unfinished.get(k) != params.get(k)
-        )
-        or "the same"
-    )
+    there, here = _settings(unfinished), _settings(params)
+    differences = [f"{k}={there.get(k)!r} there, {here.get(k)!r} here"
+                   for k in sorted(set(there) | set(here)) if there.get(k) != here.get(k)]
+    if not same_items(unfinished, params):
+        differences.append(_items(unfinished, params))
+    return ", ".join(differences) or "the same"
+
+
+def _items(there: dict[str, Any], params: dict[str, Any]) -> str:
+    index = first_difference(there.get("items"), params["items"], params["samples"])
+    if index == -1:
+        return "items uploaded before uploads recorded them, which cannot be told from these"
+    return f"other items (ds[{index}] differs)"
+
+
+def what_differs(existing: Any, params: dict[str, Any]) -> str:
+    """The dataset a prefix holds, as a refusal to keep it for an upload with ``params`` names it."""
+    if not isinstance(existing, dict):
+        return "a dataset whose upload parameters are not recorded"
+    if _settings(existing) == _settings(params):
+        return f"another dataset uploaded with these parameters: {_items(existing, params)}"
+    return f"a dataset uploaded with other parameters ({_differences(existing, params)})"

@@ -12,8 +12,10 @@ import logging
 import multiprocessing
 import os
 import time
+from collections.abc import Mapping
 from concurrent.futures import Executor
 from datetime import datetime, timezone
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -28,7 +30,7 @@ from remote_loader.format import Manifest
 from remote_loader.format.shard import member_bytes
 from remote_loader.storage import DEFAULT_PART_SIZE, Location, Store, as_store
 from remote_loader.storage.retrying import Retry, RetryingStore
-from remote_loader.upload import claim, tasks
+from remote_loader.upload import claim, fingerprint, tasks
 from remote_loader.upload.encode import EncodeOptions, encode_item
 from remote_loader.upload.executors import run_tasks
 from remote_loader.upload.sources import load_source
@@ -150,16 +152,18 @@ def _upload(ds: Any, client: Store, location: Location, params: dict[str, Any], 
     params["samples"] = num = len(ds)
     if num == 0:
         raise UploadError("the dataset is empty: nothing to upload")
+    # The items, not only their settings: running the upload again over other data is not resuming it.
+    params["items"] = fingerprint.items(partial(tasks.read_item, ds), partial(_encodes, options), num)
     # Every request here is retried like a task's, so a 503 or a restart of the store after
     # hours of encoding does not end the upload at its manifest PUT.
     store = RetryingStore(client, Retry(retry, client.endpoint))
     before = claim.Before.read(store, location)
     if before.existing is not None:
-        if before.existing.params.get("upload") == params and not overwrite:
+        if claim.same_upload(before.existing.params.get("upload"), params) and not overwrite:
             return UploadSummary.kept_whole(location, before.existing, time.perf_counter() - started)
         if not overwrite:
-            raise UploadError(f"{location} already holds a dataset uploaded with other parameters;"
-                              " pass overwrite=True (--overwrite) to replace it")
+            there = claim.what_differs(before.existing.params.get("upload"), params)
+            raise UploadError(f"{location} already holds {there}; pass overwrite=True (--overwrite) to replace it")
     order = np.random.default_rng(params["seed"]).permutation(num) if params["shuffle"] else np.arange(num)
     held = claim.hold(store, location, before, params, overwrite, lambda: _plan_task_size(
         ds, order, options, params["maxsize"], params["maxcount"]))
@@ -245,6 +249,10 @@ def _parameters(
     }
 
 
+def _encodes(options: EncodeOptions, item: Any, index: int) -> None:
+    encode_item(item, options, index)
+
+
 def _retry(retry: RetryConfig | None) -> RetryConfig:
     retry = RetryConfig() if retry is None else retry
     if not isinstance(retry, RetryConfig):
@@ -278,7 +286,19 @@ def _manifest(
 
 
 def _class_names(ds: Any) -> list[str]:
-    classes = getattr(ds, "classes", None)
-    if isinstance(classes, (list, tuple)) and all(isinstance(c, str) for c in classes):
-        return list(classes)
+    """The dataset's class names: torchvision's ``classes`` (through the wrappers of
+    ``transforms.v2`` and ``Subset``), or the names of a Hugging Face dataset's one
+    ``ClassLabel`` feature; empty where there are none."""
+    for _ in range(4):
+        classes = getattr(ds, "classes", None)
+        if isinstance(classes, (list, tuple)) and classes and all(isinstance(c, str) for c in classes):
+            return list(classes)
+        features = getattr(ds, "features", None)
+        labels = [f.names for f in features.values() if type(f).__name__ == "ClassLabel"
+                  and isinstance(getattr(f, "names", None), list)] if isinstance(features, Mapping) else []
+        if len(labels) == 1 and all(isinstance(c, str) for c in labels[0]):
+            return list(labels[0])
+        ds = getattr(ds, "_dataset", None) or getattr(ds, "dataset", None)  # a wrapper's, a Subset's
+        if ds is None:
+            break
     return []

@@ -328,6 +328,47 @@ def test_the_cli_uploads_a_structured_dataset_and_info_shows_its_fields_and_type
     assert "1.bbox.npy (array in 1)" in run(env, "info", url).stdout
 
 
+class Segmentation(Structured):
+    """VOC-like (image, P mask) with the class names a dataset names in ``classes``."""
+
+    classes = ["background", "aeroplane", "bicycle"]
+
+
+def segmentation_dataset() -> Structured:
+    return Segmentation(voc_segmentation)
+
+
+def test_info_shows_masks_as_masks_and_the_datasets_class_names(seaweed, s3):
+    from tests.cli.test_cli import run
+
+    _, bucket = s3
+    env = {**os.environ, **seaweed.env()}
+    url = f"s3://{bucket}/cli-voc"
+    run(env, "upload", "--quiet", "tests.upload.test_structured:segmentation_dataset", url)
+    info = json.loads(run(env, "info", url, "--json").stdout)
+    assert info["field_types"] == {"0.jpg": "image", "1.png": "mask (P)"}
+    text = run(env, "info", url).stdout
+    assert "1.png (mask (P))" in text and "3 (background, aeroplane, bicycle)" in text and "items=" not in text
+
+
+def test_class_names_are_found_through_torchvisions_wrappers_and_hugging_face_class_labels():
+    from remote_loader.upload.uploader import _class_names
+
+    class ClassLabel:
+        def __init__(self, names):
+            self.names = names
+
+    class HuggingFace:
+        features = {"image": object(), "label": ClassLabel(["cat", "dog"])}
+
+    class Wrapper:  # wrap_dataset_for_transforms_v2 keeps the dataset as _dataset
+        _dataset = Segmentation(voc_segmentation)
+
+    assert _class_names(HuggingFace()) == ["cat", "dog"]
+    assert _class_names(Wrapper()) == ["background", "aeroplane", "bicycle"]
+    assert _class_names(torch.utils.data.Subset(Wrapper(), [0])) == ["background", "aeroplane", "bicycle"]
+
+
 def test_a_target_that_holds_itself_is_refused_not_a_recursion_traceback():
     looped: list[Any] = [1]
     looped.append(looped)

@@ -23,9 +23,12 @@ from remote_loader import (
     ConfigError,
     DatasetReader,
     EndpointUnreachable,
+    RemoteDataset,
     RetryConfig,
+    UploadConflict,
     UploadError,
     make_client,
+    restore,
     upload_cv_dataset,
 )
 from remote_loader.format import INDEX_MEMBER
@@ -275,8 +278,8 @@ def test_workers_zero_encodes_in_this_process(s3):
     client, bucket = s3
     ds = CountingImages(25, size=(32, 24))
     upload_cv_dataset(ds, client=client, bucket=bucket, base_folder="inline", maxcount=10, workers=0, progress=False)
-    # All 25 read while planning the task size (up to 64 are), then all 25 while writing, all here.
-    assert len(ds.readers) == 25 + 25 and set(ds.readers) == {os.getpid()}
+    # All 25 read for the fingerprint (up to 128 are), planning the task size (up to 64), then writing; all here.
+    assert len(ds.readers) == 25 + 25 + 25 and set(ds.readers) == {os.getpid()}
 
 
 def test_round_trip_on_a_store_without_multipart_listing(localbucket):
@@ -684,3 +687,46 @@ def test_tasks_are_sized_from_enough_samples_to_leave_no_sliver_shards(tmp_path)
     upload(store, "b", "d", Photos(), maxsize=8_000_000)
     shards = sorted(int(e.size) for e in DatasetReader(store, "b", "d").manifest.shards)
     assert sum(s < 4_000_000 for s in shards) <= 1, shards
+
+
+class Masks:
+    """A segmentation dataset whose masks are ``value`` (fixed masks: another value)."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, index: int):
+        return Image.new("RGB", (16, 12), (index, 90, 30)), Image.new("L", (16, 12), self.value)
+
+
+def _masks(client, bucket, folder):
+    return {int(s["__key__"]): int(np.asarray(restore(s)[1]).max()) for s in RemoteDataset(client, bucket, folder)}
+
+
+def test_a_different_dataset_with_the_same_length_and_settings_is_refused_then_replaced_never_kept(s3):
+    client, bucket = s3
+    upload(client, bucket, "seg", Masks(1), maxcount=4)
+    with pytest.raises(UploadError, match=r"holds another dataset uploaded with these parameters: other items"
+                                          r" \(ds\[0\] differs\); pass overwrite=True \(--overwrite\)"):
+        upload(client, bucket, "seg", Masks(2), maxcount=4)
+    assert set(_masks(client, bucket, "seg").values()) == {1}  # refused: nothing of it changed
+    summary = upload(client, bucket, "seg", Masks(2), maxcount=4, overwrite=True)
+    assert summary.kept_samples == 0 and set(_masks(client, bucket, "seg").values()) == {2}
+    again = upload(client, bucket, "seg", Masks(2), maxcount=4)  # the same data again: kept, nothing sent
+    assert again.kept_samples == 12 and again.uploaded_samples == 0
+
+
+def test_an_interrupted_upload_is_not_finished_with_other_items(s3):
+    client, bucket = s3
+    with pytest.raises(UploadError, match="sample 9"):
+        upload(client, bucket, "half", FlakyImages(12, {9}, size=(16, 12)), maxcount=4, shuffle=False)
+    # Item 9 could not be encoded: the run may be finished by a dataset that fixed it ...
+    assert upload(client, bucket, "half", SyntheticImages(12, size=(16, 12)), maxcount=4, shuffle=False).kept_samples
+    with pytest.raises(UploadError, match="sample 9"):
+        upload(client, bucket, "other", FlakyImages(12, {9}, size=(16, 12)), maxcount=4, shuffle=False)
+    # ... not by other items
+    with pytest.raises(UploadConflict, match=r"unfinished upload .*other items \(ds\[0\] differs\)"):
+        upload(client, bucket, "other", SyntheticImages(12, size=(16, 12), seed=5), maxcount=4, shuffle=False)
