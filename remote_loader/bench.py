@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from torch.utils.data import DataLoader
 
 from remote_loader.config import FetchConfig
+from remote_loader.errors import ConfigError
+from remote_loader.format import fields
 from remote_loader.pipeline.augment import RandomResizedCrop
 from remote_loader.pipeline.dataset import RemoteDataset
 from remote_loader.storage import Store
@@ -48,11 +50,27 @@ class BenchResult:
 def _pipeline(base: RemoteDataset, decode: str, size: int, min_size: int | None) -> RemoteDataset:
     if decode == "none":
         return base.map(lambda s: len(s["__key__"]))  # bytes stay in the worker: measures the loader
-    if decode == "pil":
-        return base.decode("pil", min_size=min_size).to_tuple("jpg;png;webp", "cls").map_tuple(lambda im: im.size, None)
+    if decode == "pil":  # every field decoded (masks, arrays, JSON), whatever the samples hold
+        return base.decode("pil", min_size=min_size).map(len)
+    require_fit(base.reader.manifest.fields, decode, str(base.reader.location))
     # Fixed-size crops travel in batches of 64, as in training: one shared-memory tensor per batch.
     crops = base.decode(RandomResizedCrop(size, reduced=decode == "rrc")).to_tuple("jpg;png;webp", "cls")
     return crops.batched(BATCH)
+
+
+def require_fit(names: Sequence[str], decode: str, where: str) -> None:
+    """ConfigError where ``decode`` cannot run on samples of these fields: the crops take a
+    classification pair (an image and its class); ``none`` and ``pil`` take any sample."""
+    if decode in ("none", "pil") or not names:
+        return
+    try:
+        kind = fields.kind(list(names))
+    except ValueError:
+        kind = "mixed"
+    if kind != "pair":
+        raise ConfigError(f"bench --decode {decode} crops an image beside its class; {where} holds {kind} samples"
+                          f" (fields {', '.join(names[:6])}{', ...' if len(names) > 6 else ''}):"
+                          " bench it with --decode pil or none")
 
 
 def run(

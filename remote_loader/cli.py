@@ -314,6 +314,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     total = manifest.num_samples if args.samples is None else min(args.samples, manifest.num_samples)
     if total == 0:
         raise ConfigError(f"{location} holds no samples: nothing to bench")
+    bench.require_fit(manifest.fields, args.decode, str(location))
     results = []
     for decode in dict.fromkeys(("none", args.decode)):
         # The bar's rate is the run's average over the span the summary times (smoothing=0, its

@@ -349,6 +349,11 @@ def test_info_shows_masks_as_masks_and_the_datasets_class_names(seaweed, s3):
     assert info["field_types"] == {"0.jpg": "image", "1.png": "mask (P)"}
     text = run(env, "info", url).stdout
     assert "1.png (mask (P))" in text and "3 (background, aeroplane, bicycle)" in text and "items=" not in text
+    bench = json.loads(run(env, "bench", url, "--decode", "pil", "--workers", "0", "--json").stdout)
+    assert [r["samples"] for r in bench["runs"]] == [N, N]  # bytes only, then every field decoded
+    refused = run(env, "bench", url, "--decode", "rrc", "--workers", "0", check=False)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr and len(refused.stderr.splitlines()) == 1
+    assert "holds tuple samples (fields 0.jpg, 1.png): bench it with --decode pil or none" in refused.stderr
 
 
 def test_class_names_are_found_through_torchvisions_wrappers_and_hugging_face_class_labels():
