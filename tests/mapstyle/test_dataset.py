@@ -124,3 +124,22 @@ def test_map_dataset_used_in_the_parent_then_forked_into_workers(dataset500):
     assert keys[:100] == parent
     assert keys == [ds[i] for i in range(N)]
     ds.close()
+
+
+def test_a_sample_is_found_by_its_index_in_the_uploaded_dataset_skipped_ones_named(s3):
+    from tests.helpers import FlakyImages, upload
+
+    client, bucket = s3
+    source = FlakyImages(90, {4, 50}, size=(16, 12))
+    upload(client, bucket, "skips", source, maxcount=7, workers=2, on_error="skip")
+    ds = RemoteMapDataset(client, bucket, "skips")
+    assert [int(ds[i]["__key__"]) for i in range(5)] != [0, 1, 2, 3, 5]  # positions follow the shuffled order
+    for j in range(90):
+        if j in (4, 50):
+            with pytest.raises(IndexError, match=rf"ds\[{j}\] was skipped at upload"):
+                ds.by_source_index(j)
+        else:
+            sample = ds.by_source_index(j)
+            assert int(sample["__key__"]) == j and bytes(sample["jpg"]) == source.encoded(j)
+    with pytest.raises(IndexError, match="source index 90 out of range for the 90 items"):
+        ds.position_of(90)
