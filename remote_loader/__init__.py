@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from remote_loader.mapstyle.dataset import RemoteMapDataset
     from remote_loader.mapstyle.samplers import LocalitySampler, UniformSampler
     from remote_loader.pipeline.augment import RandomResizedCrop
+    from remote_loader.pipeline.collate import collate
     from remote_loader.pipeline.dataset import RemoteDataset
     from remote_loader.pipeline.loader import decode_batches, loader
     from remote_loader.pipeline.restore import restore
@@ -49,6 +50,7 @@ _LAZY = {
     "loader": "remote_loader.pipeline.loader",
     "decode_batches": "remote_loader.pipeline.loader",
     "restore": "remote_loader.pipeline.restore",
+    "collate": "remote_loader.pipeline.collate",
     "RemoteMapDataset": "remote_loader.mapstyle",
     "LocalitySampler": "remote_loader.mapstyle",
     "UniformSampler": "remote_loader.mapstyle",
@@ -102,6 +104,7 @@ __all__ = [
     "UniformSampler",
     "UploadSummary",
     "__version__",
+    "collate",
     "decode_batches",
     "loader",
     "make_client",

@@ -50,6 +50,7 @@ EXPECTED = {
     "UploadError",
     "UploadSummary",
     "__version__",
+    "collate",
     "decode_batches",
     "loader",
     "make_client",

@@ -7,12 +7,12 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from remote_loader.config import FetchConfig, current_world, require_bool, require_int
 from remote_loader.errors import ConfigError, ResumeError
 from remote_loader.pipeline import resume, stages
+from remote_loader.pipeline.collate import collate as collate_samples
 from remote_loader.pipeline.device import DeviceDecoder, check_device
 from remote_loader.pipeline.device import collate as device_collate
 from remote_loader.pipeline.epochs import Epochs
@@ -214,10 +214,12 @@ class RemoteDataset(IterableDataset):
     def batched(
         self, batchsize: int, collation_fn: Callable[[list[Any]], Any] | None = None, partial: bool = True
     ) -> RemoteDataset:
-        """Group samples into batches, collated by ``collation_fn`` (default: torch's
-        default_collate; after ``decode(device=...)``, it also gathers the images to decode)."""
+        """Group samples into batches, collated by ``collation_fn`` (default:
+        ``remote_loader.collate``, which stacks a sample's fields as torch's default_collate
+        does and keeps targets that are dicts or lists per sample; after ``decode(device=...)``,
+        torch's default_collate, which also gathers the images to decode)."""
         deferred = any(s.on_device() for s in self.stages)
-        collate = collation_fn or (device_collate if deferred else torch.utils.data.default_collate)
+        collate = collation_fn or (device_collate if deferred else collate_samples)
         return self._with(stages.Batched(batchsize, collate, partial))
 
     def batch_decoder(self) -> DeviceDecoder | None:

@@ -246,3 +246,49 @@ def test_images_in_modes_the_upload_format_cannot_hold_are_stored_lossless_or_re
 
     with pytest.raises(UploadError, match=r"sample 0: item\['hue'\] is a HSV image, which no image format stores"):
         upload(client, bucket, "hsv", HSV())
+
+
+def test_batches_of_detection_samples_stack_images_and_keep_each_samples_target(uploaded, coco_v2):
+    _, torchvision = coco_v2
+    from torch.utils.data import DataLoader
+
+    from remote_loader import RemoteMapDataset, collate
+
+    crop = RandomResizedCrop(32, scale=(0.5, 1.0))
+    batches = list(RemoteDataset(uploaded, "vision-classes", "coco").decode(crop).map(restore).batched(4))
+    assert [len(targets) for _, targets in batches] == [4, 2]
+    for images, targets in batches:
+        assert images.shape == (len(targets), 3, 32, 32)
+        assert all(type(t["boxes"]) is torchvision.tv_tensors.BoundingBoxes and isinstance(t["labels"], torch.Tensor)
+                   for t in targets)
+    from torchvision.transforms import v2
+
+    augment = v2.Compose([v2.ToImage(), v2.RandomCrop((24, 32))])
+
+    def transform(sample):
+        return augment(restore(sample))
+
+    loader = DataLoader(RemoteMapDataset(uploaded, "vision-classes", "coco", transform=transform), batch_size=3,
+                        collate_fn=collate)
+    for images, targets in loader:  # images of one size stack; each target stays its sample's
+        assert images.shape == (3, 3, 24, 32) and len(targets) == 3
+        assert all(t["masks"].shape[1:] == (24, 32) and len(t["boxes"]) == len(t["labels"]) for t in targets)
+
+
+def test_batches_of_targets_of_different_lengths_need_no_collate_fn(s3):
+    client, bucket = s3
+    rng = np.random.default_rng(3)
+
+    class Faces:  # WIDERFace-like: arrays of one row a face, 1 to 3 faces
+        def __len__(self):
+            return 6
+
+        def __getitem__(self, i):
+            bbox = np.array([[4, 6, 20, 24], [40, 20, 10, 12], [20, 30, 8, 8]])[:1 + i % 3]
+            return Image.fromarray(rng.integers(0, 256, (H, W, 3), dtype=np.uint8)), {"bbox": bbox, "blur": bbox[:, 0]}
+
+    upload(client, bucket, "faces", Faces())
+    crop = RandomResizedCrop(16, boxes={"1.bbox.npy": "xywh"}, per_box=["1.blur.npy"])
+    (images, targets), = list(RemoteDataset(client, bucket, "faces").decode(crop).map(restore).batched(6))
+    assert images.shape == (6, 3, 16, 16) and len(targets) == 6
+    assert all(isinstance(t["bbox"], torch.Tensor) and len(t["bbox"]) == len(t["blur"]) for t in targets)
