@@ -22,6 +22,7 @@ from PIL import Image, UnidentifiedImageError
 
 from remote_loader.errors import ConfigError, UploadError
 from remote_loader.format import fields
+from remote_loader.upload.originals import Originals
 
 # Pillow's format name -> the field (file extension) it is stored under.
 EXTENSIONS = {"JPEG": "jpg", "MPO": "jpg", "PNG": "png", "WEBP": "webp", "GIF": "gif", "BMP": "bmp", "TIFF": "tiff"}
@@ -115,8 +116,11 @@ def _lossless(image: Image.Image, index: int, where: str) -> tuple[str, bytes]:
     return EXTENSIONS[fmt], out.getvalue()
 
 
-def encode_image(image: Any, options: EncodeOptions, index: int) -> tuple[str, bytes]:
-    """Return ``(field, bytes)`` for an image given as bytes, a path, PIL, array or tensor."""
+def encode_image(image: Any, options: EncodeOptions, index: int,
+                 originals: Originals | None = None) -> tuple[str, bytes]:
+    """Return ``(field, bytes)`` for an image given as bytes, a path, PIL, array or tensor; a
+    PIL image that is exactly one of ``originals`` (the files its item was read from) as that
+    file's bytes."""
     if isinstance(image, (bytes, bytearray, memoryview)):
         data = bytes(image)
         return _sniff(data, index, "image bytes"), data
@@ -128,7 +132,8 @@ def encode_image(image: Any, options: EncodeOptions, index: int) -> tuple[str, b
             raise _fail(index, f"cannot read {os.fspath(image)!r}: {exc.strerror}") from None
         return _sniff(data, index, repr(os.fspath(image))), data
     if isinstance(image, Image.Image):
-        return _encode_pil(image, options, index)
+        kept = originals.match(image) if originals is not None else None
+        return kept if kept is not None else _encode_pil(image, options, index)
     if isinstance(image, np.ndarray):
         return _encode_pil(_to_pil(image, index), options, index)
     if type(image).__module__.startswith("torch") and hasattr(image, "detach"):
@@ -175,11 +180,12 @@ MAX_NAME = 64
 """A field name's length at most (``remote_loader.format.index``)."""
 
 
-def encode_item(item: Any, options: EncodeOptions, index: int) -> dict[str, bytes]:
+def encode_item(item: Any, options: EncodeOptions, index: int, originals: Originals | None = None) -> dict[str, bytes]:
     """Return the fields of ``ds[index]``: a classification pair under WebDataset's names,
-    any other tuple or a dict by the field rule (``remote_loader.format.fields``).
+    any other tuple or a dict by the field rule (``remote_loader.format.fields``); its PIL
+    images that are exactly one of ``originals`` as that file's bytes.
     UploadError for a sample with no field, or a field name longer than a shard holds."""
-    fields = _fields(item, options, index)
+    fields = _fields(item, options, index, originals)
     if not fields:
         raise _fail(index, f"ds[{index}] is an empty {type(item).__name__}: a sample has at least one field")
     for name in fields:
@@ -189,9 +195,9 @@ def encode_item(item: Any, options: EncodeOptions, index: int) -> dict[str, byte
     return fields
 
 
-def _fields(item: Any, options: EncodeOptions, index: int) -> dict[str, bytes]:
+def _fields(item: Any, options: EncodeOptions, index: int, originals: Originals | None) -> dict[str, bytes]:
     if isinstance(item, Mapping):
-        return Structured(options, index).sample(item)
+        return Structured(options, index, originals).sample(item)
     if not isinstance(item, (tuple, list)) or not item:
         raise _fail(index, f"ds[{index}] returned a {type(item).__name__}; expected an (image, target) pair,"
                            " a tuple or a dict of fields")
@@ -201,17 +207,17 @@ def _fields(item: Any, options: EncodeOptions, index: int) -> dict[str, bytes]:
         except UploadError:
             target = None
         if target is not None:
-            field, data = encode_image(item[0], options, index)
+            field, data = encode_image(item[0], options, index, originals)
             return {field: data, **target}
-    return Structured(options, index).sample(item)
+    return Structured(options, index, originals).sample(item)
 
 
 class Structured:
     """One structured sample's fields, by the field rule: each value under its stem, and
     each array, tensor, image or bytes inside a nested value as a member of its own."""
 
-    def __init__(self, options: EncodeOptions, index: int) -> None:
-        self.options, self.index = options, index
+    def __init__(self, options: EncodeOptions, index: int, originals: Originals | None = None) -> None:
+        self.options, self.index, self.originals = options, index, originals
         self.fields: dict[str, bytes] = {}
 
     def sample(self, item: Mapping[Any, Any] | Sequence[Any]) -> dict[str, bytes]:
@@ -298,6 +304,9 @@ class Structured:
                                 " bool, int, float, str, list, tuple, dict, numpy array, tensor, PIL image or bytes)")
 
     def _image(self, image: Image.Image, where: str) -> tuple[str, bytes]:
+        kept = self.originals.match(image) if self.originals is not None else None
+        if kept is not None:
+            return kept
         if image.mode in fields.INPUT_MODES:
             return _encode_pil(image, self.options, self.index, where)
         return _lossless(image, self.index, where)

@@ -30,6 +30,7 @@ from remote_loader.storage import Location, ObjectWriter, Store
 from remote_loader.storage.daemon import in_daemon_thread, map_on_daemon_threads, wait_result
 from remote_loader.storage.retrying import Cancelled, Retry
 from remote_loader.upload.encode import EncodeOptions, encode_item
+from remote_loader.upload.originals import read_watching
 from remote_loader.upload.sources import is_file_backed, resolve
 
 STATE_DIR = "_upload"
@@ -314,7 +315,8 @@ def _write_task(
                 raise Cancelled(f"task {task_id} stopped: its process was interrupted")
             index = int(raw_index)
             try:
-                fields = encode_item(read_item(dataset, index), spec.options, index)
+                item, originals = read_watching(partial(read_item, dataset), index)
+                fields = encode_item(item, spec.options, index, originals)
                 shards.add(f"{index:0{spec.key_width}d}", fields, index)
             except UploadError as exc:
                 if spec.on_error != "skip":

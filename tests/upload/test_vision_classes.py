@@ -5,6 +5,7 @@ torchvision does not import."""
 
 from __future__ import annotations
 
+import io
 import json
 import warnings
 
@@ -292,3 +293,51 @@ def test_batches_of_targets_of_different_lengths_need_no_collate_fn(s3):
     (images, targets), = list(RemoteDataset(client, bucket, "faces").decode(crop).map(restore).batched(6))
     assert images.shape == (6, 3, 16, 16) and len(targets) == 6
     assert all(isinstance(t["bbox"], torch.Tensor) and len(t["bbox"]) == len(t["blur"]) for t in targets)
+
+
+def _members(client, bucket, folder):
+    """Each sample's raw fields by its index in the uploaded dataset."""
+    return {int(s["__key__"]): {k: bytes(v) for k, v in s.items() if not k.startswith("__")}
+            for s in RemoteDataset(client, bucket, folder)}
+
+
+def test_images_the_classes_open_from_files_are_stored_as_those_files_bytes(uploaded, coco_files, s3, cityscapes,
+                                                                              widerface):
+    for i, fields in _members(uploaded, "vision-classes", "coco").items():  # Image.open(path).convert("RGB")
+        assert fields["0.jpg"] == (coco_files / f"{i:012d}.jpg").read_bytes()
+    client, bucket = s3
+    upload(client, bucket, "city", cityscapes)  # PNGs: the image converted to RGB, its targets as opened
+    for i, fields in _members(client, bucket, "city").items():
+        with open(cityscapes.images[i], "rb") as image, open(cityscapes.targets[i][0], "rb") as semantic:
+            assert fields["0.png"] == image.read() and fields["1.0.png"] == semantic.read()
+        with open(cityscapes.targets[i][1], "rb") as colour:
+            assert fields["1.1.png"] == colour.read()
+    upload(client, bucket, "faces", widerface)  # Image.open(path), not converted
+    for i, fields in _members(client, bucket, "faces").items():
+        with open(widerface.img_info[i]["img_path"], "rb") as image:
+            assert fields["0.jpg"] == image.read()
+
+
+def test_an_image_whose_pixels_or_mode_are_not_its_files_is_encoded(s3, tmp_path):
+    client, bucket = s3
+    rng = np.random.default_rng(4)
+    Image.fromarray(rng.integers(0, 256, (H, W, 3), dtype=np.uint8)).save(tmp_path / "colour.jpg")
+    Image.fromarray(rng.integers(0, 256, (H, W), dtype=np.uint8)).save(tmp_path / "grey.jpg")
+
+    class Changed:
+        def __len__(self):
+            return 3
+
+        def __getitem__(self, i):
+            if i == 0:  # flipped: the same size, other pixels
+                return Image.open(tmp_path / "colour.jpg").transpose(Image.Transpose.FLIP_LEFT_RIGHT), 0
+            if i == 1:  # a grey JPEG made RGB: the same pixels in another mode
+                return Image.open(tmp_path / "grey.jpg").convert("RGB"), 1
+            return Image.open(tmp_path / "colour.jpg").convert("RGB"), 2
+
+    upload(client, bucket, "changed", Changed(), image_format="png")
+    members = _members(client, bucket, "changed")
+    assert members[2]["jpg"] == (tmp_path / "colour.jpg").read_bytes()  # a JPEG stays that JPEG, under png too
+    for i in (0, 1):
+        image = Image.open(io.BytesIO(members[i]["png"]))
+        assert np.array_equal(np.asarray(image), np.asarray(Changed()[i][0]))  # its own pixels, lossless
