@@ -42,7 +42,7 @@ def plain_preproc(image: Image.Image) -> ch.Tensor:
 
 try:
     from torchvision import transforms
-except ImportError:
+except Exception:  # not installed, or a build that does not import beside this torch
     preproc = plain_preproc
 else:
     preproc = transforms.Compose([

@@ -63,7 +63,7 @@ def build_model(num_classes: int) -> tuple[nn.Module, str]:
     """ResNet-18 if torchvision is there, else a small CNN."""
     try:
         from torchvision.models import resnet18
-    except ImportError:
+    except Exception:  # not installed, or a build that does not import beside this torch
         pass
     else:
         return resnet18(num_classes=num_classes), "resnet18"
