@@ -368,7 +368,9 @@ def test_a_pipeline_sent_again_while_the_process_sends_a_large_batch_does_not_de
 
 
 def test_a_killed_decoding_process_with_large_batches_is_named_too(client):
-    batches = loader(pipeline(client, batch=16, crop=160), num_workers=1)  # 1.2 MB a batch
+    # 1.2 MB a batch, and six batches: the process has sent at most AHEAD (2) past the one taken
+    # when it is killed, so it cannot have finished the epoch before (with three, it could).
+    batches = loader(pipeline(client, batch=8, crop=224), num_workers=1)
     epoch = iter(batches)
     next(epoch)
     os.kill(batches.pid, signal.SIGKILL)
