@@ -110,6 +110,7 @@ class RemoteDataset(IterableDataset):
         self.stages: list[stages.Stage] = []
         self._metrics = Metrics.table(1 + MAX_WORKERS)  # row 0: this process; row 1 + w: worker w
         self._epochs = Epochs()
+        self._loaded_state: Any = None  # the state load_state_dict was given last, for the stages chained after it
         self._data.prepare(seed, 0, shuffle_shards)
 
     def __copy__(self) -> RemoteDataset:
@@ -142,6 +143,9 @@ class RemoteDataset(IterableDataset):
         clone.stages = [*self.stages, *([stage] if stage is not None else [])]
         clone._metrics = Metrics.table(1 + MAX_WORKERS)
         clone._epochs = Epochs(self.epoch, auto=self._epochs.auto)
+        if self._loaded_state is not None and self._epochs.owed() is not None:
+            # A state loaded before the chain call: loaded again, as the chain counts its items.
+            clone.load_state_dict(self._loaded_state)
         return clone
 
     def shuffle(self, bufsize: int, initial: int | None = None) -> RemoteDataset:
@@ -324,6 +328,7 @@ class RemoteDataset(IterableDataset):
         info = get_worker_info()
         loaded = resume.load(self._layout(), state, (info.id, info.num_workers) if info else None)
         self._epochs.hold(loaded, in_worker=info is not None)
+        self._loaded_state = state
 
     # ------------------------------------------------------------------ iteration
 

@@ -131,7 +131,7 @@ def test_spawned_persistent_workers_follow_set_epoch_too(seaweed, dataset):
 def test_a_count_resume_continues_each_workers_stream_but_not_the_interleaving(dataset):
     # What docs/checkpointing.md promises: the items not yet consumed, each worker's in its own order;
     # the DataLoader's round-robin restarts at worker 0, so the interleaving may differ.
-    ds = dataset.map(lambda key: key)  # a pipeline of its own: no state other tests loaded
+    ds = _fresh(dataset)  # a pipeline of its own: no state other tests loaded (a chain call carries one)
     ds.set_epoch(4)
     full = list(DataLoader(ds, batch_size=None, num_workers=2))
     ours = {w: full[w::2] for w in (0, 1)}  # equal shares: items alternate between the workers
@@ -317,3 +317,24 @@ def test_a_count_state_that_cuts_an_item_is_refused(dataset):
     state["skip"] = [5, 4]
     with pytest.raises(ResumeError, match="skips 5 samples of worker 0: not a whole number of items of 4"):
         _fresh(dataset).batched(4).load_state_dict(state)
+
+
+def _key(sample):
+    return sample["__key__"]
+
+
+def test_a_state_loaded_before_the_stages_are_chained_is_carried_into_the_chain(dataset):
+    client = dataset.reader.client
+
+    def base():
+        return RemoteDataset(client, "epoch-resume-tests", "d", seed=3)
+
+    full = list(DataLoader(base().map(_key), batch_size=None, num_workers=2))
+    state = base().map(_key).state_dict(consumed=20, num_workers=2)
+    loaded = base()
+    loaded.load_state_dict(state)  # before the stages: the chain holds it (it dropped it: every sample came again)
+    rest = list(DataLoader(loaded.map(_key), batch_size=None, num_workers=2))
+    assert Counter(full[:20]) + Counter(rest) == ALL and len(rest) == N - 20
+    batched = base().map(_key).batched(4, collation_fn=list)
+    with pytest.raises(ResumeError, match="a count state resumes the pipeline it counted only"):
+        base().load_state_dict(batched.state_dict(consumed=5, num_workers=2))  # counted in batches: chain first
