@@ -111,6 +111,8 @@ class RemoteDataset(IterableDataset):
         self._metrics = Metrics.table(1 + MAX_WORKERS)  # row 0: this process; row 1 + w: worker w
         self._epochs = Epochs()
         self._loaded_state: Any = None  # the state load_state_dict was given last, for the stages chained after it
+        self.fell_back = False
+        """Whether ``decode(device="auto")`` found no GPU and decodes on the CPU, in the workers."""
         self._data.prepare(seed, 0, shuffle_shards)
 
     def __copy__(self) -> RemoteDataset:
@@ -191,8 +193,11 @@ class RemoteDataset(IterableDataset):
             stages.require_crop(mode, repr(device))
         place = check_device(device, batched, cpu_fallback)
         if self.on_error == "skip" and place is None:  # a sample that does not decode is left out, counted
-            return self._with(stages.Decode(mode, min_size, threads, skip=True))._with(stages.DropUndecodable())
-        return self._with(stages.Decode(mode, min_size, threads, device=place))
+            clone = self._with(stages.Decode(mode, min_size, threads, skip=True))._with(stages.DropUndecodable())
+        else:
+            clone = self._with(stages.Decode(mode, min_size, threads, device=place))
+        clone.fell_back = self.fell_back or (device == "auto" and place is None)
+        return clone
 
     def to_tuple(self, *fields: str) -> RemoteDataset:
         """Samples become tuples of these fields (``"jpg;png"``: the first present); one

@@ -222,7 +222,7 @@ def _world() -> tuple[int, int] | None:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else None
 
 
-def decode_batches(batches: Iterable[Any], dataset: Any, *, decoding: str = "process") -> DeviceLoader:
+def decode_batches(batches: Iterable[Any], dataset: Any, *, decoding: str = "process") -> DeviceLoader | Iterable[Any]:
     """The batches of a DataLoader of your own over ``dataset`` (a pipeline with
     ``decode(..., device=...)``), decoded on the device as they come: each is ready when
     handed out. ``loader()`` does this by itself. A DataLoader runs in a decoding process
@@ -231,8 +231,14 @@ def decode_batches(batches: Iterable[Any], dataset: Any, *, decoding: str = "pro
 
     Batches are decoded ahead of the one handed out, so a ``StatefulDataLoader``'s own
     ``state_dict()`` would count batches you have not had: checkpoint the ``state_dict()``
-    of what this returns, which is the DataLoader's state as of the last batch handed out."""
+    of what this returns, which is the DataLoader's state as of the last batch handed out.
+
+    A pipeline whose ``decode(device="auto")`` found no GPU decodes in its workers: its
+    batches come ready, and ``batches`` is returned as it is (as ``loader()`` returns its
+    DataLoader)."""
     decoder = _decoder(dataset)
+    if decoder is None and getattr(dataset, "fell_back", False):
+        return batches
     if decoder is None:
         raise ConfigError("decode_batches is for a pipeline with decode(..., device='cuda'): this one decodes on"
                           " the CPU, in its workers, and its batches need nothing more")

@@ -14,6 +14,7 @@ import textwrap
 
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
 from remote_loader import ConfigError, DecodeError, RandomResizedCrop, RemoteDataset, decode_batches, loader
 from remote_loader.pipeline.device import EncodedBatch, nvimgcodec
@@ -143,6 +144,22 @@ def test_devices_are_checked_where_the_pipeline_is_made(client, monkeypatch):
     monkeypatch.setitem(sys.modules, "nvidia.nvimgcodec", None)  # as if the gpu extra were not installed
     with pytest.raises(ConfigError, match=r"install the gpu extra"):
         base.decode(RandomResizedCrop(48), device="cpu", batched=True)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="device='auto' falls back to the CPU where there is no GPU")
+def test_decode_batches_takes_a_pipeline_whose_auto_device_fell_back_to_the_cpu(client):
+    ds = pipeline(client, device="auto")
+    assert ds.batch_decoder() is None and ds.fell_back
+    batches = DataLoader(ds, batch_size=None, num_workers=1)
+    # The same batches loader() gives, decoded in the workers (it refused them: ConfigError).
+    ds.set_epoch(0)
+    got = by_key(decode_batches(batches, ds))
+    ds.set_epoch(0)
+    expected = by_key(loader(ds, num_workers=1))
+    assert got.keys() == expected.keys() and len(got) == N
+    assert all(torch.equal(got[k][0], expected[k][0]) and got[k][1] == expected[k][1] for k in got)
+    with pytest.raises(ConfigError, match="decode_batches is for a pipeline with decode"):
+        decode_batches([], pipeline(client))  # asked for the CPU: nothing to decode, a mistake
 
 
 def test_nvimagecodec_says_nothing_on_stderr(client, seaweed):
