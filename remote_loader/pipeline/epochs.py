@@ -7,11 +7,14 @@ Until ``set_epoch`` is called, every iteration takes the next epoch by itself (0
 after a loaded state, that state's epoch and then the ones after it). The workers of one
 DataLoader pass each begin an iteration and must agree on its epoch: a pass is known by its
 loader's base seed (``worker_info.seed - worker_info.id``) and number of workers, and each
-worker joins the pass recorded if it has not begun an iteration in it yet and the worker
-that recorded it is still running (the workers of a pass begin together), else records a
-new one with the next epoch. Persistent workers (one base seed for all passes) and a
-DataLoader made anew with the same seeded generator (the same base seed again) each begin a
-pass's iteration once, so their next pass is a new one. After ``set_epoch(e)``, iterations
+worker joins its loader's latest pass recorded if it has not begun an iteration in it yet and
+the worker that recorded it is still running (the workers of a pass begin together), else
+records a new one with the next epoch. The last ``PASSES`` passes are kept, a row each, so
+that another loader's pass (or an iteration in the main process) made while a loader's
+workers begin does not take that loader's pass away from its late workers. Persistent
+workers (one base seed for all passes) and a DataLoader made anew with the same seeded
+generator (the same base seed again) each begin a pass's iteration once, so their next pass
+is a new one. After ``set_epoch(e)``, iterations
 follow ``e`` exactly.
 
 A DataLoader worker that loaded its own state (torchdata's StatefulDataLoader restores each
@@ -51,10 +54,28 @@ class Slot(IntEnum):
     PASS_PID = 6  # and the process of the worker that recorded it
     GENERATION = 7  # how many states the main process loaded
     IN_WORKERS = 8  # 1 once DataLoader workers iterated: the main process cannot be asked for their state
-    JOINED = 9  # per worker from here: 1 once it began an iteration of the pass recorded
 
 
-_APPLIED = Slot.JOINED + MAX_WORKERS  # per worker from here: the generation of the last loaded state it applied
+_APPLIED = Slot.IN_WORKERS + 1  # per worker from here: the generation of the last loaded state it applied
+_TABLE = _APPLIED + MAX_WORKERS  # from here: the passes of DataLoaders begun last, a row each
+
+
+class Row(IntEnum):
+    """A row of the table of passes: several DataLoaders over one dataset may be in a pass at
+    once (one begun while another's workers are still beginning), each known by its own row."""
+
+    BASE = 0  # the loader's base seed (-1: a free row)
+    WORKERS = 1  # its number of workers
+    EPOCH = 2  # the epoch the pass took
+    PID = 3  # the process of the worker that recorded it
+    STAMP = 4  # when it was recorded, in passes recorded: the oldest row is the one written over
+    JOINED = 5  # per worker from here: 1 once it began its iteration of this pass
+
+
+PASSES = 8
+"""Passes of DataLoaders remembered at once: a loader's worker that begins late finds its
+pass while fewer than this many other passes began since."""
+_WIDTH = Row.JOINED + MAX_WORKERS
 
 
 def _running(pid: int) -> bool:
@@ -101,10 +122,11 @@ class Epochs:
     of this process, which gives its state."""
 
     def __init__(self, epoch: int = 0, auto: bool = True) -> None:
-        self.shared = torch.zeros(_APPLIED + MAX_WORKERS, dtype=torch.int64).share_memory_()
+        self.shared = torch.zeros(_TABLE + PASSES * _WIDTH, dtype=torch.int64).share_memory_()
         self.shared[Slot.EPOCH] = self.shared[Slot.NEXT] = epoch
         self.shared[Slot.AUTO] = int(auto)
         self.shared[Slot.PASS] = -1
+        self._table()[:, Row.BASE] = -1
         self.lock = _FileLock()
         self.loaded: Loaded | None = None
         self.local = False  # the loaded state was loaded in this process, a DataLoader worker, for itself
@@ -154,20 +176,43 @@ class Epochs:
         shared = self.shared
         with self.lock.held():
             if worker_info is not None:
-                base, joined = (int(worker_info.seed) - int(worker_info.id)) % 2**62, Slot.JOINED + worker_info.id
-                recorded = int(shared[Slot.PASS]) == base and int(shared[Slot.PASS_WORKERS]) == worker_info.num_workers
-                if recorded and not int(shared[joined]) and _running(int(shared[Slot.PASS_PID])):
-                    shared[joined] = 1
-                    return int(shared[Slot.PASS_EPOCH])
+                base, worker = (int(worker_info.seed) - int(worker_info.id)) % 2**62, int(worker_info.id)
+                joined = self._join(base, int(worker_info.num_workers), worker)
+                if joined is not None:
+                    return joined
             epoch = own if own is not None else int(shared[Slot.NEXT])
-            shared[Slot.JOINED:_APPLIED] = 0
             if worker_info is not None:
-                shared[Slot.PASS], shared[Slot.PASS_WORKERS], shared[joined] = base, worker_info.num_workers, 1
+                self._record(base, int(worker_info.num_workers), worker, epoch)
+                shared[Slot.PASS], shared[Slot.PASS_WORKERS] = base, worker_info.num_workers
                 shared[Slot.PASS_PID] = os.getpid()
             else:
                 shared[Slot.PASS] = -2
             shared[Slot.PASS_EPOCH], shared[Slot.NEXT] = epoch, epoch + 1
             return epoch
+
+    def _table(self) -> torch.Tensor:
+        return self.shared[_TABLE:].view(PASSES, _WIDTH)
+
+    def _join(self, base: int, workers: int, worker: int) -> int | None:
+        """The epoch of this loader's pass under way, which ``worker`` joins; None where it has
+        none (every worker of the pass recorded began already, or its recorder has ended)."""
+        table = self._table()
+        for index in torch.argsort(table[:, Row.STAMP], descending=True).tolist():  # the latest first
+            row = table[index]  # a view: what is set in it is set in shared memory
+            if (int(row[Row.BASE]) == base and int(row[Row.WORKERS]) == workers
+                    and not int(row[Row.JOINED + worker]) and _running(int(row[Row.PID]))):
+                row[Row.JOINED + worker] = 1
+                return int(row[Row.EPOCH])
+        return None
+
+    def _record(self, base: int, workers: int, worker: int, epoch: int) -> None:
+        """A new pass of this loader, taking ``epoch``, begun by ``worker``: written over the oldest row."""
+        table = self._table()
+        row = table[int(torch.argmin(table[:, Row.STAMP]))]
+        row.zero_()
+        row[Row.BASE], row[Row.WORKERS], row[Row.EPOCH], row[Row.PID] = base, workers, epoch, os.getpid()
+        row[Row.STAMP] = int(table[:, Row.STAMP].max()) + 1
+        row[Row.JOINED + worker] = 1
 
     def set_epoch(self, epoch: int) -> None:
         owed = self.owed()

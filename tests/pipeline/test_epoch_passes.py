@@ -45,3 +45,31 @@ def test_a_worker_whose_pass_ended_without_it_starts_a_new_pass():
     first.join(timeout=60)
     assert first.exitcode == 0 and epochs.epoch == 1
     assert [epochs.begin(worker(1, 2)), epochs.begin(worker(0, 2))] == [1, 1]
+
+
+def test_a_pass_of_another_loader_begun_meanwhile_leaves_the_first_loaders_pass_whole():
+    # Loader A's worker 0 begins; loader B (another base seed) and an iteration in the main process
+    # each make a whole pass; then A's worker 1 begins: it joins A's pass (it took the next epoch,
+    # and A's pass read two epochs, half of each).
+    epochs = Epochs()
+    assert epochs.begin(worker(0, 2, base_seed=7)) == 0
+    assert epochs.begin(worker(0, 1, base_seed=11)) == 1
+    assert epochs.begin(None) == 2
+    assert epochs.begin(worker(1, 2, base_seed=7)) == 0
+    assert epochs.epoch == 3
+    assert [epochs.begin(worker(1, 2, base_seed=7)), epochs.begin(worker(0, 2, base_seed=7))] == [3, 3]
+
+
+def test_passes_are_remembered_while_fewer_than_the_table_holds_began_since():
+    from remote_loader.pipeline.epochs import PASSES
+
+    epochs = Epochs()
+    assert epochs.begin(worker(0, 2, base_seed=1000)) == 0
+    for other in range(PASSES - 1):
+        epochs.begin(worker(0, 1, base_seed=other))
+    assert epochs.begin(worker(1, 2, base_seed=1000)) == 0  # PASSES - 1 passes since: still found
+    late = Epochs()
+    late.begin(worker(0, 2, base_seed=1000))
+    for other in range(PASSES):
+        late.begin(worker(0, 1, base_seed=other))
+    assert late.begin(worker(1, 2, base_seed=1000)) == PASSES + 1  # written over: a pass of its own

@@ -338,3 +338,28 @@ def test_a_state_loaded_before_the_stages_are_chained_is_carried_into_the_chain(
     batched = base().map(_key).batched(4, collation_fn=list)
     with pytest.raises(ResumeError, match="a count state resumes the pipeline it counted only"):
         base().load_state_dict(batched.state_dict(consumed=5, num_workers=2))  # counted in batches: chain first
+
+
+def _worker_1_waits_for(fifo, worker_id):
+    """A worker_init_fn: worker 1 begins once the test opens ``fifo`` for writing."""
+    if worker_id == 1:
+        with open(fifo, "rb") as gate:
+            gate.read(1)
+
+
+def test_a_pass_of_another_loader_made_while_the_first_begins_leaves_its_epoch_whole(dataset, tmp_path):
+    import functools
+    import os
+
+    fifo = str(tmp_path / "gate")
+    os.mkfifo(fifo)
+    ds = _fresh(dataset)
+    first = DataLoader(ds, batch_size=None, num_workers=2, worker_init_fn=functools.partial(_worker_1_waits_for, fifo))
+    items = iter(first)
+    got = [next(items)]  # worker 0 began the pass; worker 1 waits at the gate
+    other = list(DataLoader(ds, batch_size=None, num_workers=1))  # another loader's whole pass meanwhile
+    with open(fifo, "wb") as gate:
+        gate.write(b"1")
+    got += list(items)
+    assert Counter(other) == ALL
+    assert Counter(got) == ALL  # one epoch (worker 1 took the next: 12 of 40 twice, 12 never)
