@@ -278,10 +278,17 @@ class Epochs:
 
     def counted_before(self, epoch: int) -> list[int] | None:
         """The samples each worker had delivered where ``epoch`` resumed from a count state
-        loaded here, if it did."""
+        loaded here, if it did; ResumeError where it resumed from workers' own or gathered
+        states, whose rest a count of items cannot place (which of it was delivered depends
+        on where each worker stood, which only the workers' states say)."""
         loaded = self.loaded
-        if self.local or loaded is None or loaded.epoch != epoch or not loaded.own \
-                or any(s.remaining is not None for s in loaded.own.values()):
+        if self.local or loaded is None or loaded.epoch != epoch:
+            return None
+        if loaded.rest is not None or any(s.remaining is not None for s in loaded.own.values()):
+            raise ResumeError(f"epoch {epoch} resumed from workers' own or gathered states: a count state cannot say"
+                              " which of its rest was delivered; checkpoint it with the StatefulDataLoader's"
+                              " state_dict(), or count from the next epoch")
+        if not loaded.own:
             return None
         return [loaded.own[w].delivered for w in sorted(loaded.own)]
 

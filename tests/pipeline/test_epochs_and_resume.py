@@ -363,3 +363,24 @@ def test_a_pass_of_another_loader_made_while_the_first_begins_leaves_its_epoch_w
     got += list(items)
     assert Counter(other) == ALL
     assert Counter(got) == ALL  # one epoch (worker 1 took the next: 12 of 40 twice, 12 never)
+
+
+def test_a_count_state_after_a_resume_from_gathered_states_is_refused(dataset):
+    # 1 worker -> 2 workers from a gathered state: a count of items cannot place the rest that was
+    # divided anew (counted either way, samples came twice and others never).
+    ds = _fresh(dataset)
+    ds.set_epoch(0)
+    stream = iter(ds)
+    first = [next(stream) for _ in range(10)]
+    gathered = [ds.state_dict()]  # a list of workers' states: the gathered form, divided anew
+    del stream
+    resumed = _fresh(dataset)
+    resumed.load_state_dict(gathered)
+    resumed.set_epoch(0)
+    stream = iter(DataLoader(resumed, batch_size=None, num_workers=2))
+    more = [next(stream) for _ in range(20)]
+    del stream
+    for consumed in (30, 20):
+        with pytest.raises(ResumeError, match="epoch 0 resumed from workers' own or gathered states"):
+            resumed.state_dict(consumed=consumed, num_workers=2)
+    assert len(set(first + more)) == 30
