@@ -238,10 +238,6 @@ class PagedTable(Shards):
         """Shards per page: the blocks of the epoch's order."""
         return self.directory.rows
 
-    @property
-    def samples_total(self) -> int:
-        return self.counts.total
-
     def __len__(self) -> int:
         return self.num_shards
 

@@ -5,8 +5,8 @@ outputs holds of its inputs (its ``Cardinality``, stated once: one sample, a bat
 sample of those a filter kept), which is all a checkpoint needs to count what left the
 pipeline; whether it draws randomness
 (from the iteration's ``Context`` and the sample's key, never from a generator each worker
-starts alike); and on how many threads it runs. Stages know nothing of checkpoints: the
-source (``source.py``) holds an iteration's state. Arguments are checked when the chain
+starts alike); and on how many threads it runs. Stages know nothing of checkpoints: a
+worker's stream (``stream.py``) holds an iteration's state. Arguments are checked when the chain
 method is called, in the user's process. Stage objects pickle into DataLoader workers.
 """
 

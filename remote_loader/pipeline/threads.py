@@ -28,7 +28,7 @@ ITEM = "_remote_loader_item"
 its stage's input, from which the pipeline names the sample it came from."""
 
 
-def describe(sample: Any, position: int) -> str | None:
+def describe(sample: Any) -> str | None:
     """Where a sample came from, for error messages, when it still says: its key and shard."""
     if isinstance(sample, dict) and "__key__" in sample:
         return f"sample {sample['__key__']!r} of {sample.get('__shard__', 'an unknown shard')}"
@@ -38,7 +38,7 @@ def describe(sample: Any, position: int) -> str | None:
 def name_failure(error: BaseException, sample: Any, position: int) -> None:
     """Add to an exception which sample it was working on, keeping its type: its key and
     shard when it has them, else its number in the stage's input (``ITEM``)."""
-    where = describe(sample, position)
+    where = describe(sample)
     if where is None:
         if not hasattr(error, ITEM):
             with contextlib.suppress(AttributeError, TypeError):  # an exception without a __dict__

@@ -19,8 +19,8 @@ from remote_loader.pipeline.device.decoder import DeviceDecoder, Place
 from remote_loader.pipeline.device.place import check_device
 from remote_loader.pipeline.device.prepared import Encoded, EncodedBatch, collate, prepare
 from remote_loader.pipeline.device.process import DecodingProcess, discard, give_back, take
-from remote_loader.pipeline.device.stream import decoded_with_states, device_batches
+from remote_loader.pipeline.device.stream import decoded_with_states
 
 __all__ = ["CPU", "CUDA", "EXTRA", "HARDWARE", "Codec", "DecodingProcess", "DeviceDecoder", "Encoded", "EncodedBatch",
-           "Place", "check_device", "collate", "decoded_with_states", "device_batches", "discard", "give_back",
+           "Place", "check_device", "collate", "decoded_with_states", "discard", "give_back",
            "nvimgcodec", "open_codec", "pipeline_bytes", "prepare", "take"]

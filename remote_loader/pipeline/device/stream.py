@@ -13,16 +13,10 @@ from remote_loader.pipeline.device.decoder import SKIPPED, Decoded, DeviceDecode
 from remote_loader.pipeline.threads import threaded_map
 
 
-def device_batches(batches: Iterable[Any], decoder: DeviceDecoder) -> Iterator[Any]:
-    """``batches`` with their images decoded, each ready when handed out (the caller's
-    stream waits for it): the loader never holds up a step it is faster than."""
-    for item, _ in decoded_with_states(batches, decoder, None):
-        yield item
-
-
 def decoded_with_states(batches: Iterable[Any], decoder: DeviceDecoder,
                         snapshot: Callable[[], Any] | None) -> Generator[tuple[Any, Any], None, None]:
-    """``device_batches``, each batch with ``snapshot()`` taken just after it was drawn from
+    """``batches`` with their images decoded, each ready when handed out (the caller's
+    stream waits for it), each with ``snapshot()`` taken just after it was drawn from
     ``batches``: batches are drawn ahead of the one handed out, so a stateful loader's own
     state is ahead of what the caller has; this is the state that matches each batch."""
 
