@@ -135,7 +135,7 @@ def _pipeline(spec: dict):  # noqa: ANN202
     from remote_loader.storage.local import LocalStore
 
     scenario, threads = spec["scenario"], spec["threads"]
-    base = RemoteDataset(LocalStore(spec["root"]), BUCKET, "d", seed=0, rank=0, world_size=1)
+    base = RemoteDataset(LocalStore(spec["root"]), BUCKET, spec.get("folder", "d"), seed=0, rank=0, world_size=1)
     if scenario != "A-noshuffle":
         base = base.shuffle(SHUFFLE)
     if scenario.startswith("A"):
@@ -173,6 +173,26 @@ class Spy:
         shutil.rmtree(os.path.dirname(self.out), ignore_errors=True)
         per_gil_second = parts.pop("calibration", 0) / _CALIBRATE_SECONDS
         return {part: n / per_gil_second / per * 1e6 for part, n in parts.items()} if per_gil_second else {}
+
+
+def upload_child(spec: dict) -> dict:
+    """The dataset uploaded by this process's remote_loader (a checkout's own: an older one
+    may not read the manifest a newer one writes)."""
+    from remote_loader import upload_cv_dataset
+    from remote_loader.storage.local import LocalStore
+
+    items = spec["items"]
+
+    class Files:
+        def __len__(self) -> int:
+            return len(items)
+
+        def __getitem__(self, i: int) -> tuple[bytes, int]:
+            return Path(items[i][0]).read_bytes(), items[i][1]
+
+    summary = upload_cv_dataset(Files(), client=LocalStore(spec["root"]), bucket=BUCKET, base_folder=spec["folder"],
+                                maxsize=64e6, workers=2, progress=False)
+    return {"shards": summary.shards, "samples": summary.samples}
 
 
 def child(spec: dict) -> dict:
@@ -277,6 +297,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--gets-child", help=argparse.SUPPRESS)
+    parser.add_argument("--upload-child", help=argparse.SUPPRESS)
     parser.add_argument("--images", type=int, default=4000)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--scenarios", nargs="+", default=["A", "B-fused"], choices=list(SCENARIOS))
@@ -287,6 +308,9 @@ def main() -> None:
     parser.add_argument("--against", help="another checkout, run alternating with this one")
     parser.add_argument("--json", help="write the rows and projections here")
     args = parser.parse_args()
+    if args.upload_child:
+        print(json.dumps(upload_child(json.loads(args.upload_child))), flush=True)
+        return
     if args.child or args.gets_child:
         result = child(json.loads(args.child)) if args.child else gets_child(json.loads(args.gets_child))
         print(json.dumps(result), flush=True)
@@ -322,6 +346,12 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, list[dict]]]:
         (root / BUCKET).mkdir()
         summary = upload_cv_dataset(Files(), client=LocalStore(str(root)), bucket=BUCKET, base_folder="d",
                                     maxsize=64e6, workers=2, progress=False)
+        folders = {"this": "d"}
+        for label, checkout in checkouts.items():
+            if checkout is not None:  # each checkout reads the dataset its own upload writes
+                folders[label] = f"d-{label}"
+                _run("--upload-child", {"root": str(root), "folder": folders[label],
+                                        "items": [[str(p), int(c)] for p, c in items]}, checkout)
         base = {"root": str(root), "py_spy": py_spy, "rate": args.rate}
         for scenario in args.scenarios:
             for threads in sorted({args.threads, 0}, reverse=True):
@@ -330,7 +360,8 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, list[dict]]]:
                 name = f"{scenario}, threads={threads}"
                 for _ in range(args.repeats):
                     for label, checkout in checkouts.items():
-                        run = _run("--child", {**base, "scenario": scenario, "threads": threads}, checkout)
+                        run = _run("--child", {**base, "scenario": scenario, "threads": threads,
+                                               "folder": folders[label]}, checkout)
                         results.setdefault(label, {}).setdefault(name, []).append(run)
                         print(f"{label:8s} {name:22s} {run['rate']:8,.0f}/s  GIL {run['gil_us']:6.1f} us"
                               f"  CPU {run['cpu_us']:6.1f} us  thread {run['thread_us']:6.1f} us", flush=True)
