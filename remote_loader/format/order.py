@@ -3,11 +3,11 @@ or random access, in any language, draws the same order from (seed, epoch)."""
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from typing import Any
+from functools import partial
 
 import numpy as np
 
+from remote_loader.format.cache import Kept
 from remote_loader.format.counts import Counts, block_totals
 
 
@@ -52,19 +52,16 @@ class EpochOrder:
         self.ends = np.cumsum(self.sizes)  # the position past each block, in the epoch's order
         self.total = int(self.ends[-1]) if blocks else 0
         self._index_type = np.int32 if n < 2**31 else np.int64
-        self._made: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_made": OrderedDict()}
+        self._made: Kept[int, tuple[np.ndarray, np.ndarray]] = Kept(self.kept_blocks)
 
     kept_blocks = 4
     """Blocks whose order is kept once made (the iteration goes block after block)."""
 
     def block(self, k: int) -> tuple[np.ndarray, np.ndarray]:
         """The ``k``-th block of the epoch: its shards in order, and the position past each."""
-        made = self._made.get(k)
-        if made is not None:
-            return made
+        return self._made.get(k, partial(self._block, k))
+
+    def _block(self, k: int) -> tuple[np.ndarray, np.ndarray]:
         n, b = len(self.counts), int(self.blocks[k])
         if self.whole:
             shards = shard_order(n, self.seed, self.epoch, self.shuffle)
@@ -72,9 +69,6 @@ class EpochOrder:
             shards = block_shards(b, self.rows, n, self.seed, self.epoch, self.shuffle)
         shards = shards.astype(self._index_type)
         ends = int(self.ends[k] - self.sizes[k]) + np.cumsum(self.counts.take(shards))
-        self._made[k] = shards, ends
-        while len(self._made) > self.kept_blocks:
-            self._made.popitem(last=False)
         return shards, ends
 
     def pieces(self, first: int, last: int) -> list[tuple[int, int, int]]:

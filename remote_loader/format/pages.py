@@ -11,11 +11,7 @@ bytes are an object of their own (``object``), or, for a small dataset, inline i
 
 from __future__ import annotations
 
-import os
-import threading
-from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -24,6 +20,7 @@ import numpy as np
 
 from remote_loader.checksum import crc32
 from remote_loader.errors import CorruptShard
+from remote_loader.format.cache import Kept
 from remote_loader.format.columns import LIMIT, array, column, increasing, manifest_error, narrow
 from remote_loader.format.counts import RunCounts
 from remote_loader.format.index import require
@@ -211,27 +208,17 @@ class PagedTable(Shards):
         self.num_shards, self.counts, self.parts, self.widths = count, counts, parts, widths
         self.directory, self.load, self.total_bytes, self.name = directory, load, total_bytes, name
         self.columns_named = columns_of(len(widths))
-        self.keep = _CACHED_PAGES
-        self._reset()
-
-    def _reset(self) -> None:
-        """A lock and reads of this process's own; pages read before a fork are kept."""
-        self._pid = os.getpid()
-        self._lock = threading.Lock()
-        kept: OrderedDict[int, tuple[np.ndarray, ...]] | None = self.__dict__.get("_pages")
-        self._pages = kept if kept is not None else OrderedDict()
-        self._reading: dict[int, Future[tuple[np.ndarray, ...]]] = {}
+        self._pages: Kept[int, tuple[np.ndarray, ...]] = Kept(_CACHED_PAGES)
         self.pages_read = 0
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        for key in ("_lock", "_pages", "_pid", "_reading"):
-            state.pop(key)
-        return state
+    @property
+    def keep(self) -> int:
+        """Pages kept once read (the least recently used forgotten first)."""
+        return self._pages.keep
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._reset()
+    @keep.setter
+    def keep(self, pages: int) -> None:
+        self._pages.keep = pages
 
     @property
     def rows(self) -> int:
@@ -243,30 +230,9 @@ class PagedTable(Shards):
 
     def page(self, p: int) -> tuple[np.ndarray, ...]:
         """Page ``p``'s columns (``columns_of``), read and checked on first use. Threads asking
-        for one page wait for one read of it; pages apart are read at once."""
-        if self._pid != os.getpid():
-            self._reset()
-        with self._lock:
-            got = self._pages.get(p)
-            if got is not None:
-                self._pages.move_to_end(p)
-                return got
-            reading = self._reading.get(p)
-            mine = reading is None
-            if reading is None:
-                reading = self._reading[p] = Future()
-        if not mine:
-            return reading.result()  # the reading thread's GET is bounded by the retry deadlines
-        try:
-            got = self._read(p)
-        except BaseException as exc:
-            reading.set_exception(exc)
-            raise
-        finally:
-            with self._lock:
-                self._reading.pop(p, None)
-        reading.set_result(got)
-        return got
+        for one page wait for one read of it; pages apart are read at once. A forked child
+        keeps the pages read before the fork; a pickled copy reads them again."""
+        return self._pages.get(p, partial(self._read, p))
 
     def _read(self, p: int) -> tuple[np.ndarray, ...]:
         if self.load is None:
@@ -274,11 +240,7 @@ class PagedTable(Shards):
         d = self.directory
         got = self.load(d.object or "", d.size, int(d.offsets[p]), int(d.offsets[p + 1]),
                         lambda data: self._parse(p, data))
-        with self._lock:
-            self.pages_read += 1
-            self._pages[p] = got
-            while len(self._pages) > self.keep:
-                self._pages.popitem(last=False)
+        self.pages_read += 1  # one thread a page (single flight); a count for tests and benchmarks
         return got
 
     def _parse(self, p: int, data: bytes) -> tuple[np.ndarray, ...]:

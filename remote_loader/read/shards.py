@@ -9,11 +9,8 @@ overwritten under the reader raises ``DatasetChanged`` instead.
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, NamedTuple
@@ -23,6 +20,7 @@ import numpy as np
 from remote_loader.checksum import crc32
 from remote_loader.errors import CorruptShard, InvalidRange, ObjectNotFound
 from remote_loader.format import Sample, ShardEntry, ShardIndex, ShardView
+from remote_loader.format.cache import Kept
 from remote_loader.format.tar import scan_tar
 from remote_loader.read.fetch import Fetched, fetch_range
 from remote_loader.read.reader import DatasetReader
@@ -49,60 +47,37 @@ def fetch_index(reader: DatasetReader, entry: ShardEntry, policy: RetryPolicy) -
 
 class IndexCache:
     """Shard indexes fetched on first use, or ahead (``prefetch``), and kept in an LRU of
-    ``keep`` (thread-safe): an index is fetched once however many threads ask for it."""
+    ``keep`` (``format.cache.Kept``: an index is fetched once however many threads ask for
+    it); an index found damaged is not fetched again."""
 
     def __init__(self, reader: DatasetReader, policy: RetryPolicy, keep: int) -> None:
         self.reader, self.policy, self.keep = reader, policy, keep
-        self._indexes: OrderedDict[int, ShardIndex] = OrderedDict()
-        self._coming: dict[int, Future[ShardIndex]] = {}  # being fetched
-        self._damaged: dict[int, BaseException] = {}  # an index found damaged is not fetched again
-        self._lock = threading.Lock()
+        self._kept: Kept[int, ShardIndex] = Kept(keep)
+        self._damaged: dict[int, BaseException] = {}
 
     def cached(self, shard: int) -> ShardIndex | None:
         """The shard's index if it is kept, else None (nothing is fetched)."""
-        with self._lock:
-            return self._indexes.get(shard)
+        return self._kept.cached(shard)
 
     def get(self, shard: int) -> ShardIndex:
         """The shard's index: kept, on its way (waited for), or fetched now."""
-        with self._lock:
-            if shard in self._indexes:
-                self._indexes.move_to_end(shard)
-                return self._indexes[shard]
-            if shard in self._damaged:
-                raise self._damaged[shard]
-            coming = self._coming.get(shard)
-            if coming is None:
-                coming = self._coming[shard] = Future()
-                mine = True
-            else:
-                mine = False
-        if not mine:
-            return coming.result()
+        damaged = self._damaged.get(shard)
+        if damaged is not None:
+            raise damaged
+        return self._kept.get(shard, partial(self._fetch, shard))
+
+    def _fetch(self, shard: int) -> ShardIndex:
         try:
-            index = fetch_index(self.reader, self.reader.manifest.shards[shard], self.policy)
-        except BaseException as exc:
-            with self._lock:
-                del self._coming[shard]  # a later get tries again, unless the index is damaged
-                if isinstance(exc, DAMAGE):
-                    self._damaged[shard] = exc
-            coming.set_exception(exc)
+            return fetch_index(self.reader, self.reader.manifest.shards[shard], self.policy)
+        except DAMAGE as exc:
+            self._damaged[shard] = exc
             raise
-        with self._lock:
-            del self._coming[shard]
-            self._indexes[shard] = index
-            while len(self._indexes) > self.keep:
-                self._indexes.popitem(last=False)
-        coming.set_result(index)
-        return index
 
     def prefetch(self, shards: Iterable[int]) -> None:
         """Start fetching the indexes of ``shards`` not kept or on their way, each on a daemon
         thread; a failure is raised by the ``get`` that needs it."""
         for shard in shards:
-            with self._lock:
-                known = shard in self._indexes or shard in self._coming
-            if not known:
+            if not self._kept.known(shard):
                 in_daemon_thread(partial(self.get, shard), "remote-loader-index")
 
 
