@@ -26,7 +26,10 @@ BLOCK = 512
 
 MAX_FIELDS = 64
 
-_FIELD = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
+MAX_FIELD_NAME = 64
+"""A field name's length at most."""
+
+_FIELD = re.compile(rf"^[A-Za-z0-9_][A-Za-z0-9_.-]{{0,{MAX_FIELD_NAME - 1}}}$")
 _OFFSETS = np.dtype("<u8")
 _CRCS = np.dtype("<u4")
 

@@ -84,15 +84,16 @@ class Typed:
     def __init__(self, decoded: dict[str, Any], where: str) -> None:
         self.boxes: dict[str, str] = {}
         self.masks: list[str] = []
-        self.skeletons: dict[str, dict[tuple[str, ...], str]] = {}
+        self.canvases: list[tuple[str, tuple[str, ...], str, dict[str, Any]]] = []  # skeleton, path, class, metadata
         for name, value in decoded.items():
             parsed = rule.parse(name)
             if name.startswith("__") or parsed.stem is None or parsed.steps or parsed.ext != "json":
                 continue
-            self.skeletons[name] = found = rule.placeholders(value)
-            for steps, node in found.items():
+            for steps, node in rule.placeholders(value).items():
                 member = rule.render(parsed.stem, steps, "npy")
                 kind, meta = rule.tv_tensor(node) or (None, {})
+                if kind is not None and "canvas_size" in meta:
+                    self.canvases.append((name, steps, kind, meta))
                 if kind == "BoundingBoxes":
                     form = FORMS.get(str(meta.get("format")))
                     if form is None:
@@ -121,12 +122,9 @@ class Typed:
 
     def resize_canvas(self, decoded: dict[str, Any], size: int) -> None:
         """Say in each tv_tensor's placeholder that its canvas is now the crop's."""
-        for name, found in self.skeletons.items():
-            for steps, node in found.items():
-                kind, meta = rule.tv_tensor(node) or (None, {})
-                if kind is not None and "canvas_size" in meta:
-                    decoded[name] = _replaced(decoded[name], steps, rule.tv_placeholder(kind, {
-                        **meta, "canvas_size": [size, size]}))
+        for name, steps, kind, meta in self.canvases:
+            cropped = rule.tv_placeholder(kind, {**meta, "canvas_size": [size, size]})
+            decoded[name] = _replaced(decoded[name], steps, cropped)
 
 
 def _replaced(node: Any, steps: tuple[str, ...], value: Any) -> Any:

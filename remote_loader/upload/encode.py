@@ -22,6 +22,7 @@ from PIL import Image, UnidentifiedImageError
 
 from remote_loader.errors import ConfigError, UploadError
 from remote_loader.format import fields
+from remote_loader.format.index import MAX_FIELD_NAME
 from remote_loader.upload.originals import Originals
 
 # Pillow's format name -> the field (file extension) it is stored under.
@@ -176,10 +177,6 @@ def encode_target(target: Any, index: int) -> dict[str, bytes]:
     return {"txt": value.encode("utf-8")}
 
 
-MAX_NAME = 64
-"""A field name's length at most (``remote_loader.format.index``)."""
-
-
 def encode_item(item: Any, options: EncodeOptions, index: int, originals: Originals | None = None) -> dict[str, bytes]:
     """Return the fields of ``ds[index]``: a classification pair under WebDataset's names,
     any other tuple or a dict by the field rule (``remote_loader.format.fields``); its PIL
@@ -189,8 +186,9 @@ def encode_item(item: Any, options: EncodeOptions, index: int, originals: Origin
     if not fields:
         raise _fail(index, f"ds[{index}] is an empty {type(item).__name__}: a sample has at least one field")
     for name in fields:
-        if len(name) > MAX_NAME:
-            raise _fail(index, f"field {name[:24]!r}... is {len(name)} characters long, more than a shard's {MAX_NAME}:"
+        if len(name) > MAX_FIELD_NAME:
+            raise _fail(index, f"field {name[:24]!r}... is {len(name)} characters long, more than a shard's"
+                               f" {MAX_FIELD_NAME}:"
                                " shorten its key")
     return fields
 
