@@ -545,7 +545,10 @@ def run(args: argparse.Namespace) -> None:
                       "secret_key": server.secret_key}
             for warm in ({"system": "ours", "scenario": "A", "workers": 0, "threads": 0},
                          {"system": "webdataset", "scenario": "A", "workers": 0}):
-                measure({**shared, **warm}, timeout=args.budget)  # every object read once: no row reads cold
+                try:  # every object read once: no row reads cold
+                    measure({**shared, **warm}, timeout=args.budget)
+                except RuntimeError as error:  # that system's rows will say why; the others run
+                    print(f"warming {warm['system']} failed: {str(error)[-300:]}", flush=True)
             results["smoke"] = smoke(shared, folder, args.out)
             chosen = rows(cores, results["environment"]["gpu_rows"], results["environment"]["dali"] is not None)
             if args.gpu_only:

@@ -48,8 +48,9 @@ def install() -> None:
             continue
         try:
             __import__(name)
-        except ImportError:
-            sys.modules.pop(name, None)
+        except Exception:  # missing, or a build that cannot load here (a CUDA torchvision beside CPU torch)
+            for loaded in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+                del sys.modules[loaded]
         else:
             continue
     if not any(isinstance(f, _StubFinder) for f in sys.meta_path):
