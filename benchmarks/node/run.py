@@ -398,28 +398,29 @@ def prepare(images: int, cores: int, folder: Path, server: Any) -> dict[str, Any
 
 def gil(images: int, budget: float) -> dict[str, Any] | None:
     """``gil_cost.py`` on this node (A and B-fused from memory), its JSON."""
-    out = Path(tempfile.mkdtemp(prefix="node-gil-")) / "gil.json"
-    command = [sys.executable, str(BENCHMARKS / "gil_cost.py"), "--images", str(images), "--repeats", "1",
-               "--scenarios", "A", "B-fused", "--cores", str(os.cpu_count()), "--json", str(out)]
-    try:
-        subprocess.run(command, check=True, timeout=budget, capture_output=True, text=True)
-        return json.loads(out.read_text())["this"]
-    except (subprocess.SubprocessError, OSError, KeyError, ValueError) as error:
-        return {"error": str(error)[-500:]}
-    finally:
-        shutil.rmtree(out.parent, ignore_errors=True)
+    result = _script(["gil_cost.py", "--images", str(images), "--repeats", "1", "--scenarios", "A", "B-fused",
+                      "--cores", str(os.cpu_count())], budget)
+    return result.get("this", result)
 
 
 def beside_python(images: int, device: str, budget: float) -> dict[str, Any]:
     """``beside_python.py`` on this node: the GPU stage's ``loader()`` alone and beside a
     spinning Python thread, and the GIL-held microseconds an image in the process that
     iterates, with the decoding process and with a decoding thread; its JSON."""
-    out = Path(tempfile.mkdtemp(prefix="node-beside-")) / "beside.json"
-    command = [sys.executable, str(BENCHMARKS / "beside_python.py"), "--images", str(images), "--size", "400", "300",
-               "--crop", "224", "--workers", "4", "--device", device, "--repeats", "1", "--json", str(out)]
+    return _script(["beside_python.py", "--images", str(images), "--size", "400", "300", "--crop", "224",
+                    "--workers", "4", "--device", device, "--repeats", "1"], budget)
+
+
+def _script(arguments: list[str], budget: float) -> dict[str, Any]:
+    """A script of ``benchmarks/`` that writes ``--json``: what it wrote, or why it failed
+    (the end of its standard error, where it exited with an error)."""
+    out = Path(tempfile.mkdtemp(prefix="node-script-")) / "result.json"
+    command = [sys.executable, str(BENCHMARKS / arguments[0]), *arguments[1:], "--json", str(out)]
     try:
         subprocess.run(command, check=True, timeout=budget, capture_output=True, text=True)
         return json.loads(out.read_text())
+    except subprocess.CalledProcessError as error:
+        return {"error": f"{arguments[0]} exited with {error.returncode}: {(error.stderr or '')[-1500:]}"}
     except (subprocess.SubprocessError, OSError, ValueError) as error:
         return {"error": str(error)[-500:]}
     finally:
