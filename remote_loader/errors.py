@@ -12,6 +12,7 @@ from the last such note in the text.
 
 from __future__ import annotations
 
+import enum
 import json
 from typing import Any
 
@@ -245,3 +246,28 @@ class UploadConflict(UploadError):
     def __init__(self, message: str = "", *, location: str | None = None) -> None:
         RemoteLoaderError.__init__(self, message, location=location)
         self.index = None
+
+
+class OnError(str, enum.Enum):
+    """What is done with a sample that cannot be read, decoded or encoded, decided once from
+    an ``on_error`` argument (``OnError.of("skip")``): ``RAISE`` its error, naming the
+    sample, or ``SKIP`` it, counted in ``metrics.skipped`` (an upload's ``skipped``) and
+    logged. It equals its string (``OnError.SKIP == "skip"``)."""
+
+    RAISE = "raise"
+    SKIP = "skip"
+
+    @classmethod
+    def of(cls, value: str | OnError) -> OnError:
+        """The policy ``value`` names; anything but ``"raise"`` and ``"skip"`` is a ConfigError."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ConfigError(f"on_error must be 'raise' or 'skip', got {value!r}") from None
+
+    @property
+    def skips(self) -> bool:
+        return self is OnError.SKIP
+
+    def __str__(self) -> str:
+        return self.value

@@ -10,7 +10,7 @@ from typing import Any
 from torch.utils.data import IterableDataset, get_worker_info
 
 from remote_loader.config import FetchConfig, current_world, require_bool, require_int
-from remote_loader.errors import ConfigError, ResumeError
+from remote_loader.errors import ConfigError, OnError, ResumeError
 from remote_loader.pipeline import resume, stages
 from remote_loader.pipeline.collate import collate as collate_samples
 from remote_loader.pipeline.device import DeviceDecoder, check_device
@@ -78,7 +78,7 @@ class RemoteDataset(IterableDataset):
         equalize: bool | None = None,
         fetch: FetchConfig | None = None,
         verify: bool = True,
-        on_error: str = "raise",
+        on_error: str | OnError = "raise",
         unindexed: bool = False,
         **connection: Any,
     ) -> None:
@@ -87,9 +87,7 @@ class RemoteDataset(IterableDataset):
             bucket, base_folder = location.bucket, location.base_folder
         elif connection:
             raise ConfigError(f"{', '.join(sorted(connection))}: connection options go with a URL, not a store")
-        if on_error not in ("raise", "skip"):
-            raise ConfigError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
-        self.on_error = on_error
+        self.on_error = OnError.of(on_error)
         if bucket is None or base_folder is None:
             raise ConfigError("RemoteDataset needs (client, bucket, base_folder) or an s3:// URL")
         open_shards = require_int("open_shards", open_shards, 1)
@@ -103,7 +101,7 @@ class RemoteDataset(IterableDataset):
         self.fetch = fetch or FetchConfig()
         self.reader = DatasetReader(client, bucket, base_folder, verify=verify, fetch=self.fetch)
         self.unindexed = unindexed
-        self._data: Data = Unindexed(self.reader) if unindexed else Indexed(self.reader, on_error)
+        self._data: Data = Unindexed(self.reader) if unindexed else Indexed(self.reader, self.on_error)
         self.seed, self.shuffle_shards = seed, shuffle_shards
         self.mixing = Mixing(open_shards)  # what the source's order mixes: open shards, then shuffle()'s buffer
         self.rank, self.world_size, self.equalize = rank, world_size, equalize
@@ -192,10 +190,9 @@ class RemoteDataset(IterableDataset):
         if batched or device not in ("cpu", "auto"):  # before a device is probed for it
             stages.require_crop(mode, repr(device))
         place = check_device(device, batched, cpu_fallback)
-        if self.on_error == "skip" and place is None:  # a sample that does not decode is left out, counted
-            clone = self._with(stages.Decode(mode, min_size, threads, skip=True))._with(stages.DropUndecodable())
-        else:
-            clone = self._with(stages.Decode(mode, min_size, threads, device=place))
+        clone = self._with(stages.Decode(mode, min_size, threads, device=place, on_error=self.on_error))
+        if self.on_error.skips and place is None:  # a sample that does not decode is left out, counted
+            clone = clone._with(stages.DropUndecodable())
         clone.fell_back = self.fell_back or (device == "auto" and place is None)
         return clone
 
@@ -239,7 +236,7 @@ class RemoteDataset(IterableDataset):
         if found is None:
             return None
         crop, place = found
-        return DeviceDecoder(crop, place, skip=self.on_error == "skip", metrics=Metrics(self._metrics[0].numpy()))
+        return DeviceDecoder(crop, place, on_error=self.on_error, metrics=Metrics(self._metrics[0].numpy()))
 
     # ------------------------------------------------------------------ epochs and sizes
 

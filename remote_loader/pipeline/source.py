@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from remote_loader.errors import OnError
 from remote_loader.format import Sample
 from remote_loader.pipeline.intervals import merge
 from remote_loader.pipeline.order import (
@@ -59,7 +60,7 @@ class Piece:
     wanted: tuple[tuple[int, int], ...] = ()
 
 
-def _locate(cache: IndexCache, shard: int, first: int, stop: int, on_error: str, slot: int, group: Group | None,
+def _locate(cache: IndexCache, shard: int, first: int, stop: int, on_error: OnError, slot: int, group: Group | None,
             wanted: tuple[tuple[int, int], ...] = ()) -> tuple[int, int, Piece]:
     start, end, plan = locate_span(cache, shard, first, stop, on_error)
     return start, end, Piece(plan, slot, group, wanted)
@@ -82,7 +83,7 @@ class ShardSource:
 
     def __init__(self, reader: DatasetReader, policy: RetryPolicy, *, spans: Callable[[], Iterable[Span]],
                  rows: Sequence[tuple[int, int]], mixing: Mixing, seeds: tuple[Sequence[int], Sequence[int]],
-                 locate: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]], on_error: str = "raise",
+                 locate: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]], on_error: OnError = OnError.RAISE,
                  start: int = 0) -> None:
         self.reader, self.policy, self.spans, self.rows = reader, policy, spans, rows
         self.mixing, self.seeds, self.locate, self.on_error = mixing, seeds, locate, on_error
@@ -349,7 +350,7 @@ class Indexed:
 
     resumable = True
 
-    def __init__(self, reader: DatasetReader, on_error: str) -> None:
+    def __init__(self, reader: DatasetReader, on_error: OnError) -> None:
         self.reader, self.on_error = reader, on_error
         _ = reader.counts  # read now, so forked DataLoader workers share its arrays; DatasetNotFound
         self.rows = reader.manifest.shards.rows  # blocks of the epoch's order (None: one block)

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from remote_loader.config import require_int
-from remote_loader.errors import ConfigError, DecodeError
+from remote_loader.errors import ConfigError, DecodeError, OnError
 from remote_loader.pipeline.augment import RandomResizedCrop
 from remote_loader.pipeline.decode import IMAGE_FIELDS, MODES, decode_sample
 from remote_loader.pipeline.device import prepare
@@ -149,7 +149,7 @@ class Decode(Stage):
     in batches on that device, in the main process (``device/``)."""
 
     def __init__(self, mode: str | Callable[..., Any], min_size: int | None = None, threads: int = 0,
-                 device: Any = None, skip: bool = False) -> None:
+                 device: Any = None, on_error: OnError = OnError.RAISE) -> None:
         if not callable(mode) and mode not in MODES:
             raise ConfigError(f"decode mode must be one of {', '.join(MODES)} or a callable, got {mode!r}")
         if min_size is not None and (type(min_size) is not int or min_size < 1):
@@ -157,7 +157,7 @@ class Decode(Stage):
         if device is not None:
             require_crop(mode, getattr(device, "device", device))
         self.mode, self.min_size, self.threads, self.device = mode, min_size, _check_threads(threads), device
-        self.seeded, self.skip = bool(getattr(mode, "seeded", False)), skip
+        self.seeded, self.on_error = bool(getattr(mode, "seeded", False)), on_error
 
     def run(self, samples: Iterable[Any], context: Context) -> Iterator[Any]:
         if self.device is not None:
@@ -167,7 +167,7 @@ class Decode(Stage):
             fn = partial(_decode_seeded, self.mode, self.min_size, context)
         else:
             fn = partial(decode_sample, mode=self.mode, min_size=self.min_size)
-        if self.skip:  # left out by DropUndecodable, in the calling thread, where it is counted
+        if self.on_error.skips and self.device is None:  # left out by DropUndecodable, where it is counted
             fn = partial(_or_undecodable, fn)
         return threaded_map(fn, samples, self.threads) if self.threads else apply(fn, samples)
 
@@ -177,7 +177,7 @@ class Decode(Stage):
 
 @dataclass(frozen=True)
 class Undecodable:
-    """What a ``Decode(skip=True)`` makes of a sample whose fields do not decode."""
+    """What a ``Decode(on_error=OnError.SKIP)`` makes of a sample whose fields do not decode."""
 
     error: DecodeError
 
@@ -190,7 +190,7 @@ def _or_undecodable(fn: Callable[[Any], Any], sample: Any) -> Any:
 
 
 class DropUndecodable(Stage):
-    """Leaves out the samples a ``Decode(skip=True)`` could not decode (``on_error="skip"``),
+    """Leaves out the samples a ``Decode(on_error=OnError.SKIP)`` could not decode (``on_error="skip"``),
     counted in ``metrics.skipped`` and logged. One sample in, one out, but for those: a
     count state is off by the samples left out before it, as for damaged bytes."""
 

@@ -8,7 +8,7 @@ from functools import partial
 
 import numpy as np
 
-from remote_loader.errors import ConfigError, DatasetNotFound
+from remote_loader.errors import ConfigError, DatasetNotFound, OnError
 from remote_loader.format import Sample
 from remote_loader.format.order import shard_order
 from remote_loader.pipeline.order import Mixing, Shuffler, worker_seeds
@@ -104,7 +104,7 @@ class TarSource:
                     if item is None:
                         exhausted = True
                     else:
-                        reading.append(OpenRange(self.reader, item, item.context, self.policy, "raise"))
+                        reading.append(OpenRange(self.reader, item, item.context, self.policy, OnError.RAISE))
                 for done in [r for r in reading if r.done]:
                     reading.remove(done)
                     done.close()

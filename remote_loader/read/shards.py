@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from remote_loader.checksum import crc32
-from remote_loader.errors import CorruptShard, InvalidRange, ObjectNotFound
+from remote_loader.errors import CorruptShard, InvalidRange, ObjectNotFound, OnError
 from remote_loader.format import Sample, ShardEntry, ShardIndex, ShardView
 from remote_loader.format.cache import Kept
 from remote_loader.format.tar import scan_tar
@@ -190,7 +190,7 @@ class OpenRange:
     """
 
     def __init__(
-        self, reader: DatasetReader, fetched: Fetched[Any], plan: RangePlan, policy: RetryPolicy, on_error: str
+        self, reader: DatasetReader, fetched: Fetched[Any], plan: RangePlan, policy: RetryPolicy, on_error: OnError
     ) -> None:
         self.reader, self.fetched, self.policy, self.on_error = reader, fetched, policy, on_error
         self.view, self.index, self.shard, self.next, self.stop = plan.open(fetched, reader, self._wait)
@@ -252,7 +252,7 @@ class OpenRange:
             if isinstance(error, InvalidRange) and self.index is not None:
                 entry = self.reader.manifest.shards[self.shard]
                 damage = self.reader.refused(entry.name, self.fetched.start, self.fetched.end, entry.size, self.policy)
-            if self.on_error != "skip":
+            if not self.on_error.skips:
                 raise damage from None
             skip(f"the rest of shard {self.view.name}", self.stop - self.next + 1, damage, self.policy)
             self.view = None
@@ -264,7 +264,7 @@ class OpenRange:
         try:
             return read_run(self.reader, self.shard, self.index, [i], self.policy)[0]
         except DAMAGE as error:
-            if self.on_error != "skip":
+            if not self.on_error.skips:
                 raise
             skip(f"sample {self.view.index.keys[i]!r} of {self.view.name}", 1, error, self.policy)
             return None
@@ -275,14 +275,14 @@ class OpenRange:
         self.fetched.release()
 
 
-def locate_span(cache: IndexCache, shard: int, first: int, stop: int, on_error: str) -> tuple[int, int, RangePlan]:
+def locate_span(cache: IndexCache, shard: int, first: int, stop: int, on_error: OnError) -> tuple[int, int, RangePlan]:
     """The byte range of samples ``[first, stop)`` of a shard, from its cached index; with
     ``on_error="skip"``, an empty range standing for a shard whose index cannot be read."""
     entry = cache.reader.manifest.shards[shard]
     try:
         index = cache.get(shard)
     except DAMAGE as error:
-        if on_error != "skip":
+        if not on_error.skips:
             raise
         skip(f"shard {entry.name}", stop - first, error, cache.policy)
         return 0, 0, Skipped(entry.name, stop - first, str(error))

@@ -23,7 +23,7 @@ import msgpack
 import numpy as np
 
 from remote_loader.config import RetryConfig
-from remote_loader.errors import RemoteLoaderError, UploadError
+from remote_loader.errors import OnError, RemoteLoaderError, UploadError
 from remote_loader.format import ShardEntry, ShardWriter
 from remote_loader.format.index import MAX_FIELDS, require, unpack
 from remote_loader.storage import Location, ObjectWriter, Store
@@ -96,7 +96,7 @@ class TaskSpec:
     options: EncodeOptions
     maxsize: int
     maxcount: int
-    on_error: str
+    on_error: OnError
     part_size: int
     key_width: int
     run: str
@@ -319,7 +319,7 @@ def _write_task(
                 fields = encode_item(item, spec.options, index, originals)
                 shards.add(f"{index:0{spec.key_width}d}", fields, index)
             except UploadError as exc:
-                if spec.on_error != "skip":
+                if not spec.on_error.skips:
                     raise
                 result.skipped.append(index)
                 result.reasons.append(str(exc))

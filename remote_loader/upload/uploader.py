@@ -24,6 +24,7 @@ from tqdm import tqdm
 from remote_loader.config import RetryConfig, require_bool, require_int
 from remote_loader.errors import (
     ConfigError,
+    OnError,
     UploadError,
 )
 from remote_loader.format import Manifest
@@ -76,7 +77,7 @@ def upload_cv_dataset(
     seed: int = 0,
     image_format: str = "jpeg",
     quality: int = 90,
-    on_error: str = "raise",
+    on_error: str | OnError = "raise",
     shuffle: bool = True,
     executor: Executor | None = None,
     part_size: int = DEFAULT_PART_SIZE,
@@ -168,8 +169,8 @@ def _upload(ds: Any, client: Store, location: Location, params: dict[str, Any], 
     held = claim.hold(store, location, before, params, overwrite, lambda: _plan_task_size(
         ds, order, options, params["maxsize"], params["maxcount"]))
     kept = claim.kept(store, location, held, num)
-    spec = TaskSpec(client, location, options, params["maxsize"], params["maxcount"], params["on_error"], part_size,
-                    max(6, len(str(num - 1))), held.run, retry)
+    spec = TaskSpec(client, location, options, params["maxsize"], params["maxcount"], OnError.of(params["on_error"]),
+                    part_size, max(6, len(str(num - 1))), held.run, retry)
     pending = [(t, order[t * held.task_size : (t + 1) * held.task_size]) for t in range(-(-num // held.task_size))
                if t not in kept]
     done_samples = sum(sum(e.samples for e in r.entries) + len(r.skipped) for r in kept.values())
@@ -214,7 +215,7 @@ def _parameters(
     seed: int,
     image_format: str,
     quality: int,
-    on_error: str,
+    on_error: str | OnError,
     shuffle: bool,
     overwrite: bool,
     progress: bool,
@@ -223,8 +224,7 @@ def _parameters(
 ) -> dict[str, Any]:
     """The upload's parameters, checked: what a dataset records and an interrupted run is
     recognised by (``samples`` is added once the dataset is opened)."""
-    if on_error not in ("raise", "skip"):
-        raise ConfigError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+    policy = OnError.of(on_error)
     maxcount = require_int("maxcount", maxcount, 1)
     if isinstance(maxsize, bool) or not isinstance(maxsize, (int, float)) or not maxsize >= 4096:
         raise ConfigError(f"maxsize must be a number of bytes >= 4096, got {maxsize!r}")
@@ -245,7 +245,7 @@ def _parameters(
         "maxcount": int(maxcount),
         "image_format": EncodeOptions(image_format=image_format, quality=quality).image_format,
         "quality": quality,
-        "on_error": on_error,
+        "on_error": policy.value,
     }
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from remote_loader.errors import DecodeError
+from remote_loader.errors import DecodeError, OnError
 from remote_loader.pipeline.augment import RandomResizedCrop
 from remote_loader.pipeline.device.codec import CPU, CUDA, HARDWARE, Codec, open_codec
 from remote_loader.pipeline.device.containers import WALK_ON, leaves, rebuild
@@ -55,19 +55,19 @@ class DeviceDecoder:
         crop: The stage's ``RandomResizedCrop`` (its size, and its output: uint8 or normalised).
         place: Where (a ``Place``, or a ``torch.device``: ``cuda:N``, or ``cpu`` through
             nvImageCodec's CPU backend).
-        skip: Leave out a sample whose JPEG does not decode (counted in ``metrics.skipped``)
-            instead of raising ``DecodeError`` naming it.
+        on_error: ``OnError.SKIP`` leaves out a sample whose JPEG does not decode (counted in
+            ``metrics.skipped``); ``RAISE`` raises ``DecodeError`` naming it.
         metrics: Where skipped samples are counted.
         codec: The JPEG decoder (default: nvImageCodec's for the place, opened once per
             process when first used).
     """
 
-    def __init__(self, crop: RandomResizedCrop, place: Place | torch.device, skip: bool = False,
+    def __init__(self, crop: RandomResizedCrop, place: Place | torch.device, on_error: OnError = OnError.RAISE,
                  metrics: Metrics | None = None, codec: Codec | None = None) -> None:
         place = place if isinstance(place, Place) else Place(place)
         if place.device.type == "cuda" and place.device.index is None:  # the decoding thread's is another
             place = Place(torch.device("cuda", torch.cuda.current_device()), place.cpu_fallback)
-        self.crop, self.device, self.skip, self.metrics = crop, place.device, skip, metrics or Metrics()
+        self.crop, self.device, self.on_error, self.metrics = crop, place.device, on_error, metrics or Metrics()
         self.place = place
         self._codec = codec
         self._stream: Any = None
@@ -99,7 +99,7 @@ class DeviceDecoder:
 
     def decode(self, batch: EncodedBatch, stream: Any = None) -> tuple[torch.Tensor, list[int]]:
         """The batch's crops, ``n x 3 x size x size``, and the positions kept (all but the
-        JPEGs left out under ``skip``)."""
+        JPEGs left out under ``OnError.SKIP``)."""
         jpegs = batch.jpegs()
         whole = [k for k, problem in enumerate(batch.problems) if problem is None]  # the others never reach it
         decoded = self.codec.decode([jpegs[k] for k in whole], stream.cuda_stream if stream is not None else 0)
@@ -107,7 +107,7 @@ class DeviceDecoder:
         for k, image in zip(whole, decoded, strict=True):
             images[k] = image
         failed = [k for k, image in enumerate(images) if image is None]
-        if failed and not self.skip:
+        if failed and not self.on_error.skips:
             key, shard = batch.names[failed[0]]
             why = batch.problems[failed[0]] or f"{_DECODERS.get(self.decoded_on, self.decoded_on)} could not decode it"
             raise DecodeError(f"sample {key!r} of {shard} is not a decodable JPEG: {why} ({len(failed)} of the"
