@@ -116,41 +116,38 @@ class Shuffler:
         self._rng = np.random.Generator(bits)
 
     def run(self, source: Iterator[T]) -> Iterator[T]:
-        """The items of ``source`` (an iterator) in the buffer's order, after what it holds."""
-        items, bufsize, initial = self.items, self.bufsize, self.initial
-        uniforms = _uniforms(self._rng)
+        """The items of ``source`` (an iterator) in the buffer's order, after what it holds.
+        One loop fills and drains (``source`` ended: nothing more comes in), the draw inline:
+        it runs once per sample."""
+        items, bufsize, initial, rng = self.items, self.bufsize, self.initial, self._rng
+        draws: list[float] = []
+        k = 0
         taken = self.reads
-        for item in source:
-            items.append(item)
-            taken += 1
-            for _ in range(2):
-                if len(items) >= bufsize:
-                    break
-                extra = next(source, _END)
-                if extra is _END:
-                    break
-                items.append(extra)
+        for item in itertools.chain(source, itertools.repeat(_END)):
+            if item is not _END:
+                items.append(item)
                 taken += 1
-            self.reads = taken
-            if len(items) >= initial:
-                yield self._take(next(uniforms))
-        while items:
-            yield self._take(next(uniforms))
-
-    def _take(self, uniform: float) -> Any:
-        """The next output: the item at ``uniform`` of the buffer, which the last one replaces."""
-        items = self.items
-        n = len(items)
-        pick = min(int(uniform * n), n - 1)
-        items[pick], items[-1] = items[-1], items[pick]
-        self.outputs += 1
-        return items.pop()
-
-
-def _uniforms(rng: np.random.Generator) -> Iterator[float]:
-    """``rng``'s uniforms, one at a time, drawn ``_DRAWS`` at once as they are needed."""
-    while True:
-        yield from rng.random(_DRAWS).tolist()
+                for _ in range(2):
+                    if len(items) >= bufsize:
+                        break
+                    extra = next(source, _END)
+                    if extra is _END:
+                        break
+                    items.append(extra)
+                    taken += 1
+                self.reads = taken
+                if len(items) < initial:
+                    continue
+            elif not items:
+                return
+            if k == len(draws):
+                draws, k = rng.random(_DRAWS).tolist(), 0
+            n = len(items)
+            pick = min(int(draws[k] * n), n - 1)
+            k += 1
+            items[pick], items[-1] = items[-1], items[pick]
+            self.outputs += 1
+            yield items.pop()
 
 
 def ranges_in_need(group: Group, offset: int, bounds: Sequence[Sequence[int]]) -> list[tuple[int, int, int, int]]:
