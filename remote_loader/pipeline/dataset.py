@@ -160,7 +160,7 @@ class RemoteDataset(IterableDataset):
         bufsize, start = stages.check_shuffle(bufsize, start)
         if self.mixing.bufsize:
             raise ConfigError(f"this pipeline shuffles already (shuffle({self.mixing.bufsize})): give shuffle once")
-        if not all(s.cardinality.one_to_one for s in self.stages):
+        if not stages.Chain.of(self.stages).one_to_one():
             raise ConfigError("shuffle mixes samples at the source: put it before select and batched")
         clone = self._with(None)
         clone.mixing = Mixing(self.mixing.open_shards, bufsize, start)
@@ -274,9 +274,7 @@ class RemoteDataset(IterableDataset):
         ``select`` (it depends on the samples) and for unindexed tars."""
         total = self._data.samples()
         layout = self._layout()
-        count: int | None = rank_size(total, layout.rank, layout.world_size, layout.equalize)
-        for stage in self.stages:
-            count = None if count is None else stage.cardinality.outputs(count)
+        count = layout.chain.outputs(rank_size(total, layout.rank, layout.world_size, layout.equalize))
         if count is None:
             raise TypeError("len() of a pipeline with select() is unknown: it depends on the samples")
         return count

@@ -24,6 +24,7 @@ from remote_loader.pipeline.device import (
     take,
 )
 from remote_loader.pipeline.device import collate as device_collate
+from remote_loader.pipeline.stages import Chain
 
 log = logging.getLogger("remote_loader")
 DECODING = ("process", "thread")
@@ -90,7 +91,7 @@ fetching and drawing crops, a few cores' work for tens of thousands of images a 
 
 
 def _batches(dataset: Any) -> bool:
-    return any(stage.cardinality.batches for stage in getattr(dataset, "stages", ()))
+    return Chain.of(getattr(dataset, "stages", ())).batches
 
 
 def _decoder(dataset: Any) -> DeviceDecoder | None:

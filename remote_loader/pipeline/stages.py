@@ -100,6 +100,73 @@ ONE = Cardinality()
 """One sample in, one out."""
 
 
+@dataclass(frozen=True)
+class Chain:
+    """What a pipeline's items hold of its samples, from its stages' cardinalities in order:
+    the one place that arithmetic lives (``len()``, the workers' shares, what a checkpoint's
+    items account for, where a failure is named)."""
+
+    parts: tuple[Cardinality, ...]
+
+    @classmethod
+    def of(cls, stages: Iterable[Stage]) -> Chain:
+        return cls(tuple(stage.cardinality for stage in stages))
+
+    def one_to_one(self, stop: int | None = None) -> bool:
+        """Every stage (before stage ``stop``) gives one output per sample, in order."""
+        return all(part.one_to_one for part in self.parts[:stop])
+
+    @property
+    def batches(self) -> bool:
+        """Some stage makes batches."""
+        return any(part.batches for part in self.parts)
+
+    @property
+    def filters(self) -> list[int]:
+        """The stages that leave samples out."""
+        return [i for i, part in enumerate(self.parts) if part.filters]
+
+    def outputs(self, samples: int) -> int | None:
+        """Items for ``samples`` samples in; None where that depends on the samples (``select``)."""
+        count: int | None = samples
+        for part in self.parts:
+            count = None if count is None else part.outputs(count)
+        return count
+
+    def align(self) -> int:
+        """Samples each item holds, where that is fixed (1 where a filter decides): workers'
+        shares are cut in multiples of it, so batches come out whole and as many as ``len()``
+        says."""
+        align = 1
+        for part in self.parts:
+            if part.size is None:
+                return 1
+            align *= part.size
+        return align
+
+    def per_item(self) -> int | None:
+        """Samples per item where an item count says how many samples were delivered: every
+        stage maps one sample to one, the last may batch them; None otherwise."""
+        last = self.parts[-1] if self.parts else None
+        batched = last is not None and last.batches
+        if not self.one_to_one(-1 if batched else None):
+            return None
+        return (last.size or 1) if batched and last is not None else 1
+
+    def inputs(self, items: int, stage: int, taken_by: Callable[[int, int], int]) -> int:
+        """Items at the output of stage ``stage - 1`` (the source's for 0) that ``items``
+        delivered account for, walking back from the end: batches multiply, and a filter
+        ``i`` says how many it had taken in for ``n`` out (``taken_by(i, n)``)."""
+        n = items
+        for i in range(len(self.parts) - 1, stage - 1, -1):
+            part = self.parts[i]
+            if part.batches:
+                n *= part.size or 1
+            elif part.filters:
+                n = taken_by(i, n)
+        return n
+
+
 class Stage(ABC):
     """One step of a pipeline."""
 

@@ -36,7 +36,7 @@ from typing import Any, Protocol
 from remote_loader.errors import ResumeError
 from remote_loader.format import Sample
 from remote_loader.pipeline.resume import Layout, Start, encode, share
-from remote_loader.pipeline.stages import Context
+from remote_loader.pipeline.stages import Chain, Context
 from remote_loader.pipeline.threads import ITEM, note
 from remote_loader.read.metrics import Metrics
 from remote_loader.read.retry import RetryPolicy
@@ -129,6 +129,7 @@ class WorkerStream:
         self.data, self.layout, self.epoch, self.metrics, self.policy = data, layout, epoch, metrics, policy
         self.worker, self.num_workers = worker, num_workers
         self.stages = list(layout.stages)
+        self.chain = Chain.of(self.stages)
         self.context = Context(layout.seed, epoch, layout.rank, worker, metrics)
         self.start: Start | None = None
         self.source: Source | None = None
@@ -148,7 +149,7 @@ class WorkerStream:
                               " one it was taken in")
         self.start, self.source = start, source
         self.items, self.finished, self._counted = 0, False, 0
-        self._kept = {i: _Kept() for i, s in enumerate(self.stages) if s.cardinality.filters}
+        self._kept = {i: _Kept() for i in self.chain.filters}
         return self
 
     def get_state(self) -> dict[str, Any]:
@@ -212,14 +213,7 @@ class WorkerStream:
     def _at(self, stage: int) -> int:
         """Items at the output of stage ``stage - 1`` (the source's for 0) that the items
         delivered account for: walking back from the end, batches multiply, filters look up."""
-        n = self.items
-        for i in range(len(self.stages) - 1, stage - 1, -1):
-            held = self.stages[i].cardinality
-            if held.batches:
-                n *= held.size or 1
-            elif held.filters:
-                n = self._kept[i].taken_by(n)
-        return n
+        return self.chain.inputs(self.items, stage, lambda i, n: self._kept[i].taken_by(n))
 
     def samples(self) -> int:
         """Samples inside the items delivered (those a filter dropped are not)."""
@@ -260,7 +254,7 @@ class WorkerStream:
             number = getattr(error, ITEM, None)
             if number is not None:
                 delattr(error, ITEM)
-                if all(s.cardinality.one_to_one for s in self.stages[:i]) and self.source is not None:
+                if self.chain.one_to_one(i) and self.source is not None:
                     where = self.source.describe(number + 1)
                     if where is not None:
                         note(error, f"while processing {where}")

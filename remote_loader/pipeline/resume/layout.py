@@ -11,7 +11,7 @@ from remote_loader.errors import ResumeError
 from remote_loader.pipeline.order import Mixing
 from remote_loader.pipeline.resume.states import WorkerState
 from remote_loader.pipeline.split import worker_bounds
-from remote_loader.pipeline.stages import Stage
+from remote_loader.pipeline.stages import Chain, Stage
 from remote_loader.read import DatasetReader
 
 
@@ -28,16 +28,13 @@ class Layout:
     mixing: Mixing
     stages: Sequence[Stage]
 
+    @property
+    def chain(self) -> Chain:
+        return Chain.of(self.stages)
+
     def align(self) -> int:
-        """The samples each output item holds, when fixed: workers' shares are cut in
-        multiples of it, so batches come out whole and as many as ``len()`` says."""
-        align = 1
-        for stage in self.stages:
-            size = stage.cardinality.size
-            if size is None:
-                return 1
-            align *= size
-        return align
+        """The samples each output item holds, when fixed (``Chain.align``)."""
+        return self.chain.align()
 
     def worker_samples(self, worker: int, num_workers: int) -> int:
         """Samples worker ``worker`` of this rank reads per epoch."""
@@ -47,10 +44,10 @@ class Layout:
 
     def worker_items(self, worker: int, num_workers: int) -> int:
         """Items worker ``worker`` of this rank gives per epoch, for a state counted in items."""
-        per_item, samples = self.per_item(), self.worker_samples(worker, num_workers)
-        last = self.stages[-1].cardinality if self.stages else None
-        keeps_short = per_item == 1 or (last is not None and last.batches and last.keep_short)
-        return -(-samples // per_item) if keeps_short else samples // per_item
+        self.per_item()  # a ResumeError where items do not count samples
+        items = self.chain.outputs(self.worker_samples(worker, num_workers))
+        assert items is not None  # the stages map one sample to one, but for a last batched
+        return items
 
     def header(self, epoch: int, worker: int, num_workers: int) -> dict[str, Any]:
         """What every state of this worker in ``epoch`` starts with."""
@@ -61,15 +58,12 @@ class Layout:
     def per_item(self) -> int:
         """Samples per item, for a state counted in items (a plain DataLoader's): every stage
         must map one sample to one, the last may batch them."""
-        stages = list(self.stages)
-        last = stages[-1].cardinality if stages else None
-        if last is not None and last.batches:
-            stages = stages[:-1]
-        if not all(s.cardinality.one_to_one for s in stages):
+        per_item = self.chain.per_item()
+        if per_item is None:
             raise ResumeError("a state counted in items needs every stage to map one sample to one (decode, map,"
                               " map_tuple, to_tuple), optionally ending with batched; select or an inner batched"
                               " breaks that: use torchdata's StatefulDataLoader, whose states need neither")
-        return (last.size or 1) if last is not None and last.batches else 1
+        return per_item
 
     def check(self, state: WorkerState) -> WorkerState:
         expected = {"seed": self.seed, "shuffle": self.shuffle, "samples": len(self.reader),
