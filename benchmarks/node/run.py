@@ -38,12 +38,14 @@ CPU's), and the GPU stage's targets are printed as ratios of this run's rows.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import re
 import resource
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -229,7 +231,8 @@ def measure(spec: dict, timeout: float) -> dict[str, Any]:
     """An epoch in a fresh process, with the peak PSS of its process tree."""
     os.sync()  # the pages a run before left dirty are not written back during this one
     process = subprocess.Popen([sys.executable, __file__, "--epoch", json.dumps(spec)], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                               stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                               start_new_session=True)
     peak = 0
     stop = threading.Event()
 
@@ -243,8 +246,7 @@ def measure(spec: dict, timeout: float) -> dict[str, Any]:
     try:
         out, err = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        process.kill()
-        process.communicate()
+        _end_group(process)
         raise RuntimeError(f"the epoch took more than {timeout:.0f} s") from None
     finally:
         stop.set()
@@ -416,15 +418,28 @@ def _script(arguments: list[str], budget: float) -> dict[str, Any]:
     (the end of its standard error, where it exited with an error)."""
     out = Path(tempfile.mkdtemp(prefix="node-script-")) / "result.json"
     command = [sys.executable, str(BENCHMARKS / arguments[0]), *arguments[1:], "--json", str(out)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)  # its children end with it, below
     try:
-        subprocess.run(command, check=True, timeout=budget, capture_output=True, text=True)
+        _, err = process.communicate(timeout=budget)
+        if process.returncode:
+            return {"error": f"{arguments[0]} exited with {process.returncode}: {err[-1500:]}"}
         return json.loads(out.read_text())
-    except subprocess.CalledProcessError as error:
-        return {"error": f"{arguments[0]} exited with {error.returncode}: {(error.stderr or '')[-1500:]}"}
-    except (subprocess.SubprocessError, OSError, ValueError) as error:
+    except subprocess.TimeoutExpired:
+        return {"error": f"{arguments[0]} took more than {budget:.0f} s"}
+    except (OSError, ValueError) as error:
         return {"error": str(error)[-500:]}
     finally:
+        _end_group(process)
         shutil.rmtree(out.parent, ignore_errors=True)
+
+
+def _end_group(process: subprocess.Popen[str]) -> None:
+    """End ``process`` and every process of its group (a script's own children: an epoch
+    child left behind would spin on, stealing a core from every later row)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.communicate()
 
 
 def smoke(shared: dict[str, str], images: Path, out: Path) -> dict[str, Any]:
@@ -433,11 +448,15 @@ def smoke(shared: dict[str, str], images: Path, out: Path) -> dict[str, Any]:
     command = [sys.executable, str(HERE / "smoke.py"), "--images", str(images), "--endpoint", shared["endpoint"],
                "--access-key", shared["access_key"], "--secret-key", shared["secret_key"], "--bucket", BUCKET,
                "--json", str(path)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
     try:
-        done = subprocess.run(command, timeout=SMOKE_SECONDS, capture_output=True, text=True)
-        print(done.stdout[-6000:], done.stderr[-3000:], flush=True)
+        stdout, stderr = process.communicate(timeout=SMOKE_SECONDS)
+        print(stdout[-6000:], stderr[-3000:], flush=True)
     except subprocess.TimeoutExpired:
         print(f"the smoke check took more than {SMOKE_SECONDS} s", flush=True)
+    finally:
+        _end_group(process)
     return json.loads(path.read_text()) if path.exists() else {"error": "no result"}
 
 
