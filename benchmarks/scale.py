@@ -38,9 +38,9 @@ import numpy as np
 from shaper import PROFILES, relayed  # type: ignore[import-not-found]
 
 from remote_loader.format import Manifest, ShardEntry, ShardTable, ShardWriter
-from remote_loader.format.counts import ArrayCounts, RunCounts
-from remote_loader.format.order import EpochOrder
+from remote_loader.format.epoch_order import EpochOrder
 from remote_loader.format.pages import PAGE_ROWS
+from remote_loader.format.shard_counts import ArrayCounts, RunCounts
 from remote_loader.pipeline.split import PlanSpans, laps, worker_bounds
 from remote_loader.testing.server import EmbeddedS3
 

@@ -8,7 +8,7 @@ found through the cumulative sample counts along it: two arrays over all shards,
 every process that splits the epoch. Version 3 permutes blocks of ``--block`` consecutive
 shards (a page's), then each block's shards when a reader reaches it, with sample counts
 kept as runs (a full upload is one run of full shards per task): what a rank of 8 then
-touches is its share of the blocks. Both are ``format.order.EpochOrder``; each is measured
+touches is its share of the blocks. Both are ``format.epoch_order.EpochOrder``; each is measured
 in a fresh process (RSS added, seconds), up to rank 3 of 8's first block made.
 """
 
@@ -23,8 +23,8 @@ import textwrap
 _CHILD = textwrap.dedent("""
     import json, sys, time
     import numpy as np
-    from remote_loader.format.counts import ArrayCounts, RunCounts
-    from remote_loader.format.order import EpochOrder
+    from remote_loader.format.shard_counts import ArrayCounts, RunCounts
+    from remote_loader.format.epoch_order import EpochOrder
 
     def rss():
         with open("/proc/self/statm") as f:

@@ -22,9 +22,9 @@ from remote_loader.checksum import crc32
 from remote_loader.errors import CorruptShard
 from remote_loader.format.cache import Kept
 from remote_loader.format.columns import LIMIT, array, column, increasing, manifest_error, narrow
-from remote_loader.format.counts import RunCounts
 from remote_loader.format.index import require
 from remote_loader.format.names import TemplateNames, check_name, render, template_parts
+from remote_loader.format.shard_counts import RunCounts
 from remote_loader.format.table import ShardEntry, Shards, ShardTable, check_table
 
 PAGE_ROWS = 4096

@@ -11,10 +11,10 @@ import numpy as np
 
 from remote_loader.errors import IndexOutOfBounds
 from remote_loader.format.columns import LIMIT, array, manifest_error, narrow
-from remote_loader.format.counts import ArrayCounts
 from remote_loader.format.index import require
 from remote_loader.format.names import BlobNames, Names, TemplateNames, check_name, decode_names
 from remote_loader.format.shard import ShardSummary
+from remote_loader.format.shard_counts import ArrayCounts
 
 ENTRY_FIELDS = ("name", "samples", "size", "index_offset", "index_size", "index_crc", "crc32", "index_name")
 COLUMNS = ("samples", "size", "index_offset", "index_size", "index_crc", "crc32")

@@ -27,8 +27,8 @@ from torch.utils.data import Sampler
 
 from remote_loader.config import current_world, require_int
 from remote_loader.errors import ConfigError
-from remote_loader.format.counts import ArrayCounts, Counts
-from remote_loader.format.order import EpochOrder
+from remote_loader.format.epoch_order import EpochOrder
+from remote_loader.format.shard_counts import ArrayCounts, Counts
 from remote_loader.mapstyle.dataset import RemoteMapDataset
 
 _BLOCK = 1 << 16  # positions turned into indices at a time

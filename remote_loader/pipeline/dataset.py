@@ -13,10 +13,10 @@ from remote_loader.config import FetchConfig, current_world, require_bool, requi
 from remote_loader.errors import ConfigError, OnError, ResumeError
 from remote_loader.pipeline import resume, stages
 from remote_loader.pipeline.collate import collate as collate_samples
+from remote_loader.pipeline.delivery import Mixing
 from remote_loader.pipeline.device import DeviceDecoder, check_device
 from remote_loader.pipeline.device import collate as device_collate
 from remote_loader.pipeline.epochs import Epochs
-from remote_loader.pipeline.order import Mixing
 from remote_loader.pipeline.resume import MAX_WORKERS, Layout
 from remote_loader.pipeline.source import Indexed
 from remote_loader.pipeline.split import rank_size

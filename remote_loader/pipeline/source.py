@@ -1,6 +1,6 @@
 """An indexed dataset (``Indexed``) and the sample source of one of its workers
 (``ShardSource``): its plan's shards fetched ahead in ranges and read in its delivery order
-(``order.py``): groups of ``open_shards`` spans interleaved, then the shuffle buffer.
+(``delivery.py``): groups of ``open_shards`` spans interleaved, then the shuffle buffer.
 
 The source is the one stateful part of a pipeline. It counts its outputs (a skipped sample is an
 output that yields nothing), keeps the positions of the latest ones, and says at any output
@@ -22,8 +22,7 @@ import numpy as np
 
 from remote_loader.errors import OnError
 from remote_loader.format import Sample
-from remote_loader.pipeline.intervals import merge
-from remote_loader.pipeline.order import (
+from remote_loader.pipeline.delivery import (
     Group,
     Mixing,
     Point,
@@ -35,6 +34,7 @@ from remote_loader.pipeline.order import (
     undelivered_at,
     worker_seeds,
 )
+from remote_loader.pipeline.intervals import merge
 from remote_loader.pipeline.resume import Layout, Start
 from remote_loader.pipeline.split import EpochOrders, PlanSpans, Span
 from remote_loader.read.fetch import Fetched, Job, Prefetcher, fetch_head

@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 
 from remote_loader.errors import ConfigError
-from remote_loader.format.counts import Counts
-from remote_loader.format.order import EpochOrder
+from remote_loader.format.epoch_order import EpochOrder
+from remote_loader.format.shard_counts import Counts
 
 
 @dataclass(frozen=True)

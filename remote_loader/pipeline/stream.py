@@ -3,7 +3,7 @@ as torchdata's nodes.
 
 **The order.** A worker reads its *plan* (intervals of positions of the epoch's virtual
 sequence, ``split.py``) through its *source*: ``open_shards`` spans mixed, then the shuffle
-buffer (``order.py``). Which position comes out at each output is fixed by the seed, the
+buffer (``delivery.py``). Which position comes out at each output is fixed by the seed, the
 epoch, the worker, the plan and that mixing, never by the bytes or by fetch timing. The
 stages then turn samples into items; each states what one output holds of its inputs
 (``Cardinality``).

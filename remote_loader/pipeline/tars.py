@@ -10,8 +10,8 @@ import numpy as np
 
 from remote_loader.errors import ConfigError, DatasetNotFound, OnError
 from remote_loader.format import Sample
-from remote_loader.format.order import shard_order
-from remote_loader.pipeline.order import Mixing, Shuffler, worker_seeds
+from remote_loader.format.epoch_order import shard_order
+from remote_loader.pipeline.delivery import Mixing, Shuffler, worker_seeds
 from remote_loader.pipeline.resume import Layout, Start
 from remote_loader.read.fetch import Fetched, Job, Prefetcher
 from remote_loader.read.reader import DatasetReader

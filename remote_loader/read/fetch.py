@@ -112,7 +112,7 @@ _SECOND_PART = 2 << 20  # and the first ranges' second part is not much larger
 _MIN_TAIL = 1 << 20  # a range's last part smaller than this joins the part before: a GET costs a round trip
 
 
-class _Slot(Generic[C]):
+class _Pending(Generic[C]):
     def __init__(self, job: Job[C]) -> None:
         self.job = job
         self.located = threading.Event()
@@ -152,7 +152,7 @@ class Prefetcher(Generic[C]):
         self.bucket, self.policy = bucket, policy
         self.config, self.metrics = policy.config, policy.metrics
         self._jobs = iter(jobs)
-        self._slots: deque[_Slot[C] | None] = deque()  # None marks the end of the jobs
+        self._slots: deque[_Pending[C] | None] = deque()  # None marks the end of the jobs
         # One lock, three waits, each woken only for its own news: getters for parts to fetch
         # (one per part, not all of them per event), the scheduler for budget, the consumer
         # for ranges handed out. Waking every thread at every event costs the GIL per thread.
@@ -223,14 +223,14 @@ class Prefetcher(Generic[C]):
     def _schedule_jobs(self) -> None:
         # Indexes are located a few jobs ahead, in parallel: the consumer opens several ranges
         # at once. The first ranges' heads are fetched meanwhile, where their jobs say where they lie.
-        pending: deque[tuple[_Slot[C], Future[tuple[int, int, C]], _Head | None]] = deque()
+        pending: deque[tuple[_Pending[C], Future[tuple[int, int, C]], _Head | None]] = deque()
         taken = 0
         while True:
             while len(pending) < _LOCATE_AHEAD and not self._closed:
                 job = next(self._jobs, None)
                 if job is None:
                     break
-                slot = _Slot(job)
+                slot = _Pending(job)
                 early = job.early or (self._fetch_head(job) if taken < _LOCATE_AHEAD else None)
                 taken += 1
                 pending.append((slot, in_daemon_thread(job.locate), early))
@@ -261,7 +261,7 @@ class Prefetcher(Generic[C]):
             return None
         return fetch_head(self.policy, self.bucket, job.key, *job.head)
 
-    def _submit(self, slot: _Slot[C], start: int, end: int, context: C, early: _Head | None = None) -> None:
+    def _submit(self, slot: _Pending[C], start: int, end: int, context: C, early: _Head | None = None) -> None:
         """Queue the parts of a located range. The first ranges start with small parts, so the
         first samples come early; later ones use whole parts (each GET has a fixed cost). A
         head fetched early (``Job.head``) is the first part when the range starts inside it.

@@ -29,9 +29,9 @@ from remote_loader.errors import (
     TruncatedShard,
 )
 from remote_loader.format import MANIFEST_NAME, UPLOAD_STATE, Manifest, Sample, ShardEntry, ShardIndex, ShardView
-from remote_loader.format.counts import Counts
 from remote_loader.format.manifest import datasets_inside
 from remote_loader.format.pages import PagedTable
+from remote_loader.format.shard_counts import Counts
 from remote_loader.format.tar import scan_tar
 from remote_loader.read.heap import release_free_memory
 from remote_loader.read.metrics import Metrics

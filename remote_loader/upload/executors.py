@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from remote_loader.errors import RemoteLoaderError, UploadError
 from remote_loader.upload import tasks
-from remote_loader.upload.sources import Source
+from remote_loader.upload.sources import SourceSpec
 from remote_loader.upload.tasks import TASKS_AT_ONCE, TaskResult, TaskSpec, write_tasks
 
 
@@ -56,7 +56,7 @@ def _ship(executor: Executor, dataset: Any, source: str | None) -> tuple[Any, st
     a token for the dataset sent to every worker in a plugin (whose name comes second, to
     remove it when the upload ends); any other executor gets the dataset itself."""
     if source is not None:
-        return Source(source), None
+        return SourceSpec(source), None
     client = getattr(executor, "_client", None)
     if _is_dask(executor) and client is not None:
         from remote_loader.upload.shipping import ship  # distributed: the dask extra

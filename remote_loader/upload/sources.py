@@ -98,7 +98,7 @@ def load_source(spec: str) -> Any:
 
 
 @dataclass(frozen=True)
-class Source:
+class SourceSpec:
     """A dataset named by a ``load_source`` spec: what travels to a cluster's workers
     instead of the dataset, which each worker process builds once (``resolve``)."""
 
@@ -125,14 +125,14 @@ def drop_shipped(token: str) -> None:
 
 
 def resolve(dataset: Any) -> Any:
-    """The dataset itself; for a ``Source`` the one this process built from its spec; for a
+    """The dataset itself; for a ``SourceSpec`` the one this process built from its spec; for a
     ``Shipped`` the one its plugin left in this worker."""
     if isinstance(dataset, Shipped):
         if dataset.token not in _shipped:
             raise UploadError("this Dask worker has not received the upload's dataset (its worker plugin was"
                               " removed: the upload ended or was interrupted); re-run the upload")
         return _shipped[dataset.token]
-    if not isinstance(dataset, Source):
+    if not isinstance(dataset, SourceSpec):
         return dataset
     if dataset.spec not in _built:
         _built[dataset.spec] = load_source(dataset.spec)

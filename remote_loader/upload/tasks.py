@@ -266,7 +266,7 @@ def write_tasks(
     Args:
         spec: Settings shared by every task of the upload.
         group: The tasks; each task's number names its shards and its record.
-        dataset: The dataset, a ``Source`` naming it, or None in a pool whose initializer
+        dataset: The dataset, a ``SourceSpec`` naming it, or None in a pool whose initializer
             already set it.
         progress: Where (samples, bytes) counts go (``put``, from any thread); None in a
             pool whose initializer set its queue.

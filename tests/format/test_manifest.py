@@ -417,7 +417,7 @@ def test_params_and_skipped_are_required(key):
 
 
 def test_the_epoch_shard_order_is_the_generator_the_spec_names():
-    from remote_loader.format.order import block_shards, shard_order
+    from remote_loader.format.epoch_order import block_shards, shard_order
 
     assert shard_order(1000, 7, 3).tolist() == np.random.default_rng([7, 3]).permutation(1000).tolist()
     # version 3: block 2 of pages of 64 rows, in a manifest of 150 shards (the last block shorter)

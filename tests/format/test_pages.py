@@ -14,7 +14,7 @@ import pytest
 from remote_loader.errors import CorruptShard, IndexOutOfBounds
 from remote_loader.format import Manifest, ShardTable
 from remote_loader.format import pages as paging
-from remote_loader.format.counts import ArrayCounts, RunCounts, block_totals
+from remote_loader.format.shard_counts import ArrayCounts, RunCounts, block_totals
 
 PAGES = "shard-0a1b2c3d-manifest.pages"
 

@@ -13,7 +13,7 @@ import pytest
 from torch.utils.data import DataLoader
 
 from remote_loader import DatasetChanged, RemoteMapDataset
-from remote_loader.format import MANIFEST_NAME, Manifest, order
+from remote_loader.format import MANIFEST_NAME, Manifest, epoch_order
 from remote_loader.pipeline.dataset import RemoteDataset
 from remote_loader.testing.synthetic import SyntheticImages
 from tests.helpers import upload_to_new_bucket
@@ -127,7 +127,7 @@ def test_forked_workers_take_the_epochs_shard_order_from_the_main_process(versio
     def refuse(*args: object) -> None:
         raise AssertionError("a worker permuted the shards itself")
 
-    monkeypatch.setattr(order, "shard_order", refuse)
+    monkeypatch.setattr(epoch_order, "shard_order", refuse)
     got = list(DataLoader(dataset.shuffle(20).map(lambda s: s["__key__"]), batch_size=None, num_workers=2,
                           multiprocessing_context=multiprocessing.get_context("fork")))
     assert Counter(got) == Counter(f"{i:06d}" for i in range(131))

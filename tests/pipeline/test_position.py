@@ -13,10 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from remote_loader.errors import ConfigError
-from remote_loader.format.counts import ArrayCounts
-from remote_loader.format.order import EpochOrder
-from remote_loader.pipeline.intervals import merge
-from remote_loader.pipeline.order import (
+from remote_loader.format.epoch_order import EpochOrder
+from remote_loader.format.shard_counts import ArrayCounts
+from remote_loader.pipeline.delivery import (
     Mixing,
     Shuffler,
     fast_forward,
@@ -25,6 +24,7 @@ from remote_loader.pipeline.order import (
     read_positions,
     undelivered_at,
 )
+from remote_loader.pipeline.intervals import merge
 from remote_loader.pipeline.resume.states import Remainder, encode, gather, parse
 from remote_loader.pipeline.split import PlanSpans, divide, worker_bounds
 

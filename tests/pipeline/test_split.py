@@ -8,8 +8,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from remote_loader.format.counts import ArrayCounts, RunCounts
-from remote_loader.format.order import EpochOrder, shard_order
+from remote_loader.format.epoch_order import EpochOrder, shard_order
+from remote_loader.format.shard_counts import ArrayCounts, RunCounts
 from remote_loader.pipeline.split import PlanSpans, laps, rank_size, worker_bounds
 
 

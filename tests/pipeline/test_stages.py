@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from remote_loader.errors import ConfigError, DecodeError
-from remote_loader.pipeline.order import Shuffler
+from remote_loader.pipeline.delivery import Shuffler
 from remote_loader.pipeline.stages import (
     Batched,
     Context,

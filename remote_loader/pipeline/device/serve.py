@@ -31,8 +31,8 @@ import torch
 
 from remote_loader.pipeline.device.channel import Channel, load_pipeline, sendable
 from remote_loader.pipeline.device.codec import open_codec
+from remote_loader.pipeline.device.decoded import decoded_with_states
 from remote_loader.pipeline.device.decoder import Place
-from remote_loader.pipeline.device.stream import decoded_with_states
 
 _STEP = 1.0
 _STOP = ("stop",)

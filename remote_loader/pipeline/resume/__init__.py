@@ -4,7 +4,7 @@ takes and resumes them is told in ``pipeline/stream.py``.
 - ``states.py``: a worker's state (specified in docs/FORMAT.md): ``encode``, ``parse`` (each
   field checked), the worker states inside a loader's state, and ``gather``: the rest of an
   epoch from every worker's state of every rank.
-- ``counts.py``: count states (``state_dict(consumed=...)``), for a plain DataLoader whose
+- ``item_counts.py``: count states (``state_dict(consumed=...)``), for a plain DataLoader whose
   workers cannot be asked.
 - ``loaded.py``: what ``load_state_dict`` was given, as one ``Loaded`` (each worker's own
   state, a count state converted into those, or a gathered rest), and the ``Start`` of each
@@ -24,7 +24,7 @@ mid-epoch state is unused, and any malformed field. A state resumes its epoch on
 of a finished epoch lets the next iteration start the next epoch whole.
 """
 
-from remote_loader.pipeline.resume.counts import MAX_WORKERS, count_state
+from remote_loader.pipeline.resume.item_counts import MAX_WORKERS, count_state
 from remote_loader.pipeline.resume.layout import Layout
 from remote_loader.pipeline.resume.loaded import Loaded, Start, load, share, start
 from remote_loader.pipeline.resume.states import encode

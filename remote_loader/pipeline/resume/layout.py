@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from remote_loader.errors import ResumeError
-from remote_loader.pipeline.order import Mixing
+from remote_loader.pipeline.delivery import Mixing
 from remote_loader.pipeline.resume.states import WorkerState
 from remote_loader.pipeline.split import worker_bounds
 from remote_loader.pipeline.stages import Chain, Stage

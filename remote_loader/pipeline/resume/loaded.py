@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from remote_loader.errors import ResumeError
-from remote_loader.pipeline.resume.counts import ResumeState
+from remote_loader.pipeline.resume.item_counts import ResumeState
 from remote_loader.pipeline.resume.layout import Layout
 from remote_loader.pipeline.resume.states import (
     Remainder,

@@ -2,7 +2,7 @@
 states inside a loader's state, and the rest of an epoch gathered from every worker's state.
 
 A worker's state is its header (epoch, seed, dataset identity, its place among ranks and
-workers, the run), the ``mixing`` its delivery order depends on (``order.py``), how many
+workers, the run), the ``mixing`` its delivery order depends on (``delivery.py``), how many
 outputs of that order it had delivered, the positions of its plan not yet delivered (merged
 intervals, extras apart with whether each was delivered), and for a worker of a resumed
 rest, its plan. Its size follows the open shards and the shuffle buffer, never the dataset.
@@ -20,8 +20,8 @@ import numpy as np
 
 from remote_loader.config import require_int
 from remote_loader.errors import ResumeError
+from remote_loader.pipeline.delivery import Mixing
 from remote_loader.pipeline.intervals import contains, merge, without
-from remote_loader.pipeline.order import Mixing
 from remote_loader.pipeline.split import Plan, divide
 
 STATE_VERSION = 3
