@@ -16,8 +16,8 @@ from remote_loader.pipeline.collate import collate as collate_samples
 from remote_loader.pipeline.delivery import Mixing
 from remote_loader.pipeline.device import DeviceDecoder, check_device
 from remote_loader.pipeline.device import collate as device_collate
-from remote_loader.pipeline.epochs import Epochs
-from remote_loader.pipeline.resume import MAX_WORKERS, Layout
+from remote_loader.pipeline.epochs import EpochClock
+from remote_loader.pipeline.resume import MAX_WORKERS, Handover, Layout
 from remote_loader.pipeline.source import Indexed
 from remote_loader.pipeline.split import rank_size
 from remote_loader.pipeline.stream import Data, WorkerStream
@@ -107,19 +107,26 @@ class RemoteDataset(IterableDataset):
         self.rank, self.world_size, self.equalize = rank, world_size, equalize
         self.stages: list[stages.Stage] = []
         self._metrics = Metrics.table(1 + MAX_WORKERS)  # row 0: this process; row 1 + w: worker w
-        self._epochs = Epochs()
+        self._epochs = EpochClock()
+        self._handover = Handover()  # the state loaded last, for the iterations that resume from it
+        self._live: WorkerStream | None = None  # this process's latest stream, which gives its state
         self._loaded_state: Any = None  # the state load_state_dict was given last, for the stages chained after it
         self.fell_back = False
         """Whether ``decode(device="auto")`` found no GPU and decodes on the CPU, in the workers."""
         self._data.prepare(seed, 0, shuffle_shards)
 
     def __copy__(self) -> RemoteDataset:
-        """A shallow copy with its own view of the epochs (what it loaded and its live
-        stream), sharing the numbers in shared memory, as a forked worker does."""
+        """A shallow copy with its own view of what it loaded and no live stream, sharing the
+        numbers in shared memory, as a forked worker does."""
         clone = object.__new__(type(self))
         clone.__dict__.update(self.__dict__)
-        clone._epochs = copy.copy(self._epochs)
+        clone._handover, clone._live = copy.copy(self._handover), None
         return clone
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_live"] = None  # a stream stays in its process
+        return state
 
     @property
     def metrics(self) -> Metrics:
@@ -142,8 +149,8 @@ class RemoteDataset(IterableDataset):
         clone = copy.copy(self)
         clone.stages = [*self.stages, *([stage] if stage is not None else [])]
         clone._metrics = Metrics.table(1 + MAX_WORKERS)
-        clone._epochs = Epochs(self.epoch, auto=self._epochs.auto)
-        if self._loaded_state is not None and self._epochs.owed() is not None:
+        clone._epochs, clone._handover = EpochClock(self.epoch, auto=self._epochs.auto), Handover()
+        if self._loaded_state is not None and self._handover.owed() is not None:
             # A state loaded before the chain call: loaded again, as the chain counts its items.
             clone.load_state_dict(self._loaded_state)
         return clone
@@ -252,6 +259,7 @@ class RemoteDataset(IterableDataset):
         """
         if type(epoch) is not int or epoch < 0:
             raise ConfigError(f"epoch must be an integer >= 0, got {epoch!r}")
+        self._handover.check_epoch(epoch)
         self._epochs.set_epoch(epoch)
         self._data.prepare(self.seed, epoch, self.shuffle_shards)
 
@@ -300,13 +308,18 @@ class RemoteDataset(IterableDataset):
             raise ResumeError("checkpoints need an indexed dataset: run remote-loader index on it")
         if consumed is not None:
             epoch = self._epochs.current
-            return resume.count_state(self._layout(), epoch, consumed, num_workers, self._epochs.counted_before(epoch))
+            return resume.count_state(self._layout(), epoch, consumed, num_workers,
+                                      self._handover.counted_before(epoch))
+        if self._live is not None:
+            return dict(self._live.get_state())
         info = get_worker_info()
-        state = self._epochs.state(info)
-        if state is not None:
-            return state
+        if info is None and self._epochs.in_workers:
+            raise ResumeError("this dataset's iteration runs in DataLoader workers, which this process cannot ask:"
+                              " use torchdata's StatefulDataLoader and its state_dict(), or pass consumed= and"
+                              " num_workers= for a plain DataLoader")
         worker, workers = (info.id, info.num_workers) if info else (0, 1)  # the next iteration's, before it starts
-        return self._stream(self._epochs.next_in_this_process(), worker, workers).get_state()
+        own = self._handover.own_epoch()
+        return self._stream(self._epochs.epoch if own is None else own, worker, workers).get_state()
 
     def load_state_dict(self, state: Any) -> None:
         """Resume an epoch from a checkpoint: the next iteration of that epoch delivers
@@ -327,8 +340,10 @@ class RemoteDataset(IterableDataset):
             raise ResumeError("resume needs an indexed dataset: run remote-loader index on it")
         info = get_worker_info()
         loaded = resume.load(self._layout(), state, (info.id, info.num_workers) if info else None)
-        self._epochs.hold(loaded, in_worker=info is not None)
-        self._loaded_state = state
+        self._handover.hold(loaded, in_worker=info is not None)
+        if info is None:  # the next iteration takes the state's epoch, or the next where it was finished
+            self._epochs.seek(loaded.epoch, loaded.finished)
+        self._live, self._loaded_state = None, state
 
     # ------------------------------------------------------------------ iteration
 
@@ -336,7 +351,7 @@ class RemoteDataset(IterableDataset):
         # The stream is made now, so that a StatefulDataLoader asking for the state before the
         # first item gets this iteration's; an error waits for the first next(), where
         # DataLoader workers report it (one raised here ends a persistent worker).
-        self._epochs.live = None
+        self._live = None
         try:
             return self._start()
         except Exception as error:  # noqa: BLE001 - raised unchanged at the first next()
@@ -347,22 +362,23 @@ class RemoteDataset(IterableDataset):
         worker, num_workers = (info.id, info.num_workers) if info else (0, 1)
         if num_workers > MAX_WORKERS:
             raise ConfigError(f"RemoteDataset supports up to {MAX_WORKERS} DataLoader workers, got {num_workers}")
-        epoch = self._epochs.begin(info)  # once: the main process may set the next one while this runs
+        # once: the main process may set the next one while this runs
+        epoch = self._epochs.begin(info, own=self._handover.own_epoch())
         stream = self._stream(epoch, worker, num_workers, take=True)
-        self._epochs.live = stream
+        self._live = stream
         return iter(stream)
 
     def _stream(self, epoch: int, worker: int, num_workers: int, take: bool = False) -> WorkerStream:
         """Worker ``worker``'s stream of ``epoch``, reset to where it starts (a loaded state
         applies once: ``take`` marks it used)."""
         layout = self._layout()
-        loaded = self._epochs.applying(epoch, worker)
+        loaded = self._handover.applying(epoch, worker)
         start = resume.start(layout, loaded, epoch, worker, num_workers) if self._data.resumable else None
         metrics = Metrics(self._metrics[1 + worker if get_worker_info() else 0].numpy())
         policy = self.reader.policy(metrics, cancel=threading.Event())
         stream = WorkerStream(self._data, layout, epoch, worker, num_workers, metrics, policy).reset(start)
         if take:
-            self._epochs.applied(loaded, worker)
+            self._handover.applied(loaded, worker)
         return stream
 
 

@@ -24,9 +24,10 @@ mid-epoch state is unused, and any malformed field. A state resumes its epoch on
 of a finished epoch lets the next iteration start the next epoch whole.
 """
 
+from remote_loader.pipeline.resume.handover import Handover
 from remote_loader.pipeline.resume.item_counts import MAX_WORKERS, count_state
 from remote_loader.pipeline.resume.layout import Layout
 from remote_loader.pipeline.resume.loaded import Loaded, Start, load, share, start
 from remote_loader.pipeline.resume.states import encode
 
-__all__ = ["MAX_WORKERS", "Layout", "Loaded", "Start", "count_state", "encode", "load", "share", "start"]
+__all__ = ["MAX_WORKERS", "Handover", "Layout", "Loaded", "Start", "count_state", "encode", "load", "share", "start"]
