@@ -35,6 +35,7 @@ EXPECTED = {
     "InvalidRange",
     "LocalStore",
     "ObjectNotFound",
+    "OnError",
     "PreconditionFailed",
     "RemoteLoaderError",
     "RetryConfig",
