@@ -48,22 +48,33 @@ _GAP = 2  # samples of a shard between two a resumed buffer needs that are fetch
 
 
 @dataclass(frozen=True)
+class GroupReads:
+    """A group's reads from read ``offset`` on, and the ranges they open, in the order the
+    reads need them (``delivery.ranges_in_need``: ``(read, slot, first, stop)``, ``read``
+    counted from ``offset``). The one plan of a group: its jobs are made from ``ranges`` in
+    this order, and its reads open the fetched ranges as ``ranges`` says, so the two cannot
+    disagree."""
+
+    group: Group
+    offset: int
+    ranges: list[tuple[int, int, int, int]]
+
+
+@dataclass(frozen=True)
 class Piece:
-    """What a fetched range is for: the next range of slot ``slot`` of ``group`` (the reads
-    take their groups from the ranges, so the order is walked once, where jobs are made), or
-    samples a resumed shuffle buffer held (``wanted``: pairs of the sample in its shard and
-    its index in the buffer)."""
+    """What a fetched range is for: a range of a group's plan (``reads``), or samples a
+    resumed shuffle buffer held (``wanted``: pairs of the sample in its shard and its index
+    in the buffer)."""
 
     plan: RangePlan
-    slot: int = -1
-    group: Group | None = None
+    reads: GroupReads | None = None
     wanted: tuple[tuple[int, int], ...] = ()
 
 
-def _locate(cache: IndexCache, shard: int, first: int, stop: int, on_error: OnError, slot: int, group: Group | None,
+def _locate(cache: IndexCache, shard: int, first: int, stop: int, on_error: OnError, reads: GroupReads | None,
             wanted: tuple[tuple[int, int], ...] = ()) -> tuple[int, int, Piece]:
     start, end, plan = locate_span(cache, shard, first, stop, on_error)
-    return start, end, Piece(plan, slot, group, wanted)
+    return start, end, Piece(plan, reads, wanted)
 
 
 class ShardSource:
@@ -205,14 +216,15 @@ class ShardSource:
         shards = self.reader.manifest.shards
         cursors = group.cursors(offset).tolist()
         bounds = [self._cuts(span, span.start + cursor) for span, cursor in zip(group.spans, cursors, strict=True)]
+        reads = GroupReads(group, offset, ranges_in_need(group, offset, bounds))
         jobs = []
-        for _, slot, first, stop in ranges_in_need(group, offset, bounds):
+        for _, slot, first, stop in reads.ranges:
             shard = group.spans[slot].shard
             entry = shards[shard]
             # A shard's first sample lies just past its start: fetch from there while the range is located.
             head = (0, entry.size) if first == 0 else None
             jobs.append(Job(self.reader.location.key(entry.name),
-                            partial(_locate, self.cache, shard, first, stop, self.on_error, slot, group), head,
+                            partial(_locate, self.cache, shard, first, stop, self.on_error, reads), head,
                             early.pop(slot, None) if first == 0 else None))
         return jobs
 
@@ -242,7 +254,7 @@ class ShardSource:
             else:
                 runs.append((shard, [(sample, k)]))
         return [Job(self.reader.location.key(manifest[shard].name),
-                    partial(_locate, self.cache, shard, run[0][0], run[-1][0] + 1, self.on_error, -1, None, tuple(run)))
+                    partial(_locate, self.cache, shard, run[0][0], run[-1][0] + 1, self.on_error, None, tuple(run)))
                 for shard, run in runs]
 
     # ------------------------------------------------------------------ what it yields
@@ -299,32 +311,31 @@ class ShardSource:
 
     def _reads(self, fetched: Iterator[Fetched[Piece]]) -> Iterator[tuple[int, Sample | None]]:
         """``(position, sample)`` in the source order; None for a sample skipped. Each group
-        comes with its first range: the jobs were made in the order its reads need them."""
-        point = self.point
-        start = point.group_start
+        comes with its first range, whose ``GroupReads`` says at which read each of the
+        group's ranges opens: the ranges arrive in that order, the order its jobs were made in."""
+        start = self.point.group_start
         item = next(fetched, None)
         while item is not None:
-            group = item.context.group
-            if group is None:
-                item.release()
-                raise RuntimeError("the fetcher handed a resumed buffer's range where a group's was next")
-            offset = point.reads - start if group.index == point.group else 0
-            cursors = group.cursors(offset).tolist()
+            reads = item.context.reads
+            assert reads is not None  # a resumed buffer's ranges come first, all taken by _read_held
+            group, ranges = reads.group, reads.ranges
+            cursors = group.cursors(reads.offset).tolist()
             nexts = [s.position + c for s, c in zip(group.spans, cursors, strict=True)]
             readers: list[OpenRange | None] = [None] * len(group.spans)
             self._group, self._group_start, self._next = group, start, nexts
+            opened = 0
             try:
-                for slot in group.labels[offset:].tolist():
-                    reading = readers[slot]
-                    if reading is None or reading.done:
-                        if reading is not None:
-                            reading.close()
-                        reading = readers[slot] = self._open(item if item is not None else next(fetched), slot,
-                                                             group)
-                        item = None
+                for read, slot in enumerate(group.labels[reads.offset:].tolist()):
+                    if opened < len(ranges) and ranges[opened][0] == read:  # this read opens its slot's next range
+                        if readers[slot] is not None:
+                            readers[slot].close()
+                        fetched_range = item if item is not None else next(fetched)
+                        readers[slot] = OpenRange(self.reader, fetched_range, fetched_range.context.plan, self.policy,
+                                                  self.on_error)
+                        item, opened = None, opened + 1
                     position = nexts[slot]
                     nexts[slot] = position + 1
-                    yield position, reading.next_sample()
+                    yield position, readers[slot].next_sample()
             finally:
                 for reading in readers:
                     if reading is not None:
@@ -332,14 +343,6 @@ class ShardSource:
             start += len(group)
             self._group, self._group_start, self._next = None, start, []
             item = next(fetched, None)
-
-    def _open(self, item: Fetched[Piece], slot: int, group: Group) -> OpenRange:
-        piece = item.context
-        if piece.slot != slot or piece.group is not group:
-            item.release()
-            raise RuntimeError(f"the fetcher handed a range of slot {piece.slot} where slot {slot} of group"
-                               f" {group.index} was next: its jobs are out of order")
-        return OpenRange(self.reader, item, piece.plan, self.policy, self.on_error)
 
 
 # --------------------------------------------------------------------------- the dataset it reads
