@@ -8,15 +8,12 @@ set of buffers. At most ``2 x threads`` samples are in flight, so memory stays b
 from __future__ import annotations
 
 import contextlib
-import queue
-import threading
-import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
-from remote_loader.storage.daemon import wait_result
+from remote_loader.storage.daemon import DaemonPool, wait_result
 
 _JOIN_SECONDS = 1.0
 """How long shutting a stage down waits for its threads; one still in user code after
@@ -65,48 +62,6 @@ def apply(fn: Callable[[Any], Any], samples: Iterable[Any]) -> Iterator[Any]:
         yield result
 
 
-class _DaemonPool:
-    """Threads that run ``fn(sample)`` for futures. Unlike ``ThreadPoolExecutor``'s, they
-    are daemon threads that nothing joins without a bound, so a user function that never
-    returns cannot keep Ctrl-C from ending the loop or the interpreter from exiting."""
-
-    def __init__(self, threads: int) -> None:
-        self._tasks: queue.SimpleQueue[tuple[Future[Any], Callable[[Any], Any], Any] | None] = queue.SimpleQueue()
-        self._threads = [threading.Thread(target=self._work, name=f"remote-loader-stage_{i}", daemon=True)
-                         for i in range(threads)]
-        for thread in self._threads:
-            thread.start()
-
-    def submit(self, fn: Callable[[Any], Any], sample: Any) -> Future[Any]:
-        future: Future[Any] = Future()
-        self._tasks.put((future, fn, sample))
-        return future
-
-    def _work(self) -> None:
-        while True:
-            task = self._tasks.get()
-            if task is None:
-                return
-            future, fn, sample = task
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn(sample))
-            except BaseException as error:  # noqa: BLE001 - handed to the consumer
-                future.set_exception(error)
-            del task, future, sample
-
-    def shutdown(self) -> None:
-        """Stop the threads: those between samples end at once; one in user code is given
-        about a second, then left to end by itself."""
-        for _ in self._threads:
-            self._tasks.put(None)
-        deadline = time.monotonic() + _JOIN_SECONDS
-        for thread in self._threads:
-            if thread is not threading.current_thread():  # the last reference may go in a stage thread
-                thread.join(max(0.0, deadline - time.monotonic()))
-
-
 def threaded_map(fn: Callable[[Any], Any], samples: Iterable[Any], threads: int) -> Iterator[Any]:
     """``fn`` over ``samples`` on ``threads`` threads, results in input order.
 
@@ -114,7 +69,7 @@ def threaded_map(fn: Callable[[Any], Any], samples: Iterable[Any], threads: int)
     threads end when the iteration ends, fails or is abandoned (closed or collected); a
     thread stuck in ``fn`` is not waited for longer than about a second.
     """
-    pool = _DaemonPool(threads)
+    pool = DaemonPool(threads, "remote-loader-stage", numbered=True)
     pending: deque[tuple[Any, int, Future[Any]]] = deque()
 
     def take() -> Any:
@@ -135,4 +90,4 @@ def threaded_map(fn: Callable[[Any], Any], samples: Iterable[Any], threads: int)
     finally:
         for _, _, future in pending:
             future.cancel()
-        pool.shutdown()
+        pool.shutdown(join=_JOIN_SECONDS)  # a thread stuck in fn is given about a second

@@ -1,0 +1,54 @@
+"""The one pool of daemon threads (``storage/daemon.py``): stage threads and the store's
+parallel requests both run on it."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from remote_loader.storage.daemon import DaemonPool, map_on_daemon_threads
+
+
+def test_results_come_in_the_items_order_on_threads_of_the_given_name():
+    names: set[str] = set()
+
+    def call(item: int) -> int:
+        names.add(threading.current_thread().name)
+        return item * item
+
+    assert map_on_daemon_threads(call, list(range(20)), 4, "remote-loader-test") == [i * i for i in range(20)]
+    assert names == {"remote-loader-test"}
+
+
+def test_after_a_failure_no_other_item_starts_and_a_hung_call_does_not_hold_the_error():
+    started: list[int] = []
+    release = threading.Event()
+
+    def call(item: int) -> int:
+        started.append(item)
+        if item == 0:
+            raise ValueError("item 0 is bad")
+        if item == 1:
+            release.wait(10)  # a request to a store that stopped answering
+        return item
+
+    try:
+        with pytest.raises(ValueError, match="item 0 is bad"):
+            map_on_daemon_threads(call, list(range(10)), 2)
+        assert 0 in started and set(started) <= {0, 1}  # no thread took another item
+    finally:
+        release.set()
+
+
+def test_a_pool_skips_a_future_cancelled_before_its_turn_and_its_threads_end():
+    pool = DaemonPool(1, "remote-loader-test", numbered=True)
+    gate = threading.Event()
+    first = pool.submit(gate.wait, 10)
+    second = pool.submit(lambda: "ran")
+    assert second.cancel()
+    gate.set()
+    assert first.result(10) is True
+    pool.shutdown(join=10)
+    assert second.cancelled()
+    assert not [t for t in threading.enumerate() if t.name == "remote-loader-test_0"]
