@@ -22,7 +22,7 @@ import numpy as np
 from remote_loader.read.buffers import Buffers
 from remote_loader.read.reach import Reach
 from remote_loader.read.retry import Cancelled, RetryPolicy
-from remote_loader.storage.daemon import in_daemon_thread
+from remote_loader.storage.daemon import DaemonPool, in_daemon_thread
 
 T = TypeVar("T")
 C = TypeVar("C")  # what a job says about its range, handed unread to the consumer
@@ -171,12 +171,11 @@ class Prefetcher(Generic[C]):
         self._reach = Reach(self.config.concurrency, self.config.prefetch_bytes, round_trip)
         self._budget_blocked = False  # the scheduler waits for budget
         self.metrics.peak("gets_in_flight", self._reach.gets)
-        self._getters = [threading.Thread(target=self._get, name=f"remote-loader-get-{i}", daemon=True)
-                         for i in range(self.config.concurrency)]
-        for getter in self._getters:
-            getter.start()
-        self._scheduler = threading.Thread(target=self._schedule, name="remote-loader-prefetch", daemon=True)
-        self._scheduler.start()
+        # Its getters and its scheduler: each a loop on a thread of the daemon pool, until closed.
+        self._threads = DaemonPool(self.config.concurrency + 1, "remote-loader-fetch", numbered=True)
+        for _ in range(self.config.concurrency):
+            self._threads.submit(self._get)
+        self._threads.submit(self._schedule)
 
     def check(self) -> None:
         """Raise the fetcher's failure, or FetcherClosed once it is closed."""
@@ -393,10 +392,7 @@ class Prefetcher(Generic[C]):
             self._parts.clear()  # queued parts hold their ranges, which hold this fetcher
             self._wake_all()
         self.policy.cancel.set()  # requests waiting to retry give up at once
-        deadline = time.monotonic() + _CLOSE_WITHIN
-        for thread in [*self._getters, self._scheduler]:
-            if thread is not threading.current_thread():
-                thread.join(max(0.0, deadline - time.monotonic()))
+        self._threads.shutdown(join=_CLOSE_WITHIN)
 
     def __enter__(self) -> Prefetcher:
         return self
