@@ -77,7 +77,7 @@ PARTS = (
     ("boto3", "S3 client (requests)"),
     ("remote_loader/storage/", "S3 client (requests)"),
     ("remote_loader/read/fetch.py", "prefetcher"),
-    ("remote_loader/read/retry.py", "prefetcher"),
+    ("remote_loader/read/session.py", "prefetcher"),
     ("simplejpeg", "decode"),
     ("PIL/", "decode"),
     ("remote_loader/pipeline/augment.py", "decode"),

@@ -22,7 +22,7 @@ from shaper import relayed  # type: ignore[import-not-found]
 
 from remote_loader import FetchConfig, make_client
 from remote_loader.read.metrics import Metrics
-from remote_loader.read.retry import RetryPolicy
+from remote_loader.read.session import ReadSession
 from remote_loader.read.whole import fetch_whole
 from remote_loader.testing.server import EmbeddedS3
 
@@ -61,9 +61,9 @@ def main() -> None:
                         assert client.get(BUCKET, key) == data  # and a connection is warm
                         single = timed(lambda: client.get(BUCKET, key), args.repeats)
                         metrics = Metrics()
-                        policy = RetryPolicy(FetchConfig(), metrics, client)
-                        assert fetch_whole(policy, BUCKET, key) == data
-                        ranged = timed(lambda: fetch_whole(policy, BUCKET, key), args.repeats)
+                        session = ReadSession(FetchConfig(), metrics, client)
+                        assert fetch_whole(session, BUCKET, key) == data
+                        ranged = timed(lambda: fetch_whole(session, BUCKET, key), args.repeats)
                         gets = int(metrics.gets) // (args.repeats + 1)
                         print(f"| {profile} | {count:,} | {len(data) / 1e6:.1f} MB | {single:.3f} s | {ranged:.3f} s"
                               f" | {gets} | {single / ranged:.2f}x |", flush=True)

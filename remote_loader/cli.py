@@ -219,7 +219,7 @@ def _image_kinds(reader: DatasetReader) -> dict[str, str]:
         if not len(present):
             continue
         start = int(index.offsets[present[0], column])
-        head = reader.policy().store.get_range(reader.location.bucket, reader.location.key(entry.name), start,
+        head = reader.session().store.get_range(reader.location.bucket, reader.location.key(entry.name), start,
                                                start + min(int(index.sizes[present[0], column]), 1 << 16))
         try:
             with Image.open(io.BytesIO(head)) as image:

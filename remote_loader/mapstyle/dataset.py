@@ -80,8 +80,8 @@ class RemoteMapDataset(Dataset):
         """Per-process state: a forked child must not use a lock a parent thread may have
         held at the fork."""
         self._pid = os.getpid()
-        self._policy = self.reader.policy(self.metrics)
-        self._indexes = IndexCache(self.reader, self._policy, keep=self.cache_shards)
+        self._session = self.reader.session(self.metrics)
+        self._indexes = IndexCache(self.reader, self._session, keep=self.cache_shards)
 
     def position_of(self, source: int) -> int:
         """The position ``i`` of the sample the upload read as ``ds[source]`` (``self[i]`` is
@@ -133,7 +133,7 @@ class RemoteMapDataset(Dataset):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for name in ("_indexes", "_policy", "_pid"):
+        for name in ("_indexes", "_session", "_pid"):
             state.pop(name)
         state["_positions"] = None  # computed again where asked
         return state
@@ -168,7 +168,7 @@ class RemoteMapDataset(Dataset):
     def _fetch_run(self, shard: int, positions: list[int]) -> list[Sample]:
         """One GET covering samples ``positions`` (sorted) of one shard; fetched again if its
         bytes fail their checksums, up to ``fetch.refetch_attempts``."""
-        return read_run(self.reader, shard, self._index(shard), positions, self._policy)
+        return read_run(self.reader, shard, self._index(shard), positions, self._session)
 
     def _runs(self, located: list[tuple[int, int]]) -> list[tuple[int, list[int]]]:
         """Group sample positions into runs of one shard whose byte ranges lie within ``merge_gap``."""

@@ -375,8 +375,8 @@ class RemoteDataset(IterableDataset):
         loaded = self._handover.applying(epoch, worker)
         start = resume.start(layout, loaded, epoch, worker, num_workers) if self._data.resumable else None
         metrics = Metrics(self._metrics[1 + worker if get_worker_info() else 0].numpy())
-        policy = self.reader.policy(metrics, cancel=threading.Event())
-        stream = WorkerStream(self._data, layout, epoch, worker, num_workers, metrics, policy).reset(start)
+        session = self.reader.session(metrics, cancel=threading.Event())
+        stream = WorkerStream(self._data, layout, epoch, worker, num_workers, metrics, session).reset(start)
         if take:
             self._handover.applied(loaded, worker)
         return stream

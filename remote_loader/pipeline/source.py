@@ -40,7 +40,7 @@ from remote_loader.pipeline.split import EpochOrders, PlanSpans, Span
 from remote_loader.read.fetch import Fetched, Job, Prefetcher, fetch_head
 from remote_loader.read.heap import release_free_memory
 from remote_loader.read.reader import DatasetReader
-from remote_loader.read.retry import RetryPolicy
+from remote_loader.read.session import ReadSession
 from remote_loader.read.shards import DAMAGE, IndexCache, OpenRange, RangePlan, locate_span
 
 _EARLY_HEADS = 4  # shards whose first bytes are fetched before their indexes have come, per iteration
@@ -82,7 +82,7 @@ class ShardSource:
 
     Args:
         reader: The dataset.
-        policy: The worker's requests (retrying store, metrics, cancel).
+        session: The worker's requests (retrying store, metrics, cancel).
         spans: Makes the spans of the worker's plan, in order (called once more when resuming).
         rows: The plan's intervals of positions, in order (for ``undelivered``).
         mixing: Spans read at once, and the shuffle buffer.
@@ -92,14 +92,14 @@ class ShardSource:
         start: Outputs given before (a resume): the order goes on from there.
     """
 
-    def __init__(self, reader: DatasetReader, policy: RetryPolicy, *, spans: Callable[[], Iterable[Span]],
+    def __init__(self, reader: DatasetReader, session: ReadSession, *, spans: Callable[[], Iterable[Span]],
                  rows: Sequence[tuple[int, int]], mixing: Mixing, seeds: tuple[Sequence[int], Sequence[int]],
                  locate: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]], on_error: OnError = OnError.RAISE,
                  start: int = 0) -> None:
-        self.reader, self.policy, self.spans, self.rows = reader, policy, spans, rows
+        self.reader, self.session, self.spans, self.rows = reader, session, spans, rows
         self.mixing, self.seeds, self.locate, self.on_error = mixing, seeds, locate, on_error
         self.point = fast_forward(spans(), mixing, seeds, start) if start else Point(0, 0, 0, 0)
-        self.cache = IndexCache(reader, policy, keep=2 * mixing.open_shards + 4)
+        self.cache = IndexCache(reader, session, keep=2 * mixing.open_shards + 4)
         self._ring: deque[int] = deque()  # positions of outputs from ``_base`` on
         self._base = self.point.outputs
         self._skips: list[list[int]] = []  # runs [output, count] of outputs that were skipped samples
@@ -206,7 +206,7 @@ class ShardSource:
         for slot, (span, cursor) in enumerate(zip(group.spans, cursors, strict=True)):
             if len(early) < most and span.start + cursor == 0 and self.cache.cached(span.shard) is None:
                 entry = shards[span.shard]
-                early[slot] = fetch_head(self.policy, self.reader.location.bucket,
+                early[slot] = fetch_head(self.session, self.reader.location.bucket,
                                          self.reader.location.key(entry.name), 0, entry.size)
         return early
 
@@ -235,7 +235,7 @@ class ShardSource:
             index = self.cache.get(span.shard)
         except DAMAGE:  # one range: locating it reports the damage, or skips the shard
             return [first, span.end]
-        return index.cuts(first, span.end, self.policy.config.range_bytes)
+        return index.cuts(first, span.end, self.session.config.range_bytes)
 
     def _held_jobs(self) -> list[Job[Piece]]:
         """Jobs fetching the samples a resumed shuffle buffer held: per shard, runs of them
@@ -263,7 +263,7 @@ class ShardSource:
         """The samples, in the delivery order from ``start`` on."""
         bucket = self.reader.location.bucket
         self._started = True
-        with Prefetcher(bucket, self._jobs(), self.policy, self.reader.round_trip) as prefetcher:
+        with Prefetcher(bucket, self._jobs(), self.session, self.reader.round_trip) as prefetcher:
             fetched = iter(prefetcher)
             try:
                 held = self._read_held(fetched)
@@ -299,7 +299,7 @@ class ShardSource:
         while remaining:
             item = next(fetched)
             piece = item.context
-            reading = OpenRange(self.reader, item, piece.plan, self.policy, self.on_error)
+            reading = OpenRange(self.reader, item, piece.plan, self.session, self.on_error)
             try:
                 for sample_index, k in piece.wanted:
                     reading.next = sample_index  # the samples between are not wanted
@@ -330,7 +330,7 @@ class ShardSource:
                         if readers[slot] is not None:
                             readers[slot].close()
                         fetched_range = item if item is not None else next(fetched)
-                        readers[slot] = OpenRange(self.reader, fetched_range, fetched_range.context.plan, self.policy,
+                        readers[slot] = OpenRange(self.reader, fetched_range, fetched_range.context.plan, self.session,
                                                   self.on_error)
                         item, opened = None, opened + 1
                     position = nexts[slot]
@@ -370,7 +370,7 @@ class Indexed:
         self.orders.prepare(self.reader.counts, self.rows, seed, epoch, shuffle)
 
     def source(self, layout: Layout, epoch: int, worker: int, num_workers: int, start: Start | None,
-               policy: RetryPolicy) -> ShardSource:
+               session: ReadSession) -> ShardSource:
         if start is None:
             raise ValueError("an indexed dataset's source starts from a Start (WorkerStream.reset makes one)")
         plan = start.plan
@@ -381,6 +381,6 @@ class Indexed:
         def where(positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # a resumed buffer's samples (rare)
             return self.orders.get(counts, self.rows, seed, epoch, shuffle, keep=False).locate(positions)
 
-        return ShardSource(self.reader, policy, spans=lambda: spans, rows=plan.rows, mixing=layout.mixing,
+        return ShardSource(self.reader, session, spans=lambda: spans, rows=plan.rows, mixing=layout.mixing,
                            seeds=worker_seeds(seed, epoch, layout.rank, worker), locate=where,
                            on_error=self.on_error, start=start.delivered)

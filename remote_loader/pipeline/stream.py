@@ -39,7 +39,7 @@ from remote_loader.pipeline.resume import Layout, Start, encode, share
 from remote_loader.pipeline.stages import Chain, Context
 from remote_loader.pipeline.threads import ITEM, note
 from remote_loader.read.metrics import Metrics
-from remote_loader.read.retry import RetryPolicy
+from remote_loader.read.session import ReadSession
 
 _FLUSH = 64  # items between updates of the timing metrics and trims of what the source keeps
 
@@ -87,7 +87,7 @@ class Data(Protocol):
         """Make ``epoch``'s order before DataLoader workers fork, so that they share it."""
 
     def source(self, layout: Layout, epoch: int, worker: int, num_workers: int, start: Start | None,
-               policy: RetryPolicy) -> Source:
+               session: ReadSession) -> Source:
         """Worker ``worker``'s source in ``epoch``, from ``start`` (given where ``resumable``)."""
 
 
@@ -121,12 +121,12 @@ class WorkerStream:
         epoch: The epoch.
         worker: This DataLoader worker (0 without workers), of ``num_workers``.
         metrics: Where it counts samples and time.
-        policy: Its requests (retrying store, metrics, cancel).
+        session: Its requests (retrying store, metrics, cancel).
     """
 
     def __init__(self, data: Data, layout: Layout, epoch: int, worker: int, num_workers: int, metrics: Metrics,
-                 policy: RetryPolicy) -> None:
-        self.data, self.layout, self.epoch, self.metrics, self.policy = data, layout, epoch, metrics, policy
+                 session: ReadSession) -> None:
+        self.data, self.layout, self.epoch, self.metrics, self.session = data, layout, epoch, metrics, session
         self.worker, self.num_workers = worker, num_workers
         self.stages = list(layout.stages)
         self.chain = Chain.of(self.stages)
@@ -142,7 +142,7 @@ class WorkerStream:
         """Start over from ``start`` (None: the start of the worker's share of the epoch)."""
         if start is None and self.data.resumable:
             start = Start(share(self.layout, None, self.worker, self.num_workers))
-        source = self.data.source(self.layout, self.epoch, self.worker, self.num_workers, start, self.policy)
+        source = self.data.source(self.layout, self.epoch, self.worker, self.num_workers, start, self.session)
         if start is not None and start.listed is not None and source.undelivered(start.delivered) != start.listed:
             raise ResumeError(f"the state of rank {self.layout.rank} worker {self.worker} lists positions its order"
                               " does not leave undelivered: it was altered, or the dataset's order differs from the"

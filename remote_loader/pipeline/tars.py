@@ -15,7 +15,7 @@ from remote_loader.pipeline.delivery import Mixing, Shuffler, worker_seeds
 from remote_loader.pipeline.resume import Layout, Start
 from remote_loader.read.fetch import Fetched, Job, Prefetcher
 from remote_loader.read.reader import DatasetReader
-from remote_loader.read.retry import RetryPolicy
+from remote_loader.read.session import ReadSession
 from remote_loader.read.shards import OpenRange, TarRead
 
 
@@ -37,7 +37,7 @@ class Unindexed:
         pass
 
     def source(self, layout: Layout, epoch: int, worker: int, num_workers: int, start: Start | None,
-               policy: RetryPolicy) -> TarSource:
+               session: ReadSession) -> TarSource:
         tars = self.reader.list_tars()
         if not tars:
             raise DatasetNotFound(f"no .tar objects under {self.reader.location} to stream unindexed",
@@ -46,7 +46,7 @@ class Unindexed:
         order = shard_order(len(tars), layout.seed, epoch, layout.shuffle)
         mine = [tars[k] for position, k in enumerate(order) if position % slots == slot]
         seeds = worker_seeds(layout.seed, epoch, layout.rank, worker)
-        return TarSource(self.reader, policy, mine, layout.mixing, seeds)
+        return TarSource(self.reader, session, mine, layout.mixing, seeds)
 
 
 def _whole(name: str, size: int) -> tuple[int, int, TarRead]:
@@ -58,9 +58,9 @@ class TarSource:
     next sample from one of them, by the seed), then the shuffle buffer if any. It keeps no
     positions, so its iterations have no state."""
 
-    def __init__(self, reader: DatasetReader, policy: RetryPolicy, tars: Sequence[tuple[str, int]], mixing: Mixing,
+    def __init__(self, reader: DatasetReader, session: ReadSession, tars: Sequence[tuple[str, int]], mixing: Mixing,
                  seeds: tuple[Sequence[int], Sequence[int]]) -> None:
-        self.reader, self.policy, self.tars, self.mixing, self.seeds = reader, policy, tars, mixing, seeds
+        self.reader, self.session, self.tars, self.mixing, self.seeds = reader, session, tars, mixing, seeds
         self.emitted = 0
 
     @property
@@ -81,7 +81,7 @@ class TarSource:
 
     def __iter__(self) -> Iterator[Sample]:
         jobs = [Job(self.reader.location.key(name), partial(_whole, name, size)) for name, size in self.tars]
-        with Prefetcher(self.reader.location.bucket, jobs, self.policy, self.reader.round_trip) as prefetcher:
+        with Prefetcher(self.reader.location.bucket, jobs, self.session, self.reader.round_trip) as prefetcher:
             fetched = iter(prefetcher)
             try:
                 samples = self._mixed(fetched)
@@ -104,7 +104,7 @@ class TarSource:
                     if item is None:
                         exhausted = True
                     else:
-                        reading.append(OpenRange(self.reader, item, item.context, self.policy, OnError.RAISE))
+                        reading.append(OpenRange(self.reader, item, item.context, self.session, OnError.RAISE))
                 for done in [r for r in reading if r.done]:
                     reading.remove(done)
                     done.close()

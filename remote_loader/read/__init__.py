@@ -4,6 +4,6 @@ budget, shard indexes and their cache, checksum refetch, and metrics."""
 from remote_loader.read.fetch import Fetched, Job, Prefetcher
 from remote_loader.read.metrics import Metrics
 from remote_loader.read.reader import DatasetReader, ShardReport
-from remote_loader.read.retry import RetryPolicy
+from remote_loader.read.session import ReadSession
 
-__all__ = ["DatasetReader", "Fetched", "Job", "Metrics", "Prefetcher", "RetryPolicy", "ShardReport"]
+__all__ = ["DatasetReader", "Fetched", "Job", "Metrics", "Prefetcher", "ReadSession", "ShardReport"]

@@ -21,7 +21,7 @@ import numpy as np
 
 from remote_loader.read.buffers import Buffers
 from remote_loader.read.reach import Reach
-from remote_loader.read.retry import Cancelled, RetryPolicy
+from remote_loader.read.session import Cancelled, ReadSession
 from remote_loader.storage.daemon import DaemonPool, in_daemon_thread
 
 T = TypeVar("T")
@@ -31,19 +31,19 @@ _POLL = 0.5  # longest single wait: every wait re-checks whether the fetcher fai
 _CLOSE_WITHIN = 1.0  # close() waits this long for threads; one stuck in a GET is left to its timeout
 
 
-def fetch_range(policy: RetryPolicy, bucket: str, key: str, start: int, end: int) -> bytes:
-    """One ranged GET through the policy's retrying store, counted in its metrics."""
-    policy.metrics.add(gets=1)
-    data = policy.store.get_range(bucket, key, start, end)
-    policy.metrics.add(bytes=len(data))
+def fetch_range(session: ReadSession, bucket: str, key: str, start: int, end: int) -> bytes:
+    """One ranged GET through the session's retrying store, counted in its metrics."""
+    session.metrics.add(gets=1)
+    data = session.store.get_range(bucket, key, start, end)
+    session.metrics.add(bytes=len(data))
     return data
 
 
-def fetch_range_into(policy: RetryPolicy, bucket: str, key: str, start: int, end: int, out: memoryview) -> None:
-    """One ranged GET received into ``out`` through the policy's retrying store, counted in its metrics."""
-    policy.metrics.add(gets=1)
-    policy.store.get_range_into(bucket, key, start, end, out)
-    policy.metrics.add(bytes=end - start)
+def fetch_range_into(session: ReadSession, bucket: str, key: str, start: int, end: int, out: memoryview) -> None:
+    """One ranged GET received into ``out`` through the session's retrying store, counted in its metrics."""
+    session.metrics.add(gets=1)
+    session.store.get_range_into(bucket, key, start, end, out)
+    session.metrics.add(bytes=end - start)
 
 
 _Head = tuple[int, int, Future[bytes]]  # bytes [start, end) of an object, fetched before their range was located
@@ -139,7 +139,7 @@ class Prefetcher(Generic[C]):
     ``config.prefetch_bytes``, while the consumer waits for bytes and each step brings
     them in faster. ``metrics.gets_in_flight`` keeps the highest GET limit reached.
 
-    Every request goes through ``policy.store`` (retried up to its outage deadline). An exception
+    Every request goes through ``session.store`` (retried up to its outage deadline). An exception
     in any background thread reaches the consumer, in job order where it belongs to a job.
     ``close()`` (also on leaving a ``with`` block, or when an iteration is abandoned) stops
     the threads and returns within about a second even if GETs hang: a thread stuck in a
@@ -147,10 +147,10 @@ class Prefetcher(Generic[C]):
     fetcher, which are never reused after close.
     """
 
-    def __init__(self, bucket: str, jobs: Iterable[Job[C]], policy: RetryPolicy,
+    def __init__(self, bucket: str, jobs: Iterable[Job[C]], session: ReadSession,
                  round_trip: float | None = None) -> None:
-        self.bucket, self.policy = bucket, policy
-        self.config, self.metrics = policy.config, policy.metrics
+        self.bucket, self.session = bucket, session
+        self.config, self.metrics = session.config, session.metrics
         self._jobs = iter(jobs)
         self._slots: deque[_Pending[C] | None] = deque()  # None marks the end of the jobs
         # One lock, three waits, each woken only for its own news: getters for parts to fetch
@@ -258,7 +258,7 @@ class Prefetcher(Generic[C]):
     def _fetch_head(self, job: Job[C]) -> _Head | None:
         if job.head is None:
             return None
-        return fetch_head(self.policy, self.bucket, job.key, *job.head)
+        return fetch_head(self.session, self.bucket, job.key, *job.head)
 
     def _submit(self, slot: _Pending[C], start: int, end: int, context: C, early: _Head | None = None) -> None:
         """Queue the parts of a located range. The first ranges start with small parts, so the
@@ -350,7 +350,7 @@ class Prefetcher(Generic[C]):
     def _fetch_part(self, fetched: Fetched[C], number: int, start: int, end: int) -> None:
         try:
             out = fetched.buffer[start - fetched.start : end - fetched.start]
-            fetch_range_into(self.policy, self.bucket, fetched.key, start, end, out)
+            fetch_range_into(self.session, self.bucket, fetched.key, start, end, out)
         except BaseException as exc:
             fetched.errors[number] = exc
         finally:
@@ -391,7 +391,7 @@ class Prefetcher(Generic[C]):
             self._closed = True
             self._parts.clear()  # queued parts hold their ranges, which hold this fetcher
             self._wake_all()
-        self.policy.cancel.set()  # requests waiting to retry give up at once
+        self.session.cancel.set()  # requests waiting to retry give up at once
         self._threads.shutdown(join=_CLOSE_WITHIN)
 
     def __enter__(self) -> Prefetcher:
@@ -401,8 +401,8 @@ class Prefetcher(Generic[C]):
         self.close()
 
 
-def fetch_head(policy: RetryPolicy, bucket: str, key: str, offset: int, size: int) -> _Head:
+def fetch_head(session: ReadSession, bucket: str, key: str, offset: int, size: int) -> _Head:
     """Start fetching the first bytes of a range that starts at ``offset`` of an object of
     ``size`` bytes (a small object whole), on a daemon thread: before the range is located."""
     stop = size if size - offset < _FIRST_PART + _MIN_TAIL else offset + _FIRST_PART
-    return offset, stop, in_daemon_thread(partial(fetch_range, policy, bucket, key, offset, stop))
+    return offset, stop, in_daemon_thread(partial(fetch_range, session, bucket, key, offset, stop))

@@ -35,7 +35,7 @@ from remote_loader.format.shard_counts import Counts
 from remote_loader.format.tar import scan_tar
 from remote_loader.read.heap import release_free_memory
 from remote_loader.read.metrics import Metrics
-from remote_loader.read.retry import RetryPolicy
+from remote_loader.read.session import ReadSession
 from remote_loader.read.whole import fetch_whole
 from remote_loader.storage import Location, Store, as_store
 
@@ -93,9 +93,9 @@ class DatasetReader:
         """Seconds the manifest's first GET took beyond its transfer at 1 GB/s, once read: a
         network's round trip or a nearby store's; the fetcher starts wide after a long one."""
 
-    def policy(self, metrics: Metrics | None = None, cancel: threading.Event | None = None) -> RetryPolicy:
+    def session(self, metrics: Metrics | None = None, cancel: threading.Event | None = None) -> ReadSession:
         """The requests on behalf of this reader: a retrying store, counted in ``metrics``."""
-        return RetryPolicy(self.fetch, metrics or Metrics(), self.client, cancel)
+        return ReadSession(self.fetch, metrics or Metrics(), self.client, cancel)
 
     def __repr__(self) -> str:
         return f"DatasetReader({self.location}, client={self.client!r})"
@@ -143,11 +143,11 @@ class DatasetReader:
     def _pages(self, name: str, size: int, start: int, end: int, parse: Callable[[bytes], T]) -> T:
         """A version 3 manifest's pages ``[start, end)`` of object ``name`` (``size`` bytes), parsed;
         fetched again while they fail their checksum, then told apart from a dataset replaced."""
-        policy, key = self.policy(), self.location.key(name)
+        session, key = self.session(), self.location.key(name)
 
         def fetch() -> bytes:
             try:
-                data, real = policy.store.get_range_and_size(self.location.bucket, key, start, end)
+                data, real = session.store.get_range_and_size(self.location.bucket, key, start, end)
             except (ObjectNotFound, InvalidRange):
                 real, data = -1, b""
             if real != size:
@@ -156,7 +156,7 @@ class DatasetReader:
             return data
 
         try:
-            return policy.refetch(fetch, parse)
+            return session.refetch(fetch, parse)
         except CorruptShard as exc:
             self.check_unchanged(exc)
             raise
@@ -172,7 +172,7 @@ class DatasetReader:
     def _manifest_bytes(self) -> bytes | bytearray | None:
         """The manifest's bytes (fetched again while damaged), or None if there is none."""
         key = self.location.key(MANIFEST_NAME)
-        policy = self.policy()
+        session = self.session()
 
         def parse(data: bytes | bytearray) -> bytes | bytearray:
             if len(data) < 5 or struct.unpack("<I", data[-4:])[0] != crc32(memoryview(data)[:-4]):
@@ -180,7 +180,7 @@ class DatasetReader:
             return data
 
         try:
-            return policy.refetch(partial(fetch_whole, policy, self.location.bucket, key, self._timed), parse)
+            return session.refetch(partial(fetch_whole, session, self.location.bucket, key, self._timed), parse)
         except ObjectNotFound:
             return None
 
@@ -214,7 +214,7 @@ class DatasetReader:
             return f"{MANIFEST_NAME} is missing"
 
     def _what_lies_there(self) -> str:
-        store, where = self.policy().store, self.location
+        store, where = self.session().store, self.location
         if store.exists(where.bucket, where.key(UPLOAD_STATE)):
             return (f"an upload to it has not finished (it has {UPLOAD_STATE} but no {MANIFEST_NAME}): run the upload"
                     " again to finish it; its shards are not a dataset until then")
@@ -250,7 +250,7 @@ class DatasetReader:
         prefix = self.location.key("")
         return sorted(
             (o.key[len(prefix) :], o.size)
-            for o in self.policy().store.list(self.location.bucket, prefix)
+            for o in self.session().store.list(self.location.bucket, prefix)
             if o.key.endswith(".tar")
         )
 
@@ -274,7 +274,7 @@ class DatasetReader:
         name = entry.index_name or entry.name
         return self.location.key(name), entry.index_offset, entry.index_offset + entry.index_size
 
-    def read_index(self, entry: ShardEntry, policy: RetryPolicy | None = None) -> ShardIndex:
+    def read_index(self, entry: ShardEntry, session: ReadSession | None = None) -> ShardIndex:
         """Fetch and decode one shard's index with a single ranged GET (retried, and fetched
         again while its bytes fail their checksum).
 
@@ -286,23 +286,23 @@ class DatasetReader:
         Raises:
             TruncatedShard: The shard or its index is not the size the manifest says.
         """
-        policy = policy or self.policy()
-        return policy.refetch(partial(self._index_bytes, entry, policy), partial(self.parse_index, entry))
+        session = session or self.session()
+        return session.refetch(partial(self._index_bytes, entry, session), partial(self.parse_index, entry))
 
-    def _index_bytes(self, entry: ShardEntry, policy: RetryPolicy) -> bytes:
+    def _index_bytes(self, entry: ShardEntry, session: ReadSession) -> bytes:
         key, start, end = self.index_range(entry)
         bucket = self.location.bucket
-        policy.metrics.add(gets=1)
+        session.metrics.add(gets=1)
         try:
-            data, size = policy.store.get_range_and_size(bucket, key, start, end)
+            data, size = session.store.get_range_and_size(bucket, key, start, end)
         except InvalidRange:
             said = entry.index_size if entry.index_name else entry.size
-            raise self.refused(entry.index_name or entry.name, start, end, said, policy) from None
-        policy.metrics.add(bytes=len(data))
+            raise self.refused(entry.index_name or entry.name, start, end, said, session) from None
+        session.metrics.add(bytes=len(data))
         if entry.index_name:
             objects = [
                 (entry.index_name, size, entry.index_size),
-                (entry.name, policy.store.head(bucket, self.location.key(entry.name)), entry.size),
+                (entry.name, session.store.head(bucket, self.location.key(entry.name)), entry.size),
             ]
         else:
             objects = [(entry.name, size, entry.size)]
@@ -316,13 +316,13 @@ class DatasetReader:
         return data
 
     def refused(self, name: str, start: int, end: int, said: int,
-                policy: RetryPolicy | None = None) -> RemoteLoaderError:
+                session: ReadSession | None = None) -> RemoteLoaderError:
         """The error for bytes ``[start, end)`` of object ``name`` that the store answered lie
         outside it (416): a shard shorter or longer than the manifest's ``said`` bytes was
         truncated or replaced; one of that very size was not, and the answer is the store's."""
-        policy = policy or self.policy()
+        session = session or self.session()
         try:
-            size = policy.store.head(self.location.bucket, self.location.key(name))
+            size = session.store.head(self.location.bucket, self.location.key(name))
         except ObjectNotFound:
             size = 0
         if size != said:
@@ -336,7 +336,7 @@ class DatasetReader:
     def get(self, name: str) -> bytes:
         """A whole object of the dataset, its GET retried."""
         key = self.location.key(name)
-        return self.policy().store.get(self.location.bucket, key)
+        return self.session().store.get(self.location.bucket, key)
 
     def _index_of(self, entry: ShardEntry, shard: memoryview) -> ShardIndex:
         """The index of a shard whose bytes are at hand: sliced from them, or fetched if kept apart."""

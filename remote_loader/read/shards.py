@@ -24,7 +24,7 @@ from remote_loader.format.cache import Kept
 from remote_loader.format.tar import scan_tar
 from remote_loader.read.fetch import Fetched, fetch_range
 from remote_loader.read.reader import DatasetReader
-from remote_loader.read.retry import RetryPolicy
+from remote_loader.read.session import ReadSession
 from remote_loader.storage.daemon import in_daemon_thread
 
 log = logging.getLogger("remote_loader")
@@ -33,13 +33,13 @@ DAMAGE = (CorruptShard, ObjectNotFound)
 """What ``on_error="skip"`` skips: bytes that stay corrupt, a shard or index that is gone."""
 
 
-def fetch_index(reader: DatasetReader, entry: ShardEntry, policy: RetryPolicy) -> ShardIndex:
+def fetch_index(reader: DatasetReader, entry: ShardEntry, session: ReadSession) -> ShardIndex:
     """Fetch a shard's index with one ranged GET; again if its bytes fail their checksum.
 
     Raises DatasetChanged if the index is missing or damaged because the dataset was replaced.
     """
     try:
-        return reader.read_index(entry, policy)
+        return reader.read_index(entry, session)
     except DAMAGE as error:
         reader.check_unchanged(error)
         raise
@@ -50,8 +50,8 @@ class IndexCache:
     ``keep`` (``format.cache.Kept``: an index is fetched once however many threads ask for
     it); an index found damaged is not fetched again."""
 
-    def __init__(self, reader: DatasetReader, policy: RetryPolicy, keep: int) -> None:
-        self.reader, self.policy, self.keep = reader, policy, keep
+    def __init__(self, reader: DatasetReader, session: ReadSession, keep: int) -> None:
+        self.reader, self.session, self.keep = reader, session, keep
         self._kept: Kept[int, ShardIndex] = Kept(keep)
         self._damaged: dict[int, BaseException] = {}
 
@@ -68,7 +68,7 @@ class IndexCache:
 
     def _fetch(self, shard: int) -> ShardIndex:
         try:
-            return fetch_index(self.reader, self.reader.manifest.shards[shard], self.policy)
+            return fetch_index(self.reader, self.reader.manifest.shards[shard], self.session)
         except DAMAGE as exc:
             self._damaged[shard] = exc
             raise
@@ -87,7 +87,7 @@ def own(sample: Sample) -> Sample:
 
 
 def read_run(
-    reader: DatasetReader, shard: int, index: ShardIndex, positions: list[int], policy: RetryPolicy
+    reader: DatasetReader, shard: int, index: ShardIndex, positions: list[int], session: ReadSession
 ) -> list[Sample]:
     """Samples ``positions`` (sorted) of one shard with one GET, fetched again while their
     bytes fail their checksums (up to ``refetch_attempts`` fetches)."""
@@ -102,12 +102,12 @@ def read_run(
 
     def fetch() -> bytes:
         try:
-            return fetch_range(policy, reader.location.bucket, key, start, end)
+            return fetch_range(session, reader.location.bucket, key, start, end)
         except InvalidRange:
-            raise reader.refused(entry.name, start, end, entry.size, policy) from None
+            raise reader.refused(entry.name, start, end, entry.size, session) from None
 
     try:
-        return policy.refetch(fetch, parse)
+        return session.refetch(fetch, parse)
     except DAMAGE as error:
         reader.check_unchanged(error)
         raise
@@ -173,9 +173,9 @@ RangePlan = SpanRead | TarRead | Skipped
 """What a fetched range holds and how to read it: each kind opens itself."""
 
 
-def skip(what: str, samples: int, error: BaseException, policy: RetryPolicy) -> None:
+def skip(what: str, samples: int, error: BaseException, session: ReadSession) -> None:
     """Count and log samples skipped under ``on_error="skip"``."""
-    policy.metrics.add(skipped=samples)
+    session.metrics.add(skipped=samples)
     log.warning("skipped %s (%d sample%s): %s", what, samples, "" if samples == 1 else "s", error)
 
 
@@ -190,9 +190,9 @@ class OpenRange:
     """
 
     def __init__(
-        self, reader: DatasetReader, fetched: Fetched[Any], plan: RangePlan, policy: RetryPolicy, on_error: OnError
+        self, reader: DatasetReader, fetched: Fetched[Any], plan: RangePlan, session: ReadSession, on_error: OnError
     ) -> None:
-        self.reader, self.fetched, self.policy, self.on_error = reader, fetched, policy, on_error
+        self.reader, self.fetched, self.session, self.on_error = reader, fetched, session, on_error
         self.view, self.index, self.shard, self.next, self.stop = plan.open(fetched, reader, self._wait)
         self._first = self.next
         self._arrived = fetched.start
@@ -222,7 +222,7 @@ class OpenRange:
     def _wait(self, upto: int | None) -> int:
         waited = time.perf_counter()
         arrived = self.fetched.wait(upto)
-        self.policy.metrics.add(wait_seconds=time.perf_counter() - waited)
+        self.session.metrics.add(wait_seconds=time.perf_counter() - waited)
         return arrived
 
     def next_sample(self) -> Sample | None:
@@ -251,10 +251,10 @@ class OpenRange:
             damage: Exception = error
             if isinstance(error, InvalidRange) and self.index is not None:
                 entry = self.reader.manifest.shards[self.shard]
-                damage = self.reader.refused(entry.name, self.fetched.start, self.fetched.end, entry.size, self.policy)
+                damage = self.reader.refused(entry.name, self.fetched.start, self.fetched.end, entry.size, self.session)
             if not self.on_error.skips:
                 raise damage from None
-            skip(f"the rest of shard {self.view.name}", self.stop - self.next + 1, damage, self.policy)
+            skip(f"the rest of shard {self.view.name}", self.stop - self.next + 1, damage, self.session)
             self.view = None
             return None
 
@@ -262,11 +262,11 @@ class OpenRange:
         """Sample ``i`` of the shard, whose bytes here failed their checksum, fetched again."""
         assert self.index is not None and self.view is not None  # unindexed tars are not verified
         try:
-            return read_run(self.reader, self.shard, self.index, [i], self.policy)[0]
+            return read_run(self.reader, self.shard, self.index, [i], self.session)[0]
         except DAMAGE as error:
             if not self.on_error.skips:
                 raise
-            skip(f"sample {self.view.index.keys[i]!r} of {self.view.name}", 1, error, self.policy)
+            skip(f"sample {self.view.index.keys[i]!r} of {self.view.name}", 1, error, self.session)
             return None
 
     def close(self) -> None:
@@ -284,6 +284,6 @@ def locate_span(cache: IndexCache, shard: int, first: int, stop: int, on_error: 
     except DAMAGE as error:
         if not on_error.skips:
             raise
-        skip(f"shard {entry.name}", stop - first, error, cache.policy)
+        skip(f"shard {entry.name}", stop - first, error, cache.session)
         return 0, 0, Skipped(entry.name, stop - first, str(error))
     return index.start(first, stop), index.extent(first, stop), SpanRead(shard, entry, first, stop, index)

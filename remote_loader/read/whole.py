@@ -9,7 +9,7 @@ from collections.abc import Callable
 from functools import partial
 
 from remote_loader.errors import CorruptShard, InvalidRange
-from remote_loader.read.retry import RetryPolicy
+from remote_loader.read.session import ReadSession
 from remote_loader.storage.daemon import map_on_daemon_threads
 
 _FIRST = 4 << 20
@@ -20,7 +20,7 @@ MAX_MANIFEST_BYTES = 1 << 31
 the manifest's name larger than this is refused before a buffer is made for it."""
 
 
-def fetch_whole(policy: RetryPolicy, bucket: str, key: str,
+def fetch_whole(session: ReadSession, bucket: str, key: str,
                 timed: Callable[[float, int], None] | None = None) -> bytes | bytearray:
     """A whole object in one GET if it is at most 4 MiB (a manifest of up to ~170,000
     shards), else in parallel ranged GETs: on a link that carries ~90 MB/s per connection,
@@ -36,12 +36,12 @@ def fetch_whole(policy: RetryPolicy, bucket: str, key: str,
     of a part is retried for that part alone. ``timed(seconds, nbytes)`` is told how long
     the first GET took, the store's client made before it (loading an SDK's models: ~50 ms).
     """
-    policy.metrics.add(gets=1)
-    policy.store.inner.connect()
+    session.metrics.add(gets=1)
+    session.store.inner.connect()
     started = time.perf_counter()
-    first, size = policy.store.get_first_bytes(bucket, key, _FIRST)
+    first, size = session.store.get_first_bytes(bucket, key, _FIRST)
     took = time.perf_counter() - started
-    policy.metrics.add(bytes=len(first))
+    session.metrics.add(bytes=len(first))
     if timed is not None:
         timed(took, len(first))
     if len(first) >= size:
@@ -54,21 +54,21 @@ def fetch_whole(policy: RetryPolicy, bucket: str, key: str,
     view[:len(first)] = first
     start, rest = len(first), size - len(first)
     one_get = took * rest / len(first)  # an over-estimate: ``took`` includes a round trip
-    parts = max(1, min(policy.config.concurrency, rest // _MIN_PART, math.ceil(one_get / _PART_SECONDS)))
+    parts = max(1, min(session.config.concurrency, rest // _MIN_PART, math.ceil(one_get / _PART_SECONDS)))
     bounds = [start + rest * k // parts for k in range(parts + 1)]
     del first
 
     def part(k: int) -> None:
         try:
-            policy.store.inner.get_range_into(bucket, key, bounds[k], bounds[k + 1], view[bounds[k]:bounds[k + 1]])
+            session.store.inner.get_range_into(bucket, key, bounds[k], bounds[k + 1], view[bounds[k]:bounds[k + 1]])
         except InvalidRange:  # the object ends before this range: it was replaced meanwhile
             raise CorruptShard(f"s3://{bucket}/{key} changed while it was read in ranges (no longer {size} bytes)",
                                name=key) from None
 
     def one(k: int) -> None:
-        policy.metrics.add(gets=1)
-        policy.store.retry.call(partial(part, k), bucket=bucket, key=key)
-        policy.metrics.add(bytes=bounds[k + 1] - bounds[k])
+        session.metrics.add(gets=1)
+        session.store.retry.call(partial(part, k), bucket=bucket, key=key)
+        session.metrics.add(bytes=bounds[k + 1] - bounds[k])
 
     # On daemon threads, as the prefetcher's: Ctrl-C does not wait for a range stuck on a hung store.
     map_on_daemon_threads(one, range(parts), parts, "remote-loader-manifest")

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from remote_loader import AccessDenied, FetchConfig, LocalStore, RemoteDataset, TransientStorageError, make_client
-from remote_loader.read import Fetched, Job, Metrics, Prefetcher, RetryPolicy
+from remote_loader.read import Fetched, Job, Metrics, Prefetcher, ReadSession
 from remote_loader.read.fetch import FetcherClosed
 from remote_loader.storage.base import Store
 from remote_loader.testing.synthetic import SyntheticImages
@@ -43,7 +43,7 @@ def test_prefetcher_delivers_every_range_byte_identical_in_job_order(tmp_path):
     jobs = [Job(key, lambda s=start, e=end: (s, e, (s, e))) for key, start, end in spans]
     config = FetchConfig(part_size=1 << 20, concurrency=3, prefetch_bytes=4 << 20)
     metrics = Metrics()
-    with Prefetcher("b", jobs, RetryPolicy(config, metrics, store)) as prefetcher:
+    with Prefetcher("b", jobs, ReadSession(config, metrics, store)) as prefetcher:
         got = []
         for fetched in prefetcher:
             fetched.wait()
@@ -85,7 +85,7 @@ def test_the_first_ranges_fetch_their_heads_while_they_are_located(tmp_path, cap
 
     jobs = [Job(key, lambda k=key: locate(k), (0, sizes[key])) for key in sizes]
     config = FetchConfig(part_size=1 << 20, concurrency=4, prefetch_bytes=16 << 20)
-    with Prefetcher("b", jobs, RetryPolicy(config, Metrics(), store)) as prefetcher:
+    with Prefetcher("b", jobs, ReadSession(config, Metrics(), store)) as prefetcher:
         got = {}
         for fetched in prefetcher:
             fetched.wait()
@@ -123,7 +123,7 @@ def test_no_range_ends_in_a_part_of_a_few_kib(tmp_path):
     keys = ["headed", "long", "whole", "whole", "whole", "later"]
     jobs = [Job(key, lambda k=key: (*spans[k], None), heads.get(key)) for key in keys]
     config = FetchConfig(part_size=mib, concurrency=4, prefetch_bytes=16 * mib)
-    with Prefetcher("b", jobs, RetryPolicy(config, Metrics(), store)) as prefetcher:
+    with Prefetcher("b", jobs, ReadSession(config, Metrics(), store)) as prefetcher:
         got = []
         for fetched in prefetcher:
             fetched.wait()
@@ -147,7 +147,7 @@ def test_a_head_that_fails_fails_its_range_where_it_is_read(tmp_path):
     store = Refusing(tmp_path)
     _store(tmp_path)
     jobs = [Job(f"obj{i}", lambda: (10, 1000, None), (0, 100_000)) for i in range(3)]
-    with Prefetcher("b", jobs, RetryPolicy(FetchConfig(), Metrics(), store)) as prefetcher:
+    with Prefetcher("b", jobs, ReadSession(FetchConfig(), Metrics(), store)) as prefetcher:
         ranges = iter(prefetcher)
         first = next(ranges)
         first.wait()
@@ -169,7 +169,7 @@ def test_close_works_from_the_fetchers_own_threads(tmp_path):
             super().get_range_into(bucket, key, start, end, out)
 
     jobs = [Job(f"obj{i}", lambda: (0, 100_000, None)) for i in range(3)]
-    prefetcher = Prefetcher("b", jobs, RetryPolicy(FetchConfig(concurrency=2), Metrics(), ClosingStore(tmp_path)))
+    prefetcher = Prefetcher("b", jobs, ReadSession(FetchConfig(concurrency=2), Metrics(), ClosingStore(tmp_path)))
     prefetchers.append(prefetcher)
     with pytest.raises(FetcherClosed):
         for fetched in prefetcher:
@@ -192,7 +192,7 @@ def test_a_failure_in_the_scheduler_reaches_the_consumer(tmp_path):
     jobs = [Job("obj0", lambda: (0, 1000, None)), Job("obj1", lambda: (0, 1 << 62, None)),
             Job("obj2", lambda: (0, 10, None))]
     config = FetchConfig(part_size=1 << 20, concurrency=2)
-    with Prefetcher("b", jobs, RetryPolicy(config, Metrics(), store)) as prefetcher:
+    with Prefetcher("b", jobs, ReadSession(config, Metrics(), store)) as prefetcher:
         ranges = iter(prefetcher)
         first = next(ranges)
         first.wait()
@@ -208,7 +208,7 @@ def test_an_error_locating_a_range_is_raised_in_job_order(tmp_path):
         raise TransientStorageError("index GET failed", bucket="b", key="obj1")
 
     jobs = [Job("obj0", lambda: (0, 10, None)), Job("obj1", broken)]
-    with Prefetcher("b", jobs, RetryPolicy(FetchConfig(), Metrics(), store)) as prefetcher:
+    with Prefetcher("b", jobs, ReadSession(FetchConfig(), Metrics(), store)) as prefetcher:
         ranges = iter(prefetcher)
         assert next(ranges).key == "obj0"
         with pytest.raises(TransientStorageError) as caught:
@@ -232,7 +232,7 @@ def test_close_returns_within_a_second_while_a_request_hangs(tmp_path):
     hanging = HangingStore(tmp_path)
     before = set(threading.enumerate())  # other tests' threads may still be ending
     jobs = [Job(f"obj{i}", lambda: (0, 100_000, None)) for i in range(3)]
-    prefetcher = Prefetcher("b", jobs, RetryPolicy(FetchConfig(concurrency=2), Metrics(), hanging))
+    prefetcher = Prefetcher("b", jobs, ReadSession(FetchConfig(concurrency=2), Metrics(), hanging))
     ranges = iter(prefetcher)
     next(ranges)
     assert entered.wait(10)

@@ -13,7 +13,7 @@ from remote_loader.format import Manifest, ShardTable
 from remote_loader.read import whole
 from remote_loader.read.metrics import Metrics
 from remote_loader.read.reader import DatasetReader
-from remote_loader.read.retry import RetryPolicy
+from remote_loader.read.session import ReadSession
 from remote_loader.read.whole import fetch_whole
 from remote_loader.testing.synthetic import SyntheticImages
 from tests.helpers import upload_to_new_bucket
@@ -50,7 +50,7 @@ def test_an_object_arrives_whole_and_byte_identical_in_as_many_ranges_as_it_need
     data = os.urandom(size)
     client.put(bucket, "m", data)
     metrics = Metrics()
-    got = fetch_whole(RetryPolicy(FetchConfig(concurrency=concurrency), metrics, client), bucket, "m")
+    got = fetch_whole(ReadSession(FetchConfig(concurrency=concurrency), metrics, client), bucket, "m")
     assert bytes(got) == data
     assert (metrics.gets, metrics.bytes) == (gets, size)
 

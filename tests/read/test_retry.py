@@ -1,4 +1,4 @@
-"""The retry policy: a store that never answered fails at the first-contact deadline, one
+"""Retrying reads: a store that never answered fails at the first-contact deadline, one
 that answered and then fails is retried until the outage deadline."""
 
 from __future__ import annotations

@@ -23,10 +23,10 @@ from remote_loader.storage.retrying import Cancelled, Retry, RetryingStore
 T = TypeVar("T")
 P = TypeVar("P")
 
-__all__ = ["Cancelled", "RetryPolicy"]
+__all__ = ["Cancelled", "ReadSession"]
 
 
-class RetryPolicy:
+class ReadSession:
     """The requests of one reader or one iteration: ``store`` with every request retried
     under ``config.retry``, retries counted in ``metrics``, all of it ended by ``cancel``.
 
