@@ -250,16 +250,16 @@ def test_close_returns_within_a_second_while_a_request_hangs(tmp_path):
     assert not ours()
 
 
-def _through_a_slow_proxy(seaweed, bucket: str, forget_round_trip: bool) -> RemoteDataset:
-    # Each GET waits 30 ms at a proxy before the server answers, as across a network.
+def _through_a_slow_proxy(seaweed, bucket: str, forget_round_trip: bool, delay: float = 0.03) -> RemoteDataset:
+    # Each GET waits ``delay`` at a proxy before the server answers, as across a network.
     store = seaweed.client()
     upload_to_new_bucket(store, bucket, "d", SyntheticImages(400), maxcount=100)
-    proxy = FaultProxy(seaweed.endpoint_url, {"delay": 1.0}, delay=0.03)
+    proxy = FaultProxy(seaweed.endpoint_url, {"delay": 1.0}, delay=delay)
     try:
         client = make_client(proxy.endpoint_url, seaweed.access_key, seaweed.secret_key)
         fetch = FetchConfig(part_size=128 << 10, range_bytes=1 << 20, concurrency=32, prefetch_bytes=16 << 20)
         dataset = RemoteDataset(client, bucket, "d", fetch=fetch)
-        assert dataset.reader.round_trip is not None and dataset.reader.round_trip >= 0.03
+        assert dataset.reader.round_trip is not None and dataset.reader.round_trip >= delay
         if forget_round_trip:
             dataset.reader.round_trip = None  # as a reader that could not tell
         keys = [sample["__key__"] for sample in dataset]
@@ -272,8 +272,10 @@ def _through_a_slow_proxy(seaweed, bucket: str, forget_round_trip: bool) -> Remo
 
 
 def test_the_fetcher_reaches_further_when_every_get_costs_a_round_trip(seaweed):
-    # With the first 8 GETs in flight the reader waits for bytes, so the fetcher lets more run.
-    dataset = _through_a_slow_proxy(seaweed, "fetch-latency", forget_round_trip=True)
+    # With the first 8 GETs in flight the reader waits for bytes, so the fetcher lets more run. A
+    # round trip of 100 ms keeps the reader waiting on a loaded machine too (at 30 ms, with more
+    # test processes than cores, it could keep up with 8 GETs and the reach stayed at 8).
+    dataset = _through_a_slow_proxy(seaweed, "fetch-latency", forget_round_trip=True, delay=0.1)
     assert 8 < dataset.metrics.gets_in_flight <= 32
 
 
