@@ -213,7 +213,11 @@ class WorkerStream:
     def _at(self, stage: int) -> int:
         """Items at the output of stage ``stage - 1`` (the source's for 0) that the items
         delivered account for: walking back from the end, batches multiply, filters look up."""
-        return self.chain.inputs(self.items, stage, lambda i, n: self._kept[i].taken_by(n))
+        return self.chain.inputs(self.items, stage, self._taken_by)
+
+    def _taken_by(self, stage: int, outputs: int) -> int:
+        """What filter ``stage`` had taken in when it gave ``outputs`` out."""
+        return self._kept[stage].taken_by(outputs)
 
     def samples(self) -> int:
         """Samples inside the items delivered (those a filter dropped are not)."""

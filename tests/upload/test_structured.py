@@ -314,18 +314,22 @@ def widerface_dataset() -> Structured:
     return Structured(widerface)
 
 
-def test_the_cli_uploads_a_structured_dataset_and_info_shows_its_fields_and_types(seaweed, s3):
+def _cli(seaweed, s3, folder: str) -> tuple[Any, str]:
+    """``run(*arguments)`` of the ``remote-loader`` command against this server, and the URL of ``folder``."""
     from tests.cli.test_cli import run
 
-    _, bucket = s3
     env = {**os.environ, **seaweed.env()}
-    url = f"s3://{bucket}/cli-widerface"
-    up = json.loads(run(env, "upload", "tests.upload.test_structured:widerface_dataset", url, "--json").stdout)
+    return (lambda *arguments, check=True: run(env, *arguments, check=check)), f"s3://{s3[1]}/{folder}"
+
+
+def test_the_cli_uploads_a_structured_dataset_and_info_shows_its_fields_and_types(seaweed, s3):
+    cli, url = _cli(seaweed, s3, "cli-widerface")
+    up = json.loads(cli("upload", "tests.upload.test_structured:widerface_dataset", url, "--json").stdout)
     assert up["samples"] == N
-    info = json.loads(run(env, "info", url, "--json").stdout)
+    info = json.loads(cli("info", url, "--json").stdout)
     assert info["field_types"] == {"0.jpg": "image", "1.bbox.npy": "array in 1", "1.blur.npy": "array in 1",
                                    "1.invalid.npy": "array in 1", "1.json": "JSON"}
-    assert "1.bbox.npy (array in 1)" in run(env, "info", url).stdout
+    assert "1.bbox.npy (array in 1)" in cli("info", url).stdout
 
 
 class Segmentation(Structured):
@@ -339,19 +343,15 @@ def segmentation_dataset() -> Structured:
 
 
 def test_info_shows_masks_as_masks_and_the_datasets_class_names(seaweed, s3):
-    from tests.cli.test_cli import run
-
-    _, bucket = s3
-    env = {**os.environ, **seaweed.env()}
-    url = f"s3://{bucket}/cli-voc"
-    run(env, "upload", "--quiet", "tests.upload.test_structured:segmentation_dataset", url)
-    info = json.loads(run(env, "info", url, "--json").stdout)
+    cli, url = _cli(seaweed, s3, "cli-voc")
+    cli("upload", "--quiet", "tests.upload.test_structured:segmentation_dataset", url)
+    info = json.loads(cli("info", url, "--json").stdout)
     assert info["field_types"] == {"0.jpg": "image", "1.png": "mask (P)"}
-    text = run(env, "info", url).stdout
+    text = cli("info", url).stdout
     assert "1.png (mask (P))" in text and "3 (background, aeroplane, bicycle)" in text and "items=" not in text
-    bench = json.loads(run(env, "bench", url, "--decode", "pil", "--workers", "0", "--json").stdout)
+    bench = json.loads(cli("bench", url, "--decode", "pil", "--workers", "0", "--json").stdout)
     assert [r["samples"] for r in bench["runs"]] == [N, N]  # bytes only, then every field decoded
-    refused = run(env, "bench", url, "--decode", "rrc", "--workers", "0", check=False)
+    refused = cli("bench", url, "--decode", "rrc", "--workers", "0", check=False)
     assert refused.returncode == 2 and "Traceback" not in refused.stderr and len(refused.stderr.splitlines()) == 1
     assert "holds tuple samples (fields 0.jpg, 1.png): bench it with --decode pil or none" in refused.stderr
 
