@@ -199,7 +199,8 @@ class ShardSource:
     def _early_heads(self, group: Group, offset: int, most: int) -> dict[int, Any]:
         """While the indexes a group's ranges are cut from are on their way (the first group's,
         in practice), the first bytes of the shards it starts reading at their first sample,
-        which lies just past the shard's start: ``most`` of them, by slot."""
+        which lies just past the shard's start: ``most`` of them, by slot. The one place that
+        decides which ranges start early (the fetcher takes ``Job.early`` as it comes)."""
         shards = self.reader.manifest.shards
         cursors = group.cursors(offset).tolist()
         early: dict[int, Any] = {}
@@ -220,11 +221,8 @@ class ShardSource:
         jobs = []
         for _, slot, first, stop in reads.ranges:
             shard = group.spans[slot].shard
-            entry = shards[shard]
-            # A shard's first sample lies just past its start: fetch from there while the range is located.
-            head = (0, entry.size) if first == 0 else None
-            jobs.append(Job(self.reader.location.key(entry.name),
-                            partial(_locate, self.cache, shard, first, stop, self.on_error, reads), head,
+            jobs.append(Job(self.reader.location.key(shards[shard].name),
+                            partial(_locate, self.cache, shard, first, stop, self.on_error, reads),
                             early.pop(slot, None) if first == 0 else None))
         return jobs
 

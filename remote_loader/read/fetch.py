@@ -54,17 +54,15 @@ class Job(Generic[C]):
     """One object to fetch part of; ``locate()`` returns ``(start, end, context)``, the
     byte range and what the consumer needs to read it (the fetcher never looks inside).
 
-    ``head``, when given, is ``(offset, size)``: the range starts at ``offset`` or a little
-    after it, in an object of ``size`` bytes. The first ranges then fetch their first bytes
-    while ``locate()`` is still running (an index GET), saving a round trip.
+    ``early``, when given, is the first bytes of the object the range starts in or a little
+    before, already being fetched (``fetch_head``) while the index ``locate()`` needs is on
+    its way, saving a round trip. The job's maker decides which jobs have one; the fetcher
+    takes it as the range's first part when the range starts inside it.
     """
 
     key: str
     locate: Callable[[], tuple[int, int, C]]
-    head: tuple[int, int] | None = None
     early: _Head | None = None
-    """A head its maker fetches already (``fetch_head``), while it waits for the index it
-    needs to make the job: the fetcher then takes that instead of fetching ``head``."""
 
 
 @dataclass
@@ -220,19 +218,15 @@ class Prefetcher(Generic[C]):
             self._fail(exc)
 
     def _schedule_jobs(self) -> None:
-        # Indexes are located a few jobs ahead, in parallel: the consumer opens several ranges
-        # at once. The first ranges' heads are fetched meanwhile, where their jobs say where they lie.
+        # Indexes are located a few jobs ahead, in parallel: the consumer opens several ranges at once.
         pending: deque[tuple[_Pending[C], Future[tuple[int, int, C]], _Head | None]] = deque()
-        taken = 0
         while True:
             while len(pending) < _LOCATE_AHEAD and not self._closed:
                 job = next(self._jobs, None)
                 if job is None:
                     break
                 slot = _Pending(job)
-                early = job.early or (self._fetch_head(job) if taken < _LOCATE_AHEAD else None)
-                taken += 1
-                pending.append((slot, in_daemon_thread(job.locate), early))
+                pending.append((slot, in_daemon_thread(job.locate), job.early))
                 with self._lock:
                     self._slots.append(slot)
                     self._handed.notify()
@@ -255,15 +249,10 @@ class Prefetcher(Generic[C]):
             self._slots.append(None)
             self._handed.notify()
 
-    def _fetch_head(self, job: Job[C]) -> _Head | None:
-        if job.head is None:
-            return None
-        return fetch_head(self.session, self.bucket, job.key, *job.head)
-
     def _submit(self, slot: _Pending[C], start: int, end: int, context: C, early: _Head | None = None) -> None:
         """Queue the parts of a located range. The first ranges start with small parts, so the
         first samples come early; later ones use whole parts (each GET has a fixed cost). A
-        head fetched early (``Job.head``) is the first part when the range starts inside it.
+        head fetched early (``Job.early``) is the first part when the range starts inside it.
         A last part under ``_MIN_TAIL`` joins the one before: on the critical path, a GET of a
         few KiB costs as long as one of MiBs."""
         size = self.config.part_size

@@ -11,7 +11,7 @@ import pytest
 
 from remote_loader import AccessDenied, FetchConfig, LocalStore, RemoteDataset, TransientStorageError, make_client
 from remote_loader.read import Fetched, Job, Metrics, Prefetcher, ReadSession
-from remote_loader.read.fetch import FetcherClosed
+from remote_loader.read.fetch import FetcherClosed, fetch_head
 from remote_loader.storage.base import Store
 from remote_loader.testing.synthetic import SyntheticImages
 from tests.faultproxy import FaultProxy
@@ -53,11 +53,12 @@ def test_prefetcher_delivers_every_range_byte_identical_in_job_order(tmp_path):
     assert metrics.bytes == sum(end - start for _, start, end in spans)
 
 
-def test_the_first_ranges_fetch_their_heads_while_they_are_located(tmp_path, caplog):
-    """A job that says where its range starts (``head``) has its first bytes requested
-    before ``locate()`` returns (an index GET, across a network a round trip): ``locate``
-    here waits until its head was requested. The bytes come out the same wherever the
-    located range lies against the head: inside it, ending within it, past it, or empty."""
+def test_a_head_fetched_early_is_a_ranges_first_part(tmp_path, caplog):
+    """A job whose maker fetched the object's first bytes already (``fetch_head``, while the
+    index ``locate()`` needs is on its way) has them as its range's first part, not fetched
+    again: ``locate`` here waits until its head was requested. The bytes come out the same
+    wherever the located range lies against the head: inside it, ending within it, past it,
+    or empty."""
     heads_requested: dict[str, threading.Event] = {}
 
     class Recording(LocalStore):
@@ -83,9 +84,10 @@ def test_the_first_ranges_fetch_their_heads_while_they_are_located(tmp_path, cap
         in_time[key] = heads_requested[key].wait(5) if key != "last" else True
         return (*spans[key], None)
 
-    jobs = [Job(key, lambda k=key: locate(k), (0, sizes[key])) for key in sizes]
     config = FetchConfig(part_size=1 << 20, concurrency=4, prefetch_bytes=16 << 20)
-    with Prefetcher("b", jobs, ReadSession(config, Metrics(), store)) as prefetcher:
+    session = ReadSession(config, Metrics(), store)
+    jobs = [Job(key, lambda k=key: locate(k), fetch_head(session, "b", key, 0, sizes[key])) for key in sizes]
+    with Prefetcher("b", jobs, session) as prefetcher:
         got = {}
         for fetched in prefetcher:
             fetched.wait()
@@ -118,12 +120,13 @@ def test_no_range_ends_in_a_part_of_a_few_kib(tmp_path):
         store.put("b", key, data)
     spans = {"headed": (512, mib + 5_000), "long": (0, sizes["long"]), "later": (0, sizes["later"]),
              "whole": (0, 700_000)}
-    heads = {"headed": (0, sizes["headed"])}
+    config = FetchConfig(part_size=mib, concurrency=4, prefetch_bytes=16 * mib)
+    session = ReadSession(config, Metrics(), store)
+    heads = {"headed": fetch_head(session, "b", "headed", 0, sizes["headed"])}
     # Five jobs before "later", so that it is cut into whole parts, not the first ranges' small ones.
     keys = ["headed", "long", "whole", "whole", "whole", "later"]
     jobs = [Job(key, lambda k=key: (*spans[k], None), heads.get(key)) for key in keys]
-    config = FetchConfig(part_size=mib, concurrency=4, prefetch_bytes=16 * mib)
-    with Prefetcher("b", jobs, ReadSession(config, Metrics(), store)) as prefetcher:
+    with Prefetcher("b", jobs, session) as prefetcher:
         got = []
         for fetched in prefetcher:
             fetched.wait()
@@ -146,8 +149,9 @@ def test_a_head_that_fails_fails_its_range_where_it_is_read(tmp_path):
 
     store = Refusing(tmp_path)
     _store(tmp_path)
-    jobs = [Job(f"obj{i}", lambda: (10, 1000, None), (0, 100_000)) for i in range(3)]
-    with Prefetcher("b", jobs, ReadSession(FetchConfig(), Metrics(), store)) as prefetcher:
+    session = ReadSession(FetchConfig(), Metrics(), store)
+    jobs = [Job(f"obj{i}", lambda: (10, 1000, None), fetch_head(session, "b", f"obj{i}", 0, 100_000)) for i in range(3)]
+    with Prefetcher("b", jobs, session) as prefetcher:
         ranges = iter(prefetcher)
         first = next(ranges)
         first.wait()
