@@ -163,14 +163,14 @@ class RemoteDataset(IterableDataset):
         bytes (copied out of the fetched ranges), and those stages, which treat each sample
         alone, give the same results. It comes before ``select`` and ``batched``, once.
         """
-        start = initial if initial is not None else min(bufsize, 100) if isinstance(bufsize, int) else 0
-        bufsize, start = stages.check_shuffle(bufsize, start)
+        first = initial if initial is not None else min(bufsize, 100) if isinstance(bufsize, int) else 0
+        bufsize, first = stages.check_shuffle(bufsize, first)
         if self.mixing.bufsize:
             raise ConfigError(f"this pipeline shuffles already (shuffle({self.mixing.bufsize})): give shuffle once")
         if not stages.Chain.of(self.stages).one_to_one():
             raise ConfigError("shuffle mixes samples at the source: put it before select and batched")
         clone = self._with(None)
-        clone.mixing = Mixing(self.mixing.open_shards, bufsize, start)
+        clone.mixing = Mixing(self.mixing.open_shards, bufsize, first)
         return clone
 
     def decode(self, mode: str | Callable[..., Any] = "pil", *, min_size: int | None = None,
@@ -353,11 +353,11 @@ class RemoteDataset(IterableDataset):
         # DataLoader workers report it (one raised here ends a persistent worker).
         self._live = None
         try:
-            return self._start()
+            return self._begin()
         except Exception as error:  # noqa: BLE001 - raised unchanged at the first next()
             return _failing(error)
 
-    def _start(self) -> Iterator[Any]:
+    def _begin(self) -> Iterator[Any]:
         info = get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info else (0, 1)
         if num_workers > MAX_WORKERS:
@@ -373,10 +373,10 @@ class RemoteDataset(IterableDataset):
         applies once: ``take`` marks it used)."""
         layout = self._layout()
         loaded = self._handover.applying(epoch, worker)
-        start = resume.start(layout, loaded, epoch, worker, num_workers) if self._data.resumable else None
+        entry = resume.entry(layout, loaded, epoch, worker, num_workers) if self._data.resumable else None
         metrics = Metrics(self._metrics[1 + worker if get_worker_info() else 0].numpy())
         session = self.reader.session(metrics, cancel=threading.Event())
-        stream = WorkerStream(self._data, layout, epoch, worker, num_workers, metrics, session).reset(start)
+        stream = WorkerStream(self._data, layout, epoch, worker, num_workers, metrics, session).reset(entry)
         if take:
             self._handover.applied(loaded, worker)
         return stream

@@ -35,7 +35,7 @@ from remote_loader.pipeline.delivery import (
     worker_seeds,
 )
 from remote_loader.pipeline.intervals import merge
-from remote_loader.pipeline.resume import Layout, Start
+from remote_loader.pipeline.resume import Entry, Layout
 from remote_loader.pipeline.split import EpochOrders, PlanSpans, Span
 from remote_loader.read.fetch import Fetched, Job, Prefetcher, fetch_head
 from remote_loader.read.heap import release_free_memory
@@ -89,16 +89,16 @@ class ShardSource:
         seeds: The source order's and the shuffle buffer's.
         locate: Positions -> (shards, samples in them): where a resumed buffer's samples lie.
         on_error: ``"skip"`` skips damaged samples and shards (counted, logged).
-        start: Outputs given before (a resume): the order goes on from there.
+        delivered: Outputs given before (a resume): the order goes on from there.
     """
 
     def __init__(self, reader: DatasetReader, session: ReadSession, *, spans: Callable[[], Iterable[Span]],
                  rows: Sequence[tuple[int, int]], mixing: Mixing, seeds: tuple[Sequence[int], Sequence[int]],
                  locate: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]], on_error: OnError = OnError.RAISE,
-                 start: int = 0) -> None:
+                 delivered: int = 0) -> None:
         self.reader, self.session, self.spans, self.rows = reader, session, spans, rows
         self.mixing, self.seeds, self.locate, self.on_error = mixing, seeds, locate, on_error
-        self.point = fast_forward(spans(), mixing, seeds, start) if start else Point(0, 0, 0, 0)
+        self.point = fast_forward(spans(), mixing, seeds, delivered) if delivered else Point(0, 0, 0, 0)
         self.cache = IndexCache(reader, session, keep=2 * mixing.open_shards + 4)
         self._ring: deque[int] = deque()  # positions of outputs from ``_base`` on
         self._base = self.point.outputs
@@ -161,7 +161,7 @@ class ShardSource:
         """Positions of the plan not among the first ``delivered`` outputs, as merged
         intervals: outputs after those, what the shuffle buffer holds, and what is unread."""
         if not self._started:
-            return self.at_start()
+            return self.at_entry()
         out = [(p, p + 1) for p in itertools.islice(self._ring, max(0, delivered - self._base), None)]
         if self._shuffler is not None:
             out += [(p, p + 1) for p, _ in self._shuffler.items]
@@ -171,8 +171,8 @@ class ShardSource:
             end += len(self._group)
         return merge(out + plan_after(self.rows, end))
 
-    def at_start(self) -> list[tuple[int, int]]:
-        """The positions not delivered where this iteration starts (``order.undelivered_at``)."""
+    def at_entry(self) -> list[tuple[int, int]]:
+        """The positions not delivered where this iteration enters its plan (``order.undelivered_at``)."""
         return undelivered_at(self.point, self.spans(), self.rows, self.mixing.open_shards, self.seeds[0])
 
     # ------------------------------------------------------------------ what it fetches
@@ -258,7 +258,7 @@ class ShardSource:
     # ------------------------------------------------------------------ what it yields
 
     def __iter__(self) -> Iterator[Sample]:
-        """The samples, in the delivery order from ``start`` on."""
+        """The samples, in the delivery order from output ``delivered`` on."""
         bucket = self.reader.location.bucket
         self._started = True
         with Prefetcher(bucket, self._jobs(), self.session, self.reader.round_trip) as prefetcher:
@@ -367,11 +367,11 @@ class Indexed:
     def prepare(self, seed: int, epoch: int, shuffle: bool) -> None:
         self.orders.prepare(self.reader.counts, self.rows, seed, epoch, shuffle)
 
-    def source(self, layout: Layout, epoch: int, worker: int, num_workers: int, start: Start | None,
+    def source(self, layout: Layout, epoch: int, worker: int, num_workers: int, entry: Entry | None,
                session: ReadSession) -> ShardSource:
-        if start is None:
-            raise ValueError("an indexed dataset's source starts from a Start (WorkerStream.reset makes one)")
-        plan = start.plan
+        if entry is None:
+            raise ValueError("an indexed dataset's source starts from an Entry (WorkerStream.reset makes one)")
+        plan = entry.plan
         counts, seed, shuffle = self.reader.counts, layout.seed, layout.shuffle
         spans = PlanSpans(self.orders.get(counts, self.rows, seed, epoch, shuffle, keep=False), plan.rows)
         release_free_memory()  # the split's temporaries, so that a worker keeps only its share
@@ -381,4 +381,4 @@ class Indexed:
 
         return ShardSource(self.reader, session, spans=lambda: spans, rows=plan.rows, mixing=layout.mixing,
                            seeds=worker_seeds(seed, epoch, layout.rank, worker), locate=where,
-                           on_error=self.on_error, start=start.delivered)
+                           on_error=self.on_error, delivered=entry.delivered)

@@ -1,4 +1,4 @@
-"""One worker's stream of one epoch, and how it resumes: ``reset(start)`` / ``get_state()``,
+"""One worker's stream of one epoch, and how it resumes: ``reset(entry)`` / ``get_state()``,
 as torchdata's nodes.
 
 **The order.** A worker reads its *plan* (intervals of positions of the epoch's virtual
@@ -18,7 +18,7 @@ parses it) is that count of outputs delivered, the positions of the plan not yet
 (merged intervals: their number follows the shuffle buffer and the open shards, never the
 dataset), the repeats ``equalize`` adds, and the plan where it is not the epoch's own split.
 
-**Resuming** (``reset(start)``; ``resume/loaded.py`` makes the ``Start``). A worker given its
+**Resuming** (``reset(entry)``; ``resume/loaded.py`` makes the ``Entry``). A worker given its
 own state regenerates its order on integers up to the count, fetches only what its shuffle
 buffer held there, checks that the positions its state listed are the ones its order leaves,
 and goes on exactly as it would have. Every worker's state gathered resumes the epoch on any
@@ -35,7 +35,7 @@ from typing import Any, Protocol
 
 from remote_loader.errors import ResumeError
 from remote_loader.format import Sample
-from remote_loader.pipeline.resume import Layout, Start, encode, share
+from remote_loader.pipeline.resume import Entry, Layout, encode, share
 from remote_loader.pipeline.stages import Chain, Context
 from remote_loader.pipeline.threads import ITEM, note
 from remote_loader.read.metrics import Metrics
@@ -86,9 +86,9 @@ class Data(Protocol):
     def prepare(self, seed: int, epoch: int, shuffle: bool) -> None:
         """Make ``epoch``'s order before DataLoader workers fork, so that they share it."""
 
-    def source(self, layout: Layout, epoch: int, worker: int, num_workers: int, start: Start | None,
+    def source(self, layout: Layout, epoch: int, worker: int, num_workers: int, entry: Entry | None,
                session: ReadSession) -> Source:
-        """Worker ``worker``'s source in ``epoch``, from ``start`` (given where ``resumable``)."""
+        """Worker ``worker``'s source in ``epoch``, from ``entry`` (given where ``resumable``)."""
 
 
 class _Kept:
@@ -131,33 +131,33 @@ class WorkerStream:
         self.stages = list(layout.stages)
         self.chain = Chain.of(self.stages)
         self.context = Context(layout.seed, epoch, layout.rank, worker, metrics)
-        self.start: Start | None = None
+        self.entry: Entry | None = None
         self.source: Source | None = None
         self.items = 0
         self.finished = False
         self._kept: dict[int, _Kept] = {}
         self._counted = 0  # samples counted in metrics
 
-    def reset(self, start: Start | None = None) -> WorkerStream:
-        """Start over from ``start`` (None: the start of the worker's share of the epoch)."""
-        if start is None and self.data.resumable:
-            start = Start(share(self.layout, None, self.worker, self.num_workers))
-        source = self.data.source(self.layout, self.epoch, self.worker, self.num_workers, start, self.session)
-        if start is not None and start.listed is not None and source.undelivered(start.delivered) != start.listed:
+    def reset(self, entry: Entry | None = None) -> WorkerStream:
+        """Start over from ``entry`` (None: the beginning of the worker's share of the epoch)."""
+        if entry is None and self.data.resumable:
+            entry = Entry(share(self.layout, None, self.worker, self.num_workers))
+        source = self.data.source(self.layout, self.epoch, self.worker, self.num_workers, entry, self.session)
+        if entry is not None and entry.listed is not None and source.undelivered(entry.delivered) != entry.listed:
             raise ResumeError(f"the state of rank {self.layout.rank} worker {self.worker} lists positions its order"
                               " does not leave undelivered: it was altered, or the dataset's order differs from the"
                               " one it was taken in")
-        self.start, self.source = start, source
+        self.entry, self.source = entry, source
         self.items, self.finished, self._counted = 0, False, 0
         self._kept = {i: _Kept() for i in self.chain.filters}
         return self
 
     def get_state(self) -> dict[str, Any]:
         """Where the stream stands: see the module's docstring and docs/FORMAT.md."""
-        if not self.data.resumable or self.source is None or self.start is None:
+        if not self.data.resumable or self.source is None or self.entry is None:
             raise ResumeError("checkpoints need an indexed dataset: run remote-loader index on it")
         delivered = self.delivered()
-        plan = self.start.plan
+        plan = self.entry.plan
         header = {**self.layout.header(self.epoch, self.worker, self.num_workers), "run": plan.run}
         return encode(header, self.layout.mixing, delivered, self.source.undelivered(delivered), plan.extras,
                       plan.rows)

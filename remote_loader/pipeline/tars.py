@@ -12,7 +12,7 @@ from remote_loader.errors import ConfigError, DatasetNotFound, OnError
 from remote_loader.format import Sample
 from remote_loader.format.epoch_order import shard_order
 from remote_loader.pipeline.delivery import Mixing, Shuffler, worker_seeds
-from remote_loader.pipeline.resume import Layout, Start
+from remote_loader.pipeline.resume import Entry, Layout
 from remote_loader.read.fetch import Fetched, Job, Prefetcher
 from remote_loader.read.reader import DatasetReader
 from remote_loader.read.session import ReadSession
@@ -36,7 +36,7 @@ class Unindexed:
     def prepare(self, seed: int, epoch: int, shuffle: bool) -> None:
         pass
 
-    def source(self, layout: Layout, epoch: int, worker: int, num_workers: int, start: Start | None,
+    def source(self, layout: Layout, epoch: int, worker: int, num_workers: int, entry: Entry | None,
                session: ReadSession) -> TarSource:
         tars = self.reader.list_tars()
         if not tars:

@@ -15,7 +15,7 @@ from remote_loader.pipeline.device.process import prestart
 _DEVICES = "decode device must be 'cpu', 'cuda', 'cuda:N' or 'auto'"
 
 
-def check_device(device: Any, batched: bool, cpu_fallback: bool = False, start: bool = True) -> Place | None:
+def check_device(device: Any, batched: bool, cpu_fallback: bool = False) -> Place | None:
     """None for the CPU path in the workers, else where the batched path decodes: ``"cuda"``
     resolved to this process's current GPU (the rank's, as torchrun and DDP set it).
 
@@ -24,9 +24,9 @@ def check_device(device: Any, batched: bool, cpu_fallback: bool = False, start: 
     decoder opens, so CUDA and the decoders start in the decoding process, which starts
     now (the first pipeline of this process and place) while you go on. ``"auto"`` must
     choose between the two paths now, so it opens the GPU's decoder here: where none
-    decodes, it takes the CPU path. ``start=False``: no process (a decoder of this one's)."""
+    decodes, it takes the CPU path."""
     place = _resolved(device, batched, cpu_fallback)
-    if place is not None and start:
+    if place is not None:
         prestart(place)
     return place
 

@@ -7,7 +7,7 @@ takes and resumes them is told in ``pipeline/stream.py``.
 - ``item_counts.py``: count states (``state_dict(consumed=...)``), for a plain DataLoader whose
   workers cannot be asked.
 - ``loaded.py``: what ``load_state_dict`` was given, as one ``Loaded`` (each worker's own
-  state, a count state converted into those, or a gathered rest), and the ``Start`` of each
+  state, a count state converted into those, or a gathered rest), and the ``Entry`` of each
   worker's next iteration.
 - ``layout.py``: what a state is checked against and a share is cut from.
 
@@ -27,7 +27,7 @@ of a finished epoch lets the next iteration start the next epoch whole.
 from remote_loader.pipeline.resume.handover import Handover
 from remote_loader.pipeline.resume.item_counts import MAX_WORKERS, count_state
 from remote_loader.pipeline.resume.layout import Layout
-from remote_loader.pipeline.resume.loaded import Loaded, Start, load, share, start
+from remote_loader.pipeline.resume.loaded import Entry, Loaded, entry, load, share
 from remote_loader.pipeline.resume.states import encode
 
-__all__ = ["MAX_WORKERS", "Handover", "Layout", "Loaded", "Start", "count_state", "encode", "load", "share", "start"]
+__all__ = ["MAX_WORKERS", "Entry", "Handover", "Layout", "Loaded", "count_state", "encode", "entry", "load", "share"]

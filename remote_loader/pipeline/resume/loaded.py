@@ -24,8 +24,8 @@ from remote_loader.pipeline.split import Plan, worker_bounds
 
 
 @dataclass(frozen=True)
-class Start:
-    """Where one worker's iteration starts: its plan, the outputs of its delivery order
+class Entry:
+    """Where one worker enters its plan (an iteration begins): the plan, the outputs of its delivery order
     delivered before (a resume's), and the positions its own state listed as not delivered
     (checked against its regenerated order; None where none were listed)."""
 
@@ -122,13 +122,13 @@ def _counted(layout: Layout, counts: ResumeState) -> Loaded:
     return Loaded(counts.epoch, own=own, finished=finished, pending=not finished and any(counts.skip))
 
 
-def start(layout: Layout, loaded: Loaded | None, epoch: int, worker: int, num_workers: int) -> Start:
+def entry(layout: Layout, loaded: Loaded | None, epoch: int, worker: int, num_workers: int) -> Entry:
     """Where ``worker``'s iteration of ``epoch`` starts: from its own state in ``loaded``,
     from its share of the rest ``loaded`` gathered, or at the start of its share of the epoch."""
     if loaded is None or loaded.epoch != epoch:
-        return Start(share(layout, None, worker, num_workers))
+        return Entry(share(layout, None, worker, num_workers))
     if loaded.rest is not None:
-        return Start(share(layout, loaded.rest, worker, num_workers))
+        return Entry(share(layout, loaded.rest, worker, num_workers))
     state = loaded.own.get(worker) or next(iter(loaded.own.values()))
     if _split(state) != (layout.rank, layout.world_size, worker, num_workers):
         saved = "rank {rank}/{world_size} worker {worker}/{num_workers}".format(**state.header)
@@ -145,7 +145,7 @@ def start(layout: Layout, loaded: Loaded | None, epoch: int, worker: int, num_wo
         plan = Plan(state.rows, frozenset(p for p, _ in state.extras), state.header["run"])
     else:
         plan = share(layout, None, worker, num_workers)
-    return Start(plan, state.delivered, None if state.remaining is None else state.undelivered())
+    return Entry(plan, state.delivered, None if state.remaining is None else state.undelivered())
 
 
 def share(layout: Layout, rest: Remainder | None, worker: int, num_workers: int) -> Plan:
