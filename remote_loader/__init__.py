@@ -2,7 +2,7 @@
 
 from typing import TYPE_CHECKING, Any
 
-from remote_loader.config import FetchConfig, RetryConfig, StorageConfig, rank_cores
+from remote_loader.config import CacheConfig, FetchConfig, RetryConfig, StorageConfig, rank_cores
 from remote_loader.errors import (
     AccessDenied,
     BucketNotFound,
@@ -78,6 +78,7 @@ __all__ = [
     "DatasetReader",
     "DecodeError",
     "EndpointUnreachable",
+    "CacheConfig",
     "FetchConfig",
     "FormatError",
     "ImageFolder",

@@ -16,9 +16,10 @@ from PIL import Image
 from tqdm import tqdm
 
 from remote_loader import __version__
-from remote_loader.config import FetchConfig, RetryConfig
+from remote_loader.config import CacheConfig, FetchConfig, RetryConfig
 from remote_loader.errors import ConfigError, RemoteLoaderError
 from remote_loader.format import ShardTable, fields
+from remote_loader.read.node_cache import NodeCache
 from remote_loader.read.reader import DatasetReader
 from remote_loader.storage import Location, Store, open_location
 from remote_loader.storage.factory import Backend
@@ -231,6 +232,27 @@ def _image_kinds(reader: DatasetReader) -> dict[str, str]:
     return kinds
 
 
+def cmd_cache(args: argparse.Namespace) -> int:
+    config = CacheConfig.of(args.dir, None)
+    if config is None:
+        raise ConfigError("name the cache's directory (remote-loader cache DIR) or set REMOTE_LOADER_CACHE_DIR")
+    cache = NodeCache(config)
+    if args.clear:
+        removed = cache.clear()
+        _emit(args, {"directory": config.directory, "removed_bytes": removed},
+              f"{config.directory}: removed {removed / 1e6:,.1f} MB")
+        return 0
+    datasets = cache.datasets()
+    total = sum(d.bytes for d in datasets)
+    lines = [f"{config.directory}: {total / 1e6:,.1f} MB in {sum(d.shards for d in datasets):,d} shards"]
+    lines += [f"  {_shown(d.name)}: {d.shards:,d} shards, {d.bytes / 1e6:,.1f} MB" for d in datasets]
+    data = {"directory": config.directory, "bytes": total,
+            "datasets": [{"dataset": d.name, "uploads": sorted(d.uploads), "shards": d.shards, "bytes": d.bytes}
+                         for d in datasets]}
+    _emit(args, data, "\n".join(lines))
+    return 0
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     reader, location = _reader(args)
     manifest = reader.manifest
@@ -432,6 +454,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--json", action="store_true", help="print one JSON document on stdout, for scripts")
         if name != "ls" and name != "info":  # the commands that show a progress bar
             p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    p = sub.add_parser("cache", help="show what a node's shard cache holds, or clear it", formatter_class=_Help)
+    p.add_argument("dir", nargs="?", default=None, help="the cache's directory (default: REMOTE_LOADER_CACHE_DIR)")
+    p.add_argument("--clear", action="store_true", help="remove every cached shard no process is writing")
+    p.add_argument("--json", action="store_true", help="print one JSON document on stdout, for scripts")
+    p.set_defaults(func=cmd_cache)
 
     p = sub.add_parser("serve", help="run an embedded S3 server (SeaweedFS) on 127.0.0.1", formatter_class=_Help)
     p.add_argument("--port", type=_count(1), default=None, help="S3 port (default: a free one)")

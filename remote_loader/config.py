@@ -362,3 +362,58 @@ def current_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return world_from_env()
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+          "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
+
+
+def parse_bytes(name: str, value: object) -> int:
+    """A byte count: an int, or a string such as ``"500G"``, ``"1.5TB"``, ``"64GiB"``
+    (decimal units; ``i`` for binary ones); ConfigError naming ``name`` otherwise."""
+    if isinstance(value, str):
+        found = _SIZE.match(value)
+        if found is None:
+            raise ConfigError(f"{name} must be a number of bytes such as 500G or 64GiB, got {value!r}")
+        unit = (found.group(2) or "").upper().removesuffix("B")
+        return require_int(name, int(float(found.group(1)) * _UNITS[unit]), low=1)
+    return require_int(name, value, low=1)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """A node-local shard cache (docs/cache.md): where, and how many bytes it may hold.
+
+    Attributes:
+        directory: A directory on a local disk, shared by the node's ranks and workers.
+        max_bytes: The most bytes of shards it holds, all datasets together; None: as much
+            as leaves a tenth of the disk free.
+    """
+
+    directory: str
+    max_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.directory, (str, os.PathLike)) or not str(self.directory):
+            raise ConfigError(f"the cache directory must be a path, got {self.directory!r}")
+        object.__setattr__(self, "directory", os.path.abspath(os.path.expanduser(os.fspath(self.directory))))
+        if self.max_bytes is not None:
+            object.__setattr__(self, "max_bytes", parse_bytes("cache_bytes", self.max_bytes))
+
+    @classmethod
+    def of(cls, directory: str | os.PathLike[str] | None, max_bytes: int | str | None,
+           env: Mapping[str, str] | None = None) -> CacheConfig | None:
+        """The cache a dataset uses: ``directory`` and ``max_bytes`` as given, else from
+        ``REMOTE_LOADER_CACHE_DIR`` and ``REMOTE_LOADER_CACHE_BYTES``; None (no cache) where
+        no directory is named. ``directory=""`` turns off a cache the environment names."""
+        env = os.environ if env is None else env
+        if directory is None:
+            directory = env.get("REMOTE_LOADER_CACHE_DIR") or None
+        if max_bytes is None:
+            max_bytes = env.get("REMOTE_LOADER_CACHE_BYTES") or None
+        if directory is None or directory == "":
+            if max_bytes is not None and env.get("REMOTE_LOADER_CACHE_BYTES") != max_bytes:
+                raise ConfigError("cache_bytes bounds a cache: give cache_dir too (or REMOTE_LOADER_CACHE_DIR)")
+            return None
+        return cls(os.fspath(directory), max_bytes)  # type: ignore[arg-type]

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Dataset
 
-from remote_loader.config import FetchConfig
+from remote_loader.config import CacheConfig, FetchConfig
 from remote_loader.errors import ConfigError, FormatError
 from remote_loader.format import Sample, ShardIndex
 from remote_loader.read import DatasetReader, Metrics
@@ -43,6 +43,11 @@ class RemoteMapDataset(Dataset):
         fetch: Concurrency (``concurrency`` GETs at once for a batch), checksum refetches, and
             in ``fetch.retry`` how requests are retried.
         verify: Check member crc32s.
+        cache_dir: A directory on a local disk where shards are kept whole once a sample of
+            theirs is read, and read from again (docs/cache.md); default
+            ``REMOTE_LOADER_CACHE_DIR``, none without it.
+        cache_bytes: The most bytes the cache holds (an int, or ``"500G"``); default
+            ``REMOTE_LOADER_CACHE_BYTES``, else what leaves a tenth of the disk free.
         **connection: ``endpoint_url``, ``access_key``, ... with a URL.
     """
 
@@ -58,6 +63,8 @@ class RemoteMapDataset(Dataset):
         merge_gap: int = 256 * 1024,
         fetch: FetchConfig | None = None,
         verify: bool = True,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_bytes: int | str | None = None,
         **connection: Any,
     ) -> None:
         if isinstance(client, str):
@@ -69,7 +76,7 @@ class RemoteMapDataset(Dataset):
             raise ConfigError("cache_shards and cache_pages must be >= 1 and merge_gap >= 0")
         self.fetch = fetch or FetchConfig()
         self.reader = DatasetReader(client, bucket, base_folder, verify=verify, fetch=self.fetch,
-                                    cache_pages=cache_pages)
+                                    cache_pages=cache_pages, cache=CacheConfig.of(cache_dir, cache_bytes))
         self.transform, self.cache_shards, self.merge_gap = transform, cache_shards, merge_gap
         self.metrics = Metrics()
         self._total = len(self.reader)  # the manifest, fetched now: a missing or damaged dataset fails here

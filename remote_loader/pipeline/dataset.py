@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import copy
+import os
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch.utils.data import IterableDataset, get_worker_info
 
-from remote_loader.config import FetchConfig, current_world, require_bool, require_int
+from remote_loader.config import CacheConfig, FetchConfig, current_world, require_bool, require_int
 from remote_loader.errors import ConfigError, OnError, ResumeError
 from remote_loader.pipeline import resume, stages
 from remote_loader.pipeline.collate import collate as collate_samples
@@ -56,6 +57,13 @@ class RemoteDataset(IterableDataset):
         unindexed: Stream the ``.tar`` objects under the prefix as plain WebDataset tars,
             without a manifest (whole tars dealt to ranks and workers; no resume, no
             equalising). Without it, a prefix with no manifest raises ``DatasetNotFound``.
+        cache_dir: A directory on a local disk where shards are kept once fetched and read from
+            again, in this epoch or a later one, shared by the node's ranks and workers (one
+            fetch a node): docs/cache.md. Default ``REMOTE_LOADER_CACHE_DIR``; none without it
+            (``""`` turns off one the environment names).
+        cache_bytes: The most bytes the cache holds, all datasets together (an int, or
+            ``"500G"``, ``"64GiB"``); default ``REMOTE_LOADER_CACHE_BYTES``, else what leaves
+            a tenth of the disk free.
         **connection: ``endpoint_url``, ``access_key``, ``secret_key``, ``region``,
             ``backend``, with a URL.
 
@@ -80,6 +88,8 @@ class RemoteDataset(IterableDataset):
         verify: bool = True,
         on_error: str | OnError = "raise",
         unindexed: bool = False,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_bytes: int | str | None = None,
         **connection: Any,
     ) -> None:
         if isinstance(client, str):
@@ -99,7 +109,8 @@ class RemoteDataset(IterableDataset):
         if rank is not None or world_size is not None:
             rank, world_size = current_world(rank, world_size)
         self.fetch = fetch or FetchConfig()
-        self.reader = DatasetReader(client, bucket, base_folder, verify=verify, fetch=self.fetch)
+        self.reader = DatasetReader(client, bucket, base_folder, verify=verify, fetch=self.fetch,
+                                    cache=CacheConfig.of(cache_dir, cache_bytes))
         self.unindexed = unindexed
         self._data: Data = Unindexed(self.reader) if unindexed else Indexed(self.reader, self.on_error)
         self.seed, self.shuffle_shards = seed, shuffle_shards

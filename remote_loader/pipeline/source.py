@@ -207,8 +207,9 @@ class ShardSource:
         for slot, (span, cursor) in enumerate(zip(group.spans, cursors, strict=True)):
             if len(early) < most and span.start + cursor == 0 and self.cache.cached(span.shard) is None:
                 entry = shards[span.shard]
-                early[slot] = fetch_head(self.session, self.reader.location.bucket,
-                                         self.reader.location.key(entry.name), 0, entry.size)
+                key = self.reader.location.key(entry.name)
+                self.session.expect(key, entry.name, entry.size, entry.crc32)  # read through the node's cache
+                early[slot] = fetch_head(self.session, self.reader.location.bucket, key, 0, entry.size)
         return early
 
     def _group_jobs(self, group: Group, offset: int, early: dict[int, Any]) -> list[Job[Piece]]:

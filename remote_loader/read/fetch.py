@@ -31,22 +31,17 @@ _POLL = 0.5  # longest single wait: every wait re-checks whether the fetcher fai
 _CLOSE_WITHIN = 1.0  # close() waits this long for threads; one stuck in a GET is left to its timeout
 
 
-def fetch_range(session: ReadSession, bucket: str, key: str, start: int, end: int) -> bytes:
-    """One ranged GET through the session's retrying store, counted in its metrics."""
-    session.metrics.add(gets=1)
-    data = session.store.get_range(bucket, key, start, end)
-    session.metrics.add(bytes=len(data))
-    return data
+def fetch_range(session: ReadSession, bucket: str, key: str, start: int, end: int) -> bytes | bytearray:
+    """One ranged GET through the session (its retrying store or the node's cache), counted in its metrics."""
+    return session.get_range(bucket, key, start, end)
 
 
 def fetch_range_into(session: ReadSession, bucket: str, key: str, start: int, end: int, out: memoryview) -> None:
-    """One ranged GET received into ``out`` through the session's retrying store, counted in its metrics."""
-    session.metrics.add(gets=1)
-    session.store.get_range_into(bucket, key, start, end, out)
-    session.metrics.add(bytes=end - start)
+    """One ranged GET received into ``out`` through the session, counted in its metrics."""
+    session.get_range_into(bucket, key, start, end, out)
 
 
-_Head = tuple[int, int, Future[bytes]]  # bytes [start, end) of an object, fetched before their range was located
+_Head = tuple[int, int, Future[bytes | bytearray]]  # bytes [start, end) of an object, fetched before it was located
 
 
 @dataclass

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     import torch
 
 FIELDS = ("gets", "bytes", "retries", "wait_seconds", "user_seconds", "samples", "skipped", "peak_buffered",
-          "peak_range_memory", "gets_in_flight")
+          "peak_range_memory", "gets_in_flight", "cached_bytes")
 _INDEX = {name: i for i, name in enumerate(FIELDS)}
 _SAMPLES = _INDEX["samples"]
 _PEAKS = ("peak_buffered", "peak_range_memory", "gets_in_flight")
@@ -44,6 +44,8 @@ class Metrics:
             read, or kept for reuse (see ``FetchConfig`` for the bound).
         gets_in_flight: The most ranged GETs the fetcher let run at once: it starts low
             and reaches further while the consumer waits for bytes (``Prefetcher``).
+        cached_bytes: Bytes read from the node's shard cache (``cache_dir``) instead of the
+            store; ``gets`` and ``bytes`` count only what went to the store, fills included.
 
     Peaks are per process; summed over workers they are the most any one held.
     """

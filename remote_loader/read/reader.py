@@ -15,8 +15,9 @@ from functools import cached_property, partial
 from typing import Any, TypeVar
 
 from remote_loader.checksum import crc32
-from remote_loader.config import FetchConfig, require_int
+from remote_loader.config import CacheConfig, FetchConfig, require_int
 from remote_loader.errors import (
+    ConfigError,
     CorruptSampleError,
     CorruptShard,
     DatasetChanged,
@@ -35,6 +36,7 @@ from remote_loader.format.shard_counts import Counts
 from remote_loader.format.tar import scan_tar
 from remote_loader.read.heap import release_free_memory
 from remote_loader.read.metrics import Metrics
+from remote_loader.read.node_cache import NodeCache, UploadCache
 from remote_loader.read.session import ReadSession
 from remote_loader.read.whole import fetch_whole
 from remote_loader.storage import Location, Store, as_store
@@ -73,6 +75,8 @@ class DatasetReader:
         fetch: Checksum refetches and, in ``fetch.retry``, how requests are retried.
         cache_pages: Pages of a version 3 manifest kept once read (each holds 4,096 shards'
             sizes, index places and checksums: about 60 kB).
+        cache: A node-local shard cache (docs/cache.md): shards kept whole on local disk
+            once fetched, read from there again.
 
     Examples:
         >>> reader = DatasetReader(client, "bucket", "imagenet-val")
@@ -81,13 +85,16 @@ class DatasetReader:
     """
 
     def __init__(self, client: Store | Any, bucket: str, base_folder: str, *, verify: bool = True,
-                 fetch: FetchConfig | None = None, cache_pages: int = 32) -> None:
+                 fetch: FetchConfig | None = None, cache_pages: int = 32, cache: CacheConfig | None = None) -> None:
         self.client = as_store(client, bucket)
         base_folder = base_folder.strip("/")
         self.location = Location(bucket, base_folder, self.client.path_of(bucket, base_folder))
         self.verify = verify
         self.fetch = fetch or FetchConfig()
         self.cache_pages = require_int("cache_pages", cache_pages, 1)
+        if cache is not None and not isinstance(cache, CacheConfig):
+            raise ConfigError(f"cache must be a CacheConfig, got {type(cache).__name__}")
+        self.cache = cache
         self._identity: int | None = None  # of the manifest read
         self.round_trip: float | None = None
         """Seconds the manifest's first GET took beyond its transfer at 1 GB/s, once read: a
@@ -95,7 +102,14 @@ class DatasetReader:
 
     def session(self, metrics: Metrics | None = None, cancel: threading.Event | None = None) -> ReadSession:
         """The requests on behalf of this reader: a retrying store, counted in ``metrics``."""
-        return ReadSession(self.fetch, metrics or Metrics(), self.client, cancel)
+        return ReadSession(self.fetch, metrics or Metrics(), self.client, cancel,
+                           self.upload_cache if self.cache is not None else None)
+
+    def upload_cache(self) -> UploadCache | None:
+        """This process's view of the node's cache of the upload read (None without a cache)."""
+        if self.cache is None:
+            return None
+        return NodeCache(self.cache).upload(self.client.endpoint, str(self.location), self.identity)
 
     def __repr__(self) -> str:
         return f"DatasetReader({self.location}, client={self.client!r})"
@@ -287,18 +301,18 @@ class DatasetReader:
             TruncatedShard: The shard or its index is not the size the manifest says.
         """
         session = session or self.session()
-        return session.refetch(partial(self._index_bytes, entry, session), partial(self.parse_index, entry))
+        key = self.location.key(entry.name)
+        session.expect(key, entry.name, entry.size, entry.crc32)
+        return session.refetch(partial(self._index_bytes, entry, session), partial(self.parse_index, entry), key)
 
-    def _index_bytes(self, entry: ShardEntry, session: ReadSession) -> bytes:
+    def _index_bytes(self, entry: ShardEntry, session: ReadSession) -> bytes | bytearray:
         key, start, end = self.index_range(entry)
         bucket = self.location.bucket
-        session.metrics.add(gets=1)
         try:
-            data, size = session.store.get_range_and_size(bucket, key, start, end)
+            data, size = session.get_range_and_size(bucket, key, start, end)
         except InvalidRange:
             said = entry.index_size if entry.index_name else entry.size
             raise self.refused(entry.index_name or entry.name, start, end, said, session) from None
-        session.metrics.add(bytes=len(data))
         if entry.index_name:
             objects = [
                 (entry.index_name, size, entry.index_size),

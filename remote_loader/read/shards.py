@@ -96,18 +96,18 @@ def read_run(
     start, end = index.start(first, stop), index.extent(first, stop)
     key = reader.location.key(entry.name)
 
-    def parse(data: bytes) -> list[Sample]:
+    def parse(data: bytes | bytearray) -> list[Sample]:
         view = ShardView(data, index, name=entry.name, verify=reader.verify, base=start, first=first, stop=stop)
         return [own(view.sample(j)) for j in positions]
 
-    def fetch() -> bytes:
+    def fetch() -> bytes | bytearray:
         try:
             return fetch_range(session, reader.location.bucket, key, start, end)
         except InvalidRange:
             raise reader.refused(entry.name, start, end, entry.size, session) from None
 
     try:
-        return session.refetch(fetch, parse)
+        return session.refetch(fetch, parse, key)
     except DAMAGE as error:
         reader.check_unchanged(error)
         raise
