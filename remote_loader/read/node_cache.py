@@ -58,6 +58,7 @@ FILL = ".fill"
 _PART, _LOCK, _ABOUT = ".part", ".lock", "about"
 _FREE = 0.1  # the share of the disk a cache without a bound leaves free
 _STEP = 0.01  # seconds between tries of a lock another process holds
+_TOUCH = 60.0  # seconds: a shard read is marked used (its mtime) if it was not within this
 _PATIENCE = 30.0  # seconds another process's fill is waited for, plus a second per 10 MB of shard
 
 
@@ -163,7 +164,7 @@ class CachedFile:
     path: Path
     upload: Path
     size: int
-    used: float  # mtime: set when written, and when first read by a process
+    used: float  # mtime: set when written, and when read (to the minute)
     partial: bool
 
 
@@ -192,7 +193,6 @@ class UploadCache:
         self.broken: str | None = None  # why this process writes no more (a full disk...)
         self._lock = threading.Lock()
         self._filling: dict[str, Future[bool]] = {}
-        self._touched: set[str] = set()
         self._opened = False
 
     def _open(self) -> None:
@@ -214,8 +214,7 @@ class UploadCache:
         except OSError:
             return False
         try:
-            if name not in self._touched:  # least recently used: a process marks a shard once
-                self._touched.add(name)
+            if os.fstat(fd).st_mtime < time.time() - _TOUCH:  # least recently used: marked every minute at most
                 with contextlib.suppress(OSError):
                     os.utime(fd)
             view, offset = out[: end - start], start

@@ -1,0 +1,360 @@
+"""The node-local shard cache (docs/cache.md): one fetch a node, never stale, never trusted
+blindly, bounded, and a fallback to the store whatever goes wrong with the disk."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+import zlib
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from remote_loader import CacheConfig, ConfigError, DatasetReader, RemoteDataset, RemoteMapDataset, make_client
+from remote_loader.read import node_cache
+from remote_loader.read.node_cache import FILL, NodeCache
+from remote_loader.testing.synthetic import SyntheticImages
+from tests.faultproxy import FaultProxy
+from tests.helpers import upload
+
+SAMPLES, PER_SHARD = 120, 12  # ten shards
+
+
+def _samples(dataset):
+    return Counter((s["__key__"], bytes(s["jpg"]), bytes(s["cls"])) for s in dataset)
+
+
+def _shard_bytes(reader: DatasetReader) -> int:
+    return sum(entry.size for entry in reader.manifest.shards)
+
+
+def _cached(root: Path) -> dict[str, bytes]:
+    """Every whole shard in a cache, by name (nothing being written)."""
+    return {p.name: p.read_bytes() for p in root.rglob("*.tar") if FILL not in p.parts}
+
+
+def _cached_paths(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*.tar") if FILL not in p.parts]
+
+
+def _check_whole(root: Path, reader: DatasetReader) -> None:
+    crcs = {entry.name: entry.crc32 for entry in reader.manifest.shards}
+    for name, data in _cached(root).items():
+        assert zlib.crc32(data) == crcs[name], name
+
+
+@pytest.fixture
+def dataset(s3):
+    store, bucket = s3
+    upload(store, bucket, "d", SyntheticImages(SAMPLES, size=(64, 48)), maxcount=PER_SHARD)
+    reader = DatasetReader(store, bucket, "d")
+    return store, bucket, reader, _samples(reader)
+
+
+def test_the_second_epoch_reads_the_cache_and_sends_no_shard_request(dataset, tmp_path):
+    store, bucket, reader, clean = dataset
+    ds = RemoteDataset(store, bucket, "d", cache_dir=tmp_path / "cache")
+    assert _samples(ds) == clean
+    first = ds.metrics.as_dict()
+    assert first["bytes"] == _shard_bytes(reader)  # each shard fetched once, whole
+    assert first["gets"] == len(reader.manifest.shards)  # shards under a part: one GET each
+    assert _samples(ds) == clean  # epoch 2, a new order
+    second = ds.metrics.as_dict()
+    assert second["gets"] == first["gets"] and second["bytes"] == first["bytes"]
+    assert second["cached_bytes"] > 2 * first["bytes"] * 0.9
+    mapped = RemoteMapDataset(store, bucket, "d", cache_dir=tmp_path / "cache")
+    assert Counter((s["__key__"], bytes(s["jpg"]), bytes(s["cls"])) for s in mapped) == clean
+    assert mapped.metrics.gets == 0
+    _check_whole(tmp_path / "cache", reader)
+
+
+def test_the_environment_turns_the_cache_on(dataset, tmp_path, monkeypatch):
+    store, bucket, reader, clean = dataset
+    monkeypatch.setenv("REMOTE_LOADER_CACHE_DIR", str(tmp_path / "env-cache"))
+    monkeypatch.setenv("REMOTE_LOADER_CACHE_BYTES", "1G")
+    ds = RemoteDataset(store, bucket, "d")
+    assert ds.reader.cache == CacheConfig(str(tmp_path / "env-cache"), 10**9)
+    assert _samples(ds) == clean
+    assert len(_cached(tmp_path / "env-cache")) == len(reader.manifest.shards)
+    assert RemoteDataset(store, bucket, "d", cache_dir="").reader.cache is None
+
+
+@pytest.mark.parametrize(("given", "bound", "message"), [
+    ({"max_bytes": "64GiB"}, 64 << 30, None), ({"max_bytes": "1.5T"}, 1_500_000_000_000, None),
+    ({"max_bytes": 1000}, 1000, None), ({"max_bytes": "lots"}, None, "cache_bytes must be a number of bytes"),
+    ({"max_bytes": 0}, None, "cache_bytes"), ({"max_bytes": True}, None, "cache_bytes"),
+])
+def test_a_bound_is_a_number_of_bytes(tmp_path, given, bound, message):
+    if message is None:
+        assert CacheConfig(str(tmp_path), **given).max_bytes == bound
+    else:
+        with pytest.raises(ConfigError, match=message):
+            CacheConfig(str(tmp_path), **given)
+
+
+def test_a_bound_without_a_directory_is_refused():
+    with pytest.raises(ConfigError, match="give cache_dir too"):
+        CacheConfig.of(None, "10G", env={})
+    assert CacheConfig.of(None, None, env={}) is None
+
+
+def _read_in_a_process(env: dict[str, str], bucket: str, cache: str, number: int, rank: int, world: int,
+                       epochs: int, barrier, results) -> None:
+    store = make_client(env["endpoint"], env["key"], env["secret"])
+    ds = RemoteDataset(store, bucket, "d", cache_dir=cache, rank=rank, world_size=world, equalize=False)
+    barrier.wait(60)
+    out = []
+    for _ in range(epochs):
+        before = ds.metrics.bytes
+        keys = sorted(s["__key__"] for s in ds)
+        out.append((keys, ds.metrics.bytes - before))
+    results.put((number, out))
+
+
+def _in_processes(seaweed, endpoint: str, bucket: str, cache: str | None, ranks: list[tuple[int, int]], epochs: int):
+    """Run readers in spawned processes that begin their epochs at once; ``[(keys, bytes
+    fetched) per epoch]`` of each, in the order of ``ranks``."""
+    context = multiprocessing.get_context("spawn")
+    barrier, results = context.Barrier(len(ranks)), context.Queue()
+    env = {"endpoint": endpoint, "key": seaweed.access_key, "secret": seaweed.secret_key}
+    processes = [context.Process(target=_read_in_a_process, args=(env, bucket, cache, number, rank, world, epochs,
+                                                                     barrier, results))
+                 for number, (rank, world) in enumerate(ranks)]
+    for process in processes:
+        process.start()
+    try:
+        got = dict(results.get(timeout=240) for _ in processes)
+    finally:
+        for process in processes:
+            process.join(30)
+            if process.is_alive():
+                process.kill()
+    assert all(process.exitcode == 0 for process in processes)
+    return [got[number] for number in range(len(ranks))]
+
+
+def test_two_processes_filling_one_cache_at_once_fetch_each_shard_once(seaweed, dataset, tmp_path):
+    """Both read every shard, in the same order, beginning together through a store that
+    answers each GET 0.2 s late: each shard comes from the store once, to one of them."""
+    store, bucket, reader, clean = dataset
+    proxy = FaultProxy(seaweed.endpoint_url, {"delay": 1.0}, delay=0.2, paths=".tar")
+    try:
+        runs = _in_processes(seaweed, proxy.endpoint_url, bucket, str(tmp_path / "cache"), [(0, 1), (0, 1)], 1)
+    finally:
+        proxy.close()
+    keys = sorted(k for k, _, _ in clean)
+    assert [run[0][0] for run in runs] == [keys, keys]
+    assert sum(run[0][1] for run in runs) == _shard_bytes(reader)
+    _check_whole(tmp_path / "cache", reader)
+
+
+def test_the_ranks_of_a_node_fetch_the_dataset_once_in_two_epochs(seaweed, dataset, tmp_path):
+    store, bucket, reader, clean = dataset
+    ranks = [(0, 2), (1, 2)]
+    cached = _in_processes(seaweed, seaweed.endpoint_url, bucket, str(tmp_path / "cache"), ranks, 2)
+    streamed = _in_processes(seaweed, seaweed.endpoint_url, bucket, None, ranks, 2)
+    keys = sorted(k for k, _, _ in clean)
+    for runs in (cached, streamed):
+        for epoch in range(2):
+            assert sorted(runs[0][epoch][0] + runs[1][epoch][0]) == keys
+    total = _shard_bytes(reader)
+    assert sum(run[0][1] for run in cached) == total and sum(run[1][1] for run in cached) == 0
+    assert sum(run[e][1] for run in streamed for e in range(2)) >= 2 * total * 0.9
+
+
+def test_an_overwrite_between_epochs_is_never_served_from_the_cache(dataset, tmp_path):
+    store, bucket, reader, _ = dataset
+    cache = tmp_path / "cache"
+    ds = RemoteDataset(store, bucket, "d", cache_dir=cache)
+    list(ds)
+    (old,) = [p for d in cache.iterdir() if d.is_dir() for p in d.iterdir() if p.is_dir()]
+    upload(store, bucket, "d", SyntheticImages(SAMPLES, size=(64, 48), seed=7), maxcount=PER_SHARD, overwrite=True)
+    fresh = _samples(DatasetReader(store, bucket, "d"))
+    assert _samples(RemoteDataset(store, bucket, "d", cache_dir=cache)) == fresh
+    assert not old.exists()  # the older upload's copies are gone
+    _check_whole(cache, DatasetReader(store, bucket, "d"))
+
+
+def test_a_flipped_byte_in_a_cached_shard_is_fetched_again(dataset, tmp_path):
+    store, bucket, reader, clean = dataset
+    cache = tmp_path / "cache"
+    list(RemoteDataset(store, bucket, "d", cache_dir=cache))
+    entry = reader.manifest.shards[3]
+    (path,) = [p for p in cache.rglob(entry.name) if FILL not in p.parts]
+    index = reader.read_index(entry)
+    offset = int(index.offsets[5].max())  # inside sample 5's last member
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+    ds = RemoteDataset(store, bucket, "d", cache_dir=cache)
+    assert _samples(ds) == clean
+    assert ds.metrics.retries >= 1 and ds.metrics.bytes == entry.size  # that shard alone, again
+    _check_whole(cache, reader)
+
+
+def test_a_bound_smaller_than_the_dataset_is_kept(dataset, tmp_path):
+    store, bucket, reader, clean = dataset
+    total, cache = _shard_bytes(reader), tmp_path / "cache"
+    bound = int(total * 0.45)
+    ds = RemoteDataset(store, bucket, "d", cache_dir=cache, cache_bytes=bound)
+    for _ in range(3):
+        assert _samples(ds) == clean
+        assert 0 < sum(len(data) for data in _cached(cache).values()) <= bound
+    assert ds.metrics.bytes >= total + 2 * (total - bound)  # what was not cached came from the store
+
+
+def test_other_datasets_are_evicted_least_recently_used_first(s3, tmp_path):
+    store, bucket = s3
+    for folder in ("a", "b", "c"):
+        upload(store, bucket, folder, SyntheticImages(24, size=(64, 48), seed=len(folder)), maxcount=PER_SHARD)
+    sizes = {f: _shard_bytes(DatasetReader(store, bucket, f)) for f in "abc"}
+    cache = tmp_path / "cache"
+    bound = sizes["a"] + sizes["b"] + sizes["c"] // 2
+    for folder in ("a", "b"):
+        list(RemoteDataset(store, bucket, folder, cache_dir=cache, cache_bytes=bound))
+    an_hour_ago = time.time() - 3600
+    for path in _cached_paths(cache):
+        os.utime(path, (an_hour_ago, an_hour_ago))
+    list(RemoteMapDataset(store, bucket, "a", cache_dir=cache, cache_bytes=bound))  # a: used last
+    list(RemoteDataset(store, bucket, "c", cache_dir=cache, cache_bytes=bound))
+    held = {d.name.split(" ")[0].rsplit("/", 1)[-1]: d.bytes for d in NodeCache(CacheConfig(str(cache))).datasets()}
+    assert held["a"] == sizes["a"] and held.get("b", 0) < sizes["b"] and held["c"] == sizes["c"]
+
+
+_KILLED_FILL = """
+import sys
+from remote_loader import RemoteDataset, make_client
+store = make_client(sys.argv[1], sys.argv[2], sys.argv[3])
+for sample in RemoteDataset(store, sys.argv[4], "d", cache_dir=sys.argv[5]):
+    pass
+"""
+
+
+def test_a_fill_killed_mid_write_leaves_nothing_read(seaweed, dataset, tmp_path):
+    """A process killed while its fills' GETs stall half-way leaves parts that no reader
+    takes for shards: the next reader fills those shards again, and every shard in the
+    cache is whole."""
+    store, bucket, reader, clean = dataset
+    cache = tmp_path / "cache"
+    proxy = FaultProxy(seaweed.endpoint_url, {"stall_mid_body": 1.0}, delay=120, paths=".tar")
+    child = subprocess.Popen([sys.executable, "-c", _KILLED_FILL, proxy.endpoint_url, seaweed.access_key,
+                              seaweed.secret_key, bucket, str(cache)], env={**os.environ, "PYTHONPATH": os.getcwd()})
+    try:
+        parts: list[Path] = []
+        for _ in range(2400):  # until the child holds a part with bytes in it (at most 120 s)
+            parts = [p for p in cache.rglob("*.part") if p.stat().st_blocks]
+            if parts or child.poll() is not None:
+                break
+            _wait(0.05)
+        assert parts, "the child wrote no part"
+        child.send_signal(signal.SIGKILL)
+        child.wait(30)
+        proxy.rates = {}
+        ds = RemoteDataset(make_client(proxy.endpoint_url, seaweed.access_key, seaweed.secret_key), bucket, "d",
+                           cache_dir=cache)
+        assert _samples(ds) == clean
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        proxy.close()
+    assert len(_cached(cache)) == len(reader.manifest.shards)
+    assert not [p for p in cache.rglob("*.part") if p.stat().st_size]  # written over, or removed
+    _check_whole(cache, reader)
+
+
+def _wait(seconds: float) -> None:
+    """A bounded wait between two looks at the child's files (the condition is what is waited for)."""
+    import threading
+
+    threading.Event().wait(seconds)
+
+
+def test_an_unwritable_cache_warns_once_and_streams(dataset, tmp_path, caplog):
+    store, bucket, reader, clean = dataset
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    ds = RemoteDataset(store, bucket, "d", cache_dir=blocker / "cache")
+    with caplog.at_level(logging.WARNING, logger="remote_loader"):
+        assert _samples(ds) == clean
+        assert _samples(ds) == clean
+    warnings = [r.getMessage() for r in caplog.records if "cache" in r.getMessage()]
+    assert len(warnings) == 1 and "cannot be written" in warnings[0], warnings
+    assert ds.metrics.bytes >= 2 * _shard_bytes(reader) * 0.9
+
+
+_FULL_DISK = """
+import logging, resource, signal, sys
+logging.basicConfig(level=logging.WARNING)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+from remote_loader import RemoteDataset, make_client
+store = make_client(sys.argv[1], sys.argv[2], sys.argv[3])
+ds = RemoteDataset(store, sys.argv[4], "d", cache_dir=sys.argv[5])  # its counters' shared memory made first
+limit = int(sys.argv[6])
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))  # a file past this fails to grow: EFBIG
+keys = [s["__key__"] for s in ds] + [s["__key__"] for s in ds]
+print(len(keys), len(set(keys)))
+"""
+
+
+def test_a_disk_that_refuses_to_grow_a_file_warns_once_and_streams(seaweed, dataset, tmp_path):
+    store, bucket, reader, _ = dataset
+    largest = max(entry.size for entry in reader.manifest.shards)
+    result = subprocess.run([sys.executable, "-c", _FULL_DISK, seaweed.endpoint_url, seaweed.access_key,
+                             seaweed.secret_key, bucket, str(tmp_path / "cache"), str(largest // 2)],
+                            capture_output=True, text=True, timeout=240, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == [str(2 * SAMPLES), str(SAMPLES)]
+    assert result.stderr.count("cannot be written") == 1, result.stderr[-2000:]
+
+
+def test_a_fill_held_by_a_stopped_process_is_waited_for_a_bounded_time(dataset, tmp_path, monkeypatch, caplog):
+    """A process stopped (SIGSTOP) while it fills a shard holds the shard's lock: the others
+    wait for it a bounded time, then read that shard from the store."""
+    store, bucket, reader, clean = dataset
+    cache = tmp_path / "cache"
+    ds = RemoteDataset(store, bucket, "d", cache_dir=cache)
+    upload_dir = cache / _dataset_dir(ds) / f"{ds.reader.identity:08x}"
+    (upload_dir / FILL).mkdir(parents=True)
+    entry = reader.manifest.shards[0]
+    held = os.open(upload_dir / FILL / (entry.name + ".lock"), os.O_RDWR | os.O_CREAT)
+    fcntl.flock(held, fcntl.LOCK_EX)
+    monkeypatch.setattr(node_cache, "_PATIENCE", 0.2)
+    try:
+        with caplog.at_level(logging.WARNING, logger="remote_loader"):
+            assert _samples(ds) == clean
+    finally:
+        os.close(held)
+    assert len(_cached(cache)) == len(reader.manifest.shards) - 1
+    assert any("another process has fetched" in r.getMessage() for r in caplog.records)
+
+
+def _dataset_dir(ds: RemoteDataset) -> str:
+    upload_cache = ds.reader.upload_cache()
+    assert upload_cache is not None
+    return upload_cache.dataset_dir.name
+
+
+def test_the_cli_shows_and_clears_a_cache(dataset, tmp_path):
+    store, bucket, reader, _ = dataset
+    cache = tmp_path / "cache"
+    list(RemoteDataset(store, bucket, "d", cache_dir=cache))
+    script = Path(sys.executable).with_name("remote-loader")
+    shown = json.loads(subprocess.run([str(script), "cache", str(cache), "--json"], capture_output=True, text=True,
+                                      check=True).stdout)
+    assert shown["bytes"] == _shard_bytes(reader)
+    (only,) = shown["datasets"]
+    assert only["shards"] == len(reader.manifest.shards) and only["dataset"].startswith(f"s3://{bucket}/d ")
+    assert only["uploads"] == [f"{reader.identity:08x}"]
+    cleared = subprocess.run([str(script), "cache", "--clear"], capture_output=True, text=True, check=True,
+                             env={**os.environ, "REMOTE_LOADER_CACHE_DIR": str(cache)})
+    assert f"removed {_shard_bytes(reader) / 1e6:,.1f} MB" in cleared.stdout
+    assert _cached(cache) == {}
