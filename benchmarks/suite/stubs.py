@@ -27,8 +27,11 @@ class _StubModule(types.ModuleType):
 
 
 class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        if fullname.split(".")[0] in STUBBED:
+        if fullname.split(".")[0] in self.names:
             return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
         return None
 
@@ -42,16 +45,19 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 def install() -> None:
-    """Stub torchvision and transformers unless the real ones are importable."""
+    """Stub torchvision and transformers unless the real ones are importable. The stubs come
+    first on ``sys.meta_path``: a torchvision installed but failing to import (a CUDA build
+    beside CPU torch) must not be found again by the path finder."""
+    finder = next((f for f in sys.meta_path if isinstance(f, _StubFinder)), None)
+    if finder is None:
+        finder = _StubFinder()
+        sys.meta_path.insert(0, finder)
     for name in STUBBED:
-        if name in sys.modules:
+        if name in sys.modules or name in finder.names:
             continue
         try:
             __import__(name)
         except Exception:  # missing, or a build that cannot load here (a CUDA torchvision beside CPU torch)
             for loaded in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
                 del sys.modules[loaded]
-        else:
-            continue
-    if not any(isinstance(f, _StubFinder) for f in sys.meta_path):
-        sys.meta_path.append(_StubFinder())
+            finder.names.add(name)
