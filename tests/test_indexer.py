@@ -21,11 +21,13 @@ from remote_loader import (
     RemoteDataset,
     ResumeError,
     UploadError,
+    make_client,
 )
 from remote_loader.mapstyle.dataset import RemoteMapDataset
 from remote_loader.storage import Location
 from remote_loader.testing.synthetic import SyntheticImages
 from remote_loader.upload.indexer import index_webdataset
+from tests.faultproxy import FaultProxy
 from tests.helpers import FlakyImages, upload
 
 
@@ -175,3 +177,25 @@ def test_tar_names_no_reader_could_open_are_refused_before_anything_is_written(s
     with pytest.raises(UploadError, match=re.escape(repr(bad))):
         index_webdataset(client, Location(bucket, "names"))
     assert {o.key for o in client.list(bucket, "names/")} == {"names/data-00000.tar", f"names/{bad}"}
+
+
+def test_tars_indexed_in_place_are_read_from_the_node_cache_in_the_second_epoch(seaweed, s3, tmp_path):
+    """Their indexes lie in objects apart: both are cached whole, and the tars' sizes are read
+    from the cache, not by HEAD requests: the second epoch sends the store no request."""
+    client, bucket = s3
+    expected = write_wds_shards(tmp_path)
+    put_dir(client, bucket, "wds", tmp_path)
+    index_webdataset(client, Location(bucket, "wds"))
+    proxy = FaultProxy(seaweed.endpoint_url, {})
+    try:
+        through = make_client(proxy.endpoint_url, seaweed.access_key, seaweed.secret_key)
+        ds = RemoteDataset(through, bucket, "wds", cache_dir=tmp_path / "cache")
+        first = {s["__key__"]: as_bytes(s) for s in ds}
+        requests = proxy.requests
+        second = {s["__key__"]: as_bytes(s) for s in ds}
+        through.close()
+    finally:
+        proxy.close()
+    assert first == second == expected
+    assert proxy.requests == requests and ds.metrics.cached_bytes > 0
+    assert len(list((tmp_path / "cache").rglob("*.tar.index"))) == len(list((tmp_path / "cache").rglob("*.tar"))) == 3

@@ -58,6 +58,8 @@ FILL = ".fill"
 _PART, _LOCK, _ABOUT = ".part", ".lock", "about"
 _FREE = 0.1  # the share of the disk a cache without a bound leaves free
 _STEP = 0.01  # seconds between tries of a lock another process holds
+_MIN_PART = 1 << 20
+_FILL_THREADS = 8  # GETs in flight for one shard: several shards fill at once (a group's, and the next's)
 _TOUCH = 60.0  # seconds: a shard read is marked used (its mtime) if it was not within this
 _PATIENCE = 30.0  # seconds another process's fill is waited for, plus a second per 10 MB of shard
 
@@ -332,11 +334,14 @@ def _receive(fd: int, size: int, crc: int, fetch_into: Callable[[int, int, memor
     if size == 0:
         return crc == 0
     mapped = mmap.mmap(fd, size)
+    # Parts of at least 1 MiB, at most ``part_size``, as many as the threads where the shard
+    # allows: across a network one connection carries ~90 MB/s, and a shard waits for its last part.
+    part_size = min(part_size, max(_MIN_PART, -(-size // _FILL_THREADS)))
     try:
         view = memoryview(mapped)
         bounds = list(range(0, size, part_size))
         map_on_daemon_threads(lambda at: fetch_into(at, min(at + part_size, size), view[at: at + part_size]),
-                              bounds, threads, "remote-loader-cache", settle=5.0)
+                              bounds, min(threads, _FILL_THREADS), "remote-loader-cache", settle=5.0)
         got = zlib.crc32(view)
         view.release()
         return got == crc

@@ -303,7 +303,10 @@ class DatasetReader:
         session = session or self.session()
         key = self.location.key(entry.name)
         session.expect(key, entry.name, entry.size, entry.crc32)
-        return session.refetch(partial(self._index_bytes, entry, session), partial(self.parse_index, entry), key)
+        if entry.index_name:  # an index apart: the whole object, its crc32 the index's
+            session.expect(self.location.key(entry.index_name), entry.index_name, entry.index_size, entry.index_crc)
+        return session.refetch(partial(self._index_bytes, entry, session), partial(self.parse_index, entry),
+                               self.location.key(entry.index_name or entry.name))
 
     def _index_bytes(self, entry: ShardEntry, session: ReadSession) -> bytes | bytearray:
         key, start, end = self.index_range(entry)
@@ -316,7 +319,7 @@ class DatasetReader:
         if entry.index_name:
             objects = [
                 (entry.index_name, size, entry.index_size),
-                (entry.name, session.store.head(bucket, self.location.key(entry.name)), entry.size),
+                (entry.name, session.head(bucket, self.location.key(entry.name)), entry.size),
             ]
         else:
             objects = [(entry.name, size, entry.size)]

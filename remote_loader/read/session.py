@@ -17,7 +17,7 @@ from functools import partial
 from typing import TypeVar
 
 from remote_loader.config import FetchConfig
-from remote_loader.errors import CorruptShard, TruncatedShard
+from remote_loader.errors import CorruptShard, InvalidRange, TruncatedShard
 from remote_loader.read.metrics import Metrics
 from remote_loader.read.node_cache import UploadCache
 from remote_loader.storage import Store
@@ -86,20 +86,35 @@ class ReadSession:
         self.metrics.add(bytes=len(data))
         return data, size
 
+    def head(self, bucket: str, key: str) -> int:
+        """The object's size: a HEAD, or the size of its copy in the node's cache (checked whole
+        against the manifest's crc32 when it was fetched)."""
+        found = self._cached(key)
+        size = found[0].size(found[1]) if found is not None else None
+        return size if size is not None else self.store.head(bucket, key)
+
+    def _cached(self, key: str | None) -> tuple[UploadCache, str, int, int] | None:
+        """The node's cache and what it holds object ``key`` as (name, size, crc32), if it may."""
+        shard = self._shards.get(key) if key is not None else None
+        cache = self._cache() if shard is not None and self._cache is not None else None
+        return None if shard is None or cache is None else (cache, *shard)
+
     def _get_into(self, bucket: str, key: str, start: int, end: int, out: memoryview) -> None:
         self.metrics.add(gets=1)
         self.store.get_range_into(bucket, key, start, end, out)
         self.metrics.add(bytes=end - start)
 
     def _from_cache(self, bucket: str, key: str, start: int, end: int, out: memoryview) -> bool:
-        shard = self._shards.get(key)
-        cache = self._cache() if shard is not None and self._cache is not None else None
-        if shard is None or cache is None:
+        found = self._cached(key)
+        if found is None:
             return False
-        name, size, crc = shard
+        cache, name, size, crc = found
         if not cache.read_into(name, start, end, out):
-            fill = cache.fill(name, size, crc, partial(self._get_into, bucket, key), self.config.part_size,
-                              self.config.concurrency, self.cancel)
+            try:
+                fill = cache.fill(name, size, crc, partial(self._get_into, bucket, key), self.config.part_size,
+                                  self.config.concurrency, self.cancel)
+            except InvalidRange:  # shorter than the manifest says: the request alone tells what it is
+                return False
             if not (fill and cache.read_into(name, start, end, out)):
                 return False
         self.metrics.add(cached_bytes=end - start)
@@ -123,7 +138,6 @@ class ReadSession:
 
     def discard(self, key: str | None) -> None:
         """Drop the cached copy of object ``key`` (its bytes failed a check), if there is one."""
-        shard = self._shards.get(key) if key is not None else None
-        cache = self._cache() if shard is not None and self._cache is not None else None
-        if shard is not None and cache is not None:
-            cache.discard(shard[0])
+        found = self._cached(key)
+        if found is not None:
+            found[0].discard(found[1])
