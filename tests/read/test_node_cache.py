@@ -358,3 +358,18 @@ def test_the_cli_shows_and_clears_a_cache(dataset, tmp_path):
                              env={**os.environ, "REMOTE_LOADER_CACHE_DIR": str(cache)})
     assert f"removed {_shard_bytes(reader) / 1e6:,.1f} MB" in cleared.stdout
     assert _cached(cache) == {}
+
+
+def test_persistent_dataloader_workers_share_the_cache(dataset, tmp_path):
+    """Two persistent workers fill one cache in epoch 1 (each shard once between them) and
+    read it in epoch 2; the counters summed over the workers say so."""
+    from torch.utils.data import DataLoader
+
+    store, bucket, reader, clean = dataset
+    ds = RemoteDataset(store, bucket, "d", cache_dir=tmp_path / "cache")
+    loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True)
+    assert _samples(loader) == clean
+    fetched = ds.metrics.as_dict()
+    assert fetched["bytes"] == _shard_bytes(reader)
+    assert _samples(loader) == clean
+    assert ds.metrics.bytes == fetched["bytes"] and ds.metrics.cached_bytes > fetched["cached_bytes"]
