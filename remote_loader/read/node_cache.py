@@ -4,7 +4,7 @@ Under the cache's directory (``CacheConfig.directory``)::
 
     .lock                              held while space is counted and reserved
     <dataset>/about                    the dataset's URL and endpoint, for ``remote-loader cache``
-    <dataset>/<upload>/<name>          a shard, whole, its crc32 the manifest's
+    <dataset>/<upload>/<name>          a shard, whole, its crc32 the manifest's (``/`` in its name: ``%``)
     <dataset>/<upload>/.fill/<name>.part   a shard being written
     <dataset>/<upload>/.fill/<name>.lock   locked (flock) by the process writing it
 
@@ -114,12 +114,12 @@ class NodeCache:
     def files(self) -> Iterator[CachedFile]:
         """Every shard and part in the cache; parts no process writes any more are removed."""
         for upload in self.uploads():
-            for path in upload.rglob("*"):
+            fill = upload / FILL
+            shards = [(p, False) for p in upload.iterdir() if p != fill]
+            parts = [(p, True) for p in fill.iterdir() if p.suffix == _PART] if fill.is_dir() else []
+            for path, partial in shards + parts:
                 try:
-                    if path.suffix == _LOCK or not path.is_file():
-                        continue
-                    partial = FILL in path.relative_to(upload).parts
-                    if partial and path.suffix == _PART and _abandoned(path):
+                    if partial and _abandoned(path):
                         path.unlink()
                         continue
                     stat = path.stat()
@@ -194,25 +194,32 @@ class UploadCache:
         self.describe = f"{dataset} ({endpoint})"
         self.broken: str | None = None  # why this process writes no more (a full disk...)
         self._lock = threading.Lock()
+        self._opening = threading.Lock()
         self._filling: dict[str, Future[bool]] = {}
         self._opened = False
 
     def _open(self) -> None:
         """Make the upload's folder, and remove older uploads of the dataset (once a process)."""
-        if self._opened:
-            return
-        self._opened = True
-        (self.dir / FILL).mkdir(parents=True, exist_ok=True)
-        (self.dataset_dir / _ABOUT).write_text(self.describe + "\n")
-        for other in self.dataset_dir.iterdir():
-            if other.is_dir() and other != self.dir:
-                shutil.rmtree(other, ignore_errors=True)  # an overwritten upload: never served again
+        with self._opening:  # the other threads' fills wait for the folders
+            if self._opened:
+                return
+            (self.dir / FILL).mkdir(parents=True, exist_ok=True)
+            (self.dataset_dir / _ABOUT).write_text(self.describe + "\n")
+            for other in self.dataset_dir.iterdir():
+                if other.is_dir() and other != self.dir:
+                    shutil.rmtree(other, ignore_errors=True)  # an overwritten upload: never served again
+            self._opened = True
+
+    def path(self, name: str) -> Path:
+        """Where shard ``name`` lies: one folder, its ``/`` written ``%`` (a shard name holds no
+        ``%``), so that ``a`` and ``a/b.tar`` never need one path to be a file and a folder."""
+        return self.dir / name.replace("/", "%")
 
     def read_into(self, name: str, start: int, end: int, out: memoryview) -> bool:
         """Bytes ``[start, end)`` of cached shard ``name`` into ``out``; False where it is not
         cached (or shorter than that: the copy is dropped)."""
         try:
-            fd = os.open(self.dir / name, os.O_RDONLY)
+            fd = os.open(self.path(name), os.O_RDONLY)
         except OSError:
             return False
         try:
@@ -233,14 +240,14 @@ class UploadCache:
     def size(self, name: str) -> int | None:
         """The size of cached shard ``name``, or None where it is not cached."""
         try:
-            return (self.dir / name).stat().st_size
+            return self.path(name).stat().st_size
         except OSError:
             return None
 
     def discard(self, name: str) -> None:
         """Drop the copy of ``name`` (its bytes failed a check): the next read fetches it again."""
         with contextlib.suppress(OSError):
-            (self.dir / name).unlink()
+            self.path(name).unlink()
 
     def fill(self, name: str, size: int, crc: int, fetch_into: Callable[[int, int, memoryview], None],
              part_size: int, threads: int, cancel: threading.Event) -> bool:
@@ -271,10 +278,10 @@ class UploadCache:
 
     def _fill(self, name: str, size: int, crc: int, fetch_into: Callable[[int, int, memoryview], None],
               part_size: int, threads: int, cancel: threading.Event) -> bool:
-        final, part = self.dir / name, self.dir / FILL / (name + _PART)
+        final = self.path(name)
+        part = final.parent / FILL / (final.name + _PART)
         try:
             self._open()
-            part.parent.mkdir(parents=True, exist_ok=True)
             lock = os.open(part.with_suffix(_LOCK), os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as error:
             return self._stop(error)
@@ -296,7 +303,6 @@ class UploadCache:
                     log.warning("%s fetched for the node's cache fails its crc32: not kept", name)
                     part.unlink()
                     return False
-                final.parent.mkdir(parents=True, exist_ok=True)
                 os.rename(part, final)
                 return True
             except OSError as error:
