@@ -38,19 +38,19 @@ import errno
 import fcntl
 import hashlib
 import logging
-import mmap
 import os
 import shutil
 import threading
 import time
-import zlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from remote_loader.config import CacheConfig
-from remote_loader.storage.daemon import map_on_daemon_threads, wait_result
+from remote_loader.read.shard_fill import ShardFill
+from remote_loader.storage.daemon import wait_result
 
 log = logging.getLogger("remote_loader")
 
@@ -58,8 +58,6 @@ FILL = ".fill"
 _PART, _LOCK, _ABOUT = ".part", ".lock", "about"
 _FREE = 0.1  # the share of the disk a cache without a bound leaves free
 _STEP = 0.01  # seconds between tries of a lock another process holds
-_MIN_PART = 1 << 20
-_FILL_THREADS = 8  # GETs in flight for one shard: several shards fill at once (a group's, and the next's)
 _TOUCH = 60.0  # seconds: a shard read is marked used (its mtime) if it was not within this
 _PATIENCE = 30.0  # seconds another process's fill is waited for, plus a second per 10 MB of shard
 
@@ -117,16 +115,16 @@ class NodeCache:
             fill = upload / FILL
             shards = [(p, False) for p in upload.iterdir() if p != fill]
             parts = [(p, True) for p in fill.iterdir() if p.suffix == _PART] if fill.is_dir() else []
-            for path, partial in shards + parts:
+            for path, writing in shards + parts:
                 try:
-                    if partial and _abandoned(path):
+                    if writing and _abandoned(path):
                         path.unlink()
                         continue
                     stat = path.stat()
                 except FileNotFoundError:  # evicted or renamed meanwhile
                     continue
-                yield CachedFile(path, upload, stat.st_blocks * 512 if partial else stat.st_size, stat.st_mtime,
-                                 partial)
+                yield CachedFile(path, upload, stat.st_blocks * 512 if writing else stat.st_size, stat.st_mtime,
+                                 writing)
 
     def uploads(self) -> Iterator[Path]:
         """The upload folders of every dataset in the cache."""
@@ -181,9 +179,9 @@ class CachedDataset:
 class UploadCache:
     """The shards of one upload of one dataset in a node's cache, as one process uses them.
 
-    ``read_into`` reads a cached shard's bytes; ``fill`` fetches a shard whole into the cache
-    (once per node); ``discard`` drops a copy whose bytes failed a check. Every failure to
-    write falls back to the store (``fill`` returns False), never ends a read.
+    ``read`` reads a shard's bytes from the cache, fetching the shard into it first where
+    needed (once per node); ``discard`` drops a copy whose bytes failed a check. Every failure
+    to write falls back to the store (``read`` returns False), never ends a read.
     """
 
     def __init__(self, node: NodeCache, endpoint: str, dataset: str, identity: int) -> None:
@@ -195,7 +193,7 @@ class UploadCache:
         self.broken: str | None = None  # why this process writes no more (a full disk...)
         self._lock = threading.Lock()
         self._opening = threading.Lock()
-        self._filling: dict[str, Future[bool]] = {}
+        self._filling: dict[str, Future[ShardFill | None]] = {}
         self._opened = False
 
     def _open(self) -> None:
@@ -249,111 +247,101 @@ class UploadCache:
         with contextlib.suppress(OSError):
             self.path(name).unlink()
 
-    def fill(self, name: str, size: int, crc: int, fetch_into: Callable[[int, int, memoryview], None],
-             part_size: int, threads: int, cancel: threading.Event) -> bool:
-        """Fetch shard ``name`` (``size`` bytes, crc32 ``crc``) whole into the cache, unless it
-        is there already or another thread or process is fetching it (then wait for that);
-        False where it could not be cached (then read it from the store). ``fetch_into(start,
-        end, out)`` is a ranged GET; a store error is raised (to this thread only)."""
+    def read(self, name: str, size: int, crc: int, start: int, end: int, out: memoryview,
+             fetch_into: Callable[[int, int, memoryview], None], part_size: int, threads: int,
+             cancel: threading.Event) -> bool:
+        """Bytes ``[start, end)`` of shard ``name`` (``size`` bytes, crc32 ``crc``) into ``out``
+        from the cache, fetching the shard whole into it first where it lacks it (once per
+        node: a fetch by another thread is read as its parts arrive, one by another process
+        waited for); False where the cache cannot give them (then read them from the store).
+        ``fetch_into(start, end, out)`` is a ranged GET."""
+        if self.read_into(name, start, end, out):
+            return True
         if self.broken is not None:
             return False
-        with self._lock:
-            waiting = self._filling.get(name)
-            if waiting is None:
-                mine: Future[bool] = Future()
-                self._filling[name] = mine
-        if waiting is not None:
-            return wait_result(waiting)
-        try:
-            done = self._fill(name, size, crc, fetch_into, part_size, threads, cancel)
-        except BaseException:
-            mine.set_result(False)  # the threads waiting read from the store, which tells them what failed
-            raise
-        else:
-            mine.set_result(done)
-        finally:
-            with self._lock:
-                del self._filling[name]
-        return done
+        fill = self._fill(name, size, crc, fetch_into, part_size, threads, cancel, start)
+        if fill is None:  # fetched by another process meanwhile, or not to be cached
+            return self.read_into(name, start, end, out)
+        return fill.read_into(start, end, out, cancel)
 
     def _fill(self, name: str, size: int, crc: int, fetch_into: Callable[[int, int, memoryview], None],
-              part_size: int, threads: int, cancel: threading.Event) -> bool:
+              part_size: int, threads: int, cancel: threading.Event, first: int) -> ShardFill | None:
+        """The fetch of ``name`` into the cache this process runs, begun now if none is: one
+        per shard and process (the threads that ask meanwhile wait for it to begin)."""
+        with self._lock:
+            pending = self._filling.get(name)
+            if pending is None:
+                mine: Future[ShardFill | None] = Future()
+                self._filling[name] = mine
+        if pending is not None:
+            return wait_result(pending)
+        fill = None
+        try:
+            fill = self._begin(name, size, crc, cancel)
+            if fill is not None:
+                fill.start(fetch_into, part_size, threads, first)
+        finally:
+            mine.set_result(fill)
+            if fill is None:
+                self._forget(name)
+        return fill
+
+    def _forget(self, name: str) -> None:
+        with self._lock:
+            self._filling.pop(name, None)
+
+    def _begin(self, name: str, size: int, crc: int, cancel: threading.Event) -> ShardFill | None:
+        """Take the shard's lock (waiting a bounded time for another process's fetch) and
+        reserve its space; None where there is nothing to fetch or it cannot be cached."""
         final = self.path(name)
         part = final.parent / FILL / (final.name + _PART)
         try:
             self._open()
             lock = os.open(part.with_suffix(_LOCK), os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as error:
-            return self._stop(error)
+            self._stop(error)
+            return None
+        fd = -1
         try:
             if not _lock_within(lock, _PATIENCE + size / 10e6, cancel):
                 log.warning("another process has fetched %s into the node's cache for %.0f s: read from the store",
                             name, _PATIENCE + size / 10e6)
-                return False
+                return None
             if self.size(name) == size:
-                return True  # fetched by another process while this one waited
-            try:
-                fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-            except OSError as error:
-                return self._stop(error)
-            try:
-                if not self.node.reserve(size, self.dir, lambda: _allocate(fd, size)):
-                    return False
-                if not _receive(fd, size, crc, fetch_into, part_size, threads):
-                    log.warning("%s fetched for the node's cache fails its crc32: not kept", name)
-                    part.unlink()
-                    return False
-                os.rename(part, final)
-                return True
-            except OSError as error:
-                with contextlib.suppress(OSError):
-                    part.unlink()
-                return self._stop(error)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    part.unlink()
-                raise
-            finally:
-                os.close(fd)
+                return None  # fetched by another process while this one waited
+            fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            if not self.node.reserve(size, self.dir, lambda: _allocate(fd, size)):
+                return None
+            if size == 0:  # nothing to fetch: whole at once
+                if crc == 0:
+                    os.rename(part, final)
+                return None
+            fill = ShardFill(name, size, crc, part, final, fd, lock, partial(self._forget, name))
+            fd = lock = -1  # the fill's now
+            return fill
+        except OSError as error:
+            with contextlib.suppress(OSError):
+                part.unlink()
+            self._stop(error)
+            return None
         finally:
-            os.close(lock)  # releases the lock
+            if fd >= 0:
+                os.close(fd)
+            if lock >= 0:
+                os.close(lock)  # releases the lock
 
-    def _stop(self, error: OSError) -> bool:
+    def _stop(self, error: OSError) -> None:
         """Write no more in this process; one warning says why."""
         if self.broken is None:
             self.broken = os.strerror(error.errno) if error.errno else str(error)
             full = " (the disk is full)" if error.errno in (errno.ENOSPC, errno.EDQUOT) else ""
             log.warning("the shard cache in %s cannot be written%s: %s; shards are read from the store",
                         self.node.root, full, self.broken)
-        return False
 
 
 def _allocate(fd: int, size: int) -> None:
     if size:
         os.posix_fallocate(fd, 0, size)
-
-
-def _receive(fd: int, size: int, crc: int, fetch_into: Callable[[int, int, memoryview], None],
-             part_size: int, threads: int) -> bool:
-    """Fetch ``size`` bytes straight into the file (mapped) in parts, ``threads`` at once;
-    whether their crc32 is ``crc``."""
-    if size == 0:
-        return crc == 0
-    mapped = mmap.mmap(fd, size)
-    # Parts of at least 1 MiB, at most ``part_size``, as many as the threads where the shard
-    # allows: across a network one connection carries ~90 MB/s, and a shard waits for its last part.
-    part_size = min(part_size, max(_MIN_PART, -(-size // _FILL_THREADS)))
-    try:
-        view = memoryview(mapped)
-        bounds = list(range(0, size, part_size))
-        map_on_daemon_threads(lambda at: fetch_into(at, min(at + part_size, size), view[at: at + part_size]),
-                              bounds, min(threads, _FILL_THREADS), "remote-loader-cache", settle=5.0)
-        got = zlib.crc32(view)
-        view.release()
-        return got == crc
-    finally:
-        with contextlib.suppress(BufferError):  # a part still stuck in a hung GET: the collector closes it
-            mapped.close()
 
 
 def _lock_within(fd: int, seconds: float, cancel: threading.Event) -> bool:

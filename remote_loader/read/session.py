@@ -17,7 +17,7 @@ from functools import partial
 from typing import TypeVar
 
 from remote_loader.config import FetchConfig
-from remote_loader.errors import CorruptShard, InvalidRange, TruncatedShard
+from remote_loader.errors import CorruptShard, TruncatedShard
 from remote_loader.read.metrics import Metrics
 from remote_loader.read.node_cache import UploadCache
 from remote_loader.storage import Store
@@ -109,14 +109,9 @@ class ReadSession:
         if found is None:
             return False
         cache, name, size, crc = found
-        if not cache.read_into(name, start, end, out):
-            try:
-                fill = cache.fill(name, size, crc, partial(self._get_into, bucket, key), self.config.part_size,
-                                  self.config.concurrency, self.cancel)
-            except InvalidRange:  # shorter than the manifest says: the request alone tells what it is
-                return False
-            if not (fill and cache.read_into(name, start, end, out)):
-                return False
+        if not cache.read(name, size, crc, start, end, out, partial(self._get_into, bucket, key),
+                          self.config.part_size, self.config.concurrency, self.cancel):
+            return False
         self.metrics.add(cached_bytes=end - start)
         return True
 

@@ -11,16 +11,29 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import zlib
 from collections import Counter
+from concurrent.futures import wait
 from pathlib import Path
 
 import pytest
 
-from remote_loader import CacheConfig, ConfigError, DatasetReader, RemoteDataset, RemoteMapDataset, make_client
+from remote_loader import (
+    CacheConfig,
+    ConfigError,
+    DatasetReader,
+    FetchConfig,
+    LocalStore,
+    RemoteDataset,
+    RemoteMapDataset,
+    make_client,
+)
 from remote_loader.read import node_cache
 from remote_loader.read.node_cache import FILL, NodeCache
+from remote_loader.storage.base import Store
+from remote_loader.storage.daemon import in_daemon_thread
 from remote_loader.testing.synthetic import SyntheticImages
 from tests.faultproxy import FaultProxy
 from tests.helpers import upload
@@ -273,8 +286,6 @@ def test_a_fill_killed_mid_write_leaves_nothing_read(seaweed, dataset, tmp_path)
 
 def _wait(seconds: float) -> None:
     """A bounded wait between two looks at the child's files (the condition is what is waited for)."""
-    import threading
-
     threading.Event().wait(seconds)
 
 
@@ -373,3 +384,39 @@ def test_persistent_dataloader_workers_share_the_cache(dataset, tmp_path):
     assert fetched["bytes"] == _shard_bytes(reader)
     assert _samples(loader) == clean
     assert ds.metrics.bytes == fetched["bytes"] and ds.metrics.cached_bytes > fetched["cached_bytes"]
+
+
+def test_the_first_samples_of_a_shard_come_before_the_rest_of_it(tmp_path):
+    """A shard is fetched into the cache in parts, the part a reader asked for first, then
+    the last one (its index); the reader reads its samples as their parts arrive, not once the
+    shard is whole. Here the parts between the first and the last are held back until the
+    first sample has come: two GETs at a time, one shard of four parts."""
+    release, held = threading.Event(), []
+
+    class Holding(LocalStore):
+        get_range_into = Store.get_range_into  # through get_range
+
+        def get_range(self, bucket, key, start, end):
+            if key.endswith(".tar") and 0 < start and end < size:
+                held.append(start)
+                assert release.wait(60), "the middle parts were never released"
+            return super().get_range(bucket, key, start, end)
+
+    store = Holding(tmp_path / "store")
+    store.create_bucket("b")
+    upload(store, "b", "d", SyntheticImages(80, size=(500, 375)), maxcount=1000)
+    reader = DatasetReader(store, "b", "d")
+    (entry,) = reader.manifest.shards
+    size = entry.size
+    assert size > 3 << 20
+    fetch = FetchConfig(part_size=1 << 20, concurrency=2)
+    ds = RemoteDataset(store, "b", "d", cache_dir=tmp_path / "cache", fetch=fetch)
+    samples = iter(ds)
+    first = in_daemon_thread(lambda: next(samples))
+    done, _ = wait([first], timeout=60)
+    got_first_while_held = bool(done) and not release.is_set()
+    release.set()
+    rest = [first.result(), *samples]
+    assert got_first_while_held and held
+    assert _samples(rest) == _samples(reader)
+    assert len(_cached(tmp_path / "cache")) == 1

@@ -1,0 +1,129 @@
+"""One shard being fetched into the node's cache, read by the threads of this process as its
+parts arrive (``read/node_cache.py`` decides when a shard is fetched, and where).
+
+The parts go straight into the part file, mapped; a thread that needs bytes ``[start, end)``
+waits only for the parts that hold them, then reads them from the file, so the first samples
+of a shard come as early as without a cache. Once every part is in, the whole is checked
+against the manifest's crc32 and renamed into place; only then do other processes read it.
+Bytes read before that check are checked as all bytes are (the index's crc32, each member's).
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import logging
+import mmap
+import os
+import threading
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+
+from remote_loader.checksum import crc32
+from remote_loader.errors import InvalidRange
+from remote_loader.storage.daemon import in_daemon_thread, map_on_daemon_threads
+from remote_loader.storage.retrying import Cancelled
+
+log = logging.getLogger("remote_loader")
+
+_MIN_PART = 1 << 20
+_THREADS = 8  # GETs in flight for one shard: several shards fill at once (a group's, and the next's)
+_POLL = 0.5  # a wait for a part looks at the reader's cancel this often
+
+
+class FillFailed(Exception):
+    """A part of a shard was not fetched because another one failed first."""
+
+
+class ShardFill:
+    """Shard ``name`` (``size`` bytes, crc32 ``crc``) being fetched into ``part`` (open as
+    ``fd``, allocated, its lock held as ``lock``), renamed to ``final`` once whole and checked.
+    ``done()`` is called at the end, whatever happened, after the lock is released."""
+
+    def __init__(self, name: str, size: int, crc: int, part: Path, final: Path, fd: int, lock: int,
+                 done: Callable[[], None]) -> None:
+        self.name, self.size, self.crc, self.part, self.final = name, size, crc, part, final
+        self.fd, self.lock, self._done = fd, lock, done
+        self.bounds: list[int] = []
+        self.arrived: list[threading.Event] = []
+        self.errors: list[BaseException | None] = []
+        weakref.finalize(self, os.close, fd)  # readers may still read the file after the fetch ends
+
+    def start(self, fetch_into: Callable[[int, int, memoryview], None], part_size: int, threads: int,
+              first: int) -> None:
+        """Fetch the shard on threads of its own: parts of 1 MiB to ``part_size``, as many as
+        ``threads`` (8 at most) at once (across a network one connection carries ~90 MB/s).
+        The part holding byte ``first`` (what the fetch was begun for) comes first, then the
+        last part (the index lies there: a shard's ranges are cut from it), then the rest in order."""
+        part_size = min(part_size, max(_MIN_PART, -(-self.size // _THREADS)))
+        self.bounds = list(range(0, self.size, part_size))
+        self.arrived = [threading.Event() for _ in self.bounds]
+        self.errors = [None] * len(self.bounds)
+        asked, last = bisect.bisect_right(self.bounds, first) - 1, len(self.bounds) - 1
+        order = list(dict.fromkeys([asked, last, *range(len(self.bounds))]))
+        in_daemon_thread(lambda: self._fetch(fetch_into, part_size, min(threads, _THREADS), order),
+                         "remote-loader-cache")
+
+    def _fetch(self, fetch_into: Callable[[int, int, memoryview], None], part_size: int, threads: int,
+               order: list[int]) -> None:
+        mapped = mmap.mmap(self.fd, self.size)
+        view = memoryview(mapped)
+
+        def one(k: int) -> None:
+            start = self.bounds[k]
+            try:
+                fetch_into(start, min(start + part_size, self.size), view[start: start + part_size])
+            except BaseException as error:
+                self.errors[k] = error
+                raise
+            finally:
+                self.arrived[k].set()
+
+        kept = False
+        try:
+            map_on_daemon_threads(one, order, threads, "remote-loader-cache", settle=5.0)
+            if crc32(view) == self.crc:
+                os.rename(self.part, self.final)
+                kept = True
+            else:
+                log.warning("%s fetched for the node's cache fails its crc32: not kept", self.name)
+        except BaseException:  # noqa: BLE001 - each part's error is the readers'; the store tells the rest
+            pass
+        finally:
+            for k, arrived in enumerate(self.arrived):
+                if not arrived.is_set():  # never started: an earlier part failed
+                    self.errors[k] = FillFailed(f"{self.name}: another part failed")
+                    arrived.set()
+            view.release()
+            with contextlib.suppress(BufferError):  # a part still stuck in a hung GET: the collector closes it
+                mapped.close()
+            if not kept:
+                with contextlib.suppress(OSError):
+                    self.part.unlink()
+            os.close(self.lock)  # other processes may fetch it now, or read it
+            self._done()
+
+    def read_into(self, start: int, end: int, out: memoryview, cancel: threading.Event) -> bool:
+        """Bytes ``[start, end)`` into ``out`` once the parts holding them have arrived; False
+        where they will not (the fetch was cancelled by the reader that began it, or the
+        object is shorter than the manifest says): read them from the store. A part that
+        failed otherwise raises its error (the store's, after its retries)."""
+        if end <= start:
+            return True
+        for k in range(bisect.bisect_right(self.bounds, start) - 1, bisect.bisect_right(self.bounds, end - 1)):
+            while not self.arrived[k].wait(_POLL):
+                if cancel.is_set():
+                    raise Cancelled(f"reading {self.name} was cancelled")
+            error = self.errors[k]
+            if isinstance(error, (Cancelled, InvalidRange, FillFailed)):
+                return False
+            if error is not None:
+                raise error
+        view, offset = out[: end - start], start
+        while len(view):
+            got = os.preadv(self.fd, [view], offset)
+            if got == 0:
+                return False
+            view, offset = view[got:], offset + got
+        return True
