@@ -9,10 +9,12 @@ LitData's (``cache_dir``), each written by its own writer and read as the suite 
 2. Two ranks of one node (torch.distributed over gloo, one process each, 0 workers), two
    epochs: what they fetched from the store together, with the cache and without it.
 
-    python benchmarks/cache.py [--images 2000] [--workers 0 2] [--profile s3-same-region]
+    BENCH_SHARD_BYTES=16000000 python benchmarks/cache.py [--images 3000] [--workers 0 2]
+        [--profile s3-same-region] [--repeats 3] [--out results/cache-<commit>.json]
 
-Every row is a fresh process (each system's cache emptied first); the relay and the server are
-ended by PID. Writes ``results/cache-<commit>.json`` with ``--out``.
+Every row is a fresh process (each system's cache emptied first), each row run ``--repeats``
+times in turn; the tables show the run of the median rate per epoch. The relay and the server
+are ended by PID.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
@@ -152,12 +155,41 @@ def _line(name: str, epochs: list[dict[str, float]]) -> str:
     return f"{name:<44}" + " | ".join(cells)
 
 
+def _measure(args: argparse.Namespace, target: Any, shaped: Any, counters: str, work: Path,
+             record: Callable[[str, list[dict[str, float]]], None]) -> None:
+    """Every row once, in this order: at each worker count each system with its cache, ours
+    without; two ranks of each; ours on loopback."""
+    for workers in args.workers:
+        for system in args.systems:
+            (epochs,) = _rows(system, shaped, workers, str(work / f"cache-{system}"), counters)
+            record(f"{system}, {workers} workers, cache", epochs)
+        (epochs,) = _rows("remote_loader", shaped, workers, None, counters)
+        record(f"remote_loader, {workers} workers, no cache", epochs)
+    for system in args.systems:
+        for cache in (True, False) if system == "remote_loader" else (True,):
+            ranks = _rows(system, shaped, 0, str(work / f"cache-{system}") if cache else None, counters, world=2)
+            record(f"{system}, 2 ranks, {'cache' if cache else 'no cache'}", ranks[0])  # rank 0 read the counters
+    for workers in args.workers:
+        (epochs,) = _rows("remote_loader", target, workers, None, "", epochs=1)
+        record(f"remote_loader, {workers} workers, loopback, no cache", epochs)
+
+
+def _median(runs: list[list[dict[str, float]]]) -> list[dict[str, float]]:
+    """Per epoch, the run of the median rate (its bytes and requests with it)."""
+    out = []
+    for epoch in range(len(runs[0])):
+        ranked = sorted((r[epoch] for r in runs), key=lambda e: e["samples"] / e["seconds"] if e["seconds"] else 0.0)
+        out.append(ranked[len(ranked) // 2])
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--images", type=int, default=2000)
+    parser.add_argument("--images", type=int, default=3000)
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 2])
     parser.add_argument("--profile", default="s3-same-region")
     parser.add_argument("--systems", nargs="+", default=list(PEERS), choices=PEERS)
+    parser.add_argument("--repeats", type=int, default=3, help="runs of every row; the tables show medians")
     parser.add_argument("--data", type=Path, default=Path(tempfile.gettempdir()) / "remote-loader-bench-images",
                         help="where the generated JPEGs are kept between runs")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
@@ -171,7 +203,12 @@ def main() -> None:
     stubs.install()  # the peers' writers import torchvision, whose CUDA build here does not import whole
 
     work = Path(tempfile.mkdtemp(prefix="bench-cache-"))
-    results: dict[str, Any] = {"images": args.images, "profile": args.profile, "rows": {}}
+    runs: dict[str, list[list[dict[str, float]]]] = {}
+
+    def record(name: str, epochs: list[dict[str, float]]) -> None:
+        runs.setdefault(name, []).append(epochs)
+        print(_line(name, epochs), flush=True)
+
     try:
         items = [(str(p), label) for p, label in data.build(args.data / str(args.images), args.images)]
         with servers.seaweedfs() as (target, _):
@@ -181,32 +218,19 @@ def main() -> None:
             with relayed(target.endpoint, args.profile, counters) as (endpoint, _):
                 shaped = systems.Target(endpoint, target.bucket, target.access_key, target.secret_key)
                 print(f"{args.images:,d} images through {args.profile}; per epoch: samples/s, what went to the store")
-                for workers in args.workers:
-                    for system in args.systems:
-                        name = f"{system}, {workers} workers, cache"
-                        (epochs,) = _rows(system, shaped, workers, str(work / f"cache-{system}"), counters)
-                        results["rows"][name] = epochs
-                        print(_line(name, epochs), flush=True)
-                    name = f"remote_loader, {workers} workers, no cache"
-                    (epochs,) = _rows("remote_loader", shaped, workers, None, counters)
-                    results["rows"][name] = epochs
-                    print(_line(name, epochs), flush=True)
-                for system in args.systems:
-                    for cache in (True, False) if system == "remote_loader" else (True,):
-                        name = f"{system}, 2 ranks, {'cache' if cache else 'no cache'}"
-                        ranks = _rows(system, shaped, 0, str(work / f"cache-{system}") if cache else None, counters,
-                                      world=2)
-                        results["rows"][name] = ranks[0]  # rank 0 read the counters: both ranks' requests
-                        print(_line(name, ranks[0]), flush=True)
-            for workers in args.workers:
-                name = f"remote_loader, {workers} workers, loopback, no cache"
-                (epochs,) = _rows("remote_loader", target, workers, None, "", epochs=1)
-                results["rows"][name] = epochs
-                print(_line(name, epochs), flush=True)
+                for repeat in range(args.repeats):
+                    print(f"run {repeat + 1} of {args.repeats}", flush=True)
+                    _measure(args, target, shaped, counters, work, record)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    medians = {name: _median(found) for name, found in runs.items()}
+    print(f"medians of {args.repeats}:")
+    for name, epochs in medians.items():
+        print(_line(name, epochs))
     if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1))
+        Path(args.out).write_text(json.dumps({"images": args.images, "profile": args.profile,
+                                              "shard_bytes": systems.SHARD_BYTES, "medians": medians, "runs": runs},
+                                             indent=1))
 
 
 if __name__ == "__main__":
