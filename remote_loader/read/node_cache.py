@@ -59,6 +59,7 @@ _PART, _LOCK, _ABOUT = ".part", ".lock", "about"
 _FREE = 0.1  # the share of the disk a cache without a bound leaves free
 _STEP = 0.01  # seconds between tries of a lock another process holds
 _TOUCH = 60.0  # seconds: a shard read is marked used (its mtime) if it was not within this
+_FULL_FOR = 30.0  # seconds a process fetches nothing more into a cache it found full
 _PATIENCE = 30.0  # seconds another process's fill is waited for, plus a second per 10 MB of shard
 
 
@@ -195,6 +196,7 @@ class UploadCache:
         self._opening = threading.Lock()
         self._filling: dict[str, Future[ShardFill | None]] = {}
         self._opened = False
+        self._full_until = 0.0
 
     def _open(self) -> None:
         """Make the upload's folder, and remove older uploads of the dataset (once a process)."""
@@ -293,6 +295,8 @@ class UploadCache:
     def _begin(self, name: str, size: int, crc: int, cancel: threading.Event) -> ShardFill | None:
         """Take the shard's lock (waiting a bounded time for another process's fetch) and
         reserve its space; None where there is nothing to fetch or it cannot be cached."""
+        if time.monotonic() < self._full_until:
+            return None  # the cache was full a moment ago: not counted again for every shard
         final = self.path(name)
         part = final.parent / FILL / (final.name + _PART)
         try:
@@ -311,6 +315,7 @@ class UploadCache:
                 return None  # fetched by another process while this one waited
             fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
             if not self.node.reserve(size, self.dir, lambda: _allocate(fd, size)):
+                self._full_until = time.monotonic() + _FULL_FOR
                 return None
             if size == 0:  # nothing to fetch: whole at once
                 if crc == 0:

@@ -27,7 +27,6 @@ from remote_loader.storage.retrying import Cancelled
 
 log = logging.getLogger("remote_loader")
 
-_MIN_PART = 1 << 20
 _THREADS = 8  # GETs in flight for one shard: several shards fill at once (a group's, and the next's)
 _POLL = 0.5  # a wait for a part looks at the reader's cancel this often
 
@@ -52,11 +51,12 @@ class ShardFill:
 
     def start(self, fetch_into: Callable[[int, int, memoryview], None], part_size: int, threads: int,
               first: int) -> None:
-        """Fetch the shard on threads of its own: parts of 1 MiB to ``part_size``, as many as
-        ``threads`` (8 at most) at once (across a network one connection carries ~90 MB/s).
-        The part holding byte ``first`` (what the fetch was begun for) comes first, then the
-        last part (the index lies there: a shard's ranges are cut from it), then the rest in order."""
-        part_size = min(part_size, max(_MIN_PART, -(-self.size // _THREADS)))
+        """Fetch the shard on threads of its own, in parts of ``part_size``, as many as ``threads``
+        (8 at most) at once. The part holding byte ``first`` (what the fetch was begun for) comes
+        first, then the last part (the index lies there: a shard's ranges are cut from it), then
+        the rest in order. Smaller parts, more of them at once, fetched a 16 MB shard no sooner
+        across the S3-like link and cost CPU: 8 parts of 2 MB took 1.04-1.09 s of an epoch that
+        2 parts of 8 MB took in 0.78-0.85 s (3,000 JPEGs, one process)."""
         self.bounds = list(range(0, self.size, part_size))
         self.arrived = [threading.Event() for _ in self.bounds]
         self.errors = [None] * len(self.bounds)
