@@ -35,6 +35,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE / "suite")]
 
 from shaper import Counters, relayed  # noqa: E402
+from systems import settings  # noqa: E402
 
 PEERS = ("remote_loader", "streaming", "litdata")
 
@@ -56,7 +57,8 @@ def _ours(target: Any, prefix: str, workers: int) -> Any:
     return DataLoader(stream.batched(BATCH, count_batch), batch_size=None, num_workers=workers)
 
 
-def child(system: str, prefix: str, workers: int, cache: str, counters: str, epochs: int) -> list[dict[str, float]]:
+def child(system: str, prefix: str, workers: int, cache: str, counters: str, epochs: int,
+          setting: str | None = None) -> list[dict[str, float]]:
     """``epochs`` epochs of one loader; per epoch its rate, first batch and what went to the store."""
     import systems
 
@@ -70,7 +72,7 @@ def child(system: str, prefix: str, workers: int, cache: str, counters: str, epo
         os.environ.update(target.environ())
         loader = _ours(target, prefix, workers)
     else:
-        loader = systems.loader(system, target, prefix, "A", workers, cache, "all" if system == "litdata" else None)
+        loader = systems.loader(system, target, prefix, "A", workers, cache, setting)
     out = []
     for _ in range(epochs):
         before = count.read() if count else (0, 0)
@@ -117,13 +119,14 @@ def _env(target: Any, cache: str | None, rank: int = 0, world: int = 1, port: in
 
 
 def _rows(system: str, target: Any, workers: int, cache: str | None, counters: str, world: int = 1,
-          epochs: int = 2) -> list[list[dict[str, float]]]:
+          epochs: int = 2, setting: str | None = None) -> list[list[dict[str, float]]]:
     """One row: ``world`` ranks in processes of their own; each rank's epochs."""
     if cache:
         shutil.rmtree(cache, ignore_errors=True)
     port = _free_port()
-    procs = [subprocess.Popen([sys.executable, __file__, "child", system, system, str(workers), cache or "", counters,
-                               str(epochs)], env=_env(target, cache, rank, world, port), stdout=subprocess.PIPE,
+    command = [sys.executable, __file__, "child", system, system, str(workers), cache or "", counters, str(epochs),
+               *([setting] if setting else [])]
+    procs = [subprocess.Popen(command, env=_env(target, cache, rank, world, port), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, cwd=tempfile.gettempdir()) for rank in range(world)]
     out = []
     for proc in procs:
@@ -152,7 +155,7 @@ def _line(name: str, epochs: list[dict[str, float]]) -> str:
     for e in epochs:
         rate = e["samples"] / e["seconds"] if e["seconds"] else 0.0
         cells.append(f"{rate:8,.0f}/s {e['store_bytes'] / 1e6:8,.1f} MB {e['store_requests']:6,d} req")
-    return f"{name:<44}" + " | ".join(cells)
+    return f"{name:<48}" + " | ".join(cells)
 
 
 def _measure(args: argparse.Namespace, target: Any, shaped: Any, counters: str, work: Path,
@@ -161,13 +164,15 @@ def _measure(args: argparse.Namespace, target: Any, shaped: Any, counters: str, 
     without; two ranks of each; ours on loopback."""
     for workers in args.workers:
         for system in args.systems:
-            (epochs,) = _rows(system, shaped, workers, str(work / f"cache-{system}"), counters)
-            record(f"{system}, {workers} workers, cache", epochs)
+            for setting in settings(system):  # LitData: batch_decode 1 and all, as the suite tries it
+                (epochs,) = _rows(system, shaped, workers, str(work / f"cache-{system}"), counters, setting=setting)
+                record(f"{system}, {workers} workers{f', batch_decode={setting}' if setting else ''}, cache", epochs)
         (epochs,) = _rows("remote_loader", shaped, workers, None, counters)
         record(f"remote_loader, {workers} workers, no cache", epochs)
     for system in args.systems:
         for cache in (True, False) if system == "remote_loader" else (True,):
-            ranks = _rows(system, shaped, 0, str(work / f"cache-{system}") if cache else None, counters, world=2)
+            ranks = _rows(system, shaped, 0, str(work / f"cache-{system}") if cache else None, counters, world=2,
+                          setting=settings(system)[-1])
             record(f"{system}, 2 ranks, {'cache' if cache else 'no cache'}", ranks[0])  # rank 0 read the counters
     for workers in args.workers:
         (epochs,) = _rows("remote_loader", target, workers, None, "", epochs=1)
@@ -236,6 +241,7 @@ def main() -> None:
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "child":
         system, prefix, workers, cache, counters, epochs = sys.argv[2:8]
-        print(json.dumps(child(system, prefix, int(workers), cache, counters, int(epochs))))
+        setting = sys.argv[8] if len(sys.argv) > 8 else None
+        print(json.dumps(child(system, prefix, int(workers), cache, counters, int(epochs), setting)))
     else:
         main()
