@@ -28,6 +28,11 @@ P = TypeVar("P")
 
 __all__ = ["Cancelled", "ReadSession"]
 
+_EXPECTED = 4096
+"""Shards a session remembers as read through the node's cache, the most recently expected:
+far more than it holds indexes of (each read of an index says it again), and a session that
+reads a billion samples at random stays bounded."""
+
 
 class ReadSession:
     """The requests of one reader or one iteration: ``store`` with every request retried
@@ -56,7 +61,10 @@ class ReadSession:
         """Say that object ``key`` is shard ``name`` of the manifest (``size`` bytes, crc32
         ``crc``): reads of it go through the node's cache, where there is one."""
         if self._cache is not None:
+            self._shards.pop(key, None)  # the most recent last: the oldest go past _EXPECTED
             self._shards[key] = (name, size, crc)
+            if len(self._shards) > _EXPECTED:
+                del self._shards[next(iter(self._shards))]
 
     def get_range(self, bucket: str, key: str, start: int, end: int) -> bytes | bytearray:
         """Bytes ``[start, end)`` of an object: one ranged GET, or the node's cache."""

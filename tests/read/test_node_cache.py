@@ -420,3 +420,18 @@ def test_the_first_samples_of_a_shard_come_before_the_rest_of_it(tmp_path):
     assert got_first_while_held and held
     assert _samples(rest) == _samples(reader)
     assert len(_cached(tmp_path / "cache")) == 1
+
+
+def test_a_session_remembers_a_bounded_number_of_shards(tmp_path):
+    """A map-style reader touching a million shards at random keeps what it knows of them
+    bounded: the most recently read indexes' shards go through the cache."""
+    from remote_loader.read import Metrics, ReadSession
+    from remote_loader.read import session as sessions
+
+    session = ReadSession(FetchConfig(), Metrics(), LocalStore(tmp_path), cache=lambda: None)
+    for shard in range(sessions._EXPECTED + 100):
+        session.expect(f"d/{shard}.tar", f"{shard}.tar", 10, 0)
+    session.expect("d/5.tar", "5.tar", 10, 0)  # read again: kept
+    assert len(session._shards) == sessions._EXPECTED
+    assert "d/5.tar" in session._shards and f"d/{sessions._EXPECTED + 99}.tar" in session._shards
+    assert "d/6.tar" not in session._shards
