@@ -373,6 +373,8 @@ class RemoteDataset(IterableDataset):
         worker, num_workers = (info.id, info.num_workers) if info else (0, 1)
         if num_workers > MAX_WORKERS:
             raise ConfigError(f"RemoteDataset supports up to {MAX_WORKERS} DataLoader workers, got {num_workers}")
+        if self.reader.cache is not None and not self.unindexed:
+            self.reader.check_current()  # shards from the node's cache: nothing else would tell an overwrite
         # once: the main process may set the next one while this runs
         epoch = self._epochs.begin(info, own=self._handover.own_epoch())
         stream = self._stream(epoch, worker, num_workers, take=True)

@@ -201,7 +201,14 @@ class DatasetReader:
     def _timed(self, seconds: float, nbytes: int) -> None:
         self.round_trip = max(0.0, seconds - nbytes / 1e9)
 
-    def check_unchanged(self, error: BaseException) -> None:
+    def check_current(self) -> None:
+        """Raise DatasetChanged if the dataset was replaced or removed since its manifest was
+        read (one GET of the manifest; nothing where it was never read, or cannot be now). A
+        reader whose shards come from a node's cache asks at the start of every pass: without
+        the cache, the old shards' absence from the store tells it."""
+        self.check_unchanged("seen as a pass began")
+
+    def check_unchanged(self, error: BaseException | str) -> None:
         """Raise DatasetChanged if the dataset was replaced since its manifest was read.
 
         Called when a shard is missing or its index does not match the manifest: it tells a

@@ -23,6 +23,7 @@ import pytest
 from remote_loader import (
     CacheConfig,
     ConfigError,
+    DatasetChanged,
     DatasetReader,
     FetchConfig,
     LocalStore,
@@ -435,3 +436,14 @@ def test_a_session_remembers_a_bounded_number_of_shards(tmp_path):
     assert len(session._shards) == sessions._EXPECTED
     assert "d/5.tar" in session._shards and f"d/{sessions._EXPECTED + 99}.tar" in session._shards
     assert "d/6.tar" not in session._shards
+
+
+def test_a_running_reader_is_told_of_an_overwrite_at_its_next_pass(dataset, tmp_path):
+    """Its shards all in the cache, a reader would never ask the store for one again: at the
+    start of each pass it reads the manifest, and the old upload is not read on."""
+    store, bucket, reader, clean = dataset
+    ds = RemoteDataset(store, bucket, "d", cache_dir=tmp_path / "cache")
+    assert _samples(ds) == clean
+    upload(store, bucket, "d", SyntheticImages(SAMPLES, size=(64, 48), seed=7), maxcount=PER_SHARD, overwrite=True)
+    with pytest.raises(DatasetChanged, match="replaced by another upload"):
+        list(ds)
