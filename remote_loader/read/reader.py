@@ -206,7 +206,8 @@ class DatasetReader:
         read (one GET of the manifest; nothing where it was never read, or cannot be now). A
         reader whose shards come from a node's cache asks at the start of every pass: without
         the cache, the old shards' absence from the store tells it."""
-        self.check_unchanged("seen as a pass began")
+        if "manifest" in self.__dict__:  # else its first read in this process checks it (a new worker)
+            self.check_unchanged("seen as a pass began")
 
     def check_unchanged(self, error: BaseException | str) -> None:
         """Raise DatasetChanged if the dataset was replaced since its manifest was read.
