@@ -15,6 +15,7 @@ from remote_loader.storage import Boto3Store, LocalStore, Location, MinioStore, 
 EXPECTED = {
     "AccessDenied",
     "BucketNotFound",
+    "CacheConfig",
     "ConfigError",
     "CorruptSampleError",
     "CorruptShard",

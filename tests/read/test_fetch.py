@@ -277,9 +277,11 @@ def _through_a_slow_proxy(seaweed, bucket: str, forget_round_trip: bool, delay: 
 
 def test_the_fetcher_reaches_further_when_every_get_costs_a_round_trip(seaweed):
     # With the first 8 GETs in flight the reader waits for bytes, so the fetcher lets more run. A
-    # round trip of 100 ms keeps the reader waiting on a loaded machine too (at 30 ms, with more
-    # test processes than cores, it could keep up with 8 GETs and the reach stayed at 8).
-    dataset = _through_a_slow_proxy(seaweed, "fetch-latency", forget_round_trip=True, delay=0.1)
+    # round trip of 200 ms keeps the reader waiting on a loaded machine too (at 30 ms, with more
+    # test processes than cores, it could keep up with 8 GETs and the reach stayed at 8; at 100 ms,
+    # beside five busy processes on two cores, the proxy in this process, short of CPU, could not
+    # carry more GETs faster, and the reach stayed at 8 once).
+    dataset = _through_a_slow_proxy(seaweed, "fetch-latency", forget_round_trip=True, delay=0.2)
     assert 8 < dataset.metrics.gets_in_flight <= 32
 
 
