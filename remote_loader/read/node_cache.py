@@ -308,8 +308,9 @@ class UploadCache:
         fd = -1
         try:
             if not _lock_within(lock, _PATIENCE + size / 10e6, cancel):
-                log.warning("another process has fetched %s into the node's cache for %.0f s: read from the store",
-                            name, _PATIENCE + size / 10e6)
+                if not cancel.is_set():  # not the reader going away: another process stuck
+                    log.warning("another process has fetched %s into the node's cache for %.0f s: read from the store",
+                                name, _PATIENCE + size / 10e6)
                 return None
             if self.size(name) == size:
                 return None  # fetched by another process while this one waited
