@@ -409,11 +409,11 @@ class CacheConfig:
         no directory is named. ``directory=""`` turns off a cache the environment names."""
         env = os.environ if env is None else env
         if directory is None:
+            if max_bytes is not None and not env.get("REMOTE_LOADER_CACHE_DIR"):
+                raise ConfigError("cache_bytes bounds a cache: give cache_dir too (or REMOTE_LOADER_CACHE_DIR)")
             directory = env.get("REMOTE_LOADER_CACHE_DIR") or None
         if max_bytes is None:
             max_bytes = env.get("REMOTE_LOADER_CACHE_BYTES") or None
-        if directory is None or directory == "":
-            if max_bytes is not None and env.get("REMOTE_LOADER_CACHE_BYTES") != max_bytes:
-                raise ConfigError("cache_bytes bounds a cache: give cache_dir too (or REMOTE_LOADER_CACHE_DIR)")
+        if not directory:
             return None
         return cls(os.fspath(directory), max_bytes)  # type: ignore[arg-type]

@@ -49,7 +49,7 @@ from functools import partial
 from pathlib import Path
 
 from remote_loader.config import CacheConfig
-from remote_loader.read.shard_fill import ShardFill
+from remote_loader.read.shard_fill import ShardFill, pread_into
 from remote_loader.storage.daemon import wait_result
 
 log = logging.getLogger("remote_loader")
@@ -226,14 +226,10 @@ class UploadCache:
             if os.fstat(fd).st_mtime < time.time() - _TOUCH:  # least recently used: marked every minute at most
                 with contextlib.suppress(OSError):
                     os.utime(fd)
-            view, offset = out[: end - start], start
-            while len(view):
-                got = os.preadv(fd, [view], offset)
-                if got == 0:
-                    self.discard(name)
-                    return False
-                view, offset = view[got:], offset + got
-            return True
+            if pread_into(fd, start, out[: end - start]):
+                return True
+            self.discard(name)  # shorter than the manifest says
+            return False
         finally:
             os.close(fd)
 

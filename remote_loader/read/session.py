@@ -55,6 +55,7 @@ class ReadSession:
         self.store = RetryingStore(store, Retry(config.retry, store.endpoint, self.cancel,
                                                 on_retry=lambda: metrics.add(retries=1)))
         self._cache = cache
+        self._upload: UploadCache | None = None  # the cache, once made (after the manifest is read)
         self._shards: dict[str, tuple[str, int, int]] = {}  # key -> (name, size, crc32) of shards the cache holds
 
     def expect(self, key: str, name: str, size: int, crc: int) -> None:
@@ -104,7 +105,9 @@ class ReadSession:
     def _cached(self, key: str | None) -> tuple[UploadCache, str, int, int] | None:
         """The node's cache and what it holds object ``key`` as (name, size, crc32), if it may."""
         shard = self._shards.get(key) if key is not None else None
-        cache = self._cache() if shard is not None and self._cache is not None else None
+        if shard is not None and self._upload is None and self._cache is not None:
+            self._upload = self._cache()
+        cache = self._upload if shard is not None else None
         return None if shard is None or cache is None else (cache, *shard)
 
     def _get_into(self, bucket: str, key: str, start: int, end: int, out: memoryview) -> None:

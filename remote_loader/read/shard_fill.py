@@ -120,10 +120,14 @@ class ShardFill:
                 return False
             if error is not None:
                 raise error
-        view, offset = out[: end - start], start
-        while len(view):
-            got = os.preadv(self.fd, [view], offset)
-            if got == 0:
-                return False
-            view, offset = view[got:], offset + got
-        return True
+        return pread_into(self.fd, start, out[: end - start])
+
+
+def pread_into(fd: int, offset: int, view: memoryview) -> bool:
+    """Fill ``view`` from the file at ``offset``; False where the file ends first."""
+    while len(view):
+        got = os.preadv(fd, [view], offset)
+        if got == 0:
+            return False
+        view, offset = view[got:], offset + got
+    return True
