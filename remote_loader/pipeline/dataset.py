@@ -216,8 +216,26 @@ class RemoteDataset(IterableDataset):
 
     def to_tuple(self, *fields: str) -> RemoteDataset:
         """Samples become tuples of these fields (``"jpg;png"``: the first present); one
-        string of several names, ``to_tuple("jpg;png cls")``, as in WebDataset, works too."""
-        return self._with(stages.ToTuple(fields))
+        string of several names, ``to_tuple("jpg;png cls")``, as in WebDataset, works too.
+
+        A name is a field as the samples hold it: ``jpg``, ``cls``, or a structured sample's
+        ``0.jpg``, ``1.boxes.npy`` (``remote-loader info`` lists them), and ``__key__``. Names
+        are checked now against the fields the manifest lists, where the stages before keep
+        samples' fields as they are (``decode``, ``select``): a ``ConfigError`` names the
+        fields there are.
+        """
+        stage = stages.ToTuple(fields)
+        stage.check(self._field_names(), self.reader.location)
+        return self._with(stage)
+
+    def _field_names(self) -> frozenset[str] | None:
+        """The field names the samples hold at the end of the chain so far (``__key__`` and
+        ``__shard__`` among them); None where that is not known before they stream."""
+        listed = () if self.unindexed else self.reader.manifest.fields
+        names: frozenset[str] | None = frozenset((*listed, "__key__", "__shard__")) if listed else None
+        for stage in self.stages:
+            names = stage.fields(names)
+        return names
 
     def map(self, fn: Callable[[Any], Any], *, threads: int = 0) -> RemoteDataset:
         """Apply ``fn`` to every sample, on ``threads`` threads if given (order kept).

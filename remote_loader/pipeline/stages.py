@@ -12,6 +12,7 @@ method is called, in the user's process. Stage objects pickle into DataLoader wo
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import logging
 from abc import ABC, abstractmethod
@@ -186,6 +187,11 @@ class Stage(ABC):
         device (``device/``), else None."""
         return None
 
+    def fields(self, names: frozenset[str] | None) -> frozenset[str] | None:
+        """The field names of this stage's samples, given those of the samples it takes in:
+        None where they are unknown (what a function makes of a sample, a tuple, a batch)."""
+        return None
+
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not callable(v) and k != "cardinality")
         return f"{type(self).__name__}({fields})"
@@ -241,6 +247,9 @@ class Decode(Stage):
     def on_device(self) -> tuple[Any, Any] | None:
         return (self.mode, self.device) if self.device is not None else None
 
+    def fields(self, names: frozenset[str] | None) -> frozenset[str] | None:
+        return names  # each field decoded under its own name
+
 
 @dataclass(frozen=True)
 class Undecodable:
@@ -262,6 +271,9 @@ class DropUndecodable(Stage):
     count state is off by the samples left out before it, as for damaged bytes."""
 
     cardinality = Cardinality(filters=True)
+
+    def fields(self, names: frozenset[str] | None) -> frozenset[str] | None:
+        return names
 
     def run(self, samples: Iterable[Any], context: Context) -> Iterator[Any]:
         for sample in samples:
@@ -304,7 +316,8 @@ def _prepare_seeded(crop: RandomResizedCrop, context: Context, sample: dict[str,
 
 
 class ToTuple(Stage):
-    """Dict samples become tuples of these fields (``"jpg;png"``: the first present)."""
+    """Dict samples become tuples of these fields (``"jpg;png"``: the first present). A name
+    is a sample's key as it is (``jpg``, ``0.jpg``, ``1.boxes.npy``, ``__key__``)."""
 
     def __init__(self, fields: Sequence[str]) -> None:
         if not fields or not all(isinstance(f, str) and f.strip() for f in fields):
@@ -316,10 +329,20 @@ class ToTuple(Stage):
                 f"to_tuple's field names hold spaces: {tuple(fields)!r}; give one string"
                 ' ("jpg;png cls") or one argument per field'
             )
-        self.fields = tuple(fields)
+        self.names = tuple(fields)
+
+    def check(self, names: frozenset[str] | None, where: object) -> None:
+        """ConfigError where a name (or every alternative of ``"jpg;png"``) is none of the
+        field names ``names`` the samples of ``where`` hold (None: not known before they come)."""
+        if not names:
+            return
+        missing = [spec for spec in self.names if not any(name in names for name in spec.split(";"))]
+        if missing:
+            raise ConfigError(f"to_tuple: {where} has {' and '.join(_absent(spec, names) for spec in missing)};"
+                              f" its samples hold {_listed(names)}")
 
     def run(self, samples: Iterable[Any], context: Context) -> Iterator[Any]:
-        return to_tuple_stage(samples, self.fields)
+        return to_tuple_stage(samples, self.names)
 
 
 class MapTuple(Stage):
@@ -343,6 +366,9 @@ class Select(Stage):
     def __init__(self, predicate: Callable[[Any], bool]) -> None:
         _check_callable(predicate, "select's predicate")
         self.predicate = predicate
+
+    def fields(self, names: frozenset[str] | None) -> frozenset[str] | None:
+        return names
 
     def run(self, samples: Iterable[Any], context: Context) -> Iterator[Any]:
         return select_stage(samples, self.predicate)
@@ -405,11 +431,39 @@ def _pick(sample: dict[str, Any], choices: list[list[str]]) -> tuple[Any, ...]:
                 row.append(sample[name])
                 break
         else:
-            raise DecodeError(
-                f"sample {sample.get('__key__')!r} of {sample.get('__shard__')} has none of the fields"
-                f" {';'.join(options)}"
-            )
+            key, names = sample.get("__key__"), [str(name) for name in sample]
+            where = f"sample {key!r} of {sample.get('__shard__')}" if key is not None else "a sample"
+            closest = _closest(options, names)
+            raise DecodeError(f"{where} has none of the fields {';'.join(options)}: it holds {_listed(names)}"
+                              + (f" (did you mean {closest}?)" if closest else ""), key=key)
     return tuple(row)
+
+
+_LISTED = 20  # field names a message lists at most
+
+
+def _listed(names: Iterable[str]) -> str:
+    """Field names for a message, the sample's own before ``__key__`` and the like."""
+    ordered = sorted(names, key=lambda name: (name.startswith("__"), name))
+    more = f", ... ({len(ordered)} in all)" if len(ordered) > _LISTED else ""
+    return ", ".join(ordered[:_LISTED]) + more
+
+
+def _closest(options: Sequence[str], names: Iterable[str]) -> str:
+    """The field names nearest to any of ``options``, quoted: those with an option as a
+    dotted part (``jpg`` in ``0.jpg``, ``boxes`` in ``1.boxes.npy``), else difflib's closest."""
+    names = sorted(names)
+    near = [n for n in names if any(o in n.split(".") for o in options)]
+    near = near or [n for o in options for n in difflib.get_close_matches(o, names, n=2)]
+    return " or ".join(repr(n) for n in dict.fromkeys(near[:3]))
+
+
+def _absent(spec: str, names: frozenset[str]) -> str:
+    """``no field 'jpg' (did you mean '0.jpg'?)``, or ``none of 'jpg;png'``..."""
+    options = spec.split(";")
+    closest = _closest(options, names)
+    said = f"no field {spec!r}" if len(options) == 1 else f"none of {spec!r}"
+    return said + (f" (did you mean {closest}?)" if closest else "")
 
 
 def batched_stage(
