@@ -3,7 +3,10 @@ and ``decode_batches``, for a pipeline that decodes on a GPU, with a DataLoader 
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
+import multiprocessing
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator
@@ -72,17 +75,51 @@ def loader(dataset: IterableDataset, *, num_workers: int | None = None, stateful
         settings["collate_fn"] = device_collate  # a DataLoader's batches of samples to decode
     settings.update(options)
     if not stateful:
-        inner = DataLoader(dataset, **settings)
+        inner: DataLoader = Loader(dataset, **settings)
     else:
         try:
-            from torchdata.stateful_dataloader import StatefulDataLoader
+            import torchdata.stateful_dataloader  # noqa: F401 - the extra, asked for each time: it may be gone
         except ImportError:
             raise ConfigError("stateful=True needs torchdata's StatefulDataLoader: install the torchdata extra"
                               " (pip install '.[torchdata]' in remote_loader's checkout)") from None
+        from remote_loader.pipeline.stateful import StatefulLoader
+
         with warnings.catch_warnings():  # torchdata's own, on every StatefulDataLoader: nothing a user can act on
             warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
-            inner = StatefulDataLoader(dataset, **settings)
+            inner = StatefulLoader(dataset, **settings)
     return inner if decoder is None else DeviceLoader(inner, decoder, dataset, decoding)
+
+
+def collect_before_fork(dataloader: DataLoader) -> None:
+    """Collect this process's garbage where ``dataloader`` is about to fork its workers.
+
+    A DataLoader iterator that an error's traceback holds in a reference cycle (PyTorch
+    raises a worker's error again from a frame that references it) lives until the garbage
+    collector runs. A worker forked before then inherits it, and where the worker's
+    collector frees it, its ``__del__`` asks after processes that are not that worker's
+    children and prints ``AssertionError: can only test a child process``. Collected here
+    first, it is freed in the process that made it, which ends its workers."""
+    if not dataloader.num_workers:
+        return
+    if dataloader.persistent_workers and getattr(dataloader, "_iterator", None) is not None:
+        return  # its workers are started already
+    context = dataloader.multiprocessing_context
+    method = context.get_start_method() if context is not None else multiprocessing.get_start_method()
+    if method == "fork":
+        gc.collect()
+
+
+class Loader(DataLoader):
+    """The DataLoader ``loader()`` makes: torch's, whose workers start without this process's
+    garbage (``collect_before_fork``), and which says where its samples are decoded."""
+
+    decoded_on = "CPU"
+    """Where JPEGs are decoded: by the DataLoader workers, on the CPU (a pipeline that decodes
+    on a device comes in a ``DeviceLoader``, which says which decoder)."""
+
+    def __iter__(self) -> Any:
+        collect_before_fork(self)
+        return super().__iter__()
 
 
 _FETCHING_WORKERS = 4
@@ -236,9 +273,11 @@ def decode_batches(batches: Iterable[Any], dataset: Any, *, decoding: str = "pro
 
     A pipeline whose ``decode(device="auto")`` found no GPU decodes in its workers: its
     batches come ready, and ``batches`` is returned as it is (as ``loader()`` returns its
-    DataLoader)."""
+    DataLoader), its ``decoded_on`` set to ``"CPU"`` (a DataLoader takes it)."""
     decoder = _decoder(dataset)
     if decoder is None and getattr(dataset, "fell_back", False):
+        with contextlib.suppress(AttributeError, TypeError):  # an iterable that takes no attribute comes as it is
+            batches.decoded_on = "CPU"  # type: ignore[attr-defined]
         return batches
     if decoder is None:
         raise ConfigError("decode_batches is for a pipeline with decode(..., device='cuda'): this one decodes on"

@@ -85,3 +85,24 @@ def test_a_stateful_loader_without_torchdata_names_the_extra(keys, monkeypatch):
     monkeypatch.setitem(sys.modules, "torchdata.stateful_dataloader", None)  # as if it were not installed
     with pytest.raises(ConfigError, match="install the torchdata extra"):
         loader(keys, stateful=True)
+
+
+def test_decoded_on_says_cpu_where_the_workers_decode(keys):
+    """``loader(ds).decoded_on`` on every loader: ``"CPU"`` for a pipeline whose workers decode,
+    ``decode(..., device="auto")`` without a GPU among them (a plain DataLoader came back, without it)."""
+    from remote_loader import RandomResizedCrop, decode_batches
+
+    base = RemoteDataset(keys.reader.client, "loader-tests", "d", seed=2)
+    auto = base.decode(RandomResizedCrop(16), device="auto").to_tuple("jpg", "cls").batched(8)
+    if auto.batch_decoder() is not None:
+        pytest.skip("this machine decodes on a GPU: device='auto' does not fall back")
+    made = loader(auto, num_workers=0)
+    assert isinstance(made, DataLoader) and made.decoded_on == "CPU"
+    images, _ = next(iter(made))
+    assert images.shape == (8, 3, 16, 16)
+    assert loader(keys, num_workers=0).decoded_on == "CPU"
+    mine = DataLoader(auto, batch_size=None)
+    handed_back = decode_batches(mine, auto)
+    assert handed_back is mine and handed_back.decoded_on == "CPU"
+    pytest.importorskip("torchdata")
+    assert loader(auto, num_workers=0, stateful=True).decoded_on == "CPU"

@@ -1,0 +1,22 @@
+"""The StatefulDataLoader ``loader(ds, stateful=True)`` makes. This module imports torchdata
+(an optional extra): ``loader()`` imports it only where it is asked for."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from remote_loader.pipeline.loader import collect_before_fork
+
+
+class StatefulLoader(StatefulDataLoader):
+    """torchdata's StatefulDataLoader, whose workers start without this process's garbage
+    (``loader.collect_before_fork``), and which says where its samples are decoded."""
+
+    decoded_on = "CPU"
+    """Where JPEGs are decoded: by the DataLoader workers, on the CPU."""
+
+    def __iter__(self) -> Any:
+        collect_before_fork(self)
+        return super().__iter__()
