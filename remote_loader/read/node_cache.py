@@ -1,24 +1,35 @@
 """A node's shard cache: shards kept whole on a local disk once fetched, read from there again.
 
-Under the cache's directory (``CacheConfig.directory``)::
+In the directory named (``CacheConfig.directory``), which may hold other files and is shared
+by the node's users, each user's cache is a folder of its own, made by the cache and private
+to that user; nothing else in the directory is ever read, written or removed::
 
-    .lock                              held while space is counted and reserved
-    <dataset>/about                    the dataset's URL and endpoint, for ``remote-loader cache``
-    <dataset>/<upload>/<name>          a shard, whole, its crc32 the manifest's (``/`` in its name: ``%``)
-    <dataset>/<upload>/.fill/<name>.part   a shard being written
-    <dataset>/<upload>/.fill/<name>.lock   locked (flock) by the process writing it
+    remote-loader-<uid>/                   this user's cache
+      CACHEDIR.TAG                         marks the folder as a cache (bford.info/cachedir)
+      .lock                                held while space is counted and reserved
+      <dataset>/about                      the dataset's URL and endpoint, for ``remote-loader cache``
+      <dataset>/<upload>/<name>            a shard, whole, its crc32 the manifest's
+      <dataset>/<upload>/.fill/<name>.part     a shard being written
+      <dataset>/<upload>/.fill/<name>.lock     locked (flock) by the process writing it
 
 ``<dataset>`` is a hash of the endpoint and the dataset's URL; ``<upload>`` the manifest's
 identity, different for any two uploads: a copy belongs to one upload, and a reader that finds
-a newer one removes the older ones. Shard names never start with a dot, so ``.fill`` is no
-shard's.
+a newer one removes the older ones. A shard's ``<name>`` is its object name with ``%`` and ``/``
+escaped (a hash where that is too long for a file name), never starting with a dot.
+
+A directory others may write is hostile (``read/folder.py``): every folder is held open and
+what lies in it is reached without following links; files are made with ``O_EXCL`` and renamed
+into place; a directory another user owns or can write (but for a sticky one, as ``/tmp``),
+or a folder in it that is a link or not this user's, is refused, with one warning, and shards
+are read from the store. Only the cache's own layout below its tagged folder is ever removed:
+a file or folder of another name, or a link, is left where it is.
 
 One fetch per node: a process that needs a shard the cache lacks takes the shard's lock, fetches
 it whole into ``.part`` (parallel ranged GETs received straight into the file), checks its
 crc32 against the manifest's and renames it into place; a process that wants the same shard
 meanwhile waits for the lock (threads of one process wait for one fill), then reads the file.
 Nothing reads a ``.part``; a fill that dies leaves one, which the next fill of that shard
-writes over and the next reservation removes (its lock no longer held). Files are only ever
+replaces and the next reservation removes (its lock no longer held). Files are only ever
 renamed into place whole, so a reader sees a shard whole or not at all.
 
 Bound: before a fill, under ``.lock``, the space is counted (shards and parts) and reserved
@@ -35,32 +46,53 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import hashlib
 import logging
 import os
-import shutil
+import re
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
 
 from remote_loader.config import CacheConfig
+from remote_loader.read.folder import Folder, Refused
 from remote_loader.read.shard_fill import ShardFill, pread_into
 from remote_loader.storage.daemon import wait_result
 
 log = logging.getLogger("remote_loader")
 
 FILL = ".fill"
+TAG = "CACHEDIR.TAG"
+_SIGNATURE = b"Signature: 8a477f597d28d172789f06886806bc55"
+_TAG_TEXT = _SIGNATURE + b"\n# A shard cache of remote_loader: `remote-loader cache` shows it, `--clear` empties it.\n"
 _PART, _LOCK, _ABOUT = ".part", ".lock", "about"
+_DATASET = re.compile(r"[0-9a-f]{20}\Z")
+_UPLOAD = re.compile(r"[0-9a-f]{8,16}\Z")
+_LONGEST = 200  # bytes of a shard's file name, its suffix to come: past this, a hash of the name
 _FREE = 0.1  # the share of the disk a cache without a bound leaves free
-_STEP = 0.01  # seconds between tries of a lock another process holds
 _TOUCH = 60.0  # seconds: a shard read is marked used (its mtime) if it was not within this
 _FULL_FOR = 30.0  # seconds a process fetches nothing more into a cache it found full
 _PATIENCE = 30.0  # seconds another process's fill is waited for, plus a second per 10 MB of shard
+
+
+def folder_name() -> str:
+    """The folder of this user's cache in the directory named."""
+    return f"remote-loader-{os.geteuid()}"
+
+
+def file_name(name: str) -> str:
+    """The file shard ``name`` is kept as: one folder for every shard (``a`` and ``a/b.tar``
+    never need one path to be a file and a folder), never a dot first."""
+    escaped = name.replace("%", "%25").replace("/", "%2F")
+    if escaped.startswith("."):
+        escaped = "%2E" + escaped[1:]
+    if not escaped or len(escaped.encode()) > _LONGEST:
+        escaped = hashlib.sha256(name.encode()).hexdigest()
+    return escaped
 
 
 class NodeCache:
@@ -68,40 +100,54 @@ class NodeCache:
 
     def __init__(self, config: CacheConfig) -> None:
         self.config = config
-        self.root = Path(config.directory)
+        self.path = os.path.join(config.directory, folder_name())
+        self._root: Folder | None = None
+        self._root_lock = threading.Lock()
 
     def __repr__(self) -> str:
-        return f"NodeCache({str(self.root)!r}, max_bytes={self.config.max_bytes})"
+        return f"NodeCache({self.config.directory!r}, max_bytes={self.config.max_bytes})"
+
+    def root(self, create: bool = True) -> Folder | None:
+        """This user's cache folder, open (made where missing, unless not ``create``: then None
+        where there is none). Raises ``Refused`` (or the OSError met) where it cannot be used."""
+        with self._root_lock:
+            if self._root is None:
+                if not create and not os.path.lexists(self.path):
+                    return None
+                self._root = _claim(Folder.named(self.config.directory))
+            return self._root
 
     def upload(self, endpoint: str, dataset: str, identity: int) -> UploadCache:
         """This process's cache of one upload of one dataset (one object per process)."""
-        key = (str(self.root), endpoint, dataset, identity)
+        key = (self.path, endpoint, dataset, identity)
         with _registry_lock:
             found = _registry.get(key)
             if found is None:
                 found = _registry[key] = UploadCache(self, endpoint, dataset, identity)
             return found
 
-    def bound(self, used: int) -> int:
+    def bound(self, root: Folder, used: int) -> int:
         """The most bytes the cache may hold, ``used`` being what it holds now."""
         if self.config.max_bytes is not None:
             return self.config.max_bytes
-        disk = shutil.disk_usage(self.root)
-        return max(0, used + disk.free - int(disk.total * _FREE))
+        disk = os.statvfs(root.fd)
+        free, total = disk.f_bavail * disk.f_frsize, disk.f_blocks * disk.f_frsize
+        return max(0, used + free - int(total * _FREE))
 
-    def reserve(self, size: int, own: Path, allocate: Callable[[], None]) -> bool:
+    def reserve(self, size: int, own: str, allocate: Callable[[], None]) -> bool:
         """Make room for ``size`` bytes and ``allocate`` them, under the cache's lock: False
-        where they do not fit even with every shard of other uploads than ``own`` evicted."""
-        with _locked(self.root / ".lock") as held:
+        where they do not fit even with every shard of other uploads than ``own`` (a path) evicted."""
+        root = self.root()
+        assert root is not None
+        with root.locked(".lock", time.monotonic() + _PATIENCE) as held:
             if not held:
                 return False
             shards = list(self.files())
             used = sum(f.size for f in shards)
-            bound = self.bound(used)
+            bound = self.bound(root, used)
             if used + size > bound:
                 for found in sorted((f for f in shards if f.upload != own and not f.partial), key=lambda f: f.used):
-                    with contextlib.suppress(FileNotFoundError):
-                        found.path.unlink()
+                    if found.folder.unlink(found.name):
                         used -= found.size
                     if used + size <= bound:
                         break
@@ -112,61 +158,75 @@ class NodeCache:
 
     def files(self) -> Iterator[CachedFile]:
         """Every shard and part in the cache; parts no process writes any more are removed."""
-        for upload in self.uploads():
-            fill = upload / FILL
-            shards = [(p, False) for p in upload.iterdir() if p != fill]
-            parts = [(p, True) for p in fill.iterdir() if p.suffix == _PART] if fill.is_dir() else []
-            for path, writing in shards + parts:
-                try:
-                    if writing and _abandoned(path):
-                        path.unlink()
-                        continue
-                    stat = path.stat()
-                except FileNotFoundError:  # evicted or renamed meanwhile
+        for dataset, upload in self.uploads():
+            for name, found in upload.files():
+                if not name.startswith("."):
+                    yield CachedFile(upload, name, upload.path, found.st_size, found.st_mtime, False, dataset)
+            fill = _existing(upload, FILL)
+            if fill is None:
+                continue
+            for name, found in fill.files():
+                if not name.endswith(_PART):
                     continue
-                yield CachedFile(path, upload, stat.st_blocks * 512 if writing else stat.st_size, stat.st_mtime,
-                                 writing)
+                if not fill.held(name[: -len(_PART)] + _LOCK):
+                    fill.unlink(name)
+                    continue
+                yield CachedFile(fill, name, upload.path, found.st_blocks * 512, found.st_mtime, True, dataset)
 
-    def uploads(self) -> Iterator[Path]:
-        """The upload folders of every dataset in the cache."""
-        if not self.root.is_dir():
+    def uploads(self) -> Iterator[tuple[Folder, Folder]]:
+        """The upload folders of every dataset in the cache, each with its dataset's folder."""
+        root = self.root(create=False)
+        if root is None:
             return
-        for dataset in sorted(p for p in self.root.iterdir() if p.is_dir()):
-            yield from sorted(p for p in dataset.iterdir() if p.is_dir())
+        for name in sorted(_folders(root, _DATASET)):
+            dataset = _existing(root, name)
+            if dataset is not None:
+                for upload in sorted(_folders(dataset, _UPLOAD)):
+                    found = _existing(dataset, upload)
+                    if found is not None:
+                        yield dataset, found
 
     def datasets(self) -> list[CachedDataset]:
         """What the cache holds, by dataset and upload (``remote-loader cache``)."""
-        out: dict[Path, CachedDataset] = {}
+        out: dict[str, CachedDataset] = {}
         for found in self.files():
-            dataset = found.upload.parent
-            if dataset not in out:
-                about = dataset / _ABOUT
-                out[dataset] = CachedDataset(about.read_text().strip() if about.is_file() else dataset.name)
-            entry = out[dataset]
-            entry.uploads.add(found.upload.name)
+            dataset = found.dataset
+            if dataset.path not in out:
+                about = dataset.read(_ABOUT, 4096)
+                text = about.decode(errors="replace").strip() if about else ""
+                out[dataset.path] = CachedDataset(text or os.path.basename(dataset.path))
+            entry = out[dataset.path]
+            entry.uploads.add(os.path.basename(found.upload))
             entry.bytes += found.size
             entry.shards += 0 if found.partial else 1
         return sorted(out.values(), key=lambda d: d.name)
 
     def clear(self) -> int:
-        """Remove every shard no process is writing; return the bytes removed."""
+        """Remove every shard no process is writing, and the locks of shards none is; return
+        the bytes removed."""
         removed = 0
         for found in list(self.files()):
-            if found.partial:
-                continue
-            with contextlib.suppress(FileNotFoundError):
-                found.path.unlink()
+            if not found.partial and found.folder.unlink(found.name):
                 removed += found.size
+        for _, upload in self.uploads():
+            fill = _existing(upload, FILL)
+            if fill is None:
+                continue
+            for name, _ in fill.files():
+                if name.endswith(_LOCK) and fill.lstat(name[: -len(_LOCK)] + _PART) is None:
+                    fill.remove_unheld(name)
         return removed
 
 
 @dataclass(frozen=True)
 class CachedFile:
-    path: Path
-    upload: Path
+    folder: Folder
+    name: str
+    upload: str  # the upload folder's path
     size: int
     used: float  # mtime: set when written, and when read (to the minute)
     partial: bool
+    dataset: Folder
 
 
 @dataclass
@@ -175,6 +235,35 @@ class CachedDataset:
     uploads: set[str] = field(default_factory=set)
     shards: int = 0
     bytes: int = 0
+
+
+def _claim(directory: Folder) -> Folder:
+    """This user's cache folder in ``directory``, tagged as a cache: made and tagged here, or
+    found tagged; an untagged folder that holds anything but a tag being written is refused
+    (not the cache's: nothing in it is touched)."""
+    root = directory.sub(folder_name())
+    tag = root.read(TAG, len(_SIGNATURE))
+    if tag is None:
+        if any(not name.startswith(f".{TAG}.") for name, _ in root.entries()):
+            raise Refused(f"{root.path} holds files the cache did not write (it has no {TAG}): name another directory")
+        root.write(TAG, _TAG_TEXT)  # processes that start together each write the same tag
+        tag = root.read(TAG, len(_SIGNATURE))
+    if tag != _SIGNATURE:
+        raise Refused(f"{root.path}/{TAG} is not the cache's: name another directory")
+    return root
+
+
+def _folders(parent: Folder, pattern: re.Pattern[str]) -> list[str]:
+    """The names of the folders (not links) in ``parent`` that fit the cache's layout."""
+    return [name for name, found in parent.entries() if stat.S_ISDIR(found.st_mode) and pattern.match(name)]
+
+
+def _existing(parent: Folder, name: str) -> Folder | None:
+    """Folder ``name`` of ``parent`` where it is one of this user's (None: absent, or not the cache's)."""
+    try:
+        return parent.sub(name, create=False)
+    except OSError:
+        return None
 
 
 class UploadCache:
@@ -187,43 +276,57 @@ class UploadCache:
 
     def __init__(self, node: NodeCache, endpoint: str, dataset: str, identity: int) -> None:
         self.node = node
-        digest = hashlib.sha256(f"{endpoint}\n{dataset}".encode()).hexdigest()[:20]
-        self.dataset_dir = node.root / digest
-        self.dir = self.dataset_dir / f"{identity:08x}"
+        self.dataset_name = hashlib.sha256(f"{endpoint}\n{dataset}".encode()).hexdigest()[:20]
+        self.upload_name = f"{identity:08x}"
+        self.path = os.path.join(node.path, self.dataset_name, self.upload_name)
         self.describe = f"{dataset} ({endpoint})"
         self.broken: str | None = None  # why this process writes no more (a full disk...)
         self._lock = threading.Lock()
         self._opening = threading.Lock()
         self._filling: dict[str, Future[ShardFill | None]] = {}
-        self._opened = False
+        self._dir: Folder | None = None
+        self._fill_dir: Folder | None = None
         self._full_until = 0.0
+        self._linked = False  # a link was found where a shard's lock goes (said once)
 
-    def _open(self) -> None:
-        """Make the upload's folder, and remove older uploads of the dataset (once a process)."""
+    def _open(self) -> Folder | None:
+        """The upload's folder, made (with the dataset's, the older uploads of the dataset
+        removed) once a process; None where the cache cannot be used (said once)."""
+        if self._dir is not None or self.broken is not None:
+            return self._dir
         with self._opening:  # the other threads' fills wait for the folders
-            if self._opened:
-                return
-            (self.dir / FILL).mkdir(parents=True, exist_ok=True)
-            (self.dataset_dir / _ABOUT).write_text(self.describe + "\n")
-            for other in self.dataset_dir.iterdir():
-                if other.is_dir() and other != self.dir:
-                    shutil.rmtree(other, ignore_errors=True)  # an overwritten upload: never served again
-            self._opened = True
-
-    def path(self, name: str) -> Path:
-        """Where shard ``name`` lies: one folder, its ``/`` written ``%`` (a shard name holds no
-        ``%``), so that ``a`` and ``a/b.tar`` never need one path to be a file and a folder."""
-        return self.dir / name.replace("/", "%")
+            if self._dir is None and self.broken is None:
+                try:
+                    root = self.node.root()
+                    assert root is not None
+                    dataset = root.sub(self.dataset_name)
+                    with contextlib.suppress(OSError):  # for people to read; the cache works without it
+                        dataset.write(_ABOUT, (self.describe + "\n").encode())
+                    for older in _folders(dataset, _UPLOAD):
+                        if older != self.upload_name:
+                            _remove_upload(dataset, older)  # an overwritten upload: never served again
+                    upload = dataset.sub(self.upload_name)
+                    self._fill_dir = upload.sub(FILL)
+                    self._dir = upload
+                except OSError as error:
+                    self._stop(error)
+        return self._dir
 
     def read_into(self, name: str, start: int, end: int, out: memoryview) -> bool:
         """Bytes ``[start, end)`` of cached shard ``name`` into ``out``; False where it is not
         cached (or shorter than that: the copy is dropped)."""
+        folder = self._open()
+        if folder is None:
+            return False
         try:
-            fd = os.open(self.path(name), os.O_RDONLY)
+            fd = folder.open(file_name(name), os.O_RDONLY)
         except OSError:
             return False
         try:
-            if os.fstat(fd).st_mtime < time.time() - _TOUCH:  # least recently used: marked every minute at most
+            found = os.fstat(fd)
+            if not stat.S_ISREG(found.st_mode):
+                return False
+            if found.st_mtime < time.time() - _TOUCH:  # least recently used: marked every minute at most
                 with contextlib.suppress(OSError):
                     os.utime(fd)
             if pread_into(fd, start, out[: end - start]):
@@ -235,15 +338,16 @@ class UploadCache:
 
     def size(self, name: str) -> int | None:
         """The size of cached shard ``name``, or None where it is not cached."""
-        try:
-            return self.path(name).stat().st_size
-        except OSError:
-            return None
+        folder = self._open()
+        found = folder.lstat(file_name(name)) if folder is not None else None
+        return found.st_size if found is not None and stat.S_ISREG(found.st_mode) else None
 
     def discard(self, name: str) -> None:
         """Drop the copy of ``name`` (its bytes failed a check): the next read fetches it again."""
-        with contextlib.suppress(OSError):
-            self.path(name).unlink()
+        folder = self._open()
+        if folder is not None:
+            with contextlib.suppress(OSError):
+                folder.unlink(file_name(name))
 
     def read(self, name: str, size: int, crc: int, start: int, end: int, out: memoryview,
              fetch_into: Callable[[int, int, memoryview], None], part_size: int, threads: int,
@@ -293,37 +397,44 @@ class UploadCache:
         reserve its space; None where there is nothing to fetch or it cannot be cached."""
         if time.monotonic() < self._full_until:
             return None  # the cache was full a moment ago: not counted again for every shard
-        final = self.path(name)
-        part = final.parent / FILL / (final.name + _PART)
+        upload, fill_dir, final = self._open(), self._fill_dir, file_name(name)
+        if upload is None or fill_dir is None:
+            return None
+        part = final + _PART
         try:
-            self._open()
-            lock = os.open(part.with_suffix(_LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+            lock = fill_dir.lock(final + _LOCK, time.monotonic() + _PATIENCE + size / 10e6, cancel)
         except OSError as error:
-            self._stop(error)
+            if error.errno != errno.ELOOP:
+                self._stop(error)
+            elif not self._linked:  # planted by someone: that shard is read from the store
+                self._linked = True
+                log.warning("the shard cache in %s holds a link where %s goes, which it never follows: that shard"
+                            " is read from the store", self.node.config.directory, os.path.join(fill_dir.path,
+                                                                                                  final + _LOCK))
+            return None
+        if lock is None:
+            if not cancel.is_set():  # not the reader going away: another process stuck
+                log.warning("another process has fetched %s into the node's cache for %.0f s: read from the store",
+                            name, _PATIENCE + size / 10e6)
             return None
         fd = -1
         try:
-            if not _lock_within(lock, _PATIENCE + size / 10e6, cancel):
-                if not cancel.is_set():  # not the reader going away: another process stuck
-                    log.warning("another process has fetched %s into the node's cache for %.0f s: read from the store",
-                                name, _PATIENCE + size / 10e6)
-                return None
             if self.size(name) == size:
                 return None  # fetched by another process while this one waited
-            fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-            if not self.node.reserve(size, self.dir, lambda: _allocate(fd, size)):
+            fd = fill_dir.create(part)
+            if not self.node.reserve(size, upload.path, lambda: _allocate(fd, size)):
                 self._full_until = time.monotonic() + _FULL_FOR
                 return None
             if size == 0:  # nothing to fetch: whole at once
                 if crc == 0:
-                    os.rename(part, final)
+                    fill_dir.rename(part, upload, final)
                 return None
-            fill = ShardFill(name, size, crc, part, final, fd, lock, partial(self._forget, name))
+            fill = ShardFill(name, size, crc, (fill_dir, part), (upload, final), fd, lock, partial(self._forget, name))
             fd = lock = -1  # the fill's now
             return fill
         except OSError as error:
             with contextlib.suppress(OSError):
-                part.unlink()
+                fill_dir.unlink(part)
             self._stop(error)
             return None
         finally:
@@ -334,55 +445,41 @@ class UploadCache:
 
     def _stop(self, error: OSError) -> None:
         """Write no more in this process; one warning says why."""
-        if self.broken is None:
-            self.broken = os.strerror(error.errno) if error.errno else str(error)
-            full = " (the disk is full)" if error.errno in (errno.ENOSPC, errno.EDQUOT) else ""
-            log.warning("the shard cache in %s cannot be written%s: %s; shards are read from the store",
-                        self.node.root, full, self.broken)
+        if self.broken is not None:
+            return
+        if isinstance(error, Refused):
+            self.broken = str(error)
+            log.warning("the shard cache in %s is not used: %s; shards are read from the store",
+                        self.node.config.directory, error)
+            return
+        self.broken = os.strerror(error.errno) if error.errno else str(error)
+        full = " (the disk is full)" if error.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+        where = f": {error.filename}" if error.filename else ""
+        log.warning("the shard cache in %s cannot be written%s: %s%s; shards are read from the store",
+                    self.node.config.directory, full, self.broken, where)
+
+
+def _remove_upload(dataset: Folder, name: str) -> None:
+    """Remove an older upload's shards, parts and locks (files of the cache's layout only),
+    then its folders where nothing else is left in them."""
+    upload = _existing(dataset, name)
+    if upload is None:
+        return
+    fill = _existing(upload, FILL)
+    if fill is not None:
+        for found, _ in fill.files():
+            if found.endswith((_PART, _LOCK)):
+                fill.unlink(found)
+    for found, _ in upload.files():
+        if not found.startswith("."):
+            upload.unlink(found)
+    upload.rmdir(FILL)
+    dataset.rmdir(name)
 
 
 def _allocate(fd: int, size: int) -> None:
     if size:
         os.posix_fallocate(fd, 0, size)
-
-
-def _lock_within(fd: int, seconds: float, cancel: threading.Event) -> bool:
-    """Take the file's lock, waiting at most ``seconds`` for the process that holds it."""
-    deadline = time.monotonic() + seconds
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            if time.monotonic() > deadline or cancel.is_set():
-                return False
-            time.sleep(_STEP)
-
-
-def _abandoned(part: Path) -> bool:
-    """Whether no process writes ``part`` any more (its lock is free)."""
-    try:
-        fd = os.open(part.with_suffix(_LOCK), os.O_RDWR)
-    except OSError:
-        return True
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
-        return False
-    finally:
-        os.close(fd)
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[bool]:
-    """The cache's lock, held for a reservation: whether it was had within ``_PATIENCE`` (a
-    process stopped while it holds it must not stop the others)."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        yield _lock_within(fd, _PATIENCE, threading.Event())
-    finally:
-        os.close(fd)
 
 
 _registry: dict[tuple[str, str, str, int], UploadCache] = {}

@@ -18,10 +18,10 @@ import os
 import threading
 import weakref
 from collections.abc import Callable
-from pathlib import Path
 
 from remote_loader.checksum import crc32
 from remote_loader.errors import InvalidRange
+from remote_loader.read.folder import Folder
 from remote_loader.storage.daemon import in_daemon_thread, map_on_daemon_threads
 from remote_loader.storage.retrying import Cancelled
 
@@ -36,12 +36,13 @@ class FillFailed(Exception):
 
 
 class ShardFill:
-    """Shard ``name`` (``size`` bytes, crc32 ``crc``) being fetched into ``part`` (open as
-    ``fd``, allocated, its lock held as ``lock``), renamed to ``final`` once whole and checked.
+    """Shard ``name`` (``size`` bytes, crc32 ``crc``) being fetched into ``part`` (a folder and
+    a name; open as ``fd``, allocated, its lock held as ``lock``), renamed to ``final`` once
+    whole and checked.
     ``done()`` is called at the end, whatever happened, after the lock is released."""
 
-    def __init__(self, name: str, size: int, crc: int, part: Path, final: Path, fd: int, lock: int,
-                 done: Callable[[], None]) -> None:
+    def __init__(self, name: str, size: int, crc: int, part: tuple[Folder, str], final: tuple[Folder, str], fd: int,
+                 lock: int, done: Callable[[], None]) -> None:
         self.name, self.size, self.crc, self.part, self.final = name, size, crc, part, final
         self.fd, self.lock, self._done = fd, lock, done
         self.bounds: list[int] = []
@@ -84,7 +85,7 @@ class ShardFill:
         try:
             map_on_daemon_threads(one, order, threads, "remote-loader-cache", settle=5.0)
             if crc32(view) == self.crc:
-                os.rename(self.part, self.final)
+                self.part[0].rename(self.part[1], *self.final)
                 kept = True
             else:
                 log.warning("%s fetched for the node's cache fails its crc32: not kept", self.name)
@@ -100,7 +101,7 @@ class ShardFill:
                 mapped.close()
             if not kept:
                 with contextlib.suppress(OSError):
-                    self.part.unlink()
+                    self.part[0].unlink(self.part[1])
             os.close(self.lock)  # other processes may fetch it now, or read it
             self._done()
 

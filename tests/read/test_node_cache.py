@@ -189,7 +189,8 @@ def test_an_overwrite_between_epochs_is_never_served_from_the_cache(dataset, tmp
     cache = tmp_path / "cache"
     ds = RemoteDataset(store, bucket, "d", cache_dir=cache)
     list(ds)
-    (old,) = [p for d in cache.iterdir() if d.is_dir() for p in d.iterdir() if p.is_dir()]
+    old = Path(_upload_cache(ds).path)
+    assert old.is_dir()
     upload(store, bucket, "d", SyntheticImages(SAMPLES, size=(64, 48), seed=7), maxcount=PER_SHARD, overwrite=True)
     fresh = _samples(DatasetReader(store, bucket, "d"))
     assert _samples(RemoteDataset(store, bucket, "d", cache_dir=cache)) == fresh
@@ -334,8 +335,9 @@ def test_a_fill_held_by_a_stopped_process_is_waited_for_a_bounded_time(dataset, 
     store, bucket, reader, clean = dataset
     cache = tmp_path / "cache"
     ds = RemoteDataset(store, bucket, "d", cache_dir=cache)
-    upload_dir = cache / _dataset_dir(ds) / f"{ds.reader.identity:08x}"
-    (upload_dir / FILL).mkdir(parents=True)
+    NodeCache(ds.reader.cache).root()  # made and tagged, as a first reader makes it
+    upload_dir = Path(_upload_cache(ds).path)
+    (upload_dir / FILL).mkdir(parents=True, mode=0o700)
     entry = reader.manifest.shards[0]
     held = os.open(upload_dir / FILL / (entry.name + ".lock"), os.O_RDWR | os.O_CREAT)
     fcntl.flock(held, fcntl.LOCK_EX)
@@ -349,10 +351,10 @@ def test_a_fill_held_by_a_stopped_process_is_waited_for_a_bounded_time(dataset, 
     assert any("another process has fetched" in r.getMessage() for r in caplog.records)
 
 
-def _dataset_dir(ds: RemoteDataset) -> str:
+def _upload_cache(ds: RemoteDataset) -> node_cache.UploadCache:
     upload_cache = ds.reader.upload_cache()
     assert upload_cache is not None
-    return upload_cache.dataset_dir.name
+    return upload_cache
 
 
 def test_the_cli_shows_and_clears_a_cache(dataset, tmp_path):
