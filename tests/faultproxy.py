@@ -10,8 +10,11 @@ or a request body with a byte flipped on the way to the server (``flip_body``: a
 part damaged in transit; bodies go unsigned, so the signature still holds), or a range
 answered 416 though it lies inside the object (``refuse_range``: a store that answers wrongly).
 Whether a request meets a fault, and which, depends only on the seed, the request
-(method, path, query, range) and how many times that same request was seen before, so a
-run is reproducible whatever the threads' timing.
+(method, path, query, range; a presigned URL's ``X-Amz-*`` parameters left out: they hold
+the time of signing) and how many times that same request was seen before, so a run is
+reproducible whatever the threads' timing. With ``each_first``, the first requests that may
+meet faults meet each kind of ``rates`` once, in turn, before the draws begin: every kind is
+met, whatever the objects' names (an upload's are random).
 """
 
 from __future__ import annotations
@@ -38,6 +41,16 @@ _INTERNAL = (
 )
 
 
+def _unsigned(path: str) -> str:
+    """``path`` without a presigned URL's ``X-Amz-*`` query parameters (the time of signing
+    among them), so that a request asked again is the same request."""
+    if "?" not in path:
+        return path
+    base, query = path.split("?", 1)
+    kept = [p for p in query.split("&") if not p.lower().startswith("x-amz-")]
+    return f"{base}?{'&'.join(kept)}" if kept else base
+
+
 class FaultProxy:
     """Forward to ``upstream`` (``http://host:port``) with faults at ``rates`` (kind -> probability).
 
@@ -57,6 +70,7 @@ class FaultProxy:
         methods: tuple[str, ...] = ("GET",),
         delay: float = 0.05,
         paths: str = "",
+        each_first: bool = False,
     ) -> None:
         unknown = set(rates) - set(ALL_FAULTS)
         if unknown:
@@ -64,6 +78,7 @@ class FaultProxy:
         parts = urlsplit(upstream)
         self.upstream = (parts.hostname or "127.0.0.1", parts.port or 80)
         self.rates, self.seed, self.methods, self.delay, self.paths = rates, seed, methods, delay, paths
+        self._first = [kind for kind in ALL_FAULTS if rates.get(kind, 0.0) > 0] if each_first else []
         self.injected: Counter[str] = Counter()
         self.requests = self.connections = 0
         self.bodies: list[tuple[str, int, bool]] = []
@@ -107,18 +122,24 @@ class FaultProxy:
         return f"http://127.0.0.1:{self.server.server_address[1]}"
 
     def seen(self, method: str, path: str, range_: str = "") -> int:
-        """How many times this request came in (``path`` with its query, as sent)."""
+        """How many times this request came in (``path`` with its query, as sent, but for
+        the ``X-Amz-*`` parameters of a presigned URL)."""
         with self._lock:
-            return self._seen[f"{method} {path} {range_}"]
+            return self._seen[f"{method} {_unsigned(path)} {range_}"]
 
     def _fault(self, handler: BaseHTTPRequestHandler) -> str | None:
-        request = f"{handler.command} {handler.path} {handler.headers.get('Range', '')}"
+        request = f"{handler.command} {_unsigned(handler.path)} {handler.headers.get('Range', '')}"
         with self._lock:
             self.requests += 1
             attempt = self._seen[request]
             self._seen[request] += 1
         if handler.command not in self.methods or self.paths not in handler.path:
             return None
+        with self._lock:
+            if self._first:
+                kind = self._first.pop(0)
+                self.injected[kind] += 1
+                return kind
         digest = hashlib.sha256(f"{self.seed}|{request}|{attempt}".encode()).digest()
         draw = random.Random(digest).random()
         for kind in ALL_FAULTS:
