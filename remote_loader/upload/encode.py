@@ -199,7 +199,7 @@ def _fields(item: Any, options: EncodeOptions, index: int, originals: Originals 
     if not isinstance(item, (tuple, list)) or not item:
         raise _fail(index, f"ds[{index}] returned a {type(item).__name__}; expected an (image, target) pair,"
                            " a tuple or a dict of fields")
-    if len(item) == 2:
+    if len(item) == 2 and not _values_not_pixels(item[0]):
         try:  # a classification target (None, int, str, a flat dict of scalars): WebDataset's names, as always
             target = encode_target(item[1], index)
         except UploadError:
@@ -208,6 +208,16 @@ def _fields(item: Any, options: EncodeOptions, index: int, originals: Originals 
             field, data = encode_image(item[0], options, index, originals)
             return {field: data, **target}
     return Structured(options, index, originals).sample(item)
+
+
+def _values_not_pixels(value: Any) -> bool:
+    """An array or tensor of other than uint8 where a pair's image goes: ``ToTensor``'s floats
+    in [0, 1], or normalised ones. No image format holds them as they are, and turning them
+    into 8-bit pixels would alter them: the pair is stored by the field rule, the array as
+    its values (``.npy``), and comes back as it went in."""
+    if isinstance(value, np.ndarray):
+        return bool(value.dtype != np.uint8)
+    return _is_tensor(value) and str(value.dtype) != "torch.uint8"
 
 
 class Structured:

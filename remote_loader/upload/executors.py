@@ -6,21 +6,28 @@ built there from a source spec)."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing
 import queue
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from tqdm import tqdm
 
 from remote_loader.errors import RemoteLoaderError, UploadError
+from remote_loader.storage.daemon import DaemonPool
+from remote_loader.storage.retrying import Cancelled
 from remote_loader.upload import tasks
 from remote_loader.upload.sources import SourceSpec
 from remote_loader.upload.tasks import TASKS_AT_ONCE, TaskResult, TaskSpec, write_tasks
+from remote_loader.upload.watch import DEFAULT_STALL_TIMEOUT, Slots, Stalled, Watch
+
+log = logging.getLogger("remote_loader")
 
 
 class _BarProgress:
@@ -77,10 +84,9 @@ def _is_dask(executor: Executor) -> bool:
     return type(executor).__module__.startswith("distributed")
 
 
-def _result(future: Future[list[TaskResult]], ids: list[int], own: bool) -> list[TaskResult]:
-    """A group's results; its own error as it is, a failure of the executor as an UploadError
+def _result(future: Future[Any], what: str, own: bool) -> Any:
+    """A job's result; its own error as it is, a failure of the executor as an UploadError
     that names the likely cause."""
-    what = f"task {ids[0]}" if len(ids) == 1 else f"tasks {', '.join(map(str, ids))}"
     try:
         return future.result()
     except RemoteLoaderError:
@@ -118,72 +124,190 @@ def task_groups(pending: list[tuple[int, np.ndarray]], processes: int) -> list[l
     return [pending[start : start + size] for start in range(0, len(pending), size)]
 
 
-def run_tasks(
-    pending: Iterable[tuple[int, np.ndarray]],
-    spec: TaskSpec,
+@dataclass(frozen=True)
+class Job:
+    """One call in an executor: ``call(spec, group, dataset, progress, slots)`` (``write_tasks``,
+    or a check of kept tasks), named ``what`` in errors; ``tally`` counts a result's
+    (samples, bytes) where no progress queue does (a caller's executor)."""
+
+    call: Callable[..., Any]
+    spec: Any
+    group: list[Any]
+    what: str
+    tally: Callable[[Any], tuple[int, int]]
+
+
+def write_jobs(spec: TaskSpec, pending: list[tuple[int, np.ndarray]], processes: int) -> list[Job]:
+    """The jobs that write the ``pending`` tasks on ``processes`` processes (``task_groups``);
+    with none, one job of them all, in this process (a task starts as soon as one ends)."""
+    groups = task_groups(pending, processes) if processes > 0 else [pending] if pending else []
+    return [Job(write_tasks, spec, group, _tasks_named([task_id for task_id, _ in group]), _tally_written)
+            for group in groups]
+
+
+def _tasks_named(ids: list[int]) -> str:
+    return f"task {ids[0]}" if len(ids) == 1 else f"tasks {', '.join(map(str, ids))}"
+
+
+def _tally_written(results: list[TaskResult]) -> tuple[int, int]:
+    return (sum(sum(e.samples for e in r.entries) + len(r.skipped) for r in results),
+            sum(e.size for r in results for e in r.entries))
+
+
+class _Runner:
+    """Where jobs run: ``submit`` one, ``end`` when done (ending stalled processes)."""
+
+    slots: Slots | None = None
+    progress: Any = None  # the workers' progress queue, drained into the bar
+    here = False
+
+    def submit(self, job: Job) -> Future[Any]:
+        raise NotImplementedError
+
+    def end(self, stalled: list[Stalled]) -> None:
+        """Release what the jobs ran on; a process that stalled is killed first."""
+
+
+class _Here(_Runner):
+    """This process: one job at a time on a daemon thread (its tasks on threads of their own)."""
+
+    here = True
+
+    def __init__(self, dataset: Any, progress: _BarProgress) -> None:
+        self.dataset, self.bar_progress, self.slots = dataset, progress, Slots(TASKS_AT_ONCE)
+        self.pool = DaemonPool(1, "remote-loader-upload")
+        self.stop = threading.Event()  # the tasks stop at their next sample: Ctrl-C here, or the run ended
+
+    def submit(self, job: Job) -> Future[Any]:
+        return self.pool.submit(job.call, job.spec, job.group, self.dataset, self.bar_progress, self.slots, self.stop)
+
+    def end(self, stalled: list[Stalled]) -> None:
+        self.stop.set()
+        self.pool.shutdown()  # a thread stuck in ds[i] is left to end by itself
+
+
+class _Pool(_Runner):
+    """A process pool of the upload's own, whose workers receive the dataset once, at start."""
+
+    def __init__(self, dataset: Any, workers: int) -> None:
+        context = multiprocessing.get_context()
+        self.progress = context.Queue()
+        self.slots = Slots(workers * TASKS_AT_ONCE, context)
+        self.executor = ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=tasks.init_worker,
+                                            initargs=(dataset, self.progress, self.slots))
+
+    def submit(self, job: Job) -> Future[Any]:
+        return self.executor.submit(job.call, job.spec, job.group)
+
+    def end(self, stalled: list[Stalled]) -> None:
+        pids = {s.pid for s in stalled}
+        for process in multiprocessing.active_children():  # only this pool's own workers can have stalled
+            if process.pid in pids:
+                process.kill()  # the pool then counts itself broken and ends its other workers
+        self.executor.shutdown(wait=True, cancel_futures=True)
+        self.progress.close()
+        self.progress.join_thread()
+
+
+class _Theirs(_Runner):
+    """The caller's executor (a Dask cluster's): the dataset travels once per worker where it can."""
+
+    def __init__(self, executor: Executor, dataset: Any, source: str | None) -> None:
+        self.executor = executor
+        self.shipped, self.plugin = _ship(executor, dataset, source)
+        # Dask names a task by its arguments unless told otherwise, and would hand a re-run of
+        # a failed upload the same failures: each submission gets a key of its own.
+        self.unique = {"pure": False} if _is_dask(executor) else {}
+
+    def submit(self, job: Job) -> Future[Any]:
+        return self.executor.submit(job.call, job.spec, job.group, self.shipped, **self.unique)
+
+    def end(self, stalled: list[Stalled]) -> None:
+        if self.plugin is not None:
+            _unship(self.executor, self.plugin)
+
+
+def run_jobs(
+    jobs: list[Job],
     dataset: Any,
     workers: int,
     executor: Executor | None,
     bar: tqdm,
-    collect: Callable[[TaskResult], None],
+    on_result: Callable[[Job, Any], list[Job]],
     source: str | None = None,
+    stall_timeout: float | None = DEFAULT_STALL_TIMEOUT,
 ) -> None:
-    """Write the ``pending`` tasks ``(task id, sample indices)``: in this process
-    (``workers=0``), on a pool of ``workers`` processes of its own, or on ``executor``,
-    counting progress on ``bar``; hand each result to ``collect`` as it comes (none is
-    kept here). Wherever they run, a process writes ``TASKS_AT_ONCE`` tasks at a time
-    (``write_tasks``)."""
-    pending = list(pending)
-    if not pending:
+    """Run ``jobs``: in this process (``workers=0``), on a pool of ``workers`` processes of its
+    own, or on ``executor``, counting progress on ``bar``; hand each result to ``on_result``
+    as it comes (none is kept here), which returns the jobs it calls for next.
+
+    In this process and on the upload's own pool, an item read for long is named in a warning,
+    and one past ``stall_timeout`` ends the run with an ``UploadError`` naming it. After an
+    error or a stall no other task starts; the tasks running finish, then it raises.
+    """
+    if not jobs:
         return
-    if executor is None and workers <= 0:
-        for result in write_tasks(spec, pending, dataset, _BarProgress(bar)):
-            collect(result)
-        return
-    groups = task_groups(pending, workers)
-    progress: Any = None
-    own = executor is None
-    if own:
-        context = multiprocessing.get_context()
-        progress = context.Queue()
-        executor = ProcessPoolExecutor(
-            max_workers=min(workers, len(groups)),
-            mp_context=context,
-            initializer=tasks.init_worker,
-            initargs=(dataset, progress),
-        )
-    assert executor is not None
     bar_progress = _BarProgress(bar)
-    shipped, plugin = (None, None) if own else _ship(executor, dataset, source)
-    # Dask names a task by its arguments unless told otherwise, and would hand a re-run of
-    # a failed upload the same failures: each submission gets a key of its own.
-    unique = {"pure": False} if _is_dask(executor) else {}
+    runner: _Runner
+    if executor is None and workers <= 0:
+        runner = _Here(dataset, bar_progress)
+    elif executor is None:
+        runner = _Pool(dataset, min(workers, len(jobs)))
+    else:
+        runner = _Theirs(executor, dataset, source)
+    watch = None if runner.slots is None else Watch(runner.slots, stall_timeout, here=runner.here)
     try:
-        ids_of: dict[Future[list[TaskResult]], list[int]] = {
-            executor.submit(write_tasks, spec, group, shipped, **unique): [task_id for task_id, _ in group]
-            for group in groups
-        }
-        futures = set(ids_of)
-        written = 0
-        while futures:
-            done, futures = wait(futures, timeout=0.2, return_when=FIRST_COMPLETED)
-            for future in done:
-                for result in _result(future, ids_of[future], own):
-                    collect(result)
-                    written += sum(e.size for e in result.entries)
-                    if not own:  # a caller's executor has no progress queue: count whole tasks
-                        samples = sum(e.samples for e in result.entries) + len(result.skipped)
-                        bar_progress.put((samples, sum(e.size for e in result.entries)))
-            while progress is not None:
-                try:
-                    bar_progress.put(progress.get_nowait())
-                except queue.Empty:
-                    break
-        bar_progress.settle(written)
+        _drive(runner, jobs, on_result, bar_progress, watch)
     finally:
-        if plugin is not None:
-            _unship(executor, plugin)
-        if own:
-            executor.shutdown(wait=True, cancel_futures=True)
-            progress.close()
-            progress.join_thread()
+        runner.end([] if watch is None else watch.stalled)
+
+
+def _drive(runner: _Runner, jobs: list[Job], on_result: Callable[[Job, Any], list[Job]], bar_progress: _BarProgress,
+           watch: Watch | None) -> None:
+    """Submit the jobs and take their results (and the jobs those call for) until none is
+    left; after the first error or stall, wait only for the tasks still making progress."""
+    futures = {runner.submit(job): job for job in jobs}
+    own = not isinstance(runner, _Theirs)
+    failure: BaseException | None = None
+    written = 0
+    while futures:
+        done, _ = wait(futures, timeout=0.2, return_when=FIRST_COMPLETED)
+        for future in done:
+            job = futures.pop(future)
+            try:
+                result = _result(future, job.what, isinstance(runner, _Pool))
+                samples, nbytes = job.tally(result)
+                written += nbytes
+                if not own:  # a caller's executor has no progress queue: count whole results
+                    bar_progress.put((samples, nbytes))
+                follow = on_result(job, result)
+            except Exception as error:
+                if failure is None:
+                    failure = error
+                elif not isinstance(error.__cause__ or error, Cancelled):
+                    log.warning("upload: after the first error, %s", error)
+                continue
+            if failure is None:
+                futures.update({runner.submit(j): j for j in follow})
+        _drain(runner.progress, bar_progress)
+        stalled = watch.check() if watch is not None else None
+        if stalled is not None and failure is None:
+            failure = UploadError(watch.error_for(stalled), index=stalled.index)  # type: ignore[union-attr]
+        if failure is not None:
+            if runner.slots is not None:
+                runner.slots.stop()
+            for future in futures:
+                future.cancel()  # not started yet
+            if watch is None or not watch.busy():
+                break
+    if failure is not None:
+        raise failure
+    bar_progress.settle(written)
+
+
+def _drain(progress: Any, bar_progress: _BarProgress) -> None:
+    while progress is not None:
+        try:
+            bar_progress.put(progress.get_nowait())
+        except queue.Empty:
+            break

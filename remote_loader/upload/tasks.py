@@ -11,6 +11,7 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.connection
 import os
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -32,6 +33,7 @@ from remote_loader.storage.retrying import Cancelled, Retry
 from remote_loader.upload.encode import EncodeOptions, encode_item
 from remote_loader.upload.originals import read_watching
 from remote_loader.upload.sources import is_file_backed, resolve
+from remote_loader.upload.watch import UNWATCHED, Reading, Slots
 
 STATE_DIR = "_upload"
 _REPORT_EVERY = 16
@@ -47,14 +49,36 @@ that completes it, the other encodes, instead of the process idling between task
 # in one process share nothing.
 _worker_dataset: Any = None
 _worker_progress: Any = None
+_worker_slots: Slots | None = None
 
 
-def init_worker(dataset: Any, progress: Any) -> None:
-    """Process-pool initializer (in a pool's worker process only): keep the dataset and the
-    progress queue for later tasks, and end this process when the upload's process ends."""
-    global _worker_dataset, _worker_progress
-    _worker_dataset, _worker_progress = dataset, progress
+def init_worker(dataset: Any, progress: Any, slots: Slots | None = None) -> None:
+    """Process-pool initializer (in a pool's worker process only): keep the dataset, the
+    progress queue and the table of what each task reads for later tasks, run torch's
+    operations on this thread, and end this process when the upload's process ends."""
+    global _worker_dataset, _worker_progress, _worker_slots
+    _worker_dataset, _worker_progress, _worker_slots = dataset, progress, slots
+    _one_torch_thread()
     _exit_with_parent()
+
+
+def worker_context(dataset: Any, progress: Any, slots: Slots | None) -> tuple[Any, Any, Slots | None]:
+    """The dataset, progress sink and table a call works with: its arguments, or, in a pool
+    whose initializer set them (``dataset`` None), this worker's."""
+    if dataset is None:
+        return _worker_dataset, _worker_progress, _worker_slots
+    return resolve(dataset), progress, slots
+
+
+def _one_torch_thread() -> None:
+    """One thread for torch's operations in this worker, as DataLoader's workers do, where
+    the dataset brought torch in. A forked worker inherits torch's OpenMP thread pool as
+    the upload's process left it, after ``ds[i]`` there had started it, without its threads:
+    its first parallel operation (``ToTensor``'s division) waited for them for ever. The
+    upload runs one worker per core; torch is never imported for a dataset without it."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(1)
 
 
 def _exit_with_parent() -> None:
@@ -252,7 +276,8 @@ class _ShardSequence:
 
 
 def write_tasks(
-    spec: TaskSpec, group: Sequence[tuple[int, Sequence[int] | np.ndarray]], dataset: Any = None, progress: Any = None
+    spec: TaskSpec, group: Sequence[tuple[int, Sequence[int] | np.ndarray]], dataset: Any = None, progress: Any = None,
+    slots: Slots | None = None, stop: threading.Event | None = None,
 ) -> list[TaskResult]:
     """Write the tasks ``group``, ``(task id, sample indices)`` pairs, ``TASKS_AT_ONCE`` at a
     time on daemon threads; their results, in order.
@@ -270,15 +295,16 @@ def write_tasks(
             already set it.
         progress: Where (samples, bytes) counts go (``put``, from any thread); None in a
             pool whose initializer set its queue.
+        slots: Where each task says which item it reads (``watch.Slots``), and whether to
+            start no new task; None: unwatched (or, in a pool, the initializer's).
+        stop: Set by the caller to stop the tasks at their next sample (Ctrl-C in the
+            thread that waits for this call); they are stopped so as this call ends too.
     """
-    if dataset is None:
-        dataset, progress = _worker_dataset, _worker_progress
-    else:
-        dataset = resolve(dataset)
-    stop = threading.Event()
+    dataset, progress, slots = worker_context(dataset, progress, slots)
+    stop = threading.Event() if stop is None else stop
     try:
         return map_on_daemon_threads(
-            lambda task: write_task(spec, task[0], task[1], dataset, progress, stop),
+            lambda task: write_task(spec, task[0], task[1], dataset, progress, stop, slots),
             list(group), TASKS_AT_ONCE, "remote-loader-task", settle=spec.retry.outage_deadline,
         )
     finally:
@@ -292,19 +318,26 @@ def write_task(
     dataset: Any,
     progress: Any = None,
     stop: threading.Event | None = None,
+    slots: Slots | None = None,
 ) -> TaskResult:
     """Encode the samples ``indices`` of ``dataset`` (in that, permuted, order) into shards;
-    upload them and the task's record. Set ``stop`` to end it at its next sample."""
+    upload them and the task's record. Set ``stop`` to end it at its next sample; a task
+    told by ``slots`` to start no new one does not start."""
     dataset = resolve(dataset)
+    if slots is not None and slots.stopped:
+        raise Cancelled(f"task {task_id} did not start: the upload is stopping")
     # The whole task is the unit of retry, its task record included: its shards are written
     # again under the same names. Its requests go to the store itself, so retries do not nest.
     retry = Retry(spec.retry, spec.store.endpoint, cancel=threading.Event() if stop is None else stop)
-    return retry.call(partial(_write_task, spec, task_id, indices, dataset, progress, retry.cancel))
+    if slots is None:
+        return retry.call(partial(_write_task, spec, task_id, indices, dataset, progress, retry.cancel, UNWATCHED))
+    with slots.task(task_id) as reading:
+        return retry.call(partial(_write_task, spec, task_id, indices, dataset, progress, retry.cancel, reading))
 
 
 def _write_task(
     spec: TaskSpec, task_id: int, indices: Sequence[int] | np.ndarray, dataset: Any, progress: Any,
-    stop: threading.Event,
+    stop: threading.Event, reading: Reading,
 ) -> TaskResult:
     result = TaskResult(task_id=task_id, entries=[])
     shards = _ShardSequence(spec, task_id)
@@ -315,8 +348,9 @@ def _write_task(
                 raise Cancelled(f"task {task_id} stopped: its process was interrupted")
             index = int(raw_index)
             try:
-                item, originals = read_watching(partial(read_item, dataset), index)
-                fields = encode_item(item, spec.options, index, originals)
+                with reading.item(index):
+                    item, originals = read_watching(partial(read_item, dataset), index)
+                    fields = encode_item(item, spec.options, index, originals)
                 shards.add(f"{index:0{spec.key_width}d}", fields, index)
             except UploadError as exc:
                 if not spec.on_error.skips:

@@ -14,6 +14,7 @@ import os
 import time
 from collections.abc import Mapping
 from concurrent.futures import Executor
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from functools import partial
 from typing import Any
@@ -33,10 +34,11 @@ from remote_loader.storage import DEFAULT_PART_SIZE, Location, Store, as_store
 from remote_loader.storage.retrying import Retry, RetryingStore
 from remote_loader.upload import claim, fingerprint, tasks
 from remote_loader.upload.encode import EncodeOptions, encode_item
-from remote_loader.upload.executors import run_tasks
+from remote_loader.upload.executors import run_jobs, write_jobs
 from remote_loader.upload.sources import load_source
 from remote_loader.upload.summary import UploadSummary
 from remote_loader.upload.tasks import TaskSpec
+from remote_loader.upload.watch import DEFAULT_STALL_TIMEOUT
 from remote_loader.upload.written import Written
 
 log = logging.getLogger("remote_loader")
@@ -84,6 +86,8 @@ def upload_cv_dataset(
     retry: RetryConfig | None = None,
     overwrite: bool = False,
     progress: bool = True,
+    verify: bool = True,
+    stall_timeout: float | None = DEFAULT_STALL_TIMEOUT,
 ) -> UploadSummary:
     """Pack a torchvision-style dataset into shards in ``s3://bucket/base_folder/``.
 
@@ -118,6 +122,17 @@ def upload_cv_dataset(
             the old dataset, the manifest is switched in one PUT, and only then are the
             old shards deleted: a failed overwrite leaves the old dataset readable.
         progress: Show a progress bar.
+        verify: Where a call would keep shards already uploaded (the dataset is there, or
+            an interrupted run of this upload is resumed), read every item they hold again
+            and compare it with the digest recorded as it was uploaded (in worker processes,
+            without encoding or writing). False trusts the 128 sampled items every upload
+            compares: a fast resume of a huge upload, which misses an item changed since
+            unless it is among them.
+        stall_timeout: Seconds one item may take to read and encode, in this process or a
+            worker of the upload's own, before the upload ends with an ``UploadError``
+            naming it (a worker that stopped making progress; finished tasks are kept);
+            an item past a tenth of it, at most 60 s, is named in a warning. None waits for
+            ever. Not watched on a caller's ``executor``.
 
     Returns:
         What was uploaded, with throughput.
@@ -134,16 +149,41 @@ def upload_cv_dataset(
     params = _parameters(maxsize=maxsize, maxcount=maxcount, workers=workers, seed=seed, image_format=image_format,
                          quality=quality, on_error=on_error, shuffle=shuffle, overwrite=overwrite, progress=progress,
                          bucket=bucket, base_folder=base_folder)
+    running = Running(workers, executor, part_size, _stall_timeout(stall_timeout), bool(require_bool("verify", verify)),
+                      overwrite, progress)
     client = as_store(client, bucket)
     location = Location(bucket, base_folder.strip("/"), client.path_of(bucket, base_folder.strip("/")))
     return _upload(ds, client, location, params, EncodeOptions(image_format=image_format, quality=quality),
-                   _retry(retry), started, workers=workers, executor=executor, part_size=part_size,
-                   overwrite=overwrite, progress=progress)
+                   _retry(retry), started, running)
+
+
+@dataclass(frozen=True)
+class Running:
+    """How an upload runs, apart from what it writes."""
+
+    workers: int | None
+    executor: Executor | None
+    part_size: int
+    stall_timeout: float | None
+    verify: bool
+    overwrite: bool
+    progress: bool
+
+    @property
+    def processes(self) -> int:
+        """Processes the tasks run on: 0 in this process (on a caller's executor, at least 1)."""
+        processes = (os.cpu_count() or 1) if self.workers is None else self.workers
+        return processes if self.executor is None else max(1, processes)
+
+
+def _stall_timeout(value: float | None) -> float | None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+        raise ConfigError(f"stall_timeout must be a number of seconds > 0, or None, got {value!r}")
+    return None if value is None else float(value)
 
 
 def _upload(ds: Any, client: Store, location: Location, params: dict[str, Any], options: EncodeOptions,
-            retry: RetryConfig, started: float, *, workers: int | None, executor: Executor | None, part_size: int,
-            overwrite: bool, progress: bool) -> UploadSummary:
+            retry: RetryConfig, started: float, running: Running) -> UploadSummary:
     """The upload, its arguments checked: open the dataset, see what the prefix holds, claim
     it (or resume this upload's interrupted run), write the tasks not yet done, then switch
     the manifest and clean up."""
@@ -160,17 +200,17 @@ def _upload(ds: Any, client: Store, location: Location, params: dict[str, Any], 
     store = RetryingStore(client, Retry(retry, client.endpoint))
     before = claim.Before.read(store, location)
     if before.existing is not None:
-        if claim.same_upload(before.existing.params.get("upload"), params) and not overwrite:
+        if claim.same_upload(before.existing.params.get("upload"), params) and not running.overwrite:
             return UploadSummary.kept_whole(location, before.existing, time.perf_counter() - started)
-        if not overwrite:
+        if not running.overwrite:
             there = claim.what_differs(before.existing.params.get("upload"), params)
             raise UploadError(f"{location} already holds {there}; pass overwrite=True (--overwrite) to replace it")
     order = np.random.default_rng(params["seed"]).permutation(num) if params["shuffle"] else np.arange(num)
-    held = claim.hold(store, location, before, params, overwrite, lambda: _plan_task_size(
+    held = claim.hold(store, location, before, params, running.overwrite, lambda: _plan_task_size(
         ds, order, options, params["maxsize"], params["maxcount"]))
     kept = claim.kept(store, location, held, num)
     spec = TaskSpec(client, location, options, params["maxsize"], params["maxcount"], OnError.of(params["on_error"]),
-                    part_size, max(6, len(str(num - 1))), held.run, retry)
+                    running.part_size, max(6, len(str(num - 1))), held.run, retry)
     pending = [(t, order[t * held.task_size : (t + 1) * held.task_size]) for t in range(-(-num // held.task_size))
                if t not in kept]
     done_samples = sum(sum(e.samples for e in r.entries) + len(r.skipped) for r in kept.values())
@@ -182,9 +222,10 @@ def _upload(ds: Any, client: Store, location: Location, params: dict[str, Any], 
     del kept, kept_entries
     writing = time.perf_counter()
     # smoothing=0: the bar's rate is the average since it started, the summary's writing rate.
-    with tqdm(total=num, initial=done_samples, unit="img", disable=not progress, desc="upload", smoothing=0) as bar:
-        processes = (os.cpu_count() or 1) if workers is None else workers
-        run_tasks(pending, spec, ds, processes, executor, bar, written.add, source)
+    with tqdm(total=num, initial=done_samples, unit="img", disable=not running.progress, desc="upload",
+              smoothing=0) as bar:
+        run_jobs(write_jobs(spec, pending, running.processes), ds, running.processes, running.executor, bar,
+                 _collector(written), source, running.stall_timeout)
         bar.update(num - bar.n)  # every task is done: the last counts may still be in the workers' queue
         # The bar's own clock where it shows, read as it closes (its final rate is then the
         # summary's); a closed bar says it is disabled, and its clock runs on.
@@ -205,6 +246,15 @@ def _upload(ds: Any, client: Store, location: Location, params: dict[str, Any], 
         kept_bytes=kept_numbers[2],
         writing_seconds=writing,
     )
+
+
+def _collector(written: Written) -> Any:
+    def collect(job: Any, results: list[tasks.TaskResult]) -> list[Any]:
+        for result in results:
+            written.add(result)
+        return []
+
+    return collect
 
 
 def _parameters(

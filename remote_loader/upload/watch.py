@@ -1,0 +1,166 @@
+"""Which item each of an upload's task threads is reading, and the watch over them.
+
+Every task thread holds a row of a small table shared with the process that started the
+upload: its process id, its task, the item it is reading and since when. That process looks
+at the table as it waits for results: an item that takes long is named in a warning, and one
+past ``stall_timeout`` ends the upload with an ``UploadError`` naming it, instead of a wait
+for ever on a worker that stopped making progress (a dataset blocked on a lock, a thread pool
+that did not survive ``fork``). Writing a row costs a few stores to shared memory per item.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger("remote_loader")
+
+DEFAULT_STALL_TIMEOUT = 600.0
+"""Seconds one item may take to be read and encoded before the upload ends, naming it."""
+
+_WARN_AFTER = 60.0
+_PID, _TASK, _INDEX, _SINCE = range(4)
+_BETWEEN = -1.0  # a row's task runs, between items (writing a shard, committing it)
+
+
+class Slots:
+    """The table: a row per task thread that can run at once, and a flag that tells the
+    threads to start no new task. Shared with worker processes (``context`` given: passed to
+    them as they start) or within this process.
+
+    Args:
+        rows: Task threads that can run at once.
+        context: The worker processes' multiprocessing context; None within this process.
+    """
+
+    def __init__(self, rows: int, context: Any = None) -> None:
+        if context is None:
+            self._raw: Any = bytearray(rows * 4 * 8)
+            self._lock: Any = threading.Lock()
+            self._stop: Any = threading.Event()
+        else:
+            self._raw, self._lock, self._stop = context.RawArray("d", rows * 4), context.Lock(), context.Event()
+        self._table: np.ndarray | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_table": None}
+
+    @property
+    def table(self) -> np.ndarray:
+        if self._table is None:
+            self._table = np.frombuffer(self._raw, dtype=np.float64).reshape(-1, 4)
+        return self._table
+
+    def stop(self) -> None:
+        """Tell every task thread to start no new task (those running finish)."""
+        self._stop.set()
+
+    @property
+    def stopped(self) -> bool:
+        return bool(self._stop.is_set())
+
+    @contextmanager
+    def task(self, task_id: int) -> Iterator[Reading]:
+        """Hold a row while task ``task_id`` runs; what it reads goes in it."""
+        pid, row = os.getpid(), None
+        with self._lock:
+            free = np.flatnonzero(self.table[:, _PID] == 0)
+            if len(free):
+                row = int(free[0])
+                self.table[row] = (pid, task_id, _BETWEEN, time.monotonic())
+        try:
+            yield Reading(self.table, row)
+        finally:
+            if row is not None:
+                with self._lock:
+                    self.table[row] = 0
+
+
+class Reading:
+    """A task thread's row: the item it reads, from ``item(index)`` until ``done()``."""
+
+    def __init__(self, table: np.ndarray | None, row: int | None) -> None:
+        self.table, self.row = table, row
+
+    @contextmanager
+    def item(self, index: int) -> Iterator[None]:
+        if self.table is None or self.row is None:
+            yield
+            return
+        self.table[self.row, _SINCE] = time.monotonic()  # before the index: a reader never pairs it with an old time
+        self.table[self.row, _INDEX] = index
+        try:
+            yield
+        finally:
+            self.table[self.row, _INDEX] = _BETWEEN
+
+
+UNWATCHED = Reading(None, None)
+
+
+@dataclass(frozen=True)
+class Stalled:
+    """An item past ``stall_timeout``: which, in which process and task, for how long."""
+
+    index: int
+    pid: int
+    task: int
+    seconds: float
+
+
+class Watch:
+    """The upload's view of the table: warns of an item that takes long (once each), and
+    names the first past ``stall_timeout`` (None: only warns).
+
+    Args:
+        slots: The table the task threads write.
+        stall_timeout: Seconds an item may take; None waits for ever.
+        here: The tasks run in this process (threads), not in worker processes.
+    """
+
+    def __init__(self, slots: Slots, stall_timeout: float | None, here: bool = False) -> None:
+        self.slots, self.stall_timeout, self.here = slots, stall_timeout, here
+        self.warn_after = _WARN_AFTER if stall_timeout is None else min(_WARN_AFTER, stall_timeout / 2)
+        self._warned: set[tuple[float, ...]] = set()
+        self.stalled: list[Stalled] = []
+
+    def where(self, pid: int) -> str:
+        return "this process" if self.here else f"worker process {pid}"
+
+    def check(self) -> Stalled | None:
+        """Warn of items read for long; the first item past the bound not reported before, or None."""
+        table, now = self.slots.table.copy(), time.monotonic()
+        for pid, task, index, since in table[(table[:, _PID] != 0) & (table[:, _INDEX] >= 0)]:
+            seconds, key = now - since, (pid, task, index, since)
+            if self.stall_timeout is not None and seconds > self.stall_timeout:
+                if not any(s.pid == pid and s.index == index for s in self.stalled):
+                    self.stalled.append(Stalled(int(index), int(pid), int(task), seconds))
+                    return self.stalled[-1]
+            elif seconds > self.warn_after and key not in self._warned:
+                self._warned.add(key)
+                log.warning("upload: ds[%d] has been read and encoded for %.0f s in %s (task %d); past"
+                            " stall_timeout=%s s the upload ends, naming it", index, seconds, self.where(int(pid)),
+                            task, self.stall_timeout)
+        return None
+
+    def busy(self) -> bool:
+        """Whether a task is running that has not stalled (it will finish: worth waiting for)."""
+        table = self.slots.table.copy()
+        stalled = {(s.pid, s.index) for s in self.stalled}
+        return any(pid and (pid, index) not in stalled for pid, _, index, _ in table)
+
+    def error_for(self, stalled: Stalled) -> str:
+        """The message of the ``UploadError`` that ends the upload for ``stalled``."""
+        ended = "its thread is left to end by itself" if self.here else "the process was ended"
+        return (f"ds[{stalled.index}] took more than stall_timeout={self.stall_timeout:g} s to read and encode in"
+                f" {self.where(stalled.pid)} (task {stalled.task}): it stopped making progress and {ended}"
+                " (a dataset that blocks, or a library thread pool that did not survive fork); finished tasks are"
+                " kept: run the same upload again to resume, or pass a larger stall_timeout (None waits for ever)")

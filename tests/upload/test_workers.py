@@ -1,0 +1,140 @@
+"""The upload's worker processes: a dataset that runs torch in the upload's process before
+they fork works in them, and a worker that stops making progress is reported, named, and
+ended, never waited on for ever."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from remote_loader import DatasetReader, UploadError, restore
+from remote_loader.testing.synthetic import SyntheticImages
+from tests.helpers import upload
+
+ROOT = Path(__file__).resolve().parents[2]
+
+TO_TENSOR = textwrap.dedent("""
+    import multiprocessing
+    import numpy as np
+    import torch
+    from remote_loader import make_client, upload_cv_dataset
+
+
+    class ToTensorImages:
+        '''What a torchvision dataset with ToTensor() hands over: float CHW tensors in [0, 1].'''
+
+        def __len__(self):
+            return 16
+
+        def __getitem__(self, index):
+            pixels = np.random.default_rng(index).integers(0, 256, (224, 224, 3), dtype=np.uint8)
+            return torch.from_numpy(pixels).permute(2, 0, 1).float().div(255), index % 3
+
+
+    if __name__ == "__main__":
+        multiprocessing.set_start_method("fork")
+        torch.set_num_threads(2)  # torch's thread pool, as on any machine of several cores
+        upload_cv_dataset(ToTensorImages(), client=make_client(), bucket={bucket!r}, base_folder="tensors",
+                          workers=2, maxcount=4, progress=False)
+""")
+
+
+@pytest.mark.skipif("fork" not in __import__("multiprocessing").get_all_start_methods(), reason="needs fork")
+def test_a_dataset_that_ran_torch_before_the_workers_forked_uploads_with_workers(seaweed, s3, tmp_path):
+    """The upload's process reads ``ds[i]`` first (its fingerprint), which starts torch's
+    thread pool; the workers it forks then ran ``ds[i]`` too, whose first parallel torch op
+    waited for ever. In a process of its own, so that a hang fails the test at a bound."""
+    client, bucket = s3
+    script = tmp_path / "upload.py"
+    script.write_text(TO_TENSOR.format(bucket=bucket))
+    try:
+        done = subprocess.run([sys.executable, str(script)], cwd=ROOT, start_new_session=True, capture_output=True,
+                              env={**os.environ, **seaweed.env(), "PYTHONPATH": str(ROOT)}, timeout=240)
+    except subprocess.TimeoutExpired as expired:
+        pytest.fail(f"the upload hung: {(expired.stderr or b'').decode()[-2000:]}")
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    got = {int(s["__key__"]): restore(s) for s in DatasetReader(client, bucket, "tensors")}
+    assert sorted(got) == list(range(16))
+    for index, (tensor, label) in got.items():
+        pixels = np.random.default_rng(index).integers(0, 256, (224, 224, 3), dtype=np.uint8)
+        expected = torch.from_numpy(pixels).permute(2, 0, 1).float().div(255)
+        assert isinstance(tensor, torch.Tensor) and tensor.dtype == torch.float32 and label == index % 3
+        assert torch.equal(tensor, expected)  # the floats themselves, not 8-bit pixels made of them
+
+
+class StallingImages(SyntheticImages):
+    """Synthetic images whose item ``stall_at`` does not return when a task reads it (in a
+    worker process, or on a task's thread here): it writes its process id to ``pid_file``,
+    then waits on ``release``, which nothing sets in a worker (the test sets it here as it
+    ends, and the item then fails)."""
+
+    def __init__(self, n: int, stall_at: int, pid_file: Path, **kwargs) -> None:
+        super().__init__(n, **kwargs)
+        self.stall_at, self.pid_file, self.release = stall_at, pid_file, threading.Event()
+
+    def __getitem__(self, index):
+        if index == self.stall_at and threading.current_thread().name.startswith("remote-loader-task"):
+            self.pid_file.write_text(str(os.getpid()))
+            self.release.wait()
+            raise RuntimeError("released")
+        return super().__getitem__(index)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_worker_that_stops_making_progress_is_named_then_ended_and_the_rest_kept(s3, tmp_path, caplog):
+    """Four tasks of four items on one worker process, two at a time: item 13 (task 3) never
+    returns. The warning and the error name it and the worker; the task beside it finishes,
+    the worker is ended, and a re-run keeps the three finished tasks."""
+    client, bucket = s3
+    pid_file = tmp_path / "pid"
+    stalling = StallingImages(16, 13, pid_file, size=(16, 12))
+    with caplog.at_level(logging.WARNING, logger="remote_loader"), \
+            pytest.raises(UploadError, match=r"ds\[13\] took more than stall_timeout=10 s to read and encode in"
+                                             r" worker process (\d+) \(task 3\)") as error:
+        upload(client, bucket, "stalled", stalling, workers=1, maxcount=4, shuffle=False, stall_timeout=10)
+    pid = int(pid_file.read_text())
+    assert error.value.index == 13 and f"worker process {pid} " in str(error.value)
+    assert "finished tasks are kept" in str(error.value) and "\n" not in str(error.value)
+    assert any("ds[13] has been read and encoded for" in r.getMessage() and f"worker process {pid}" in r.getMessage()
+               for r in caplog.records)
+    assert not _alive(pid)
+    summary = upload(client, bucket, "stalled", SyntheticImages(16, size=(16, 12)), workers=1, maxcount=4,
+                     shuffle=False)
+    assert (summary.kept_samples, summary.uploaded_samples) == (12, 4)
+
+
+def test_an_item_that_stalls_in_this_process_is_named_and_left_behind(s3, tmp_path):
+    client, bucket = s3
+    stalling = StallingImages(8, 5, tmp_path / "pid", size=(16, 12))
+    try:
+        with pytest.raises(UploadError, match=r"ds\[5\] took more than stall_timeout=10 s to read and encode in"
+                                              r" this process \(task 1\): .* its thread is left to end by itself"):
+            upload(client, bucket, "here", stalling, workers=0, maxcount=4, shuffle=False, stall_timeout=10)
+        assert int((tmp_path / "pid").read_text()) == os.getpid()
+    finally:
+        stalling.release.set()  # the thread left behind ends (its task fails)
+
+
+@pytest.mark.parametrize("value", [0, -1, "10", True])
+def test_a_stall_timeout_that_is_no_number_of_seconds_is_refused(s3, value):
+    client, bucket = s3
+    from remote_loader import ConfigError
+
+    with pytest.raises(ConfigError, match="stall_timeout must be a number of seconds > 0, or None"):
+        upload(client, bucket, "refused", SyntheticImages(4, size=(8, 8)), stall_timeout=value)
