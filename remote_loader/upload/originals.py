@@ -13,6 +13,7 @@ no file is decoded twice.
 
 from __future__ import annotations
 
+import io
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -73,13 +74,26 @@ class Originals:
 
     def __init__(self, decoded: list[Decoded]) -> None:
         self.decoded = decoded
+        self._matched: dict[int, tuple[Image.Image, tuple[str, bytes] | None]] = {}
 
     def match(self, image: Image.Image) -> tuple[str, bytes] | None:
-        """``(field extension, the file's bytes)`` of the file ``image`` is exactly, or None.
-        An image opened from a file and not decoded yet (``Image.open(path)`` handed over as
-        it is) is that file."""
-        if isinstance(image, ImageFile.ImageFile) and image.tile and isinstance(image.filename, str):
-            kept = _file(image.filename, image.format or "", image)
+        """``(field extension, the file's bytes)`` of the file ``image`` is exactly, or None;
+        asked again of the same image (the item's digest, then its encoding), the same answer
+        without reading the file again."""
+        known = self._matched.get(id(image))
+        if known is None or known[0] is not image:
+            known = self._matched[id(image)] = (image, self._match(image))
+        return known[1]
+
+    def _match(self, image: Image.Image) -> tuple[str, bytes] | None:
+        """An image opened from a file and not decoded yet (``Image.open(path)`` handed over as
+        it is) is that file; one decoded while the item was read, where its pixels are those
+        that decode gave; one decoded earlier (a dataset that keeps the images it opened),
+        where its file decoded again gives its pixels: never by the file's name alone, as the
+        image may have been changed in place since, or the file written over."""
+        path = getattr(image, "filename", None) if isinstance(image, ImageFile.ImageFile) else None
+        if path and isinstance(path, str) and image.tile:
+            kept = _file(path, image.format or "", image)
             if kept is not None and getattr(image, "_exclusive_fp", False):
                 image.close()  # the file Image.open(path) holds: decoding would have closed it, now nothing will
             return kept
@@ -88,21 +102,26 @@ class Originals:
                 kept = _file(found.path, found.format, image)
                 if kept is not None:
                     return kept
+        if path and isinstance(path, str) and all(found.path != path for found in self.decoded):
+            return _file(path, image.format or "", image, compare=True)
         return None
 
 
-def _file(path: str, fmt: str, image: Image.Image) -> tuple[str, bytes] | None:
+def _file(path: str, fmt: str, image: Image.Image, compare: bool = False) -> tuple[str, bytes] | None:
     """The bytes of ``path`` where it opens, now, to ``image``'s format, mode and size, one
-    frame and no orientation to apply (not drafted, not replaced since it was decoded)."""
+    frame and no orientation to apply (not drafted, not replaced since it was decoded); with
+    ``compare``, only where it decodes to ``image``'s pixels too."""
     if fmt not in _FORMATS:
         return None
     try:
         with open(path, "rb") as f:
             data = f.read()
-        with Image.open(path) as now:
+        with Image.open(io.BytesIO(data)) as now:
             if (now.format, now.mode, now.size) != (fmt, image.mode, image.size) or getattr(now, "n_frames", 1) != 1:
                 return None
             if now.getexif().get(0x0112, 1) != 1:  # an orientation decoders apply and the pixels did not
+                return None
+            if compare and not _same(now, image):
                 return None
     except (OSError, ValueError, UnidentifiedImageError, Image.DecompressionBombError):
         return None

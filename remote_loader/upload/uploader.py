@@ -131,7 +131,7 @@ def upload_cv_dataset(
         stall_timeout: Seconds one item may take to read and encode, in this process or a
             worker of the upload's own, before the upload ends with an ``UploadError``
             naming it (a worker that stopped making progress; finished tasks are kept);
-            an item past a tenth of it, at most 60 s, is named in a warning. None waits for
+            an item past half of it, at most 60 s, is named in a warning. None waits for
             ever. Not watched on a caller's ``executor``.
 
     Returns:

@@ -1,0 +1,82 @@
+"""Images a dataset opened once and hands out again keep their file's bytes, decoded or not
+by the time the upload reads them; an image changed in place since, or whose file changed,
+does not."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from remote_loader import DatasetReader
+from tests.helpers import upload
+
+
+def _photo(seed: int, size: tuple[int, int] = (96, 64)) -> np.ndarray:
+    """Smooth colours and some grain, as a photograph has."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0 : size[1], 0 : size[0]]
+    base = np.stack([x * 2 + seed * 9, y * 3, (x + y) + seed * 5], axis=-1) % 256
+    return np.clip(base + rng.integers(-12, 12, base.shape), 0, 255).astype(np.uint8)
+
+
+@pytest.fixture
+def files(tmp_path):
+    """Ten JPEGs and ten PNGs, as a camera and an image editor write them."""
+    paths = []
+    for i in range(20):
+        path = tmp_path / (f"{i:02d}.jpg" if i % 2 == 0 else f"{i:02d}.png")
+        Image.fromarray(_photo(i)).save(path, quality=87)
+        paths.append(path)
+    return paths
+
+
+class KeptOpen:
+    """A dataset that opens each file once (``Image.open``, decoded lazily) and hands the same
+    image out every time it is asked: the upload's own passes over the items (its fingerprint,
+    its size estimate) decode it before the upload's tasks read it."""
+
+    def __init__(self, images: list[Image.Image]) -> None:
+        self.images = images
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, index: int):
+        return self.images[index], index % 3
+
+
+def _stored(client, bucket, folder):
+    return {int(s["__key__"]): {k: bytes(v) for k, v in s.items() if not k.startswith("__")}
+            for s in DatasetReader(client, bucket, folder)}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_images_opened_once_and_handed_out_again_are_stored_as_their_files_bytes(s3, files, workers):
+    client, bucket = s3
+    upload(client, bucket, f"kept{workers}", KeptOpen([Image.open(p) for p in files]), workers=workers, maxcount=8)
+    stored = _stored(client, bucket, f"kept{workers}")
+    assert sorted(stored) == list(range(20))
+    for i, path in enumerate(files):
+        field = "jpg" if path.suffix == ".jpg" else "png"
+        assert stored[i][field] == path.read_bytes(), path.name  # not a second JPEG of the decoded pixels
+        assert stored[i]["cls"] == str(i % 3).encode()
+
+
+def test_an_image_changed_in_place_or_whose_file_changed_is_encoded_from_its_pixels(s3, files):
+    client, bucket = s3
+    images = [Image.open(p) for p in files[:4]]
+    images[0].load()
+    images[0].putpixel((0, 0), (255, 0, 0))  # decoded, then changed: its file no longer holds its pixels
+    images[1].putpixel((5, 5), (0, 0, 255))  # decoded by the change itself
+    images[2].load()
+    Image.fromarray(_photo(99)).save(files[2], quality=87)  # the file written over since it was decoded
+    pixels = [np.asarray(image).copy() for image in images]
+    upload(client, bucket, "changed", KeptOpen(images), image_format="png", maxcount=8)
+    stored = _stored(client, bucket, "changed")
+    for i in range(3):
+        assert "png" in stored[i] and stored[i]["png"] != files[i].read_bytes()
+        assert np.array_equal(np.asarray(Image.open(io.BytesIO(stored[i]["png"]))), pixels[i])  # its own pixels
+    assert stored[3]["png"] == files[3].read_bytes()  # untouched: its file's bytes
