@@ -92,7 +92,7 @@ class Originals:
         where its file decoded again gives its pixels: never by the file's name alone, as the
         image may have been changed in place since, or the file written over."""
         path = getattr(image, "filename", None) if isinstance(image, ImageFile.ImageFile) else None
-        if path and isinstance(path, str) and image.tile:
+        if path and isinstance(path, str) and getattr(image, "tile", None):
             kept = _file(path, image.format or "", image)
             if kept is not None and getattr(image, "_exclusive_fp", False):
                 image.close()  # the file Image.open(path) holds: decoding would have closed it, now nothing will
