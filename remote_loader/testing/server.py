@@ -48,6 +48,9 @@ HOST = "127.0.0.1"
 _DATA_PREFIX, _SOCKETS_PREFIX = "remote-loader-s3-", "rl-s3-"
 """Temporary directories of the server's data (when none is given) and of its local sockets."""
 
+STOP_GRACE = 1.0
+"""Seconds ``EmbeddedS3.stop`` gives the server to end on SIGTERM before it sends SIGKILL."""
+
 GRPC_OFFSET = 10000
 """SeaweedFS listens for gRPC on each HTTP port + 10000."""
 
@@ -247,6 +250,9 @@ class EmbeddedS3:
             *_OFF,
             f"-s3.config={identities}",
             f"-volume.max={self.max_volumes}",
+            # The pause a volume server makes on SIGTERM for its master to send writes to the
+            # others: there are no others, and the pause would outlast the stop's grace.
+            "-volume.preStopSeconds=0",
             f"-filer.localSocket={self._sockets}/filer.sock",
             f"-s3.localSocket={self._sockets}/s3.sock",
         ]
@@ -313,12 +319,17 @@ class EmbeddedS3:
         raise EndpointUnreachable(f"embedded S3 server did not answer on {url} within {timeout:.0f} s")
 
     def stop(self) -> None:
-        """Stop the server's whole process group by PID and remove a temporary data directory."""
+        """Stop the server's whole process group by PID and remove a temporary data directory.
+
+        SIGTERM first, then SIGKILL if the server has not ended within ``STOP_GRACE`` seconds:
+        every object it acknowledged is already written to its data directory, so a restart
+        on that directory serves it either way (as after ``kill()``).
+        """
         process, self._process = self._process, None
         interrupted: BaseException | None = None
         if process is not None and process.poll() is None:
             _signal_group(process.pid, signal.SIGTERM)
-            deadline = time.monotonic() + 15
+            deadline = time.monotonic() + STOP_GRACE
             # Whatever arrives during the wait (a second Ctrl-C), the server is still ended,
             # at once by SIGKILL, before the interruption goes on.
             while True:

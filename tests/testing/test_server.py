@@ -18,14 +18,16 @@ import pytest
 
 from remote_loader import ConfigError
 from remote_loader.testing.processes import cpu_seconds
-from remote_loader.testing.server import EmbeddedS3
+from remote_loader.testing.server import STOP_GRACE, EmbeddedS3
 
 # Stops the server while it is SIGSTOPped (so stop() waits), and a thread delivers Ctrl-C
 # once the main thread is inside that wait: the second Ctrl-C of an impatient user.
 _INTERRUPTED_STOP = """
 import os, signal, sys, threading
+from remote_loader.testing import server as embedded
 from remote_loader.testing.server import EmbeddedS3
 
+embedded.STOP_GRACE = 600  # the Ctrl-C lands in the wait on SIGTERM, however late this thread runs
 server = EmbeddedS3().start()
 print(server.pid, server.data_dir, flush=True)
 sys.stdin.readline()  # the test has SIGSTOPped the server
@@ -271,3 +273,44 @@ def test_what_a_server_killed_outright_leaves_is_removed_at_the_next_start(tmp_p
         running.stop()
         if pid is not None and _alive(pid):  # it ends on its parent's death; by PID if not yet
             os.killpg(pid, signal.SIGKILL)
+
+
+def test_a_server_that_cannot_act_on_sigterm_is_still_ended_by_stop():
+    """A server stopped with SIGSTOP leaves SIGTERM pending: stop() goes on to SIGKILL after its
+    grace and reaps the process. The bound is far above the grace and far below the 15 s a stop
+    once waited: it tells the escalation from a stop that waits out a long grace, not speed."""
+    server = EmbeddedS3().start()
+    pid = server.pid
+    assert pid is not None
+    try:
+        os.killpg(pid, signal.SIGSTOP)
+        started = time.monotonic()
+        server.stop()
+        assert time.monotonic() - started < STOP_GRACE + 5
+        assert not os.path.exists(f"/proc/{pid}")  # ended and reaped: not even a zombie is left
+    finally:
+        if os.path.exists(f"/proc/{pid}"):
+            os.killpg(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("stopped_first", [False, True], ids=["stop", "sigstop-then-stop"])
+def test_a_stop_then_a_start_on_the_same_data_directory_keeps_every_object(tmp_path, stopped_first):
+    """What a stop ends, by SIGTERM or by SIGKILL after the grace (a server that cannot act on
+    SIGTERM: SIGSTOPped), the next start on the same data directory serves again, every byte."""
+    objects = {f"dir/{i}.bin": os.urandom(size) for i, size in enumerate([0, 1, 1000, 3_000_000])}
+    server = EmbeddedS3(data_dir=str(tmp_path / "data"), buckets=["kept"]).start()
+    try:
+        store = server.client()
+        for key, data in objects.items():
+            store.put("kept", key, data)
+        store.close()
+        if stopped_first:
+            assert server.pid is not None
+            os.killpg(server.pid, signal.SIGSTOP)
+        server.stop()
+        server.start()
+        store = server.client()
+        assert {o.key: store.get("kept", o.key) for o in store.list("kept")} == objects
+        store.close()
+    finally:
+        server.stop()
