@@ -9,9 +9,13 @@ DataLoader pass each begin an iteration and must agree on its epoch: a pass is k
 loader's base seed (``worker_info.seed - worker_info.id``) and number of workers, and each
 worker joins its loader's latest pass recorded if it has not begun an iteration in it yet and
 the worker that recorded it is still running (the workers of a pass begin together), else
-records a new one with the next epoch. The last ``PASSES`` passes are kept, a row each, so
-that another loader's pass (or an iteration in the main process) made while a loader's
-workers begin does not take that loader's pass away from its late workers. Persistent
+records a new one with the next epoch. Each pass is a row of a table of ``PASSES`` rows, kept
+while the pass can still have a late worker: until every worker of it has begun, or the
+process that recorded it has ended. So however many other loaders make passes (a new eval
+DataLoader per evaluation), or iterations run in the main process, while a loader's workers
+begin, its late workers find its pass. Where more than ``PASSES`` loaders are each waiting
+for a worker to begin, one more cannot record its pass without taking one of theirs away: it
+raises ``ConfigError`` instead (``set_epoch`` before each pass needs no table). Persistent
 workers (one base seed for all passes) and a DataLoader made anew with the same seeded
 generator (the same base seed again) each begin a pass's iteration once, so their next pass
 is a new one. After ``set_epoch(e)``, iterations follow ``e`` exactly.
@@ -35,6 +39,7 @@ from typing import Any
 
 import torch
 
+from remote_loader.errors import ConfigError
 from remote_loader.pipeline.resume import MAX_WORKERS
 
 
@@ -62,13 +67,13 @@ class Row(IntEnum):
     WORKERS = 1  # its number of workers
     EPOCH = 2  # the epoch the pass took
     PID = 3  # the process of the worker that recorded it
-    STAMP = 4  # when it was recorded, in passes recorded: the oldest row is the one written over
+    STAMP = 4  # when it was recorded, in passes recorded: of the rows free, the oldest is written over
     JOINED = 5  # per worker from here: 1 once it began its iteration of this pass
 
 
 PASSES = 8
-"""Passes of DataLoaders remembered at once: a loader's worker that begins late finds its
-pass while fewer than this many other passes began since."""
+"""Passes of DataLoaders whose workers may still begin, remembered at once: a pass whose
+workers have all begun, or whose recorder has ended, frees its row for the next."""
 _WIDTH = Row.JOINED + MAX_WORKERS
 
 
@@ -195,10 +200,26 @@ class EpochClock:
         return None
 
     def _record(self, base: int, workers: int, worker: int, epoch: int) -> None:
-        """A new pass of this loader, taking ``epoch``, begun by ``worker``: written over the oldest row."""
+        """A new pass of this loader, taking ``epoch``, begun by ``worker``: written over the
+        oldest row free (see ``_free``); ConfigError where none is."""
         table = self._table()
-        row = table[int(torch.argmin(table[:, Row.STAMP]))]
+        free = [index for index in range(PASSES) if _free(table[index])]
+        if not free:
+            raise ConfigError(
+                f"{PASSES} DataLoaders over this dataset each have a worker yet to begin its pass, and one more pass"
+                " cannot begin without mixing epochs into theirs: call dataset.set_epoch(epoch) before each pass,"
+                f" or start the workers of at most {PASSES} DataLoaders at once")
+        row = table[min(free, key=lambda index: int(table[index, Row.STAMP]))]
         row.zero_()
         row[Row.BASE], row[Row.WORKERS], row[Row.EPOCH], row[Row.PID] = base, workers, epoch, os.getpid()
         row[Row.STAMP] = int(table[:, Row.STAMP].max()) + 1
         row[Row.JOINED + worker] = 1
+
+
+def _free(row: torch.Tensor) -> bool:
+    """Whether a row of the table may be written over: its pass can have no late worker any
+    more (every worker of it began, or the process that recorded it has ended), or it holds none."""
+    if int(row[Row.BASE]) == -1:
+        return True
+    workers = int(row[Row.WORKERS])
+    return bool(row[Row.JOINED:Row.JOINED + workers].all()) or not _running(int(row[Row.PID]))

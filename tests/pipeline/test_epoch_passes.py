@@ -7,7 +7,10 @@ from __future__ import annotations
 import multiprocessing
 from types import SimpleNamespace
 
-from remote_loader.pipeline.epochs import EpochClock
+import pytest
+
+from remote_loader import ConfigError
+from remote_loader.pipeline.epochs import PASSES, EpochClock
 
 
 def worker(id_: int, num_workers: int, base_seed: int = 7) -> SimpleNamespace:
@@ -60,16 +63,47 @@ def test_a_pass_of_another_loader_begun_meanwhile_leaves_the_first_loaders_pass_
     assert [epochs.begin(worker(1, 2, base_seed=7)), epochs.begin(worker(0, 2, base_seed=7))] == [3, 3]
 
 
-def test_passes_are_remembered_while_fewer_than_the_table_holds_began_since():
-    from remote_loader.pipeline.epochs import PASSES
-
+def test_a_late_workers_pass_is_kept_however_many_whole_passes_begin_since():
+    # Loader A's worker 0 begins; then eval loaders (both workers begun) and iterations in the main
+    # process come and go, far more than the table's rows; A's worker 1 still joins A's pass.
     epochs = EpochClock()
     assert epochs.begin(worker(0, 2, base_seed=1000)) == 0
-    for other in range(PASSES - 1):
-        epochs.begin(worker(0, 1, base_seed=other))
-    assert epochs.begin(worker(1, 2, base_seed=1000)) == 0  # PASSES - 1 passes since: still found
-    late = EpochClock()
-    late.begin(worker(0, 2, base_seed=1000))
-    for other in range(PASSES):
-        late.begin(worker(0, 1, base_seed=other))
-    assert late.begin(worker(1, 2, base_seed=1000)) == PASSES + 1  # written over: a pass of its own
+    for other in range(3 * PASSES):
+        assert [epochs.begin(worker(1, 2, base_seed=other)), epochs.begin(worker(0, 2, base_seed=other))] == [
+            2 * other + 1, 2 * other + 1]
+        assert epochs.begin(None) == 2 * other + 2
+    assert epochs.begin(worker(1, 2, base_seed=1000)) == 0
+    assert epochs.epoch == 6 * PASSES + 1
+
+
+def _begin_passes_and_exit(epochs: EpochClock, passes: int) -> None:
+    for base_seed in range(passes):
+        epochs.begin(worker(0, 2, base_seed=base_seed))
+
+
+def test_the_row_of_a_pass_whose_recorder_ended_is_used_again():
+    # PASSES passes, each begun by worker 0 alone in a process that then ended (its loader's
+    # workers were shut down before worker 1 began): none can have a late worker any more.
+    epochs = EpochClock()
+    ended = multiprocessing.get_context("fork").Process(target=_begin_passes_and_exit, args=(epochs, PASSES))
+    ended.start()
+    ended.join(timeout=60)
+    assert ended.exitcode == 0 and epochs.epoch == PASSES
+    assert [epochs.begin(worker(0, 2, base_seed=1000)), epochs.begin(worker(1, 2, base_seed=1000))] == [
+        PASSES, PASSES]
+
+
+def test_more_passes_beginning_at_once_than_the_table_holds_fail_loudly():
+    # PASSES loaders each wait for their worker 1 (whose recorder, this process, runs): a worker of
+    # one more loader cannot record its pass without taking one of theirs away, and says so.
+    epochs = EpochClock()
+    for base_seed in range(PASSES):
+        assert epochs.begin(worker(0, 2, base_seed=base_seed)) == base_seed
+    with pytest.raises(ConfigError, match="set_epoch") as raised:
+        epochs.begin(worker(0, 2, base_seed=1000))
+    assert "\n" not in str(raised.value)
+    assert epochs.epoch == PASSES  # nothing taken
+    for base_seed in range(PASSES):  # the passes waiting stay whole
+        assert epochs.begin(worker(1, 2, base_seed=base_seed)) == base_seed
+    assert [epochs.begin(worker(1, 2, base_seed=1000)), epochs.begin(worker(0, 2, base_seed=1000))] == [
+        PASSES, PASSES]
