@@ -39,7 +39,8 @@ def dataset(store: LocalStore) -> RemoteDataset:
 
 def hold_worker_1(go: Any, worker_id: int) -> None:
     """A slow ``worker_init_fn``: worker 1 starts only once the test lets it go (``go``, a
-    semaphore, released once; each waiter passes it on)."""
+    semaphore, released once; each waiter passes it on). Not an Event: its ``set()`` waits for
+    every waiter to wake, for ever where a DataLoader terminated one still waiting."""
     if worker_id == 1:
         go.acquire()
         go.release()
