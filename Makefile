@@ -11,6 +11,11 @@ TORCH := torch==2.13.0
 # find-links is used too, when the index cannot be reached).
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 STAMP := $(VENV)/.installed
+# torchvision's build for $(TORCH), from the same index; and where it cannot load beside it
+# anyway, the module that lets it import (the module's docstring says how).
+TORCHVISION := torchvision==0.28.0
+OPS_HOOK := remote_loader_torchvision_ops
+SITE = $(shell $(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 BENCH_STAMP := $(VENV)/.bench-installed
 PEERS := mosaicml-streaming==0.13.0 litdata==0.2.76
 
@@ -20,10 +25,19 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
-$(STAMP): pyproject.toml | $(BIN)/python
+$(STAMP): pyproject.toml Makefile tools/$(OPS_HOOK).py | $(BIN)/python
 	$(BIN)/python -m pip install --quiet --retries 1 --index-url $(TORCH_INDEX) $(TORCH)
+	$(BIN)/python -m pip install --quiet --retries 1 --no-deps --index-url $(TORCH_INDEX) $(TORCHVISION) \
+		|| echo 'no $(TORCHVISION) at $(TORCH_INDEX): the test extra installs it from the package index'
 	echo '$(TORCH)' > $(VENV)/constraints.txt
 	$(BIN)/python -m pip install --quiet -c $(VENV)/constraints.txt -e '.[test]'
+	rm -f $(SITE)/$(OPS_HOOK).pth $(SITE)/$(OPS_HOOK).py $(SITE)/__pycache__/$(OPS_HOOK).*
+	$(BIN)/python -c 'import torchvision' 2>/dev/null || { \
+		cp tools/$(OPS_HOOK).py $(SITE)/ && $(BIN)/python -m py_compile $(SITE)/$(OPS_HOOK).py && \
+		echo 'import $(OPS_HOOK)' > $(SITE)/$(OPS_HOOK).pth && \
+		echo "torchvision's C++ library does not load beside $(TORCH): installed $(OPS_HOOK).pth," \
+			"which declares the two operators torchvision needs to import (tools/$(OPS_HOOK).py)"; }
+	$(BIN)/python -c 'import torchvision; from torchvision import tv_tensors; print("torchvision", torchvision.__version__, "imports")'
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -32,7 +46,7 @@ demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
 lint: $(STAMP)
-	$(BIN)/ruff check remote_loader tests examples benchmarks
+	$(BIN)/ruff check remote_loader tests examples benchmarks tools
 	$(BIN)/lint-imports
 	$(BIN)/mypy
 

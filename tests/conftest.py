@@ -12,7 +12,6 @@ import pytest
 
 from remote_loader import LocalStore, Store, make_client
 from remote_loader.testing.server import EmbeddedS3
-from tests.helpers import declare_torchvision_ops
 from tests.servers import LocalBucketServer, MotoServer, S3Target, external_target, remove_bucket
 
 _counter = itertools.count()
@@ -24,7 +23,6 @@ def pytest_configure(config: pytest.Config) -> None:
     ignored, and Python then installs no KeyboardInterrupt for it: put Python's back."""
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
-    declare_torchvision_ops()
 
 
 @pytest.fixture(scope="session")

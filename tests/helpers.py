@@ -12,37 +12,17 @@ from remote_loader.storage import Store
 from remote_loader.testing.synthetic import SyntheticImages
 
 
-def declare_torchvision_ops() -> None:
-    """Let a torchvision wheel built for another torch import beside this one: its module
-    registers fake kernels for ``torchvision::nms`` and ``qnms``, which its missing C++
-    library would define; declared here, without kernels (datasets, tv_tensors and
-    ``transforms.v2`` need neither)."""
+def vision() -> Any:
+    """torchvision, or a skip where it is not installed. One installed that does not import
+    fails the test: a user's script would fail the same way."""
     import importlib.util
 
-    if importlib.util.find_spec("torchvision") is None:
-        return
-    import torch
-
-    if hasattr(torch.ops.torchvision, "nms"):
-        return
-    library = torch.library.Library("torchvision", "DEF")  # kept: the ops live as long as the library object
-    for name in ("nms", "qnms"):
-        library.define(f"{name}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-    _libraries.append(library)
-
-
-_libraries: list[Any] = []
-
-
-def vision() -> Any:
-    """torchvision, or a skip where it cannot be imported."""
     import pytest
 
-    declare_torchvision_ops()
-    try:
-        import torchvision
-    except Exception as exc:  # not installed, or a build that does not import beside this torch
-        pytest.skip(f"torchvision does not import here ({type(exc).__name__})")
+    if importlib.util.find_spec("torchvision") is None:
+        pytest.skip("torchvision is not installed (the vision extra)")
+    import torchvision
+
     return torchvision
 
 
