@@ -77,6 +77,8 @@ class RemoteMapDataset(Dataset):
         self.fetch = fetch or FetchConfig()
         self.reader = DatasetReader(client, bucket, base_folder, verify=verify, fetch=self.fetch,
                                     cache_pages=cache_pages, cache=CacheConfig.of(cache_dir, cache_bytes))
+        self.reader.after_change = ("this dataset's length and indices are the old upload's: make a new"
+                                    " RemoteMapDataset (and a new sampler and DataLoader over it) to read the new one")
         self.transform, self.cache_shards, self.merge_gap = transform, cache_shards, merge_gap
         self.metrics = Metrics()
         self._total = len(self.reader)  # the manifest, fetched now: a missing or damaged dataset fails here

@@ -11,7 +11,7 @@ from typing import Any
 from torch.utils.data import IterableDataset, get_worker_info
 
 from remote_loader.config import CacheConfig, FetchConfig, current_world, require_bool, require_int
-from remote_loader.errors import ConfigError, OnError, ResumeError
+from remote_loader.errors import ConfigError, DatasetChanged, OnError, ResumeError
 from remote_loader.pipeline import resume, stages
 from remote_loader.pipeline.collate import collate as collate_samples
 from remote_loader.pipeline.delivery import Mixing
@@ -23,6 +23,7 @@ from remote_loader.pipeline.source import Indexed
 from remote_loader.pipeline.split import rank_size
 from remote_loader.pipeline.stream import Data, WorkerStream
 from remote_loader.pipeline.tars import Unindexed
+from remote_loader.pipeline.uploads import Uploads
 from remote_loader.read import DatasetReader, Metrics
 from remote_loader.storage import Store, open_location
 
@@ -111,6 +112,7 @@ class RemoteDataset(IterableDataset):
         self.fetch = fetch or FetchConfig()
         self.reader = DatasetReader(client, bucket, base_folder, verify=verify, fetch=self.fetch,
                                     cache=CacheConfig.of(cache_dir, cache_bytes))
+        self.reader.after_change = _NEXT_PASS
         self.unindexed = unindexed
         self._data: Data = Unindexed(self.reader) if unindexed else Indexed(self.reader, self.on_error)
         self.seed, self.shuffle_shards = seed, shuffle_shards
@@ -119,6 +121,7 @@ class RemoteDataset(IterableDataset):
         self.stages: list[stages.Stage] = []
         self._metrics = Metrics.table(1 + MAX_WORKERS)  # row 0: this process; row 1 + w: worker w
         self._epochs = EpochClock()
+        self._uploads = Uploads()  # an overwrite seen by any of its processes, for the passes after it
         self._handover = Handover()  # the state loaded last, for the iterations that resume from it
         self._live: WorkerStream | None = None  # this process's latest stream, which gives its state
         self._loaded_state: Any = None  # the state load_state_dict was given last, for the stages chained after it
@@ -157,10 +160,12 @@ class RemoteDataset(IterableDataset):
     # ------------------------------------------------------------------ the chain
 
     def _with(self, stage: stages.Stage | None) -> RemoteDataset:
+        self._current()
         clone = copy.copy(self)
         clone.stages = [*self.stages, *([stage] if stage is not None else [])]
         clone._metrics = Metrics.table(1 + MAX_WORKERS)
         clone._epochs, clone._handover = EpochClock(self.epoch, auto=self._epochs.auto), Handover()
+        clone._uploads = Uploads()
         if self._loaded_state is not None and self._handover.owed() is not None:
             # A state loaded before the chain call: loaded again, as the chain counts its items.
             clone.load_state_dict(self._loaded_state)
@@ -289,7 +294,9 @@ class RemoteDataset(IterableDataset):
         if type(epoch) is not int or epoch < 0:
             raise ConfigError(f"epoch must be an integer >= 0, got {epoch!r}")
         self._handover.check_epoch(epoch)
+        self._uploads.epoch_set()
         self._epochs.set_epoch(epoch)
+        self._current()
         self._data.prepare(self.seed, epoch, self.shuffle_shards)
 
     def _layout(self) -> Layout:
@@ -303,12 +310,14 @@ class RemoteDataset(IterableDataset):
     def classes(self) -> list[str]:
         """The class names recorded at upload (class ``i`` is ``classes[i]``), empty where none
         were (and for unindexed tars)."""
+        self._current()
         return self._data.classes
 
     def __len__(self) -> int:
         """Items this rank yields per epoch (batches, after ``batched``), whatever the number
         of DataLoader workers. A TypeError where that cannot be known in advance: after
         ``select`` (it depends on the samples) and for unindexed tars."""
+        self._current()
         total = self._data.samples()
         layout = self._layout()
         count = layout.chain.outputs(rank_size(total, layout.rank, layout.world_size, layout.equalize))
@@ -367,6 +376,7 @@ class RemoteDataset(IterableDataset):
         """
         if not self._data.resumable:
             raise ResumeError("resume needs an indexed dataset: run remote-loader index on it")
+        self._current()  # a state of an upload since replaced is refused
         info = get_worker_info()
         loaded = resume.load(self._layout(), state, (info.id, info.num_workers) if info else None)
         self._handover.hold(loaded, in_worker=info is not None)
@@ -391,13 +401,71 @@ class RemoteDataset(IterableDataset):
         worker, num_workers = (info.id, info.num_workers) if info else (0, 1)
         if num_workers > MAX_WORKERS:
             raise ConfigError(f"RemoteDataset supports up to {MAX_WORKERS} DataLoader workers, got {num_workers}")
-        if self.reader.cache is not None and not self.unindexed:
-            self.reader.check_current()  # shards from the node's cache: nothing else would tell an overwrite
         # once: the main process may set the next one while this runs
         epoch = self._epochs.begin(info, own=self._handover.own_epoch())
-        stream = self._stream(epoch, worker, num_workers, take=True)
+        reader = self.reader
+        try:
+            if not self._follow(epoch, info is not None) and self.reader.cache is not None and not self.unindexed:
+                self.reader.check_current()  # shards from the node's cache: nothing else would tell an overwrite
+            reader = self.reader
+            stream = self._stream(epoch, worker, num_workers, take=True)
+        except DatasetChanged:
+            self._saw(reader)
+            raise
         self._live = stream
-        return iter(stream)
+        return self._watched(iter(stream), reader)
+
+    # ------------------------------------------------------------------ an overwrite
+
+    def _follow(self, epoch: int, in_worker: bool) -> bool:
+        """Whether this pass reads an upload that replaced the one read, seen by any process
+        of this pipeline: reopened now where the pass began after that was seen
+        (``uploads.py``); DatasetChanged where it began before, so that it reads one upload."""
+        upload = self._uploads.upload
+        if upload is None or self.unindexed or self.reader.upload_read == upload:
+            return False
+        if in_worker and not self._uploads.began_after(epoch, self._epochs.auto):
+            raise self.reader.changed(None if upload < 0 else upload,
+                                      "while this pass was under way (another DataLoader worker or loader saw it)")
+        self._reopen(upload)
+        return True
+
+    def _current(self) -> None:
+        """In the process that makes and iterates the pipeline: the upload a change seen in
+        any of its processes (a DataLoader worker's) put in place of the one read, for
+        ``len()``, ``set_epoch`` and the next DataLoader's workers."""
+        upload = self._uploads.upload
+        if upload is None or self.unindexed or self.reader.upload_read == upload or get_worker_info() is not None:
+            return
+        if self._handover.owed() is None and self._handover.own_epoch() is None:  # else the next pass says why not
+            self._reopen(upload)
+            self._data.prepare(self.seed, self._epochs.epoch, self.shuffle_shards)
+
+    def _reopen(self, upload: int) -> None:
+        """Read the dataset's upload ``upload`` (-1: none) from now on: its manifest, its epoch
+        orders; a loaded state of the old upload is refused, or dropped once its pass began."""
+        if self._handover.owed() is not None or self._handover.own_epoch() is not None:
+            raise self.reader.changed(None if upload < 0 else upload, "since the checkpoint loaded was taken",
+                                      _CHECKPOINT)
+        reader = self.reader.reopened()
+        if reader.identity != upload:  # replaced again, or removed and uploaded again
+            error = reader.changed(reader.identity, "once more")
+            self._saw(reader)
+            raise error
+        self.reader, self._data = reader, Indexed(reader, self.on_error)
+        self._handover, self._loaded_state = Handover(), None
+
+    def _saw(self, reader: DatasetReader) -> None:
+        """Tell this pipeline's processes of the upload ``reader`` found in place of its own."""
+        if reader.replaced_by is not None:
+            self._uploads.seen(reader.replaced_by, self._epochs.epoch)
+
+    def _watched(self, items: Iterator[Any], reader: DatasetReader) -> Iterator[Any]:
+        try:
+            yield from items
+        except DatasetChanged:
+            self._saw(reader)
+            raise
 
     def _stream(self, epoch: int, worker: int, num_workers: int, take: bool = False) -> WorkerStream:
         """Worker ``worker``'s stream of ``epoch``, reset to where it starts (a loaded state
@@ -411,6 +479,11 @@ class RemoteDataset(IterableDataset):
         if take:
             self._handover.applied(loaded, worker)
         return stream
+
+
+_NEXT_PASS = "the next pass reads the new upload (iterate again; where you call set_epoch, call it first)"
+_CHECKPOINT = ("a checkpoint of the old upload cannot resume the new one: to read it, make a new RemoteDataset and"
+               " load no state taken before the change")
 
 
 def _failing(error: Exception) -> Iterator[Any]:

@@ -96,6 +96,11 @@ class DatasetReader:
             raise ConfigError(f"cache must be a CacheConfig, got {type(cache).__name__}")
         self.cache = cache
         self._identity: int | None = None  # of the manifest read
+        self.after_change = "open it again to read the new upload"
+        """What a ``DatasetChanged`` of this reader advises: its owner says what reads the new upload."""
+        self.replaced_by: int | None = None
+        """Once this reader raised ``DatasetChanged``: the identity of the upload it found in
+        place of its own (-1 where the dataset was removed)."""
         self.round_trip: float | None = None
         """Seconds the manifest's first GET took beyond its transfer at 1 GB/s, once read: a
         network's round trip or a nearby store's; the fetcher starts wide after a long one."""
@@ -123,6 +128,29 @@ class DatasetReader:
         return self._identity
 
     @property
+    def upload_read(self) -> int | None:
+        """The identity of the upload whose manifest this reader read (in this process or the
+        one it was copied from), without a request; None before it read one."""
+        return self._identity
+
+    def reopened(self) -> DatasetReader:
+        """A reader of this dataset as it is now, with the same settings: its manifest read
+        anew, the upload a new reader would read (``DatasetNotFound`` where there is none)."""
+        fresh = object.__new__(type(self))
+        fresh.__dict__.update(self.__getstate__())
+        fresh._identity = fresh.replaced_by = fresh.round_trip = None
+        _ = fresh.manifest
+        return fresh
+
+    def changed(self, found: int | None, when: str, advice: str | None = None) -> DatasetChanged:
+        """The error for this dataset found replaced by upload ``found`` (None: removed)
+        ``when``, advising ``advice`` (default ``after_change``); ``replaced_by`` remembers it."""
+        self.replaced_by = -1 if found is None else found
+        now = "removed" if found is None else "replaced by another upload"
+        return DatasetChanged(f"the dataset at {self.location} was {now} {when}; {advice or self.after_change}",
+                              bucket=self.location.bucket, key=self.location.key(MANIFEST_NAME))
+
+    @property
     def classes(self) -> list[str]:
         """The class names recorded at upload (an image folder's, or ``ds.classes``): class
         ``i`` is ``classes[i]``; empty where none were recorded."""
@@ -138,9 +166,7 @@ class DatasetReader:
         manifest = Manifest.decode(data, name=f"{self.location}/{MANIFEST_NAME}", trailer_checked=True,
                                    load=self._pages)
         if self._identity is not None and _identity(data) != self._identity:
-            raise DatasetChanged(
-                f"the dataset at {self.location} was replaced by another upload since this reader first read it;"
-                " start the epoch again", bucket=self.location.bucket, key=self.location.key(MANIFEST_NAME))
+            raise self.changed(_identity(data), "since this reader first read it")
         self._identity = _identity(data)
         if isinstance(manifest.shards, PagedTable):
             manifest.shards.keep = self.cache_pages
@@ -222,11 +248,7 @@ class DatasetReader:
         except (StorageError, CorruptShard):
             return  # the original error says more
         if data is None or _identity(data) != self._identity:
-            now = "removed" if data is None else "replaced by another upload"
-            raise DatasetChanged(
-                f"the dataset at {self.location} was {now} while being read ({error}); start the epoch again",
-                bucket=self.location.bucket, key=self.location.key(MANIFEST_NAME),
-            ) from None
+            raise self.changed(None if data is None else _identity(data), f"while being read ({error})") from None
 
     def _why_no_manifest(self) -> str:
         """What lies at a prefix without a manifest, and what to do about it."""

@@ -143,3 +143,18 @@ def test_a_sample_is_found_by_its_index_in_the_uploaded_dataset_skipped_ones_nam
             assert int(sample["__key__"]) == j and bytes(sample["jpg"]) == source.encoded(j)
     with pytest.raises(IndexError, match="source index 90 out of range for the 90 items"):
         ds.position_of(90)
+
+
+def test_a_dataset_overwritten_under_random_access_says_what_reads_the_new_upload(tmp_path):
+    from remote_loader import DatasetChanged, LocalStore
+    from tests.helpers import upload
+
+    store = LocalStore(tmp_path)
+    store.create_bucket("b")
+    upload(store, "b", "d", SyntheticImages(20, size=(16, 12)), maxcount=10)
+    ds = RemoteMapDataset(store, "b", "d")
+    assert ds[0]["__key__"].isdigit()  # read before the overwrite
+    upload(store, "b", "d", SyntheticImages(12, size=(16, 12), seed=5), maxcount=10, overwrite=True)
+    with pytest.raises(DatasetChanged, match="make a new RemoteMapDataset"):
+        ds[15]
+    assert len(RemoteMapDataset(store, "b", "d")) == 12
