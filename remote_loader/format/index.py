@@ -33,6 +33,10 @@ _FIELD = re.compile(rf"^[A-Za-z0-9_][A-Za-z0-9_.-]{{0,{MAX_FIELD_NAME - 1}}}$")
 _OFFSETS = np.dtype("<u8")
 _CRCS = np.dtype("<u4")
 
+DIGEST_SIZE = 8
+"""Bytes of a sample's digest: what the upload read to make the sample, hashed (see
+``remote_loader.upload.fingerprint.item_digest``), so that a later run can tell the same items."""
+
 
 def check_field_name(field: str) -> str:
     """Return ``field`` if it is a valid field name (``jpg``, ``cls``, ``seg.png``), else raise."""
@@ -118,6 +122,9 @@ class ShardIndex:
         offsets: ``(n, len(fields))`` uint64 offsets of member data; 0 marks an absent field.
         sizes: ``(n, len(fields))`` uint64 sizes of member data.
         crcs: ``(n, len(fields))`` uint32 crc32 of member data.
+        digests: ``n * DIGEST_SIZE`` bytes, each sample's digest of the item it was made from,
+            in shard order; None in shards written before uploads recorded them, or by other
+            tools.
     """
 
     keys: Sequence[str]
@@ -125,6 +132,11 @@ class ShardIndex:
     offsets: np.ndarray
     sizes: np.ndarray
     crcs: np.ndarray
+    digests: bytes | None = None
+
+    def digest(self, i: int) -> bytes | None:
+        """Sample ``i``'s digest, or None where the index records none."""
+        return None if self.digests is None else self.digests[i * DIGEST_SIZE : (i + 1) * DIGEST_SIZE]
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -173,17 +185,17 @@ class ShardIndex:
 
     def encode(self) -> bytes:
         """Serialise to the msgpack bytes stored as the shard's index member."""
-        return msgpack.packb(
-            {
-                "version": INDEX_VERSION,
-                "fields": list(self.fields),
-                "keys": list(self.keys),
-                "offsets": self.offsets.astype(_OFFSETS, copy=False).tobytes(),
-                "sizes": self.sizes.astype(_OFFSETS, copy=False).tobytes(),
-                "crcs": self.crcs.astype(_CRCS, copy=False).tobytes(),
-            },
-            use_bin_type=True,
-        )
+        raw = {
+            "version": INDEX_VERSION,
+            "fields": list(self.fields),
+            "keys": list(self.keys),
+            "offsets": self.offsets.astype(_OFFSETS, copy=False).tobytes(),
+            "sizes": self.sizes.astype(_OFFSETS, copy=False).tobytes(),
+            "crcs": self.crcs.astype(_CRCS, copy=False).tobytes(),
+        }
+        if self.digests is not None:
+            raw["digests"] = bytes(self.digests)
+        return msgpack.packb(raw, use_bin_type=True)
 
     @classmethod
     def decode(cls, data: bytes | memoryview, *, data_end: int, name: str | None = None) -> ShardIndex:
@@ -242,4 +254,7 @@ class ShardIndex:
                 name=name,
             )
         _check_ranges(offsets, sizes, keys, fields, name)
-        return cls(keys=keys, fields=tuple(fields), offsets=offsets, sizes=sizes, crcs=crcs)
+        digests = raw.get("digests")
+        if digests is not None and (not isinstance(digests, bytes) or len(digests) != n * DIGEST_SIZE):
+            raise CorruptShard(f"index of {name}: digests are not {n * DIGEST_SIZE} bytes", name=name)
+        return cls(keys=keys, fields=tuple(fields), offsets=offsets, sizes=sizes, crcs=crcs, digests=digests)

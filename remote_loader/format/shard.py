@@ -16,7 +16,7 @@ import numpy as np
 
 from remote_loader.checksum import crc32
 from remote_loader.errors import CorruptSampleError, CorruptShard, FormatError
-from remote_loader.format.index import BLOCK, INDEX_MEMBER, ShardIndex, check_field_name
+from remote_loader.format.index import BLOCK, DIGEST_SIZE, INDEX_MEMBER, ShardIndex, check_field_name
 
 _KEY = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_-]{0,89}$")
 _END_OF_ARCHIVE = bytes(2 * BLOCK)
@@ -90,6 +90,7 @@ class ShardWriter:
         self._key_bytes = 0
         self._fields: dict[str, int] = {}
         self._rows: list[list[tuple[int, int, int, int]]] = []
+        self._digests = bytearray()
         self._closed = False
 
     @property
@@ -104,8 +105,10 @@ class ShardWriter:
         """Return an upper bound of the closed shard's size if this sample were added now."""
         names = set(self._fields) | set(fields)
         rows = len(self._keys) + 1
-        # msgpack: each key a str header (<= 5 bytes) plus text; each column 8 + 8 + 4 bytes per cell.
-        index_bound = 256 + self._key_bytes + len(key) + 5 + rows * len(names) * 20 + sum(len(n) + 5 for n in names)
+        # msgpack: each key a str header (<= 5 bytes) plus text; each column 8 + 8 + 4 bytes per
+        # cell; the digests (a key and a bin header, then DIGEST_SIZE bytes a sample).
+        index_bound = (256 + self._key_bytes + len(key) + 5 + rows * len(names) * 20 + sum(len(n) + 5 for n in names)
+                       + 16 + rows * DIGEST_SIZE)
         return self._pos + member_bytes(fields) + closing_bytes(index_bound)
 
     def _emit(self, chunk: bytes | memoryview) -> None:
@@ -123,13 +126,19 @@ class ShardWriter:
             self._emit(bytes(pad))
         return offset
 
-    def add(self, key: str, fields: Mapping[str, bytes]) -> None:
-        """Append one sample; its members are written adjacent, in ``fields`` order."""
+    def add(self, key: str, fields: Mapping[str, bytes], digest: bytes | None = None) -> None:
+        """Append one sample; its members are written adjacent, in ``fields`` order. ``digest``
+        (``DIGEST_SIZE`` bytes, of the item the sample was made from) goes in the index: given
+        for every sample of a shard, or for none."""
         if self._closed:
             raise FormatError("shard writer is closed")
         check_key(key)
         if not fields:
             raise ValueError(f"sample {key!r} has no field")
+        if (digest is None) != (not self._digests) and self._keys:
+            raise ValueError(f"sample {key!r}: a shard's samples have a digest each, or none has")
+        if digest is not None and len(digest) != DIGEST_SIZE:
+            raise ValueError(f"sample {key!r}: a digest is {DIGEST_SIZE} bytes, not {len(digest)}")
         row = []
         for field, data in fields.items():
             check_field_name(field)
@@ -139,6 +148,8 @@ class ShardWriter:
         self._keys.append(key)
         self._key_bytes += len(key.encode()) + 5
         self._rows.append(row)
+        if digest is not None:
+            self._digests += digest
 
     def index(self) -> ShardIndex:
         """Return the index of the samples added so far."""
@@ -149,7 +160,8 @@ class ShardWriter:
         for i, row in enumerate(self._rows):
             for column, offset, size, crc in row:
                 offsets[i, column], sizes[i, column], crcs[i, column] = offset, size, crc
-        return ShardIndex(keys=self._keys, fields=tuple(self._fields), offsets=offsets, sizes=sizes, crcs=crcs)
+        return ShardIndex(keys=self._keys, fields=tuple(self._fields), offsets=offsets, sizes=sizes, crcs=crcs,
+                          digests=bytes(self._digests) if self._digests else None)
 
     def close(self) -> ShardSummary:
         """Write the index member and the end-of-archive blocks; return the shard's summary."""

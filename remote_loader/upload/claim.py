@@ -24,6 +24,7 @@ import msgpack
 from remote_loader.errors import FormatError, ObjectNotFound, PreconditionFailed, StorageError, UploadConflict
 from remote_loader.format import MANIFEST_NAME, UPLOAD_STATE, Manifest, ShardTable
 from remote_loader.format.index import unpack
+from remote_loader.format.table import Shards
 from remote_loader.storage import Location, ObjectInfo, Store
 from remote_loader.storage.daemon import in_daemon_thread, map_on_daemon_threads, wait_result
 from remote_loader.upload import tasks
@@ -138,6 +139,16 @@ def names_of(store: Store, location: Location, data: bytes, run: str) -> Contain
     if isinstance(table, ShardTable):
         return _Kept(table, "")
     return {entry.name for entry in table} | {table.directory.object or ""}
+
+
+def dataset_shards(store: Store, location: Location, data: bytes) -> Shards:
+    """The shards the manifest ``data`` at ``location`` lists, its pages read from ``store`` as
+    they are asked for where they are kept apart."""
+
+    def load(pages: str, size: int, start: int, end: int, parse: Callable[[bytes], Any]) -> Any:
+        return parse(store.get_range(location.bucket, location.key(pages), start, end))
+
+    return Manifest.decode(data, name=location.key(MANIFEST_NAME), load=load).shards
 
 
 def delete_all(store: Store, bucket: str, keys: Iterable[str]) -> None:

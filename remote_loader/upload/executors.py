@@ -20,12 +20,14 @@ import numpy as np
 from tqdm import tqdm
 
 from remote_loader.errors import RemoteLoaderError, UploadError
+from remote_loader.format import ShardEntry
 from remote_loader.storage.daemon import DaemonPool
 from remote_loader.storage.retrying import Cancelled
 from remote_loader.upload import tasks
 from remote_loader.upload.sources import SourceSpec
 from remote_loader.upload.tasks import TASKS_AT_ONCE, TaskResult, TaskSpec, write_tasks
-from remote_loader.upload.watch import DEFAULT_STALL_TIMEOUT, Slots, Stalled, Watch
+from remote_loader.upload.verify import Checked, CheckSpec, check_tasks
+from remote_loader.upload.watch import Slots, Stalled, Watch
 
 log = logging.getLogger("remote_loader")
 
@@ -125,6 +127,25 @@ def task_groups(pending: list[tuple[int, np.ndarray]], processes: int) -> list[l
 
 
 @dataclass(frozen=True)
+class Where:
+    """Where an upload's jobs run, and how they are watched.
+
+    Attributes:
+        processes: Worker processes; 0 runs them in this process (with ``executor``, ignored).
+        executor: The caller's executor, or None for a pool of the upload's own.
+        stall_timeout: Seconds an item may take (``watch.Watch``); None waits for ever.
+        progress: Show a progress bar.
+        source: The source spec the dataset was built from, sent to a cluster's workers instead of it.
+    """
+
+    processes: int
+    executor: Executor | None
+    stall_timeout: float | None
+    progress: bool
+    source: str | None = None
+
+
+@dataclass(frozen=True)
 class Job:
     """One call in an executor: ``call(spec, group, dataset, progress, slots)`` (``write_tasks``,
     or a check of kept tasks), named ``what`` in errors; ``tally`` counts a result's
@@ -143,6 +164,17 @@ def write_jobs(spec: TaskSpec, pending: list[tuple[int, np.ndarray]], processes:
     groups = task_groups(pending, processes) if processes > 0 else [pending] if pending else []
     return [Job(write_tasks, spec, group, _tasks_named([task_id for task_id, _ in group]), _tally_written)
             for group in groups]
+
+
+def check_jobs(spec: CheckSpec, kept: list[tuple[int, list[ShardEntry]]], processes: int) -> list[Job]:
+    """The jobs that check the ``kept`` tasks' items (``verify.check_tasks``), grouped as writes are."""
+    groups = task_groups(kept, processes) if processes > 0 else [kept] if kept else []  # type: ignore[arg-type]
+    return [Job(check_tasks, spec, group, "the check of " + _tasks_named([task_id for task_id, _ in group]),
+                _tally_checked) for group in groups]
+
+
+def _tally_checked(results: list[Checked]) -> tuple[int, int]:
+    return sum(r.compared if r.changed is not None else r.samples for r in results), 0
 
 
 def _tasks_named(ids: list[int]) -> str:
@@ -176,13 +208,16 @@ class _Here(_Runner):
     def __init__(self, dataset: Any, progress: _BarProgress) -> None:
         self.dataset, self.bar_progress, self.slots = dataset, progress, Slots(TASKS_AT_ONCE)
         self.pool = DaemonPool(1, "remote-loader-upload")
-        self.stop = threading.Event()  # the tasks stop at their next sample: Ctrl-C here, or the run ended
+        self.stops: list[threading.Event] = []  # each job's: its tasks stop at their next sample once it is set
 
     def submit(self, job: Job) -> Future[Any]:
-        return self.pool.submit(job.call, job.spec, job.group, self.dataset, self.bar_progress, self.slots, self.stop)
+        self.stops.append(threading.Event())
+        return self.pool.submit(job.call, job.spec, job.group, self.dataset, self.bar_progress, self.slots,
+                                self.stops[-1])
 
     def end(self, stalled: list[Stalled]) -> None:
-        self.stop.set()
+        for stop in self.stops:  # Ctrl-C here, or the run ended without them
+            stop.set()
         self.pool.shutdown()  # a thread stuck in ds[i] is left to end by itself
 
 
@@ -227,35 +262,28 @@ class _Theirs(_Runner):
             _unship(self.executor, self.plugin)
 
 
-def run_jobs(
-    jobs: list[Job],
-    dataset: Any,
-    workers: int,
-    executor: Executor | None,
-    bar: tqdm,
-    on_result: Callable[[Job, Any], list[Job]],
-    source: str | None = None,
-    stall_timeout: float | None = DEFAULT_STALL_TIMEOUT,
-) -> None:
-    """Run ``jobs``: in this process (``workers=0``), on a pool of ``workers`` processes of its
-    own, or on ``executor``, counting progress on ``bar``; hand each result to ``on_result``
-    as it comes (none is kept here), which returns the jobs it calls for next.
+def run_jobs(jobs: list[Job], dataset: Any, where: Where, bar: tqdm,
+             on_result: Callable[[Job, Any], list[Job]]) -> None:
+    """Run ``jobs`` ``where`` it says: in this process, on a pool of processes of the upload's
+    own, or on the caller's executor, counting progress on ``bar``; hand each result to
+    ``on_result`` as it comes (none is kept here), which returns the jobs it calls for next.
 
     In this process and on the upload's own pool, an item read for long is named in a warning,
     and one past ``stall_timeout`` ends the run with an ``UploadError`` naming it. After an
-    error or a stall no other task starts; the tasks running finish, then it raises.
+    error or a stall no other task starts; the writes running finish (checks stop at their
+    next item), then it raises.
     """
     if not jobs:
         return
     bar_progress = _BarProgress(bar)
     runner: _Runner
-    if executor is None and workers <= 0:
+    if where.executor is None and where.processes <= 0:
         runner = _Here(dataset, bar_progress)
-    elif executor is None:
-        runner = _Pool(dataset, min(workers, len(jobs)))
+    elif where.executor is None:
+        runner = _Pool(dataset, min(where.processes, len(jobs)))
     else:
-        runner = _Theirs(executor, dataset, source)
-    watch = None if runner.slots is None else Watch(runner.slots, stall_timeout, here=runner.here)
+        runner = _Theirs(where.executor, dataset, where.source)
+    watch = None if runner.slots is None else Watch(runner.slots, where.stall_timeout, here=runner.here)
     try:
         _drive(runner, jobs, on_result, bar_progress, watch)
     finally:

@@ -1,5 +1,5 @@
-"""A dataset's fingerprint: what an upload records so that running it again over other data,
-with the same length and settings, is told from resuming or repeating it.
+"""What an upload records of its items so that running it again over other data, with the
+same length and settings, is told from resuming or repeating it.
 
 The fingerprint hashes the content of up to ``SAMPLES`` items spread evenly over the
 dataset's indices, as ``ds[i]`` returns them: an image's mode, size and pixels (not an
@@ -7,19 +7,22 @@ encoder's output, which another Pillow may write otherwise), a file's bytes (for
 arrays' and tensors' dtype, shape and values, and every other value by its type and content.
 Another dataset of the same length differs in practically every item; a change to a few
 items is seen only where one of them is sampled (1% of the items changed: 72% of the time).
+So every sample's index also records its item's digest (``item_digest``), the same content
+hashed as the upload read it, which a later run compares item by item.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 from PIL import Image
 
 from remote_loader.errors import UploadError
+from remote_loader.format.index import DIGEST_SIZE
 
 SAMPLES = 128
 _DEEPEST = 64
@@ -60,9 +63,32 @@ def first_difference(there: Any, here: list[str | None], num: int) -> int | None
     return None
 
 
-def _feed(digest: Any, value: Any, depth: int) -> None:
-    """Add ``value``'s type and content to ``digest``."""
-    digest.update(type(value).__name__.encode() + b":")
+def item_digest(item: Any, files: Callable[[Image.Image], tuple[str, bytes] | None], index: int) -> bytes:
+    """The digest of ``ds[index]`` as a shard's index records it (``DIGEST_SIZE`` bytes): its
+    content as the fingerprint hashes it, but an image stored as its file's bytes (``files``
+    of it: ``Originals.match``) by those bytes, so an image handed over undecoded is never
+    decoded for it. UploadError where the item's content cannot be read (a truncated file)."""
+    digest = hashlib.sha256()
+    try:
+        _feed(digest, item, 0, files)
+    except (OSError, ValueError, SyntaxError) as exc:  # what Pillow raises for a file it cannot decode
+        raise UploadError(f"sample {index}: its content cannot be read ({type(exc).__name__}: {exc})",
+                          index=index) from None
+    return digest.digest()[:DIGEST_SIZE]
+
+
+def _feed(digest: Any, value: Any, depth: int, files: Callable[[Image.Image], Any] | None = None) -> None:
+    """Add ``value``'s type and content to ``digest``. With ``files`` (an item's digest), an
+    image is an image whatever class opened it, and one ``files`` finds a file for is that
+    file: the same content gives the same digest, decoded or not."""
+    if files is not None and isinstance(value, Image.Image):
+        found = files(value)
+        if found is not None:
+            digest.update(b"file:" + found[0].encode() + hashlib.sha256(found[1]).digest())
+            return
+        digest.update(b"image:")
+    else:  # the fingerprint's way, as uploads have recorded it
+        digest.update(type(value).__name__.encode() + b":")
     if depth > _DEEPEST:
         return
     if isinstance(value, Image.Image):
@@ -82,12 +108,12 @@ def _feed(digest: Any, value: Any, depth: int) -> None:
         digest.update(np.ascontiguousarray(array).tobytes() if array.dtype.kind != "O" else repr(array).encode())
     elif isinstance(value, Mapping):
         for key in value:
-            _feed(digest, key, depth + 1)
-            _feed(digest, value[key], depth + 1)
+            _feed(digest, key, depth + 1, files)
+            _feed(digest, value[key], depth + 1, files)
     elif isinstance(value, (list, tuple)):
         digest.update(f"{len(value)}".encode())
         for item in value:
-            _feed(digest, item, depth + 1)
+            _feed(digest, item, depth + 1, files)
     elif value is None or isinstance(value, (bool, int, float, str, np.generic)):
         digest.update(repr(value).encode())
     # any other object: its type alone (its repr may hold an address)

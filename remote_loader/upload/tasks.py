@@ -31,6 +31,7 @@ from remote_loader.storage import Location, ObjectWriter, Store
 from remote_loader.storage.daemon import in_daemon_thread, map_on_daemon_threads, wait_result
 from remote_loader.storage.retrying import Cancelled, Retry
 from remote_loader.upload.encode import EncodeOptions, encode_item
+from remote_loader.upload.fingerprint import item_digest
 from remote_loader.upload.originals import read_watching
 from remote_loader.upload.sources import is_file_backed, resolve
 from remote_loader.upload.watch import UNWATCHED, Reading, Slots
@@ -198,7 +199,7 @@ class _ShardSequence:
         """Bytes of this task's shards so far: the closed ones' and the open one's."""
         return sum(e.size for e in self.entries) + (self._shard.size if self._shard is not None else 0)
 
-    def add(self, key: str, fields: dict[str, bytes], index: int) -> None:
+    def add(self, key: str, fields: dict[str, bytes], index: int, digest: bytes | None = None) -> None:
         spec = self.spec
         if len(fields) > MAX_FIELDS:
             raise UploadError(f"sample {index} has {len(fields)} fields; a shard holds at most {MAX_FIELDS}"
@@ -219,7 +220,7 @@ class _ShardSequence:
             raise UploadError(
                 f"sample {index} is {size} bytes, too large for a shard of maxsize={spec.maxsize} bytes", index=index
             )
-        self._shard.add(key, fields)
+        self._shard.add(key, fields, digest)
         self.fields.update(fields)
         self.fields_in_shard.update(fields)
 
@@ -351,7 +352,8 @@ def _write_task(
                 with reading.item(index):
                     item, originals = read_watching(partial(read_item, dataset), index)
                     fields = encode_item(item, spec.options, index, originals)
-                shards.add(f"{index:0{spec.key_width}d}", fields, index)
+                    digest = item_digest(item, originals.match, index)  # after encoding: its images matched once
+                shards.add(f"{index:0{spec.key_width}d}", fields, index, digest)
             except UploadError as exc:
                 if not spec.on_error.skips:
                     raise

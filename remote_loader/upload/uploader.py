@@ -20,7 +20,6 @@ from functools import partial
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
 from remote_loader.config import RetryConfig, require_bool, require_int
 from remote_loader.errors import (
@@ -32,12 +31,13 @@ from remote_loader.format import Manifest
 from remote_loader.format.shard import member_bytes
 from remote_loader.storage import DEFAULT_PART_SIZE, Location, Store, as_store
 from remote_loader.storage.retrying import Retry, RetryingStore
-from remote_loader.upload import claim, fingerprint, tasks
+from remote_loader.upload import claim, fingerprint, keeping, tasks
 from remote_loader.upload.encode import EncodeOptions, encode_item
-from remote_loader.upload.executors import run_jobs, write_jobs
+from remote_loader.upload.executors import Where
 from remote_loader.upload.sources import load_source
 from remote_loader.upload.summary import UploadSummary
 from remote_loader.upload.tasks import TaskSpec
+from remote_loader.upload.verify import CheckSpec
 from remote_loader.upload.watch import DEFAULT_STALL_TIMEOUT
 from remote_loader.upload.written import Written
 
@@ -169,11 +169,12 @@ class Running:
     overwrite: bool
     progress: bool
 
-    @property
-    def processes(self) -> int:
-        """Processes the tasks run on: 0 in this process (on a caller's executor, at least 1)."""
+    def where(self, source: str | None) -> Where:
+        """Where the upload's jobs run: on ``workers`` processes (default: one per core), 0 in
+        this process, or on the caller's executor (at least 1, to group its tasks)."""
         processes = (os.cpu_count() or 1) if self.workers is None else self.workers
-        return processes if self.executor is None else max(1, processes)
+        processes = processes if self.executor is None else max(1, processes)
+        return Where(processes, self.executor, self.stall_timeout, self.progress, source)
 
 
 def _stall_timeout(value: float | None) -> float | None:
@@ -199,62 +200,31 @@ def _upload(ds: Any, client: Store, location: Location, params: dict[str, Any], 
     # hours of encoding does not end the upload at its manifest PUT.
     store = RetryingStore(client, Retry(retry, client.endpoint))
     before = claim.Before.read(store, location)
-    if before.existing is not None:
+    if before.existing is not None and before.found is not None:
         if claim.same_upload(before.existing.params.get("upload"), params) and not running.overwrite:
-            return UploadSummary.kept_whole(location, before.existing, time.perf_counter() - started)
+            return keeping.kept_whole(ds, before.existing, claim.dataset_shards(store, location, before.found[0]),
+                                      CheckSpec(client, location, retry), running.where(source),
+                                      sampled=len(fingerprint.indices(num)), verify=running.verify, started=started)
         if not running.overwrite:
             there = claim.what_differs(before.existing.params.get("upload"), params)
             raise UploadError(f"{location} already holds {there}; pass overwrite=True (--overwrite) to replace it")
     order = np.random.default_rng(params["seed"]).permutation(num) if params["shuffle"] else np.arange(num)
     held = claim.hold(store, location, before, params, running.overwrite, lambda: _plan_task_size(
         ds, order, options, params["maxsize"], params["maxcount"]))
-    kept = claim.kept(store, location, held, num)
     spec = TaskSpec(client, location, options, params["maxsize"], params["maxcount"], OnError.of(params["on_error"]),
                     running.part_size, max(6, len(str(num - 1))), held.run, retry)
-    pending = [(t, order[t * held.task_size : (t + 1) * held.task_size]) for t in range(-(-num // held.task_size))
-               if t not in kept]
-    done_samples = sum(sum(e.samples for e in r.entries) + len(r.skipped) for r in kept.values())
-    kept_entries = [e for r in kept.values() for e in r.entries]
-    kept_numbers = len(kept_entries), sum(e.samples for e in kept_entries), sum(e.size for e in kept_entries)
-    written = Written(held.run)
-    for result in kept.values():
-        written.add(result)
-    del kept, kept_entries
-    writing = time.perf_counter()
-    # smoothing=0: the bar's rate is the average since it started, the summary's writing rate.
-    with tqdm(total=num, initial=done_samples, unit="img", disable=not running.progress, desc="upload",
-              smoothing=0) as bar:
-        run_jobs(write_jobs(spec, pending, running.processes), ds, running.processes, running.executor, bar,
-                 _collector(written), source, running.stall_timeout)
-        bar.update(num - bar.n)  # every task is done: the last counts may still be in the workers' queue
-        # The bar's own clock where it shows, read as it closes (its final rate is then the
-        # summary's); a closed bar says it is disabled, and its clock runs on.
-        writing = bar.format_dict["elapsed"] if not bar.disable else time.perf_counter() - writing
-    manifest, reasons = _manifest(written, params, _class_names(ds), location)
-    del written
+    writing = keeping.Writing(spec, claim.kept(store, location, held, num), order, held.task_size, running.verify)
+    seconds = keeping.run_writing(ds, writing, running.where(source), num)
+    manifest, reasons = _manifest(writing.written, params, _class_names(ds), location)
     claim.finish(store, location, manifest, held, before)
+    kept = writing.kept_numbers()
     return UploadSummary(
-        location,
-        manifest.num_samples,
-        len(manifest.shards),
-        manifest.num_bytes,
-        manifest.skipped,
-        time.perf_counter() - started,
-        kept_shards=kept_numbers[0],
-        skip_reasons=reasons,
-        kept_samples=kept_numbers[1],
-        kept_bytes=kept_numbers[2],
-        writing_seconds=writing,
+        location, manifest.num_samples, len(manifest.shards), manifest.num_bytes, manifest.skipped,
+        time.perf_counter() - started, kept_shards=kept[0], skip_reasons=reasons, kept_samples=kept[1],
+        kept_bytes=kept[2], writing_seconds=seconds, compared=writing.compared,
+        sampled=len(fingerprint.indices(num)) if kept[0] else 0, verified=running.verify,
+        rewritten=tuple(writing.rewritten),
     )
-
-
-def _collector(written: Written) -> Any:
-    def collect(job: Any, results: list[tasks.TaskResult]) -> list[Any]:
-        for result in results:
-            written.add(result)
-        return []
-
-    return collect
 
 
 def _parameters(

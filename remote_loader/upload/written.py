@@ -21,8 +21,23 @@ class Written:
         self.run = run
         self._rows: dict[int, np.ndarray] = {}  # task id -> one row of NUMBERS per shard, in part order
         self._reasons: dict[int, list[str]] = {}
-        self.fields: set[str] = set()
-        self.skipped: list[int] = []
+        self._skipped: dict[int, list[int]] = {}
+        self._fields: dict[int, list[str]] = {}
+
+    @property
+    def skipped(self) -> list[int]:
+        """The samples the tasks skipped."""
+        return [index for task in sorted(self._skipped) for index in self._skipped[task]]
+
+    @property
+    def fields(self) -> set[str]:
+        """The fields the tasks' shards hold."""
+        return {name for names in self._fields.values() for name in names}
+
+    def drop(self, task_id: int) -> None:
+        """Forget task ``task_id`` (a kept task written again): its shards, fields and skipped samples."""
+        for held in (self._rows, self._reasons, self._skipped, self._fields):
+            held.pop(task_id, None)
 
     def add(self, result: TaskResult) -> None:
         """Take a task's result (its entry objects may then go)."""
@@ -32,8 +47,9 @@ class Written:
                                    f" {shard_name(self.run, result.task_id, part)!r}")
         self._rows[result.task_id] = np.array([[getattr(e, c) for c in NUMBERS] for e in result.entries],
                                               dtype=np.uint64).reshape(-1, len(NUMBERS))
-        self.fields.update(result.fields)
-        self.skipped.extend(result.skipped)
+        self._fields[result.task_id] = list(result.fields)
+        if result.skipped:
+            self._skipped[result.task_id] = list(result.skipped)
         if result.reasons:
             self._reasons[result.task_id] = result.reasons[:_REASONS]
 

@@ -1,0 +1,131 @@
+"""Running an upload again over changed items: every item the run would keep is read again
+and compared with the digest its shard recorded, so a changed item is caught wherever it is,
+never kept under words that say the dataset is the same."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+from PIL import Image, ImageOps
+
+from remote_loader import DatasetReader, UploadError, restore
+from remote_loader.upload import fingerprint, tasks
+from tests.helpers import upload
+
+N = 300
+
+
+class Labelled:
+    """``N`` small RGB images labelled ``i % 7``; item ``changed`` (if any) inverted and labelled 99,
+    as a fixed label and image would be; item ``bad`` (if any) unreadable."""
+
+    def __init__(self, changed: int | None = None, bad: int | None = None) -> None:
+        self.changed, self.bad = changed, bad
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, index: int):
+        if index == self.bad:
+            raise OSError("the disk is away")
+        pixels = np.random.default_rng(index).integers(0, 256, (12, 16, 3), dtype=np.uint8)
+        image = Image.fromarray(pixels)
+        if index == self.changed:
+            return ImageOps.invert(image), 99
+        return image, index % 7
+
+
+UNSAMPLED = 3
+assert UNSAMPLED not in fingerprint.indices(N)  # only reading every item finds it
+
+
+def _labels(client, bucket, folder):
+    return {int(s["__key__"]): restore(s)[1] for s in DatasetReader(client, bucket, folder)}
+
+
+def _objects(client, bucket, folder):
+    return {o.key: client.get(bucket, o.key) for o in client.list(bucket, f"{folder}/")}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_changed_item_anywhere_is_caught_and_the_dataset_left_as_it_is(s3, workers):
+    client, bucket = s3
+    upload(client, bucket, "labels", Labelled(), maxcount=64, workers=workers)
+    before = _objects(client, bucket, "labels")
+    with pytest.raises(UploadError, match=rf"holds a dataset uploaded with these parameters, but ds\[{UNSAMPLED}\] is"
+                                          r" not the item uploaded from it .* pass overwrite=True \(--overwrite\) to"
+                                          r" replace the dataset") as error:
+        upload(client, bucket, "labels", Labelled(changed=UNSAMPLED), maxcount=64, workers=workers)
+    assert error.value.index == UNSAMPLED and "\n" not in str(error.value)
+    assert _objects(client, bucket, "labels") == before  # nothing written, nothing removed
+    assert _labels(client, bucket, "labels")[UNSAMPLED] == UNSAMPLED % 7
+    replaced = upload(client, bucket, "labels", Labelled(changed=UNSAMPLED), maxcount=64, workers=workers,
+                      overwrite=True)
+    assert replaced.uploaded_samples == N and _labels(client, bucket, "labels")[UNSAMPLED] == 99
+
+
+def test_an_unchanged_rerun_reads_every_item_and_uploads_nothing(s3):
+    client, bucket = s3
+    upload(client, bucket, "same", Labelled(), maxcount=64, workers=2)
+    again = upload(client, bucket, "same", Labelled(), maxcount=64, workers=2)
+    assert (again.uploaded_samples, again.compared, again.kept_samples) == (0, N, N)
+    assert str(again).startswith(f"s3://{bucket}/same already holds this dataset, {N} samples in 5 shards (")
+    assert f": all {N} items read and compared, nothing to upload (" in str(again)
+
+
+def test_without_verify_only_the_sampled_items_are_compared_and_said_so(s3):
+    client, bucket = s3
+    upload(client, bucket, "fast", Labelled(), maxcount=64)
+    trusted = upload(client, bucket, "fast", Labelled(changed=UNSAMPLED), maxcount=64, verify=False)
+    sampled = len(fingerprint.indices(N))
+    assert trusted.uploaded_samples == 0 and trusted.compared == 0 and trusted.sampled == sampled == 128
+    words = str(trusted)
+    assert "this dataset" not in words and words.startswith(f"s3://{bucket}/fast holds a dataset uploaded with these"
+                                                            " parameters, 300 samples in 5 shards (")
+    assert (f": nothing uploaded, only the {sampled} sampled items compared (verify=False; verify=True reads and"
+            " compares every item)") in words
+
+
+def test_a_resumed_upload_writes_again_a_kept_task_whose_item_changed(s3, caplog):
+    """Tasks 0-3 of an upload finish, task 4 stops at an unreadable item; item 3 (task 0)
+    is changed before the run that finishes it: task 0 is written again, the others kept."""
+    client, bucket = s3
+    args = dict(maxcount=64, shuffle=False)
+    with pytest.raises(UploadError, match="sample 290"):
+        upload(client, bucket, "resumed", Labelled(bad=290), **args)
+    with caplog.at_level(logging.WARNING, logger="remote_loader"):
+        summary = upload(client, bucket, "resumed", Labelled(changed=UNSAMPLED), **args)
+    assert summary.rewritten == (UNSAMPLED,) and (summary.kept_samples, summary.compared) == (192, 192)
+    assert summary.uploaded_samples == 108 and summary.samples == N
+    assert "kept 3 shards (192 samples) from an earlier run, all 192 items read and compared" in str(summary)
+    assert f"wrote again 1 task of the earlier run whose items changed since (ds[{UNSAMPLED}] first)" in str(summary)
+    assert any(f"ds[{UNSAMPLED}] is not the item an earlier run of this upload wrote; its task 0 is written again"
+               in r.getMessage() for r in caplog.records)
+    labels = _labels(client, bucket, "resumed")
+    assert sorted(labels) == list(range(N)) and labels[UNSAMPLED] == 99
+    assert all(labels[i] == i % 7 for i in range(N) if i != UNSAMPLED)
+
+
+def test_a_resumed_upload_without_verify_keeps_its_tasks_as_sampled(s3):
+    client, bucket = s3
+    args = dict(maxcount=64, shuffle=False)
+    with pytest.raises(UploadError, match="sample 290"):
+        upload(client, bucket, "fast", Labelled(bad=290), **args)
+    summary = upload(client, bucket, "fast", Labelled(), verify=False, **args)
+    assert summary.rewritten == () and summary.kept_samples == 256 and summary.compared == 0
+    assert "from an earlier run, only the 128 sampled items compared (verify=False; " in str(summary)
+
+
+def test_a_dataset_uploaded_before_digests_were_recorded_is_compared_as_sampled_and_said_so(s3, monkeypatch):
+    client, bucket = s3
+    monkeypatch.setattr(tasks, "item_digest", lambda item, files, index: None)  # as uploads wrote shards before
+    upload(client, bucket, "old", Labelled(), maxcount=64)
+    monkeypatch.undo()
+    again = upload(client, bucket, "old", Labelled(changed=UNSAMPLED), maxcount=64)
+    assert again.uploaded_samples == 0 and again.compared == 0
+    words = str(again)
+    assert "this dataset" not in words and "holds a dataset uploaded with these parameters" in words
+    assert ("nothing uploaded, only the 128 sampled items compared (it was uploaded before uploads recorded a digest"
+            " of each item: overwrite=True uploads it again)") in words
