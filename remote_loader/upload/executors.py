@@ -44,14 +44,16 @@ class _BarProgress:
         with self._lock:
             self.bytes += item[1]
             self.bar.update(item[0])
-            self.bar.set_postfix_str(_rate(self.bytes, self.bar), refresh=False)
+            if self.bytes:  # a check of kept items writes none
+                self.bar.set_postfix_str(_rate(self.bytes, self.bar), refresh=False)
 
     def settle(self, nbytes: int) -> None:
         """Every task done: the bytes they wrote, whatever of the workers' last counts is still
         on its way through their queue."""
         with self._lock:
             self.bytes = nbytes
-            self.bar.set_postfix_str(_rate(self.bytes, self.bar), refresh=False)
+            if nbytes:
+                self.bar.set_postfix_str(_rate(self.bytes, self.bar), refresh=False)
 
 
 def _rate(nbytes: int, bar: tqdm) -> str:

@@ -146,9 +146,9 @@ class Watch:
                     return self.stalled[-1]
             elif seconds > self.warn_after and key not in self._warned:
                 self._warned.add(key)
-                log.warning("upload: ds[%d] has been read and encoded for %.0f s in %s (task %d); past"
-                            " stall_timeout=%s s the upload ends, naming it", index, seconds, self.where(int(pid)),
-                            task, self.stall_timeout)
+                log.warning("upload: ds[%d] has taken %.0f s so far in %s (task %d)%s", index, seconds,
+                            self.where(int(pid)), task, "" if self.stall_timeout is None else
+                            f"; past stall_timeout={self.stall_timeout:g} s the upload ends, naming it")
         return None
 
     def busy(self) -> bool:
@@ -160,7 +160,7 @@ class Watch:
     def error_for(self, stalled: Stalled) -> str:
         """The message of the ``UploadError`` that ends the upload for ``stalled``."""
         ended = "its thread is left to end by itself" if self.here else "the process was ended"
-        return (f"ds[{stalled.index}] took more than stall_timeout={self.stall_timeout:g} s to read and encode in"
+        return (f"ds[{stalled.index}] took more than stall_timeout={self.stall_timeout:g} s in"
                 f" {self.where(stalled.pid)} (task {stalled.task}): it stopped making progress and {ended}"
                 " (a dataset that blocks, or a library thread pool that did not survive fork); finished tasks are"
                 " kept: run the same upload again to resume, or pass a larger stall_timeout (None waits for ever)")
