@@ -125,21 +125,23 @@ def upload_cv_dataset(
         verify: Where a call would keep shards already uploaded (the dataset is there, or
             an interrupted run of this upload is resumed), read every item they hold again
             and compare it with the digest recorded as it was uploaded (in worker processes,
-            without encoding or writing). False trusts the 128 sampled items every upload
-            compares: a fast resume of a huge upload, which misses an item changed since
-            unless it is among them.
-        stall_timeout: Seconds one item may take to read and encode, in this process or a
-            worker of the upload's own, before the upload ends with an ``UploadError``
-            naming it (a worker that stopped making progress; finished tasks are kept);
-            an item past half of it, at most 60 s, is named in a warning. None waits for
-            ever. Not watched on a caller's ``executor``.
+            without encoding or writing): a dataset there with an item that differs is
+            refused, an interrupted run's task with one is written again. False trusts the
+            128 sampled items every run compares (the summary says so): a fast resume of a
+            huge upload, which misses an item changed since unless it is among them.
+        stall_timeout: Seconds one item may take to read and encode (or read and compare),
+            in this process or a worker of the upload's own, before the upload ends with an
+            ``UploadError`` naming it (a worker that stopped making progress; finished tasks
+            are kept); an item past half of it, at most 60 s, is named in a warning. None
+            waits for ever. Not watched on a caller's ``executor``.
 
     Returns:
         What was uploaded, with throughput.
 
     Raises:
-        UploadError: A sample is bad (naming its index), the dataset is empty, or a
-            different dataset is already there.
+        UploadError: A sample is bad (naming its index), the dataset is empty, a different
+            dataset is already there (or one whose item ``ds[i]`` differs, naming it), or
+            an item took longer than ``stall_timeout`` (naming it).
     """
     started = time.perf_counter()
     if getattr(multiprocessing.current_process(), "_inheriting", False):  # multiprocessing's own test of this
