@@ -17,11 +17,12 @@ from tqdm import tqdm
 
 from remote_loader import __version__
 from remote_loader.config import CacheConfig, FetchConfig, RetryConfig
-from remote_loader.errors import ConfigError, RemoteLoaderError
+from remote_loader.errors import BucketNotFound, ConfigError, RemoteLoaderError
 from remote_loader.format import ShardTable, fields
 from remote_loader.read.node_cache import NodeCache
 from remote_loader.read.reader import DatasetReader
 from remote_loader.storage import Location, Store, open_location
+from remote_loader.storage.base import bucket_name_problem
 from remote_loader.storage.factory import Backend
 from remote_loader.upload import load_source, upload_cv_dataset
 from remote_loader.upload.indexer import index_webdataset
@@ -100,6 +101,11 @@ def _shown(text: str) -> str:
     """``text`` for a terminal: control characters (a class name from a hostile upload could
     hold escape sequences) shown as escapes, never sent as they are."""
     return text if text.isprintable() else text.encode("unicode_escape", "backslashreplace").decode("ascii")
+
+
+def _counted(count: int, noun: str) -> str:
+    """``1 shard``, ``2 shards``."""
+    return f"{count:,d} {noun}{'' if count == 1 else 's'}"
 
 
 def _emit(args: argparse.Namespace, data: Any, text: str) -> None:
@@ -181,7 +187,8 @@ def cmd_index(args: argparse.Namespace) -> int:
     )
     bar.close()
     data = {"url": str(location), "shards": summary.shards, "samples": summary.samples, "bytes": summary.bytes}
-    _emit(args, data, f"indexed {summary.samples} samples in {summary.shards} shards at {location}")
+    _emit(args, data,
+          f"indexed {_counted(summary.samples, 'sample')} in {_counted(summary.shards, 'shard')} at {location}")
     return 0
 
 
@@ -276,8 +283,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     text = "\n".join(
         [
             f"dataset   {location}",
-            f"samples   {manifest.num_samples:,d} in {len(manifest.shards):,d}"
-            f" shard{'' if len(manifest.shards) == 1 else 's'},"
+            f"samples   {manifest.num_samples:,d} in {_counted(len(manifest.shards), 'shard')},"
             f" {manifest.num_bytes / 1e6:,.1f} MB",
             f"fields    {_shown(', '.join(f'{f} ({kinds[f]})' for f in manifest.fields))}",
             f"skipped   {manifest.skipped}",
@@ -312,7 +318,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         "bad": [{"name": r.name, "problems": r.problems} for r in bad],
         "ok": not bad,
     }
-    text = f"{len(reports) - len(bad)} of {len(reports)} shards ok" + (
+    text = f"{len(reports) - len(bad)} of {_counted(len(reports), 'shard')} ok" + (
         f"; bad: {', '.join(r.name for r in bad)}" if bad else ""
     )
     _emit(args, data, text)
@@ -473,7 +479,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_HINTS = {("upload", "BucketNotFound"): " (--create-bucket makes it)"}
+def _hint(command: str, exc: RemoteLoaderError) -> str:
+    """The option of this command that answers ``exc``, where there is one."""
+    if command == "upload" and isinstance(exc, BucketNotFound) and bucket_name_problem(exc.bucket or "") is None:
+        return " (--create-bucket makes it)"  # not a name no bucket can have
+    return ""
+
+
 _INTERRUPTED = {"upload": ": the shards written are kept, and the same command again resumes the upload"}
 
 
@@ -487,8 +499,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except RemoteLoaderError as exc:
-        hint = _HINTS.get((args.command, type(exc).__name__), "")
-        print(f"remote-loader: error: {exc}{hint}", file=sys.stderr)
+        print(f"remote-loader: error: {exc}{_hint(args.command, exc)}", file=sys.stderr)
         return 2 if isinstance(exc, ConfigError) else 1  # argparse's convention: 2 for what the user typed
     except KeyboardInterrupt:
         print(f"remote-loader: interrupted{_INTERRUPTED.get(args.command, '')}", file=sys.stderr)

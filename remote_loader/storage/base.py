@@ -28,8 +28,8 @@ from remote_loader.errors import (
 from remote_loader.storage.contact import answered, note_answer
 from remote_loader.storage.writer import DEFAULT_PART_SIZE, MIN_PART_SIZE, ObjectWriter
 
-__all__ = ["DEFAULT_PART_SIZE", "MIN_PART_SIZE", "ObjectInfo", "ObjectWriter", "RangedStore", "Store", "check_range",
-           "error_for"]
+__all__ = ["BUCKET_NAME_RULE", "DEFAULT_PART_SIZE", "MIN_PART_SIZE", "ObjectInfo", "ObjectWriter", "RangedStore",
+           "Store", "bucket_name_problem", "check_range", "error_for"]
 
 
 @dataclass(frozen=True)
@@ -344,14 +344,40 @@ def crc32_header(data: bytes | bytearray | memoryview) -> str:
     return base64.b64encode(crc32(data).to_bytes(4, "big")).decode()
 
 
+BUCKET_NAME_RULE = (
+    "S3 bucket names have 3-63 characters: lowercase letters, digits, dots and hyphens, beginning and ending"
+    " with a letter or digit"
+)
+_BUCKET_CHARACTERS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789.-")
+
+
+def bucket_name_problem(bucket: str) -> str | None:
+    """What keeps ``bucket`` from being an S3 bucket name (``BUCKET_NAME_RULE``), or None:
+    ``'ab' has 2 characters``. Stores judge for themselves; this explains their refusal."""
+    if not 3 <= len(bucket) <= 63:
+        return f"{bucket!r} has {len(bucket)} character{'' if len(bucket) == 1 else 's'}"
+    others = [c for c in dict.fromkeys(bucket) if c not in _BUCKET_CHARACTERS]
+    if others:
+        return f"{bucket!r} holds {', '.join(map(repr, others))}"
+    for end, c in (("begins", bucket[0]), ("ends", bucket[-1])):
+        if c in ".-":
+            return f"{bucket!r} {end} with {c!r}"
+    return None
+
+
 def error_for(
     code: str, status: int | None, *, operation: str, bucket: str | None, key: str | None, endpoint: str | None
 ) -> StorageError:
     """Map an S3 error code and HTTP status to one of our exception types, with a one-line message."""
     where = f"s3://{bucket}/{key}" if key else f"s3://{bucket}" if bucket else "the store"
     args = {"bucket": bucket, "key": key, "code": code}
+    problem = bucket_name_problem(bucket) if bucket is not None else None
+    if code == "InvalidBucketName":
+        return StorageError(f"{where}: {operation} refused, the bucket's name is not one S3 allows"
+                            f"{f': {problem}' if problem else ''}; {BUCKET_NAME_RULE}", **args)
     if code == "NoSuchBucket":
-        return BucketNotFound(f"bucket {bucket!r} does not exist at {endpoint} ({operation})", **args)
+        return BucketNotFound(f"bucket {bucket!r} does not exist at {endpoint} ({operation})"
+                              + (f", nor can it: {problem}; {BUCKET_NAME_RULE}" if problem else ""), **args)
     if code in ("NoSuchKey", "NotFound", "NoSuchUpload") or status == 404:
         return ObjectNotFound(f"{where} does not exist ({operation})", **args)
     if code in _ACCESS_CODES or status == 403:

@@ -20,11 +20,22 @@ _HOST_PORT = re.compile(r"^[A-Za-z0-9.-]+:\d+$")
 _SCHEMES = ("s3://", "http://", "https://", "file://")
 _SCHEME_LIKE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
 _EXPLICIT_PATH = ("/", "./", "../", "~/")
+_MISTYPED_SCHEME = re.compile(r"^(s3|https?)[:/]+(?=[^:/])", re.IGNORECASE)
 
 
 def redact(url: str) -> str:
-    """``url`` for messages: any ``user:secret@`` part replaced by ``***@``."""
-    return re.sub(r"(?<=//)[^/@]*@", "***@", url)
+    """``url`` for messages: any ``user:secret@`` part replaced by ``***@``, also after a
+    mistyped scheme (``s3:/key:secret@bucket``)."""
+    url = re.sub(r"(?<=//)[^/@]*@", "***@", url)
+    return re.sub(r"^((?:s3|https?|file)[:/]+)(?!\*\*\*@)[^/@]*@", r"\1***@", url, flags=re.IGNORECASE)
+
+
+def _meant(url: str) -> str:
+    """`` (did you mean s3://b/p?)`` for a URL whose ``://`` was mistyped (``s3:/b/p``,
+    ``s3:b/p``, ``s3:///b/p``, ``s3//b/p``), else nothing."""
+    match = _MISTYPED_SCHEME.match(url)
+    meant = f"{match.group(1).lower()}://{url[match.end():]}" if match else url
+    return f" (did you mean {redact(meant)}?)" if meant != url else ""
 
 
 def _kind(url: str, *, endpoint_ok: bool) -> Literal["local", "s3", "endpoint"]:
@@ -55,8 +66,8 @@ def _kind(url: str, *, endpoint_ok: bool) -> Literal["local", "s3", "endpoint"]:
     if url.startswith(_EXPLICIT_PATH) or url in (".", "..", "~"):
         return "local"
     if _SCHEME_LIKE.match(url) or "://" in url or url.startswith(("s3:", "http", "file:")) or "//" in url:
-        raise ConfigError(f"{shown!r} is not a valid URL: use s3://bucket/prefix, http(s)://host:port, file:///path,"
-                          " or a local path starting with / or ./")
+        raise ConfigError(f"{shown!r} is not a valid URL{_meant(url)}: use s3://bucket/prefix, http(s)://host:port,"
+                          " file:///path, or a local path starting with / or ./")
     hint = f"did you mean s3://{shown}? " if "/" in url or not endpoint_ok else ""
     raise ConfigError(f"{shown!r} is neither a URL nor an explicit local path: {hint}(for a local directory write"
                       f" ./{shown} or an absolute path)")
@@ -169,7 +180,7 @@ def parse_location(url: str) -> Location:
         parts = urlsplit(url)
         bucket, prefix = parts.netloc, parts.path.strip("/")
         if not bucket:
-            raise ConfigError(f"dataset URL {url!r} has no bucket")
+            raise ConfigError(f"dataset URL {redact(url)!r} has no bucket{_meant(url)}")
         return Location(bucket=bucket, base_folder=prefix)
     path = _local_path(url).expanduser().resolve()
     if path == path.parent:

@@ -190,8 +190,13 @@ class Boto3Store(RangedStore):
                 code=type(exc).__name__,
             ) from None
         except (bce.NoCredentialsError, bce.PartialCredentialsError):
+            # With no endpoint either, the user most likely meant another server than AWS S3.
+            other = "" if self.config.endpoint_url else (
+                ", and AWS_ENDPOINT_URL (or pass endpoint_url, the CLI's --endpoint-url) for another server than AWS S3"
+            )
             raise AccessDenied(
-                f"no credentials for {endpoint}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY", code="NoCredentials"
+                f"no credentials for {endpoint}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY{other}",
+                code="NoCredentials",
             ) from None
         except bce.ParamValidationError as exc:  # refused before it was sent: an invalid bucket name, say
             detail = " ".join(str(exc).split()).removeprefix("Parameter validation failed: ")

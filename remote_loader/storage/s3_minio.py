@@ -40,6 +40,7 @@ from remote_loader.storage.base import (
     ObjectInfo,
     ObjectWriter,
     RangedStore,
+    bucket_name_problem,
     check_answer,
     check_range,
     crc32_header,
@@ -217,6 +218,9 @@ class MinioStore(RangedStore):
                 code=type(exc).__name__,
             ) from None
         except (MinioException, ValueError) as exc:
+            if bucket is not None and bucket_name_problem(bucket):  # minio checks the name before sending
+                raise error_for("InvalidBucketName", None, operation=operation, bucket=bucket, key=key,
+                                endpoint=endpoint) from None
             raise StorageError(f"{operation} failed: {type(exc).__name__}", bucket=bucket, key=key) from None
 
     def _read(self, bucket: str, key: str, byte_range: str | None) -> tuple[bytes, str | None]:

@@ -1,6 +1,6 @@
 """What a new user meets in the first hour with the command line: a bucket that does not
-exist (and the option that makes it), Ctrl-C during an upload (and how to go on), counts
-said in words."""
+exist (and the option that makes it), a bucket name S3 does not allow, a mistyped URL, no
+endpoint set, Ctrl-C during an upload (and how to go on), counts said in words."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import os
 import pytest
 
 from remote_loader.testing.synthetic import SyntheticImages
-from tests.cli.test_cli import run
+from tests.cli.test_cli import _local_tars, run
 
 
 class _InterruptedAt(SyntheticImages):
@@ -51,3 +51,56 @@ def test_ctrl_c_during_an_upload_says_the_same_command_resumes_it(env, s3):
     assert stopped.returncode == 130
     assert stopped.stderr.strip().splitlines()[-1] == (
         "remote-loader: interrupted: the shards written are kept, and the same command again resumes the upload")
+
+
+def test_one_shard_and_one_sample_are_said_in_the_singular(env, s3, tmp_path):
+    _, bucket = s3
+    url = f"s3://{bucket}/one"
+    run(env, "upload", "tests.cli.test_first_hour:twenty", url, "--workers", "0", "--quiet")
+    assert run(env, "verify", url, "--quiet").stdout == "1 of 1 shard ok\n"
+    tars = tmp_path / "tars"
+    _local_tars(tars, count=1)
+    assert run(env, "index", str(tars), "--quiet").stdout == f"indexed 3 samples in 1 shard at {tars}\n"
+
+
+@pytest.mark.parametrize("backend", ["boto3", "minio"])
+@pytest.mark.parametrize("bucket, reason", [
+    ("ab", "'ab' has 2 characters"),
+    ("x" * 64, f"'{'x' * 64}' has 64 characters"),
+    ("Bad_Name", "'Bad_Name' holds 'B', '_', 'N'"),
+    ("-dash", "'-dash' begins with '-'"),
+])
+def test_a_bucket_name_s3_does_not_allow_is_refused_with_the_rule(env, backend, bucket, reason):
+    rule = "S3 bucket names have 3-63 characters: lowercase letters, digits, dots and hyphens"
+    refused = run(env, "upload", "tests.cli.test_first_hour:twenty", f"s3://{bucket}/d", "--workers", "0",
+                  "--backend", backend, check=False)
+    assert refused.returncode == 1 and reason in refused.stderr and rule in refused.stderr, refused.stderr
+    assert "--create-bucket" not in refused.stderr  # the option cannot make it
+    made = run(env, "upload", "tests.cli.test_first_hour:twenty", f"s3://{bucket}/d", "--workers", "0",
+               "--create-bucket", "--backend", backend, check=False)
+    assert made.returncode == 1 and reason in made.stderr and rule in made.stderr, made.stderr
+    assert len(made.stderr.strip().splitlines()) == 1, made.stderr
+    read = run(env, "info", f"s3://{bucket}/d", "--backend", backend, check=False)
+    assert read.returncode == 1 and reason in read.stderr and rule in read.stderr, read.stderr
+
+
+@pytest.mark.parametrize("typed, meant", [
+    ("s3:/datasets/guide", "s3://datasets/guide"),
+    ("s3:datasets/guide", "s3://datasets/guide"),
+    ("s3:///datasets/guide", "s3://datasets/guide"),
+    ("s3//datasets/guide", "s3://datasets/guide"),
+    ("s3:/KEY:hunter2@datasets/guide", "s3://***@datasets/guide"),
+])
+def test_a_mistyped_s3_url_gets_the_url_it_meant(env, typed, meant):
+    refused = run(env, "info", typed, check=False)
+    assert refused.returncode == 2 and f"did you mean {meant}?" in refused.stderr, refused.stderr
+    assert "hunter2" not in refused.stderr
+
+
+def test_an_s3_url_with_no_environment_names_the_endpoint_variable_too(tmp_path):
+    bare = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "MINIO_"))}
+    bare["HOME"] = str(tmp_path)  # no ~/.aws either
+    refused = run(bare, "info", "s3://datasets/guide", check=False)
+    assert refused.returncode == 1, refused.stderr
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL"):
+        assert name in refused.stderr, refused.stderr
