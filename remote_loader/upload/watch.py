@@ -136,19 +136,19 @@ class Watch:
         return "this process" if self.here else f"worker process {pid}"
 
     def check(self) -> Stalled | None:
-        """Warn of items read for long; the first item past the bound not reported before, or None."""
+        """Warn of items read for long (each once); the first item past the bound not reported before, or None."""
         table, now = self.slots.table.copy(), time.monotonic()
         for pid, task, index, since in table[(table[:, _PID] != 0) & (table[:, _INDEX] >= 0)]:
             seconds, key = now - since, (pid, task, index, since)
-            if self.stall_timeout is not None and seconds > self.stall_timeout:
-                if not any(s.pid == pid and s.index == index for s in self.stalled):
-                    self.stalled.append(Stalled(int(index), int(pid), int(task), seconds))
-                    return self.stalled[-1]
-            elif seconds > self.warn_after and key not in self._warned:
+            if seconds > self.warn_after and key not in self._warned:
                 self._warned.add(key)
                 log.warning("upload: ds[%d] has taken %.0f s so far in %s (task %d)%s", index, seconds,
                             self.where(int(pid)), task, "" if self.stall_timeout is None else
                             f"; past stall_timeout={self.stall_timeout:g} s the upload ends, naming it")
+            if self.stall_timeout is not None and seconds > self.stall_timeout \
+                    and not any(s.pid == pid and s.index == index for s in self.stalled):
+                self.stalled.append(Stalled(int(index), int(pid), int(task), seconds))
+                return self.stalled[-1]
         return None
 
     def busy(self) -> bool:
