@@ -14,7 +14,7 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from tqdm import tqdm
@@ -30,6 +30,7 @@ from remote_loader.upload.verify import Checked, CheckSpec, check_tasks
 from remote_loader.upload.watch import Slots, Stalled, Watch
 
 log = logging.getLogger("remote_loader")
+T = TypeVar("T")
 
 
 class _BarProgress:
@@ -120,7 +121,7 @@ def _broken_pool() -> str:
     )
 
 
-def task_groups(pending: list[tuple[int, np.ndarray]], processes: int) -> list[list[tuple[int, np.ndarray]]]:
+def task_groups(pending: list[T], processes: int) -> list[list[T]]:
     """The tasks as submitted: in pairs, written at once by one process, where there are
     enough to keep every process busy; one at a time otherwise, so that no process is idle
     while another holds two (their encoding shares one GIL)."""
@@ -170,7 +171,7 @@ def write_jobs(spec: TaskSpec, pending: list[tuple[int, np.ndarray]], processes:
 
 def check_jobs(spec: CheckSpec, kept: list[tuple[int, list[ShardEntry]]], processes: int) -> list[Job]:
     """The jobs that check the ``kept`` tasks' items (``verify.check_tasks``), grouped as writes are."""
-    groups = task_groups(kept, processes) if processes > 0 else [kept] if kept else []  # type: ignore[arg-type]
+    groups = task_groups(kept, processes) if processes > 0 else [kept] if kept else []
     return [Job(check_tasks, spec, group, "the check of " + _tasks_named([task_id for task_id, _ in group]),
                 _tally_checked) for group in groups]
 
@@ -321,8 +322,8 @@ def _drive(runner: _Runner, jobs: list[Job], on_result: Callable[[Job, Any], lis
                 futures.update({runner.submit(j): j for j in follow})
         _drain(runner.progress, bar_progress)
         stalled = watch.check() if watch is not None else None
-        if stalled is not None and failure is None:
-            failure = UploadError(watch.error_for(stalled), index=stalled.index)  # type: ignore[union-attr]
+        if stalled is not None and watch is not None and failure is None:
+            failure = UploadError(watch.error_for(stalled), index=stalled.index)
         if failure is not None:
             if runner.slots is not None:
                 runner.slots.stop()
