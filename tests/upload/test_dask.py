@@ -183,3 +183,17 @@ def test_a_failed_dask_upload_runs_again_on_the_same_client(dask_client, s3):
     # The same arguments again: before, Dask named the tasks by them and handed back the failures.
     summary = upload_cv_dataset("tests.helpers:marked_images", **run)
     assert summary.samples == 60 and len(read_back(store, bucket, "again")) == 60
+
+
+def test_a_rerun_on_the_cluster_reads_every_kept_item_there(dask_client, s3):
+    """The kept items are read again on the cluster's workers; item 3 turned into bytes no
+    image reader takes, which the sampled fingerprint lets pass (an item that cannot be
+    encoded matches any), is caught by its digest."""
+    store, bucket = s3
+    args = dict(client=store, bucket=bucket, base_folder="again", maxcount=20, executor=dask_client.get_executor(),
+                progress=False)
+    upload_cv_dataset(helpers.FlakyImages(120, bad=set(), size=(32, 32)), **args)
+    again = upload_cv_dataset(helpers.FlakyImages(120, bad=set(), size=(32, 32)), **args)
+    assert (again.uploaded_samples, again.compared) == (0, 120)
+    with pytest.raises(UploadError, match=r"but ds\[3\] is not the item uploaded from it"):
+        upload_cv_dataset(helpers.FlakyImages(120, bad={3}, size=(32, 32)), **args)
