@@ -260,7 +260,7 @@ def test_an_index_pointing_two_samples_at_the_same_bytes_fails_verify_and_reads(
     env = {**os.environ, **seaweed.env()}
     out = subprocess.run([sys.executable, "-m", "remote_loader", "verify", f"s3://{bucket}/over", "--quiet"], env=env,
                          capture_output=True, text=True, timeout=120)
-    assert out.returncode == 1 and "0 of 1 shards ok" in out.stdout, out.stdout + out.stderr
+    assert out.returncode == 1 and "0 of 1 shard ok" in out.stdout, out.stdout + out.stderr
     assert "overlaps" in out.stderr, out.stderr
 
 
