@@ -243,17 +243,23 @@ def cmd_cache(args: argparse.Namespace) -> int:
     config = CacheConfig.of(args.dir, None)
     if config is None:
         raise ConfigError("name the cache's directory (remote-loader cache DIR) or set REMOTE_LOADER_CACHE_DIR")
+    if not os.path.isdir(config.directory):
+        raise ConfigError(f"{config.directory} is not a directory: name the directory a cache_dir or"
+                          " REMOTE_LOADER_CACHE_DIR named")
     cache = NodeCache(config)
-    if args.clear:
-        removed = cache.clear()
-        _emit(args, {"directory": config.directory, "removed_bytes": removed},
-              f"{config.directory}: removed {removed / 1e6:,.1f} MB")
-        return 0
-    datasets = cache.datasets()
+    try:
+        if args.clear:
+            removed = cache.clear()
+            _emit(args, {"directory": config.directory, "cache": cache.path, "removed_bytes": removed},
+                  f"{cache.path}: removed {removed / 1e6:,.1f} MB")
+            return 0
+        datasets = cache.datasets()
+    except OSError as error:  # Refused: a directory or folder the cache does not use
+        raise ConfigError(f"the cache in {config.directory} cannot be read: {error}") from None
     total = sum(d.bytes for d in datasets)
-    lines = [f"{config.directory}: {total / 1e6:,.1f} MB in {sum(d.shards for d in datasets):,d} shards"]
-    lines += [f"  {_shown(d.name)}: {d.shards:,d} shards, {d.bytes / 1e6:,.1f} MB" for d in datasets]
-    data = {"directory": config.directory, "bytes": total,
+    lines = [f"{cache.path}: {total / 1e6:,.1f} MB in {_counted(sum(d.shards for d in datasets), 'shard')}"]
+    lines += [f"  {_shown(d.name)}: {_counted(d.shards, 'shard')}, {d.bytes / 1e6:,.1f} MB" for d in datasets]
+    data = {"directory": config.directory, "cache": cache.path, "bytes": total,
             "datasets": [{"dataset": d.name, "uploads": sorted(d.uploads), "shards": d.shards, "bytes": d.bytes}
                          for d in datasets]}
     _emit(args, data, "\n".join(lines))

@@ -112,9 +112,12 @@ class NodeCache:
         where there is none). Raises ``Refused`` (or the OSError met) where it cannot be used."""
         with self._root_lock:
             if self._root is None:
-                if not create and not os.path.lexists(self.path):
+                if not create and not os.path.isdir(self.config.directory):
                     return None
-                self._root = _claim(Folder.named(self.config.directory))
+                directory = Folder.named(self.config.directory)
+                if not create and directory.lstat(folder_name()) is None:
+                    return None
+                self._root = _claim(directory)
             return self._root
 
     def upload(self, endpoint: str, dataset: str, identity: int) -> UploadCache:

@@ -372,6 +372,15 @@ def test_the_cli_shows_and_clears_a_cache(dataset, tmp_path):
                              env={**os.environ, "REMOTE_LOADER_CACHE_DIR": str(cache)})
     assert f"removed {_shard_bytes(reader) / 1e6:,.1f} MB" in cleared.stdout
     assert _cached(cache) == {}
+    assert not list(cache.rglob("*.lock"))[1:]  # the cache's own lock alone: no shard's is left
+    missing = subprocess.run([str(script), "cache", str(tmp_path / "no-such-cache")], capture_output=True, text=True)
+    assert missing.returncode == 2 and "no-such-cache is not a directory" in missing.stderr
+    assert not (tmp_path / "no-such-cache").exists()
+    open_to_all = tmp_path / "open"
+    open_to_all.mkdir(mode=0o777)
+    open_to_all.chmod(0o777)
+    refused = subprocess.run([str(script), "cache", str(open_to_all), "--clear"], capture_output=True, text=True)
+    assert refused.returncode == 2 and "can be written by other users and has no sticky bit" in refused.stderr
 
 
 def test_persistent_dataloader_workers_share_the_cache(dataset, tmp_path):
