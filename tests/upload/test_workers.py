@@ -71,6 +71,44 @@ def test_a_dataset_that_ran_torch_before_the_workers_forked_uploads_with_workers
         assert torch.equal(tensor, expected)  # the floats themselves, not 8-bit pixels made of them
 
 
+TORCH_FREE = textwrap.dedent("""
+    import multiprocessing, os, sys
+    from pathlib import Path
+    from remote_loader import make_client, upload_cv_dataset
+    from remote_loader.testing.synthetic import SyntheticImages
+
+
+    class TorchFree(SyntheticImages):
+        '''Notes, in each worker, whether torch was imported there.'''
+
+        def __getitem__(self, index):
+            if multiprocessing.parent_process() is not None:
+                Path({out!r}, str(os.getpid())).write_text(str("torch" in sys.modules))
+            return super().__getitem__(index)
+
+
+    if __name__ == "__main__":
+        multiprocessing.set_start_method("spawn")
+        upload_cv_dataset(TorchFree(16, size=(16, 12)), client=make_client(), bucket={bucket!r}, base_folder="free",
+                          workers=2, maxcount=4, progress=False)
+""")
+
+
+def test_a_dataset_without_torch_brings_no_torch_into_the_workers(seaweed, s3, tmp_path):
+    """Torch's threads are set in a worker only where the dataset brought torch in: spawned
+    workers of a dataset that never imports it do not import it for nothing."""
+    _, bucket = s3
+    out = tmp_path / "workers"
+    out.mkdir()
+    script = tmp_path / "upload.py"
+    script.write_text(TORCH_FREE.format(out=str(out), bucket=bucket))
+    done = subprocess.run([sys.executable, str(script)], cwd=ROOT, start_new_session=True, capture_output=True,
+                          env={**os.environ, **seaweed.env(), "PYTHONPATH": str(ROOT)}, timeout=240)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    notes = [path.read_text() for path in out.iterdir()]
+    assert notes and set(notes) == {"False"}
+
+
 class StallingImages(SyntheticImages):
     """Synthetic images whose item ``stall_at`` does not return when a task reads it (in a
     worker process, or on a task's thread here): it writes its process id to ``pid_file``,
