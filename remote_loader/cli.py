@@ -26,6 +26,7 @@ from remote_loader.storage.base import bucket_name_problem
 from remote_loader.storage.factory import Backend
 from remote_loader.upload import load_source, upload_cv_dataset
 from remote_loader.upload.indexer import index_webdataset
+from remote_loader.upload.watch import DEFAULT_STALL_TIMEOUT
 
 
 def _count(low: int) -> Any:
@@ -48,6 +49,16 @@ def _seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _timeout(text: str) -> float | None:
+    """An argparse type: seconds > 0, or ``none`` (no bound)."""
+    if text.strip().lower() == "none":
+        return None
+    value = _seconds(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be > 0, or none")
     return value
 
 
@@ -176,6 +187,8 @@ def _upload(args: argparse.Namespace, store: Any, location: Any, executor: Any) 
         overwrite=args.overwrite,
         progress=not (args.quiet or args.json),
         retry=_fetch(args).retry,
+        verify=not args.no_verify,
+        stall_timeout=args.stall_timeout,
     )
 
 
@@ -413,6 +426,12 @@ def _upload_parser(sub: Any) -> None:
     p.add_argument("--no-shuffle", action="store_true", help="keep the source order")
     p.add_argument("--overwrite", action="store_true", help="replace a dataset uploaded with other parameters")
     p.add_argument("--create-bucket", action="store_true", help="make the bucket first where it does not exist")
+    p.add_argument("--no-verify", action="store_true",
+                   help="where shards are already uploaded, trust the 128 sampled items instead of reading every"
+                   " kept item again (a fast resume of a huge upload)")
+    p.add_argument("--stall-timeout", type=_timeout, default=DEFAULT_STALL_TIMEOUT, metavar="SECONDS",
+                   help="seconds one item may take in a worker before the upload ends naming it ('none' waits for"
+                   " ever)")
     p.add_argument(
         "--dask",
         metavar="ADDRESS",

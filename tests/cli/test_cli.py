@@ -185,6 +185,19 @@ def test_an_overwrite_refusal_names_the_flag(env, s3):
     assert result.returncode == 1 and "--overwrite" in result.stderr
 
 
+def test_a_re_run_compares_every_item_unless_told_not_to(env, s3):
+    _, bucket = s3
+    env = {**env, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    command = ("upload", "tests.helpers:small_images", f"s3://{bucket}/again", "--workers", "0")
+    run(env, *command, "--quiet")
+    checked = run(env, *command, "--quiet").stdout
+    assert "read and compared, nothing to upload" in checked and "sampled" not in checked, checked
+    trusted = run(env, *command, "--quiet", "--no-verify", "--stall-timeout", "none").stdout
+    assert "sampled items compared (verify=False" in trusted, trusted
+    refused = run(env, *command, "--stall-timeout", "0", check=False)
+    assert refused.returncode == 2 and "--stall-timeout: must be > 0, or none" in refused.stderr
+
+
 def test_version_and_python_dash_m():
     assert (
         subprocess.run([str(SCRIPT), "--version"], capture_output=True, text=True).stdout.strip()
