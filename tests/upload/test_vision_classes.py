@@ -1,7 +1,7 @@
 """What torchvision's own dataset classes hand over, over files in their real on-disk format:
 tv_tensors keep their type and metadata through upload and restore, the fused crop moves
 ``BoundingBoxes`` and ``Mask`` fields for their type, and tensors stay tensors. Skipped where
-torchvision does not import."""
+torchvision is not installed."""
 
 from __future__ import annotations
 
