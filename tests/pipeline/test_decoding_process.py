@@ -463,3 +463,15 @@ def test_a_decoding_process_ends_with_its_user_though_a_fork_holds_the_socket(cl
     finally:
         os.kill(helper, signal.SIGKILL)
         run.stdout.close()
+
+
+def test_decoded_on_is_said_before_the_first_pass(client):
+    """The process says where it decodes once its decoder opened, before any pass: asking
+    then waited, after that message, for a pass's message that never came."""
+    batches = loader(pipeline(client), num_workers=1)
+    said: list[str] = []
+    asking = threading.Thread(target=lambda: said.append(batches.decoded_on), daemon=True)
+    asking.start()
+    asking.join(timeout=120)  # a bound on a hang, not a measure of speed
+    assert said == ["CPU"]
+    assert sorted(keys(batches)) == EVERY  # and the pass after it is whole

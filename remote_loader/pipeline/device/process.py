@@ -152,7 +152,9 @@ class DecodingProcess:
         """Where the process decodes JPEGs (``"hardware decoder"``, ``"CUDA"`` or ``"CPU"``),
         once it has opened its decoder; the error that kept it from opening one."""
         while self.decoded_on is None and self._open_error is None:
-            self._early.append(self._receive(early=False))  # a pass's messages wait their turn
+            message = self._next()
+            if not self._reported(message):
+                self._early.append(message)  # a pass's messages wait their turn
         if self._open_error is not None:
             raise self._open_error
         return self.decoded_on  # type: ignore[return-value]
@@ -190,17 +192,24 @@ class DecodingProcess:
                 message = self._early.popleft()
             else:
                 message = self._next()
-            kind = message[0]
-            if kind == "opened":
-                self.decoded_on, self._open_error = message[1], message[2]
-                self.startup = {name: at - self._started for name, at in message[3].items()}
-            elif kind == "warning":
-                warnings.warn_explicit(message[2], message[1], message[3], message[4])
-            elif kind == "log":
-                record = logging.makeLogRecord(message[1])
-                logging.getLogger(record.name).handle(record)
-            else:
+            if not self._reported(message):
                 return message
+
+    def _reported(self, message: tuple[Any, ...]) -> bool:
+        """Handle ``message`` where it reports (the decoder opened, a warning, a log record):
+        whether it did."""
+        kind = message[0]
+        if kind == "opened":
+            self.decoded_on, self._open_error = message[1], message[2]
+            self.startup = {name: at - self._started for name, at in message[3].items()}
+        elif kind == "warning":
+            warnings.warn_explicit(message[2], message[1], message[3], message[4])
+        elif kind == "log":
+            record = logging.makeLogRecord(message[1])
+            logging.getLogger(record.name).handle(record)
+        else:
+            return False
+        return True
 
     def _next(self) -> tuple[Any, ...]:
         while not self._channel.ready(_STEP):

@@ -104,10 +104,10 @@ class _Server:
             return None
 
     def serve(self) -> None:
-        if self.commands.empty():  # no pass waits: open the decoder while the user's process goes on
-            self.open()
         pending: tuple[Any, ...] | None = None
         while True:
+            if not self.opened and pending is None and self.commands.empty():
+                self.open()  # no pass waits: the decoder opens while the user's process goes on
             message = pending or self.command()
             pending = None
             if message is None or message[0] in ("credit", "stop"):  # of a pass already over
