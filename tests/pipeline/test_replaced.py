@@ -28,8 +28,10 @@ def store(tmp_path):
     return store
 
 
-def overwrite(store) -> None:
-    upload(store, "b", "d", SyntheticImages(NEW, size=(20, 14), num_classes=3, seed=5), maxcount=10, overwrite=True)
+def overwrite(store, seed: int = 5) -> None:
+    """Upload other data in place of the dataset: ``NEW`` samples, of other sizes and labels."""
+    upload(store, "b", "d", SyntheticImages(NEW, size=(20, 14), num_classes=3, seed=seed), maxcount=10,
+           overwrite=True)
 
 
 def pipeline(store, **options):
@@ -64,7 +66,7 @@ def test_persistent_workers_and_a_new_loader_read_the_new_upload_and_print_nothi
     with pytest.raises(DatasetChanged, match="the next pass reads the new upload"):
         list(batches)
     assert samples(batches) == new_data(store) and len(ds) == len(batches) == NEW
-    overwrite(store)  # once more, now with a new loader over the same pipeline
+    overwrite(store, seed=6)  # once more, now with a new loader over the same pipeline
     with pytest.raises(DatasetChanged, match="the next pass reads the new upload"):
         list(loader(ds, num_workers=2))
     # The failed loader's iterator, held in a cycle by the error's traceback, is garbage now: a
