@@ -175,7 +175,8 @@ class IndexOutOfBounds(FormatError):
 
 
 class DatasetChanged(RemoteLoaderError):
-    """The dataset was overwritten or removed while being read: its manifest changed.
+    """The dataset was overwritten or removed while being read: its manifest changed. The
+    pass that sees it raises; a ``RemoteDataset``'s next pass reads the new upload.
 
     Attributes:
         bucket: The dataset's bucket.

@@ -4,9 +4,7 @@ and ``decode_batches``, for a pipeline that decodes on a GPU, with a DataLoader 
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
-import multiprocessing
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator
@@ -17,6 +15,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from remote_loader.config import rank_cores, require_bool, require_int
 from remote_loader.errors import ConfigError
+from remote_loader.pipeline.dataloader import Loader
 from remote_loader.pipeline.device import (
     DecodingProcess,
     DeviceDecoder,
@@ -88,38 +87,6 @@ def loader(dataset: IterableDataset, *, num_workers: int | None = None, stateful
             warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
             inner = StatefulLoader(dataset, **settings)
     return inner if decoder is None else DeviceLoader(inner, decoder, dataset, decoding)
-
-
-def collect_before_fork(dataloader: DataLoader) -> None:
-    """Collect this process's garbage where ``dataloader`` is about to fork its workers.
-
-    A DataLoader iterator that an error's traceback holds in a reference cycle (PyTorch
-    raises a worker's error again from a frame that references it) lives until the garbage
-    collector runs. A worker forked before then inherits it, and where the worker's
-    collector frees it, its ``__del__`` asks after processes that are not that worker's
-    children and prints ``AssertionError: can only test a child process``. Collected here
-    first, it is freed in the process that made it, which ends its workers."""
-    if not dataloader.num_workers:
-        return
-    if dataloader.persistent_workers and getattr(dataloader, "_iterator", None) is not None:
-        return  # its workers are started already
-    context = dataloader.multiprocessing_context
-    method = context.get_start_method() if context is not None else multiprocessing.get_start_method()
-    if method == "fork":
-        gc.collect()
-
-
-class Loader(DataLoader):
-    """The DataLoader ``loader()`` makes: torch's, whose workers start without this process's
-    garbage (``collect_before_fork``), and which says where its samples are decoded."""
-
-    decoded_on = "CPU"
-    """Where JPEGs are decoded: by the DataLoader workers, on the CPU (a pipeline that decodes
-    on a device comes in a ``DeviceLoader``, which says which decoder)."""
-
-    def __iter__(self) -> Any:
-        collect_before_fork(self)
-        return super().__iter__()
 
 
 _FETCHING_WORKERS = 4

@@ -7,12 +7,12 @@ from typing import Any
 
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from remote_loader.pipeline.loader import collect_before_fork
+from remote_loader.pipeline.dataloader import collect_before_fork
 
 
 class StatefulLoader(StatefulDataLoader):
     """torchdata's StatefulDataLoader, whose workers start without this process's garbage
-    (``loader.collect_before_fork``), and which says where its samples are decoded."""
+    (``dataloader.collect_before_fork``), and which says where its samples are decoded."""
 
     decoded_on = "CPU"
     """Where JPEGs are decoded: by the DataLoader workers, on the CPU."""

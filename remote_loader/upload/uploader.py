@@ -92,11 +92,9 @@ def upload_cv_dataset(
     """Pack a torchvision-style dataset into shards in ``s3://bucket/base_folder/``.
 
     Args:
-        ds: ``len(ds)`` and ``ds[i] -> (image, target)``; image a PIL image, uint8 HxWxC
-            array, CxHxW uint8 tensor, encoded bytes or a file path; target an int, a str, a
-            dict of ints/floats/strs, or None. Or a source spec naming one: an image-folder
-            directory or ``"module:function"`` (called with no arguments); a cluster's
-            workers then build the dataset themselves instead of receiving it.
+        ds: ``len(ds)`` and ``ds[i]``, whatever it returns (docs/uploading.md says how each
+            kind is stored); or a source spec naming one, an image-folder directory or
+            ``"module:function"``, which a cluster's workers then build themselves.
         client: The store (see ``make_client``), or a boto3 S3 client or ``minio.Minio`` of
             your own (used as it is in this process; worker processes make their own client
             for its endpoint, with the credentials of their environment).
@@ -112,28 +110,23 @@ def upload_cv_dataset(
             and counts it in the manifest and the summary.
         shuffle: Permute samples before sharding (on by default).
         executor: Run tasks here instead of a new process pool, e.g. a Dask cluster's
-            ``dask_client.get_executor()``. The dataset reaches each Dask worker once
-            (in a worker plugin, or built there from ``ds`` given as a source spec); any other
-            executor receives it with every task.
+            ``dask_client.get_executor()`` (each of its workers gets the dataset once, or
+            builds it from a source spec); any other executor receives it with every task.
         part_size: Multipart part size in bytes.
-        retry: How every request is retried (``RetryConfig``: backoff and deadlines); a
-            task that fails on an outage is written again as a whole.
+        retry: How every request is retried (``RetryConfig``); a task that fails on an
+            outage is written again whole.
         overwrite: Replace a dataset uploaded there. The new shards are written beside
             the old dataset, the manifest is switched in one PUT, and only then are the
             old shards deleted: a failed overwrite leaves the old dataset readable.
         progress: Show a progress bar.
-        verify: Where a call would keep shards already uploaded (the dataset is there, or
-            an interrupted run of this upload is resumed), read every item they hold again
-            and compare it with the digest recorded as it was uploaded (in worker processes,
-            without encoding or writing): a dataset there with an item that differs is
-            refused, an interrupted run's task with one is written again. False trusts the
-            128 sampled items every run compares (the summary says so): a fast resume of a
-            huge upload, which misses an item changed since unless it is among them.
-        stall_timeout: Seconds one item may take to read and encode (or read and compare),
-            in this process or a worker of the upload's own, before the upload ends with an
-            ``UploadError`` naming it (a worker that stopped making progress; finished tasks
-            are kept); an item past half of it, at most 60 s, is named in a warning. None
-            waits for ever. Not watched on a caller's ``executor``.
+        verify: Where shards are already uploaded (the dataset is there, or an interrupted
+            run is resumed), read every item they hold again, in the workers without encoding,
+            and compare it with its digest: a dataset with an item that differs is refused,
+            an interrupted run's task with one written again. False compares the 128 sampled
+            items only (the summary says so): a fast resume of a huge upload.
+        stall_timeout: Seconds one item may take in this process or a worker of the upload's
+            own before the upload ends with an ``UploadError`` naming it (finished tasks are
+            kept), warned of at half of it (at most 60 s); None waits for ever.
 
     Returns:
         What was uploaded, with throughput.
@@ -144,10 +137,6 @@ def upload_cv_dataset(
             an item took longer than ``stall_timeout`` (naming it).
     """
     started = time.perf_counter()
-    if getattr(multiprocessing.current_process(), "_inheriting", False):  # multiprocessing's own test of this
-        raise ConfigError("upload_cv_dataset was called while a worker process was starting: with the spawn or"
-                          " forkserver start method each worker imports your main script again; put the code that"
-                          ' starts the upload under `if __name__ == "__main__":`')
     params = _parameters(maxsize=maxsize, maxcount=maxcount, workers=workers, seed=seed, image_format=image_format,
                          quality=quality, on_error=on_error, shuffle=shuffle, overwrite=overwrite, progress=progress,
                          bucket=bucket, base_folder=base_folder)
@@ -246,6 +235,10 @@ def _parameters(
 ) -> dict[str, Any]:
     """The upload's parameters, checked: what a dataset records and an interrupted run is
     recognised by (``samples`` is added once the dataset is opened)."""
+    if getattr(multiprocessing.current_process(), "_inheriting", False):  # multiprocessing's own test of this
+        raise ConfigError("upload_cv_dataset was called while a worker process was starting: with the spawn or"
+                          " forkserver start method each worker imports your main script again; put the code that"
+                          ' starts the upload under `if __name__ == "__main__":`')
     policy = OnError.of(on_error)
     maxcount = require_int("maxcount", maxcount, 1)
     if isinstance(maxsize, bool) or not isinstance(maxsize, (int, float)) or not maxsize >= 4096:
