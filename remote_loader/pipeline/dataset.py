@@ -450,6 +450,7 @@ class RemoteDataset(IterableDataset):
         reader = self.reader.reopened()
         if reader.identity != upload:  # replaced again, or removed and uploaded again
             error = reader.changed(reader.identity, "once more")
+            self.reader.replaced_by = reader.replaced_by  # the newest: what every sighting of this pass says
             self._saw(reader)
             raise error
         self.reader, self._data = reader, Indexed(reader, self.on_error)

@@ -154,3 +154,20 @@ def test_a_checkpoint_loaded_before_the_overwrite_and_not_yet_resumed_is_not_fol
         with pytest.raises(DatasetChanged, match="cannot resume the new one: to read it, make a new RemoteDataset"):
             list(ds)
     assert samples(pipeline(store, cache_dir=tmp_path / "cache")) == new_data(store)
+
+
+@pytest.mark.parametrize("through", ["dataset", "persistent workers"])
+def test_a_dataset_overwritten_twice_between_passes_raises_once_then_reads_the_newest(store, through):
+    """The pass that sees the second upload replaced too raises once; the passes after it read
+    the third (every later pass raised: the first sighting was reported again over the newer)."""
+    ds = pipeline(store)
+    passes = ds if through == "dataset" else loader(ds, num_workers=2)
+    assert sum(1 for _ in passes) == OLD  # not list(): len() would look at the manifest first
+    overwrite(store)
+    with pytest.raises(DatasetChanged):
+        sum(1 for _ in passes)
+    overwrite(store, seed=6)
+    with pytest.raises(DatasetChanged):
+        sum(1 for _ in passes)
+    assert samples(passes) == new_data(store)
+    assert samples(passes) == new_data(store)
