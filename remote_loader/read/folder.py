@@ -42,15 +42,17 @@ class Folder:
     @classmethod
     def named(cls, path: str) -> Folder:
         """The directory a user named (made where missing; links in its own path followed, as
-        the user gave it), refused where another user could change what lies in it: owned by
-        another user than this one or root, or writable by others, without the sticky bit
-        (``/tmp``'s, which lets none of them remove or rename what is not theirs)."""
+        the user gave it), refused where any user could change what lies in it: owned by
+        another user than this one or root, or writable by every user, without the sticky bit
+        (``/tmp``'s, which lets none of them remove or rename what is not theirs). Its group
+        may write it (a user's own group, under umask 002): the cache's folder in it is this
+        user's alone, and every folder below it is checked as it is opened."""
         os.makedirs(path, exist_ok=True)
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         folder = cls(fd, path)
         found = os.fstat(fd)
         if not found.st_mode & stat.S_ISVTX:
-            _check_owned(found, path, (os.geteuid(), 0))
+            _check_owned(found, path, (os.geteuid(), 0), stat.S_IWOTH)
         return folder
 
     def sub(self, name: str, *, create: bool = True) -> Folder:
@@ -69,7 +71,7 @@ class Folder:
                 raise Refused(f"{path} is not a directory") from None
             raise
         folder = Folder(fd, path)
-        _check_owned(os.fstat(fd), path, (os.geteuid(),))
+        _check_owned(os.fstat(fd), path, (os.geteuid(),), _OTHERS_WRITE)
         return folder
 
     def open(self, name: str, flags: int, mode: int = 0o600) -> int:
@@ -230,11 +232,14 @@ def _is_link(folder: Folder, name: str) -> bool:
     return found is not None and stat.S_ISLNK(found.st_mode)
 
 
-def _check_owned(found: os.stat_result, path: str, owners: tuple[int, ...]) -> None:
-    """Refuse a directory another user could change the entries of."""
+def _check_owned(found: os.stat_result, path: str, owners: tuple[int, ...], writers: int) -> None:
+    """Refuse a directory not owned by one of ``owners``, or that the mode bits ``writers``
+    (group, others) let others write: another user could change its entries."""
     if not stat.S_ISDIR(found.st_mode):
         raise Refused(f"{path} is not a directory")
     if found.st_uid not in owners:
         raise Refused(f"{path} belongs to another user (uid {found.st_uid})")
-    if found.st_mode & _OTHERS_WRITE:
-        raise Refused(f"{path} can be written by other users and has no sticky bit")
+    if found.st_mode & writers & stat.S_IWOTH:
+        raise Refused(f"{path} can be written by every user and has no sticky bit")
+    if found.st_mode & writers:
+        raise Refused(f"{path} can be written by its group (the cache makes its folders writable by you alone)")

@@ -13,16 +13,19 @@ to that user; nothing else in the directory is ever read, written or removed::
       <dataset>/<upload>/.fill/<name>.lock     locked (flock) by the process writing it
 
 ``<dataset>`` is a hash of the endpoint and the dataset's URL; ``<upload>`` the manifest's
-identity, different for any two uploads: a copy belongs to one upload, and a reader that finds
-a newer one removes the older ones. A shard's ``<name>`` is its object name with ``%`` and ``/``
-escaped (a hash where that is too long for a file name), never starting with a dot.
+identity, different for any two uploads: a copy belongs to one upload, and a process that
+reads one removes the shards of the dataset's other uploads (their folders stay, for a
+process still reading one until its next pass tells it of the overwrite). A shard's
+``<name>`` is its object name with ``%`` and ``/`` escaped (a hash where that is too long
+for a file name), never starting with a dot.
 
 A directory others may write is hostile (``read/folder.py``): every folder is held open and
 what lies in it is reached without following links; files are made with ``O_EXCL`` and renamed
 into place; a directory another user owns or can write (but for a sticky one, as ``/tmp``),
 or a folder in it that is a link or not this user's, is refused, with one warning, and shards
-are read from the store. Only the cache's own layout below its tagged folder is ever removed:
-a file or folder of another name, or a link, is left where it is.
+are read from the store. Only the cache's own layout below its tagged folder is ever removed
+(in an upload's folder, every file not named with a dot first is a shard); a folder, a link, or
+a file elsewhere or of another name is left where it is.
 
 One fetch per node: a process that needs a shard the cache lacks takes the shard's lock, fetches
 it whole into ``.part`` (parallel ranged GETs received straight into the file), checks its
@@ -160,21 +163,16 @@ class NodeCache:
             return True
 
     def files(self) -> Iterator[CachedFile]:
-        """Every shard and part in the cache; parts no process writes any more are removed."""
+        """Every shard and part in the cache; parts no process writes any more are removed.
+        An upload's parts are listed before its shards: a part renamed into place meanwhile is
+        counted twice, never missed (a reservation that missed it went past the bound)."""
         for dataset, upload in self.uploads():
+            fill = _existing(upload, FILL)
+            if fill is not None:
+                yield from _parts(fill, upload, dataset)
             for name, found in upload.files():
                 if not name.startswith("."):
                     yield CachedFile(upload, name, upload.path, found.st_size, found.st_mtime, False, dataset)
-            fill = _existing(upload, FILL)
-            if fill is None:
-                continue
-            for name, found in fill.files():
-                if not name.endswith(_PART):
-                    continue
-                if not fill.held(name[: -len(_PART)] + _LOCK):
-                    fill.unlink(name)
-                    continue
-                yield CachedFile(fill, name, upload.path, found.st_blocks * 512, found.st_mtime, True, dataset)
 
     def uploads(self) -> Iterator[tuple[Folder, Folder]]:
         """The upload folders of every dataset in the cache, each with its dataset's folder."""
@@ -240,6 +238,17 @@ class CachedDataset:
     bytes: int = 0
 
 
+def _parts(fill: Folder, upload: Folder, dataset: Folder) -> Iterator[CachedFile]:
+    """The parts of shards being fetched into ``upload``; those no process writes any more removed."""
+    for name, found in fill.files():
+        if not name.endswith(_PART):
+            continue
+        if not fill.held(name[: -len(_PART)] + _LOCK):
+            fill.unlink(name)
+            continue
+        yield CachedFile(fill, name, upload.path, found.st_blocks * 512, found.st_mtime, True, dataset)
+
+
 def _claim(directory: Folder) -> Folder:
     """This user's cache folder in ``directory``, tagged as a cache: made and tagged here, or
     found tagged; an untagged folder that holds anything but a tag being written is refused
@@ -248,9 +257,13 @@ def _claim(directory: Folder) -> Folder:
     tag = root.read(TAG, len(_SIGNATURE))
     if tag is None:
         if any(not name.startswith(f".{TAG}.") for name, _ in root.entries()):
-            raise Refused(f"{root.path} holds files the cache did not write (it has no {TAG}): name another directory")
-        root.write(TAG, _TAG_TEXT)  # processes that start together each write the same tag
-        tag = root.read(TAG, len(_SIGNATURE))
+            tag = root.read(TAG, len(_SIGNATURE))  # a process starting beside this one has just tagged it
+            if tag is None:
+                raise Refused(f"{root.path} holds files the cache did not write (it has no {TAG}): name another"
+                              " directory")
+        else:
+            root.write(TAG, _TAG_TEXT)  # processes that start together each write the same tag
+            tag = root.read(TAG, len(_SIGNATURE))
     if tag != _SIGNATURE:
         raise Refused(f"{root.path}/{TAG} is not the cache's: name another directory")
     return root
@@ -293,7 +306,7 @@ class UploadCache:
         self._linked = False  # a link was found where a shard's lock goes (said once)
 
     def _open(self) -> Folder | None:
-        """The upload's folder, made (with the dataset's, the older uploads of the dataset
+        """The upload's folder, made (with the dataset's, the shards of its other uploads
         removed) once a process; None where the cache cannot be used (said once)."""
         if self._dir is not None or self.broken is not None:
             return self._dir
@@ -307,7 +320,7 @@ class UploadCache:
                         dataset.write(_ABOUT, (self.describe + "\n").encode())
                     for older in _folders(dataset, _UPLOAD):
                         if older != self.upload_name:
-                            _remove_upload(dataset, older)  # an overwritten upload: never served again
+                            _remove_upload(dataset, older)  # another upload: never served to this one
                     upload = dataset.sub(self.upload_name)
                     self._fill_dir = upload.sub(FILL)
                     self._dir = upload
@@ -463,21 +476,24 @@ class UploadCache:
 
 
 def _remove_upload(dataset: Folder, name: str) -> None:
-    """Remove an older upload's shards, parts and locks (files of the cache's layout only),
-    then its folders where nothing else is left in them."""
+    """Remove another upload's shards, and the parts and locks of shards no process fetches.
+    Its folders stay: a process still reading that upload (a job started before the dataset
+    was overwritten, until its next pass) keeps using them, and would lose its cache, not
+    only these shards, if they went."""
     upload = _existing(dataset, name)
     if upload is None:
         return
     fill = _existing(upload, FILL)
     if fill is not None:
         for found, _ in fill.files():
-            if found.endswith((_PART, _LOCK)):
+            if found.endswith(_PART) and not fill.held(found[: -len(_PART)] + _LOCK):
                 fill.unlink(found)
+        for found, _ in fill.files():
+            if found.endswith(_LOCK) and fill.lstat(found[: -len(_LOCK)] + _PART) is None:
+                fill.remove_unheld(found)
     for found, _ in upload.files():
         if not found.startswith("."):
             upload.unlink(found)
-    upload.rmdir(FILL)
-    dataset.rmdir(name)
 
 
 def _allocate(fd: int, size: int) -> None:

@@ -6,6 +6,7 @@ warning, the dataset then read from the store."""
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from remote_loader import RemoteDataset
+from remote_loader import CacheConfig, RemoteDataset
 from remote_loader.read.node_cache import FILL, TAG, NodeCache, UploadCache, file_name, folder_name
 from remote_loader.testing.synthetic import SyntheticImages
 from tests.helpers import upload
@@ -149,7 +150,9 @@ def test_the_cache_never_removes_files_it_did_not_write(dataset, tmp_path):
 
 
 def _plant_foreign(ds: RemoteDataset) -> list[Path]:
-    """Things the cache did not write, in each of its folders: kept through eviction and clearing."""
+    """Things the cache did not write, in each of its folders, where its layout has no file of
+    their kind or name: kept through eviction and clearing. (A file not named with a dot first
+    in an upload's folder is a shard there: docs/cache.md asks that nothing else be put in it.)"""
     upload_dir = Path(_upload_cache(ds).path)
     root = upload_dir.parent.parent
     planted = [root / "notes.txt", upload_dir.parent / "README", upload_dir / "mine", upload_dir / FILL / "x.txt",
@@ -174,6 +177,26 @@ def test_an_overwrite_removes_only_the_older_uploads_own_files(dataset, tmp_path
     assert len(list(fresh)) == SAMPLES
     assert all(p.exists() or p.is_symlink() for p in foreign)
     assert not _cached_shards(first) and not list((Path(_upload_cache(first).path) / FILL).glob("*.lock"))
+    assert Path(_upload_cache(first).path).is_dir()  # kept for a process still reading that upload
+
+
+def test_a_process_still_reading_an_older_upload_loses_only_its_shards(dataset, tmp_path):
+    """A reader of the new upload removes the old one's shards; one still reading the old
+    upload (until its next pass tells it) keeps its folders, and so its cache: it fetches
+    what it lacks into it again, with no warning."""
+    store, bucket, plain, clean = dataset
+    cache = tmp_path / "cache"
+    old = _reader(store, bucket, cache)
+    before = sorted(s["__key__"] for s in old)  # its folders made, its shards cached
+    held = _upload_cache(old)
+    shard = old.reader.manifest.shards[0]
+    upload(store, bucket, "d", SyntheticImages(SAMPLES, size=(64, 48), seed=7), maxcount=PER_SHARD, overwrite=True)
+    assert len(list(_reader(store, bucket, cache))) == SAMPLES
+    assert not _cached_shards(old)
+    out = memoryview(bytearray(10))
+    assert not held.read_into(shard.name, 0, 10, out)  # gone...
+    assert held.broken is None and held.size(shard.name) is None and before
+    assert Path(held.path).is_dir()  # ...but its folder is there to fill again
 
 
 def test_clearing_never_follows_a_link_nor_removes_what_is_not_a_shard(dataset, tmp_path):
@@ -194,7 +217,7 @@ def test_clearing_never_follows_a_link_nor_removes_what_is_not_a_shard(dataset, 
 
 
 @pytest.mark.parametrize("mode", [0o777, 0o775, 0o1777])
-def test_a_directory_others_can_write_is_refused_without_the_sticky_bit(dataset, tmp_path, mode, caplog):
+def test_a_directory_every_user_can_write_is_refused_without_the_sticky_bit(dataset, tmp_path, mode, caplog):
     store, bucket, plain, clean = dataset
     shared = tmp_path / "shared"
     shared.mkdir()
@@ -202,12 +225,56 @@ def test_a_directory_others_can_write_is_refused_without_the_sticky_bit(dataset,
     ds = _reader(store, bucket, shared)
     with caplog.at_level(logging.WARNING, logger="remote_loader"):
         assert _samples(ds) == clean
-    if mode & 0o1000:  # sticky, as /tmp: the user's own folder in it is used
+    if mode != 0o777:  # sticky, as /tmp, or writable by its group alone: the user's own folder in it is used
         assert not _warnings(caplog) and ds.metrics.cached_bytes > 0 and len(_cached_shards(ds)) == 5
+        assert (shared / folder_name()).stat().st_mode & 0o777 == 0o700
     else:
         (message,) = _warnings(caplog)
-        assert "can be written by other users and has no sticky bit" in message and str(shared) in message
+        assert "can be written by every user and has no sticky bit" in message and str(shared) in message
         assert not (shared / folder_name()).exists()
+
+
+def test_a_cache_made_under_umask_002_is_used(dataset, tmp_path, caplog):
+    """A user whose umask lets their group write what they make (Debian's user private
+    groups): the directory made for the cache is their group's to write, the cache's own
+    folders theirs alone."""
+    store, bucket, plain, clean = dataset
+    before = os.umask(0o002)
+    try:
+        ds = _reader(store, bucket, tmp_path / "node-cache")
+        with caplog.at_level(logging.WARNING, logger="remote_loader"):
+            assert _samples(ds) == clean
+    finally:
+        os.umask(before)
+    assert not _warnings(caplog) and len(_cached_shards(ds)) == 5
+    assert (tmp_path / "node-cache").stat().st_mode & 0o777 == 0o775
+    assert {p.stat().st_mode & 0o777 for p in (tmp_path / "node-cache").rglob("*") if p.is_dir()} == {0o700}
+
+
+def test_processes_starting_together_all_use_the_cache(tmp_path):
+    """Each claims the new cache folder at once (as a node's first DataLoader workers do at
+    their first shard): each finds it tagged, none refuses it for the tag another just wrote."""
+    context = multiprocessing.get_context("fork")
+    barrier, results = context.Barrier(6), context.Queue()
+    for attempt in range(8):
+        directory = tmp_path / f"try{attempt}"
+        processes = [context.Process(target=_claim_at_once, args=(str(directory), barrier, results))
+                     for _ in range(6)]
+        for process in processes:
+            process.start()
+        got = [results.get(timeout=120) for _ in processes]
+        for process in processes:
+            process.join(60)
+        assert got == ["ok"] * 6, got
+
+
+def _claim_at_once(directory: str, barrier, results) -> None:
+    try:
+        barrier.wait(60)
+        NodeCache(CacheConfig(directory)).root()
+        results.put("ok")
+    except Exception as error:  # noqa: BLE001 - reported to the test
+        results.put(f"{type(error).__name__}: {error}")
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="giving a folder to another user needs root")
