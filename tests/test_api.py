@@ -134,6 +134,7 @@ def test_errors_pickle_with_their_attributes():
         ("datasets/x", r"did you mean s3://datasets/x\?"),
         ("http://127.0.0.1:9000", "is an endpoint, not a dataset"),
         ("s3://KEY:hunter2@bkt/ds", "holds credentials"),
+        ("s3://KEY:hunter2/x+y@bkt/ds", "holds credentials"),  # a secret with a slash
         ("S3://KEY:hunter2@bkt/ds", "lower case"),
         ("htp://key:hunter2@host:9000/x", "not a valid URL"),
         ("file://key:hunter2@host/x", "names a host"),

@@ -23,11 +23,15 @@ _EXPLICIT_PATH = ("/", "./", "../", "~/")
 _MISTYPED_SCHEME = re.compile(r"^(s3|https?)[:/]+(?=[^:/])", re.IGNORECASE)
 
 
+_USERINFO = r"(?:[^/@]*|[^@]*:[^@]*)@"
+"""``user@``, or ``key:secret@`` whatever the secret holds but ``@`` (an AWS secret key may hold ``/``)."""
+
+
 def redact(url: str) -> str:
     """``url`` for messages: any ``user:secret@`` part replaced by ``***@``, also after a
-    mistyped scheme (``s3:/key:secret@bucket``)."""
-    url = re.sub(r"(?<=//)[^/@]*@", "***@", url)
-    return re.sub(r"^((?:s3|https?|file)[:/]+)(?!\*\*\*@)[^/@]*@", r"\1***@", url, flags=re.IGNORECASE)
+    mistyped scheme (``s3:/key:secret@bucket``) and where the secret holds a ``/``."""
+    url = re.sub(r"(?<=//)" + _USERINFO, "***@", url, count=1)
+    return re.sub(r"^((?:s3|https?|file)[:/]+)(?!\*\*\*@)" + _USERINFO, r"\1***@", url, flags=re.IGNORECASE)
 
 
 def _meant(url: str) -> str:
@@ -54,7 +58,7 @@ def _kind(url: str, *, endpoint_ok: bool) -> Literal["local", "s3", "endpoint"]:
     if url.startswith("file://"):
         return "local"
     if url.startswith("s3://"):
-        if "@" in url[5:].partition("/")[0]:
+        if redact(url) != url:  # key:secret@, the secret perhaps with a '/' in it
             raise ConfigError("the URL holds credentials (key:secret@bucket), which are not used from there: pass"
                               " access_key and secret_key, or set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY")
         return "s3"

@@ -90,6 +90,7 @@ def test_a_bucket_name_s3_does_not_allow_is_refused_with_the_rule(env, backend, 
     ("s3:///datasets/guide", "s3://datasets/guide"),
     ("s3//datasets/guide", "s3://datasets/guide"),
     ("s3:/KEY:hunter2@datasets/guide", "s3://***@datasets/guide"),
+    ("s3:/KEY:hunter2/x+y@datasets/guide", "s3://***@datasets/guide"),  # a secret with a slash
 ])
 def test_a_mistyped_s3_url_gets_the_url_it_meant(env, typed, meant):
     refused = run(env, "info", typed, check=False)
