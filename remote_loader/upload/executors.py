@@ -185,7 +185,7 @@ def _tasks_named(ids: list[int]) -> str:
 
 
 def _tally_written(results: list[TaskResult]) -> tuple[int, int]:
-    return (sum(sum(e.samples for e in r.entries) + len(r.skipped) for r in results),
+    return (sum(r.samples for r in results),
             sum(e.size for r in results for e in r.entries))
 
 

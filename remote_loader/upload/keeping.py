@@ -16,25 +16,31 @@ from tqdm import tqdm
 
 from remote_loader.errors import UploadError
 from remote_loader.format import Manifest
+from remote_loader.upload.encode import EncodeOptions, encode_item
 from remote_loader.upload.executors import Job, Where, check_jobs, run_jobs, write_jobs
 from remote_loader.upload.summary import UploadSummary
-from remote_loader.upload.tasks import TaskResult, TaskSpec
+from remote_loader.upload.tasks import TaskResult, TaskSpec, read_item
 from remote_loader.upload.verify import Checked, CheckSpec
 from remote_loader.upload.written import Written
 
 log = logging.getLogger("remote_loader")
 
 
-def kept_whole(ds: Any, manifest: Manifest, shards: Any, spec: CheckSpec, where: Where, *, sampled: int,
-               verify: bool, started: float) -> UploadSummary:
+def kept_whole(ds: Any, manifest: Manifest, shards: Any, spec: CheckSpec, where: Where, options: EncodeOptions, *,
+               sampled: int, verify: bool, started: float) -> UploadSummary:
     """The summary of a call that finds ``manifest``'s dataset there, uploaded with its
     parameters and, as far as sampled, over its items; with ``verify``, once every item of
-    its ``shards`` was read again and found the same (else an UploadError naming the first
-    found to differ, the dataset left as it is)."""
+    its ``shards`` was read again and found the same, and every item it skipped still fails
+    (else an UploadError naming the first found to differ, the dataset left as it is)."""
     location = spec.location
     if not verify:
         return UploadSummary.kept_whole(location, manifest, time.perf_counter() - started, compared=0,
                                         sampled=sampled, verified=False)
+    fixed = first_readable(ds, manifest.skipped_indices, options)
+    if fixed is not None:
+        raise UploadError(f"{location} holds a dataset uploaded with these parameters, but ds[{fixed}], skipped then"
+                          " (it could not be read or encoded), reads now; pass overwrite=True (--overwrite) to upload"
+                          " the dataset with it", index=fixed)
     compared = 0
 
     def take(job: Job, results: list[Checked]) -> list[Job]:
@@ -85,11 +91,18 @@ class Writing:
     @property
     def initial(self) -> int:
         """Samples the progress bar starts at: the kept ones, unless they are read again."""
-        return 0 if self.verify else sum(_samples(r) for r in self.kept.values())
+        return 0 if self.verify else sum(r.samples for r in self.kept.values())
 
-    def jobs(self, processes: int) -> list[Job]:
-        """The checks of the kept tasks (first: a changed one is written again), then the writes of the rest."""
+    def jobs(self, processes: int, ds: Any) -> list[Job]:
+        """The checks of the kept tasks (first: a changed one is written again), then the writes
+        of the rest. A kept task with an item it skipped that reads now is written again at once."""
         self._processes = processes
+        for task_id, result in sorted(self.kept.items()) if self.verify else []:
+            fixed = first_readable(ds, result.skipped, self.spec.options)
+            if fixed is not None:
+                log.warning("upload to %s: ds[%d], skipped by an earlier run of this upload, reads now; its task %d"
+                            " is written again", self.spec.location, fixed, task_id)
+                self._again(task_id, fixed)
         tasks = -(-len(self.order) // self.task_size)
         checks = check_jobs(CheckSpec(self.spec.store, self.spec.location, self.spec.retry),
                             [(t, r.entries) for t, r in sorted(self.kept.items())], processes) if self.verify else []
@@ -106,11 +119,15 @@ class Writing:
             else:
                 log.warning("upload to %s: ds[%d] is not the item an earlier run of this upload wrote; its task %d"
                             " is written again", self.spec.location, result.changed, result.task_id)
-                self.rewritten.append(result.changed)
-                self.written.drop(result.task_id)
-                del self.kept[result.task_id]
-                again.append(self._task(result.task_id))
+                again.append(self._again(result.task_id, result.changed))
         return write_jobs(self.spec, again, self._processes) if again else []
+
+    def _again(self, task_id: int, changed: int) -> tuple[int, np.ndarray]:
+        """Kept task ``task_id`` is to be written again (its item ``changed`` is not what it holds)."""
+        self.rewritten.append(changed)
+        self.written.drop(task_id)
+        del self.kept[task_id]
+        return self._task(task_id)
 
     def kept_numbers(self) -> tuple[int, int, int]:
         """Shards, samples and bytes kept from the earlier run."""
@@ -118,8 +135,16 @@ class Writing:
         return len(entries), sum(e.samples for e in entries), sum(e.size for e in entries)
 
 
-def _samples(result: TaskResult) -> int:
-    return sum(e.samples for e in result.entries) + len(result.skipped)
+def first_readable(ds: Any, indices: Any, options: EncodeOptions) -> int | None:
+    """The first of ``indices``, items an upload skipped (they could not be read or encoded),
+    that reads and encodes now, or None. Read here, in this process: skipped items are few."""
+    for index in indices:
+        try:
+            encode_item(read_item(ds, int(index)), options, int(index))
+        except UploadError:
+            continue
+        return int(index)
+    return None
 
 
 def run_writing(ds: Any, writing: Writing, where: Where, total: int) -> float:
@@ -128,7 +153,7 @@ def run_writing(ds: Any, writing: Writing, where: Where, total: int) -> float:
     # smoothing=0: the bar's rate is the average since it started, the summary's writing rate.
     with tqdm(total=total, initial=writing.initial, unit="img", disable=not where.progress, desc="upload",
               smoothing=0) as bar:
-        run_jobs(writing.jobs(where.processes), ds, where, bar, writing.take)
+        run_jobs(writing.jobs(where.processes, ds), ds, where, bar, writing.take)
         bar.update(total - bar.n)  # every task is done: the last counts may still be in the workers' queue
         # The bar's own clock where it shows, read as it closes (its final rate is then the
         # summary's); a closed bar says it is disabled, and its clock runs on.

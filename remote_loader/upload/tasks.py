@@ -18,7 +18,7 @@ from concurrent.futures import Future
 from contextlib import suppress
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 import numpy as np
@@ -35,6 +35,8 @@ from remote_loader.upload.fingerprint import item_digest
 from remote_loader.upload.originals import read_watching
 from remote_loader.upload.sources import is_file_backed, resolve
 from remote_loader.upload.watch import UNWATCHED, Reading, Slots
+
+T = TypeVar("T")
 
 STATE_DIR = "_upload"
 _REPORT_EVERY = 16
@@ -137,6 +139,11 @@ class TaskResult:
     fields: list[str] = field(default_factory=list)
     skipped: list[int] = field(default_factory=list)
     reasons: list[str] = field(default_factory=list)
+
+    @property
+    def samples(self) -> int:
+        """The items the task took care of: written, or skipped."""
+        return sum(e.samples for e in self.entries) + len(self.skipped)
 
     def encode(self) -> bytes:
         return msgpack.packb(
@@ -301,11 +308,19 @@ def write_tasks(
         stop: Set by the caller to stop the tasks at their next sample (Ctrl-C in the
             thread that waits for this call); they are stopped so as this call ends too.
     """
+    return run_group(write_task, spec, group, dataset, progress, slots, stop)
+
+
+def run_group(one: Callable[..., T], spec: Any, group: Sequence[tuple[int, Any]], dataset: Any, progress: Any,
+              slots: Slots | None, stop: threading.Event | None) -> list[T]:
+    """``one(spec, task id, its work, dataset, progress, stop, slots)`` for each task of
+    ``group``, ``TASKS_AT_ONCE`` at a time on daemon threads, in this process or a pool's
+    worker (``worker_context``): their results, in order (``write_tasks`` says what an error does)."""
     dataset, progress, slots = worker_context(dataset, progress, slots)
     stop = threading.Event() if stop is None else stop
     try:
         return map_on_daemon_threads(
-            lambda task: write_task(spec, task[0], task[1], dataset, progress, stop, slots),
+            lambda task: one(spec, task[0], task[1], dataset, progress, stop, slots),
             list(group), TASKS_AT_ONCE, "remote-loader-task", settle=spec.retry.outage_deadline,
         )
     finally:

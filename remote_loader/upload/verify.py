@@ -21,11 +21,10 @@ from remote_loader.config import RetryConfig
 from remote_loader.errors import CorruptShard
 from remote_loader.format import ShardEntry, ShardIndex
 from remote_loader.storage import Location, Store
-from remote_loader.storage.daemon import map_on_daemon_threads
 from remote_loader.storage.retrying import Cancelled, Retry
 from remote_loader.upload.fingerprint import item_digest
 from remote_loader.upload.originals import read_watching
-from remote_loader.upload.tasks import TASKS_AT_ONCE, read_item, worker_context
+from remote_loader.upload.tasks import read_item, run_group
 from remote_loader.upload.watch import UNWATCHED, Reading, Slots
 
 _REPORT_EVERY = 16
@@ -62,15 +61,7 @@ def check_tasks(spec: CheckSpec, group: Sequence[tuple[int, Sequence[ShardEntry]
     """Check the tasks ``group``, ``(task id, its shards)`` pairs, ``TASKS_AT_ONCE`` at a time
     on daemon threads; what each found, in order. Arguments as ``tasks.write_tasks`` takes
     them; a check stops at its next item once ``slots`` says the run is stopping."""
-    dataset, progress, slots = worker_context(dataset, progress, slots)
-    stop = threading.Event() if stop is None else stop
-    try:
-        return map_on_daemon_threads(
-            lambda task: check_task(spec, task[0], task[1], dataset, progress, stop, slots),
-            list(group), TASKS_AT_ONCE, "remote-loader-task", settle=spec.retry.outage_deadline,
-        )
-    finally:
-        stop.set()
+    return run_group(check_task, spec, group, dataset, progress, slots, stop)
 
 
 def check_task(spec: CheckSpec, task_id: int, entries: Sequence[ShardEntry], dataset: Any, progress: Any,

@@ -39,6 +39,8 @@ class Labelled:
 
 UNSAMPLED = 3
 assert UNSAMPLED not in fingerprint.indices(N)  # only reading every item finds it
+STOP = 258  # in the last task of 64, and unsampled: the run stops there, not at its fingerprint
+assert STOP not in fingerprint.indices(N)
 
 
 def _labels(client, bucket, folder):
@@ -129,3 +131,37 @@ def test_a_dataset_uploaded_before_digests_were_recorded_is_compared_as_sampled_
     assert "this dataset" not in words and "holds a dataset uploaded with these parameters" in words
     assert ("nothing uploaded, only the 128 sampled items compared (it was uploaded before uploads recorded a digest"
             " of each item: overwrite=True uploads it again)") in words
+
+
+def test_an_item_skipped_then_that_reads_now_is_caught(s3):
+    """An item skipped at upload (on_error="skip") is in no shard: the check reads it again
+    too, and one that reads now is named, not kept out under 'all items compared'."""
+    client, bucket = s3
+    args = dict(maxcount=64, on_error="skip")
+    upload(client, bucket, "skips", Labelled(bad=UNSAMPLED), **args)
+    again = upload(client, bucket, "skips", Labelled(bad=UNSAMPLED), **args)  # still unreadable: the same dataset
+    assert again.uploaded_samples == 0 and again.compared == N - 1
+    with pytest.raises(UploadError, match=rf"but ds\[{UNSAMPLED}\], skipped then \(it could not be read or encoded\),"
+                                          r" reads now; pass overwrite=True"):
+        upload(client, bucket, "skips", Labelled(), **args)
+    assert UNSAMPLED not in _labels(client, bucket, "skips")
+
+
+def test_a_resumed_upload_writes_again_a_kept_task_whose_skipped_item_reads_now(s3):
+    client, bucket = s3
+    args = dict(maxcount=64, shuffle=False, on_error="skip")
+
+    class Stopping(Labelled):
+        def __getitem__(self, index: int):
+            if index == STOP:
+                raise KeyboardInterrupt  # the run is stopped (Ctrl-C) while task 4 is written
+            return super().__getitem__(index)
+
+    stopping = Stopping(bad=UNSAMPLED)
+    with pytest.raises(KeyboardInterrupt):
+        upload(client, bucket, "resumed-skips", stopping, **args)
+    summary = upload(client, bucket, "resumed-skips", Labelled(), **args)
+    assert summary.kept_samples == 192, str(summary)  # tasks 1-3; task 0 held the skipped item
+    assert summary.rewritten == (UNSAMPLED,) and summary.skipped == 0
+    labels = _labels(client, bucket, "resumed-skips")
+    assert sorted(labels) == list(range(N)) and labels[UNSAMPLED] == UNSAMPLED % 7
