@@ -59,6 +59,12 @@ MEAN = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1) * 255
 STD = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1) * 255
 
 
+def _kind(batches: object) -> str:
+    """Which DataLoader ``loader()`` made."""
+    return "StatefulDataLoader" if StatefulDataLoader is not None and isinstance(batches, StatefulDataLoader) \
+        else "DataLoader"
+
+
 def build_model(num_classes: int) -> tuple[nn.Module, str]:
     """ResNet-18 if torchvision is there, else a small CNN."""
     try:
@@ -124,7 +130,7 @@ def train(args: argparse.Namespace) -> None:
             print(f"resumed from {args.checkpoint} in epoch {start_epoch}, saved by {checkpoint['world_size']} ranks"
                   f" x {checkpoint['workers']} workers", flush=True)
     if rank == 0:
-        print(f"{model_name}, {world_size} rank(s) x {args.workers} DataLoader worker(s) ({type(batches).__name__}),"
+        print(f"{model_name}, {world_size} rank(s) x {args.workers} DataLoader worker(s) ({_kind(batches)}),"
               f" {len(dataset)} samples per rank per epoch", flush=True)
     log = (args.log_keys / f"keys-rank{rank}.jsonl").open("a") if args.log_keys else None
     steps = 0

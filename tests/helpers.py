@@ -235,3 +235,12 @@ class CutShort(SyntheticImages):
             data = self.encoded(index)
             return data[: data.find(b"\xff\xda") + 20], label
         return image, label
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, ended and not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

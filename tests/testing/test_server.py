@@ -18,7 +18,7 @@ import pytest
 
 from remote_loader import ConfigError
 from remote_loader.testing.processes import cpu_seconds
-from remote_loader.testing.server import STOP_GRACE, EmbeddedS3
+from remote_loader.testing.server import EmbeddedS3
 
 # Stops the server while it is SIGSTOPped (so stop() waits), and a thread delivers Ctrl-C
 # once the main thread is inside that wait: the second Ctrl-C of an impatient user.
@@ -286,7 +286,7 @@ def test_a_server_that_cannot_act_on_sigterm_is_still_ended_by_stop():
         os.killpg(pid, signal.SIGSTOP)
         started = time.monotonic()
         server.stop()
-        assert time.monotonic() - started < STOP_GRACE + 5
+        assert time.monotonic() - started < 12  # the grace (1 s), far from 15 s, with room for a busy machine
         assert not os.path.exists(f"/proc/{pid}")  # ended and reaped: not even a zombie is left
     finally:
         if os.path.exists(f"/proc/{pid}"):

@@ -33,7 +33,7 @@ from remote_loader import (
 )
 from remote_loader.format import INDEX_MEMBER
 from remote_loader.testing.synthetic import SyntheticImages
-from tests.helpers import FlakyImages, upload, upload_to_new_bucket
+from tests.helpers import FlakyImages, alive, upload, upload_to_new_bucket
 from tests.servers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -336,14 +336,6 @@ def test_a_task_record_whose_shard_is_missing_is_written_again(s3):
     assert samples == read_back(client, bucket, "whole")[0]  # byte for byte what one clean run writes
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def _within(seconds: float, condition) -> bool:
     """Whether ``condition()`` holds within ``seconds``, checked every 50 ms (a bound on a
     process's exit, which nothing here can be notified of)."""
@@ -381,15 +373,15 @@ def test_upload_workers_end_when_the_upload_is_killed(seaweed, s3, tmp_path, sta
     try:
         assert _within(120, lambda: len(os.listdir(tmp_path)) >= 3), "the upload's two workers never started a task"
         workers = [int(name) for name in os.listdir(tmp_path) if name.isdigit()]
-        assert len(workers) == 2 and all(_alive(pid) for pid in workers)
+        assert len(workers) == 2 and all(alive(pid) for pid in workers)
         upload.kill()  # SIGKILL: no clean-up runs in the upload's process
         upload.wait(30)
-        assert _within(10, lambda: not any(_alive(pid) for pid in workers)), "orphaned workers kept running"
+        assert _within(10, lambda: not any(alive(pid) for pid in workers)), "orphaned workers kept running"
     finally:
         if upload.poll() is None:
             upload.kill()
         for pid in workers:
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, 9)
 
 

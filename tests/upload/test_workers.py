@@ -18,7 +18,7 @@ import torch
 
 from remote_loader import DatasetReader, UploadError, restore
 from remote_loader.testing.synthetic import SyntheticImages
-from tests.helpers import upload
+from tests.helpers import alive, upload
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -127,14 +127,6 @@ class StallingImages(SyntheticImages):
         return super().__getitem__(index)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def test_a_worker_that_stops_making_progress_is_named_then_ended_and_the_rest_kept(s3, tmp_path, caplog):
     """Four tasks of four items on one worker process, two at a time: item 13 (task 3) never
     returns. The warning and the error name it and the worker; the task beside it finishes,
@@ -151,7 +143,7 @@ def test_a_worker_that_stops_making_progress_is_named_then_ended_and_the_rest_ke
     assert "finished tasks are kept" in str(error.value) and "\n" not in str(error.value)
     assert any("ds[13] has taken " in r.getMessage() and f"worker process {pid}" in r.getMessage()
                for r in caplog.records)
-    assert not _alive(pid)
+    assert not alive(pid)
     summary = upload(client, bucket, "stalled", SyntheticImages(16, size=(16, 12)), workers=1, maxcount=4,
                      shuffle=False)
     assert (summary.kept_samples, summary.uploaded_samples) == (12, 4)
