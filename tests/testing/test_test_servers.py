@@ -38,3 +38,25 @@ def test_a_moto_server_ends_when_the_run_that_started_it_is_killed(tmp_path):
     finally:
         if _alive(pid):
             os.killpg(pid, signal.SIGKILL)
+
+
+def test_the_fault_proxy_takes_a_request_signed_again_for_the_same_request(seaweed):
+    """A presigned URL holds the time it was signed: the same range asked again a second
+    later is the same request to the proxy, so its faults follow the requests, not the clock
+    (a manifest fetch through it met 7 to 19 faults from one run to the next)."""
+    import http.client
+
+    from tests.faultproxy import FaultProxy
+
+    proxy = FaultProxy(seaweed.endpoint_url, {})
+    try:
+        host, port = proxy.endpoint_url.removeprefix("http://").split(":")
+        for signed in ("20260101T000000Z", "20260101T000001Z"):
+            connection = http.client.HTTPConnection(host, int(port), timeout=30)
+            connection.request("GET", f"/b/k?X-Amz-Date={signed}&X-Amz-Signature={signed[-3:]}&part=1",
+                               headers={"Range": "bytes=0-9"})
+            connection.getresponse().read()
+            connection.close()
+        assert proxy.seen("GET", "/b/k?part=1", "bytes=0-9") == 2
+    finally:
+        proxy.close()
