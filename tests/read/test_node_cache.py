@@ -180,7 +180,9 @@ def test_the_ranks_of_a_node_fetch_the_dataset_once_in_two_epochs(seaweed, datas
         for epoch in range(2):
             assert sorted(runs[0][epoch][0] + runs[1][epoch][0]) == keys
     total = _shard_bytes(reader)
-    assert sum(run[0][1] for run in cached) == total and sum(run[1][1] for run in cached) == 0
+    # Once in the two epochs: a shard a rank began to read near the end of epoch 1 may still be
+    # arriving whole into the cache as the epoch ends, its last parts then counted in epoch 2.
+    assert sum(run[0][1] + run[1][1] for run in cached) == total
     assert sum(run[e][1] for run in streamed for e in range(2)) >= 2 * total * 0.9
 
 
