@@ -110,14 +110,6 @@ class Folder:
         except FileNotFoundError:
             return False
 
-    def rmdir(self, name: str) -> bool:
-        """Remove folder ``name`` where it is empty; False where it is not (or is gone)."""
-        try:
-            os.rmdir(name, dir_fd=self.fd)
-            return True
-        except OSError:
-            return False
-
     def rename(self, name: str, to: Folder, new: str) -> None:
         """Move entry ``name`` to ``new`` in folder ``to``, replacing a file or link there."""
         os.rename(name, new, src_dir_fd=self.fd, dst_dir_fd=to.fd)
