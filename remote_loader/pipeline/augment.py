@@ -30,6 +30,7 @@ from torch.nn import functional
 from remote_loader.config import require_int
 from remote_loader.errors import ConfigError, DecodeError
 from remote_loader.pipeline.decode import IMAGE_FIELDS
+from remote_loader.pipeline.targets import per_box_option
 
 JPEG_MAGIC = b"\xff\xd8"
 
@@ -64,10 +65,15 @@ class RandomResizedCrop:
             fields holding boxes, each with its format (``"xyxy"``, ``"xywh"``, ``"cxcywh"``,
             in the image's pixels): moved with the crop, clipped, and those left empty dropped.
         per_box: Fields with one row per box (labels, flags), whose rows are dropped with
-            their boxes.
-        not_spatial: Fields (or stems: ``"1"`` names every field of position 1) left as they
-            are. A structured sample with a field the crop cannot place (an array, a JSON
-            value holding numbers) that is named nowhere is refused.
+            their boxes: a list (each keeps the rows of the box field in its dict, or of the
+            sample's only one), or a dict from each field to its box field.
+        keypoints: Fields holding points, ``x, y`` first in their last dimension (Keypoint
+            R-CNN's ``N x K x 3``): moved as ``tv_tensors.KeyPoints`` are, a third column
+            (visibility) set to 0 where a point leaves the crop.
+        not_spatial: Fields (or stems: ``"1"`` names every field of position 1, ``"1.boxes"``
+            the field ``"1.boxes.npy"``) left as they are. A structured sample with a field
+            the crop cannot place (an array, a JSON value holding numbers) that is named
+            nowhere is refused.
     """
 
     seeded = True
@@ -86,7 +92,8 @@ class RandomResizedCrop:
         mean: tuple[float, float, float] | None = None,
         std: tuple[float, float, float] | None = None,
         boxes: Mapping[str, str] | None = None,
-        per_box: Sequence[str] = (),
+        per_box: Sequence[str] | Mapping[str, str] = (),
+        keypoints: Sequence[str] = (),
         not_spatial: Sequence[str] = (),
     ) -> None:
         size = require_int("RandomResizedCrop size", size, 1)
@@ -95,10 +102,11 @@ class RandomResizedCrop:
         if bad:
             raise ConfigError(f"RandomResizedCrop boxes maps field names to one of {', '.join(BOX_FORMATS)};"
                               f" got {bad!r}")
-        for name, names in (("per_box", per_box), ("not_spatial", not_spatial)):
+        for name, names in (("keypoints", keypoints), ("not_spatial", not_spatial)):
             if isinstance(names, str) or not all(isinstance(n, str) for n in names):
                 raise ConfigError(f"RandomResizedCrop {name} is a list of field names, got {names!r}")
-        self.boxes, self.per_box, self.not_spatial = boxes, tuple(per_box), tuple(not_spatial)
+        self.boxes, self.per_box = boxes, per_box_option(per_box)
+        self.keypoints, self.not_spatial = tuple(keypoints), tuple(not_spatial)
         for name, pair in (("scale", scale), ("ratio", ratio)):
             if (not isinstance(pair, (tuple, list)) or len(pair) != 2
                     or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in pair)
