@@ -383,16 +383,23 @@ def parse_bytes(name: str, value: object) -> int:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """A node-local shard cache (docs/cache.md): where, and how many bytes it may hold.
+    """A node-local shard cache (docs/cache.md): where, how many bytes it may hold, and how
+    what it holds is checked.
 
     Attributes:
         directory: A directory on a local disk, shared by the node's ranks and workers.
         max_bytes: The most bytes of shards it holds, all datasets together; None: as much
             as leaves a tenth of the disk free.
+        verify_reads: Check every member read from the cache against its crc32, every epoch,
+            as bytes from the store are. False (the default): a shard is checked whole
+            against the manifest's crc32 when it enters the cache, and whole again when a
+            process finds its file changed since (its size, inode or modification time);
+            its members are not checked again at every read.
     """
 
     directory: str
     max_bytes: int | None = None
+    verify_reads: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.directory, (str, os.PathLike)) or not str(self.directory):
@@ -400,13 +407,15 @@ class CacheConfig:
         object.__setattr__(self, "directory", os.path.abspath(os.path.expanduser(os.fspath(self.directory))))
         if self.max_bytes is not None:
             object.__setattr__(self, "max_bytes", parse_bytes("cache_bytes", self.max_bytes))
+        require_bool("verify_reads", self.verify_reads)
 
     @classmethod
     def of(cls, directory: str | os.PathLike[str] | None, max_bytes: int | str | None,
-           env: Mapping[str, str] | None = None) -> CacheConfig | None:
-        """The cache a dataset uses: ``directory`` and ``max_bytes`` as given, else from
-        ``REMOTE_LOADER_CACHE_DIR`` and ``REMOTE_LOADER_CACHE_BYTES``; None (no cache) where
-        no directory is named. ``directory=""`` turns off a cache the environment names."""
+           env: Mapping[str, str] | None = None, verify_reads: bool | None = None) -> CacheConfig | None:
+        """The cache a dataset uses: ``directory``, ``max_bytes`` and ``verify_reads`` as given,
+        else from ``REMOTE_LOADER_CACHE_DIR``, ``REMOTE_LOADER_CACHE_BYTES`` and
+        ``REMOTE_LOADER_CACHE_VERIFY`` (``1`` or ``0``); None (no cache) where no directory
+        is named. ``directory=""`` turns off a cache the environment names."""
         env = os.environ if env is None else env
         if directory is None:
             if max_bytes is not None and not env.get("REMOTE_LOADER_CACHE_DIR"):
@@ -414,6 +423,18 @@ class CacheConfig:
             directory = env.get("REMOTE_LOADER_CACHE_DIR") or None
         if max_bytes is None:
             max_bytes = env.get("REMOTE_LOADER_CACHE_BYTES") or None
+        if verify_reads is None:
+            verify_reads = _env_flag(env, "REMOTE_LOADER_CACHE_VERIFY")
         if not directory:
             return None
-        return cls(os.fspath(directory), max_bytes)  # type: ignore[arg-type]
+        return cls(os.fspath(directory), max_bytes, verify_reads)  # type: ignore[arg-type]
+
+
+def _env_flag(env: Mapping[str, str], name: str) -> bool:
+    """Environment variable ``name`` as a flag: ``1``/``true``/``yes`` or ``0``/``false``/``no`` (unset: False)."""
+    text = env.get(name, "").strip().lower()
+    if text in ("", "0", "false", "no"):
+        return False
+    if text in ("1", "true", "yes"):
+        return True
+    raise ConfigError(f"the environment variable {name} must be 1 or 0, got {env[name]!r}")

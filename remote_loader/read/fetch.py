@@ -20,6 +20,7 @@ from typing import Generic, TypeVar
 import numpy as np
 
 from remote_loader.read.buffers import Buffers
+from remote_loader.read.cached_shard import ShardFile
 from remote_loader.read.reach import Reach
 from remote_loader.read.session import Cancelled, ReadSession
 from remote_loader.storage.daemon import DaemonPool, in_daemon_thread
@@ -81,6 +82,9 @@ class Fetched(Generic[C]):
     """Give the buffer back for reuse: call when done with it and holding no view of it."""
     check: Callable[[], None] = field(default=lambda: None, repr=False)
     """Raise if the fetcher failed or was closed (called between bounded waits)."""
+    file: ShardFile | None = field(default=None, repr=False)
+    """The whole object on the node's disk, where the range is read from there (``buffer`` is
+    then empty): its members are read from the file, each straight into its ``bytes``."""
     _ready: int = 0  # leading parts known to have arrived whole
 
     def wait(self, upto: int | None = None) -> int:
@@ -250,6 +254,8 @@ class Prefetcher(Generic[C]):
         head fetched early (``Job.early``) is the first part when the range starts inside it.
         A last part under ``_MIN_TAIL`` joins the one before: on the critical path, a GET of a
         few KiB costs as long as one of MiBs."""
+        if end > start and self._from_disk(slot, start, end, context):
+            return
         size = self.config.part_size
         head = early if early is not None and early[0] <= start < min(end, early[1]) else None
         first = min(end, head[1]) if head is not None else start + min(_FIRST_PART, size)
@@ -286,6 +292,19 @@ class Prefetcher(Generic[C]):
                     self._seq += 1
                     pushed += 1
             self._work.notify(pushed)
+
+    def _from_disk(self, slot: _Pending[C], start: int, end: int, context: C) -> bool:
+        """Hand out a range of a shard the node's cache holds whole as that file, nothing to
+        fetch nor to copy into a buffer; False where the cache does not hold it."""
+        shard = self.session.whole(slot.job.key, start, end)
+        if shard is None:
+            return False
+        arrived = threading.Event()
+        arrived.set()
+        slot.fetched = Fetched(slot.job.key, start, end, context, memoryview(b""), [start], [arrived], [None],
+                               shard.close, self.check, shard)
+        slot.located.set()
+        return True
 
     @staticmethod
     def _take_head(fetched: Fetched[C], skip: int, stop: int, early: Future[bytes]) -> None:

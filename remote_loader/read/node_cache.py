@@ -33,7 +33,10 @@ crc32 against the manifest's and renames it into place; a process that wants the
 meanwhile waits for the lock (threads of one process wait for one fill), then reads the file.
 Nothing reads a ``.part``; a fill that dies leaves one, which the next fill of that shard
 replaces and the next reservation removes (its lock no longer held). Files are only ever
-renamed into place whole, so a reader sees a shard whole or not at all.
+renamed into place whole, so a reader sees a shard whole or not at all. The check is recorded
+with the file (``read/cached_shard.py``): a shard in place is read as it is while its file is
+the one checked, checked whole again once it is not, and member by member with
+``CacheConfig.verify_reads``.
 
 Bound: before a fill, under ``.lock``, the space is counted (shards and parts) and reserved
 (the part's blocks allocated at once, so a full disk shows there, not mid-write). What is
@@ -62,6 +65,7 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from remote_loader.config import CacheConfig
+from remote_loader.read.cached_shard import ShardFile, check_whole, was_checked
 from remote_loader.read.folder import Folder, Refused
 from remote_loader.read.shard_fill import ShardFill, pread_into
 from remote_loader.storage.daemon import wait_result
@@ -77,7 +81,7 @@ _DATASET = re.compile(r"[0-9a-f]{20}\Z")
 _UPLOAD = re.compile(r"[0-9a-f]{8,16}\Z")
 _LONGEST = 200  # bytes of a shard's file name, its suffix to come: past this, a hash of the name
 _FREE = 0.1  # the share of the disk a cache without a bound leaves free
-_TOUCH = 60.0  # seconds: a shard read is marked used (its mtime) if it was not within this
+_TOUCH = 60.0  # seconds: a shard read is marked used (its atime) if it was not within this
 _FULL_FOR = 30.0  # seconds a process fetches nothing more into a cache it found full
 _PATIENCE = 30.0  # seconds another process's fill is waited for, plus a second per 10 MB of shard
 
@@ -172,7 +176,8 @@ class NodeCache:
                 yield from _parts(fill, upload, dataset)
             for name, found in upload.files():
                 if not name.startswith("."):
-                    yield CachedFile(upload, name, upload.path, found.st_size, found.st_mtime, False, dataset)
+                    yield CachedFile(upload, name, upload.path, found.st_size, max(found.st_atime, found.st_mtime),
+                                     False, dataset)
 
     def uploads(self) -> Iterator[tuple[Folder, Folder]]:
         """The upload folders of every dataset in the cache, each with its dataset's folder."""
@@ -225,7 +230,7 @@ class CachedFile:
     name: str
     upload: str  # the upload folder's path
     size: int
-    used: float  # mtime: set when written, and when read (to the minute)
+    used: float  # the later of mtime (set when written) and atime (set when read, to the minute)
     partial: bool
     dataset: Folder
 
@@ -342,15 +347,44 @@ class UploadCache:
             found = os.fstat(fd)
             if not stat.S_ISREG(found.st_mode):
                 return False
-            if found.st_mtime < time.time() - _TOUCH:  # least recently used: marked every minute at most
-                with contextlib.suppress(OSError):
-                    os.utime(fd)
+            _touch(fd, found)
             if pread_into(fd, start, out[: end - start]):
                 return True
             self.discard(name)  # shorter than the manifest says
             return False
         finally:
             os.close(fd)
+
+    def whole(self, name: str, size: int, crc: int, damaged: Callable[[], None] = lambda: None) -> ShardFile | None:
+        """Cached shard ``name`` (``size`` bytes, crc32 ``crc``) open for reading, or None where
+        the cache lacks it whole, or its file changed since it was checked and fails its crc32
+        now (the copy is dropped, with a warning, and ``damaged()`` called: the next read
+        fetches it again). Checked, and trusted as it is, unless the cache checks every read
+        (``CacheConfig.verify_reads``)."""
+        folder = self._open()
+        if folder is None:
+            return None
+        try:
+            fd = folder.open(file_name(name), os.O_RDONLY)
+        except OSError:
+            return None
+        try:
+            found = os.fstat(fd)
+            if not stat.S_ISREG(found.st_mode) or found.st_size != size:
+                return None
+            _touch(fd, found)
+            trusted = not self.node.config.verify_reads
+            if trusted and not was_checked(fd, found, crc) and not check_whole(fd, size, crc):
+                log.warning("%s in the node's cache changed since it was checked and fails its crc32: fetched again",
+                            name)
+                self.discard(name)
+                damaged()
+                return None
+            shard, fd = ShardFile(fd, trusted), -1
+            return shard
+        finally:
+            if fd >= 0:
+                os.close(fd)
 
     def size(self, name: str) -> int | None:
         """The size of cached shard ``name``, or None where it is not cached."""
@@ -494,6 +528,14 @@ def _remove_upload(dataset: Folder, name: str) -> None:
     for found, _ in upload.files():
         if not found.startswith("."):
             upload.unlink(found)
+
+
+def _touch(fd: int, found: os.stat_result) -> None:
+    """Mark a shard used (least recently used goes first), every minute at most: its access
+    time, never its modification time, which is part of the record of its check."""
+    if max(found.st_atime, found.st_mtime) < time.time() - _TOUCH:
+        with contextlib.suppress(OSError):
+            os.utime(fd, ns=(time.time_ns(), found.st_mtime_ns))
 
 
 def _allocate(fd: int, size: int) -> None:

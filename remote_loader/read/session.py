@@ -18,6 +18,7 @@ from typing import TypeVar
 
 from remote_loader.config import FetchConfig
 from remote_loader.errors import CorruptShard, TruncatedShard
+from remote_loader.read.cached_shard import ShardFile
 from remote_loader.read.metrics import Metrics
 from remote_loader.read.node_cache import UploadCache
 from remote_loader.storage import Store
@@ -94,6 +95,22 @@ class ReadSession:
         data, size = self.store.get_range_and_size(bucket, key, start, end)
         self.metrics.add(bytes=len(data))
         return data, size
+
+    def whole(self, key: str, start: int, end: int) -> ShardFile | None:
+        """Object ``key`` open from the node's cache to read bytes ``[start, end)`` of it, where
+        the cache holds it whole (``UploadCache.whole``: checked, or each member to check);
+        None otherwise (read it as any range). Those bytes are counted as read from the cache."""
+        found = self._cached(key)
+        if found is None:
+            return None
+        cache, name, size, crc = found
+        try:
+            shard = cache.whole(name, size, crc, damaged=lambda: self.metrics.add(retries=1))
+        except OSError:  # the disk's: the bytes come from the store, as without a cache
+            return None
+        if shard is not None:
+            self.metrics.add(cached_bytes=end - start)
+        return shard
 
     def head(self, bucket: str, key: str) -> int:
         """The object's size: a HEAD, or the size of its copy in the node's cache (checked whole

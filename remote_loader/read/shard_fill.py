@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 from remote_loader.checksum import crc32
 from remote_loader.errors import InvalidRange
+from remote_loader.read.cached_shard import record_checked
 from remote_loader.read.folder import Folder
 from remote_loader.storage.daemon import in_daemon_thread, map_on_daemon_threads
 from remote_loader.storage.retrying import Cancelled
@@ -85,6 +86,7 @@ class ShardFill:
         try:
             map_on_daemon_threads(one, order, threads, "remote-loader-cache", settle=5.0)
             if crc32(view) == self.crc:
+                record_checked(self.fd, self.crc)  # read as it is from now on (read/cached_shard.py)
                 self.part[0].rename(self.part[1], *self.final)
                 kept = True
             else:

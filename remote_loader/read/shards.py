@@ -132,6 +132,9 @@ class SpanRead:
     index: ShardIndex
 
     def open(self, fetched: Fetched[Any], reader: DatasetReader, wait: Callable[[int | None], object]) -> _Opened:
+        if fetched.file is not None:  # the whole shard on the node's disk: no bytes at hand, offsets in the file
+            whole = ShardView(fetched.buffer, self.index, name=self.entry.name, verify=reader.verify, stop=0)
+            return _Opened(whole, self.index, self.shard, self.first, self.stop)
         view = ShardView(
             fetched.buffer,
             self.index,
@@ -186,7 +189,9 @@ class OpenRange:
     with ``on_error="skip"`` it returns None for one it skipped (all the rest of the range
     if the shard is gone, and every sample of a ``Skipped`` range). Where each member lies
     is read from the index once, when the range opens, as plain lists: a sample costs a few
-    slices of the one buffer, its checksums and a copy of its bytes.
+    slices of the one buffer, its checksums and a copy of its bytes; from a shard the node's
+    cache holds whole, one read of the file a member, straight into its bytes, and no checksum
+    where the file was checked whole and is unchanged since (``read/cached_shard.py``).
     """
 
     def __init__(
@@ -196,6 +201,7 @@ class OpenRange:
         self.view, self.index, self.shard, self.next, self.stop = plan.open(fetched, reader, self._wait)
         self._first = self.next
         self._arrived = fetched.start
+        self._file = fetched.file
         self._columns: list[tuple[str, list[int], list[int], list[int]]] = []
         if self.view is not None:
             self._read_columns(self.view)
@@ -213,7 +219,7 @@ class OpenRange:
             self._columns.append((field, relative.tolist(), sizes[:, j].astype(np.int64).tolist(),
                                   index.crcs[first:stop, j].tolist()))
         self._buffer: memoryview | None = view.buffer
-        self._check = view.verify
+        self._check = view.verify and not (self._file is not None and self._file.checked)
 
     @property
     def done(self) -> bool:
@@ -234,17 +240,23 @@ class OpenRange:
             end = self._ends[j]
             if end > self._arrived:
                 self._arrived = self._wait(end)
-            buffer, check = self._buffer, self._check
+            buffer, check, file = self._buffer, self._check, self._file
             assert buffer is not None
             sample: Sample = {"__key__": self._keys[j], "__shard__": self.view.name}
             for field, offsets, sizes, crcs in self._columns:
                 offset = offsets[j]
                 if offset < 0:
                     continue
-                data = buffer[offset : offset + sizes[j]]
-                if check and crc32(data) != crcs[j]:
+                if file is None:
+                    data = buffer[offset : offset + sizes[j]]
+                    if check and crc32(data) != crcs[j]:
+                        return self._damaged(j + self._first)
+                    sample[field] = bytes(data)
+                    continue
+                read = file.read(offset, sizes[j])
+                if read is None or (check and crc32(read) != crcs[j]):  # cut short, or changed, since it was opened
                     return self._damaged(j + self._first)
-                sample[field] = bytes(data)
+                sample[field] = read
             return sample
         except (ObjectNotFound, InvalidRange) as error:  # the shard went away under us, or shrank
             self.reader.check_unchanged(error)
@@ -271,7 +283,7 @@ class OpenRange:
 
     def close(self) -> None:
         self.view = None  # no view of the buffer may outlive it
-        self._buffer = None
+        self._buffer = self._file = None
         self.fetched.release()
 
 
