@@ -13,6 +13,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from remote_loader.config import CacheConfig, FetchConfig, current_world, require_bool, require_int
 from remote_loader.errors import ConfigError, DatasetChanged, OnError, ResumeError
 from remote_loader.pipeline import resume, stages
+from remote_loader.pipeline.augment import RandomResizedCrop
 from remote_loader.pipeline.collate import collate as collate_samples
 from remote_loader.pipeline.delivery import Mixing
 from remote_loader.pipeline.device import DeviceDecoder, check_device
@@ -212,7 +213,7 @@ class RemoteDataset(IterableDataset):
         require_bool("cpu_fallback", cpu_fallback)
         if batched or device not in ("cpu", "auto"):  # before a device is probed for it
             stages.require_crop(mode, repr(device))
-        place = check_device(device, batched, cpu_fallback)
+        place = check_device(device, batched, cpu_fallback, mode if isinstance(mode, RandomResizedCrop) else None)
         clone = self._with(stages.Decode(mode, min_size, threads, device=place, on_error=self.on_error))
         if self.on_error.skips and place is None:  # a sample that does not decode is left out, counted
             clone = clone._with(stages.DropUndecodable())

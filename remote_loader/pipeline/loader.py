@@ -19,6 +19,7 @@ from remote_loader.pipeline.dataloader import Loader
 from remote_loader.pipeline.device import (
     DecodingProcess,
     DeviceDecoder,
+    dali,
     decoded_with_states,
     discard,
     give_back,
@@ -26,14 +27,15 @@ from remote_loader.pipeline.device import (
     take,
 )
 from remote_loader.pipeline.device import collate as device_collate
+from remote_loader.pipeline.device.dali import DaliDecoder
 from remote_loader.pipeline.stages import Chain
 
 log = logging.getLogger("remote_loader")
-DECODING = ("process", "thread")
+DECODING = ("dali", "process", "thread")
 
 
 def loader(dataset: IterableDataset, *, num_workers: int | None = None, stateful: bool = False,
-           decoding: str = "process", **options: Any) -> Any:
+           decoding: str | None = None, **options: Any) -> Any:
     """A ``DataLoader`` over ``dataset`` set up to fill this rank's cores.
 
     One Python process runs its Python on one core at a time, so cores are filled by
@@ -51,8 +53,11 @@ def loader(dataset: IterableDataset, *, num_workers: int | None = None, stateful
         num_workers: Worker processes; default one per core of this rank.
         stateful: A torchdata ``StatefulDataLoader`` (its ``state_dict()`` gathers each
             worker's position: see docs/checkpointing.md); needs the ``torchdata`` extra.
-        decoding: For a pipeline that decodes on a device: ``"process"``, in a process of
-            its own (``DeviceLoader``), or ``"thread"``, in a thread of this one.
+        decoding: For a pipeline that decodes on a device: ``"dali"``, by NVIDIA DALI in
+            this process (its own threads: Python a few times a batch); ``"process"``, by
+            nvImageCodec in a process of its own; ``"thread"``, by nvImageCodec in a thread
+            of this one. Default: ``"dali"`` where DALI is installed (the ``gpu`` extra),
+            else ``"process"``.
         **options: Any other ``DataLoader`` argument, overriding these defaults
             (``pin_memory``, ``persistent_workers``, ``prefetch_factor``...).
 
@@ -108,20 +113,27 @@ class DeviceLoader:
     iterate it as the DataLoader it wraps, whose other attributes (``num_workers``...) it
     passes through.
 
-    With ``decoding="process"`` (the default) the DataLoader and the decoder run in a
-    process of their own, started with the loader, so that Python threads of this process
-    (the training step, logging) cannot starve the decoder; this process receives each
-    batch ready. ``"thread"``: a thread of this process decodes, as it does anyway for an
-    iterable that is not a DataLoader, and for a pipeline that cannot be pickled.
+    With ``decoding="dali"`` (the default where DALI is installed) a thread of this process
+    hands each batch to a DALI pipeline, whose native threads decode it (on a GPU, in this
+    process's CUDA context, beside the training step's kernels), taking the GIL a few times
+    a batch. With ``"process"`` the DataLoader and nvImageCodec run in a process of their
+    own, started with the loader, which sends each batch ready. ``"thread"``: nvImageCodec
+    in a thread of this process, as for a pipeline that cannot be pickled.
 
     Its ``state_dict()`` is the wrapped loader's state as of the last batch handed out
     (batches are decoded ahead of you); ``decoded_on`` says where JPEGs are decoded
-    (``"hardware decoder"``, ``"CUDA"`` or ``"CPU"``); ``close()`` ends the decoding
-    process now (it ends by itself when the loader is collected, and at exit)."""
+    (``"GPU (DALI)"``, ``"CPU (DALI)"``, ``"hardware decoder"``, ``"CUDA"`` or ``"CPU"``);
+    ``close()`` ends a decoding process now (it ends by itself when the loader is
+    collected, and at exit)."""
 
-    def __init__(self, inner: Any, decoder: DeviceDecoder, dataset: Any, decoding: str = "process") -> None:
+    def __init__(self, inner: Any, decoder: DeviceDecoder, dataset: Any, decoding: str | None = None) -> None:
+        decoding = default_decoding() if decoding is None else decoding
         if decoding not in DECODING:
             raise ConfigError(f"decoding must be one of {', '.join(map(repr, DECODING))}, got {decoding!r}")
+        if decoding == "dali":
+            if not dali.installed():
+                raise ConfigError(f"decoding='dali' needs NVIDIA DALI: {dali.EXTRA}")
+            decoder = DaliDecoder.like(decoder)
         self.inner, self.decoder, self.dataset = inner, decoder, dataset
         self._state: Any = None  # the wrapped loader's state after the last batch handed out
         self._to_load: Any = None  # a state loaded for the next pass (decoding process)
@@ -130,9 +142,9 @@ class DeviceLoader:
         if decoding == "process" and isinstance(inner, DataLoader):
             self._start()
         else:
-            if decoding == "thread":  # the process started for the place's first pipeline serves nothing
+            if decoding != "process":  # a process started for the place's first pipeline serves nothing
                 discard(decoder.place)
-            _ = decoder.codec  # opened now, in your thread: its probe and messages happen here, not mid-epoch
+            decoder.open()  # now, in your thread: its probe and messages happen here, not mid-epoch
 
     def _start(self) -> None:
         self._process = take(self.decoder.place)
@@ -145,7 +157,7 @@ class DeviceLoader:
             self._start()
         pipeline = self._pipeline() if self._process is not None else None
         if self._process is None:
-            _ = self.decoder.codec  # opened in your thread (closed, the loader decodes here)
+            self.decoder.open()  # in your thread (closed, the loader decodes here)
             snapshot = getattr(self.inner, "state_dict", None)
             for item, state in decoded_with_states(self.inner, self.decoder, snapshot):
                 self._state = state
@@ -173,7 +185,7 @@ class DeviceLoader:
                         " this process instead, where Python threads of your own slow them; make its functions"
                         " picklable, or say decoding='thread'", type(error).__name__, str(error)[:200])
             self.close()
-            _ = self.decoder.codec
+            self.decoder.open()
             return None
         self._sent = True
         return pipeline
@@ -219,6 +231,11 @@ class DeviceLoader:
         return getattr(self.inner, name)
 
 
+def default_decoding() -> str:
+    """``"dali"`` where DALI can be imported, else ``"process"``."""
+    return "dali" if dali.installed() else "process"
+
+
 def _world() -> tuple[int, int] | None:
     """This rank and the world's size where torch.distributed was set up in this process
     (the decoding process, which has none, reads them from its environment otherwise)."""
@@ -227,12 +244,14 @@ def _world() -> tuple[int, int] | None:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else None
 
 
-def decode_batches(batches: Iterable[Any], dataset: Any, *, decoding: str = "process") -> DeviceLoader | Iterable[Any]:
+def decode_batches(batches: Iterable[Any], dataset: Any, *, decoding: str | None = None
+                   ) -> DeviceLoader | Iterable[Any]:
     """The batches of a DataLoader of your own over ``dataset`` (a pipeline with
     ``decode(..., device=...)``), decoded on the device as they come: each is ready when
-    handed out. ``loader()`` does this by itself. A DataLoader runs in a decoding process
+    handed out. ``loader()`` does this by itself. ``decoding`` is ``loader()``'s: DALI in
+    this process by default; with ``"process"``, a DataLoader runs in a decoding process
     with the decoder (``DeviceLoader``; pickled there, once for persistent workers, else at
-    each epoch); any other iterable of batches is decoded by a thread of this process.
+    each epoch), and any other iterable of batches is decoded by a thread of this process.
 
     Batches are decoded ahead of the one handed out, so a ``StatefulDataLoader``'s own
     ``state_dict()`` would count batches you have not had: checkpoint the ``state_dict()``

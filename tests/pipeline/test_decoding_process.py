@@ -26,10 +26,18 @@ import torch
 
 from remote_loader import ConfigError, RandomResizedCrop, RemoteDataset, loader
 from remote_loader.errors import DecoderExited
+from remote_loader.pipeline import loader as loading
 from remote_loader.testing.synthetic import SyntheticImages
 from tests.helpers import require_nvimagecodec, upload_to_new_bucket
 
 N, OTHER = 48, 24
+
+
+@pytest.fixture(autouse=True)
+def decoding_process(monkeypatch):
+    """``loader()`` and ``decode_batches()`` here decode in a process unless told otherwise
+    (where DALI is installed they would decode with it, in this process)."""
+    monkeypatch.setattr(loading, "default_decoding", lambda: "process")
 
 
 @pytest.fixture(scope="module")
@@ -279,7 +287,7 @@ def test_a_decoding_process_whose_user_is_killed_ends_without_a_word(client, sea
         client = make_client({seaweed.endpoint_url!r}, {seaweed.access_key!r}, {seaweed.secret_key!r})
         ds = (RemoteDataset(client, "decoding-process", "d").decode(RandomResizedCrop(32), device="cpu", batched=True)
               .to_tuple("jpg", "cls").batched(4))
-        batches = loader(ds, num_workers=1)
+        batches = loader(ds, num_workers=1, decoding="process")
         next(iter(batches))
         print(batches.pid, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
@@ -446,7 +454,7 @@ def test_a_decoding_process_ends_with_its_user_though_a_fork_holds_the_socket(cl
         client = make_client({seaweed.endpoint_url!r}, {seaweed.access_key!r}, {seaweed.secret_key!r})
         ds = (RemoteDataset(client, "decoding-process", "d").decode(RandomResizedCrop(32), device="cpu",
               batched=True).to_tuple("jpg", "cls").batched(8))
-        batches = loader(ds, num_workers=1)
+        batches = loader(ds, num_workers=1, decoding="process")
         next(iter(batches))
         helper = os.fork()
         if helper == 0:  # a helper of the user's, which holds the user's end of the socket

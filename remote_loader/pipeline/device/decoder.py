@@ -34,7 +34,8 @@ class Place:
 
 SKIPPED = object()
 """What ``finish`` makes of a sample or batch whose every JPEG it left out (``skip``)."""
-_DECODERS = {HARDWARE: "the GPU's hardware decoder", CUDA: "nvJPEG's CUDA decoder", CPU: "the CPU decoder"}
+_DECODERS = {HARDWARE: "the GPU's hardware decoder", CUDA: "nvJPEG's CUDA decoder", CPU: "the CPU decoder",
+             "GPU (DALI)": "DALI on the GPU", "CPU (DALI)": "DALI on the CPU"}
 
 
 @dataclass
@@ -97,29 +98,44 @@ class DeviceDecoder:
         """Where JPEGs are decoded, in words: ``"hardware decoder"``, ``"CUDA"`` or ``"CPU"``."""
         return self.codec.decoded_on
 
+    def open(self) -> None:
+        """Open the JPEG decoder now, in the calling thread (its probe and messages happen
+        here, not mid-epoch)."""
+        _ = self.codec
+
+    def crops(self, jpegs: list[Any], boxes: list[Any], flips: list[bool],
+              stream: Any) -> tuple[torch.Tensor | None, list[int]]:
+        """The crops of the ``jpegs`` that decode (``n x 3 x size x size``, uint8 or
+        normalised as the crop says, in order; None where none does), and the positions of
+        those that do not."""
+        decoded = self.codec.decode(jpegs, stream.cuda_stream if stream is not None else 0)
+        good = [k for k, image in enumerate(decoded) if image is not None]
+        failed = [k for k, image in enumerate(decoded) if image is None]
+        if not good:
+            return None, failed
+        return self._finish(resize([decoded[k] for k in good], [boxes[k] for k in good],  # type: ignore[misc]
+                                   [flips[k] for k in good], self.crop.size, self.device)), failed
+
     def decode(self, batch: EncodedBatch, stream: Any = None) -> tuple[torch.Tensor, list[int]]:
         """The batch's crops, ``n x 3 x size x size``, and the positions kept (all but the
         JPEGs left out under ``OnError.SKIP``)."""
         jpegs = batch.jpegs()
         whole = [k for k, problem in enumerate(batch.problems) if problem is None]  # the others never reach it
-        decoded = self.codec.decode([jpegs[k] for k in whole], stream.cuda_stream if stream is not None else 0)
-        images: list[torch.Tensor | None] = [None] * len(jpegs)
-        for k, image in zip(whole, decoded, strict=True):
-            images[k] = image
-        failed = [k for k, image in enumerate(images) if image is None]
+        crops, broken = (self.crops([jpegs[k] for k in whole], [batch.boxes[k] for k in whole],
+                                    [batch.flips[k] for k in whole], stream) if whole else (None, []))
+        left_out = set(broken)
+        good = [k for i, k in enumerate(whole) if i not in left_out]
+        failed = sorted(set(range(len(jpegs))) - set(good))
         if failed and not self.on_error.skips:
             key, shard = batch.names[failed[0]]
             why = batch.problems[failed[0]] or f"{_DECODERS.get(self.decoded_on, self.decoded_on)} could not decode it"
             raise DecodeError(f"sample {key!r} of {shard} is not a decodable JPEG: {why} ({len(failed)} of the"
-                              f" batch's {len(images)} JPEGs are not)", key=key)
+                              f" batch's {len(jpegs)} JPEGs are not)", key=key)
         if failed:
             self.metrics.add(skipped=len(failed))
-        good = [k for k, image in enumerate(images) if image is not None]
         parts, order = [], [batch.positions[k] for k in good]
-        if good:
-            crops = resize([images[k] for k in good], [batch.boxes[k] for k in good],  # type: ignore[misc]
-                           [batch.flips[k] for k in good], self.crop.size, self.device)
-            parts.append(self._finish(crops))
+        if crops is not None:
+            parts.append(crops)
         for position, tensor in batch.decoded.items():  # decoded by a worker, final already
             parts.append(tensor.to(self.device, non_blocking=True)[None])
             order.append(position)

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from remote_loader.errors import ConfigError
+from remote_loader.pipeline.device import dali
 from remote_loader.pipeline.device.codec import installed, open_codec, require_installed
 from remote_loader.pipeline.device.decoder import Place
 from remote_loader.pipeline.device.process import prestart
@@ -15,18 +16,21 @@ from remote_loader.pipeline.device.process import prestart
 _DEVICES = "decode device must be 'cpu', 'cuda', 'cuda:N' or 'auto'"
 
 
-def check_device(device: Any, batched: bool, cpu_fallback: bool = False) -> Place | None:
+def check_device(device: Any, batched: bool, cpu_fallback: bool = False, crop: Any = None) -> Place | None:
     """None for the CPU path in the workers, else where the batched path decodes: ``"cuda"``
     resolved to this process's current GPU (the rank's, as torchrun and DDP set it).
 
     Only what is cheap to know is checked here (the device, CUDA, nvImageCodec installed):
     which of the GPU's decoders work is found where the batches are decoded, when the
-    decoder opens, so CUDA and the decoders start in the decoding process, which starts
-    now (the first pipeline of this process and place) while you go on. ``"auto"`` must
+    decoder opens, so CUDA and the decoders start while you go on: in a decoding process,
+    which starts now (the first pipeline of this process and place). ``"auto"`` must
     choose between the two paths now, so it opens the GPU's decoder here: where none
-    decodes, it takes the CPU path."""
+    decodes, it takes the CPU path. Where DALI is installed (the default decoder, in this
+    process), its pipeline for ``crop`` is built on a thread now instead."""
     place = _resolved(device, batched, cpu_fallback)
-    if place is not None:
+    if place is not None and crop is not None and dali.installed():
+        dali.prestart(place, crop)
+    elif place is not None:
         prestart(place)
     return place
 

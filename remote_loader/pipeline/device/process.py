@@ -276,7 +276,9 @@ class _Received:
             own = rebuild(received, lambda _, x: x.clone() if isinstance(x, torch.Tensor) and x.is_cuda else WALK_ON)
             copied = torch.cuda.Event()
             copied.record(self._stream)
-        del received  # the IPC tensors go back to the sender: their release waits for this stream alone
+            # The IPC tensors go back to the sender here, while this stream is current: their
+            # release synchronises the current stream, which must be this one, not your step's.
+            del received
         current = torch.cuda.current_stream(self.device)
         current.wait_event(copied)
         for _, tensor in leaves(own, torch.Tensor):
