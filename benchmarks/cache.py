@@ -10,7 +10,11 @@ LitData's (``cache_dir``), each written by its own writer and read as the suite 
    epochs: what they fetched from the store together, with the cache and without it.
 
     BENCH_SHARD_BYTES=16000000 python benchmarks/cache.py [--images 3000] [--workers 0 2]
-        [--profile s3-same-region] [--repeats 3] [--out results/cache-<commit>.json]
+        [--profile s3-same-region] [--repeats 3] [--cache-rows] [--out results/cache-<commit>.json]
+
+``--cache-rows`` runs only the rows of (1) with each system's cache: epoch 2 there is each
+loader's own cost per sample, the store out of the way. Two trees compared alternate runs of
+``--repeats 1``, each with ``PYTHONPATH`` naming its tree (the child processes inherit it).
 
 Every row is a fresh process (each system's cache emptied first), each row run ``--repeats``
 times in turn; the tables show the run of the median rate per epoch. The relay and the server
@@ -167,8 +171,12 @@ def _measure(args: argparse.Namespace, target: Any, shaped: Any, counters: str, 
             for setting in settings(system):  # LitData: batch_decode 1 and all, as the suite tries it
                 (epochs,) = _rows(system, shaped, workers, str(work / f"cache-{system}"), counters, setting=setting)
                 record(f"{system}, {workers} workers{f', batch_decode={setting}' if setting else ''}, cache", epochs)
+        if args.cache_rows:
+            continue
         (epochs,) = _rows("remote_loader", shaped, workers, None, counters)
         record(f"remote_loader, {workers} workers, no cache", epochs)
+    if args.cache_rows:
+        return
     for system in args.systems:
         for cache in (True, False) if system == "remote_loader" else (True,):
             ranks = _rows(system, shaped, 0, str(work / f"cache-{system}") if cache else None, counters, world=2,
@@ -198,6 +206,7 @@ def main() -> None:
     parser.add_argument("--data", type=Path, default=Path(tempfile.gettempdir()) / "remote-loader-bench-images",
                         help="where the generated JPEGs are kept between runs")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument("--cache-rows", action="store_true", help="only the rows of (1) with each system's cache")
     args = parser.parse_args()
 
     import data
