@@ -8,6 +8,7 @@ stopped process; the rank torch.distributed set up here reaches it."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import itertools
 import logging
@@ -36,8 +37,8 @@ N, OTHER = 48, 24
 @pytest.fixture(autouse=True)
 def decoding_process(monkeypatch):
     """``loader()`` and ``decode_batches()`` here decode in a process unless told otherwise
-    (where DALI is installed they would decode with it, in this process)."""
-    monkeypatch.setattr(loading, "default_decoding", lambda: "process")
+    (as on the CPU; on a GPU with DALI installed they would decode with it, in this process)."""
+    monkeypatch.setattr(loading, "default_decoding", lambda device: "process")
 
 
 @pytest.fixture(scope="module")
@@ -483,3 +484,42 @@ def test_decoded_on_is_said_before_the_first_pass(client):
     asking.join(timeout=120)  # a bound on a hang, not a measure of speed
     assert said == ["CPU"]
     assert sorted(keys(batches)) == EVERY  # and the pass after it is whole
+
+
+def test_a_decoding_process_waiting_on_a_stuck_worker_ends_with_its_user(client, seaweed):
+    # Its user killed while it waits in a pass for a batch that never comes (a worker stuck in a
+    # user's map, or retrying a server that is gone): it used to wait for ever, CPU and all.
+    script = textwrap.dedent(f"""
+        import os, signal, time
+        from remote_loader import RandomResizedCrop, RemoteDataset, loader, make_client
+        seen = []
+        def stuck(sample):  # in the worker: the first batch passes, the second never comes
+            seen.append(sample[2])
+            if len(seen) > 8:
+                time.sleep(3600)
+            return sample
+        client = make_client({seaweed.endpoint_url!r}, {seaweed.access_key!r}, {seaweed.secret_key!r})
+        ds = (RemoteDataset(client, "decoding-process", "d").decode(RandomResizedCrop(32), device="cpu",
+              batched=True).to_tuple("jpg", "cls", "__key__").map(stuck).batched(4))
+        batches = loader(ds, num_workers=1, decoding="process")
+        next(iter(batches))
+        print(batches.pid, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    run = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert select.select([run.stdout], [], [], 120)[0], "the first batch never came"
+        decoding = int(run.stdout.readline())
+        with open(f"/proc/{decoding}/task/{decoding}/children") as children:
+            (worker,) = map(int, children.read().split())
+        run.wait(timeout=60)
+    finally:
+        run.kill()
+        run.stdout.close()
+    try:
+        assert ended_within(decoding, 30)
+        assert ended_within(worker, 30)  # the worker stuck in the map too
+    finally:
+        for pid in (decoding, worker):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

@@ -14,6 +14,7 @@ and ends the pass, not the process.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -61,6 +62,15 @@ def serve(fd: int) -> None:
         pass
 
 
+def _end() -> None:
+    """End this process now, quietly, and its DataLoader workers with it (one stuck in a
+    user's function would not see its parent go)."""
+    for child in multiprocessing.active_children():
+        with contextlib.suppress(OSError):
+            child.kill()
+    os._exit(0)
+
+
 class _Server:
     def __init__(self, channel: Channel, setup: dict[str, Any]) -> None:
         self.channel, self.pid = channel, os.getpid()
@@ -85,17 +95,17 @@ class _Server:
 
     def _read(self, parent: int) -> None:
         """The socket, read into ``commands`` as messages come; this process ended (quietly,
-        its workers with it) once the user's process has ended."""
+        its workers with it) once the user's process has ended, or closed its end: whatever
+        the main thread waits for then (a batch from a stuck worker) is for no one."""
         while True:
             try:
                 if not self.channel.ready(_STEP):
                     if os.getppid() != parent:
-                        os._exit(0)
+                        _end()
                     continue
                 self.commands.put(self.channel.receive())
             except (EOFError, OSError):
-                self.commands.put(("close",))
-                return
+                _end()
 
     def command(self, timeout: float | None = None) -> tuple[Any, ...] | None:
         try:
