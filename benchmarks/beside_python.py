@@ -8,11 +8,12 @@ process runs at a fraction of its rate beside it. Here that Python is a thread s
 pure-Python loop, the worst case.
 
     python benchmarks/beside_python.py [--images 2048] [--size 48 32] [--crop 16] [--batch 256]
-        [--workers 1] [--device cpu] [--decoding process thread] [--repeats 3]
+        [--workers 1] [--device cpu] [--decoding dali process thread] [--repeats 3]
         [--against CHECKOUT] [--json FILE]
 
-The set-up is the GPU stage's on nvImageCodec's CPU backend (``device="cpu",
-batched=True``: the same code path as on a GPU), so it runs anywhere: ``loader(ds)`` over
+The set-up is the GPU stage's on the decoders' CPU backends (``device="cpu", batched=True``:
+DALI's CPU operators, nvImageCodec's CPU backend; the same code path as on a GPU), so it
+runs anywhere: ``loader(ds)`` over
 ``--images`` generated JPEGs of ``--size`` in the embedded SeaweedFS, decoded with
 ``RandomResizedCrop(--crop)``, batches of ``--batch``, ``--workers`` DataLoader workers. On
 a GPU node, ``--device cuda`` measures the same on the GPU.
@@ -126,7 +127,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--decoding", nargs="+", default=["process", "thread"])
+    parser.add_argument("--decoding", nargs="+", default=["dali", "process", "thread"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rate", type=int, default=500, help="py-spy samples per second")
     parser.add_argument("--against", help="another checkout, measured alternating with this one")

@@ -48,7 +48,8 @@ def ours(spec: dict[str, Any], bucket: str, shuffle: int) -> Any:
     crop = RandomResizedCrop(224, mean=MEAN, std=STD) if spec.get("train") else RandomResizedCrop(224)
     ds = (RemoteDataset(client, bucket, "ours", seed=0).shuffle(shuffle)
           .decode(crop, device=spec["device"], batched=True).to_tuple("jpg", "cls").batched(GPU_BATCH))
-    return loader(ds) if spec["workers"] is None else loader(ds, num_workers=spec["workers"])
+    options = {"decoding": spec["decoding"]} if spec.get("decoding") else {}  # default: DALI in this process
+    return loader(ds, **options) if spec["workers"] is None else loader(ds, num_workers=spec["workers"], **options)
 
 
 def torchvision_augment(datas: list[Any]) -> Any:
@@ -95,12 +96,13 @@ def memory(spec: dict[str, Any]) -> Any:
     import numpy as np
 
     from remote_loader import RandomResizedCrop
-    from remote_loader.pipeline.device import DeviceDecoder, EncodedBatch, check_device, prepare
+    from remote_loader.pipeline.device import DeviceDecoder, EncodedBatch, prepare
+    from remote_loader.pipeline.device.place import _resolved  # where it decodes, starting nothing
 
     on_gpu = spec["device"] == "cuda"
     datas = _jpegs(spec, IN_MEMORY if on_gpu else GPU_BATCH)
     crop, rng = RandomResizedCrop(224), np.random.default_rng(0)
-    place = check_device(spec["device"], True, start=False)
+    place = _resolved(spec["device"], True)
     assert place is not None
     decoder = DeviceDecoder(crop, place)
     for _ in range(4 if on_gpu else 1):

@@ -11,7 +11,9 @@ nvImageCodec's CPU backend.
 - ``device="cuda"`` and ``"cuda:0"``: where each resolves, and where JPEGs are decoded
   (``decoded_on``: the hardware decoder expected on an H100 or H200);
 - crops against the CPU path's, on 256 of the JPEGs: exact settings and the defaults
-  (mean and largest difference, in levels);
+  (mean and largest difference, in levels), by nvImageCodec and by DALI;
+- the same batch decoded 200 times by each, the allocator churned in between: batches that
+  differ from the first (torchvision #9606's out-of-order writes of the hardware decoder);
 - damaged JPEGs in a batch (cut short, garbage inside the scan, the scan's second half
   zeroed): raised, skipped, or decoded into garbage (the mean difference from the intact
   image's crop); and an EXIF-rotated JPEG against the CPU path;
@@ -96,10 +98,11 @@ def gil_share(datas: list[bytes], device: str) -> dict[str, Any]:
     import numpy as np
 
     from remote_loader import RandomResizedCrop
-    from remote_loader.pipeline.device import DeviceDecoder, EncodedBatch, check_device, prepare
+    from remote_loader.pipeline.device import DeviceDecoder, EncodedBatch, prepare
+    from remote_loader.pipeline.device.place import _resolved  # where it decodes, starting nothing
 
     crop = RandomResizedCrop(224)
-    place = check_device(device, True, start=False)
+    place = _resolved(device, True)
     assert place is not None
     decoder = DeviceDecoder(crop, place)
     rng = np.random.default_rng(0)
@@ -136,30 +139,35 @@ def gil_share(datas: list[bytes], device: str) -> dict[str, Any]:
 
 def devices(device: str) -> dict[str, Any]:
     from remote_loader import RandomResizedCrop
-    from remote_loader.pipeline.device import DeviceDecoder, check_device
+    from remote_loader.pipeline.device import DeviceDecoder
+    from remote_loader.pipeline.device.place import _resolved  # where it decodes, starting nothing
 
     out = {}
     for name in ((device, f"{device}:0") if device == "cuda" else (device,)):
-        place = check_device(name, True, start=False)
+        place = _resolved(name, True)
         assert place is not None
         out[name] = {"resolved": str(place.device), "decoded_on": DeviceDecoder(RandomResizedCrop(8), place).decoded_on}
     return out
 
 
 def _crops(datas: list[bytes], crop: Any, device: str, skip: bool = False,
-           cpu_too: bool = True) -> tuple[Any, Any, list[int]]:
-    """The CPU path's crops (None without ``cpu_too``) and the device path's, each JPEG's box
-    drawn from its own seed."""
+           cpu_too: bool = True, dali: bool = False) -> tuple[Any, Any, list[int]]:
+    """The CPU path's crops (None without ``cpu_too``) and the device path's (nvImageCodec's,
+    or DALI's), each JPEG's box drawn from its own seed."""
     import numpy as np
     import torch
 
-    from remote_loader.pipeline.device import DeviceDecoder, EncodedBatch, check_device, prepare
+    from remote_loader.errors import OnError
+    from remote_loader.pipeline.device import DeviceDecoder, EncodedBatch, prepare
+    from remote_loader.pipeline.device.dali import DaliDecoder
+    from remote_loader.pipeline.device.place import _resolved  # where it decodes, starting nothing
 
     cpu = torch.stack([crop.decode(d, np.random.default_rng(i)) for i, d in enumerate(datas)]) if cpu_too else None
-    place = check_device(device, True, start=False)
+    place = _resolved(device, True)
     assert place is not None
     batch = EncodedBatch([prepare(crop, d, np.random.default_rng(i), str(i), "smoke") for i, d in enumerate(datas)])
-    images, kept = DeviceDecoder(crop, place, skip=skip).decode(batch)
+    decoder = (DaliDecoder if dali else DeviceDecoder)(crop, place, on_error=OnError.SKIP if skip else OnError.RAISE)
+    images, kept = decoder.decode(batch)
     return cpu, images.cpu(), kept
 
 
@@ -173,6 +181,54 @@ def crops(datas: list[bytes], device: str) -> dict[str, Any]:
         diff = (cpu.int() - ours.int()).abs().float()
         out[name] = {"mean": float(diff.mean()), "max": float(diff.max()),
                      "worst_image_mean": float(diff.mean(dim=(1, 2, 3)).max())}
+    return out
+
+
+def dali_crops(datas: list[bytes], device: str) -> dict[str, Any]:
+    """DALI's crops (``decoding="dali"``) against the CPU path's, as ``crops`` does, with the
+    outermost ring of pixels apart (DALI's resize repeats a crop's edge pixels)."""
+    from remote_loader import RandomResizedCrop
+
+    out = {}
+    exact, default = RandomResizedCrop(224, reduced=False, fast=False), RandomResizedCrop(224)
+    for name, crop in (("exact", exact), ("default", default)):
+        cpu, ours, _ = _crops(datas, crop, device, dali=True)
+        diff = (cpu.int() - ours.int()).abs().float()
+        out[name] = {"mean": float(diff.mean()), "max": float(diff.max()),
+                     "inner_max": float(diff[..., 1:-1, 1:-1].max())}
+    return out
+
+
+REPEATS = 200
+
+
+def repeatable(datas: list[bytes], device: str) -> dict[str, Any]:
+    """The same batch decoded ``REPEATS`` times by each decoder, torch's allocator given back
+    and taken again in between (torchvision #9606: nvJPEG's hardware decoder wrote into memory
+    the allocator had just reused, out of stream order, and 134 of 200 batches came wrong on an
+    H100): how many batches differ from the first."""
+    import numpy as np
+    import torch
+
+    from remote_loader import RandomResizedCrop
+    from remote_loader.pipeline.device import DeviceDecoder, EncodedBatch, prepare
+    from remote_loader.pipeline.device.dali import DaliDecoder
+    from remote_loader.pipeline.device.place import _resolved
+
+    crop, place = RandomResizedCrop(224), _resolved(device, True)
+    assert place is not None
+    batch = EncodedBatch([prepare(crop, d, np.random.default_rng(i), str(i), "smoke") for i, d in enumerate(datas)])
+    out = {}
+    for name, kind in (("nvimagecodec", DeviceDecoder), ("dali", DaliDecoder)):
+        decoder = kind(crop, place)
+        first, _ = decoder.decode(batch)
+        differ = 0
+        for k in range(REPEATS if device == "cuda" else 3):
+            churn = torch.empty(int(first.numel()) * (1 + k % 3), dtype=torch.uint8, device=place.device)
+            images, _ = decoder.decode(batch)
+            del churn
+            differ += not torch.equal(images, first)
+        out[name] = {"batches": REPEATS if device == "cuda" else 3, "differing": differ}
     return out
 
 
@@ -326,7 +382,8 @@ def main() -> None:
     checks: list[tuple[str, Callable[[], Any]]] = [
         ("first_batch", lambda: first_batch(args, device)), ("codec_startup", lambda: codec_startup(device)),
         ("devices", lambda: devices(device)),
-        ("crops", lambda: crops(datas[:256], device)), ("damaged", lambda: damaged(datas, device)),
+        ("crops", lambda: crops(datas[:256], device)), ("dali_crops", lambda: dali_crops(datas[:256], device)),
+        ("repeatable", lambda: repeatable(datas[:256], device)), ("damaged", lambda: damaged(datas, device)),
         ("exif", lambda: exif(datas, device)), ("early_break", lambda: early_break(args, device)),
         ("decoding_profile", lambda: decoding_profile(args, device)),
         ("from_memory", lambda: from_memory(datas if device == "cuda" else datas[:256], device)),

@@ -56,8 +56,8 @@ def loader(dataset: IterableDataset, *, num_workers: int | None = None, stateful
         decoding: For a pipeline that decodes on a device: ``"dali"``, by NVIDIA DALI in
             this process (its own threads: Python a few times a batch); ``"process"``, by
             nvImageCodec in a process of its own; ``"thread"``, by nvImageCodec in a thread
-            of this one. Default: ``"dali"`` where DALI is installed (the ``gpu`` extra),
-            else ``"process"``.
+            of this one. Default: ``"dali"`` on a GPU where DALI is installed (the ``gpu``
+            extra), else ``"process"``.
         **options: Any other ``DataLoader`` argument, overriding these defaults
             (``pin_memory``, ``persistent_workers``, ``prefetch_factor``...).
 
@@ -113,7 +113,7 @@ class DeviceLoader:
     iterate it as the DataLoader it wraps, whose other attributes (``num_workers``...) it
     passes through.
 
-    With ``decoding="dali"`` (the default where DALI is installed) a thread of this process
+    With ``decoding="dali"`` (the default on a GPU where DALI is installed) a thread of this process
     hands each batch to a DALI pipeline, whose native threads decode it (on a GPU, in this
     process's CUDA context, beside the training step's kernels), taking the GIL a few times
     a batch. With ``"process"`` the DataLoader and nvImageCodec run in a process of their
@@ -127,7 +127,7 @@ class DeviceLoader:
     collected, and at exit)."""
 
     def __init__(self, inner: Any, decoder: DeviceDecoder, dataset: Any, decoding: str | None = None) -> None:
-        decoding = default_decoding() if decoding is None else decoding
+        decoding = default_decoding(decoder.device) if decoding is None else decoding
         if decoding not in DECODING:
             raise ConfigError(f"decoding must be one of {', '.join(map(repr, DECODING))}, got {decoding!r}")
         if decoding == "dali":
@@ -231,9 +231,11 @@ class DeviceLoader:
         return getattr(self.inner, name)
 
 
-def default_decoding() -> str:
-    """``"dali"`` where DALI can be imported, else ``"process"``."""
-    return "dali" if dali.installed() else "process"
+def default_decoding(device: torch.device) -> str:
+    """``"dali"`` on a GPU where DALI can be imported (one CUDA context: the decoder's kernels
+    run beside the step's, not in turns with them), else ``"process"`` (on the CPU, a Python
+    thread of the step slows a decoder of its own process more than one of another)."""
+    return "dali" if device.type == "cuda" and dali.installed() else "process"
 
 
 def _world() -> tuple[int, int] | None:
@@ -249,7 +251,7 @@ def decode_batches(batches: Iterable[Any], dataset: Any, *, decoding: str | None
     """The batches of a DataLoader of your own over ``dataset`` (a pipeline with
     ``decode(..., device=...)``), decoded on the device as they come: each is ready when
     handed out. ``loader()`` does this by itself. ``decoding`` is ``loader()``'s: DALI in
-    this process by default; with ``"process"``, a DataLoader runs in a decoding process
+    this process by default on a GPU; with ``"process"``, a DataLoader runs in a decoding process
     with the decoder (``DeviceLoader``; pickled there, once for persistent workers, else at
     each epoch), and any other iterable of batches is decoded by a thread of this process.
 

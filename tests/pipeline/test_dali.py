@@ -1,5 +1,5 @@
 """Decoding batches with DALI in the process that iterates (``decoding="dali"``, the default
-where DALI is installed), through DALI's CPU operators: the same pipeline as on a GPU. The
+on a GPU where DALI is installed), through DALI's CPU operators: the same pipeline as on a GPU. The
 same samples, order and labels as the CPU path, crops within the documented distance of
 its; the crops depend on neither workers nor resume; a JPEG DALI cannot decode is named,
 or left out of its batch under ``skip``; no decoding process. Skipped without DALI."""
@@ -62,16 +62,17 @@ def by_key(batches):
     return {key: image for images, _, keys in batches for image, key in zip(images, keys, strict=True)}
 
 
-def test_dali_is_the_default_and_decodes_in_this_process(client):
-    batches = loader(on_device(client), num_workers=1)
-    assert loading.default_decoding() == "dali"
+def test_dali_is_the_default_on_a_gpu_and_decodes_in_this_process(client):
+    assert loading.default_decoding(torch.device("cuda", 0)) == "dali"
+    assert loading.default_decoding(torch.device("cpu")) == "process"  # beside Python, a process helps there
+    batches = loader(on_device(client), num_workers=1, decoding="dali")
     assert batches.pid is None and batches.decoded_on == "CPU (DALI)"
     assert sum(len(keys) for _, _, keys in batches) == N
 
 
 def test_the_same_samples_as_the_cpu_path_with_crops_within_the_documented_distance(client):
     cpu = list(loader(pipeline(client), num_workers=2))
-    ours = list(loader(on_device(client), num_workers=2))
+    ours = list(loader(on_device(client), num_workers=2, decoding="dali"))
     assert [b[2] for b in ours] == [b[2] for b in cpu] and [b[1].tolist() for b in ours] == [b[1].tolist() for b in cpu]
     gaps = torch.cat([(a[0].int() - b[0].int()).abs().flatten(1) for a, b in zip(ours, cpu, strict=True)])
     inner = torch.cat([(a[0].int() - b[0].int()).abs()[..., 1:-1, 1:-1].flatten(1)
@@ -83,7 +84,7 @@ def test_the_same_samples_as_the_cpu_path_with_crops_within_the_documented_dista
 def test_normalised_crops_come_as_the_cpu_paths(client):
     crop = RandomResizedCrop(48, reduced=False, fast=False, mean=MEAN, std=STD)
     cpu = next(iter(loader(pipeline(client, crop=crop), num_workers=0)))
-    ours = next(iter(loader(on_device(client, crop=crop), num_workers=0)))
+    ours = next(iter(loader(on_device(client, crop=crop), num_workers=0, decoding="dali")))
     assert ours[0].dtype == torch.float32 and ours[2] == cpu[2]
     inner = (ours[0] - cpu[0]).abs()[..., 1:-1, 1:-1]
     assert inner.max() <= 1 / (255 * min(STD)) + 1e-4
@@ -91,11 +92,11 @@ def test_normalised_crops_come_as_the_cpu_paths(client):
 
 def test_the_crops_depend_on_neither_workers_nor_a_resume(client):
     pytest.importorskip("torchdata")
-    whole = by_key(loader(on_device(client), num_workers=0))
-    assert by_key(loader(on_device(client), num_workers=2)).keys() == whole.keys()
-    stopped = loader(on_device(client), num_workers=1, stateful=True)
+    whole = by_key(loader(on_device(client), num_workers=0, decoding="dali"))
+    assert by_key(loader(on_device(client), num_workers=2, decoding="dali")).keys() == whole.keys()
+    stopped = loader(on_device(client), num_workers=1, stateful=True, decoding="dali")
     first = by_key(itertools.islice(iter(stopped), 2))
-    resumed = loader(on_device(client), num_workers=1, stateful=True)
+    resumed = loader(on_device(client), num_workers=1, stateful=True, decoding="dali")
     resumed.load_state_dict(stopped.state_dict())
     rest = by_key(resumed)
     assert not first.keys() & rest.keys() and first.keys() | rest.keys() == whole.keys()
@@ -105,14 +106,14 @@ def test_the_crops_depend_on_neither_workers_nor_a_resume(client):
 def test_a_jpeg_dali_cannot_decode_is_named_or_left_out_of_its_batch(client):
     with pytest.raises(DecodeError, match=r"sample '0000\d\d' of shard-.* is not a decodable JPEG: DALI on the CPU"
                                           r" could not decode it") as info:
-        list(loader(on_device(client, bucket="dali-damaged"), num_workers=0))
+        list(loader(on_device(client, bucket="dali-damaged"), num_workers=0, decoding="dali"))
     assert info.value.key == f"{DAMAGED:06d}"
     skipping = on_device(client, bucket="dali-damaged", on_error="skip")
-    batches = list(loader(skipping, num_workers=0))
+    batches = list(loader(skipping, num_workers=0, decoding="dali"))
     keys = sorted(k for _, _, ks in batches for k in ks)
     assert keys == [f"{i:06d}" for i in range(40) if i != DAMAGED] and skipping.metrics.skipped == 1
     assert all(len(images) == len(labels) == len(ks) for images, labels, ks in batches)
-    whole = by_key(loader(on_device(client, bucket="dali-damaged", on_error="skip"), num_workers=0))
+    whole = by_key(loader(on_device(client, bucket="dali-damaged", on_error="skip"), num_workers=0, decoding="dali"))
     assert all(torch.equal(whole[k], image) for k, image in by_key(batches).items())  # the rest as decoded whole
 
 
@@ -130,6 +131,25 @@ def test_a_batch_larger_than_the_pipeline_was_built_for_is_decoded_whole():
 
 def test_dali_asked_for_where_it_is_not_installed_names_the_extra(client, monkeypatch):
     monkeypatch.setattr(dali, "installed", lambda: False)
-    assert loading.default_decoding() == "process"
+    assert loading.default_decoding(torch.device("cuda", 0)) == "process"
     with pytest.raises(ConfigError, match=r"decoding='dali' needs NVIDIA DALI: install the gpu extra"):
         loader(on_device(client), num_workers=0, decoding="dali")
+
+
+def test_a_process_that_takes_one_batch_and_ends_with_dalis_threads_alive_exits_cleanly(seaweed, client):
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(f"""
+        from remote_loader import RandomResizedCrop, RemoteDataset, loader, make_client
+        client = make_client({seaweed.endpoint_url!r}, {seaweed.access_key!r}, {seaweed.secret_key!r})
+        ds = (RemoteDataset(client, "dali-tests", "d").decode(RandomResizedCrop(32), device="cpu", batched=True)
+              .to_tuple("jpg", "cls").batched(8))
+        batches = iter(loader(ds, num_workers=1, decoding="dali"))
+        images, labels = next(batches)   # the iterator, its thread and DALI's, alive as the script ends
+        print(tuple(images.shape))
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert (done.returncode, done.stderr) == (0, ""), done.stderr[-2000:]
+    assert done.stdout.split() == ["(8,", "3,", "32,", "32)"]

@@ -17,7 +17,6 @@ import torch
 from torch.utils.data import DataLoader
 
 from remote_loader import ConfigError, DecodeError, RandomResizedCrop, RemoteDataset, decode_batches, loader
-from remote_loader.pipeline import loader as loading
 from remote_loader.pipeline.device import EncodedBatch, nvimgcodec
 from remote_loader.testing.synthetic import SyntheticImages
 from tests.helpers import CutShort, upload_to_new_bucket
@@ -32,12 +31,6 @@ BROKEN = 37  # a JPEG cut short after its header: Pillow and the upload take it,
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
-
-@pytest.fixture(autouse=True)
-def nvimagecodec_decodes(monkeypatch):
-    """``loader()`` and ``decode_batches()`` here decode with nvImageCodec (in a process)
-    unless told otherwise; tests/pipeline/test_dali.py runs the same through DALI."""
-    monkeypatch.setattr(loading, "default_decoding", lambda: "process")
 
 
 @pytest.fixture(scope="module")

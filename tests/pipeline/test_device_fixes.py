@@ -23,7 +23,6 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from remote_loader import ConfigError, RandomResizedCrop, RemoteDataset, decode_batches, loader
-from remote_loader.pipeline import loader as loading
 from remote_loader.pipeline.device import Encoded, EncodedBatch
 from remote_loader.pipeline.device.codec import HARDWARE, NvImageCodec
 from remote_loader.pipeline.device.place import indexed
@@ -51,12 +50,6 @@ class Rotated(SyntheticImages):
         return out.getvalue(), self.label(index)
 
 
-
-@pytest.fixture(autouse=True)
-def nvimagecodec_decodes(monkeypatch):
-    """``loader()`` and ``decode_batches()`` here decode with nvImageCodec (in a process)
-    unless told otherwise; tests/pipeline/test_dali.py runs the same through DALI."""
-    monkeypatch.setattr(loading, "default_decoding", lambda: "process")
 
 
 @pytest.fixture(scope="module")

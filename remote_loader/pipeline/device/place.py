@@ -25,10 +25,10 @@ def check_device(device: Any, batched: bool, cpu_fallback: bool = False, crop: A
     decoder opens, so CUDA and the decoders start while you go on: in a decoding process,
     which starts now (the first pipeline of this process and place). ``"auto"`` must
     choose between the two paths now, so it opens the GPU's decoder here: where none
-    decodes, it takes the CPU path. Where DALI is installed (the default decoder, in this
-    process), its pipeline for ``crop`` is built on a thread now instead."""
+    decodes, it takes the CPU path. On a GPU where DALI is installed (the default decoder
+    there, in this process), its pipeline for ``crop`` is built on a thread now instead."""
     place = _resolved(device, batched, cpu_fallback)
-    if place is not None and crop is not None and dali.installed():
+    if place is not None and place.device.type == "cuda" and crop is not None and dali.installed():
         dali.prestart(place, crop)
     elif place is not None:
         prestart(place)
