@@ -41,7 +41,7 @@ from remote_loader.format import Manifest, ShardEntry, ShardTable, ShardWriter
 from remote_loader.format.epoch_order import EpochOrder
 from remote_loader.format.pages import PAGE_ROWS
 from remote_loader.format.shard_counts import ArrayCounts, RunCounts
-from remote_loader.pipeline.split import PlanSpans, laps, worker_bounds
+from remote_loader.pipeline.order.split import PlanSpans, laps, worker_bounds
 from remote_loader.testing.server import EmbeddedS3
 
 PER_SHARD = 1000

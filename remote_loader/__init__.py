@@ -35,23 +35,23 @@ from remote_loader.upload import ImageFolder, UploadSummary, upload_cv_dataset
 if TYPE_CHECKING:
     from remote_loader.mapstyle.dataset import RemoteMapDataset
     from remote_loader.mapstyle.samplers import LocalitySampler, UniformSampler
-    from remote_loader.pipeline.augment import RandomResizedCrop
-    from remote_loader.pipeline.collate import collate
     from remote_loader.pipeline.dataset import RemoteDataset
-    from remote_loader.pipeline.loader import decode_batches, loader
-    from remote_loader.pipeline.restore import restore
+    from remote_loader.pipeline.run.loader import decode_batches, loader
+    from remote_loader.pipeline.stages.augment import RandomResizedCrop
+    from remote_loader.pipeline.stages.collate import collate
+    from remote_loader.pipeline.stages.restore import restore
 
 __version__ = "0.1.0"
 
 # The datasets need torch, which takes about a second to import: they load on first use, so
 # the command line and uploads start at once.
 _LAZY = {
-    "RandomResizedCrop": "remote_loader.pipeline.augment",
+    "RandomResizedCrop": "remote_loader.pipeline.stages.augment",
     "RemoteDataset": "remote_loader.pipeline.dataset",
-    "loader": "remote_loader.pipeline.loader",
-    "decode_batches": "remote_loader.pipeline.loader",
-    "restore": "remote_loader.pipeline.restore",
-    "collate": "remote_loader.pipeline.collate",
+    "loader": "remote_loader.pipeline.run.loader",
+    "decode_batches": "remote_loader.pipeline.run.loader",
+    "restore": "remote_loader.pipeline.stages.restore",
+    "collate": "remote_loader.pipeline.stages.collate",
     "RemoteMapDataset": "remote_loader.mapstyle",
     "LocalitySampler": "remote_loader.mapstyle",
     "UniformSampler": "remote_loader.mapstyle",

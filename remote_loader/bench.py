@@ -12,8 +12,8 @@ from torch.utils.data import DataLoader
 from remote_loader.config import FetchConfig
 from remote_loader.errors import ConfigError
 from remote_loader.format import fields
-from remote_loader.pipeline.augment import RandomResizedCrop
 from remote_loader.pipeline.dataset import RemoteDataset
+from remote_loader.pipeline.stages.augment import RandomResizedCrop
 from remote_loader.storage import Store
 
 BATCH = 64

@@ -12,6 +12,9 @@ from urllib.parse import urlsplit
 from remote_loader.errors import ConfigError
 
 BACKENDS = ("boto3", "minio", "local")
+MAX_WORKERS = 1024
+"""Most DataLoader workers a RemoteDataset runs in, and a state may name (a bound on what a state
+dict may allocate)."""
 
 _HOST_PORT = re.compile(r"^[A-Za-z0-9.-]+:\d+$")
 

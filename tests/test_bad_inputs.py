@@ -35,7 +35,7 @@ from remote_loader import (
     upload_cv_dataset,
 )
 from remote_loader.format import MANIFEST_NAME, Manifest
-from remote_loader.pipeline.decode import decode_sample
+from remote_loader.pipeline.stages.decode import decode_sample
 from remote_loader.storage import Location
 from remote_loader.testing.synthetic import SyntheticImages
 from remote_loader.upload.indexer import index_webdataset

@@ -7,8 +7,8 @@ from functools import partial
 
 import numpy as np
 
-from remote_loader.format.cache import Kept
 from remote_loader.format.shard_counts import Counts, block_totals
+from remote_loader.kept import Kept
 
 
 def shard_order(num_shards: int, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:

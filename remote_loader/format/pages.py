@@ -20,12 +20,12 @@ import numpy as np
 
 from remote_loader.checksum import crc32
 from remote_loader.errors import CorruptShard
-from remote_loader.format.cache import Kept
 from remote_loader.format.columns import LIMIT, array, column, increasing, manifest_error, narrow
 from remote_loader.format.index import require
 from remote_loader.format.names import TemplateNames, check_name, render, template_parts
 from remote_loader.format.shard_counts import RunCounts
 from remote_loader.format.table import ShardEntry, Shards, ShardTable, check_table
+from remote_loader.kept import Kept
 
 PAGE_ROWS = 4096
 """Shards per page, and per block of the epoch's order, that remote_loader writes."""

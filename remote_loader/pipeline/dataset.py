@@ -10,21 +10,22 @@ from typing import Any
 
 from torch.utils.data import IterableDataset, get_worker_info
 
-from remote_loader.config import CacheConfig, FetchConfig, current_world, require_bool, require_int
+from remote_loader.config import MAX_WORKERS, CacheConfig, FetchConfig, current_world, require_bool, require_int
 from remote_loader.errors import ConfigError, DatasetChanged, OnError, ResumeError
-from remote_loader.pipeline import resume, stages
-from remote_loader.pipeline.augment import RandomResizedCrop
-from remote_loader.pipeline.collate import collate as collate_samples
-from remote_loader.pipeline.delivery import Mixing
 from remote_loader.pipeline.device import DeviceDecoder, check_device
 from remote_loader.pipeline.device import collate as device_collate
-from remote_loader.pipeline.epochs import EpochClock
-from remote_loader.pipeline.resume import MAX_WORKERS, Handover, Layout
-from remote_loader.pipeline.source import Indexed
-from remote_loader.pipeline.split import rank_size
-from remote_loader.pipeline.stream import Data, WorkerStream
-from remote_loader.pipeline.tars import Unindexed
-from remote_loader.pipeline.uploads import Uploads
+from remote_loader.pipeline.order.delivery import Mixing
+from remote_loader.pipeline.order.split import rank_size
+from remote_loader.pipeline.sources.indexed import Indexed
+from remote_loader.pipeline.sources.tars import Unindexed
+from remote_loader.pipeline.stages import chain as stages
+from remote_loader.pipeline.stages.augment import RandomResizedCrop
+from remote_loader.pipeline.stages.collate import collate as collate_samples
+from remote_loader.pipeline.state import resume
+from remote_loader.pipeline.state.epochs import EpochClock
+from remote_loader.pipeline.state.resume import Handover, Layout
+from remote_loader.pipeline.state.stream import Data, WorkerStream
+from remote_loader.pipeline.state.uploads import Uploads
 from remote_loader.read import DatasetReader, Metrics
 from remote_loader.storage import Store, open_location
 
@@ -33,7 +34,7 @@ class RemoteDataset(IterableDataset):
     """Samples of an uploaded dataset, in a fresh shard order every epoch.
 
     Each epoch the shard order is drawn from (seed, epoch); ranks and then DataLoader
-    workers take contiguous ranges of it (see ``pipeline/split.py``). Each worker fetches
+    workers take contiguous ranges of it (see ``pipeline/order/split.py``). Each worker fetches
     its shards ahead with parallel ranged GETs under ``fetch.prefetch_bytes`` and mixes
     samples of ``open_shards`` shards at once.
 

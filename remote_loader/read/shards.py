@@ -20,8 +20,8 @@ import numpy as np
 from remote_loader.checksum import crc32
 from remote_loader.errors import CorruptShard, InvalidRange, ObjectNotFound, OnError
 from remote_loader.format import Sample, ShardEntry, ShardIndex, ShardView
-from remote_loader.format.cache import Kept
 from remote_loader.format.tar import scan_tar
+from remote_loader.kept import Kept
 from remote_loader.read.fetch import Fetched, fetch_range
 from remote_loader.read.reader import DatasetReader
 from remote_loader.read.session import ReadSession
@@ -47,7 +47,7 @@ def fetch_index(reader: DatasetReader, entry: ShardEntry, session: ReadSession) 
 
 class IndexCache:
     """Shard indexes fetched on first use, or ahead (``prefetch``), and kept in an LRU of
-    ``keep`` (``format.cache.Kept``: an index is fetched once however many threads ask for
+    ``keep`` (``kept.Kept``: an index is fetched once however many threads ask for
     it); an index found damaged is not fetched again."""
 
     def __init__(self, reader: DatasetReader, session: ReadSession, keep: int) -> None:

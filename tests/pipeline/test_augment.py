@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from remote_loader.errors import DecodeError
-from remote_loader.pipeline.augment import RandomResizedCrop
+from remote_loader.pipeline.stages.augment import RandomResizedCrop
 from remote_loader.testing.synthetic import SyntheticImages
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from remote_loader.pipeline.stages import ONE, Cardinality, Chain
+from remote_loader.pipeline.stages.chain import ONE, Cardinality, Chain
 
 BATCH_4 = Cardinality(4, batches=True)
 BATCH_4_FULL = Cardinality(4, batches=True, keep_short=False)

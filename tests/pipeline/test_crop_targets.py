@@ -16,8 +16,8 @@ import torch
 from PIL import Image
 
 from remote_loader import ConfigError, RandomResizedCrop, RemoteDataset, restore
-from remote_loader.pipeline.joint import crop_together
-from remote_loader.pipeline.stages import decode_sample
+from remote_loader.pipeline.stages.chain import decode_sample
+from remote_loader.pipeline.stages.joint import crop_together
 from remote_loader.upload.encode import EncodeOptions, encode_item
 from tests.helpers import upload_to_new_bucket, vision
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from remote_loader import ConfigError, DecodeError, RandomResizedCrop, RemoteDataset, loader
-from remote_loader.pipeline import loader as loading
 from remote_loader.pipeline.device import dali
+from remote_loader.pipeline.run import loader as loading
 from remote_loader.testing.synthetic import SyntheticImages
 from tests.helpers import upload_to_new_bucket
 

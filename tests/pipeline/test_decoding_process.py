@@ -27,7 +27,7 @@ import torch
 
 from remote_loader import ConfigError, RandomResizedCrop, RemoteDataset, loader
 from remote_loader.errors import DecoderExited
-from remote_loader.pipeline import loader as loading
+from remote_loader.pipeline.run import loader as loading
 from remote_loader.testing.synthetic import SyntheticImages
 from tests.helpers import require_nvimagecodec, upload_to_new_bucket
 

@@ -26,8 +26,8 @@ from remote_loader import ConfigError, RandomResizedCrop, RemoteDataset, decode_
 from remote_loader.pipeline.device import Encoded, EncodedBatch
 from remote_loader.pipeline.device.codec import HARDWARE, NvImageCodec
 from remote_loader.pipeline.device.place import indexed
-from remote_loader.pipeline.device.prepared import structure_problem
 from remote_loader.pipeline.device.resize import chunks
+from remote_loader.pipeline.stages.prepared import structure_problem
 from remote_loader.testing.synthetic import SyntheticImages
 from tests.helpers import CutShort, require_nvimagecodec, upload_to_new_bucket
 
@@ -381,7 +381,7 @@ def test_an_epoch_left_early_on_persistent_workers_leaves_a_whole_next_epoch_and
 
 def test_a_batch_mixing_images_with_something_else_is_refused_not_shortened():
     from remote_loader.pipeline.device import collate
-    from remote_loader.pipeline.device.prepared import Ready
+    from remote_loader.pipeline.stages.prepared import Ready
 
     with pytest.raises(ConfigError, match="mixes images with a NoneType"):
         collate([Ready(torch.zeros(3, 4, 4, dtype=torch.uint8)), None])

@@ -1,4 +1,4 @@
-"""The workers of one DataLoader pass agree on its epoch through shared memory (``pipeline/epochs.py``),
+"""The workers of one DataLoader pass agree on its epoch through shared memory (``pipeline/state/epochs.py``),
 whatever order they begin in; the next pass, of any loader, takes the next epoch. Played here with
 worker infos as a DataLoader gives them, without a server."""
 
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from remote_loader import ConfigError
-from remote_loader.pipeline.epochs import PASSES, EpochClock
+from remote_loader.pipeline.state.epochs import PASSES, EpochClock
 
 
 def worker(id_: int, num_workers: int, base_seed: int = 7) -> SimpleNamespace:

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from remote_loader.errors import ConfigError
 from remote_loader.format.epoch_order import EpochOrder
 from remote_loader.format.shard_counts import ArrayCounts
-from remote_loader.pipeline.delivery import (
+from remote_loader.pipeline.order.delivery import (
     Mixing,
     Shuffler,
     fast_forward,
@@ -24,9 +24,9 @@ from remote_loader.pipeline.delivery import (
     read_positions,
     undelivered_at,
 )
-from remote_loader.pipeline.intervals import merge
-from remote_loader.pipeline.resume.states import Remainder, encode, gather, parse
-from remote_loader.pipeline.split import PlanSpans, divide, worker_bounds
+from remote_loader.pipeline.order.intervals import merge
+from remote_loader.pipeline.order.split import PlanSpans, divide, worker_bounds
+from remote_loader.pipeline.state.resume.states import Remainder, encode, gather, parse
 
 SEEDS = ((1, 0, 0, 0, 1), (1, 0, 0, 0, 2))
 

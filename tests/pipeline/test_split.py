@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from remote_loader.format.epoch_order import EpochOrder, shard_order
 from remote_loader.format.shard_counts import ArrayCounts, RunCounts
-from remote_loader.pipeline.split import PlanSpans, laps, rank_size, worker_bounds
+from remote_loader.pipeline.order.split import PlanSpans, laps, rank_size, worker_bounds
 
 
 def order_of(counts, rows, seed, epoch, shuffle=True):

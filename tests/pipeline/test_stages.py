@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from remote_loader.errors import ConfigError, DecodeError
-from remote_loader.pipeline.delivery import Shuffler
-from remote_loader.pipeline.stages import (
+from remote_loader.pipeline.order.delivery import Shuffler
+from remote_loader.pipeline.stages.chain import (
     Batched,
     Context,
     Map,

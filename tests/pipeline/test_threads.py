@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from remote_loader import ConfigError, DecodeError, RandomResizedCrop, RemoteDataset
-from remote_loader.pipeline.threads import threaded_map
+from remote_loader.pipeline.stages.threads import threaded_map
 from remote_loader.testing.synthetic import SyntheticImages
 from tests.helpers import upload_to_new_bucket
 

@@ -73,7 +73,7 @@ def test_names_after_map_are_checked_at_the_sample_with_its_fields(store):
 
 
 def test_unindexed_tars_are_checked_at_the_sample(store):
-    from remote_loader.pipeline.stages import to_tuple_stage
+    from remote_loader.pipeline.stages.chain import to_tuple_stage
 
     samples = [{"__key__": "a", "__shard__": "s.tar", "0.jpg": b"x", "1.boxes.npy": b"y"}]
     with pytest.raises(DecodeError) as caught:

@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 
 from remote_loader import RandomResizedCrop, RemoteDataset, UploadError, restore
-from remote_loader.pipeline import restore as restoring
+from remote_loader.pipeline.stages import restore as restoring
 from tests.helpers import upload, vision
 
 W, H = 64, 48

@@ -18,8 +18,8 @@ from remote_loader.pipeline.device.codec import CPU, CUDA, EXTRA, HARDWARE, Code
 from remote_loader.pipeline.device.decoded import decoded_with_states
 from remote_loader.pipeline.device.decoder import DeviceDecoder, Place
 from remote_loader.pipeline.device.place import check_device
-from remote_loader.pipeline.device.prepared import Encoded, EncodedBatch, collate, prepare
 from remote_loader.pipeline.device.process import DecodingProcess, discard, give_back, take
+from remote_loader.pipeline.stages.prepared import Encoded, EncodedBatch, collate, prepare
 
 __all__ = ["CPU", "CUDA", "EXTRA", "HARDWARE", "Codec", "DecodingProcess", "DeviceDecoder", "Encoded", "EncodedBatch",
            "Place", "check_device", "collate", "decoded_with_states", "discard", "give_back",

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch.multiprocessing import reductions
 
-from remote_loader.pipeline.threads import note as add_note
+from remote_loader.pipeline.stages.threads import note as add_note
 
 try:
     import cloudpickle

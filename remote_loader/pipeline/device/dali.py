@@ -28,8 +28,8 @@ import torch
 
 from remote_loader.config import rank_cores
 from remote_loader.errors import ConfigError
-from remote_loader.pipeline.augment import RandomResizedCrop
 from remote_loader.pipeline.device.decoder import DeviceDecoder, Place
+from remote_loader.pipeline.stages.augment import RandomResizedCrop
 
 EXTRA = "install the gpu extra (pip install '.[gpu]' in remote_loader's checkout: NVIDIA DALI)"
 ON_GPU, ON_CPU = "GPU (DALI)", "CPU (DALI)"

@@ -10,7 +10,7 @@ from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import Any
 
 from remote_loader.pipeline.device.decoder import SKIPPED, Decoded, DeviceDecoder
-from remote_loader.pipeline.threads import threaded_map
+from remote_loader.pipeline.stages.threads import threaded_map
 
 
 def decoded_with_states(batches: Iterable[Any], decoder: DeviceDecoder,

@@ -15,11 +15,11 @@ from typing import Any
 import torch
 
 from remote_loader.errors import DecodeError, OnError
-from remote_loader.pipeline.augment import RandomResizedCrop
 from remote_loader.pipeline.device.codec import CPU, CUDA, HARDWARE, Codec, open_codec
-from remote_loader.pipeline.device.containers import WALK_ON, leaves, rebuild
-from remote_loader.pipeline.device.prepared import IMAGES, EncodedBatch
 from remote_loader.pipeline.device.resize import resize
+from remote_loader.pipeline.stages.augment import RandomResizedCrop
+from remote_loader.pipeline.stages.containers import WALK_ON, leaves, rebuild
+from remote_loader.pipeline.stages.prepared import IMAGES, EncodedBatch
 from remote_loader.read.metrics import Metrics
 
 

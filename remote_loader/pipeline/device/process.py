@@ -44,8 +44,8 @@ import torch
 
 from remote_loader.errors import ConfigError, DecoderExited
 from remote_loader.pipeline.device.channel import Channel, loads
-from remote_loader.pipeline.device.containers import WALK_ON, leaves, rebuild
 from remote_loader.pipeline.device.decoder import Place
+from remote_loader.pipeline.stages.containers import WALK_ON, leaves, rebuild
 
 log = logging.getLogger("remote_loader")
 

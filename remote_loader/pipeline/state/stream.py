@@ -35,9 +35,9 @@ from typing import Any, Protocol
 
 from remote_loader.errors import ResumeError
 from remote_loader.format import Sample
-from remote_loader.pipeline.resume import Entry, Layout, encode, share
-from remote_loader.pipeline.stages import Chain, Context
-from remote_loader.pipeline.threads import ITEM, note
+from remote_loader.pipeline.stages.chain import Chain, Context
+from remote_loader.pipeline.stages.threads import ITEM, note
+from remote_loader.pipeline.state.resume import Entry, Layout, encode, share
 from remote_loader.read.metrics import Metrics
 from remote_loader.read.session import ReadSession
 

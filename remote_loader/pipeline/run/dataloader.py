@@ -1,5 +1,5 @@
 """The DataLoader ``loader()`` makes for a pipeline whose workers decode, and what it does
-before it forks them (``pipeline/stateful.py`` holds its torchdata twin)."""
+before it forks them (``pipeline/run/stateful.py`` holds its torchdata twin)."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from remote_loader.errors import OnError
 from remote_loader.format import Sample
-from remote_loader.pipeline.delivery import (
+from remote_loader.pipeline.order.delivery import (
     Group,
     Mixing,
     Point,
@@ -34,9 +34,9 @@ from remote_loader.pipeline.delivery import (
     undelivered_at,
     worker_seeds,
 )
-from remote_loader.pipeline.intervals import merge
-from remote_loader.pipeline.resume import Entry, Layout
-from remote_loader.pipeline.split import EpochOrders, PlanSpans, Span
+from remote_loader.pipeline.order.intervals import merge
+from remote_loader.pipeline.order.split import EpochOrders, PlanSpans, Span
+from remote_loader.pipeline.state.resume import Entry, Layout
 from remote_loader.read.fetch import Fetched, Job, Prefetcher, fetch_head
 from remote_loader.read.heap import release_free_memory
 from remote_loader.read.reader import DatasetReader

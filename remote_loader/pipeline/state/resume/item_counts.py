@@ -12,13 +12,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from remote_loader.config import require_int
+from remote_loader.config import MAX_WORKERS, require_int
 from remote_loader.errors import ResumeError
-from remote_loader.pipeline.resume.layout import Layout
+from remote_loader.pipeline.state.resume.layout import Layout
 
 STATE_VERSION = 1
-MAX_WORKERS = 1024
-"""Most DataLoader workers a state may name (a bound on what a state dict may allocate)."""
 
 
 def _count(state: Mapping[str, Any], name: str, low: int = 0, high: int = 2**62) -> int:

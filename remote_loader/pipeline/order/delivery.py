@@ -22,8 +22,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from remote_loader.pipeline.intervals import merge
-from remote_loader.pipeline.split import Span
+from remote_loader.pipeline.order.intervals import merge
+from remote_loader.pipeline.order.split import Span
 
 T = TypeVar("T")
 

@@ -1,4 +1,4 @@
-"""``format.cache.Kept``, the package's one cache: an LRU whose values are made once however
+"""``kept.Kept``, the package's one cache: an LRU whose values are made once however
 many threads ask at once, kept by a forked child, not by a pickled copy."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from remote_loader.format.cache import Kept
+from remote_loader.kept import Kept
 
 
 def test_threads_asking_while_a_value_is_made_get_that_value_made_once():

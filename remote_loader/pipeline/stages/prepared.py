@@ -14,8 +14,8 @@ import torch
 from torch.utils.data import default_collate
 
 from remote_loader.errors import ConfigError, DecodeError
-from remote_loader.pipeline.augment import JPEG_MAGIC, RandomResizedCrop
-from remote_loader.pipeline.device.containers import holds
+from remote_loader.pipeline.stages.augment import JPEG_MAGIC, RandomResizedCrop
+from remote_loader.pipeline.stages.containers import holds
 
 Box = tuple[float, float, float, float]
 

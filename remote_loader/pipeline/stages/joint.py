@@ -19,9 +19,9 @@ from PIL import Image, UnidentifiedImageError
 
 from remote_loader.errors import ConfigError, DecodeError
 from remote_loader.format import fields as rule
-from remote_loader.pipeline.augment import RandomResizedCrop
-from remote_loader.pipeline.decode import IMAGE_FIELDS
-from remote_loader.pipeline.targets import Box, Plan, moved_boxes, moved_points, named, plan, rows
+from remote_loader.pipeline.stages.augment import RandomResizedCrop
+from remote_loader.pipeline.stages.decode import IMAGE_FIELDS
+from remote_loader.pipeline.stages.targets import Box, Plan, moved_boxes, moved_points, named, plan, rows
 
 
 def is_structured(sample: dict[str, Any]) -> bool:

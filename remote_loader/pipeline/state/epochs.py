@@ -39,8 +39,8 @@ from typing import Any
 
 import torch
 
+from remote_loader.config import MAX_WORKERS
 from remote_loader.errors import ConfigError
-from remote_loader.pipeline.resume import MAX_WORKERS
 
 
 class Slot(IntEnum):

@@ -7,7 +7,7 @@ from typing import Any
 
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from remote_loader.pipeline.dataloader import collect_before_fork
+from remote_loader.pipeline.run.dataloader import collect_before_fork
 
 
 class StatefulLoader(StatefulDataLoader):

@@ -26,11 +26,11 @@ import numpy as np
 
 from remote_loader.config import require_int
 from remote_loader.errors import ConfigError, DecodeError, OnError
-from remote_loader.pipeline.augment import RandomResizedCrop
-from remote_loader.pipeline.decode import IMAGE_FIELDS, MODES, decode_sample
-from remote_loader.pipeline.device import prepare
-from remote_loader.pipeline.joint import crop_together, is_structured
-from remote_loader.pipeline.threads import apply, threaded_map
+from remote_loader.pipeline.stages.augment import RandomResizedCrop
+from remote_loader.pipeline.stages.decode import IMAGE_FIELDS, MODES, decode_sample
+from remote_loader.pipeline.stages.joint import crop_together, is_structured
+from remote_loader.pipeline.stages.prepared import prepare
+from remote_loader.pipeline.stages.threads import apply, threaded_map
 
 log = logging.getLogger("remote_loader")
 

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from remote_loader.errors import ResumeError
-from remote_loader.pipeline.delivery import Mixing
-from remote_loader.pipeline.resume.states import WorkerState
-from remote_loader.pipeline.split import worker_bounds
-from remote_loader.pipeline.stages import Chain, Stage
+from remote_loader.pipeline.order.delivery import Mixing
+from remote_loader.pipeline.order.split import worker_bounds
+from remote_loader.pipeline.stages.chain import Chain, Stage
+from remote_loader.pipeline.state.resume.states import WorkerState
 from remote_loader.read import DatasetReader
 
 

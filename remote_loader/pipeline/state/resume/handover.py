@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
+from remote_loader.config import MAX_WORKERS
 from remote_loader.errors import ResumeError
-from remote_loader.pipeline.resume.item_counts import MAX_WORKERS
-from remote_loader.pipeline.resume.loaded import Loaded
+from remote_loader.pipeline.state.resume.loaded import Loaded
 
 _GENERATION = 0  # how many states the main process loaded
 _APPLIED = 1  # per worker from here: the generation of the last loaded state it applied

@@ -10,9 +10,10 @@ from typing import Any
 import numpy as np
 
 from remote_loader.errors import ResumeError
-from remote_loader.pipeline.resume.item_counts import ResumeState
-from remote_loader.pipeline.resume.layout import Layout
-from remote_loader.pipeline.resume.states import (
+from remote_loader.pipeline.order.split import Plan, worker_bounds
+from remote_loader.pipeline.state.resume.item_counts import ResumeState
+from remote_loader.pipeline.state.resume.layout import Layout
+from remote_loader.pipeline.state.resume.states import (
     Remainder,
     WorkerState,
     find_states,
@@ -20,7 +21,6 @@ from remote_loader.pipeline.resume.states import (
     parse,
     steps_since_snapshot,
 )
-from remote_loader.pipeline.split import Plan, worker_bounds
 
 
 @dataclass(frozen=True)

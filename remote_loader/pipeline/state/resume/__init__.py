@@ -1,5 +1,5 @@
 """Checkpoint states of a ``RemoteDataset``: parsed, encoded and gathered here; how a stream
-takes and resumes them is told in ``pipeline/stream.py``.
+takes and resumes them is told in ``pipeline/state/stream.py``.
 
 - ``states.py``: a worker's state (specified in docs/FORMAT.md): ``encode``, ``parse`` (each
   field checked), the worker states inside a loader's state, and ``gather``: the rest of an
@@ -24,10 +24,10 @@ mid-epoch state is unused, and any malformed field. A state resumes its epoch on
 of a finished epoch lets the next iteration start the next epoch whole.
 """
 
-from remote_loader.pipeline.resume.handover import Handover
-from remote_loader.pipeline.resume.item_counts import MAX_WORKERS, count_state
-from remote_loader.pipeline.resume.layout import Layout
-from remote_loader.pipeline.resume.loaded import Entry, Loaded, entry, load, share
-from remote_loader.pipeline.resume.states import encode
+from remote_loader.pipeline.state.resume.handover import Handover
+from remote_loader.pipeline.state.resume.item_counts import count_state
+from remote_loader.pipeline.state.resume.layout import Layout
+from remote_loader.pipeline.state.resume.loaded import Entry, Loaded, entry, load, share
+from remote_loader.pipeline.state.resume.states import encode
 
-__all__ = ["MAX_WORKERS", "Entry", "Handover", "Layout", "Loaded", "count_state", "encode", "entry", "load", "share"]
+__all__ = ["Entry", "Handover", "Layout", "Loaded", "count_state", "encode", "entry", "load", "share"]

@@ -20,9 +20,9 @@ import numpy as np
 
 from remote_loader.config import require_int
 from remote_loader.errors import ResumeError
-from remote_loader.pipeline.delivery import Mixing
-from remote_loader.pipeline.intervals import contains, merge, without
-from remote_loader.pipeline.split import Plan, divide
+from remote_loader.pipeline.order.delivery import Mixing
+from remote_loader.pipeline.order.intervals import contains, merge, without
+from remote_loader.pipeline.order.split import Plan, divide
 
 STATE_VERSION = 3
 MARK = "remote_loader_state"

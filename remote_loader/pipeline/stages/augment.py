@@ -29,8 +29,8 @@ from torch.nn import functional
 
 from remote_loader.config import require_int
 from remote_loader.errors import ConfigError, DecodeError
-from remote_loader.pipeline.decode import IMAGE_FIELDS
-from remote_loader.pipeline.targets import per_box_option
+from remote_loader.pipeline.stages.decode import IMAGE_FIELDS
+from remote_loader.pipeline.stages.targets import per_box_option
 
 JPEG_MAGIC = b"\xff\xd8"
 
@@ -77,7 +77,7 @@ class RandomResizedCrop:
     """
 
     seeded = True
-    """Ask the pipeline for a generator per sample (see ``remote_loader.pipeline.stages.sample_rng``)."""
+    """Ask the pipeline for a generator per sample (see ``remote_loader.pipeline.stages.chain.sample_rng``)."""
 
     def __init__(
         self,

@@ -11,8 +11,8 @@ import numpy as np
 from remote_loader.errors import ConfigError, DatasetNotFound, OnError
 from remote_loader.format import Sample
 from remote_loader.format.epoch_order import shard_order
-from remote_loader.pipeline.delivery import Mixing, Shuffler, worker_seeds
-from remote_loader.pipeline.resume import Entry, Layout
+from remote_loader.pipeline.order.delivery import Mixing, Shuffler, worker_seeds
+from remote_loader.pipeline.state.resume import Entry, Layout
 from remote_loader.read.fetch import Fetched, Job, Prefetcher
 from remote_loader.read.reader import DatasetReader
 from remote_loader.read.session import ReadSession

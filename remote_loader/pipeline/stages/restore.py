@@ -18,7 +18,7 @@ from PIL import Image, UnidentifiedImageError
 from remote_loader.errors import DecodeError
 from remote_loader.format import fields as rule
 from remote_loader.format.fields import FieldName
-from remote_loader.pipeline.decode import IMAGE_FIELDS, load_npy
+from remote_loader.pipeline.stages.decode import IMAGE_FIELDS, load_npy
 
 _RAW = (bytes, bytearray, memoryview)
 

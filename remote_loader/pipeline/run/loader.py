@@ -15,7 +15,6 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from remote_loader.config import rank_cores, require_bool, require_int
 from remote_loader.errors import ConfigError
-from remote_loader.pipeline.dataloader import Loader
 from remote_loader.pipeline.device import (
     DecodingProcess,
     DeviceDecoder,
@@ -28,7 +27,8 @@ from remote_loader.pipeline.device import (
 )
 from remote_loader.pipeline.device import collate as device_collate
 from remote_loader.pipeline.device.dali import DaliDecoder
-from remote_loader.pipeline.stages import Chain
+from remote_loader.pipeline.run.dataloader import Loader
+from remote_loader.pipeline.stages.chain import Chain
 
 log = logging.getLogger("remote_loader")
 DECODING = ("dali", "process", "thread")
@@ -86,7 +86,7 @@ def loader(dataset: IterableDataset, *, num_workers: int | None = None, stateful
         except ImportError:
             raise ConfigError("stateful=True needs torchdata's StatefulDataLoader: install the torchdata extra"
                               " (pip install '.[torchdata]' in remote_loader's checkout)") from None
-        from remote_loader.pipeline.stateful import StatefulLoader
+        from remote_loader.pipeline.run.stateful import StatefulLoader
 
         with warnings.catch_warnings():  # torchdata's own, on every StatefulDataLoader: nothing a user can act on
             warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)

@@ -1,0 +1,1 @@
+"""Which samples each rank and worker reads in an epoch, and in what order: pure, on integers."""

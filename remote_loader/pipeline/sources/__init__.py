@@ -1,0 +1,1 @@
+"""Where a worker's samples come from: an indexed dataset's shards, or plain tars."""

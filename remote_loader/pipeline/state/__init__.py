@@ -1,0 +1,1 @@
+"""What makes a pass resumable: each worker's stream, the epochs and uploads in shared memory, resume/."""
