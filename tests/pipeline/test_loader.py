@@ -106,3 +106,22 @@ def test_decoded_on_says_cpu_where_the_workers_decode(keys):
     assert handed_back is mine and handed_back.decoded_on == "CPU"
     pytest.importorskip("torchdata")
     assert loader(auto, num_workers=0, stateful=True).decoded_on == "CPU"
+
+
+def _with_strategy(batch):
+    import torch
+    import torch.multiprocessing
+
+    return batch, torch.multiprocessing.get_sharing_strategy(), torch.arange(3)
+
+
+def test_workers_hand_tensors_over_by_name_and_leave_this_process_s_strategy_as_it_was(keys):
+    import torch
+    import torch.multiprocessing
+
+    before = torch.multiprocessing.get_sharing_strategy()
+    stream = DataLoader(keys.map(_with_strategy), batch_size=None, num_workers=2)
+    seen = [(strategy, tensor) for _, strategy, tensor in stream]
+    assert {strategy for strategy, _ in seen} == {"file_system"}  # by name: no socket round trips per tensor
+    assert all(torch.equal(tensor, torch.arange(3)) for _, tensor in seen)
+    assert torch.multiprocessing.get_sharing_strategy() == before
