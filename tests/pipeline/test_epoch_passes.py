@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 from remote_loader import ConfigError
-from remote_loader.pipeline.state.epochs import PASSES, EpochClock
+from remote_loader.pipeline.state.epochs import EpochClock
+from remote_loader.pipeline.state.passes import PASSES
 
 
 def worker(id_: int, num_workers: int, base_seed: int = 7) -> SimpleNamespace:

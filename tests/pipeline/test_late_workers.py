@@ -13,7 +13,7 @@ import pytest
 from torch.utils.data import DataLoader
 
 from remote_loader import ConfigError, LocalStore, RemoteDataset
-from remote_loader.pipeline.state.epochs import PASSES
+from remote_loader.pipeline.state.passes import PASSES
 from remote_loader.testing.synthetic import SyntheticImages
 from tests.helpers import upload_to_new_bucket
 

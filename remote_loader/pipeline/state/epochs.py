@@ -27,20 +27,14 @@ next iteration, whatever the epoch set (``begin(..., own=...)``).
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import os
-import tempfile
-import uuid
-import weakref
-from collections.abc import Iterator
 from enum import IntEnum
 from typing import Any
 
 import torch
 
-from remote_loader.config import MAX_WORKERS
-from remote_loader.errors import ConfigError
+from remote_loader.pipeline.state.file_lock import FileLock
+from remote_loader.pipeline.state.passes import PassTable, pass_key
 
 
 class Slot(IntEnum):
@@ -56,76 +50,24 @@ class Slot(IntEnum):
     IN_WORKERS = 7  # 1 once DataLoader workers iterated: the main process cannot be asked for their state
 
 
-_TABLE = Slot.IN_WORKERS + 1  # from here: the passes of DataLoaders begun last, a row each
-
-
-class Row(IntEnum):
-    """A row of the table of passes: several DataLoaders over one dataset may be in a pass at
-    once (one begun while another's workers are still beginning), each known by its own row."""
-
-    BASE = 0  # the loader's base seed (-1: a free row)
-    WORKERS = 1  # its number of workers
-    EPOCH = 2  # the epoch the pass took
-    PID = 3  # the process of the worker that recorded it
-    STAMP = 4  # when it was recorded, in passes recorded: of the rows free, the oldest is written over
-    JOINED = 5  # per worker from here: 1 once it began its iteration of this pass
-
-
-PASSES = 8
-"""Passes of DataLoaders whose workers may still begin, remembered at once: a pass whose
-workers have all begun, or whose recorder has ended, frees its row for the next."""
-_WIDTH = Row.JOINED + MAX_WORKERS
-
-
-def _running(pid: int) -> bool:
-    """Whether process ``pid`` is running (a worker of a pass that ended has exited)."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _remove(path: str, owner: int) -> None:
-    if os.getpid() == owner:  # not a forked child that exits normally
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-
-
-class _FileLock:
-    """A lock among a process and the DataLoader workers it starts, forked or spawned: an
-    exclusive ``flock`` on a file named when the lock is made (created on first use, removed
-    with the lock in the process that made it). A multiprocessing lock is tied to one start
-    method, and the loader's is not known when a dataset is made."""
-
-    def __init__(self) -> None:
-        self.path = os.path.join(tempfile.gettempdir(), f"remote-loader-epochs-{uuid.uuid4().hex}")
-        weakref.finalize(self, _remove, self.path, os.getpid())
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"path": self.path}  # a copy uses the file, never removes it
-
-    @contextlib.contextmanager
-    def held(self) -> Iterator[None]:
-        with open(self.path, "a") as file:
-            fcntl.flock(file, fcntl.LOCK_EX)
-            yield  # closing the file releases the lock
+_TABLE = Slot.IN_WORKERS + 1  # from here: the table of passes (``passes.PassTable``)
 
 
 class EpochClock:
     """A dataset's epochs (see the module's docstring), shared with its DataLoader workers."""
 
     def __init__(self, epoch: int = 0, auto: bool = True) -> None:
-        self.shared = torch.zeros(_TABLE + PASSES * _WIDTH, dtype=torch.int64).share_memory_()
+        self.shared = torch.zeros(_TABLE + PassTable.SIZE, dtype=torch.int64).share_memory_()
         self.shared[Slot.EPOCH] = self.shared[Slot.NEXT] = epoch
         self.shared[Slot.AUTO] = int(auto)
         self.shared[Slot.PASS] = -1
-        self._table()[:, Row.BASE] = -1
-        self.lock = _FileLock()
+        self.passes.clear()
+        self.lock = FileLock("remote-loader-epochs")
+
+    @property
+    def passes(self) -> PassTable:
+        """The passes under way, in the shared numbers after the slots."""
+        return PassTable(self.shared[_TABLE:])
 
     @property
     def auto(self) -> bool:
@@ -159,13 +101,13 @@ class EpochClock:
         shared = self.shared
         with self.lock.held():
             if worker_info is not None:
-                base, worker = (int(worker_info.seed) - int(worker_info.id)) % 2**62, int(worker_info.id)
-                joined = self._join(base, int(worker_info.num_workers), worker)
+                base, worker, workers = pass_key(worker_info), int(worker_info.id), int(worker_info.num_workers)
+                joined = self.passes.join(base, workers, worker)
                 if joined is not None:
                     return joined
             epoch = own if own is not None else int(shared[Slot.NEXT])
             if worker_info is not None:
-                self._record(base, int(worker_info.num_workers), worker, epoch)
+                self.passes.record(base, workers, worker, epoch)
                 shared[Slot.PASS], shared[Slot.PASS_WORKERS] = base, worker_info.num_workers
                 shared[Slot.PASS_PID] = os.getpid()
             else:
@@ -183,43 +125,3 @@ class EpochClock:
         taking its epoch by itself, the one after it where ``finished``."""
         self.shared[Slot.EPOCH] = epoch
         self.shared[Slot.NEXT] = epoch + int(finished)
-
-    def _table(self) -> torch.Tensor:
-        return self.shared[_TABLE:].view(PASSES, _WIDTH)
-
-    def _join(self, base: int, workers: int, worker: int) -> int | None:
-        """The epoch of this loader's pass under way, which ``worker`` joins; None where it has
-        none (every worker of the pass recorded began already, or its recorder has ended)."""
-        table = self._table()
-        for index in torch.argsort(table[:, Row.STAMP], descending=True).tolist():  # the latest first
-            row = table[index]  # a view: what is set in it is set in shared memory
-            if (int(row[Row.BASE]) == base and int(row[Row.WORKERS]) == workers
-                    and not int(row[Row.JOINED + worker]) and _running(int(row[Row.PID]))):
-                row[Row.JOINED + worker] = 1
-                return int(row[Row.EPOCH])
-        return None
-
-    def _record(self, base: int, workers: int, worker: int, epoch: int) -> None:
-        """A new pass of this loader, taking ``epoch``, begun by ``worker``: written over the
-        oldest row free (see ``_free``); ConfigError where none is."""
-        table = self._table()
-        free = [index for index in range(PASSES) if _free(table[index])]
-        if not free:
-            raise ConfigError(
-                f"{PASSES} DataLoaders over this dataset each have a worker yet to begin its pass, and one more pass"
-                " cannot begin without mixing epochs into theirs: call dataset.set_epoch(epoch) before each pass,"
-                f" or start the workers of at most {PASSES} DataLoaders at once")
-        row = table[min(free, key=lambda index: int(table[index, Row.STAMP]))]
-        row.zero_()
-        row[Row.BASE], row[Row.WORKERS], row[Row.EPOCH], row[Row.PID] = base, workers, epoch, os.getpid()
-        row[Row.STAMP] = int(table[:, Row.STAMP].max()) + 1
-        row[Row.JOINED + worker] = 1
-
-
-def _free(row: torch.Tensor) -> bool:
-    """Whether a row of the table may be written over: its pass can have no late worker any
-    more (every worker of it began, or the process that recorded it has ended), or it holds none."""
-    if int(row[Row.BASE]) == -1:
-        return True
-    workers = int(row[Row.WORKERS])
-    return bool(row[Row.JOINED:Row.JOINED + workers].all()) or not _running(int(row[Row.PID]))
