@@ -13,8 +13,12 @@ LitData's (``cache_dir``), each written by its own writer and read as the suite 
         [--profile s3-same-region] [--repeats 3] [--cache-rows] [--out results/cache-<commit>.json]
 
 ``--cache-rows`` runs only the rows of (1) with each system's cache: epoch 2 there is each
-loader's own cost per sample, the store out of the way. Two trees compared alternate runs of
-``--repeats 1``, each with ``PYTHONPATH`` naming its tree (the child processes inherit it).
+loader's own cost per sample, the store out of the way. ``--read`` has each batch's consumer
+read one byte of each 4 KB page of each sample (``augment.read_batch``), as a decoder would:
+without it a loader that hands out views of a memory-mapped file it never reads (LitData)
+is timed without reading the bytes at all, one that hands out ``bytes`` (ours) with a copy.
+Two trees compared alternate runs of ``--repeats 1``, each with ``PYTHONPATH`` naming its
+tree (the child processes inherit it).
 
 Every row is a fresh process (each system's cache emptied first), each row run ``--repeats``
 times in turn; the tables show the run of the median rate per epoch. The relay and the server
@@ -47,10 +51,10 @@ PEERS = ("remote_loader", "streaming", "litdata")
 # ---------------------------------------------------------------------------- in a child process
 
 
-def _ours(target: Any, prefix: str, workers: int) -> Any:
+def _ours(target: Any, prefix: str, workers: int, collate: Callable[[list[Any]], Any]) -> Any:
     """Ours as the suite reads it (``systems._load_remote_loader``, scenario A), the rank from
     torch.distributed; the cache from ``REMOTE_LOADER_CACHE_DIR`` when the row has one."""
-    from augment import BATCH, count_batch
+    from augment import BATCH
     from systems import SHUFFLE_BUFFER
     from torch.utils.data import DataLoader
 
@@ -58,7 +62,7 @@ def _ours(target: Any, prefix: str, workers: int) -> Any:
 
     client = make_client(target.endpoint, target.access_key, target.secret_key)
     stream = RemoteDataset(client, target.bucket, prefix, seed=0).shuffle(SHUFFLE_BUFFER).to_tuple("jpg", "cls")
-    return DataLoader(stream.batched(BATCH, count_batch), batch_size=None, num_workers=workers)
+    return DataLoader(stream.batched(BATCH, collate), batch_size=None, num_workers=workers)
 
 
 def child(system: str, prefix: str, workers: int, cache: str, counters: str, epochs: int,
@@ -72,11 +76,12 @@ def child(system: str, prefix: str, workers: int, cache: str, counters: str, epo
     distributed = _join_world()
     count = Counters(counters) if counters else None
     started = time.perf_counter()
+    scenario = "A-read" if os.environ.get("BENCH_READ") == "1" else "A"
     if system == "remote_loader":
         os.environ.update(target.environ())
-        loader = _ours(target, prefix, workers)
+        loader = _ours(target, prefix, workers, systems._collate(scenario))
     else:
-        loader = systems.loader(system, target, prefix, "A", workers, cache, setting)
+        loader = systems.loader(system, target, prefix, scenario, workers, cache, setting)
     out = []
     for _ in range(epochs):
         before = count.read() if count else (0, 0)
@@ -207,7 +212,10 @@ def main() -> None:
                         help="where the generated JPEGs are kept between runs")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--cache-rows", action="store_true", help="only the rows of (1) with each system's cache")
+    parser.add_argument("--read", action="store_true", help="each batch's consumer reads a byte of each page")
     args = parser.parse_args()
+    if args.read:
+        os.environ["BENCH_READ"] = "1"  # the children's consumers read what they are given
 
     import data
     import servers

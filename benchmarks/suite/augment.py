@@ -53,6 +53,17 @@ def count_batch(batch: list[Any]) -> tuple[int, int]:
     return len(batch), sum(len(item[0]) for item in batch)
 
 
+def read_batch(batch: list[Any]) -> tuple[int, int]:
+    """Collation for bytes-only runs whose consumer reads what it is given, as any decoder
+    must: one byte of each 4 KB page of each sample's bytes (a memory-mapped view that is
+    never read costs nothing until it is: its pages are read here, as they would be)."""
+    read = 0
+    for item in batch:
+        np.frombuffer(item[0], dtype=np.uint8)[::4096].sum()
+        read += len(item[0])
+    return len(batch), read
+
+
 def augment_batch(batch: list[tuple[Any, int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """Collation for scenario B when samples arrive as (bytes, label): augment, then stack."""
     return torch.stack([plain_augment(data) for data, _ in batch]), torch.tensor([int(label) for _, label in batch])

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from augment import BATCH, augment_batch, count_batch, plain_augment, stack_batch
+from augment import BATCH, augment_batch, count_batch, plain_augment, read_batch, stack_batch
 
 SYSTEMS = ("remote_loader", "webdataset", "streaming", "litdata")
 SHARD_BYTES = int(os.environ.get("BENCH_SHARD_BYTES", 64_000_000))
@@ -262,6 +262,8 @@ def loader(name: str, target: Target, prefix: str, scenario: str, workers: int, 
 
 
 def _collate(scenario: str) -> Any:
+    if scenario == "A-read":
+        return read_batch
     return count_batch if scenario.startswith("A") else augment_batch
 
 
