@@ -273,8 +273,11 @@ def project(row: dict, worker_row: dict | None, get: dict, per_sample_gets: floa
 
 def _run(mode: str, spec: dict, against: str | None) -> dict:
     env = {**os.environ, "PYTHONPATH": against} if against else dict(os.environ)
-    done = subprocess.run([sys.executable, __file__, mode, json.dumps(spec)], capture_output=True, text=True,
-                          timeout=1800, env=env, cwd=tempfile.gettempdir())
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as file:  # a spec with every item's path is too long for argv
+        json.dump(spec, file)
+        file.flush()
+        done = subprocess.run([sys.executable, __file__, mode, file.name], capture_output=True, text=True,
+                              timeout=1800, env=env, cwd=tempfile.gettempdir())
     if done.returncode != 0:
         raise RuntimeError(done.stderr[-3000:])
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -309,10 +312,11 @@ def main() -> None:
     parser.add_argument("--json", help="write the rows and projections here")
     args = parser.parse_args()
     if args.upload_child:
-        print(json.dumps(upload_child(json.loads(args.upload_child))), flush=True)
+        print(json.dumps(upload_child(json.loads(Path(args.upload_child).read_text()))), flush=True)
         return
     if args.child or args.gets_child:
-        result = child(json.loads(args.child)) if args.child else gets_child(json.loads(args.gets_child))
+        spec = json.loads(Path(args.child or args.gets_child).read_text())
+        result = child(spec) if args.child else gets_child(spec)
         print(json.dumps(result), flush=True)
         return
     results = measure(args)
