@@ -6,7 +6,6 @@ background thread, the byte range to fetch; the pipeline supplies that callable.
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import threading
 import time
@@ -19,6 +18,7 @@ from typing import Generic, TypeVar
 
 import numpy as np
 
+from remote_loader.read.arrivals import Arrivals
 from remote_loader.read.buffers import Buffers
 from remote_loader.read.cached_shard import ShardFile
 from remote_loader.read.reach import Reach
@@ -75,9 +75,7 @@ class Fetched(Generic[C]):
     end: int
     context: C
     buffer: memoryview = field(repr=False)
-    bounds: list[int] = field(default_factory=list, repr=False)  # where each part starts
-    parts: list[threading.Event] = field(default_factory=list, repr=False)
-    errors: list[BaseException | None] = field(default_factory=list, repr=False)
+    parts: Arrivals = field(repr=False)  # where each part starts, and whether it arrived
     release: Callable[[], None] = field(default=lambda: None, repr=False)
     """Give the buffer back for reuse: call when done with it and holding no view of it."""
     check: Callable[[], None] = field(default=lambda: None, repr=False)
@@ -91,16 +89,12 @@ class Fetched(Generic[C]):
         """Block until bytes ``[start, upto)`` have arrived; raise if a part among them failed.
         Returns where the bytes known to have arrived end (``upto`` or further)."""
         end = self.end if upto is None else min(upto, self.end)
-        if end > self.start:
-            last = bisect.bisect_right(self.bounds, end - 1) - 1
-            while self._ready <= last:
-                while not self.parts[self._ready].wait(_POLL):
-                    self.check()
-                error = self.errors[self._ready]
-                if error is not None:
-                    raise error
-                self._ready += 1
-        return self.bounds[self._ready] if self._ready < len(self.bounds) else self.end
+        for k in self.parts.holding(self.start, end)[self._ready:]:
+            error = self.parts.wait(k, _POLL, self.check)
+            if error is not None:
+                raise error
+            self._ready = k + 1
+        return self.parts.bounds[self._ready] if self._ready < len(self.parts) else self.end
 
 
 _LOCATE_AHEAD = 4  # ranges located (index GETs) ahead of the one being queued
@@ -273,9 +267,7 @@ class Prefetcher(Generic[C]):
             end,
             context,
             backing.data[: end - start],
-            bounds,
-            [threading.Event() for _ in bounds],
-            [None] * len(bounds),
+            Arrivals(bounds, end),
             partial(self._give_back, backing),
             self.check,
         )
@@ -299,22 +291,23 @@ class Prefetcher(Generic[C]):
         shard = self.session.whole(slot.job.key, start, end)
         if shard is None:
             return False
-        arrived = threading.Event()
-        arrived.set()
-        slot.fetched = Fetched(slot.job.key, start, end, context, memoryview(b""), [start], [arrived], [None],
-                               shard.close, self.check, shard)
+        parts = Arrivals([start], end)
+        parts.arrive(0)
+        slot.fetched = Fetched(slot.job.key, start, end, context, memoryview(b""), parts, shard.close, self.check,
+                               shard)
         slot.located.set()
         return True
 
     @staticmethod
     def _take_head(fetched: Fetched[C], skip: int, stop: int, early: Future[bytes]) -> None:
         """Fill a range's first part from its head fetched early (in the thread that fetched it)."""
+        error: BaseException | None = None
         try:
             fetched.buffer[: stop - skip] = memoryview(early.result())[skip:stop]
         except BaseException as exc:
-            fetched.errors[0] = exc
+            error = exc
         finally:
-            fetched.parts[0].set()
+            fetched.parts.arrive(0, error)
 
     def _give_back(self, backing: np.ndarray) -> None:
         if not self._closed:  # after close a stuck GET may still write into it
@@ -351,13 +344,14 @@ class Prefetcher(Generic[C]):
             self.metrics.peak("gets_in_flight", self._reach.gets)
 
     def _fetch_part(self, fetched: Fetched[C], number: int, start: int, end: int) -> None:
+        error: BaseException | None = None
         try:
             out = fetched.buffer[start - fetched.start : end - fetched.start]
             fetch_range_into(self.session, self.bucket, fetched.key, start, end, out)
         except BaseException as exc:
-            fetched.errors[number] = exc
+            error = exc
         finally:
-            fetched.parts[number].set()
+            fetched.parts.arrive(number, error)
 
     def __iter__(self) -> Generator[Fetched[C], None, None]:
         try:

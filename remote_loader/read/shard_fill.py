@@ -10,7 +10,6 @@ Bytes read before that check are checked as all bytes are (the index's crc32, ea
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import logging
 import mmap
@@ -21,6 +20,7 @@ from collections.abc import Callable
 
 from remote_loader.checksum import crc32
 from remote_loader.errors import InvalidRange
+from remote_loader.read.arrivals import Arrivals
 from remote_loader.read.cached_shard import record_checked
 from remote_loader.read.folder import Folder
 from remote_loader.storage.daemon import in_daemon_thread, map_on_daemon_threads
@@ -46,9 +46,7 @@ class ShardFill:
                  lock: int, done: Callable[[], None]) -> None:
         self.name, self.size, self.crc, self.part, self.final = name, size, crc, part, final
         self.fd, self.lock, self._done = fd, lock, done
-        self.bounds: list[int] = []
-        self.arrived: list[threading.Event] = []
-        self.errors: list[BaseException | None] = []
+        self.parts = Arrivals([], size)
         weakref.finalize(self, os.close, fd)  # readers may still read the file after the fetch ends
 
     def start(self, fetch_into: Callable[[int, int, memoryview], None], part_size: int, threads: int,
@@ -59,11 +57,9 @@ class ShardFill:
         the rest in order. Smaller parts, more of them at once, fetched a 16 MB shard no sooner
         across the S3-like link and cost CPU: 8 parts of 2 MB took 1.04-1.09 s of an epoch that
         2 parts of 8 MB took in 0.78-0.85 s (3,000 JPEGs, one process)."""
-        self.bounds = list(range(0, self.size, part_size))
-        self.arrived = [threading.Event() for _ in self.bounds]
-        self.errors = [None] * len(self.bounds)
-        asked, last = bisect.bisect_right(self.bounds, first) - 1, len(self.bounds) - 1
-        order = list(dict.fromkeys([asked, last, *range(len(self.bounds))]))
+        self.parts = Arrivals(list(range(0, self.size, part_size)), self.size)
+        asked, last = self.parts.holding(first, first + 1)[0], len(self.parts) - 1
+        order = list(dict.fromkeys([asked, last, *range(len(self.parts))]))
         in_daemon_thread(lambda: self._fetch(fetch_into, part_size, min(threads, _THREADS), order),
                          "remote-loader-cache")
 
@@ -73,14 +69,13 @@ class ShardFill:
         view = memoryview(mapped)
 
         def one(k: int) -> None:
-            start = self.bounds[k]
+            start = self.parts.bounds[k]
             try:
-                fetch_into(start, min(start + part_size, self.size), view[start: start + part_size])
+                fetch_into(start, self.parts.stop(k), view[start: self.parts.stop(k)])
             except BaseException as error:
-                self.errors[k] = error
+                self.parts.arrive(k, error)
                 raise
-            finally:
-                self.arrived[k].set()
+            self.parts.arrive(k)
 
         kept = False
         try:
@@ -94,10 +89,9 @@ class ShardFill:
         except BaseException:  # noqa: BLE001 - each part's error is the readers'; the store tells the rest
             pass
         finally:
-            for k, arrived in enumerate(self.arrived):
-                if not arrived.is_set():  # never started: an earlier part failed
-                    self.errors[k] = FillFailed(f"{self.name}: another part failed")
-                    arrived.set()
+            for k in range(len(self.parts)):
+                if not self.parts.settled(k):  # never started: an earlier part failed
+                    self.parts.arrive(k, FillFailed(f"{self.name}: another part failed"))
             view.release()
             with contextlib.suppress(BufferError):  # a part still stuck in a hung GET: the collector closes it
                 mapped.close()
@@ -114,11 +108,13 @@ class ShardFill:
         failed otherwise raises its error (the store's, after its retries)."""
         if end <= start:
             return True
-        for k in range(bisect.bisect_right(self.bounds, start) - 1, bisect.bisect_right(self.bounds, end - 1)):
-            while not self.arrived[k].wait(_POLL):
-                if cancel.is_set():
-                    raise Cancelled(f"reading {self.name} was cancelled")
-            error = self.errors[k]
+
+        def check() -> None:
+            if cancel.is_set():
+                raise Cancelled(f"reading {self.name} was cancelled")
+
+        for k in self.parts.holding(start, end):
+            error = self.parts.wait(k, _POLL, check)
             if isinstance(error, (Cancelled, InvalidRange, FillFailed)):
                 return False
             if error is not None:

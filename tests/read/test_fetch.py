@@ -11,6 +11,7 @@ import pytest
 
 from remote_loader import AccessDenied, FetchConfig, LocalStore, RemoteDataset, TransientStorageError, make_client
 from remote_loader.read import Fetched, Job, Metrics, Prefetcher, ReadSession
+from remote_loader.read.arrivals import Arrivals
 from remote_loader.read.fetch import FetcherClosed, fetch_head
 from remote_loader.storage.base import Store
 from remote_loader.testing.synthetic import SyntheticImages
@@ -19,13 +20,12 @@ from tests.helpers import upload_to_new_bucket
 
 
 def test_wait_returns_for_arrived_parts_and_raises_only_for_a_failed_one():
-    parts = [threading.Event() for _ in range(3)]
-    fetched = Fetched("k", 100, 130, None, memoryview(bytearray(30)), [100, 110, 120], parts, [None, None, None])
-    parts[0].set()
-    fetched.wait(110)  # only part 0 is needed
-    fetched.errors[1] = TransientStorageError("part 1 failed")
-    parts[1].set()
-    parts[2].set()
+    parts = Arrivals([100, 110, 120], 130)
+    fetched = Fetched("k", 100, 130, None, memoryview(bytearray(30)), parts)
+    parts.arrive(0)
+    assert fetched.wait(110) == 110  # only part 0 is needed
+    parts.arrive(1, TransientStorageError("part 1 failed"))
+    parts.arrive(2)
     fetched.wait(105)
     with pytest.raises(TransientStorageError, match="part 1 failed"):
         fetched.wait(111)
@@ -302,3 +302,21 @@ def test_after_a_long_first_round_trip_the_fetcher_starts_at_its_ceilings(seawee
     # The manifest's GET took a network's round trip: no ramp, all 32 GETs from the start.
     dataset = _through_a_slow_proxy(seaweed, "fetch-far", forget_round_trip=False)
     assert dataset.metrics.gets_in_flight == 32
+
+
+def test_arrivals_name_the_parts_that_hold_a_span_and_a_wait_ends_when_its_check_raises():
+    parts = Arrivals([0, 10, 20], 25)
+    assert list(parts.holding(0, 10)) == [0] and list(parts.holding(9, 11)) == [0, 1]
+    assert list(parts.holding(20, 25)) == [2] and list(parts.holding(5, 5)) == []
+    assert [parts.stop(k) for k in range(3)] == [10, 20, 25]
+
+    class Stop(Exception):
+        pass
+
+    def check():
+        raise Stop
+
+    with pytest.raises(Stop):
+        parts.wait(1, 0.001, check)  # part 1 never arrives: the check ends the wait
+    parts.arrive(1)
+    assert parts.wait(1, 0.001, check) is None and parts.settled(1) and not parts.settled(0)
