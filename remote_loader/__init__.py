@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from remote_loader.pipeline.stages.augment import RandomResizedCrop
     from remote_loader.pipeline.stages.collate import collate
     from remote_loader.pipeline.stages.restore import restore
+    from remote_loader.pipeline.stages.video import VideoClip
 
 __version__ = "0.1.0"
 
@@ -47,6 +48,7 @@ __version__ = "0.1.0"
 # the command line and uploads start at once.
 _LAZY = {
     "RandomResizedCrop": "remote_loader.pipeline.stages.augment",
+    "VideoClip": "remote_loader.pipeline.stages.video",
     "RemoteDataset": "remote_loader.pipeline.dataset",
     "loader": "remote_loader.pipeline.run.loader",
     "decode_batches": "remote_loader.pipeline.run.loader",
@@ -105,6 +107,7 @@ __all__ = [
     "UploadConflict",
     "UploadError",
     "UniformSampler",
+    "VideoClip",
     "UploadSummary",
     "__version__",
     "collate",

@@ -48,6 +48,7 @@ EXPECTED = {
     "TruncatedShard",
     "UnsupportedVersion",
     "UniformSampler",
+    "VideoClip",
     "UploadConflict",
     "UploadError",
     "UploadSummary",

@@ -22,6 +22,8 @@ import json
 import re
 from dataclasses import dataclass
 
+from remote_loader.format.video import VIDEO_EXTENSIONS
+
 PLACEHOLDERS = {"numpy": "npy", "torch": "npy", "image": None, "bytes": "bin"}
 """Skeleton placeholders and the extension of the member each stands for (an image's is its format)."""
 
@@ -126,8 +128,13 @@ IMAGE_EXTENSIONS = frozenset({"jpg", "jpeg", "png", "webp", "gif", "bmp", "tiff"
 
 
 def describe(field: str) -> str:
-    """A field's type in words: ``image``, ``int``, ``str``, ``JSON``, ``array``, ``bytes``;
+    """A field's type in words: ``image``, ``video``, ``int``, ``str``, ``JSON``, ``array``, ``bytes``;
     a member inside a stem's skeleton says so (``array in 1``)."""
     name = parse(field)
-    kind = "image" if name.ext in IMAGE_EXTENSIONS else _TYPES.get(name.ext, name.ext)
+    if name.ext in IMAGE_EXTENSIONS:
+        kind = "image"
+    elif name.ext in VIDEO_EXTENSIONS:
+        kind = "video"
+    else:
+        kind = _TYPES.get(name.ext, name.ext)
     return f"{kind} in {name.stem}" if name.steps else kind

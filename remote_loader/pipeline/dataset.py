@@ -22,6 +22,7 @@ from remote_loader.pipeline.sources.tars import Unindexed
 from remote_loader.pipeline.stages import chain as stages
 from remote_loader.pipeline.stages.augment import RandomResizedCrop
 from remote_loader.pipeline.stages.collate import collate as collate_samples
+from remote_loader.pipeline.stages.video import VideoClip
 from remote_loader.pipeline.state import resume
 from remote_loader.pipeline.state.epochs import EpochClock
 from remote_loader.pipeline.state.resume import Handover, Layout
@@ -194,7 +195,7 @@ class RemoteDataset(IterableDataset):
 
     def decode(self, mode: str | Callable[..., Any] = "pil", *, min_size: int | None = None,
                threads: int = 0, device: str = "cpu", batched: bool = False,
-               cpu_fallback: bool = False) -> RemoteDataset:
+               cpu_fallback: bool = False, video: VideoClip | None = None) -> RemoteDataset:
         """Decode images (``pil``, ``rgb8``, ``torchrgb``, ``raw`` or a callable) and labels.
 
         ``min_size``: JPEGs are decoded at a reduced scale (1/2, 1/4, 1/8) whose shorter side
@@ -210,13 +211,16 @@ class RemoteDataset(IterableDataset):
         current GPU (``torch.cuda.current_device()``, the rank's under torchrun): set it
         first. Which decoder works there is found now, and a GPU stage that would decode on
         the CPU raises ``ConfigError`` unless ``cpu_fallback=True``.
+        ``video``: a ``VideoClip`` decodes a clip of each video field (mp4, mov, mkv, webm,
+        avi) in the workers, its frames drawn from (seed, epoch, key) (docs/video.md); without
+        it, videos stay their files' bytes.
         """
         require_bool("batched", batched)
         require_bool("cpu_fallback", cpu_fallback)
         if batched or device not in ("cpu", "auto"):  # before a device is probed for it
             stages.require_crop(mode, repr(device))
         place = check_device(device, batched, cpu_fallback, mode if isinstance(mode, RandomResizedCrop) else None)
-        clone = self._with(stages.Decode(mode, min_size, threads, device=place, on_error=self.on_error))
+        clone = self._with(stages.Decode(mode, min_size, threads, device=place, on_error=self.on_error, video=video))
         if self.on_error.skips and place is None:  # a sample that does not decode is left out, counted
             clone = clone._with(stages.DropUndecodable())
         clone.fell_back = self.fell_back or (device == "auto" and place is None)

@@ -83,3 +83,89 @@ class SyntheticImages:
             raise IndexError(f"index {index} out of range for {self.n} samples")
         image = self.encoded(index) if self.output == "bytes" else self.image(index)
         return image, self.label(index)
+
+
+class SyntheticVideos:
+    """``n`` short videos, each built from its index alone, as ``(path, label)`` pairs: each
+    an mp4 file (H.264) written into ``root`` when first asked for. Needs PyAV (the ``video``
+    extra).
+
+    Each frame is a smooth colour field that drifts from frame to frame, with a bright square
+    moving across it. ``lossless=True`` writes H.264 without loss (RGB, ``qp=0``): the frames
+    decode to exactly ``frames_of(index)``, which the tests compare clips against.
+
+    Args:
+        n: Number of samples.
+        root: The folder the files are written to.
+        num_classes: Labels run ``0..num_classes-1`` in contiguous blocks.
+        frames: Frames in each video.
+        size: ``(width, height)`` (even numbers: H.264's 4:2:0 needs them).
+        fps: Frames a second.
+        gop: Frames from one key frame to the next (a clip's decode seeks to the key frame before it).
+        lossless: Write frames that decode exactly as made.
+        seed: Changes every video.
+    """
+
+    def __init__(self, n: int, root: str, *, num_classes: int = 4, frames: int = 48, size: tuple[int, int] = (64, 48),
+                 fps: int = 24, gop: int = 12, lossless: bool = False, seed: int = 0) -> None:
+        if n < 0 or num_classes < 1 or frames < 1 or size[0] % 2 or size[1] % 2:
+            raise ConfigError(f"need n >= 0, num_classes >= 1, frames >= 1 and an even size; got {n}, {num_classes},"
+                              f" {frames}, {size}")
+        self.n, self.root, self.num_classes, self.frames, self.size = n, root, num_classes, frames, size
+        self.fps, self.gop, self.lossless, self.seed = fps, gop, lossless, seed
+
+    def __len__(self) -> int:
+        return self.n
+
+    def label(self, index: int) -> int:
+        return index * self.num_classes // self.n
+
+    def frames_of(self, index: int) -> np.ndarray:
+        """The frames of video ``index`` as made, ``T x H x W x 3`` uint8."""
+        rng = np.random.default_rng([self.seed, index])
+        width, height = self.size
+        coarse = rng.integers(0, 256, size=(3, 4, 3), dtype=np.uint8)
+        base = np.asarray(Image.fromarray(coarse).resize((width, height), Image.Resampling.BICUBIC), dtype=np.int16)
+        out = np.empty((self.frames, height, width, 3), dtype=np.uint8)
+        side = max(2, height // 4)
+        for t in range(self.frames):
+            frame = np.clip(base + (t * 3) % 64, 0, 255).astype(np.uint8)
+            x = (t * 2) % max(1, width - side)
+            frame[height // 3 : height // 3 + side, x : x + side] = 255
+            out[t] = frame
+        return out
+
+    def path(self, index: int) -> str:
+        """Video ``index``'s file, written if it is not there yet."""
+        import os
+
+        path = os.path.join(self.root, f"video_{index:05d}.mp4")
+        if not os.path.exists(path):
+            os.makedirs(self.root, exist_ok=True)
+            partial = f"{path}.{os.getpid()}.part"
+            self._write(index, partial)
+            os.replace(partial, path)
+        return path
+
+    def _write(self, index: int, path: str) -> None:
+        try:
+            import av
+        except ImportError:
+            raise ConfigError("SyntheticVideos writes its videos with PyAV: pip install '.[video]'") from None
+        with av.open(path, mode="w", format="mp4") as container:
+            stream = container.add_stream("libx264rgb" if self.lossless else "libx264", rate=self.fps)
+            stream.width, stream.height = self.size
+            stream.pix_fmt = "rgb24" if self.lossless else "yuv420p"
+            stream.codec_context.gop_size = self.gop
+            # no B-frames: each frame's time stamp is its number, in decoding order too
+            stream.codec_context.options = {"qp": "0", "bf": "0"} if self.lossless else {"crf": "23", "bf": "0"}
+            for pixels in self.frames_of(index):
+                for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
+                    container.mux(packet)
+            for packet in stream.encode():
+                container.mux(packet)
+
+    def __getitem__(self, index: int) -> tuple[str, int]:
+        if not 0 <= index < self.n:
+            raise IndexError(f"index {index} out of range for {self.n} samples")
+        return self.path(index), self.label(index)

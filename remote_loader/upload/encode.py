@@ -23,6 +23,7 @@ from PIL import Image, UnidentifiedImageError
 from remote_loader.errors import ConfigError, UploadError
 from remote_loader.format import fields
 from remote_loader.format.index import MAX_FIELD_NAME
+from remote_loader.format.video import video_extension
 from remote_loader.upload.originals import Originals
 
 # Pillow's format name -> the field (file extension) it is stored under.
@@ -54,12 +55,17 @@ def _fail(index: int, message: str) -> UploadError:
 
 
 def _sniff(data: bytes, index: int, what: str) -> str:
-    """Return the field name for encoded image ``data`` by reading its header."""
+    """Return the field name for encoded image ``data`` by reading its header; a video
+    file's bytes (mp4, mov, mkv, webm, avi) are named by their container."""
+    video = video_extension(data)
+    if video is not None:
+        return video
     try:
         with Image.open(io.BytesIO(data)) as image:
             fmt = image.format
     except (UnidentifiedImageError, OSError, ValueError):
-        raise _fail(index, f"{what} is not an image Pillow can read") from None
+        raise _fail(index, f"{what} is not an image Pillow can read, nor a video file (mp4, mov, mkv, webm,"
+                           " avi)") from None
     if fmt not in EXTENSIONS:
         raise _fail(index, f"{what} is a {fmt} image; supported: {', '.join(sorted(set(EXTENSIONS)))}")
     return EXTENSIONS[fmt]

@@ -31,6 +31,7 @@ from remote_loader.pipeline.stages.decode import IMAGE_FIELDS, MODES, decode_sam
 from remote_loader.pipeline.stages.joint import crop_together, is_structured
 from remote_loader.pipeline.stages.prepared import prepare
 from remote_loader.pipeline.stages.threads import apply, threaded_map
+from remote_loader.pipeline.stages.video import VideoClip
 
 log = logging.getLogger("remote_loader")
 
@@ -222,22 +223,25 @@ class Decode(Stage):
     in batches on that device, in the main process (``device/``)."""
 
     def __init__(self, mode: str | Callable[..., Any], min_size: int | None = None, threads: int = 0,
-                 device: Any = None, on_error: OnError = OnError.RAISE) -> None:
+                 device: Any = None, on_error: OnError = OnError.RAISE, video: VideoClip | None = None) -> None:
         if not callable(mode) and mode not in MODES:
             raise ConfigError(f"decode mode must be one of {', '.join(MODES)} or a callable, got {mode!r}")
         if min_size is not None and (type(min_size) is not int or min_size < 1):
             raise ConfigError(f"min_size must be a positive integer, got {min_size!r}")
+        if video is not None and not isinstance(video, VideoClip):
+            raise ConfigError(f"decode's video must be a VideoClip, got {type(video).__name__}")
         if device is not None:
             require_crop(mode, getattr(device, "device", device))
         self.mode, self.min_size, self.threads, self.device = mode, min_size, _check_threads(threads), device
-        self.seeded, self.on_error = bool(getattr(mode, "seeded", False)), on_error
+        self.video = video
+        self.seeded, self.on_error = bool(getattr(mode, "seeded", False)) or video is not None, on_error
 
     def run(self, samples: Iterable[Any], context: Context) -> Iterator[Any]:
         if self.device is not None:
             assert isinstance(self.mode, RandomResizedCrop)  # checked when the stage was made
-            fn: Callable[[Any], Any] = partial(_prepare_seeded, self.mode, context)
+            fn: Callable[[Any], Any] = partial(_prepare_seeded, self.mode, context, video=self.video)
         elif self.seeded:
-            fn = partial(_decode_seeded, self.mode, self.min_size, context)
+            fn = partial(_decode_seeded, self.mode, self.min_size, context, video=self.video)
         else:
             fn = partial(decode_sample, mode=self.mode, min_size=self.min_size)
         if self.on_error.skips and self.device is None:  # left out by DropUndecodable, where it is counted
@@ -293,14 +297,16 @@ def require_crop(mode: Any, device: Any) -> None:
                           " on the CPU")
 
 
-def _decode_seeded(mode: Any, min_size: int | None, context: Context, sample: dict[str, Any]) -> dict[str, Any]:
+def _decode_seeded(mode: Any, min_size: int | None, context: Context, sample: dict[str, Any],
+                   video: VideoClip | None = None) -> dict[str, Any]:
     rng = sample_rng(context, sample.get("__key__", ""))
     if isinstance(mode, RandomResizedCrop) and is_structured(sample):  # its targets cropped with its images
-        return crop_together(mode, sample, rng, partial(decode_sample, mode="raw"))
-    return decode_sample(sample, mode, min_size, rng=rng)
+        return crop_together(mode, sample, rng, partial(decode_sample, mode="raw", rng=rng, video=video))
+    return decode_sample(sample, mode, min_size, rng=rng, video=video)
 
 
-def _prepare_seeded(crop: RandomResizedCrop, context: Context, sample: dict[str, Any]) -> dict[str, Any]:
+def _prepare_seeded(crop: RandomResizedCrop, context: Context, sample: dict[str, Any],
+                    video: VideoClip | None = None) -> dict[str, Any]:
     """The sample with its images prepared for the device (``device.prepare``), labels decoded."""
     key, shard = sample.get("__key__", ""), sample.get("__shard__", "")
 
@@ -312,7 +318,7 @@ def _prepare_seeded(crop: RandomResizedCrop, context: Context, sample: dict[str,
     def prepared(field: str, data: Any, rng: Any = None) -> Any:
         return prepare(crop, data, rng, key, shard) if field.rsplit(".", 1)[-1] in IMAGE_FIELDS else data
 
-    return decode_sample(sample, prepared, None, rng=sample_rng(context, key))
+    return decode_sample(sample, prepared, None, rng=sample_rng(context, key), video=video)
 
 
 class ToTuple(Stage):

@@ -13,6 +13,7 @@ from PIL import Image, UnidentifiedImageError
 
 from remote_loader.errors import ConfigError, DecodeError
 from remote_loader.format.fields import IMAGE_EXTENSIONS, INPUT_MODES
+from remote_loader.format.video import VIDEO_EXTENSIONS
 
 IMAGE_FIELDS = IMAGE_EXTENSIONS
 MODES = ("pil", "rgb8", "torchrgb", "raw")
@@ -71,7 +72,8 @@ def _image(data: Any, mode: str, where: str, min_size: int | None, facts: dict[s
 
 
 def decode_sample(
-    sample: dict[str, Any], mode: str | Callable[..., Any], min_size: int | None = None, rng: Any = None
+    sample: dict[str, Any], mode: str | Callable[..., Any], min_size: int | None = None, rng: Any = None,
+    video: Callable[..., Any] | None = None,
 ) -> dict[str, Any]:
     """Decode every field of ``sample``: images by ``mode``, ``cls`` to int, ``txt`` to str,
     ``json`` to its value, ``npy`` to a numpy array. A structured sample's masks and depth maps
@@ -85,6 +87,10 @@ def decode_sample(
     ``min_size`` lets JPEGs decode at a reduced scale whose shorter side is still at least
     that many pixels (Pillow's draft mode: libjpeg's DCT scaling, slightly softer than a
     full decode followed by a resize).
+
+    ``video`` (a ``VideoClip``) is called as ``video(field, data, rng)`` for video fields (mp4,
+    mov, mkv, webm, avi); without it they stay bytes. A field some stage already decoded (not
+    bytes) is kept as it is.
     """
     if not callable(mode) and mode not in MODES:
         raise ConfigError(f"decode mode must be one of {', '.join(MODES)} or a callable, got {mode!r}")
@@ -96,7 +102,14 @@ def decode_sample(
         where = f"field {name!r} of sample {sample.get('__key__')!r} in {sample.get('__shard__')}"
         facts = {"key": sample.get("__key__"), "field": name}
         ext = name.rsplit(".", 1)[-1]
-        if ext in IMAGE_FIELDS:
+        if not isinstance(value, (bytes, bytearray, memoryview)):
+            out[name] = value  # decoded already (a stage before, or decode() twice)
+        elif ext in VIDEO_EXTENSIONS and video is not None:
+            try:
+                out[name] = video(name, value, rng)
+            except DecodeError as exc:
+                raise DecodeError(f"{where}: {exc}", **facts) from None
+        elif ext in IMAGE_FIELDS:
             if callable(mode):
                 try:
                     out[name] = mode(name, value) if rng is None else mode(name, value, rng=rng)
@@ -123,7 +136,7 @@ def decode_sample(
                 raise DecodeError(f"{where} is not valid JSON", **facts) from None
             except RecursionError:
                 raise DecodeError(f"{where} is JSON nested deeper than Python reads", **facts) from None
-        elif ext == "npy" and isinstance(value, (bytes, bytearray, memoryview)):
+        elif ext == "npy":
             try:
                 out[name] = load_npy(bytes(value))
             except (ValueError, EOFError, OSError) as exc:

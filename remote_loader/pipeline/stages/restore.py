@@ -18,6 +18,7 @@ from PIL import Image, UnidentifiedImageError
 from remote_loader.errors import DecodeError
 from remote_loader.format import fields as rule
 from remote_loader.format.fields import FieldName
+from remote_loader.format.video import VIDEO_EXTENSIONS
 from remote_loader.pipeline.stages.decode import IMAGE_FIELDS, load_npy
 
 _RAW = (bytes, bytearray, memoryview)
@@ -26,7 +27,8 @@ _RAW = (bytes, bytearray, memoryview)
 def restore(sample: Mapping[str, Any]) -> Any:
     """The item ``ds[i]`` returned at upload: ``(image, target)`` for a classification pair,
     the tuple, or the dict of fields. Images come back as PIL images in their stored mode
-    (unless ``decode()`` made them something else), arrays with their dtype and shape, tensors
+    (unless ``decode()`` made them something else), videos as their files' bytes (or the clip
+    ``decode(video=...)`` made of them), arrays with their dtype and shape, tensors
     as tensors; lists and tuples inside a target come back as lists. DecodeError where the
     sample's fields follow none of the rules."""
     where = f"sample {sample.get('__key__')!r} of {sample.get('__shard__')}"
@@ -52,11 +54,11 @@ def restore(sample: Mapping[str, Any]) -> Any:
 
 
 def _pair(sample: Mapping[str, Any], names: list[str], where: str) -> tuple[Any, Any]:
-    images = [n for n in names if n in IMAGE_FIELDS]
+    images = [n for n in names if n in IMAGE_FIELDS or n in VIDEO_EXTENSIONS]
     targets = [n for n in names if n in rule.CLASSIC_TARGETS]
     if len(images) != 1 or len(targets) > 1 or len(images) + len(targets) != len(names):
-        raise DecodeError(f"{where} cannot be restored: fields {sorted(names)} are not an image and at most one"
-                          " target", key=sample.get("__key__"))
+        raise DecodeError(f"{where} cannot be restored: fields {sorted(names)} are not an image (or a video) and at"
+                          " most one target", key=sample.get("__key__"))
     target = _leaf(targets[0], sample[targets[0]], where) if targets else None
     return _leaf(images[0], sample[images[0]], where), target
 

@@ -1,0 +1,145 @@
+"""``VideoClip``: a clip decoded from a video member (mp4, mov, mkv, webm, avi) in the
+workers, with PyAV (the ``video`` extra; its wheels carry FFmpeg).
+
+Which frames: ``frames`` of them, ``step`` apart, starting at a frame drawn from (seed,
+epoch, the sample's key), so a sample's clip is the same whatever the workers, ranks or
+resume, and another in the next epoch. The decoder seeks to the key frame before the clip
+and decodes from there, not the whole video. A video shorter than the clip repeats its last
+frame. ``crop`` (a ``RandomResizedCrop``) cuts one box out of every frame of the clip and
+resizes it, drawn as for an image (after the start frame), flip included.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import numpy as np
+import torch
+from torch.nn import functional
+
+from remote_loader.errors import ConfigError, DecodeError
+from remote_loader.format.video import VIDEO_EXTENSIONS
+from remote_loader.pipeline.stages.augment import RandomResizedCrop
+
+VIDEO_FIELDS = VIDEO_EXTENSIONS
+LAYOUTS = ("TCHW", "THWC")
+EXTRA = "install the video extra (pip install '.[video]' in remote_loader's checkout: PyAV)"
+
+
+def _av() -> Any:
+    try:
+        import av
+    except ImportError:
+        raise ConfigError(f"decoding video needs PyAV: {EXTRA}") from None
+    return av
+
+
+class VideoClip:
+    """A clip of ``frames`` frames, ``step`` apart, of each video field: a uint8 tensor
+    (float32, normalised, where ``crop`` has ``mean`` and ``std``), ``T x C x H x W``
+    (``layout="TCHW"``, as torchvision's ``tv_tensors.Video``) or ``T x H x W x C``
+    (``"THWC"``, as torchvision's video datasets hand clips over).
+
+    Args:
+        frames: Frames in a clip.
+        step: Frames of the video from one of the clip's frames to the next (1: consecutive).
+        crop: A ``RandomResizedCrop`` applied to the whole clip (one box, one flip); None keeps
+            the frames whole.
+        layout: ``"TCHW"`` or ``"THWC"``.
+    """
+
+    seeded = True
+
+    def __init__(self, frames: int = 16, step: int = 1, crop: RandomResizedCrop | None = None,
+                 layout: str = "TCHW") -> None:
+        for name, value in (("frames", frames), ("step", step)):
+            if type(value) is not int or value < 1:
+                raise ConfigError(f"VideoClip's {name} must be a positive integer, got {value!r}")
+        if crop is not None and not isinstance(crop, RandomResizedCrop):
+            raise ConfigError(f"VideoClip's crop must be a RandomResizedCrop or None, got {type(crop).__name__}")
+        if layout not in LAYOUTS:
+            raise ConfigError(f"VideoClip's layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+        self.frames, self.step, self.crop, self.layout = frames, step, crop, layout
+
+    def __repr__(self) -> str:
+        return f"VideoClip(frames={self.frames}, step={self.step}, crop={self.crop!r}, layout={self.layout!r})"
+
+    def __call__(self, field: str, data: Any, rng: np.random.Generator) -> torch.Tensor:
+        """The clip of one video field's bytes; DecodeError where they do not decode."""
+        frames = self.decode(bytes(data), rng)
+        clip = torch.from_numpy(np.stack(frames)).permute(0, 3, 1, 2)  # T x C x H x W
+        if self.crop is not None:
+            clip = self._cropped(clip, rng)
+        return clip.permute(0, 2, 3, 1).contiguous() if self.layout == "THWC" else clip.contiguous()
+
+    def decode(self, data: bytes, rng: np.random.Generator) -> list[np.ndarray]:
+        """The clip's frames, ``H x W x 3`` uint8 each, from a start drawn with ``rng``."""
+        av = _av()
+        try:
+            with av.open(io.BytesIO(data), mode="r") as container:
+                if not container.streams.video:
+                    raise DecodeError("a video file without a video stream")
+                stream = container.streams.video[0]
+                stream.codec_context.thread_count = 1  # a worker's core: the DataLoader's workers fill the rest
+                rate = float(stream.average_rate or stream.guessed_rate or 0)
+                count = _frame_count(container, stream, rate)
+                span = (self.frames - 1) * self.step + 1
+                start = int(rng.integers(0, count - span + 1)) if count >= span else 0
+                wanted = [start + k * self.step for k in range(self.frames)]
+                got = _frames_at(container, stream, rate, wanted)
+        except DecodeError:
+            raise
+        except (av.error.FFmpegError, ValueError, OSError, IndexError) as exc:
+            raise DecodeError(f"not a decodable video ({type(exc).__name__}: {str(exc)[:120]})") from None
+        if not got:
+            raise DecodeError("a video without a frame that decodes")
+        return got + [got[-1]] * (self.frames - len(got))  # a video shorter than the clip: its last frame again
+
+    def _cropped(self, clip: torch.Tensor, rng: np.random.Generator) -> torch.Tensor:
+        assert self.crop is not None
+        height, width = clip.shape[-2:]
+        left, top, right, bottom = self.crop.box(width, height, rng)
+        flip = bool(self.crop.flip and rng.random() < 0.5)
+        box = clip[:, :, top:bottom, left:right].float()
+        out = functional.interpolate(box, size=(self.crop.size, self.crop.size), mode="bilinear",
+                                     align_corners=False, antialias=True)
+        if flip:
+            out = out.flip(-1)
+        if self.crop.mean is not None and self.crop.std is not None:  # normalised floats, as an image's crop
+            mean = torch.tensor(self.crop.mean).view(1, 3, 1, 1) * 255
+            std = torch.tensor(self.crop.std).view(1, 3, 1, 1) * 255
+            return (out - mean) / std
+        return out.round_().clamp_(0, 255).to(torch.uint8)
+
+
+def _frame_count(container: Any, stream: Any, rate: float) -> int:
+    """Frames of the stream: as its header says, else from its duration and rate (0 where
+    neither is known: the clip then starts at the first frame)."""
+    if stream.frames:
+        return int(stream.frames)
+    if stream.duration is not None and stream.time_base is not None and rate:
+        return int(float(stream.duration * stream.time_base) * rate)
+    if container.duration is not None and rate:
+        return int(container.duration / 1_000_000 * rate)
+    return 0
+
+
+def _frames_at(container: Any, stream: Any, rate: float, wanted: list[int]) -> list[np.ndarray]:
+    """The frames of numbers ``wanted`` (increasing), decoded from the key frame before the
+    first: a frame's number is its time times the rate, counted from the stream's start."""
+    base = stream.start_time or 0
+    if wanted[0] > 0 and rate and stream.time_base is not None:
+        container.seek(base + int(wanted[0] / rate / stream.time_base), stream=stream, backward=True, any_frame=False)
+    got: list[np.ndarray] = []
+    number = -1
+    for frame in container.decode(stream):
+        if frame.pts is not None and rate and stream.time_base is not None:
+            number = round(float((frame.pts - base) * stream.time_base) * rate)
+        else:  # no time stamps: count frames from where decoding began
+            number += 1
+        while len(got) < len(wanted) and number >= wanted[len(got)]:
+            got.append(frame.to_ndarray(format="rgb24"))
+        if len(got) == len(wanted):
+            break
+    return got

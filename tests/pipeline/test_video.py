@@ -1,0 +1,203 @@
+"""Videos: their files' own bytes in the shards, and clips decoded from them in the workers
+(``decode(video=VideoClip(...))``)."""
+
+from __future__ import annotations
+
+import io
+import os
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from remote_loader import (
+    ConfigError,
+    DecodeError,
+    LocalStore,
+    RandomResizedCrop,
+    RemoteDataset,
+    VideoClip,
+    restore,
+    upload_cv_dataset,
+)
+from remote_loader.format.video import video_extension
+from remote_loader.testing.synthetic import SyntheticVideos
+
+av = pytest.importorskip("av", reason="PyAV is not installed (the video extra)")
+
+FRAMES = 40
+
+
+@pytest.fixture(scope="module")
+def videos(tmp_path_factory):
+    """Six lossless videos of 40 frames (a key frame every 8) uploaded in shards of 3."""
+    root = tmp_path_factory.mktemp("videos")
+    ds = SyntheticVideos(6, str(root / "files"), frames=FRAMES, gop=8, lossless=True)
+    store = LocalStore(str(root / "store"))
+    store.create_bucket("videos")
+    upload_cv_dataset(ds, client=store, bucket="videos", base_folder="v", maxcount=3, workers=0, progress=False)
+    return ds, store
+
+
+def _index(sample):
+    return int(sample["__key__"])
+
+
+def _start(clip, source, step):
+    """Where in ``source`` (T x H x W x 3) the TCHW ``clip`` starts, every ``step`` frames."""
+    frames = clip.permute(0, 2, 3, 1).numpy()
+    starts = [s for s in range(len(source)) if np.array_equal(source[s : s + step * len(frames) : step], frames)]
+    assert len(starts) == 1, "the clip is not a run of the video's own frames"
+    return starts[0]
+
+
+def test_a_video_file_is_stored_as_its_own_bytes_and_restored_as_them(videos):
+    ds, store = videos
+    for sample in RemoteDataset(store, "videos", "v", seed=0):
+        i = _index(sample)
+        with open(ds.path(i), "rb") as file:
+            assert sample["mp4"] == file.read()  # byte for byte, not decoded frames
+        assert restore(sample) == (sample["mp4"], ds.label(i))
+
+
+def test_each_container_is_named_by_its_first_bytes(tmp_path):
+    made = {}
+    for ext, fmt, codec in (("mp4", "mp4", "libx264"), ("mov", "mov", "libx264"), ("mkv", "matroska", "libx264"),
+                            ("webm", "webm", "libvpx-vp9"), ("avi", "avi", "mpeg4")):
+        out = io.BytesIO()
+        with av.open(out, mode="w", format=fmt) as container:
+            stream = container.add_stream(codec, rate=8)
+            stream.width, stream.height, stream.pix_fmt = 32, 32, "yuv420p"
+            for t in range(4):
+                frame = av.VideoFrame.from_ndarray(np.full((32, 32, 3), t * 40, np.uint8), format="rgb24")
+                for packet in stream.encode(frame):
+                    container.mux(packet)
+            for packet in stream.encode():
+                container.mux(packet)
+        made[ext] = out.getvalue()
+        assert video_extension(made[ext]) == ext
+    assert video_extension(b"\xff\xd8\xff\xe0") is None and video_extension(b"") is None
+    store = LocalStore(str(tmp_path))
+    store.create_bucket("b")
+    items = [(data, k) for k, data in enumerate(made.values())]
+    upload_cv_dataset(items, client=store, bucket="b", base_folder="c", workers=0, progress=False)
+    back = {_index(s): s for s in RemoteDataset(store, "b", "c", seed=0)}
+    for k, (ext, data) in enumerate(made.items()):
+        assert back[k][ext] == data
+        clip = VideoClip(frames=2)("f", data, np.random.default_rng(0))  # each decodes
+        assert clip.shape == (2, 3, 32, 32)
+
+
+def test_a_clip_is_a_run_of_the_video_s_frames_drawn_from_seed_epoch_and_key(videos):
+    ds, store = videos
+    pipeline = RemoteDataset(store, "videos", "v", seed=3).decode(video=VideoClip(frames=8, step=2))
+    starts = {}
+    for epoch in (0, 1):
+        pipeline.set_epoch(epoch)
+        alone = {_index(s): s["mp4"] for s in pipeline}
+        workers = {_index(s): s["mp4"] for s in DataLoader(pipeline, batch_size=None, num_workers=2)}
+        assert sorted(alone) == list(range(6))
+        for i, clip in alone.items():
+            assert clip.shape == (8, 3, 48, 64) and clip.dtype == torch.uint8
+            assert torch.equal(clip, workers[i])  # the same clip whatever the workers
+            starts[epoch, i] = _start(clip, ds.frames_of(i), 2)
+            assert 0 <= starts[epoch, i] <= FRAMES - 15
+    assert any(starts[0, i] != starts[1, i] for i in range(6))  # another clip the next epoch
+
+
+def test_a_seek_gives_the_frames_a_whole_decode_gives(tmp_path):
+    ds = SyntheticVideos(1, str(tmp_path), frames=60, gop=10, size=(96, 64))  # lossy H.264, 4:2:0
+    with av.open(ds.path(0)) as container:
+        every = [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]
+    data = Path(ds.path(0)).read_bytes()
+    for seed in range(6):
+        clip = VideoClip(frames=5, step=3, layout="THWC")("mp4", data, np.random.default_rng(seed)).numpy()
+        start = next(s for s in range(60) if np.array_equal(every[s], clip[0]))
+        assert np.array_equal(np.stack(every[start : start + 15 : 3]), clip)
+
+
+def test_a_video_shorter_than_the_clip_repeats_its_last_frame(videos):
+    ds, _ = videos
+    data = Path(ds.path(0)).read_bytes()
+    clip = VideoClip(frames=FRAMES + 5)("mp4", data, np.random.default_rng(0))
+    source = torch.from_numpy(ds.frames_of(0)).permute(0, 3, 1, 2)
+    assert torch.equal(clip[:FRAMES], source)
+    assert all(torch.equal(frame, source[-1]) for frame in clip[FRAMES:])
+
+
+def test_one_box_crops_the_whole_clip(videos):
+    ds, _ = videos
+    data = Path(ds.path(1)).read_bytes()
+    whole = RandomResizedCrop(24, scale=(1.0, 1.0), ratio=(4 / 3, 4 / 3), flip=False)
+    clip = VideoClip(frames=4, crop=whole)("mp4", data, np.random.default_rng(5))
+    frames = VideoClip(frames=4)("mp4", data, np.random.default_rng(5))  # the same start: drawn first
+    expected = torch.nn.functional.interpolate(frames.float(), size=(24, 24), mode="bilinear", antialias=True,
+                                               align_corners=False).round().clamp(0, 255).to(torch.uint8)
+    assert torch.equal(clip, expected)
+    normalised = RandomResizedCrop(24, scale=(1.0, 1.0), ratio=(4 / 3, 4 / 3), flip=False, mean=(0.5, 0.5, 0.5),
+                                   std=(0.25, 0.25, 0.25))
+    floats = VideoClip(frames=4, crop=normalised, layout="THWC")("mp4", data, np.random.default_rng(5))
+    assert floats.dtype == torch.float32 and floats.shape == (4, 24, 24, 3)
+
+
+def test_a_damaged_video_names_its_sample_and_skip_leaves_it_out(tmp_path, videos):
+    ds, _ = videos
+    good = Path(ds.path(0)).read_bytes()
+    damaged = good[:40] + bytes(len(good) - 40)  # its container's header, then zeros
+    store = LocalStore(str(tmp_path))
+    store.create_bucket("b")
+    upload_cv_dataset([(good, 0), (damaged, 1), (good, 2)], client=store, bucket="b", base_folder="d", workers=0,
+                      progress=False)
+    with pytest.raises(DecodeError, match=r"sample '000001'.*not a decodable video"):
+        list(RemoteDataset(store, "b", "d", seed=0).decode(video=VideoClip(4)))
+    skipping = RemoteDataset(store, "b", "d", seed=0, on_error="skip").decode(video=VideoClip(4))
+    assert sorted(s["cls"] for s in skipping) == [0, 2] and skipping.metrics.skipped == 1
+
+
+def test_a_resumed_epoch_gives_the_rest_of_the_same_clips_once(videos):
+    _, store = videos
+
+    def pipeline():
+        return RemoteDataset(store, "videos", "v", seed=4).decode(video=VideoClip(frames=6, step=3))
+
+    first = pipeline()
+    first.set_epoch(2)
+    full = list(first)
+    resumed = pipeline()
+    resumed.load_state_dict(first.state_dict(consumed=2))
+    rest = list(resumed)
+    assert Counter(_index(s) for s in full[:2] + rest) == Counter(range(6))
+    by_key = {_index(s): s["mp4"] for s in full}
+    assert all(torch.equal(s["mp4"], by_key[_index(s)]) for s in rest)  # the clips of the same epoch
+
+
+@pytest.mark.parametrize("arguments, message", [
+    ({"frames": 0}, "frames must be a positive integer"),
+    ({"step": 1.5}, "step must be a positive integer"),
+    ({"crop": 112}, "crop must be a RandomResizedCrop"),
+    ({"layout": "CTHW"}, "layout must be one of TCHW, THWC"),
+])
+def test_a_clip_s_arguments_are_checked(arguments, message):
+    with pytest.raises(ConfigError, match=message):
+        VideoClip(**arguments)
+
+
+def test_decode_takes_a_video_clip_only(videos):
+    _, store = videos
+    with pytest.raises(ConfigError, match="decode's video must be a VideoClip, got int"):
+        RemoteDataset(store, "videos", "v").decode(video=16)
+
+
+def test_the_files_a_synthetic_dataset_writes_are_there_once(tmp_path):
+    ds = SyntheticVideos(2, str(tmp_path))
+    first = ds.path(1)
+    assert ds.path(1) == first and sorted(os.listdir(tmp_path)) == ["video_00001.mp4"]
+
+
+def test_info_lists_video_fields_as_video():
+    from remote_loader.format.fields import describe
+
+    assert [describe(f) for f in ("mp4", "webm", "0.mkv", "clip.avi")] == ["video", "video", "video", "video"]
