@@ -201,3 +201,27 @@ def test_info_lists_video_fields_as_video():
     from remote_loader.format.fields import describe
 
     assert [describe(f) for f in ("mp4", "webm", "0.mkv", "clip.avi")] == ["video", "video", "video", "video"]
+
+
+def test_a_clip_late_in_a_video_is_decoded_from_the_key_frame_before_it(tmp_path):
+    from remote_loader.pipeline.stages.video import _frames_at
+
+    ds = SyntheticVideos(1, str(tmp_path), frames=60, gop=10, lossless=True)
+
+    class Counting:  # the container, counting the frames it decodes
+        def __init__(self, container):
+            self.container, self.decoded = container, 0
+
+        def seek(self, *args, **kwargs):
+            return self.container.seek(*args, **kwargs)
+
+        def decode(self, stream):
+            for frame in self.container.decode(stream):
+                self.decoded += 1
+                yield frame
+
+    with av.open(ds.path(0)) as container:
+        counting = Counting(container)
+        got = _frames_at(counting, container.streams.video[0], 24.0, [43, 45])
+    assert np.array_equal(np.stack(got), ds.frames_of(0)[[43, 45]])
+    assert counting.decoded <= 6  # from frame 40, the key frame before 43: not the 46 frames from the start
