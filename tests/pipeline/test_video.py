@@ -225,3 +225,24 @@ def test_a_clip_late_in_a_video_is_decoded_from_the_key_frame_before_it(tmp_path
         got = _frames_at(counting, container.streams.video[0], 24.0, [43, 45])
     assert np.array_equal(np.stack(got), ds.frames_of(0)[[43, 45]])
     assert counting.decoded <= 6  # from frame 40, the key frame before 43: not the 46 frames from the start
+
+
+def test_frames_over_pillow_s_pixel_bound_and_a_file_without_video_are_decode_errors(videos, monkeypatch):
+    ds, _ = videos
+    data = Path(ds.path(0)).read_bytes()
+    monkeypatch.setattr("PIL.Image.MAX_IMAGE_PIXELS", 64 * 48 - 1)
+    with pytest.raises(DecodeError, match=r"frames of 64x48 pixels, more than Pillow's bound of 3071"):
+        VideoClip(4)("mp4", data, np.random.default_rng(0))
+    monkeypatch.undo()
+    sound = io.BytesIO()
+    with av.open(sound, mode="w", format="matroska") as container:
+        stream = container.add_stream("pcm_s16le", rate=8000)
+        frame = av.AudioFrame.from_ndarray(np.zeros((1, 800), np.int16), format="s16", layout="mono")
+        frame.sample_rate = 8000
+        for packet in stream.encode(frame):
+            container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    assert video_extension(sound.getvalue()) == "mkv"
+    with pytest.raises(DecodeError, match="without a video stream"):
+        VideoClip(4)("mkv", sound.getvalue(), np.random.default_rng(0))

@@ -12,10 +12,12 @@ resizes it, drawn as for an image (after the start frame), flip included.
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
+from PIL import Image
 from torch.nn import functional
 
 from remote_loader.errors import ConfigError, DecodeError
@@ -68,13 +70,19 @@ class VideoClip:
     def __call__(self, field: str, data: Any, rng: np.random.Generator) -> torch.Tensor:
         """The clip of one video field's bytes; DecodeError where they do not decode."""
         frames = self.decode(bytes(data), rng)
-        clip = torch.from_numpy(np.stack(frames)).permute(0, 3, 1, 2)  # T x C x H x W
-        if self.crop is not None:
-            clip = self._cropped(clip, rng)
-        return clip.permute(0, 2, 3, 1).contiguous() if self.layout == "THWC" else clip.contiguous()
+        clip = torch.stack(frames)  # T x C x H x W
+        if self.crop is not None and self.crop.mean is not None and self.crop.std is not None:
+            mean = torch.tensor(self.crop.mean).view(1, 3, 1, 1) * 255  # normalised floats, as an image's crop
+            std = torch.tensor(self.crop.std).view(1, 3, 1, 1) * 255
+            clip = (clip - mean) / std
+        elif self.crop is not None:
+            clip = clip.round_().clamp_(0, 255).to(torch.uint8)
+        return clip.permute(0, 2, 3, 1).contiguous() if self.layout == "THWC" else clip
 
-    def decode(self, data: bytes, rng: np.random.Generator) -> list[np.ndarray]:
-        """The clip's frames, ``H x W x 3`` uint8 each, from a start drawn with ``rng``."""
+    def decode(self, data: bytes, rng: np.random.Generator) -> list[torch.Tensor]:
+        """The clip's frames, ``C x H x W`` each (uint8; float crops resized where ``crop`` is
+        given: each frame cropped as it is decoded, so a clip holds at most one frame whole),
+        from a start drawn with ``rng``, then the crop's box and flip."""
         av = _av()
         try:
             with av.open(io.BytesIO(data), mode="r") as container:
@@ -82,35 +90,41 @@ class VideoClip:
                     raise DecodeError("a video file without a video stream")
                 stream = container.streams.video[0]
                 stream.codec_context.thread_count = 1  # a worker's core: the DataLoader's workers fill the rest
+                width, height = int(stream.codec_context.width), int(stream.codec_context.height)
+                bound = Image.MAX_IMAGE_PIXELS
+                if bound is not None and width * height > bound:
+                    raise DecodeError(f"frames of {width}x{height} pixels, more than Pillow's bound of {bound}"
+                                      " an image (PIL.Image.MAX_IMAGE_PIXELS)")
                 rate = float(stream.average_rate or stream.guessed_rate or 0)
                 count = _frame_count(container, stream, rate)
                 span = (self.frames - 1) * self.step + 1
                 start = int(rng.integers(0, count - span + 1)) if count >= span else 0
                 wanted = [start + k * self.step for k in range(self.frames)]
-                got = _frames_at(container, stream, rate, wanted)
+                keep = self._keeper(width, height, rng)
+                got = _frames_at(container, stream, rate, wanted, keep)
         except DecodeError:
             raise
-        except (av.error.FFmpegError, ValueError, OSError, IndexError) as exc:
+        except (av.error.FFmpegError, ValueError, OSError, IndexError, RuntimeError) as exc:
             raise DecodeError(f"not a decodable video ({type(exc).__name__}: {str(exc)[:120]})") from None
         if not got:
             raise DecodeError("a video without a frame that decodes")
         return got + [got[-1]] * (self.frames - len(got))  # a video shorter than the clip: its last frame again
 
-    def _cropped(self, clip: torch.Tensor, rng: np.random.Generator) -> torch.Tensor:
-        assert self.crop is not None
-        height, width = clip.shape[-2:]
+    def _keeper(self, width: int, height: int, rng: np.random.Generator) -> Callable[[np.ndarray], torch.Tensor]:
+        """What is kept of each decoded ``H x W x 3`` frame: all of it (``C x H x W``), or the
+        crop's box, drawn now for the whole clip, resized (and flipped) to ``size x size``."""
+        if self.crop is None:
+            return lambda pixels: torch.from_numpy(pixels).permute(2, 0, 1)
         left, top, right, bottom = self.crop.box(width, height, rng)
-        flip = bool(self.crop.flip and rng.random() < 0.5)
-        box = clip[:, :, top:bottom, left:right].float()
-        out = functional.interpolate(box, size=(self.crop.size, self.crop.size), mode="bilinear",
-                                     align_corners=False, antialias=True)
-        if flip:
-            out = out.flip(-1)
-        if self.crop.mean is not None and self.crop.std is not None:  # normalised floats, as an image's crop
-            mean = torch.tensor(self.crop.mean).view(1, 3, 1, 1) * 255
-            std = torch.tensor(self.crop.std).view(1, 3, 1, 1) * 255
-            return (out - mean) / std
-        return out.round_().clamp_(0, 255).to(torch.uint8)
+        flip, size = bool(self.crop.flip and rng.random() < 0.5), self.crop.size
+
+        def cropped(pixels: np.ndarray) -> torch.Tensor:
+            region = torch.from_numpy(pixels[top:bottom, left:right]).permute(2, 0, 1)[None].float()
+            out = functional.interpolate(region, size=(size, size), mode="bilinear", align_corners=False,
+                                         antialias=True)[0]
+            return out.flip(-1) if flip else out
+
+        return cropped
 
 
 def _frame_count(container: Any, stream: Any, rate: float) -> int:
@@ -125,21 +139,25 @@ def _frame_count(container: Any, stream: Any, rate: float) -> int:
     return 0
 
 
-def _frames_at(container: Any, stream: Any, rate: float, wanted: list[int]) -> list[np.ndarray]:
-    """The frames of numbers ``wanted`` (increasing), decoded from the key frame before the
-    first: a frame's number is its time times the rate, counted from the stream's start."""
+def _frames_at(container: Any, stream: Any, rate: float, wanted: list[int],
+               keep: Callable[[np.ndarray], Any] = lambda pixels: pixels) -> list[Any]:
+    """What ``keep`` makes of the frames of numbers ``wanted`` (increasing), decoded from the
+    key frame before the first: a frame's number is its time times the rate, counted from the
+    stream's start."""
     base = stream.start_time or 0
     if wanted[0] > 0 and rate and stream.time_base is not None:
         container.seek(base + int(wanted[0] / rate / stream.time_base), stream=stream, backward=True, any_frame=False)
-    got: list[np.ndarray] = []
+    got: list[Any] = []
     number = -1
     for frame in container.decode(stream):
         if frame.pts is not None and rate and stream.time_base is not None:
             number = round(float((frame.pts - base) * stream.time_base) * rate)
         else:  # no time stamps: count frames from where decoding began
             number += 1
-        while len(got) < len(wanted) and number >= wanted[len(got)]:
-            got.append(frame.to_ndarray(format="rgb24"))
+        if len(got) < len(wanted) and number >= wanted[len(got)]:
+            kept = keep(frame.to_ndarray(format="rgb24"))
+            while len(got) < len(wanted) and number >= wanted[len(got)]:  # a frame missing: the next in its place
+                got.append(kept)
         if len(got) == len(wanted):
             break
     return got
