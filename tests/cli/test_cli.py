@@ -392,3 +392,14 @@ def test_the_bench_verdict_suggests_what_the_decode_it_ran_does_not_already_do()
     fast, slow = BenchResult("none", 100, 1.0, 0.1, 10.0), BenchResult("rrc", 100, 4.0, 0.1, 10.0)
     assert "reduced-size" not in verdict(fast, slow) and "decoding on a GPU" in verdict(fast, slow)
     assert "--decode rrc" in verdict(fast, BenchResult("pil", 100, 4.0, 0.1, 10.0))
+
+
+def test_info_says_what_a_video_field_holds(env, s3, tmp_path):
+    pytest.importorskip("av", reason="PyAV is not installed (the video extra)")
+    from remote_loader.testing.synthetic import SyntheticVideos
+
+    client, bucket = s3
+    upload(client, bucket, "clips", SyntheticVideos(3, str(tmp_path), frames=24, size=(64, 48), fps=12))
+    info = json.loads(run(env, "info", f"s3://{bucket}/clips", "--json").stdout)
+    assert info["field_types"] == {"cls": "int", "mp4": "video (h264, 64x48, 2.0 s, 12 fps)"}
+    assert "mp4 (video (h264, 64x48, 2.0 s, 12 fps))" in run(env, "info", f"s3://{bucket}/clips").stdout
