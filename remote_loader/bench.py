@@ -12,11 +12,14 @@ from torch.utils.data import DataLoader
 from remote_loader.config import FetchConfig
 from remote_loader.errors import ConfigError
 from remote_loader.format import fields
+from remote_loader.format.video import VIDEO_EXTENSIONS
 from remote_loader.pipeline.dataset import RemoteDataset
 from remote_loader.pipeline.stages.augment import RandomResizedCrop
+from remote_loader.pipeline.stages.video import VideoClip
 from remote_loader.storage import Store
 
 BATCH = 64
+CLIP_FRAMES = 16
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,8 @@ def _pipeline(base: RemoteDataset, decode: str, size: int, min_size: int | None)
     if decode == "pil":  # every field decoded (masks, arrays, JSON), whatever the samples hold
         return base.decode("pil", min_size=min_size).map(len)
     require_fit(base.reader.manifest.fields, decode, str(base.reader.location))
+    if decode == "clip":  # a clip of CLIP_FRAMES frames, 2 apart, cropped to size, of each video field
+        return base.decode(video=VideoClip(CLIP_FRAMES, step=2, crop=RandomResizedCrop(size))).map(len)
     # Fixed-size crops travel in batches of 64, as in training: one shared-memory tensor per batch.
     crops = base.decode(RandomResizedCrop(size, reduced=decode == "rrc")).to_tuple("jpg;png;webp", "cls")
     return crops.batched(BATCH)
@@ -60,8 +65,14 @@ def _pipeline(base: RemoteDataset, decode: str, size: int, min_size: int | None)
 
 def require_fit(names: Sequence[str], decode: str, where: str) -> None:
     """ConfigError where ``decode`` cannot run on samples of these fields: the crops take a
-    classification pair (an image and its class); ``none`` and ``pil`` take any sample."""
+    classification pair (an image and its class), ``clip`` a video field; ``none`` and ``pil``
+    take any sample."""
     if decode in ("none", "pil") or not names:
+        return
+    if decode == "clip":
+        if not any(fields.parse(name).ext in VIDEO_EXTENSIONS for name in names):
+            raise ConfigError(f"bench --decode clip decodes video fields; {where} has none (fields"
+                              f" {', '.join(names[:6])}{', ...' if len(names) > 6 else ''})")
         return
     try:
         kind = fields.kind(list(names))
@@ -123,8 +134,11 @@ def verdict(bytes_only: BenchResult, decoded: BenchResult | None) -> str:
         return "bytes only: this is the rate storage and the loader can deliver; add --decode to compare"
     ratio = decoded.samples_per_s / bytes_only.samples_per_s if bytes_only.samples_per_s else 0.0
     if ratio < 0.8:
-        helps = ("more DataLoader workers (cores), or decoding on a GPU (decode(..., device='cuda'))"
-                 if decoded.decode == "rrc" else "more DataLoader workers, or --decode rrc (a crop fused with"
-                 " reduced-size JPEG decoding)")
+        if decoded.decode == "rrc":
+            helps = "more DataLoader workers (cores), or decoding on a GPU (decode(..., device='cuda'))"
+        elif decoded.decode == "clip":
+            helps = "more DataLoader workers (cores: each decodes its clips on one thread)"
+        else:
+            helps = "more DataLoader workers, or --decode rrc (a crop fused with reduced-size JPEG decoding)"
         return f"decoding limits the rate: with decoding {ratio:.0%} of the bytes-only rate; {helps} help"
     return f"storage limits the rate: decoding keeps up ({ratio:.0%} of the bytes-only rate)"

@@ -509,12 +509,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=_count(0), default=2, help="DataLoader workers")
     p.add_argument(
         "--decode",
-        choices=("none", "pil", "rrc", "rrc-plain"),
+        choices=("none", "pil", "rrc", "rrc-plain", "clip"),
         default="none",
         help="none: bytes only; pil: decode; rrc: decode + random-resized-crop with reduced-size"
-        " JPEG decoding; rrc-plain: the same without it",
+        " JPEG decoding; rrc-plain: the same without it; clip: a clip of 16 frames, 2 apart, of each"
+        " video field, cropped to --size (PyAV)",
     )
-    p.add_argument("--size", type=_count(1), default=224, help="crop size for rrc")
+    p.add_argument("--size", type=_count(1), default=224, help="crop size for rrc and clip")
     p.add_argument("--min-size", type=_count(1), default=None, help="reduced-size decoding for pil")
     p.add_argument("--no-verify", action="store_true", help="skip crc32 checks (to measure what they cost)")
     p.set_defaults(func=cmd_bench)

@@ -403,3 +403,9 @@ def test_info_says_what_a_video_field_holds(env, s3, tmp_path):
     info = json.loads(run(env, "info", f"s3://{bucket}/clips", "--json").stdout)
     assert info["field_types"] == {"cls": "int", "mp4": "video (h264, 64x48, 2.0 s, 12 fps)"}
     assert "mp4 (video (h264, 64x48, 2.0 s, 12 fps))" in run(env, "info", f"s3://{bucket}/clips").stdout
+    bench = json.loads(run(env, "bench", f"s3://{bucket}/clips", "--decode", "clip", "--size", "32", "--workers",
+                           "0", "--json").stdout)
+    assert [(r["decode"], r["samples"]) for r in bench["runs"]] == [("none", 3), ("clip", 3)]
+    upload(client, bucket, "pictures", SyntheticImages(4, size=(32, 24)))
+    refused = run(env, "bench", f"s3://{bucket}/pictures", "--decode", "clip", check=False)
+    assert refused.returncode != 0 and "bench --decode clip decodes video fields;" in refused.stderr
