@@ -30,7 +30,7 @@ from remote_loader.errors import (
 )
 from remote_loader.read import DatasetReader, Metrics
 from remote_loader.storage import LocalStore, Store, make_client
-from remote_loader.upload import ImageFolder, UploadSummary, upload_cv_dataset
+from remote_loader.upload import ImageFolder, UploadSummary, VideoFolder, upload_cv_dataset
 
 if TYPE_CHECKING:
     from remote_loader.mapstyle.dataset import RemoteMapDataset
@@ -108,6 +108,7 @@ __all__ = [
     "UploadError",
     "UniformSampler",
     "VideoClip",
+    "VideoFolder",
     "UploadSummary",
     "__version__",
     "collate",

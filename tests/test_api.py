@@ -49,6 +49,7 @@ EXPECTED = {
     "UnsupportedVersion",
     "UniformSampler",
     "VideoClip",
+    "VideoFolder",
     "UploadConflict",
     "UploadError",
     "UploadSummary",

@@ -12,6 +12,7 @@ from typing import Any
 from remote_loader.errors import ConfigError, UploadError
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp", ".gif")
+VIDEO_SUFFIXES = (".mp4", ".m4v", ".mov", ".mkv", ".webm", ".avi")
 
 
 class ImageFolder:
@@ -28,19 +29,22 @@ class ImageFolder:
         >>> ds.classes[:2], len(ds)
     """
 
+    suffixes: tuple[str, ...] = IMAGE_SUFFIXES
+    what = "image"
+
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
         if not self.root.is_dir():
-            raise ConfigError(f"image folder {str(self.root)!r} is not a directory")
+            raise ConfigError(f"{self.what} folder {str(self.root)!r} is not a directory")
         self.classes = sorted(entry.name for entry in os.scandir(self.root) if entry.is_dir())
         if not self.classes:
-            raise ConfigError(f"image folder {str(self.root)!r} has no class subfolders")
+            raise ConfigError(f"{self.what} folder {str(self.root)!r} has no class subfolders")
         self.class_to_idx = {name: i for i, name in enumerate(self.classes)}
         self.samples: list[tuple[str, int]] = []
         for name in self.classes:
             for dirpath, _, files in sorted(os.walk(self.root / name, followlinks=True)):
                 for file in sorted(files):
-                    if file.lower().endswith(IMAGE_SUFFIXES):
+                    if file.lower().endswith(self.suffixes):
                         self.samples.append((os.path.join(dirpath, file), self.class_to_idx[name]))
 
     def __len__(self) -> int:
@@ -48,6 +52,15 @@ class ImageFolder:
 
     def __getitem__(self, index: int) -> tuple[str, int]:
         return self.samples[index]
+
+
+class VideoFolder(ImageFolder):
+    """A tree of video files, one subfolder per class (``root/<class>/<video>``: UCF101's and
+    HMDB51's layout), read as ``ImageFolder`` reads images: ``ds[i]`` is ``(path,
+    class_index)``, and each video is stored as its file's bytes (docs/video.md)."""
+
+    suffixes = VIDEO_SUFFIXES
+    what = "video"
 
 
 def is_file_backed(ds: Any) -> bool:
@@ -69,13 +82,18 @@ def is_file_backed(ds: Any) -> bool:
 
 
 def load_source(spec: str) -> Any:
-    """Return the dataset named by ``spec``: an image-folder directory or ``module:function``.
+    """Return the dataset named by ``spec``: an image-folder directory (a video folder where it
+    holds videos and no image) or ``module:function``.
 
     ``module:function`` imports ``module`` (the current directory is searched first) and
     returns ``function()``.
     """
     if Path(spec).is_dir():
-        return ImageFolder(spec)
+        images = ImageFolder(spec)
+        if not len(images):  # no image in it: a tree of videos, if it holds any
+            videos = VideoFolder(spec)
+            return videos if len(videos) else images
+        return images
     module_name, sep, function_name = spec.partition(":")
     if not sep or not module_name or not function_name:
         raise ConfigError(f"source {spec!r} is neither a directory nor module:function")

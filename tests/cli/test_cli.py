@@ -409,3 +409,22 @@ def test_info_says_what_a_video_field_holds(env, s3, tmp_path):
     upload(client, bucket, "pictures", SyntheticImages(4, size=(32, 24)))
     refused = run(env, "bench", f"s3://{bucket}/pictures", "--decode", "clip", check=False)
     assert refused.returncode != 0 and "bench --decode clip decodes video fields;" in refused.stderr
+
+
+def test_a_folder_of_videos_uploads_as_their_files(env, s3, tmp_path):
+    pytest.importorskip("av", reason="PyAV is not installed (the video extra)")
+    from remote_loader.testing.synthetic import SyntheticVideos
+
+    client, bucket = s3
+    videos = SyntheticVideos(4, str(tmp_path / "made"), num_classes=2, frames=6)
+    for i in range(len(videos)):  # UCF101's layout: one folder per class, its videos in it
+        path, label = videos[i]
+        folder = tmp_path / "UCF" / ["ApplyEyeMakeup", "Archery"][label]
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"v_{i:02d}.avi.mp4").write_bytes(Path(path).read_bytes())
+    up = json.loads(run(env, "upload", str(tmp_path / "UCF"), f"s3://{bucket}/ucf", "--workers", "0", "--json").stdout)
+    assert up["samples"] == 4
+    back = {s["__key__"]: s for s in RemoteDataset(client, bucket, "ucf")}
+    assert sorted(int(bytes(s["cls"])) for s in back.values()) == [0, 0, 1, 1]
+    assert {bytes(s["mp4"]) for s in back.values()} == {Path(videos[i][0]).read_bytes() for i in range(4)}
+    assert RemoteDataset(client, bucket, "ucf").classes == ["ApplyEyeMakeup", "Archery"]
