@@ -8,7 +8,6 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import torch.multiprocessing
 from torch.utils.data import IterableDataset, get_worker_info
 
 from remote_loader.config import MAX_WORKERS, CacheConfig, FetchConfig, current_world, require_bool, require_int
@@ -69,6 +68,9 @@ class RemoteDataset(IterableDataset):
         cache_bytes: The most bytes the cache holds, all datasets together (an int, or
             ``"500G"``, ``"64GiB"``); default ``REMOTE_LOADER_CACHE_BYTES``, else what leaves
             a tenth of the disk free.
+        cache_verify: Check every member read from the cache against its crc32, every epoch
+            (default ``REMOTE_LOADER_CACHE_VERIFY``, else off: a shard is checked whole as it
+            enters the cache and read as it is while its file is unchanged; docs/cache.md).
         **connection: ``endpoint_url``, ``access_key``, ``secret_key``, ``region``,
             ``backend``, with a URL.
 
@@ -95,6 +97,7 @@ class RemoteDataset(IterableDataset):
         unindexed: bool = False,
         cache_dir: str | os.PathLike[str] | None = None,
         cache_bytes: int | str | None = None,
+        cache_verify: bool | None = None,
         **connection: Any,
     ) -> None:
         if isinstance(client, str):
@@ -115,7 +118,7 @@ class RemoteDataset(IterableDataset):
             rank, world_size = current_world(rank, world_size)
         self.fetch = fetch or FetchConfig()
         self.reader = DatasetReader(client, bucket, base_folder, verify=verify, fetch=self.fetch,
-                                    cache=CacheConfig.of(cache_dir, cache_bytes))
+                                    cache=CacheConfig.of(cache_dir, cache_bytes, verify_reads=cache_verify))
         self.reader.after_change = _NEXT_PASS
         self.unindexed = unindexed
         self._data: Data = Unindexed(self.reader) if unindexed else Indexed(self.reader, self.on_error)
@@ -406,8 +409,6 @@ class RemoteDataset(IterableDataset):
     def _begin(self) -> Iterator[Any]:
         info = get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info else (0, 1)
-        if info is not None:
-            _share_by_name()
         if num_workers > MAX_WORKERS:
             raise ConfigError(f"RemoteDataset supports up to {MAX_WORKERS} DataLoader workers, got {num_workers}")
         # once: the main process may set the next one while this runs
@@ -494,22 +495,6 @@ class RemoteDataset(IterableDataset):
 _NEXT_PASS = "the next pass reads the new upload (iterate again; where you call set_epoch, call it first)"
 _CHECKPOINT = ("a checkpoint of the old upload cannot resume the new one: to read it, make a new RemoteDataset and"
                " load no state taken before the change")
-
-
-def _share_by_name() -> None:
-    """Have this DataLoader worker hand its batches' tensors over by the name of their shared
-    memory (torch's ``file_system`` strategy) rather than as file descriptors.
-
-    With the default strategy the receiving process asks the worker for each tensor's
-    descriptor over a socket (``multiprocessing.resource_sharer``), a few blocking calls a
-    tensor, each of which gives the GIL up and waits for it again: beside a thread of that
-    process that keeps Python busy, up to a switch interval (5 ms) each time, about 40 ms a
-    tensor (a batch of 2 tensors: 79 ms beside a spinning thread, 8.9 ms by name). By name,
-    the receiver maps the memory itself. Only the worker's strategy changes (the receiver
-    reads whichever the sender used); torch's ``torch_shm_manager`` frees what a killed
-    process leaves."""
-    if torch.multiprocessing.get_sharing_strategy() != "file_system":
-        torch.multiprocessing.set_sharing_strategy("file_system")
 
 
 def _failing(error: Exception) -> Iterator[Any]:

@@ -109,19 +109,44 @@ def test_decoded_on_says_cpu_where_the_workers_decode(keys):
 
 
 def _with_strategy(batch):
-    import torch
     import torch.multiprocessing
 
-    return batch, torch.multiprocessing.get_sharing_strategy(), torch.arange(3)
+    return batch, torch.multiprocessing.get_sharing_strategy()
 
 
-def test_workers_hand_tensors_over_by_name_and_leave_this_process_s_strategy_as_it_was(keys):
-    import torch
+def test_a_dataloader_of_your_own_keeps_torch_s_sharing_strategy_in_its_workers(keys):
     import torch.multiprocessing
 
     before = torch.multiprocessing.get_sharing_strategy()
     stream = DataLoader(keys.map(_with_strategy), batch_size=None, num_workers=2)
-    seen = [(strategy, tensor) for _, strategy, tensor in stream]
-    assert {strategy for strategy, _ in seen} == {"file_system"}  # by name: no socket round trips per tensor
-    assert all(torch.equal(tensor, torch.arange(3)) for _, tensor in seen)
+    assert {strategy for _, strategy in stream} == {before}
     assert torch.multiprocessing.get_sharing_strategy() == before
+
+
+def _strategy_code(pair):
+    import torch.multiprocessing
+
+    return pair[0], int(torch.multiprocessing.get_sharing_strategy() == "file_system")
+
+
+@pytest.mark.parametrize("decoding, persistent, by_name", [
+    ("thread", True, True),  # this process decodes: its workers hand tensors over by name
+    ("thread", False, False),  # a pass cut short would leave their memory behind
+    ("process", True, False),  # the decoding process receives them, beside no Python of yours
+])
+def test_loader_s_workers_hand_tensors_over_by_name_where_this_process_decodes(seaweed, decoding, persistent,
+                                                                                by_name):
+    from remote_loader import RandomResizedCrop
+    from tests.helpers import require_nvimagecodec
+
+    require_nvimagecodec()
+    client = seaweed.client()
+    bucket = f"by-name-{decoding}-{int(persistent)}"
+    upload_to_new_bucket(client, bucket, "d", SyntheticImages(16, size=(32, 24)), maxcount=8)
+    ds = (RemoteDataset(client, bucket, "d", seed=0).decode(RandomResizedCrop(16), device="cpu", batched=True)
+          .to_tuple("jpg", "cls").map(_strategy_code).batched(8))
+    stream = loader(ds, num_workers=1, decoding=decoding, persistent_workers=persistent)
+    codes = [int(code) for _, codes in stream for code in codes]
+    assert codes == [int(by_name)] * 16
+    stream.close()
+    client.close()
