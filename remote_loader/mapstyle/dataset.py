@@ -48,6 +48,9 @@ class RemoteMapDataset(Dataset):
             ``REMOTE_LOADER_CACHE_DIR``, none without it.
         cache_bytes: The most bytes the cache holds (an int, or ``"500G"``); default
             ``REMOTE_LOADER_CACHE_BYTES``, else what leaves a tenth of the disk free.
+        cache_verify: Check every member read from the cache against its crc32, every epoch
+            (default ``REMOTE_LOADER_CACHE_VERIFY``, else off: a shard is checked whole as it
+            enters the cache and read as it is while its file is unchanged; docs/cache.md).
         **connection: ``endpoint_url``, ``access_key``, ... with a URL.
     """
 
@@ -65,6 +68,7 @@ class RemoteMapDataset(Dataset):
         verify: bool = True,
         cache_dir: str | os.PathLike[str] | None = None,
         cache_bytes: int | str | None = None,
+        cache_verify: bool | None = None,
         **connection: Any,
     ) -> None:
         if isinstance(client, str):
@@ -76,7 +80,8 @@ class RemoteMapDataset(Dataset):
             raise ConfigError("cache_shards and cache_pages must be >= 1 and merge_gap >= 0")
         self.fetch = fetch or FetchConfig()
         self.reader = DatasetReader(client, bucket, base_folder, verify=verify, fetch=self.fetch,
-                                    cache_pages=cache_pages, cache=CacheConfig.of(cache_dir, cache_bytes))
+                                    cache_pages=cache_pages,
+                                    cache=CacheConfig.of(cache_dir, cache_bytes, verify_reads=cache_verify))
         self.reader.after_change = ("this dataset's length and indices are the old upload's: make a new"
                                     " RemoteMapDataset (and a new sampler and DataLoader over it) to read the new one")
         self.transform, self.cache_shards, self.merge_gap = transform, cache_shards, merge_gap

@@ -129,7 +129,7 @@ class NodeCache:
 
     def upload(self, endpoint: str, dataset: str, identity: int) -> UploadCache:
         """This process's cache of one upload of one dataset (one object per process)."""
-        key = (self.path, endpoint, dataset, identity)
+        key = (self.path, endpoint, dataset, identity, self.config.verify_reads)  # each reads as its config says
         with _registry_lock:
             found = _registry.get(key)
             if found is None:
@@ -543,7 +543,7 @@ def _allocate(fd: int, size: int) -> None:
         os.posix_fallocate(fd, 0, size)
 
 
-_registry: dict[tuple[str, str, str, int], UploadCache] = {}
+_registry: dict[tuple[str, str, str, int, bool], UploadCache] = {}
 _registry_lock = threading.Lock()
 
 

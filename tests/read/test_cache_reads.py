@@ -117,6 +117,22 @@ def test_verify_reads_checks_every_member_of_a_cached_shard(seaweed, dataset, tm
     assert metrics["bytes"] == entry.size and metrics["retries"] >= 1
 
 
+def test_cache_verify_holds_in_a_process_that_read_the_cache_without_it(dataset, tmp_path):
+    """A dataset made with ``cache_verify=True`` checks every member even where this process
+    already reads the same upload's cache without it (the cache's state is kept per setting)."""
+    store, bucket, reader, clean = dataset
+    cache = tmp_path / "cache"
+    assert _samples(RemoteDataset(store, bucket, "d", cache_dir=cache)) == clean
+    entry = reader.manifest.shards[2]
+    key, offset = _damaged_member(reader, 2)
+    _change_in_place(_cached_file(cache, entry.name), offset, keep_times=True)
+    trusting = {k: jpg for k, jpg, _ in _samples(RemoteDataset(store, bucket, "d", cache_dir=cache))}
+    stored = {k: jpg for k, jpg, _ in clean}
+    assert [k for k in stored if trusting[k] != stored[k]] == [key]  # the default: read as it lies
+    checking = RemoteDataset(store, bucket, "d", cache_dir=cache, cache_verify=True)
+    assert _samples(checking) == clean and checking.metrics.bytes == entry.size
+
+
 def test_reading_a_cached_shard_marks_it_used_and_keeps_its_modification_time(dataset, tmp_path):
     """Least recently used is told by the access time: the modification time is the check's."""
     store, bucket, _, clean = dataset
