@@ -246,3 +246,14 @@ def test_frames_over_pillow_s_pixel_bound_and_a_file_without_video_are_decode_er
     assert video_extension(sound.getvalue()) == "mkv"
     with pytest.raises(DecodeError, match="without a video stream"):
         VideoClip(4)("mkv", sound.getvalue(), np.random.default_rng(0))
+
+
+def test_a_header_that_claims_too_many_frames_gives_the_clip_from_the_start(videos, monkeypatch):
+    import remote_loader.pipeline.stages.video as video
+
+    ds, _ = videos
+    data = Path(ds.path(2)).read_bytes()
+    monkeypatch.setattr(video, "_frame_count", lambda container, stream, rate: 10 * FRAMES)  # it has 40
+    seed = next(s for s in range(100) if np.random.default_rng(s).integers(0, 10 * FRAMES - 7) > FRAMES)
+    clip = VideoClip(frames=4, step=2)("mp4", data, np.random.default_rng(seed))
+    assert torch.equal(clip, torch.from_numpy(ds.frames_of(2)[0:8:2]).permute(0, 3, 1, 2))

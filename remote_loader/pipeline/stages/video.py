@@ -102,6 +102,9 @@ class VideoClip:
                 wanted = [start + k * self.step for k in range(self.frames)]
                 keep = self._keeper(width, height, rng)
                 got = _frames_at(container, stream, rate, wanted, keep)
+                if not got and start:  # a header that claims more frames than there are: the clip from the start
+                    container.seek(stream.start_time or 0, stream=stream, backward=True, any_frame=False)
+                    got = _frames_at(container, stream, rate, [k * self.step for k in range(self.frames)], keep)
         except DecodeError:
             raise
         except (av.error.FFmpegError, ValueError, OSError, IndexError, RuntimeError) as exc:
