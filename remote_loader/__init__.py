@@ -35,6 +35,7 @@ from remote_loader.upload import ImageFolder, UploadSummary, VideoFolder, upload
 if TYPE_CHECKING:
     from remote_loader.mapstyle.dataset import RemoteMapDataset
     from remote_loader.mapstyle.samplers import LocalitySampler, UniformSampler
+    from remote_loader.mapstyle.video_clips import RemoteVideoClips
     from remote_loader.pipeline.dataset import RemoteDataset
     from remote_loader.pipeline.run.loader import decode_batches, loader
     from remote_loader.pipeline.stages.augment import RandomResizedCrop
@@ -57,6 +58,7 @@ _LAZY = {
     "RemoteMapDataset": "remote_loader.mapstyle",
     "LocalitySampler": "remote_loader.mapstyle",
     "UniformSampler": "remote_loader.mapstyle",
+    "RemoteVideoClips": "remote_loader.mapstyle",
 }
 
 
@@ -98,6 +100,7 @@ __all__ = [
     "ResumeError",
     "RetryConfig",
     "RemoteMapDataset",
+    "RemoteVideoClips",
     "StorageConfig",
     "StorageError",
     "Store",

@@ -169,3 +169,74 @@ class SyntheticVideos:
         if not 0 <= index < self.n:
             raise IndexError(f"index {index} out of range for {self.n} samples")
         return self.path(index), self.label(index)
+
+
+def write_avi(path: str, frames: int, *, seed: int = 0, fps: int = 10, audio_rate: int | None = 8000,
+              size: tuple[int, int] = (64, 48)) -> None:
+    """An AVI as UCF101's are: MPEG-4 video (a key frame every 6 frames) of a coloured field
+    with a bright square moving across it, and (``audio_rate`` samples a second; None for
+    none) a tone as 16-bit PCM, as long as the video. Needs PyAV (the ``video`` extra)."""
+    try:
+        import av
+    except ImportError:
+        raise ConfigError("write_avi writes its videos with PyAV: pip install '.[video]'") from None
+    rng = np.random.default_rng(seed)
+    width, height = size
+    with av.open(path, "w", format="avi") as container:  # every stream added before the first packet
+        video = container.add_stream("mpeg4", rate=fps)
+        video.width, video.height, video.pix_fmt = width, height, "yuv420p"
+        video.codec_context.gop_size = 6
+        sound = container.add_stream("pcm_s16le", rate=audio_rate, layout="mono") if audio_rate else None
+        side = max(2, height // 5)
+        for t in range(frames):
+            pixels = np.full((height, width, 3), rng.integers(0, 256, 3), dtype=np.uint8)
+            x = (3 * t) % max(1, width - side)
+            pixels[height // 4 : height // 4 + side, x : x + side] = 255
+            for packet in video.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
+                container.mux(packet)
+        for packet in video.encode():
+            container.mux(packet)
+        if sound is not None and audio_rate:
+            total = frames * audio_rate // fps
+            wave = (np.sin(np.arange(total) * (2 * np.pi * (200 + 50 * seed) / audio_rate)) * 8000).astype(np.int16)
+            for start in range(0, total, 800):
+                frame = av.AudioFrame.from_ndarray(wave[None, start : start + 800], format="s16", layout="mono")
+                frame.sample_rate, frame.pts = audio_rate, start
+                for packet in sound.encode(frame):
+                    container.mux(packet)
+            for packet in sound.encode():
+                container.mux(packet)
+
+
+def ucf101_tree(root: str, classes: int = 2, per_class: int = 3, frames: int = 40,
+                fps: int = 10) -> tuple[str, str, dict[str, object]]:
+    """A small UCF101 on disk, in its own layout: ``root/UCF-101/<class>/v_<class>_gNN_c01.avi``
+    (MPEG-4 with sound, ``frames`` frames each, ``write_avi``) and ``root/splits/`` with the
+    three folds' ``trainlistNN.txt`` and ``testlistNN.txt`` (the last video of each class is
+    for testing). Returns the two folders and the metadata torchvision's ``VideoClips``
+    computes for them (each video's frame numbers and rate), for ``_precomputed_metadata``:
+    its own computation reads every video with torchcodec."""
+    import os
+
+    import torch
+
+    videos, splits = os.path.join(root, "UCF-101"), os.path.join(root, "splits")
+    os.makedirs(splits, exist_ok=True)
+    names = [f"Action{c:02d}" for c in range(classes)]
+    train, test, paths = [], [], []
+    for c, name in enumerate(names):
+        os.makedirs(os.path.join(videos, name), exist_ok=True)
+        for g in range(per_class):
+            file = f"v_{name}_g{g + 1:02d}_c01.avi"
+            path = os.path.join(videos, name, file)
+            write_avi(path, frames, seed=per_class * c + g, fps=fps)
+            paths.append(path)
+            (test if g == per_class - 1 else train).append(f"{name}/{file}")
+    for fold in (1, 2, 3):
+        with open(os.path.join(splits, f"trainlist{fold:02d}.txt"), "w") as out:
+            out.writelines(f"{line} {1 + names.index(line.split('/')[0])}\n" for line in train)
+        with open(os.path.join(splits, f"testlist{fold:02d}.txt"), "w") as out:
+            out.writelines(f"{line}\n" for line in test)
+    metadata: dict[str, object] = {"video_paths": paths, "video_pts": [torch.arange(frames) for _ in paths],
+                                   "video_fps": [float(fps)] * len(paths)}
+    return videos, splits, metadata

@@ -354,11 +354,17 @@ def same_upload(there: Any, params: dict[str, Any]) -> bool:
 def _differences(unfinished: dict[str, Any], params: dict[str, Any]) -> str:
     """What an unfinished run's parameters and these differ in, for the refusal's message."""
     there, here = _settings(unfinished), _settings(params)
-    differences = [f"{k}={there.get(k)!r} there, {here.get(k)!r} here"
+    differences = [f"{k}={_short(there.get(k))} there, {_short(here.get(k))} here"
                    for k in sorted(set(there) | set(here)) if there.get(k) != here.get(k)]
     if not same_items(unfinished, params):
         differences.append(_items(unfinished, params))
     return ", ".join(differences) or "the same"
+
+
+def _short(value: Any) -> str:
+    """A parameter's value for a message: a clip index of thousands of videos cut short."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _items(there: dict[str, Any], params: dict[str, Any]) -> str:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from remote_loader.errors import ConfigError, UploadError
+from remote_loader.upload.video_classes import class_videos, is_video_class
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp", ".gif")
 VIDEO_SUFFIXES = (".mp4", ".m4v", ".mov", ".mkv", ".webm", ".avi")
@@ -112,7 +113,13 @@ def load_source(spec: str) -> Any:
         raise ConfigError(f"source {spec!r}: {function_name}() raised {type(exc).__name__}: {exc}"[:300]) from None
     if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")) or isinstance(dataset, (str, bytes)):
         raise ConfigError(f"source {spec!r} returned a {type(dataset).__name__}, not a dataset (len(ds) and ds[i])")
-    return dataset
+    return uploaded_form(dataset)
+
+
+def uploaded_form(ds: Any) -> Any:
+    """What an upload reads of ``ds``: the files of a torchvision video class (``UCF101``...),
+    one item a video, with its clip index (``video_classes.py``); any other dataset as it is."""
+    return class_videos(ds) if is_video_class(ds) else ds
 
 
 @dataclass(frozen=True)

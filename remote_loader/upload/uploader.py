@@ -34,10 +34,11 @@ from remote_loader.storage.retrying import Retry, RetryingStore
 from remote_loader.upload import claim, fingerprint, keeping, tasks
 from remote_loader.upload.encode import EncodeOptions, encode_item
 from remote_loader.upload.executors import Where
-from remote_loader.upload.sources import load_source
+from remote_loader.upload.sources import load_source, uploaded_form
 from remote_loader.upload.summary import UploadSummary
 from remote_loader.upload.tasks import TaskSpec
 from remote_loader.upload.verify import CheckSpec
+from remote_loader.upload.video_classes import ClassVideos
 from remote_loader.upload.watch import DEFAULT_STALL_TIMEOUT
 from remote_loader.upload.written import Written
 
@@ -180,9 +181,10 @@ def _upload(ds: Any, client: Store, location: Location, params: dict[str, Any], 
     it (or resume this upload's interrupted run), write the tasks not yet done, then switch
     the manifest and clean up."""
     source = ds if isinstance(ds, str) else None
-    if source is not None:
-        ds = load_source(source)
+    ds = load_source(source) if source is not None else uploaded_form(ds)
     params["samples"] = num = len(ds)
+    if isinstance(ds, ClassVideos):
+        params["video_clips"] = ds.clip_index.as_params()
     if num == 0:
         raise UploadError("the dataset is empty: nothing to upload")
     # The items, not only their settings: running the upload again over other data is not resuming it.

@@ -204,7 +204,7 @@ def test_info_lists_video_fields_as_video():
 
 
 def test_a_clip_late_in_a_video_is_decoded_from_the_key_frame_before_it(tmp_path):
-    from remote_loader.pipeline.stages.video import _frames_at
+    from remote_loader.frames import frames_at
 
     ds = SyntheticVideos(1, str(tmp_path), frames=60, gop=10, lossless=True)
 
@@ -222,7 +222,7 @@ def test_a_clip_late_in_a_video_is_decoded_from_the_key_frame_before_it(tmp_path
 
     with av.open(ds.path(0)) as container:
         counting = Counting(container)
-        got = _frames_at(counting, container.streams.video[0], 24.0, [43, 45])
+        got = frames_at(counting, container.streams.video[0], 24.0, [43, 45])
     assert np.array_equal(np.stack(got), ds.frames_of(0)[[43, 45]])
     assert counting.decoded <= 6  # from frame 40, the key frame before 43: not the 46 frames from the start
 
@@ -253,7 +253,7 @@ def test_a_header_that_claims_too_many_frames_gives_the_clip_from_the_start(vide
 
     ds, _ = videos
     data = Path(ds.path(2)).read_bytes()
-    monkeypatch.setattr(video, "_frame_count", lambda container, stream, rate: 10 * FRAMES)  # it has 40
+    monkeypatch.setattr(video, "frame_count", lambda container, stream, rate: 10 * FRAMES)  # it has 40
     seed = next(s for s in range(100) if np.random.default_rng(s).integers(0, 10 * FRAMES - 7) > FRAMES)
     clip = VideoClip(frames=4, step=2)("mp4", data, np.random.default_rng(seed))
     assert torch.equal(clip, torch.from_numpy(ds.frames_of(2)[0:8:2]).permute(0, 3, 1, 2))

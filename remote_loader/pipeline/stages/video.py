@@ -22,19 +22,11 @@ from torch.nn import functional
 
 from remote_loader.errors import ConfigError, DecodeError
 from remote_loader.format.video import VIDEO_EXTENSIONS
+from remote_loader.frames import frame_count, frames_at, open_av
 from remote_loader.pipeline.stages.augment import RandomResizedCrop
 
 VIDEO_FIELDS = VIDEO_EXTENSIONS
 LAYOUTS = ("TCHW", "THWC")
-EXTRA = "install the video extra (pip install '.[video]' in remote_loader's checkout: PyAV)"
-
-
-def _av() -> Any:
-    try:
-        import av
-    except ImportError:
-        raise ConfigError(f"decoding video needs PyAV: {EXTRA}") from None
-    return av
 
 
 class VideoClip:
@@ -83,7 +75,7 @@ class VideoClip:
         """The clip's frames, ``C x H x W`` each (uint8; float crops resized where ``crop`` is
         given: each frame cropped as it is decoded, so a clip holds at most one frame whole),
         from a start drawn with ``rng``, then the crop's box and flip."""
-        av = _av()
+        av = open_av()
         try:
             with av.open(io.BytesIO(data), mode="r") as container:
                 if not container.streams.video:
@@ -96,15 +88,15 @@ class VideoClip:
                     raise DecodeError(f"frames of {width}x{height} pixels, more than Pillow's bound of {bound}"
                                       " an image (PIL.Image.MAX_IMAGE_PIXELS)")
                 rate = float(stream.average_rate or stream.guessed_rate or 0)
-                count = _frame_count(container, stream, rate)
+                count = frame_count(container, stream, rate)
                 span = (self.frames - 1) * self.step + 1
                 start = int(rng.integers(0, count - span + 1)) if count >= span else 0
                 wanted = [start + k * self.step for k in range(self.frames)]
                 keep = self._keeper(width, height, rng)
-                got = _frames_at(container, stream, rate, wanted, keep)
+                got = frames_at(container, stream, rate, wanted, keep)
                 if not got and start:  # a header that claims more frames than there are: the clip from the start
                     container.seek(stream.start_time or 0, stream=stream, backward=True, any_frame=False)
-                    got = _frames_at(container, stream, rate, [k * self.step for k in range(self.frames)], keep)
+                    got = frames_at(container, stream, rate, [k * self.step for k in range(self.frames)], keep)
         except DecodeError:
             raise
         except (av.error.FFmpegError, ValueError, OSError, IndexError, RuntimeError) as exc:
@@ -128,39 +120,3 @@ class VideoClip:
             return out.flip(-1) if flip else out
 
         return cropped
-
-
-def _frame_count(container: Any, stream: Any, rate: float) -> int:
-    """Frames of the stream: as its header says, else from its duration and rate (0 where
-    neither is known: the clip then starts at the first frame)."""
-    if stream.frames:
-        return int(stream.frames)
-    if stream.duration is not None and stream.time_base is not None and rate:
-        return int(float(stream.duration * stream.time_base) * rate)
-    if container.duration is not None and rate:
-        return int(container.duration / 1_000_000 * rate)
-    return 0
-
-
-def _frames_at(container: Any, stream: Any, rate: float, wanted: list[int],
-               keep: Callable[[np.ndarray], Any] = lambda pixels: pixels) -> list[Any]:
-    """What ``keep`` makes of the frames of numbers ``wanted`` (increasing), decoded from the
-    key frame before the first: a frame's number is its time times the rate, counted from the
-    stream's start."""
-    base = stream.start_time or 0
-    if wanted[0] > 0 and rate and stream.time_base is not None:
-        container.seek(base + int(wanted[0] / rate / stream.time_base), stream=stream, backward=True, any_frame=False)
-    got: list[Any] = []
-    number = -1
-    for frame in container.decode(stream):
-        if frame.pts is not None and rate and stream.time_base is not None:
-            number = round(float((frame.pts - base) * stream.time_base) * rate)
-        else:  # no time stamps: count frames from where decoding began
-            number += 1
-        if len(got) < len(wanted) and number >= wanted[len(got)]:
-            kept = keep(frame.to_ndarray(format="rgb24"))
-            while len(got) < len(wanted) and number >= wanted[len(got)]:  # a frame missing: the next in its place
-                got.append(kept)
-        if len(got) == len(wanted):
-            break
-    return got

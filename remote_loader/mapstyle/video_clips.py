@@ -1,0 +1,103 @@
+"""``RemoteVideoClips``: the clips of a torchvision video dataset (``UCF101``, ``HMDB51``,
+``Kinetics``) uploaded as its videos' files, handed over as the class hands them over."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from remote_loader.errors import ConfigError, DecodeError
+from remote_loader.format.clip_index import ClipIndex
+from remote_loader.format.video import VIDEO_EXTENSIONS
+from remote_loader.frames import audio_between, frames_at, open_av
+from remote_loader.mapstyle.dataset import RemoteMapDataset
+
+
+class RemoteVideoClips(Dataset):
+    """``ds[i]`` is clip ``i`` of the torchvision video dataset uploaded there, as the class's
+    own ``ds[i]`` gives it: ``(video, audio, label)``, ``video`` its frames (uint8,
+    ``T x H x W x C``, or ``T x C x H x W`` where the class was made with
+    ``output_format="TCHW"``), ``audio`` the sound played meanwhile (float32, ``channels x
+    samples``; ``1 x 0`` where the video has none, or with ``audio=False``), ``label`` its
+    video's class. Each clip is decoded from its video's file, seeking to the key frame
+    before it; the file is fetched with one ranged GET (``RemoteMapDataset``).
+
+    Args:
+        client: A store, a boto3 S3 client or ``minio.Minio`` of your own, or an ``s3://`` URL.
+        bucket: The bucket (omit with a URL).
+        base_folder: The dataset's prefix (omit with a URL).
+        audio: Decode each clip's audio.
+        transform: Applied to each clip's frames, as the class applies its ``transform``.
+        **options: ``RemoteMapDataset``'s (``cache_dir``, ``fetch``, ``endpoint_url``...).
+    """
+
+    def __init__(self, client: Any, bucket: str | None = None, base_folder: str | None = None, *,
+                 audio: bool = True, transform: Callable[[torch.Tensor], Any] | None = None, **options: Any) -> None:
+        self.videos = RemoteMapDataset(client, bucket, base_folder, **options)
+        where = str(self.videos.reader.location)
+        upload = self.videos.reader.manifest.params.get("upload")
+        raw = upload.get("video_clips") if isinstance(upload, dict) else None
+        if raw is None:
+            raise ConfigError(f"{where} was not uploaded from a torchvision video class (UCF101, HMDB51, Kinetics):"
+                              " it has no clip index; read its videos with RemoteMapDataset or RemoteDataset")
+        self.clip_index = ClipIndex.of_params(raw, where)
+        self.audio, self.transform = bool(audio), transform
+
+    def __len__(self) -> int:
+        return len(self.clip_index)
+
+    @property
+    def classes(self) -> list[str]:
+        """The class names recorded at upload."""
+        return self.videos.classes
+
+    def __repr__(self) -> str:
+        return f"RemoteVideoClips({self.videos.reader.location}, {len(self)} clips)"
+
+    def __getitem__(self, i: int) -> tuple[Any, torch.Tensor, int]:
+        video, clip = self.clip_index.locate(i)
+        sample = self.videos.by_source_index(video)
+        key = sample.get("__key__")
+        fields = [name for name in sample if name in VIDEO_EXTENSIONS]
+        if len(fields) != 1 or "cls" not in sample:
+            raise DecodeError(f"sample {key!r} (video {video}) holds fields {sorted(sample)}, not one video and"
+                              " its class", key=key)
+        numbers = self.clip_index.clips_of(video)[clip]
+        data = bytes(sample[fields[0]])
+        try:
+            frames, sound = self._decode(data, numbers.tolist(), self.clip_index.video_fps[video] or 1.0)
+        except DecodeError as exc:
+            raise DecodeError(f"clip {i} (frames {numbers[0]}-{numbers[-1]} of sample {key!r}): {exc}",
+                              key=key) from None
+        if self.clip_index.output_format == "TCHW":
+            frames = frames.permute(0, 3, 1, 2)
+        if self.transform is not None:
+            frames = self.transform(frames)
+        return frames, sound, int(bytes(sample["cls"]))
+
+    def _decode(self, data: bytes, numbers: list[int], fps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        av = open_av()
+        try:
+            with av.open(io.BytesIO(data), mode="r") as container:
+                if not container.streams.video:
+                    raise DecodeError("a video file without a video stream")
+                stream = container.streams.video[0]
+                rate = float(stream.average_rate or stream.guessed_rate or fps)
+                got = frames_at(container, stream, rate, numbers)
+            sound = None
+            if self.audio:
+                with av.open(io.BytesIO(data), mode="r") as container:
+                    sound = audio_between(container, numbers[0] / fps, (numbers[-1] + 1) / fps)
+        except DecodeError:
+            raise
+        except (av.error.FFmpegError, ValueError, OSError, IndexError, RuntimeError) as exc:
+            raise DecodeError(f"not a decodable video ({type(exc).__name__}: {str(exc)[:120]})") from None
+        if len(got) != len(numbers):
+            raise DecodeError(f"the video has {len(got)} of the clip's {len(numbers)} frames")
+        frames = torch.from_numpy(np.stack(got))
+        return frames, (torch.empty((1, 0), dtype=torch.float32) if sound is None else torch.from_numpy(sound))
