@@ -208,10 +208,10 @@ def write_avi(path: str, frames: int, *, seed: int = 0, fps: int = 10, audio_rat
                 container.mux(packet)
 
 
-def ucf101_tree(root: str, classes: int = 2, per_class: int = 3, frames: int = 40,
-                fps: int = 10) -> tuple[str, str, dict[str, object]]:
+def ucf101_tree(root: str, classes: int = 2, per_class: int = 3, frames: int = 40, fps: int = 10,
+                size: tuple[int, int] = (64, 48)) -> tuple[str, str, dict[str, object]]:
     """A small UCF101 on disk, in its own layout: ``root/UCF-101/<class>/v_<class>_gNN_c01.avi``
-    (MPEG-4 with sound, ``frames`` frames each, ``write_avi``) and ``root/splits/`` with the
+    (MPEG-4 with sound, ``frames`` frames of ``size`` each, ``write_avi``) and ``root/splits/`` with the
     three folds' ``trainlistNN.txt`` and ``testlistNN.txt`` (the last video of each class is
     for testing). Returns the two folders and the metadata torchvision's ``VideoClips``
     computes for them (each video's frame numbers and rate), for ``_precomputed_metadata``:
@@ -223,13 +223,15 @@ def ucf101_tree(root: str, classes: int = 2, per_class: int = 3, frames: int = 4
     videos, splits = os.path.join(root, "UCF-101"), os.path.join(root, "splits")
     os.makedirs(splits, exist_ok=True)
     names = [f"Action{c:02d}" for c in range(classes)]
-    train, test, paths = [], [], []
+    train: list[str] = []
+    test: list[str] = []
+    paths: list[str] = []
     for c, name in enumerate(names):
         os.makedirs(os.path.join(videos, name), exist_ok=True)
         for g in range(per_class):
             file = f"v_{name}_g{g + 1:02d}_c01.avi"
             path = os.path.join(videos, name, file)
-            write_avi(path, frames, seed=per_class * c + g, fps=fps)
+            write_avi(path, frames, seed=per_class * c + g, fps=fps, size=size)
             paths.append(path)
             (test if g == per_class - 1 else train).append(f"{name}/{file}")
     for fold in (1, 2, 3):

@@ -214,3 +214,62 @@ def test_the_synthetic_ucf101_tree_is_ucf101_s_layout(tmp_path):
     for train, videos_in in ((True, 4), (False, 2)):
         ucf = datasets.UCF101(videos, splits, 8, 4, train=train, num_workers=0, _precomputed_metadata=metadata)
         assert len(ucf.indices) == videos_in and len(ucf) == videos_in * 4
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tree")
+    videos, splits, _ = ucf101_tree(str(root), classes=2, per_class=3, frames=26)
+    return Path(videos), Path(splits)
+
+
+def _hmdb51(videos: Path, splits: Path):
+    """HMDB51 over the same files: its folds' ``<class>_test_split<fold>.txt`` (1 train, 2 test)."""
+    notes = splits.parent / "hmdb_splits"
+    notes.mkdir(exist_ok=True)
+    for folder in sorted(videos.iterdir()):
+        files = sorted(p.name for p in folder.iterdir())
+        (notes / f"{folder.name}_test_split1.txt").write_text(
+            "".join(f"{name} {2 if k == 0 else 1}\n" for k, name in enumerate(files)))
+    return datasets.HMDB51(str(videos), str(notes), 6, 7, num_workers=0, _precomputed_metadata=_metadata(videos))
+
+
+def _kinetics(videos: Path, splits: Path):
+    """Kinetics over the same files, in its layout (``root/train/<class>/<video>``)."""
+    root = splits.parent / "kinetics"
+    if not root.exists():
+        root.mkdir()
+        (root / "train").symlink_to(videos, target_is_directory=True)
+    return datasets.Kinetics(str(root), 6, num_classes="400", split="train", step_between_clips=7, num_workers=0,
+                             _precomputed_metadata=_metadata(root / "train"))
+
+
+@pytest.mark.parametrize("make", [_hmdb51, _kinetics])
+def test_hmdb51_and_kinetics_come_back_clip_by_clip(tmp_path, tree, make):
+    ds = make(*tree)
+    clips = RemoteVideoClips(_uploaded(tmp_path, ds), "videos", "ucf", audio=False)
+    labels = dict(ds.samples)
+    assert len(clips) == len(ds) > 0
+    for i in range(len(ds)):
+        v, j = ds.video_clips.get_clip_location(i)
+        frames, _ = _decoded(ds.video_clips.video_paths[v])
+        video, _, label = clips[i]
+        expected = torch.from_numpy(frames[ds.video_clips.clips[v][j].numpy()])
+        if ds.video_clips.output_format == "TCHW":  # Kinetics' default
+            expected = expected.permute(0, 3, 1, 2)
+        assert torch.equal(video, expected), f"clip {i}"
+        assert label == labels[ds.video_clips.video_paths[v]]
+
+
+def test_a_dataloader_s_workers_give_every_clip_once_after_the_parent_read_one(tmp_path, ucf_files):
+    from torch.utils.data import DataLoader
+
+    ucf = _ucf(ucf_files)
+    clips = RemoteVideoClips(_uploaded(tmp_path, ucf), "videos", "ucf", audio=False)
+    first = clips[0]  # the parent's reader in use before the fork
+    got = list(DataLoader(clips, batch_size=None, num_workers=2, shuffle=True,
+                          generator=torch.Generator().manual_seed(0)))
+    assert len(got) == len(ucf)
+    expected = sorted((clips[i][0].sum().item(), clips[i][2]) for i in range(len(ucf)))
+    assert sorted((video.sum().item(), label) for video, _, label in got) == expected
+    assert torch.equal(first[0], clips[0][0])
