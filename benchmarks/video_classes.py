@@ -12,14 +12,18 @@ decoded clips stores them). Clips/s: every ``--stride``-th clip, read with
 workers (and from the node cache, ``cache_dir``, once a pass filled it), against the same
 clips decoded from the local files with the same PyAV code (the
 class itself decodes with torchcodec, which does not load beside this machine's CPU torch);
-medians of ``--repeats``.
+medians of ``--repeats``. Long videos: ``--long-minutes`` of the same video (two of them, one
+to train), whose clips ``RemoteVideoClips`` reads whole (``ranges_over=None``) and in parts
+(``ranges_over=0``, 1 MiB a part): bytes read from the store a clip, and clips/s.
 
-    python benchmarks/video_classes.py [--videos 24] [--stride 8] [--repeats 3] [--json FILE]
+    python benchmarks/video_classes.py [--videos 24] [--stride 8] [--repeats 3] [--long-minutes 5]
+        [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import statistics
 import sys
@@ -45,7 +49,7 @@ class _Local:
         v, j = self.clips.clip_index.locate(i)
         data = Path(self.paths[v]).read_bytes()
         numbers = self.clips.clip_index.clips_of(v)[j].tolist()
-        frames, sound = self.clips._decode(data, numbers, self.clips.clip_index.video_fps[v] or 1.0)
+        frames, sound = self.clips._decode(lambda: io.BytesIO(data), numbers, self.clips.clip_index.video_fps[v] or 1.0)
         return frames, sound, 0
 
 
@@ -60,11 +64,40 @@ def _rate(dataset: Any, indices: list[int], workers: int) -> float:
     return count / (time.perf_counter() - started)
 
 
+def _long(client: Any, folder: Path, args: Any) -> dict[str, Any]:
+    """Bytes read a clip and clips/s for clips of a long video, read whole and in parts."""
+    import torchvision
+
+    from remote_loader import RemoteVideoClips, upload_cv_dataset
+    from remote_loader.testing.synthetic import ucf101_tree
+
+    frames = int(args.long_minutes * 60 * 25)
+    root, splits, metadata = ucf101_tree(str(folder), classes=1, per_class=2, frames=frames, fps=25, size=(320, 240))
+    ucf = torchvision.datasets.UCF101(root, splits, 16, 250, num_workers=0, _precomputed_metadata=metadata)
+    upload_cv_dataset(ucf, client=client, bucket="bench", base_folder="long", workers=0, progress=False)
+    size = Path(ucf.video_clips.video_paths[0]).stat().st_size
+    out: dict[str, Any] = {"minutes": args.long_minutes, "file_bytes": size, "clips": len(ucf)}
+    for name, ranges_over in (("whole", None), ("parts", 0)):
+        clips = RemoteVideoClips(client, "bench", "long", ranges_over=ranges_over)
+        rates = []
+        for _ in range(args.repeats):
+            before, started = clips.videos.metrics.bytes, time.perf_counter()
+            for i in range(len(clips)):
+                clips[i]
+            rates.append(len(clips) / (time.perf_counter() - started))
+            read = (clips.videos.metrics.bytes - before) / len(clips)
+        out[name] = {"bytes_per_clip": read, "clips_per_s": statistics.median(rates), "runs": rates}
+        print(f"a {args.long_minutes:g}-minute video ({size / 1e6:.1f} MB), read {name}: {read / 1e6:.2f} MB a clip,"
+              f" {statistics.median(rates):.1f} clips/s", flush=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--videos", type=int, default=24)
     parser.add_argument("--stride", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--long-minutes", type=float, default=5.0)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
@@ -109,6 +142,7 @@ def main() -> None:
         out["runs"] = rows
         for name, rate in out["clips_per_s"].items():
             print(f"{name}: {rate:.1f} clips/s", flush=True)
+        out["long"] = _long(client, Path(tmp) / "long", args)
     if args.json:
         args.json.write_text(json.dumps(out, indent=1) + "\n")
 

@@ -5,6 +5,8 @@ frame's number is its time since the stream's start times the frame rate."""
 
 from __future__ import annotations
 
+import io
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -13,6 +15,64 @@ import numpy as np
 from remote_loader.errors import ConfigError
 
 EXTRA = "install the video extra (pip install '.[video]' in remote_loader's checkout: PyAV)"
+
+
+class RangedFile(io.RawIOBase):
+    """A file of ``size`` bytes read through ``fetch(start, end)`` in blocks of ``block``
+    bytes as they are read, the last ``keep`` bytes of them kept: what a decoder opens to read only
+    the parts of a long video it needs (its index, then the key frame before a clip and the
+    clip). ``fetched`` counts the bytes fetched."""
+
+    def __init__(self, fetch: Callable[[int, int], bytes], size: int, block: int = 1 << 20,
+                 keep: int = 8 << 20) -> None:
+        super().__init__()
+        self._fetch, self.size, self.block, self.keep = fetch, size, block, max(1, keep // block)
+        self._position, self.fetched = 0, 0
+        self._blocks: OrderedDict[int, bytes] = OrderedDict()
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        bases = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self.size}
+        if whence not in bases:
+            raise ValueError(f"whence {whence} is not SEEK_SET, SEEK_CUR or SEEK_END")
+        self._position = max(0, bases[whence] + offset)
+        return self._position
+
+    def readinto(self, out: Any) -> int:
+        view = memoryview(out).cast("B")
+        wanted, done = min(len(view), max(0, self.size - self._position)), 0
+        while done < wanted:
+            number = self._position // self.block
+            data = self._block(number)
+            inner = self._position - number * self.block
+            take = min(wanted - done, len(data) - inner)
+            if take <= 0:  # a block shorter than asked for: never a loop that waits for bytes that do not come
+                raise OSError(f"bytes {number * self.block}-{number * self.block + self.block} of the file came"
+                              f" {len(data)} bytes long")
+            view[done : done + take] = data[inner : inner + take]
+            done += take
+            self._position += take
+        return done
+
+    def _block(self, number: int) -> bytes:
+        if number in self._blocks:
+            self._blocks.move_to_end(number)
+            return self._blocks[number]
+        start = number * self.block
+        data = self._fetch(start, min(self.size, start + self.block))
+        self.fetched += len(data)
+        self._blocks[number] = data
+        while len(self._blocks) > self.keep:
+            self._blocks.popitem(last=False)
+        return data
 
 
 def open_av() -> Any:

@@ -9,8 +9,9 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Dataset
 
+from remote_loader.checksum import crc32
 from remote_loader.config import CacheConfig, FetchConfig
-from remote_loader.errors import ConfigError, FormatError
+from remote_loader.errors import ConfigError, CorruptSampleError, FormatError
 from remote_loader.format import Sample, ShardIndex
 from remote_loader.read import DatasetReader, Metrics
 from remote_loader.read.shards import IndexCache, read_run
@@ -124,6 +125,51 @@ class RemoteMapDataset(Dataset):
             raise FormatError(f"{self.reader.location}: the sample at position {self.position_of(source)} is"
                               f" {key!r}, not ds[{source}]: its shards are not in the order recorded")
         return self._apply(sample)
+
+    def members_of(self, source: int) -> tuple[str, dict[str, tuple[int, int]]]:
+        """The key of the sample the upload read as ``ds[source]``, and each of its fields'
+        size in bytes and crc32, read from its shard's index (no member is fetched)."""
+        shard, j, index = self._source_sample(source)
+        return index.keys[j], {field: (size, crc) for field, _, size, crc in index.members(j)}
+
+    def read_member(self, source: int, field: str, start: int = 0, end: int | None = None) -> bytes:
+        """Bytes ``[start, end)`` of field ``field`` of the sample the upload read as
+        ``ds[source]`` (the whole member by default), with one ranged GET: a part of a
+        large member (a long video) without the rest. The whole member is checked against
+        its crc32 (CorruptSampleError where it differs); a part cannot be."""
+        shard, j, index = self._source_sample(source)
+        found = [(offset, size, crc) for name, offset, size, crc in index.members(j) if name == field]
+        if not found:
+            raise KeyError(f"sample {index.keys[j]!r} has no field {field!r}")
+        offset, size, crc = found[0]
+        end = size if end is None else end
+        if not 0 <= start <= end <= size:
+            raise ValueError(f"bytes [{start}, {end}) are not within field {field!r}'s {size}")
+        if start == end:
+            return b""
+        entry = self.reader.manifest.shards[shard]
+        key = self.reader.location.key(entry.name)
+
+        def fetch() -> bytes:
+            return bytes(self._session.get_range(self.reader.location.bucket, key, offset + start, offset + end))
+
+        def check(data: bytes) -> bytes:
+            if (start, end) == (0, size) and self.reader.verify and crc32(data) != crc:
+                raise CorruptSampleError(f"field {field!r} of sample {index.keys[j]!r} in {entry.name} does not"
+                                         " match its crc32", name=entry.name, key=index.keys[j], field=field)
+            return data
+
+        return self._session.refetch(fetch, check, key)  # damaged bytes fetched again, as a sample's are
+
+    def _source_sample(self, source: int) -> tuple[int, int, ShardIndex]:
+        """The shard, the position in it and the shard's index of ``ds[source]``'s sample."""
+        shard, j = self.locate(self.position_of(source))
+        index = self._index(shard)
+        key = index.keys[j]
+        if not key.isdigit() or int(key) != source:
+            raise FormatError(f"{self.reader.location}: the sample at position {self.position_of(source)} is"
+                              f" {key!r}, not ds[{source}]: its shards are not in the order recorded")
+        return shard, j, index
 
     def _source_positions(self) -> np.ndarray:
         manifest = self.reader.manifest

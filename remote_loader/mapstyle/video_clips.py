@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -14,7 +15,7 @@ from torch.utils.data import Dataset
 from remote_loader.errors import ConfigError, DecodeError
 from remote_loader.format.clip_index import ClipIndex
 from remote_loader.format.video import VIDEO_EXTENSIONS
-from remote_loader.frames import audio_between, frames_at, open_av
+from remote_loader.frames import RangedFile, audio_between, frames_at, open_av
 from remote_loader.mapstyle.dataset import RemoteMapDataset
 
 
@@ -25,19 +26,29 @@ class RemoteVideoClips(Dataset):
     ``output_format="TCHW"``), ``audio`` the sound played meanwhile (float32, ``channels x
     samples``; ``1 x 0`` where the video has none, or with ``audio=False``), ``label`` its
     video's class. Each clip is decoded from its video's file, seeking to the key frame
-    before it; the file is fetched with one ranged GET (``RemoteMapDataset``).
+    before it; the file is fetched with one ranged GET (``RemoteMapDataset``), or, over
+    ``ranges_over`` bytes, read in parts of 1 MiB as the decoder asks for them: its index,
+    then the key frame before the clip and the clip, not the whole file (``part`` bytes at a
+    time).
 
     Args:
         client: A store, a boto3 S3 client or ``minio.Minio`` of your own, or an ``s3://`` URL.
         bucket: The bucket (omit with a URL).
         base_folder: The dataset's prefix (omit with a URL).
         audio: Decode each clip's audio.
+        ranges_over: Videos larger than this many bytes are read in parts (None: always
+            whole). A whole file is checked against its crc32; parts cannot be, so a damaged
+            byte in them reaches the decoder (which refuses most damage, not all).
         transform: Applied to each clip's frames, as the class applies its ``transform``.
         **options: ``RemoteMapDataset``'s (``cache_dir``, ``fetch``, ``endpoint_url``...).
     """
 
+    part = 1 << 20
+    """Bytes a ranged read of a long video fetches at a time."""
+
     def __init__(self, client: Any, bucket: str | None = None, base_folder: str | None = None, *,
-                 audio: bool = True, transform: Callable[[torch.Tensor], Any] | None = None, **options: Any) -> None:
+                 audio: bool = True, ranges_over: int | None = 64 << 20,
+                 transform: Callable[[torch.Tensor], Any] | None = None, **options: Any) -> None:
         self.videos = RemoteMapDataset(client, bucket, base_folder, **options)
         where = str(self.videos.reader.location)
         upload = self.videos.reader.manifest.params.get("upload")
@@ -46,7 +57,10 @@ class RemoteVideoClips(Dataset):
             raise ConfigError(f"{where} was not uploaded from a torchvision video class (UCF101, HMDB51, Kinetics):"
                               " it has no clip index; read its videos with RemoteMapDataset or RemoteDataset")
         self.clip_index = ClipIndex.of_params(raw, where)
-        self.audio, self.transform = bool(audio), transform
+        if ranges_over is not None and (isinstance(ranges_over, bool) or not isinstance(ranges_over, int)
+                                        or ranges_over < 0):
+            raise ConfigError(f"ranges_over must be a number of bytes >= 0 or None, got {ranges_over!r}")
+        self.audio, self.ranges_over, self.transform = bool(audio), ranges_over, transform
 
     def __len__(self) -> int:
         return len(self.clip_index)
@@ -61,16 +75,10 @@ class RemoteVideoClips(Dataset):
 
     def __getitem__(self, i: int) -> tuple[Any, torch.Tensor, int]:
         video, clip = self.clip_index.locate(i)
-        sample = self.videos.by_source_index(video)
-        key = sample.get("__key__")
-        fields = [name for name in sample if name in VIDEO_EXTENSIONS]
-        if len(fields) != 1 or "cls" not in sample:
-            raise DecodeError(f"sample {key!r} (video {video}) holds fields {sorted(sample)}, not one video and"
-                              " its class", key=key)
+        file, label, key = self._video(video)
         numbers = self.clip_index.clips_of(video)[clip]
-        data = bytes(sample[fields[0]])
         try:
-            frames, sound = self._decode(data, numbers.tolist(), self.clip_index.video_fps[video] or 1.0)
+            frames, sound = self._decode(file, numbers.tolist(), self.clip_index.video_fps[video] or 1.0)
         except DecodeError as exc:
             raise DecodeError(f"clip {i} (frames {numbers[0]}-{numbers[-1]} of sample {key!r}): {exc}",
                               key=key) from None
@@ -78,12 +86,28 @@ class RemoteVideoClips(Dataset):
             frames = frames.permute(0, 3, 1, 2)
         if self.transform is not None:
             frames = self.transform(frames)
-        return frames, sound, int(bytes(sample["cls"]))
+        return frames, sound, label
 
-    def _decode(self, data: bytes, numbers: list[int], fps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def _video(self, video: int) -> tuple[Callable[[], Any], int, str]:
+        """How to open video ``video``'s file (its bytes, or the file read in parts), its
+        label and its sample's key."""
+        key, members = self.videos.members_of(video)
+        fields = [name for name in members if name in VIDEO_EXTENSIONS]
+        if len(fields) != 1 or "cls" not in members:
+            raise DecodeError(f"sample {key!r} (video {video}) holds fields {sorted(members)}, not one video and its"
+                              " class", key=key)
+        size = members[fields[0]][0]
+        if self.ranges_over is not None and size > self.ranges_over:
+            parts = RangedFile(partial(self.videos.read_member, video, fields[0]), size, block=self.part)
+            return lambda: (parts.seek(0), parts)[1], int(self.videos.read_member(video, "cls")), key
+        sample = self.videos.by_source_index(video)
+        data = bytes(sample[fields[0]])
+        return lambda: io.BytesIO(data), int(bytes(sample["cls"])), key
+
+    def _decode(self, file: Callable[[], Any], numbers: list[int], fps: float) -> tuple[torch.Tensor, torch.Tensor]:
         av = open_av()
         try:
-            with av.open(io.BytesIO(data), mode="r") as container:
+            with av.open(file(), mode="r") as container:
                 if not container.streams.video:
                     raise DecodeError("a video file without a video stream")
                 stream = container.streams.video[0]
@@ -91,7 +115,7 @@ class RemoteVideoClips(Dataset):
                 got = frames_at(container, stream, rate, numbers)
             sound = None
             if self.audio:
-                with av.open(io.BytesIO(data), mode="r") as container:
+                with av.open(file(), mode="r") as container:
                     sound = audio_between(container, numbers[0] / fps, (numbers[-1] + 1) / fps)
         except DecodeError:
             raise

@@ -188,22 +188,25 @@ def write_avi(path: str, frames: int, *, seed: int = 0, fps: int = 10, audio_rat
         video.codec_context.gop_size = 6
         sound = container.add_stream("pcm_s16le", rate=audio_rate, layout="mono") if audio_rate else None
         side = max(2, height // 5)
-        for t in range(frames):
+        rate = audio_rate or 0
+        per_frame = rate // fps
+        wave = (np.sin(np.arange(frames * per_frame) * (2 * np.pi * (200 + 50 * seed) / max(1, rate))) * 8000
+                ).astype(np.int16)
+        for t in range(frames):  # each frame's sound muxed beside it, as a camera's file interleaves them
             pixels = np.full((height, width, 3), rng.integers(0, 256, 3), dtype=np.uint8)
             x = (3 * t) % max(1, width - side)
             pixels[height // 4 : height // 4 + side, x : x + side] = 255
             for packet in video.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
                 container.mux(packet)
+            if sound is not None:
+                chunk = av.AudioFrame.from_ndarray(wave[None, t * per_frame : (t + 1) * per_frame], format="s16",
+                                                   layout="mono")
+                chunk.sample_rate, chunk.pts = rate, t * per_frame
+                for packet in sound.encode(chunk):
+                    container.mux(packet)
         for packet in video.encode():
             container.mux(packet)
-        if sound is not None and audio_rate:
-            total = frames * audio_rate // fps
-            wave = (np.sin(np.arange(total) * (2 * np.pi * (200 + 50 * seed) / audio_rate)) * 8000).astype(np.int16)
-            for start in range(0, total, 800):
-                frame = av.AudioFrame.from_ndarray(wave[None, start : start + 800], format="s16", layout="mono")
-                frame.sample_rate, frame.pts = audio_rate, start
-                for packet in sound.encode(frame):
-                    container.mux(packet)
+        if sound is not None:
             for packet in sound.encode():
                 container.mux(packet)
 

@@ -158,3 +158,28 @@ def test_a_dataset_overwritten_under_random_access_says_what_reads_the_new_uploa
     with pytest.raises(DatasetChanged, match="make a new RemoteMapDataset"):
         ds[15]
     assert len(RemoteMapDataset(store, "b", "d")) == 12
+
+
+def test_a_member_is_read_whole_checked_or_in_parts(tmp_path):
+    from remote_loader import CorruptSampleError, LocalStore
+
+    store = LocalStore(str(tmp_path))
+    upload_to_new_bucket(store, "b", "d", SyntheticImages(6, size=(40, 30)), maxcount=3)
+    ds = RemoteMapDataset(store, "b", "d")
+    key, members = ds.members_of(4)
+    whole = ds.by_source_index(4)
+    assert key == whole["__key__"] and set(members) == {"jpg", "cls"} and members["jpg"][0] == len(whole["jpg"])
+    assert ds.read_member(4, "jpg") == whole["jpg"] and ds.read_member(4, "jpg", 10, 30) == whole["jpg"][10:30]
+    with pytest.raises(KeyError, match="has no field 'png'"):
+        ds.read_member(4, "png")
+    with pytest.raises(ValueError, match="not within field 'jpg'"):
+        ds.read_member(4, "jpg", 0, members["jpg"][0] + 1)
+    shard = next(p for p in tmp_path.rglob("*.tar") if whole["jpg"][:64] in p.read_bytes())
+    data = bytearray(shard.read_bytes())
+    at = data.index(whole["jpg"]) + 100
+    data[at] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    fresh = RemoteMapDataset(store, "b", "d")
+    assert fresh.read_member(4, "jpg", 0, 50) == whole["jpg"][:50]  # a part: not checked, and it is intact
+    with pytest.raises(CorruptSampleError, match=f"field 'jpg' of sample '{key}'"):
+        fresh.read_member(4, "jpg")

@@ -273,3 +273,39 @@ def test_a_dataloader_s_workers_give_every_clip_once_after_the_parent_read_one(t
     expected = sorted((clips[i][0].sum().item(), clips[i][2]) for i in range(len(ucf)))
     assert sorted((video.sum().item(), label) for video, _, label in got) == expected
     assert torch.equal(first[0], clips[0][0])
+
+
+@pytest.fixture(scope="module")
+def long_videos(tmp_path_factory):
+    """Two classes of two videos of 600 frames (a minute at 10 a second): one of each to train."""
+    root = tmp_path_factory.mktemp("long")
+    videos, splits, metadata = ucf101_tree(str(root), classes=2, per_class=2, frames=600, fps=FPS)
+    store = LocalStore(str(root / "store"))
+    store.create_bucket("videos")
+    ucf = datasets.UCF101(videos, splits, 8, 50, num_workers=0, _precomputed_metadata=metadata)
+    upload_cv_dataset(ucf, client=store, bucket="videos", base_folder="long", workers=0, progress=False)
+    return ucf, store
+
+
+def test_a_long_video_is_read_in_the_parts_a_clip_needs(long_videos):
+    ucf, store = long_videos
+    whole = RemoteVideoClips(store, "videos", "long", ranges_over=None)
+    parts = RemoteVideoClips(store, "videos", "long", ranges_over=0)
+    parts.part = 8 << 10
+    for i in (0, 5, len(ucf) - 1):
+        v, j = ucf.video_clips.get_clip_location(i)
+        size = os.path.getsize(ucf.video_clips.video_paths[v])
+        before, before_whole = parts.videos.metrics.bytes, whole.videos.metrics.bytes
+        got, expected = parts[i], whole[i]
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]) and got[2] == expected[2]
+        assert whole.videos.metrics.bytes - before_whole >= size
+        read = parts.videos.metrics.bytes - before
+        if i == len(ucf) - 1:  # the index at the file's end, the clip's key frame and the clip: no more
+            assert read < size / 4, f"read {read} of {size} bytes for clip {i}"
+
+
+def test_ranges_over_is_checked(long_videos):
+    _, store = long_videos
+    for value in (-1, 1.5, True, "1M"):
+        with pytest.raises(ConfigError, match="ranges_over must be a number of bytes >= 0 or None"):
+            RemoteVideoClips(store, "videos", "long", ranges_over=value)
