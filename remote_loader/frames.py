@@ -120,10 +120,12 @@ def frames_at(container: Any, stream: Any, rate: float, wanted: list[int],
     return got
 
 
-def audio_between(container: Any, start: float, stop: float) -> np.ndarray | None:
+def audio_between(container: Any, start: float, stop: float, rate: int | None = None,
+                  layout: str | None = None) -> np.ndarray | None:
     """The audio of the container's first audio stream played from ``start`` to before
     ``stop`` (seconds from the stream's start), ``channels x samples`` float32 at the
-    stream's own rate; None where it has no audio stream."""
+    stream's own rate and channels (or ``rate`` and ``layout``, ``"mono"`` or ``"stereo"``);
+    None where it has no audio stream."""
     if not container.streams.audio:
         return None
     av = open_av()
@@ -133,20 +135,29 @@ def audio_between(container: Any, start: float, stop: float) -> np.ndarray | Non
         container.seek(int((base + start) / stream.time_base), stream=stream, backward=True, any_frame=False)
     resampler: Any = None
     parts: list[np.ndarray] = []
+    clock: float | None = None  # the time of the next sample out of the resampler
+
+    def take(out: Any) -> None:
+        nonlocal clock
+        pcm = out.to_ndarray().astype(np.float32, copy=False)
+        per_second, at = out.sample_rate, clock or 0.0
+        first = max(0, int(np.ceil((start - at) * per_second - 1e-9)))
+        last = min(pcm.shape[1], max(0, int(np.ceil((stop - at) * per_second - 1e-9))))
+        if last > first:
+            parts.append(pcm[:, first:last])
+        clock = at + pcm.shape[1] / per_second
+
     for frame in container.decode(stream):
         if resampler is None:
-            resampler = av.AudioResampler(format="fltp", layout=frame.layout, rate=frame.sample_rate)
-        at = float(frame.pts * frame.time_base) - base if frame.pts is not None else None
+            resampler = av.AudioResampler(format="fltp", layout=layout or frame.layout, rate=rate or frame.sample_rate)
+        if clock is None:
+            clock = float(frame.pts * frame.time_base) - base if frame.pts is not None else 0.0
         for out in resampler.resample(frame):
-            pcm = out.to_ndarray().astype(np.float32, copy=False)
-            rate = out.sample_rate
-            first = 0 if at is None else max(0, int(np.ceil((start - at) * rate - 1e-9)))
-            last = pcm.shape[1] if at is None else min(pcm.shape[1], max(0, int(np.ceil((stop - at) * rate - 1e-9))))
-            if last > first:
-                parts.append(pcm[:, first:last])
-            if at is not None:
-                at += pcm.shape[1] / rate
-        if at is not None and at >= stop:
+            take(out)
+        if clock >= stop:
             break
-    channels = stream.codec_context.channels or 1
+    if resampler is not None and clock is not None and clock < stop:
+        for out in resampler.resample(None):  # what the resampler still holds, at the stream's end
+            take(out)
+    channels = 1 if layout == "mono" else 2 if layout == "stereo" else stream.codec_context.channels or 1
     return np.concatenate(parts, axis=1) if parts else np.zeros((channels, 0), dtype=np.float32)

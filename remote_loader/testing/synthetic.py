@@ -175,7 +175,8 @@ def write_avi(path: str, frames: int, *, seed: int = 0, fps: int = 10, audio_rat
               size: tuple[int, int] = (64, 48)) -> None:
     """An AVI as UCF101's are: MPEG-4 video (a key frame every 6 frames) of a coloured field
     with a bright square moving across it, and (``audio_rate`` samples a second; None for
-    none) a tone as 16-bit PCM, as long as the video. Needs PyAV (the ``video`` extra)."""
+    none) a tone swelling from a quarter of its loudness as 16-bit PCM, as long as the
+    video. Needs PyAV (the ``video`` extra)."""
     try:
         import av
     except ImportError:
@@ -190,8 +191,9 @@ def write_avi(path: str, frames: int, *, seed: int = 0, fps: int = 10, audio_rat
         side = max(2, height // 5)
         rate = audio_rate or 0
         per_frame = rate // fps
-        wave = (np.sin(np.arange(frames * per_frame) * (2 * np.pi * (200 + 50 * seed) / max(1, rate))) * 8000
-                ).astype(np.int16)
+        ticks = np.arange(frames * per_frame)
+        swell = 0.25 + 0.75 * ticks / max(1, len(ticks))  # louder as it goes: no two stretches of it alike
+        wave = (np.sin(ticks * (2 * np.pi * (203.7 + 50 * seed) / max(1, rate))) * 8000 * swell).astype(np.int16)
         for t in range(frames):  # each frame's sound muxed beside it, as a camera's file interleaves them
             pixels = np.full((height, width, 3), rng.integers(0, 256, 3), dtype=np.uint8)
             x = (3 * t) % max(1, width - side)

@@ -257,3 +257,63 @@ def test_a_header_that_claims_too_many_frames_gives_the_clip_from_the_start(vide
     seed = next(s for s in range(100) if np.random.default_rng(s).integers(0, 10 * FRAMES - 7) > FRAMES)
     clip = VideoClip(frames=4, step=2)("mp4", data, np.random.default_rng(seed))
     assert torch.equal(clip, torch.from_numpy(ds.frames_of(2)[0:8:2]).permute(0, 3, 1, 2))
+
+
+@pytest.fixture(scope="module")
+def sounding(tmp_path_factory):
+    """Three AVIs with sound (8,000 samples a second, 10 frames a second) and one silent,
+    uploaded as (path, label) pairs, and as a (path, bytes, label) tuple."""
+    from remote_loader.testing.synthetic import write_avi
+
+    root = tmp_path_factory.mktemp("sounding")
+    paths = []
+    for k in range(4):
+        paths.append(str(root / f"v{k}.avi"))
+        write_avi(paths[-1], 30, seed=k, fps=10, audio_rate=None if k == 3 else 8000)
+    store = LocalStore(str(root / "store"))
+    store.create_bucket("v")
+    upload_cv_dataset([(p, k) for k, p in enumerate(paths)], client=store, bucket="v", base_folder="pairs",
+                      workers=0, progress=False, shuffle=False)
+    upload_cv_dataset([(paths[0], Path(paths[3]).read_bytes(), 0)], client=store, bucket="v", base_folder="tuples",
+                      workers=0, progress=False)
+    return paths, store
+
+
+def _whole(path):
+    with av.open(path) as container:
+        frames = np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
+    with av.open(path) as container:
+        sound = [f.to_ndarray() for f in container.decode(audio=0)] if container.streams.audio else []
+    return frames, (np.concatenate(sound, axis=1).astype(np.float32) / 32768 if sound else None)
+
+
+def test_a_clip_s_sound_is_the_sound_played_through_it(sounding):
+    paths, store = sounding
+    clip = VideoClip(frames=4, step=2, layout="THWC", audio=8000)
+    got = list(RemoteDataset(store, "v", "pairs", seed=3).decode(video=clip))
+    assert len(got) == 4
+    for sample in got:
+        frames, sound = _whole(paths[int(sample["cls"])])
+        start = next(s for s in range(len(frames)) if np.array_equal(frames[s : s + 8 : 2], sample["avi"].numpy()))
+        assert sample["audio"].shape == (1, 7 * 800) and sample["audio"].dtype == torch.float32
+        expected = np.zeros((1, 7 * 800), np.float32) if sound is None else sound[:, start * 800 : (start + 7) * 800]
+        assert np.allclose(sample["audio"].numpy(), expected, atol=1e-6), f"video {sample['cls']}"
+
+
+def test_sound_at_another_rate_batches_and_each_video_field_has_its_own(sounding):
+    _, store = sounding
+    clip = VideoClip(frames=4, step=2, audio=16000)
+    (videos, sounds, labels), = list(RemoteDataset(store, "v", "pairs", seed=3).decode(video=clip)
+                                     .to_tuple("avi", "audio", "cls").batched(4))
+    assert videos.shape == (4, 4, 3, 48, 64) and sounds.shape == (4, 1, 7 * 1600)
+    loud = {int(label): float(sound.abs().mean()) for sound, label in zip(sounds, labels, strict=True)}
+    assert loud[3] == 0 and all(0.05 < loud[k] < 0.3 for k in range(3))  # a tone of amplitude 8000/32768
+    (sample,) = list(RemoteDataset(store, "v", "tuples").decode(video=clip))
+    assert {"0.avi", "0.audio", "1.avi", "1.audio"} <= set(sample)
+    assert float(sample["0.audio"].abs().mean()) > 0.05 and float(sample["1.audio"].abs().max()) == 0
+
+
+@pytest.mark.parametrize("audio", [0, 999, 16000.0, True, "16k"])
+def test_a_clip_s_audio_rate_is_checked(audio):
+    with pytest.raises(ConfigError, match="VideoClip's audio must be a sample rate"):
+        VideoClip(audio=audio)

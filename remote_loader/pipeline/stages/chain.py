@@ -252,7 +252,9 @@ class Decode(Stage):
         return (self.mode, self.device) if self.device is not None else None
 
     def fields(self, names: frozenset[str] | None) -> frozenset[str] | None:
-        return names  # each field decoded under its own name
+        if names is None or self.video is None:
+            return names  # each field decoded under its own name
+        return names | self.video.added(names)  # and a video field's sound beside it, where asked
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import json
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -71,9 +71,15 @@ def _image(data: Any, mode: str, where: str, min_size: int | None, facts: dict[s
     return tensor.permute(2, 0, 1) if tensor.ndim == 3 else tensor
 
 
+class VideoFields(Protocol):
+    """What decodes a video field (``VideoClip``): the fields it becomes."""
+
+    def fields(self, field: str, data: Any, rng: Any) -> dict[str, Any]: ...
+
+
 def decode_sample(
     sample: dict[str, Any], mode: str | Callable[..., Any], min_size: int | None = None, rng: Any = None,
-    video: Callable[..., Any] | None = None,
+    video: VideoFields | None = None,
 ) -> dict[str, Any]:
     """Decode every field of ``sample``: images by ``mode``, ``cls`` to int, ``txt`` to str,
     ``json`` to its value, ``npy`` to a numpy array. A structured sample's masks and depth maps
@@ -88,8 +94,9 @@ def decode_sample(
     that many pixels (Pillow's draft mode: libjpeg's DCT scaling, slightly softer than a
     full decode followed by a resize).
 
-    ``video`` (a ``VideoClip``) is called as ``video(field, data, rng)`` for video fields (mp4,
-    mov, mkv, webm, avi); without it they stay bytes. A field some stage already decoded (not
+    ``video`` (a ``VideoClip``) makes the fields of each video field (mp4, mov, mkv, webm,
+    avi): ``video.fields(field, data, rng)``, its clip and, where asked, its sound; without
+    it they stay bytes. A field some stage already decoded (not
     bytes) is kept as it is.
     """
     if not callable(mode) and mode not in MODES:
@@ -106,7 +113,7 @@ def decode_sample(
             out[name] = value  # decoded already (a stage before, or decode() twice)
         elif ext in VIDEO_EXTENSIONS and video is not None:
             try:
-                out[name] = video(name, value, rng)
+                out.update(video.fields(name, value, rng))
             except DecodeError as exc:
                 raise DecodeError(f"{where}: {exc}", **facts) from None
         elif ext in IMAGE_FIELDS:

@@ -22,7 +22,7 @@ from torch.nn import functional
 
 from remote_loader.errors import ConfigError, DecodeError
 from remote_loader.format.video import VIDEO_EXTENSIONS
-from remote_loader.frames import frame_count, frames_at, open_av
+from remote_loader.frames import audio_between, frame_count, frames_at, open_av
 from remote_loader.pipeline.stages.augment import RandomResizedCrop
 
 VIDEO_FIELDS = VIDEO_EXTENSIONS
@@ -41,12 +41,17 @@ class VideoClip:
         crop: A ``RandomResizedCrop`` applied to the whole clip (one box, one flip); None keeps
             the frames whole.
         layout: ``"TCHW"`` or ``"THWC"``.
+        audio: A sample rate: the sound played through the clip (from its first frame to
+            the end of its last) comes too, as a field of its own named as the video's with
+            ``audio`` for its extension (``mp4`` -> ``audio``, ``0.mp4`` -> ``0.audio``):
+            float32 ``1 x n``, mono at that rate, ``n`` samples for the clip's duration
+            (silence where the video has no sound or it ends first). None: no sound.
     """
 
     seeded = True
 
     def __init__(self, frames: int = 16, step: int = 1, crop: RandomResizedCrop | None = None,
-                 layout: str = "TCHW") -> None:
+                 layout: str = "TCHW", audio: int | None = None) -> None:
         for name, value in (("frames", frames), ("step", step)):
             if type(value) is not int or value < 1:
                 raise ConfigError(f"VideoClip's {name} must be a positive integer, got {value!r}")
@@ -54,14 +59,37 @@ class VideoClip:
             raise ConfigError(f"VideoClip's crop must be a RandomResizedCrop or None, got {type(crop).__name__}")
         if layout not in LAYOUTS:
             raise ConfigError(f"VideoClip's layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
-        self.frames, self.step, self.crop, self.layout = frames, step, crop, layout
+        if audio is not None and (type(audio) is not int or not 1000 <= audio <= 384_000):
+            raise ConfigError(f"VideoClip's audio must be a sample rate from 1000 to 384000 a second, or None, got"
+                              f" {audio!r}")
+        self.frames, self.step, self.crop, self.layout, self.audio = frames, step, crop, layout, audio
 
     def __repr__(self) -> str:
-        return f"VideoClip(frames={self.frames}, step={self.step}, crop={self.crop!r}, layout={self.layout!r})"
+        return (f"VideoClip(frames={self.frames}, step={self.step}, crop={self.crop!r}, layout={self.layout!r},"
+                f" audio={self.audio!r})")
+
+    def fields(self, field: str, data: Any, rng: np.random.Generator) -> dict[str, torch.Tensor]:
+        """What one video field becomes: its clip, under its name, and with ``audio`` the
+        clip's sound under the name with ``audio`` for its extension; DecodeError where the
+        bytes do not decode."""
+        data = bytes(data)
+        frames, seconds = self._decode(data, rng)
+        out = {field: self._clip(frames)}
+        if self.audio is not None:
+            out[_sound_field(field)] = self._sound(data, *seconds)
+        return out
+
+    def added(self, names: frozenset[str]) -> frozenset[str]:
+        """The fields ``fields`` adds to samples whose fields are ``names``: each video field's sound."""
+        if self.audio is None:
+            return frozenset()
+        return frozenset(_sound_field(name) for name in names if name.rsplit(".", 1)[-1] in VIDEO_FIELDS)
 
     def __call__(self, field: str, data: Any, rng: np.random.Generator) -> torch.Tensor:
         """The clip of one video field's bytes; DecodeError where they do not decode."""
-        frames = self.decode(bytes(data), rng)
+        return self._clip(self._decode(bytes(data), rng)[0])
+
+    def _clip(self, frames: list[torch.Tensor]) -> torch.Tensor:
         clip = torch.stack(frames)  # T x C x H x W
         if self.crop is not None and self.crop.mean is not None and self.crop.std is not None:
             mean = torch.tensor(self.crop.mean).view(1, 3, 1, 1) * 255  # normalised floats, as an image's crop
@@ -75,6 +103,27 @@ class VideoClip:
         """The clip's frames, ``C x H x W`` each (uint8; float crops resized where ``crop`` is
         given: each frame cropped as it is decoded, so a clip holds at most one frame whole),
         from a start drawn with ``rng``, then the crop's box and flip."""
+        return self._decode(data, rng)[0]
+
+    def _sound(self, data: bytes, start: float, stop: float) -> torch.Tensor:
+        """The sound from ``start`` to ``stop`` seconds, mono at ``audio`` samples a second,
+        exactly as many samples as that span holds (silence where there is none)."""
+        assert self.audio is not None
+        av = open_av()
+        count = max(0, round((stop - start) * self.audio))
+        try:
+            with av.open(io.BytesIO(data), mode="r") as container:
+                sound = audio_between(container, start, stop, rate=self.audio, layout="mono")
+        except (av.error.FFmpegError, ValueError, OSError, IndexError, RuntimeError) as exc:
+            raise DecodeError(f"sound that does not decode ({type(exc).__name__}: {str(exc)[:120]})") from None
+        out = torch.zeros((1, count), dtype=torch.float32)
+        if sound is not None:
+            taken = min(count, sound.shape[1])
+            out[:, :taken] = torch.from_numpy(sound[:1, :taken])
+        return out
+
+    def _decode(self, data: bytes, rng: np.random.Generator) -> tuple[list[torch.Tensor], tuple[float, float]]:
+        """The clip's frames (``decode``), and the times its first frame starts and its last ends."""
         av = open_av()
         try:
             with av.open(io.BytesIO(data), mode="r") as container:
@@ -96,6 +145,7 @@ class VideoClip:
                 got = frames_at(container, stream, rate, wanted, keep)
                 if not got and start:  # a header that claims more frames than there are: the clip from the start
                     container.seek(stream.start_time or 0, stream=stream, backward=True, any_frame=False)
+                    start = 0
                     got = frames_at(container, stream, rate, [k * self.step for k in range(self.frames)], keep)
         except DecodeError:
             raise
@@ -103,7 +153,8 @@ class VideoClip:
             raise DecodeError(f"not a decodable video ({type(exc).__name__}: {str(exc)[:120]})") from None
         if not got:
             raise DecodeError("a video without a frame that decodes")
-        return got + [got[-1]] * (self.frames - len(got))  # a video shorter than the clip: its last frame again
+        seconds = (start / rate, (start + span) / rate) if rate else (0.0, 0.0)
+        return got + [got[-1]] * (self.frames - len(got)), seconds  # a video shorter than the clip: its last again
 
     def _keeper(self, width: int, height: int, rng: np.random.Generator) -> Callable[[np.ndarray], torch.Tensor]:
         """What is kept of each decoded ``H x W x 3`` frame: all of it (``C x H x W``), or the
@@ -120,3 +171,8 @@ class VideoClip:
             return out.flip(-1) if flip else out
 
         return cropped
+
+
+def _sound_field(field: str) -> str:
+    """The name of a video field's sound: its extension ``audio`` (``mp4`` -> ``audio``, ``0.mp4`` -> ``0.audio``)."""
+    return f"{field.rsplit('.', 1)[0]}.audio" if "." in field else "audio"
