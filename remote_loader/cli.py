@@ -190,6 +190,7 @@ def _upload(args: argparse.Namespace, store: Any, location: Any, executor: Any) 
         retry=_fetch(args).retry,
         verify=not args.no_verify,
         stall_timeout=args.stall_timeout,
+        frames_as_video=args.frames_as_video,
     )
 
 
@@ -458,6 +459,9 @@ def _upload_parser(sub: Any) -> None:
     p.add_argument("--image-format", default="jpeg", choices=("jpeg", "png", "webp"),
                    help="how in-memory images are encoded (files are stored as they are)")
     p.add_argument("--quality", type=_count(1), default=90, help="JPEG and WebP quality, 1..100")
+    p.add_argument("--frames-as-video", default=None, choices=("h264", "lossless"),
+                   help="store frames (uint8 T x H x W x C arrays and tensors) as an H.264 video, lossy or lossless"
+                        " (default: their values, .npy)")
     p.add_argument("--on-error", default="raise", choices=("raise", "skip"),
                    help="raise: stop at the first sample that cannot be read or encoded, naming it; skip: leave it"
                    " out, counted in the summary and the manifest")

@@ -53,8 +53,31 @@ def tv_tensor(node: object) -> tuple[str, dict[str, object]] | None:
     return (kind, meta) if isinstance(meta, dict) else None
 
 
+FRAMES_PREFIX = "frames"
+"""The placeholder of frames stored as a video (``upload_cv_dataset(frames_as_video=...)``):
+``frames{"layout": "THWC", "channels": 3, "shape": [...], "of": "numpy"}``, the member an
+``mp4``; ``of`` is ``numpy``, ``torch`` or a tv_tensor's placeholder."""
+
+
+def frames_placeholder(meta: dict[str, object]) -> str:
+    """The skeleton placeholder of frames stored as a video, with what they were (``meta``)."""
+    return FRAMES_PREFIX + json.dumps(meta, sort_keys=True, separators=(",", ":"))
+
+
+def frames_meta(node: object) -> dict[str, object] | None:
+    """What frames stored as a video were (their placeholder's ``meta``), None for anything else."""
+    if not isinstance(node, str) or not node.startswith(FRAMES_PREFIX + "{"):
+        return None
+    try:
+        meta = json.loads(node[len(FRAMES_PREFIX):])
+    except ValueError:
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
 def is_placeholder(node: object) -> bool:
-    return (isinstance(node, str) and node in PLACEHOLDERS) or tv_tensor(node) is not None
+    return (isinstance(node, str) and node in PLACEHOLDERS) or tv_tensor(node) is not None or \
+        frames_meta(node) is not None
 
 
 def placeholders(skeleton: object, steps: tuple[str, ...] = ()) -> dict[tuple[str, ...], str]:

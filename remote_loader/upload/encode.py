@@ -24,6 +24,7 @@ from remote_loader.errors import ConfigError, UploadError
 from remote_loader.format import fields
 from remote_loader.format.index import MAX_FIELD_NAME
 from remote_loader.format.video import video_extension
+from remote_loader.frames import decode_frames, encode_frames
 from remote_loader.upload.originals import Originals
 
 # Pillow's format name -> the field (file extension) it is stored under.
@@ -31,23 +32,33 @@ EXTENSIONS = {"JPEG": "jpg", "MPO": "jpg", "PNG": "png", "WEBP": "webp", "GIF": 
 ENCODINGS = {"jpeg": "JPEG", "jpg": "JPEG", "png": "PNG", "webp": "WEBP"}
 
 
+FRAMES_AS_VIDEO = ("h264", "lossless")
+
+
 @dataclass(frozen=True)
 class EncodeOptions:
-    """How in-memory images are encoded.
+    """How in-memory images, and frames, are encoded.
 
     Attributes:
         image_format: ``"jpeg"``, ``"png"`` or ``"webp"``.
         quality: 1..100, for JPEG and WebP.
+        frames_as_video: ``"h264"`` or ``"lossless"``: frames (uint8 ``T x H x W x C`` or
+            ``T x C x H x W`` arrays and tensors, C 1 or 3; torchvision ``Video``s) stored as an
+            H.264 video (``frames.encode_frames``); None stores their values (``.npy``).
     """
 
     image_format: str = "jpeg"
     quality: int = 90
+    frames_as_video: str | None = None
 
     def __post_init__(self) -> None:
         if self.image_format.lower() not in ENCODINGS:
             raise ConfigError(f"image_format must be one of jpeg, png, webp; got {self.image_format!r}")
         if not 1 <= self.quality <= 100:
             raise ConfigError(f"quality must be in 1..100, got {self.quality}")
+        if self.frames_as_video is not None and self.frames_as_video not in FRAMES_AS_VIDEO:
+            raise ConfigError(f"frames_as_video must be one of {', '.join(FRAMES_AS_VIDEO)} or None, got"
+                              f" {self.frames_as_video!r}")
 
 
 def _fail(index: int, message: str) -> UploadError:
@@ -218,12 +229,13 @@ def _fields(item: Any, options: EncodeOptions, index: int, originals: Originals 
 
 def _values_not_pixels(value: Any) -> bool:
     """An array or tensor of other than uint8 where a pair's image goes: ``ToTensor``'s floats
-    in [0, 1], or normalised ones. No image format holds them as they are, and turning them
-    into 8-bit pixels would alter them: the pair is stored by the field rule, the array as
-    its values (``.npy``), and comes back as it went in."""
+    in [0, 1], or normalised ones; or of more than 3 dimensions (a clip's frames). No image
+    format holds them as they are, and turning them into 8-bit pixels would alter them: the
+    pair is stored by the field rule, the array as its values (``.npy``; frames as a video
+    with ``frames_as_video``), and comes back as it went in."""
     if isinstance(value, np.ndarray):
-        return bool(value.dtype != np.uint8)
-    return _is_tensor(value) and str(value.dtype) != "torch.uint8"
+        return bool(value.dtype != np.uint8 or value.ndim > 3)
+    return _is_tensor(value) and (str(value.dtype) != "torch.uint8" or value.dim() > 3)
 
 
 class Structured:
@@ -276,9 +288,9 @@ class Structured:
         elif isinstance(value, Image.Image):
             ext, data = self._image(value, where)
             self.fields[f"{stem}.{ext}"] = data
-        elif isinstance(value, np.ndarray):
+        elif isinstance(value, np.ndarray) and not self._as_video(value):
             self.fields[f"{stem}.npy"] = _npy(value, self.index, where)
-        else:  # a tensor, a list, a tuple, a dict: a skeleton and its members
+        else:  # a tensor, frames, a list, a tuple, a dict: a skeleton and its members
             self.fields[f"{stem}.json"] = _json(self._skeleton(stem, (), value, where))
 
     def _skeleton(self, stem: str, steps: tuple[str, ...], value: Any, where: str) -> Any:
@@ -301,6 +313,10 @@ class Structured:
                     raise _fail(self.index, f"{where} has the key {key!r}, a {type(key).__name__}: JSON keys are str")
                 out[key] = self._skeleton(stem, (*steps, key), v, f"{where}[{key!r}]")
             return out
+        if self._as_video(value):
+            placeholder = self._frames(stem, steps, value, where)
+            if placeholder is not None:
+                return placeholder
         if isinstance(value, np.ndarray):
             self._add(stem, steps, "npy", _npy(value, self.index, where), where)
             return "numpy"
@@ -317,6 +333,31 @@ class Structured:
         raise _fail(self.index, f"{where} is of type {type(value).__name__}: no field stores it (expected None,"
                                 " bool, int, float, str, list, tuple, dict, numpy array, tensor, PIL image or bytes)")
 
+    def _as_video(self, value: Any) -> bool:
+        """Whether ``value`` is frames this upload stores as a video."""
+        return self.options.frames_as_video is not None and _frames_layout(value) is not None
+
+    def _frames(self, stem: str, steps: tuple[str, ...], value: Any, where: str) -> str | None:
+        """Frames stored as an H.264 member (``mp4``); their placeholder says what they were.
+        Lossless frames that would not decode to exactly themselves are left to ``.npy``
+        (None)."""
+        layout = _frames_layout(value)
+        array = value if isinstance(value, np.ndarray) else _tensor_array(value, self.index, where)
+        frames = array if layout == "THWC" else array.transpose(0, 2, 3, 1)
+        channels = int(frames.shape[3])
+        rgb = np.ascontiguousarray(np.repeat(frames, 3, axis=3) if channels == 1 else frames)
+        lossless = self.options.frames_as_video == "lossless"
+        try:
+            data = encode_frames(rgb, lossless=lossless)
+            if lossless and not np.array_equal(decode_frames(data), rgb):
+                return None
+        except (ValueError, OSError, RuntimeError) as exc:
+            raise _fail(self.index, f"{where}: its frames {array.shape} do not encode as H.264 ({exc})") from None
+        self._add(stem, steps, "mp4", data, where)
+        was = "numpy" if isinstance(value, np.ndarray) else _tv_placeholder(value) or "torch"
+        return fields.frames_placeholder({"layout": layout, "channels": channels, "shape": list(array.shape),
+                                          "of": was})
+
     def _image(self, image: Image.Image, where: str) -> tuple[str, bytes]:
         kept = self.originals.match(image) if self.originals is not None else None
         if kept is not None:
@@ -332,6 +373,22 @@ class Structured:
             return _sniff(raw, self.index, where), raw
         except UploadError:
             return "bin", raw
+
+
+def _frames_layout(value: Any) -> str | None:
+    """``"THWC"`` or ``"TCHW"`` where ``value`` is frames (uint8, 4 dimensions, 1 or 3
+    channels last, or second: torchvision's ``Video`` always), else None."""
+    if isinstance(value, np.ndarray):
+        shape, uint8 = value.shape, value.dtype == np.uint8
+    elif _is_tensor(value):
+        shape, uint8 = tuple(value.shape), str(value.dtype) == "torch.uint8"
+    else:
+        return None
+    if not uint8 or len(shape) != 4 or 0 in shape:
+        return None
+    if type(value).__name__ == "Video" or (shape[-1] not in (1, 3) and shape[1] in (1, 3)):
+        return "TCHW" if shape[1] in (1, 3) else None
+    return "THWC" if shape[-1] in (1, 3) else None
 
 
 NUMERIC_KINDS = frozenset("biuf")

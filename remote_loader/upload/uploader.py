@@ -89,6 +89,7 @@ def upload_cv_dataset(
     progress: bool = True,
     verify: bool = True,
     stall_timeout: float | None = DEFAULT_STALL_TIMEOUT,
+    frames_as_video: str | None = None,
 ) -> UploadSummary:
     """Pack a torchvision-style dataset into shards in ``s3://bucket/base_folder/``.
 
@@ -141,12 +142,14 @@ def upload_cv_dataset(
     params = _parameters(maxsize=maxsize, maxcount=maxcount, workers=workers, seed=seed, image_format=image_format,
                          quality=quality, on_error=on_error, shuffle=shuffle, overwrite=overwrite, progress=progress,
                          bucket=bucket, base_folder=base_folder)
+    options = EncodeOptions(image_format=image_format, quality=quality, frames_as_video=frames_as_video)
+    if frames_as_video is not None:  # recorded where set: an upload made before the option still matches
+        params["frames_as_video"] = frames_as_video
     running = Running(workers, executor, part_size, _stall_timeout(stall_timeout), bool(require_bool("verify", verify)),
                       overwrite, progress)
     client = as_store(client, bucket)
     location = Location(bucket, base_folder.strip("/"), client.path_of(bucket, base_folder.strip("/")))
-    return _upload(ds, client, location, params, EncodeOptions(image_format=image_format, quality=quality),
-                   _retry(retry), started, running)
+    return _upload(ds, client, location, params, options, _retry(retry), started, running)
 
 
 @dataclass(frozen=True)

@@ -428,3 +428,19 @@ def test_a_folder_of_videos_uploads_as_their_files(env, s3, tmp_path):
     assert sorted(int(bytes(s["cls"])) for s in back.values()) == [0, 0, 1, 1]
     assert {bytes(s["mp4"]) for s in back.values()} == {Path(videos[i][0]).read_bytes() for i in range(4)}
     assert RemoteDataset(client, bucket, "ucf").classes == ["ApplyEyeMakeup", "Archery"]
+
+
+def test_upload_stores_frames_as_video_where_asked(tmp_path):
+    pytest.importorskip("av", reason="PyAV is not installed (the video extra)")
+    (tmp_path / "myclips.py").write_text(
+        "import numpy as np\n"
+        "def make():\n    return [(np.full((8, 24, 32, 3), 30 * k, dtype=np.uint8), k) for k in range(3)]\n"
+    )
+    dest = tmp_path / "store" / "bucket" / "ds"
+    dest.parent.mkdir(parents=True)
+    subprocess.run([str(SCRIPT), "upload", "myclips:make", str(dest), "--workers", "0", "--quiet",
+                    "--frames-as-video", "lossless"], cwd=tmp_path, check=True, timeout=120)
+    info = json.loads(
+        subprocess.run([str(SCRIPT), "info", str(dest), "--json"], capture_output=True, text=True, check=True).stdout
+    )
+    assert info["samples"] == 3 and "0.mp4" in json.dumps(info["fields"])

@@ -19,6 +19,7 @@ from remote_loader.errors import DecodeError
 from remote_loader.format import fields as rule
 from remote_loader.format.fields import FieldName
 from remote_loader.format.video import VIDEO_EXTENSIONS
+from remote_loader.frames import decode_frames
 from remote_loader.pipeline.stages.decode import IMAGE_FIELDS, load_npy
 
 _RAW = (bytes, bytearray, memoryview)
@@ -79,6 +80,9 @@ def _value(members: dict[FieldName, Any], where: str) -> Any:
 def _fill(node: Any, steps: tuple[str, ...], value: Any, where: str) -> Any:
     """``node`` with the placeholder at ``steps`` replaced by ``value`` (converted by the placeholder)."""
     if not steps:
+        frames = rule.frames_meta(node)
+        if frames is not None:
+            return _frames(value, frames, where)
         tv = rule.tv_tensor(node)
         if node == "torch" or tv is not None:
             tensor = value if isinstance(value, torch.Tensor) else torch.from_numpy(np.asarray(value))
@@ -94,6 +98,33 @@ def _fill(node: Any, steps: tuple[str, ...], value: Any, where: str) -> Any:
     else:
         raise DecodeError(f"{where} has no place in the field's skeleton")
     return node
+
+
+def _frames(value: Any, meta: dict[str, Any], where: str) -> Any:
+    """Frames stored as a video, back as what they were (``meta``: their layout, channels,
+    shape and type); a value ``decode()`` already made something else is left as it is."""
+    if not isinstance(value, _RAW):
+        return value
+    shape, layout, was = meta.get("shape"), meta.get("layout"), meta.get("of")
+    if not (isinstance(shape, list) and len(shape) == 4 and all(type(n) is int and n > 0 for n in shape)
+            and layout in ("THWC", "TCHW") and meta.get("channels") in (1, 3) and isinstance(was, str)):
+        raise DecodeError(f"{where}: frames whose record {str(meta)[:80]} is not valid")
+    try:
+        pixels = decode_frames(bytes(value))
+    except (ValueError, OSError, RuntimeError) as exc:  # PyAV's errors are OSError and ValueError
+        raise DecodeError(f"{where}: frames stored as a video that does not decode ({str(exc)[:80]})") from None
+    count, height, width = (shape[0], shape[1], shape[2]) if layout == "THWC" else (shape[0], shape[2], shape[3])
+    if len(pixels) != count or pixels.shape[1] < height or pixels.shape[2] < width:
+        raise DecodeError(f"{where}: a video of {len(pixels)} frames of {pixels.shape[2]}x{pixels.shape[1]} where"
+                          f" {count} of {width}x{height} were stored")
+    frames = np.ascontiguousarray(pixels[:, :height, :width, : meta["channels"]])
+    if layout == "TCHW":
+        frames = np.ascontiguousarray(frames.transpose(0, 3, 1, 2))
+    if was == "numpy":
+        return frames
+    tensor = torch.from_numpy(frames)
+    tv = rule.tv_tensor(was)
+    return tensor if tv is None else _as_tv_tensor(tensor, *tv, where)
 
 
 @functools.cache
