@@ -12,7 +12,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from remote_loader.config import MAX_WORKERS, CacheConfig, FetchConfig, current_world, require_bool, require_int
 from remote_loader.errors import ConfigError, DatasetChanged, OnError, ResumeError
-from remote_loader.pipeline.device import DeviceDecoder, check_device
+from remote_loader.pipeline.device import DaliClipDecoder, DeviceDecoder, check_device, clip_place
 from remote_loader.pipeline.device import collate as device_collate
 from remote_loader.pipeline.order.delivery import Mixing
 from remote_loader.pipeline.order.split import rank_size
@@ -222,6 +222,8 @@ class RemoteDataset(IterableDataset):
         require_bool("cpu_fallback", cpu_fallback)
         if batched or device not in ("cpu", "auto"):  # before a device is probed for it
             stages.require_crop(mode, repr(device))
+        if isinstance(video, VideoClip) and video.device is not None:
+            clip_place(video.device)  # DALI and the device there, checked now
         place = check_device(device, batched, cpu_fallback, mode if isinstance(mode, RandomResizedCrop) else None)
         clone = self._with(stages.Decode(mode, min_size, threads, device=place, on_error=self.on_error, video=video))
         if self.on_error.skips and place is None:  # a sample that does not decode is left out, counted
@@ -286,8 +288,13 @@ class RemoteDataset(IterableDataset):
         found = next(filter(None, (s.on_device() for s in self.stages)), None)
         if found is None:
             return None
-        crop, place = found
-        return DeviceDecoder(crop, place, on_error=self.on_error, metrics=Metrics(self._metrics[0].numpy()))
+        maker, place = found
+        metrics = Metrics(self._metrics[0].numpy())
+        if isinstance(maker, VideoClip):  # clips, which DALI decodes
+            assert maker.crop is not None
+            return DaliClipDecoder(maker.crop, clip_place(place), maker.frames, maker.layout, on_error=self.on_error,
+                                   metrics=metrics)
+        return DeviceDecoder(maker, place, on_error=self.on_error, metrics=metrics)
 
     # ------------------------------------------------------------------ epochs and sizes
 

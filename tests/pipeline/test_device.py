@@ -95,6 +95,12 @@ def test_a_jpeg_that_does_not_decode_names_its_sample_or_leaves_the_rest_of_its_
     assert skipping.metrics.skipped == 1
 
 
+def test_a_batch_whose_every_jpeg_is_left_out_is_left_out_whole(client):
+    skipping = pipeline(client, "device-tests-broken", batch=1, on_error="skip", device="cpu", batched=True)
+    keys = [k for _, _, ks in loader(skipping, num_workers=0) for k in ks]
+    assert sorted(keys) == [f"{i:06d}" for i in range(40) if i != BROKEN] and skipping.metrics.skipped == 1
+
+
 def test_a_resumed_epoch_gives_the_same_crops(client):
     pytest.importorskip("torchdata")
     whole = list(loader(pipeline(client, device="cpu", batched=True), num_workers=1, stateful=True))

@@ -120,15 +120,19 @@ class DaliCrops:
         from nvidia.dali.plugin.pytorch import feed_ndarray
 
         dtype = torch.uint8 if self.mean is None else torch.float32
-        tensor = torch.empty((len(out), 3, self.size, self.size), dtype=dtype, device=self.device)
+        tensor = torch.empty(self._shape(len(out)), dtype=dtype, device=self.device)
         return feed_ndarray(out, tensor, cuda_stream=cuda_stream)
+
+    def _shape(self, count: int) -> tuple[int, ...]:
+        """The shape of a run's output of ``count`` samples."""
+        return (count, 3, self.size, self.size)
 
 
 _PRESTARTED: dict[tuple[Any, ...], concurrent.futures.Future[DaliCrops]] = {}
 _PRESTART_LOCK = threading.Lock()
 
 
-def _scaled(crop: RandomResizedCrop) -> tuple[tuple[float, ...] | None, tuple[float, ...] | None]:
+def scaled(crop: RandomResizedCrop) -> tuple[tuple[float, ...] | None, tuple[float, ...] | None]:
     """The crop's ``mean`` and ``std`` on a 0-255 scale (None without them)."""
     if crop.mean is None or crop.std is None:
         return None, None
@@ -136,7 +140,7 @@ def _scaled(crop: RandomResizedCrop) -> tuple[tuple[float, ...] | None, tuple[fl
 
 
 def _key(place: Place, crop: RandomResizedCrop) -> tuple[Any, ...]:
-    return (os.getpid(), str(place.device), crop.size, *_scaled(crop))
+    return (os.getpid(), str(place.device), crop.size, *scaled(crop))
 
 
 def prestart(place: Place, crop: RandomResizedCrop) -> None:
@@ -152,7 +156,7 @@ def prestart(place: Place, crop: RandomResizedCrop) -> None:
 
     def build() -> None:
         try:
-            future.set_result(DaliCrops(place.device, crop.size, BATCH, *_scaled(crop)))
+            future.set_result(DaliCrops(place.device, crop.size, BATCH, *scaled(crop)))
         except BaseException as error:  # noqa: BLE001 - raised where the pipeline is taken
             future.set_exception(error)
 
@@ -170,7 +174,7 @@ def open_crops(place: Place, crop: RandomResizedCrop) -> DaliCrops:
             pass
     if not installed():
         raise ConfigError(f"decoding='dali' needs NVIDIA DALI: {EXTRA}")
-    return DaliCrops(place.device, crop.size, BATCH, *_scaled(crop))
+    return DaliCrops(place.device, crop.size, BATCH, *scaled(crop))
 
 
 class DaliDecoder(DeviceDecoder):

@@ -19,7 +19,7 @@ from remote_loader.pipeline.device.codec import CPU, CUDA, HARDWARE, Codec, open
 from remote_loader.pipeline.device.resize import resize
 from remote_loader.pipeline.stages.augment import RandomResizedCrop
 from remote_loader.pipeline.stages.containers import WALK_ON, leaves, rebuild
-from remote_loader.pipeline.stages.prepared import IMAGES, EncodedBatch
+from remote_loader.pipeline.stages.prepared import GATHERED, EncodedBatch, EncodedClips, gather
 from remote_loader.read.metrics import Metrics
 
 
@@ -62,6 +62,10 @@ class DeviceDecoder:
         codec: The JPEG decoder (default: nvImageCodec's for the place, opened once per
             process when first used).
     """
+
+    decodings: tuple[str, ...] = ("dali", "process", "thread")
+    """How a loader may decode with it (``loader(decoding=...)``); the first is the default
+    where it is the only one."""
 
     def __init__(self, crop: RandomResizedCrop, place: Place | torch.device, on_error: OnError = OnError.RAISE,
                  metrics: Metrics | None = None, codec: Codec | None = None) -> None:
@@ -178,11 +182,11 @@ class DeviceDecoder:
             return self._finish_item(item)
 
     def _finish_item(self, item: Any) -> Decoded:
-        singles = {path for path, _ in leaves(item, IMAGES)}
+        singles = {path for path, _ in leaves(item, GATHERED)}
         if singles:
-            item = rebuild(item, lambda path, x: EncodedBatch([x]) if path in singles else WALK_ON)
+            item = rebuild(item, lambda path, x: gather([x]) if path in singles else WALK_ON)
         with self._on_stream() as stream:
-            found = list(leaves(item, EncodedBatch))
+            found = list(leaves(item, (EncodedBatch, EncodedClips)))
             if not found:
                 return Decoded(item, None, [])
             decoded = {path: self.decode(batch, stream) for path, batch in found}
@@ -247,13 +251,13 @@ class _Rebuild:
         if path in self.decoded:
             images, positions = self.decoded[path]
             if self.kept is not None and positions != self.kept:
-                index = torch.tensor([positions.index(p) for p in self.kept])
+                index = torch.tensor([positions.index(p) for p in self.kept], dtype=torch.long)
                 images = images.index_select(0, index.to(images.device))
             return images
         if any(found[: len(path)] == path for found in self.decoded):  # a container on the way to a batch
             return WALK_ON
         if self.kept is not None and isinstance(item, torch.Tensor) and item.dim() and len(item) == self.size:
-            return item.index_select(0, torch.tensor(self.kept, device=item.device))
+            return item.index_select(0, torch.tensor(self.kept, dtype=torch.long, device=item.device))
         if self.kept is not None and isinstance(item, list | tuple) and len(item) == self.size:
             return type(item)(item[i] for i in self.kept)
         return item

@@ -69,6 +69,22 @@ def _resolved(device: Any, batched: bool, cpu_fallback: bool = False) -> Place |
     return Place(place, cpu_fallback)
 
 
+def clip_place(device: str) -> Place:
+    """Where DALI decodes clips (``VideoClip(device=...)``): ``cuda`` resolved to this
+    process's current GPU, or the CPU (DALI's CPU operators); ConfigError without CUDA there,
+    or without DALI."""
+    if not dali.installed():
+        raise ConfigError(f"VideoClip(device={device!r}) decodes clips with NVIDIA DALI: {dali.EXTRA}")
+    place = torch.device(device)
+    if place.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"VideoClip(device={device!r}) needs CUDA, and torch.cuda.is_available() is False here")
+        place = indexed(place, _current_device)
+        if place.index is not None and place.index >= torch.cuda.device_count():
+            raise ConfigError(f"VideoClip(device={device!r}): this process sees {torch.cuda.device_count()} GPU(s)")
+    return Place(place)
+
+
 def indexed(place: torch.device, current: Callable[[], int]) -> torch.device:
     """``cuda`` as ``cuda:N``, N the current device (``current()``); ``cuda:N`` as it is."""
     return place if place.index is not None else torch.device(place.type, current())

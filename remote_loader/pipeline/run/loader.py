@@ -78,7 +78,7 @@ def loader(dataset: IterableDataset, *, num_workers: int | None = None, stateful
     if decoder is not None and options.get("batch_size") is not None and not _batches(dataset):
         settings["collate_fn"] = device_collate  # a DataLoader's batches of samples to decode
     settings.update(options)
-    in_process = decoder is not None and (decoding or default_decoding(decoder.device)) != "process"
+    in_process = decoder is not None and decoding_of(decoder, decoding) != "process"
     if in_process and settings["num_workers"] and settings.get("persistent_workers"):
         settings["worker_init_fn"] = ByName(settings.get("worker_init_fn"))
     if not stateful:
@@ -157,13 +157,11 @@ class DeviceLoader:
     collected, and at exit)."""
 
     def __init__(self, inner: Any, decoder: DeviceDecoder, dataset: Any, decoding: str | None = None) -> None:
-        decoding = default_decoding(decoder.device) if decoding is None else decoding
-        if decoding not in DECODING:
-            raise ConfigError(f"decoding must be one of {', '.join(map(repr, DECODING))}, got {decoding!r}")
+        decoding = decoding_of(decoder, decoding)
         if decoding == "dali":
             if not dali.installed():
                 raise ConfigError(f"decoding='dali' needs NVIDIA DALI: {dali.EXTRA}")
-            decoder = DaliDecoder.like(decoder)
+            decoder = decoder if isinstance(decoder, DaliDecoder) else DaliDecoder.like(decoder)
         self.inner, self.decoder, self.dataset = inner, decoder, dataset
         self._state: Any = None  # the wrapped loader's state after the last batch handed out
         self._to_load: Any = None  # a state loaded for the next pass (decoding process)
@@ -259,6 +257,18 @@ class DeviceLoader:
         if name in ("inner", "decoder", "dataset", "_state", "_to_load", "_process", "_sent", "_give_back"):
             raise AttributeError(name)
         return getattr(self.inner, name)
+
+
+def decoding_of(decoder: DeviceDecoder, decoding: str | None) -> str:
+    """How ``decoder``'s batches are decoded: ``decoding``, checked, or the default."""
+    if decoding is None:
+        return decoder.decodings[0] if len(decoder.decodings) == 1 else default_decoding(decoder.device)
+    if decoding not in DECODING:
+        raise ConfigError(f"decoding must be one of {', '.join(map(repr, DECODING))}, got {decoding!r}")
+    if decoding not in decoder.decodings:
+        raise ConfigError(f"clips decoded on a device are decoded by DALI in this process: decoding must be"
+                          f" {' or '.join(map(repr, decoder.decodings))}, got {decoding!r}")
+    return decoding
 
 
 def default_decoding(device: torch.device) -> str:

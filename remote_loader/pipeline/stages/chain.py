@@ -232,6 +232,9 @@ class Decode(Stage):
             raise ConfigError(f"decode's video must be a VideoClip, got {type(video).__name__}")
         if device is not None:
             require_crop(mode, getattr(device, "device", device))
+        if device is not None and video is not None and video.device is not None:
+            raise ConfigError("decode(device=...) with VideoClip(device=...): one of them decodes on the device (decode"
+                              " the images on the device, or the clips)")
         self.mode, self.min_size, self.threads, self.device = mode, min_size, _check_threads(threads), device
         self.video = video
         self.seeded, self.on_error = bool(getattr(mode, "seeded", False)) or video is not None, on_error
@@ -249,6 +252,8 @@ class Decode(Stage):
         return threaded_map(fn, samples, self.threads) if self.threads else apply(fn, samples)
 
     def on_device(self) -> tuple[Any, Any] | None:
+        if self.video is not None and self.video.device is not None:
+            return self.video, self.video.device  # clips decoded in the training process
         return (self.mode, self.device) if self.device is not None else None
 
     def fields(self, names: frozenset[str] | None) -> frozenset[str] | None:

@@ -74,7 +74,7 @@ def _image(data: Any, mode: str, where: str, min_size: int | None, facts: dict[s
 class VideoFields(Protocol):
     """What decodes a video field (``VideoClip``): the fields it becomes."""
 
-    def fields(self, field: str, data: Any, rng: Any) -> dict[str, Any]: ...
+    def fields(self, field: str, data: Any, rng: Any, key: str = "", shard: str = "") -> dict[str, Any]: ...
 
 
 def decode_sample(
@@ -113,7 +113,7 @@ def decode_sample(
             out[name] = value  # decoded already (a stage before, or decode() twice)
         elif ext in VIDEO_EXTENSIONS and video is not None:
             try:
-                out.update(video.fields(name, value, rng))
+                out.update(video.fields(name, value, rng, str(facts["key"] or ""), str(sample.get("__shard__") or "")))
             except DecodeError as exc:
                 raise DecodeError(f"{where}: {exc}", **facts) from None
         elif ext in IMAGE_FIELDS:

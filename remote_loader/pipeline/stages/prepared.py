@@ -1,6 +1,8 @@
 """The worker side of decoding on a device: each JPEG's crop box and flip drawn exactly as
 the CPU path draws them, the bytes checked for a whole JPEG's structure, and a batch's
-JPEGs gathered into one tensor (``EncodedBatch``) that DataLoader shares and pins."""
+JPEGs gathered into one tensor (``EncodedBatch``) that DataLoader shares and pins; each
+video's clip (its frames, box and flip) drawn as the CPU path draws it, and a batch's videos
+gathered the same way (``EncodedClips``)."""
 
 from __future__ import annotations
 
@@ -126,19 +128,76 @@ class EncodedBatch:
         return self
 
 
+@dataclass(frozen=True)
+class EncodedClip:
+    """A video whose clip was drawn in a worker, to decode in the training process: the
+    numbers of its frames, and its crop's box (in the video's pixels; None: whole frames)
+    and flip."""
+
+    data: bytes
+    frames: tuple[int, ...]
+    box: Box | None
+    flip: bool
+    key: str
+    shard: str
+
+
+class EncodedClips:
+    """A batch's videos: their bytes in one uint8 tensor (``offsets`` into it), each clip's
+    frame numbers (``n x T``), boxes and flips, and the samples they belong to."""
+
+    def __init__(self, items: Sequence[EncodedClip]) -> None:
+        strays = [item for item in items if not isinstance(item, EncodedClip)]
+        if strays:
+            raise ConfigError("a batch of clips to decode on the device mixes videos with a"
+                              f" {type(strays[0]).__name__}: VideoClip(device=...) puts clips in video fields alone")
+        lengths = [len(item.data) for item in items]
+        self.offsets = np.concatenate(([0], np.cumsum(lengths, dtype=np.int64))).tolist()
+        self.data = torch.empty(self.offsets[-1], dtype=torch.uint8)
+        data = self.data.numpy()
+        for k, item in enumerate(items):
+            data[self.offsets[k] : self.offsets[k + 1]] = np.frombuffer(item.data, dtype=np.uint8)
+        self.frames = np.asarray([item.frames for item in items], dtype=np.int32).reshape(len(items), -1)
+        self.boxes = [item.box for item in items]
+        self.flips = [item.flip for item in items]
+        self.names = [(item.key, item.shard) for item in items]
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def videos(self) -> list[np.ndarray]:
+        """Each video's bytes, a view into the batch's tensor."""
+        data = self.data.numpy()
+        return [data[a:b] for a, b in zip(self.offsets, self.offsets[1:], strict=False)]
+
+    def pin_memory(self) -> EncodedClips:
+        """DataLoader's ``pin_memory`` calls this: the bytes in page-locked memory."""
+        self.data = self.data.pin_memory()
+        return self
+
+
 IMAGES = (Encoded, Ready)
 """What a device stage makes of an image field: gathered into an ``EncodedBatch`` by ``collate``."""
+
+GATHERED = (*IMAGES, EncodedClip)
+"""What ``collate`` gathers into a batch for the device: images and clips."""
+
+
+def gather(items: Sequence[Any]) -> EncodedBatch | EncodedClips:
+    """Images (``Encoded``, ``Ready``) into an ``EncodedBatch``, clips into ``EncodedClips``."""
+    return EncodedClips(items) if isinstance(items[0], EncodedClip) else EncodedBatch(items)
 
 
 def collate(batch: Sequence[Any]) -> Any:
     """``default_collate``, with a batch's images (``Encoded`` and ``Ready``) gathered into an
-    ``EncodedBatch`` (position by position in tuples, key by key in dicts)."""
+    ``EncodedBatch``, its clips into ``EncodedClips`` (position by position in tuples, key by
+    key in dicts)."""
     first = batch[0]
-    if isinstance(first, IMAGES):
-        return EncodedBatch(batch)
-    if isinstance(first, tuple | list) and any(holds(b, IMAGES) for b in batch):
+    if isinstance(first, GATHERED):
+        return gather(batch)
+    if isinstance(first, tuple | list) and any(holds(b, GATHERED) for b in batch):
         columns = [collate(list(column)) for column in zip(*batch, strict=True)]
         return tuple(columns) if isinstance(first, tuple) else columns
-    if isinstance(first, dict) and any(holds(b, IMAGES) for b in batch):
+    if isinstance(first, dict) and any(holds(b, GATHERED) for b in batch):
         return {k: collate([b[k] for b in batch]) for k in first}
     return default_collate(list(batch))

@@ -12,6 +12,7 @@ resizes it, drawn as for an image (after the start frame), flip included.
 from __future__ import annotations
 
 import io
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -24,9 +25,11 @@ from remote_loader.errors import ConfigError, DecodeError
 from remote_loader.format.video import VIDEO_EXTENSIONS
 from remote_loader.frames import audio_between, frame_count, frames_at, open_av
 from remote_loader.pipeline.stages.augment import RandomResizedCrop
+from remote_loader.pipeline.stages.prepared import EncodedClip
 
 VIDEO_FIELDS = VIDEO_EXTENSIONS
 LAYOUTS = ("TCHW", "THWC")
+DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
 
 class VideoClip:
@@ -41,6 +44,12 @@ class VideoClip:
         crop: A ``RandomResizedCrop`` applied to the whole clip (one box, one flip); None keeps
             the frames whole.
         layout: ``"TCHW"`` or ``"THWC"``.
+        device: ``"cuda"`` (``"cuda:N"``) decodes the clips with DALI in the training
+            process (NVDEC), in whole batches: each worker only draws its clips' frames, box
+            and flip, the same as on the CPU (``batched`` gathers them, ``loader()`` hands
+            out batches decoded on the device); needs ``crop`` and the ``gpu`` extra.
+            ``"cpu"`` runs the same on DALI's CPU operators (VP8, VP9 and MJPEG only). None
+            (the default): PyAV in the workers.
         audio: A sample rate: the sound played through the clip (from its first frame to
             the end of its last) comes too, as a field of its own named as the video's with
             ``audio`` for its extension (``mp4`` -> ``audio``, ``0.mp4`` -> ``0.audio``):
@@ -51,7 +60,7 @@ class VideoClip:
     seeded = True
 
     def __init__(self, frames: int = 16, step: int = 1, crop: RandomResizedCrop | None = None,
-                 layout: str = "TCHW", audio: int | None = None) -> None:
+                 layout: str = "TCHW", audio: int | None = None, device: str | None = None) -> None:
         for name, value in (("frames", frames), ("step", step)):
             if type(value) is not int or value < 1:
                 raise ConfigError(f"VideoClip's {name} must be a positive integer, got {value!r}")
@@ -62,19 +71,31 @@ class VideoClip:
         if audio is not None and (type(audio) is not int or not 1000 <= audio <= 384_000):
             raise ConfigError(f"VideoClip's audio must be a sample rate from 1000 to 384000 a second, or None, got"
                               f" {audio!r}")
+        if device is not None and (not isinstance(device, str) or not DEVICE.match(device)):
+            raise ConfigError(f"VideoClip's device must be 'cuda', 'cuda:N', 'cpu' or None, got {device!r}")
+        if device is not None and crop is None:
+            raise ConfigError("VideoClip(device=...) needs a crop (a RandomResizedCrop): a batch decoded on a device is"
+                              " one tensor of clips of one size")
         self.frames, self.step, self.crop, self.layout, self.audio = frames, step, crop, layout, audio
+        self.device = device
 
     def __repr__(self) -> str:
         return (f"VideoClip(frames={self.frames}, step={self.step}, crop={self.crop!r}, layout={self.layout!r},"
-                f" audio={self.audio!r})")
+                f" audio={self.audio!r}, device={self.device!r})")
 
-    def fields(self, field: str, data: Any, rng: np.random.Generator) -> dict[str, torch.Tensor]:
-        """What one video field becomes: its clip, under its name, and with ``audio`` the
-        clip's sound under the name with ``audio`` for its extension; DecodeError where the
-        bytes do not decode."""
+    def fields(self, field: str, data: Any, rng: np.random.Generator, key: str = "",
+               shard: str = "") -> dict[str, Any]:
+        """What one video field becomes: its clip, under its name (with ``device``, the clip
+        drawn for the training process to decode: an ``EncodedClip``), and with ``audio``
+        the clip's sound under the name with ``audio`` for its extension; DecodeError where
+        the bytes do not decode."""
         data = bytes(data)
-        frames, seconds = self._decode(data, rng)
-        out = {field: self._clip(frames)}
+        out: dict[str, Any] = {}
+        if self.device is not None:
+            out[field], seconds = self._encoded(data, rng, key, shard)
+        else:
+            frames, seconds = self._decode(data, rng)
+            out[field] = self._clip(frames)
         if self.audio is not None:
             out[_sound_field(field)] = self._sound(data, *seconds)
         return out
@@ -127,20 +148,8 @@ class VideoClip:
         av = open_av()
         try:
             with av.open(io.BytesIO(data), mode="r") as container:
-                if not container.streams.video:
-                    raise DecodeError("a video file without a video stream")
-                stream = container.streams.video[0]
-                stream.codec_context.thread_count = 1  # a worker's core: the DataLoader's workers fill the rest
-                width, height = int(stream.codec_context.width), int(stream.codec_context.height)
-                bound = Image.MAX_IMAGE_PIXELS
-                if bound is not None and width * height > bound:
-                    raise DecodeError(f"frames of {width}x{height} pixels, more than Pillow's bound of {bound}"
-                                      " an image (PIL.Image.MAX_IMAGE_PIXELS)")
-                rate = float(stream.average_rate or stream.guessed_rate or 0)
-                count = frame_count(container, stream, rate)
-                span = (self.frames - 1) * self.step + 1
-                start = int(rng.integers(0, count - span + 1)) if count >= span else 0
-                wanted = [start + k * self.step for k in range(self.frames)]
+                stream, width, height, rate, start, wanted, _ = self._draw(container, rng)
+                span = wanted[-1] - wanted[0] + 1
                 keep = self._keeper(width, height, rng)
                 got = frames_at(container, stream, rate, wanted, keep)
                 if not got and start:  # a header that claims more frames than there are: the clip from the start
@@ -155,6 +164,45 @@ class VideoClip:
             raise DecodeError("a video without a frame that decodes")
         seconds = (start / rate, (start + span) / rate) if rate else (0.0, 0.0)
         return got + [got[-1]] * (self.frames - len(got)), seconds  # a video shorter than the clip: its last again
+
+    def _draw(self, container: Any, rng: np.random.Generator) -> tuple[Any, int, int, float, int, list[int], int]:
+        """The video stream, its frames' width and height, its rate, the clip's first frame
+        and frame numbers, drawn with ``rng``, and the video's frames as its header counts
+        them (from the header: nothing decoded)."""
+        if not container.streams.video:
+            raise DecodeError("a video file without a video stream")
+        stream = container.streams.video[0]
+        stream.codec_context.thread_count = 1  # a worker's core: the DataLoader's workers fill the rest
+        width, height = int(stream.codec_context.width), int(stream.codec_context.height)
+        bound = Image.MAX_IMAGE_PIXELS
+        if bound is not None and width * height > bound:
+            raise DecodeError(f"frames of {width}x{height} pixels, more than Pillow's bound of {bound}"
+                              " an image (PIL.Image.MAX_IMAGE_PIXELS)")
+        rate = float(stream.average_rate or stream.guessed_rate or 0)
+        count = frame_count(container, stream, rate)
+        span = (self.frames - 1) * self.step + 1
+        start = int(rng.integers(0, count - span + 1)) if count >= span else 0
+        return stream, width, height, rate, start, [start + k * self.step for k in range(self.frames)], count
+
+    def _encoded(self, data: bytes, rng: np.random.Generator, key: str, shard: str) -> tuple[EncodedClip, tuple]:
+        """The clip drawn as ``_decode`` draws it (its frames, then its box and flip), for
+        the training process to decode (``device``), and the times it spans."""
+        assert self.crop is not None
+        av = open_av()
+        try:
+            with av.open(io.BytesIO(data), mode="r") as container:
+                _, width, height, rate, start, wanted, count = self._draw(container, rng)
+        except DecodeError:
+            raise
+        except (av.error.FFmpegError, ValueError, OSError, IndexError, RuntimeError) as exc:
+            raise DecodeError(f"not a decodable video ({type(exc).__name__}: {str(exc)[:120]})") from None
+        left, top, right, bottom = self.crop.box(width, height, rng)
+        flip = bool(self.crop.flip and rng.random() < 0.5)
+        seconds = (start / rate, (wanted[-1] + 1) / rate) if rate else (0.0, 0.0)
+        within = [n for n in wanted if n < count] or [0] if count else wanted
+        wanted = within + [within[-1]] * (len(wanted) - len(within))  # a short video: the clip's last frame again
+        box = (float(left), float(top), float(right), float(bottom))
+        return EncodedClip(data, tuple(wanted), box, flip, key, shard), seconds
 
     def _keeper(self, width: int, height: int, rng: np.random.Generator) -> Callable[[np.ndarray], torch.Tensor]:
         """What is kept of each decoded ``H x W x 3`` frame: all of it (``C x H x W``), or the
