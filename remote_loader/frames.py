@@ -120,38 +120,47 @@ def frames_at(container: Any, stream: Any, rate: float, wanted: list[int],
     return got
 
 
-def audio_between(container: Any, start: float, stop: float, rate: int | None = None,
-                  layout: str | None = None) -> np.ndarray | None:
+def audio_between(container: Any, start: float, stop: float, rate: int | None = None) -> np.ndarray | None:
     """The audio of the container's first audio stream played from ``start`` to before
-    ``stop`` (seconds from the stream's start), ``channels x samples`` float32 at the
-    stream's own rate and channels (or ``rate`` and ``layout``, ``"mono"`` or ``"stereo"``);
-    None where it has no audio stream."""
+    ``stop``, seconds from the start of its first video stream (the clip's frames are
+    numbered from there; of the audio stream where there is no video), ``channels x
+    samples`` float32 at the stream's own rate (or ``rate``); None where it has no audio
+    stream. The decoder starts a quarter second early: an AAC decoder's first frame after a
+    seek is not yet the sound."""
     if not container.streams.audio:
         return None
     av = open_av()
     stream = container.streams.audio[0]
-    base = float((stream.start_time or 0) * stream.time_base) if stream.time_base is not None else 0.0
-    if start > 0 and stream.time_base is not None:
-        container.seek(int((base + start) / stream.time_base), stream=stream, backward=True, any_frame=False)
+    origin = _start_seconds(container.streams.video[0] if container.streams.video else stream)
+    start, stop = origin + start, origin + stop  # from here on, the file's own time
+    if start - _WARM_UP > _start_seconds(stream) and stream.time_base is not None:
+        container.seek(int((start - _WARM_UP) / stream.time_base), stream=stream, backward=True, any_frame=False)
     resampler: Any = None
     parts: list[np.ndarray] = []
     clock: float | None = None  # the time of the next sample out of the resampler
 
+    filled = 0  # samples from ``start`` handed out so far
+
     def take(out: Any) -> None:
-        nonlocal clock
+        nonlocal clock, filled
         pcm = out.to_ndarray().astype(np.float32, copy=False)
         per_second, at = out.sample_rate, clock or 0.0
         first = max(0, int(np.ceil((start - at) * per_second - 1e-9)))
         last = min(pcm.shape[1], max(0, int(np.ceil((stop - at) * per_second - 1e-9))))
         if last > first:
+            at_sample = round((at + first / per_second - start) * per_second)  # where it lies in the span
+            if at_sample > filled:  # sound that starts late (or a gap in it): silence until it does
+                parts.append(np.zeros((pcm.shape[0], at_sample - filled), np.float32))
+                filled = at_sample
             parts.append(pcm[:, first:last])
+            filled += last - first
         clock = at + pcm.shape[1] / per_second
 
     for frame in container.decode(stream):
         if resampler is None:
-            resampler = av.AudioResampler(format="fltp", layout=layout or frame.layout, rate=rate or frame.sample_rate)
+            resampler = av.AudioResampler(format="fltp", layout=frame.layout, rate=rate or frame.sample_rate)
         if clock is None:
-            clock = float(frame.pts * frame.time_base) - base if frame.pts is not None else 0.0
+            clock = float(frame.pts * frame.time_base) if frame.pts is not None else _start_seconds(stream)
         for out in resampler.resample(frame):
             take(out)
         if clock >= stop:
@@ -159,8 +168,17 @@ def audio_between(container: Any, start: float, stop: float, rate: int | None = 
     if resampler is not None and clock is not None and clock < stop:
         for out in resampler.resample(None):  # what the resampler still holds, at the stream's end
             take(out)
-    channels = 1 if layout == "mono" else 2 if layout == "stereo" else stream.codec_context.channels or 1
-    return np.concatenate(parts, axis=1) if parts else np.zeros((channels, 0), dtype=np.float32)
+    return np.concatenate(parts, axis=1) if parts else np.zeros((stream.codec_context.channels or 1, 0), np.float32)
+
+
+_WARM_UP = 0.25
+
+
+def _start_seconds(stream: Any) -> float:
+    """When ``stream`` starts, in the file's seconds."""
+    if stream.start_time is None or stream.time_base is None:
+        return 0.0
+    return float(stream.start_time * stream.time_base)
 
 
 def encode_frames(frames: np.ndarray, lossless: bool, fps: int = 25) -> bytes:

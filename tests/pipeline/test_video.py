@@ -317,3 +317,59 @@ def test_sound_at_another_rate_batches_and_each_video_field_has_its_own(sounding
 def test_a_clip_s_audio_rate_is_checked(audio):
     with pytest.raises(ConfigError, match="VideoClip's audio must be a sample rate"):
         VideoClip(audio=audio)
+
+
+def _with_sound(path, codec, container_format, sound_starts=0.0, rate=16000, channels=1):
+    """Two seconds of video (10 frames a second) and a rising ramp of sound from
+    ``sound_starts`` seconds to the end, in ``codec``; returns the sound as made (all
+    channels the same), one sample for each 1/rate s from the file's start."""
+    total = int(2 * rate)
+    ramp = np.zeros(total, np.float32)
+    first = int(sound_starts * rate)
+    ramp[first:] = np.linspace(-0.5, 0.5, total - first, dtype=np.float32)
+    with av.open(str(path), "w", format=container_format) as container:
+        video = container.add_stream("libx264", rate=10)
+        video.width, video.height, video.pix_fmt = 32, 24, "yuv420p"
+        sound = container.add_stream(codec, rate=rate, layout="mono" if channels == 1 else "stereo")
+        for t in range(20):
+            for packet in video.encode(av.VideoFrame.from_ndarray(np.full((24, 32, 3), 9 * t, np.uint8), "rgb24")):
+                container.mux(packet)
+            lo, hi = max(first, t * rate // 10), (t + 1) * rate // 10
+            if hi > lo:
+                chunk = np.repeat(ramp[None, lo:hi], channels, axis=0)
+                if not sound.format.is_planar:  # 16-bit samples, the channels interleaved
+                    chunk = np.round(chunk * 32767).astype(np.int16).T.reshape(1, -1).copy()
+                frame = av.AudioFrame.from_ndarray(chunk, format=sound.format.name, layout=sound.layout.name)
+                frame.sample_rate, frame.pts = rate, lo
+                for packet in sound.encode(frame):
+                    container.mux(packet)
+        for stream in (video, sound):
+            for packet in stream.encode():
+                container.mux(packet)
+    return ramp
+
+
+@pytest.mark.parametrize("codec,container_format,sound_starts,channels,tolerance", [
+    ("pcm_s16le", "mov", 0.5, 1, 1e-3),  # sound that starts after the video: timed from the video's start
+    ("aac", "mp4", 0.0, 1, 0.02),  # AAC after a seek: its first frame is not yet the sound
+    ("pcm_s16le", "mov", 0.0, 2, 1e-3),  # stereo to mono: the channels' mean, at the same level
+])
+def test_a_clip_s_sound_is_timed_from_the_video_s_start(tmp_path, codec, container_format, sound_starts, channels,
+                                                       tolerance):
+    path = tmp_path / f"v.{container_format}"
+    ramp = _with_sound(path, codec, container_format, sound_starts, channels=channels)
+    data = path.read_bytes()
+    with av.open(str(path)) as container:
+        frames = np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
+    clip = VideoClip(frames=3, step=2, audio=16000)
+    checked = 0
+    for seed in range(12):
+        out = clip.fields("mp4", data, np.random.default_rng(seed))
+        start = next(s for s in range(len(frames)) if np.array_equal(frames[s : s + 6 : 2], out["mp4"].permute(
+            0, 2, 3, 1).numpy()))
+        expected = ramp[start * 1600 : (start + 5) * 1600]
+        got = out["audio"][0].numpy()
+        body = slice(200, len(expected) - 200) if codec == "aac" else slice(None)  # AAC's own filter edges
+        assert np.abs(got[body] - expected[body]).max() < tolerance, f"a clip from frame {start}"
+        checked += start > 0
+    assert checked >= 6

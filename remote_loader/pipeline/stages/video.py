@@ -134,13 +134,13 @@ class VideoClip:
         count = max(0, round((stop - start) * self.audio))
         try:
             with av.open(io.BytesIO(data), mode="r") as container:
-                sound = audio_between(container, start, stop, rate=self.audio, layout="mono")
+                sound = audio_between(container, start, stop, rate=self.audio)
         except (av.error.FFmpegError, ValueError, OSError, IndexError, RuntimeError) as exc:
             raise DecodeError(f"sound that does not decode ({type(exc).__name__}: {str(exc)[:120]})") from None
         out = torch.zeros((1, count), dtype=torch.float32)
-        if sound is not None:
+        if sound is not None:  # mono: the channels' mean (a downmix that keeps a sound's level)
             taken = min(count, sound.shape[1])
-            out[:, :taken] = torch.from_numpy(sound[:1, :taken])
+            out[:, :taken] = torch.from_numpy(sound[:, :taken].mean(axis=0, keepdims=True))
         return out
 
     def _decode(self, data: bytes, rng: np.random.Generator) -> tuple[list[torch.Tensor], tuple[float, float]]:
