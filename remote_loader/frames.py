@@ -184,33 +184,53 @@ def _start_seconds(stream: Any) -> float:
 def encode_frames(frames: np.ndarray, lossless: bool, fps: int = 25) -> bytes:
     """``frames`` (``T x H x W x 3`` uint8) as an H.264 video in an mp4: lossless (RGB at
     ``qp=0``, which decodes to exactly these frames) or at CRF 23 in 4:2:0 (about a tenth
-    of their size or less; an odd side padded by repeating its last row or column)."""
+    of their size or less; an odd side padded by repeating its last row or column).
+    ValueError where the encoder refuses them."""
     av = open_av()
     count, height, width = frames.shape[:3]
     if not lossless and (height % 2 or width % 2):
         frames = np.pad(frames, ((0, 0), (0, height % 2), (0, width % 2), (0, 0)), mode="edge")
     out = io.BytesIO()
-    with av.open(out, mode="w", format="mp4") as container:
-        stream = container.add_stream("libx264rgb" if lossless else "libx264", rate=fps)
-        stream.width, stream.height = int(frames.shape[2]), int(frames.shape[1])
-        stream.pix_fmt = "rgb24" if lossless else "yuv420p"
-        # no B-frames: each frame's time stamp is its number, in decoding order too
-        stream.codec_context.options = {"qp": "0", "bf": "0"} if lossless else {"crf": "23", "bf": "0"}
-        for pixels in frames:
-            for packet in stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(pixels), format="rgb24")):
+    try:
+        with av.open(out, mode="w", format="mp4") as container:
+            stream = container.add_stream("libx264rgb" if lossless else "libx264", rate=fps)
+            stream.width, stream.height = int(frames.shape[2]), int(frames.shape[1])
+            stream.pix_fmt = "rgb24" if lossless else "yuv420p"
+            # no B-frames: each frame's time stamp is its number, in decoding order too
+            stream.codec_context.options = {"qp": "0", "bf": "0"} if lossless else {"crf": "23", "bf": "0"}
+            for pixels in frames:
+                for packet in stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(pixels), format="rgb24")):
+                    container.mux(packet)
+            for packet in stream.encode():
                 container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
+    except av.error.FFmpegError as exc:
+        raise ValueError(f"H.264 refuses {width}x{height} frames ({type(exc).__name__}: {str(exc)[:100]})") from None
     return out.getvalue()
 
 
-def decode_frames(data: bytes) -> np.ndarray:
-    """Every frame of a video's bytes, ``T x H x W x 3`` uint8."""
+def decode_frames(data: bytes, count: int, height: int, width: int) -> np.ndarray:
+    """The ``count`` frames of a video's bytes, ``T x H x W x 3`` uint8, each at least
+    ``height x width`` (an H.264 frame may have a row or column more); ValueError where it
+    holds frames of another size, or another number of them (checked from its header before
+    a frame is decoded, then as they come)."""
     av = open_av()
-    with av.open(io.BytesIO(data), mode="r") as container:
-        if not container.streams.video:
-            raise ValueError("a video file without a video stream")
-        frames = [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]
-    if not frames:
-        raise ValueError("a video without a frame")
+    try:
+        with av.open(io.BytesIO(data), mode="r") as container:
+            if not container.streams.video:
+                raise ValueError("a video file without a video stream")
+            stream = container.streams.video[0]
+            if stream.codec_context is None:
+                raise ValueError("a video stream no decoder reads")
+            there = (int(stream.codec_context.height), int(stream.codec_context.width))
+            if not (height <= there[0] <= height + 1 and width <= there[1] <= width + 1):
+                raise ValueError(f"frames of {there[1]}x{there[0]} where {width}x{height} were stored")
+            frames: list[np.ndarray] = []
+            for frame in container.decode(stream):
+                if len(frames) == count:
+                    raise ValueError(f"more than the {count} frames stored")
+                frames.append(frame.to_ndarray(format="rgb24"))
+    except av.error.FFmpegError as exc:
+        raise ValueError(f"{type(exc).__name__}: {str(exc)[:100]}") from None
+    if len(frames) != count:
+        raise ValueError(f"{len(frames)} frames where {count} were stored")
     return np.stack(frames)

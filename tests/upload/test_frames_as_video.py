@@ -83,3 +83,62 @@ def test_frames_as_video_is_checked(tmp_path, mode):
     with pytest.raises(ConfigError, match="frames_as_video must be one of h264, lossless or None"):
         upload_cv_dataset([(_frames(), 0)], client=store, bucket="b", base_folder="d", workers=0, progress=False,
                           frames_as_video=mode)
+
+
+def _sample(placeholder, member):
+    import json
+
+    return {"__key__": "000000", "__shard__": "shard", "0.json": json.dumps(placeholder).encode(), "0.mp4": member,
+            "1.cls": b"0"}
+
+
+def test_a_hostile_frames_record_is_refused_before_a_frame_is_decoded(tmp_path):
+    from remote_loader import DecodeError
+    from remote_loader.format.fields import frames_placeholder
+    from remote_loader.frames import encode_frames
+
+    big = encode_frames(np.zeros((30, 480, 640, 3), np.uint8), lossless=False)  # 27 MB of frames, a few kB of file
+    small = {"layout": "THWC", "channels": 3, "shape": [1, 2, 2, 3], "of": "numpy"}
+    with pytest.raises(DecodeError, match="frames of 640x480 where 2x2 were stored"):
+        restore(_sample(frames_placeholder(small), big))
+    fewer = {**small, "shape": [3, 480, 640, 3]}
+    with pytest.raises(DecodeError, match="more than the 3 frames stored"):
+        restore(_sample(frames_placeholder(fewer), big))
+    for record in ({**small, "channels": 1}, {**small, "layout": "TCHW"}, {**small, "shape": [1, -2, 2, 3]}):
+        with pytest.raises(DecodeError, match="frames whose record .* is not valid"):
+            restore(_sample(frames_placeholder(record), big))
+
+
+def test_damaged_frames_are_a_decode_error_never_pyav_s_own(tmp_path):
+    from remote_loader import DecodeError
+    from remote_loader.format.fields import frames_placeholder
+    from remote_loader.frames import encode_frames
+
+    frames = _frames(count=6)
+    data = encode_frames(frames, lossless=True)
+    record = frames_placeholder({"layout": "THWC", "channels": 3, "shape": list(frames.shape), "of": "numpy"})
+    rng = np.random.default_rng(0)
+    for trial in range(60):
+        damaged = bytearray(data)
+        if trial % 3 == 0:
+            damaged = damaged[: int(rng.integers(0, len(damaged)))]
+        else:
+            for at in rng.integers(0, len(damaged), size=1 + trial % 7):
+                damaged[at] ^= int(rng.integers(1, 256))
+        try:
+            restore(_sample(record, bytes(damaged)))
+        except DecodeError:
+            pass
+
+
+def test_frames_h264_refuses_are_named_and_noise_keeps_its_values(tmp_path):
+    from remote_loader import UploadError
+
+    store = LocalStore(str(tmp_path))
+    store.create_bucket("b")
+    with pytest.raises(UploadError, match=r"sample 0: image: its frames \(1, 2, 20000, 3\) do not encode as H.264"):
+        upload_cv_dataset([(np.zeros((1, 2, 20000, 3), np.uint8), 0)], client=store, bucket="b", base_folder="d",
+                          workers=0, progress=False, frames_as_video="h264")
+    noise = np.random.default_rng(0).integers(0, 256, (4, 32, 32, 3), dtype=np.uint8)
+    samples, back = _round_trip(tmp_path / "noise", [(noise, 0)], frames_as_video="lossless")
+    assert "0.npy" in samples[0] and np.array_equal(back[0][0], noise)

@@ -30,10 +30,11 @@ def restore(sample: Mapping[str, Any]) -> Any:
     the tuple, or the dict of fields. Images come back as PIL images in their stored mode
     (unless ``decode()`` made them something else), videos as their files' bytes (or the clip
     ``decode(video=...)`` made of them), arrays with their dtype and shape, tensors
-    as tensors; lists and tuples inside a target come back as lists. DecodeError where the
-    sample's fields follow none of the rules."""
+    as tensors; lists and tuples inside a target come back as lists; the sound
+    ``decode(video=VideoClip(audio=...))`` adds is left out (it is in the sample). DecodeError
+    where the sample's fields follow none of the rules."""
     where = f"sample {sample.get('__key__')!r} of {sample.get('__shard__')}"
-    names = [name for name in sample if not name.startswith("__")]
+    names = [name for name in sample if not name.startswith("__") and not _made_by_decode(name)]
     try:
         kind = rule.kind(names)
     except ValueError as exc:
@@ -52,6 +53,12 @@ def restore(sample: Mapping[str, Any]) -> Any:
         raise DecodeError(f"{where} cannot be restored: its tuple has no field for position {missing[0]}",
                           key=sample.get("__key__"))
     return tuple(values[str(i)] for i in range(len(values)))
+
+
+def _made_by_decode(name: str) -> bool:
+    """A field ``decode()`` added beside the stored ones (a clip's sound: ``audio``,
+    ``0.audio``), not part of the item uploaded."""
+    return name.rsplit(".", 1)[-1] == "audio"
 
 
 def _pair(sample: Mapping[str, Any], names: list[str], where: str) -> tuple[Any, Any]:
@@ -105,19 +112,17 @@ def _frames(value: Any, meta: dict[str, Any], where: str) -> Any:
     shape and type); a value ``decode()`` already made something else is left as it is."""
     if not isinstance(value, _RAW):
         return value
-    shape, layout, was = meta.get("shape"), meta.get("layout"), meta.get("of")
+    shape, layout, channels, was = meta.get("shape"), meta.get("layout"), meta.get("channels"), meta.get("of")
     if not (isinstance(shape, list) and len(shape) == 4 and all(type(n) is int and n > 0 for n in shape)
-            and layout in ("THWC", "TCHW") and meta.get("channels") in (1, 3) and isinstance(was, str)):
+            and layout in ("THWC", "TCHW") and isinstance(was, str)
+            and channels in (1, 3) and channels == shape[3 if layout == "THWC" else 1]):
         raise DecodeError(f"{where}: frames whose record {str(meta)[:80]} is not valid")
-    try:
-        pixels = decode_frames(bytes(value))
-    except (ValueError, OSError, RuntimeError) as exc:  # PyAV's errors are OSError and ValueError
-        raise DecodeError(f"{where}: frames stored as a video that does not decode ({str(exc)[:80]})") from None
     count, height, width = (shape[0], shape[1], shape[2]) if layout == "THWC" else (shape[0], shape[2], shape[3])
-    if len(pixels) != count or pixels.shape[1] < height or pixels.shape[2] < width:
-        raise DecodeError(f"{where}: a video of {len(pixels)} frames of {pixels.shape[2]}x{pixels.shape[1]} where"
-                          f" {count} of {width}x{height} were stored")
-    frames = np.ascontiguousarray(pixels[:, :height, :width, : meta["channels"]])
+    try:
+        pixels = decode_frames(bytes(value), count, height, width)
+    except ValueError as exc:
+        raise DecodeError(f"{where}: frames stored as a video that does not decode as stored ({exc})") from None
+    frames = np.ascontiguousarray(pixels[:, :height, :width, :channels])
     if layout == "TCHW":
         frames = np.ascontiguousarray(frames.transpose(0, 3, 1, 2))
     if was == "numpy":

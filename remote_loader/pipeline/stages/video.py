@@ -172,6 +172,8 @@ class VideoClip:
         if not container.streams.video:
             raise DecodeError("a video file without a video stream")
         stream = container.streams.video[0]
+        if stream.codec_context is None:
+            raise DecodeError("a video stream no decoder reads")
         stream.codec_context.thread_count = 1  # a worker's core: the DataLoader's workers fill the rest
         width, height = int(stream.codec_context.width), int(stream.codec_context.height)
         bound = Image.MAX_IMAGE_PIXELS
