@@ -29,6 +29,7 @@ EXPECTED = {
     "RandomResizedCrop",
     "RemoteDataset",
     "RemoteMapDataset",
+    "RemoteVideoClips",
     "LocalitySampler",
     "FormatError",
     "ImageFolder",

@@ -23,6 +23,16 @@ import numpy as np
 from remote_loader.errors import FormatError
 
 LAYOUTS = ("THWC", "TCHW")
+MAX_FRAMES = 100_000_000
+"""The most frames a video of a clip index may have (a month at 30 a second): a larger
+count is a damaged record, whose clips would not fit in memory."""
+MAX_RATE = 100_000.0
+
+
+def _rate(value: object) -> bool:
+    """Whether ``value`` is a frame rate: a finite number of frames a second, above 0."""
+    return (not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value)
+            and 0 < value <= MAX_RATE)
 
 
 @dataclass(frozen=True)
@@ -39,16 +49,27 @@ class ClipIndex:
     _ends: list[int] = field(init=False, repr=False, compare=False)  # clips up to each video's last, cumulated
 
     def __post_init__(self) -> None:
-        counts = [len(self.clips_of(v)) for v in range(len(self.video_frames))]
+        counts = [self._count(v) for v in range(len(self.video_frames))]
         object.__setattr__(self, "_ends", np.cumsum(counts, dtype=np.int64).tolist())
+
+    def _rates(self, video: int) -> tuple[int, float, float]:
+        """Video ``video``'s frames, its rate, and the rate its clips are counted at."""
+        frames, fps = self.video_frames[video], self.video_fps[video] or 1.0
+        return frames, fps, self.frame_rate if self.frame_rate is not None else fps
+
+    def _count(self, video: int) -> int:
+        """How many clips video ``video`` has (``len(clips_of(video))``, counted, not made)."""
+        frames, fps, rate = self._rates(video)
+        ratio = fps / rate
+        kept = -(-frames // int(ratio)) if float(ratio).is_integer() else int(math.floor(frames * rate / fps))
+        return (kept - self.frames_per_clip) // self.step + 1 if kept >= self.frames_per_clip else 0
 
     def __len__(self) -> int:
         return self._ends[-1] if self._ends else 0
 
     def clips_of(self, video: int) -> np.ndarray:
         """The frame numbers of each clip of ``video``: ``clips x frames_per_clip``, int64."""
-        frames, fps = self.video_frames[video], self.video_fps[video] or 1.0
-        rate = self.frame_rate if self.frame_rate is not None else fps
+        frames, fps, rate = self._rates(video)
         numbers = np.arange(frames, dtype=np.int64)
         ratio = fps / rate
         if float(ratio).is_integer():
@@ -87,15 +108,14 @@ class ClipIndex:
             if type(raw.get(number)) is not int or raw[number] < 1:
                 raise bad(number, raw.get(number))
         rate = raw.get("frame_rate")
-        if rate is not None and (isinstance(rate, bool) or not isinstance(rate, int | float) or not rate > 0):
+        if rate is not None and not _rate(rate):
             raise bad("frame_rate", rate)
         if raw.get("output_format") not in LAYOUTS:
             raise bad("output_format", raw.get("output_format"))
         frames, fps = raw.get("video_frames"), raw.get("video_fps")
-        if not isinstance(frames, list) or any(type(n) is not int or n < 0 for n in frames):
+        if not isinstance(frames, list) or any(type(n) is not int or not 0 <= n <= MAX_FRAMES for n in frames):
             raise bad("video_frames", frames)
-        if not isinstance(fps, list) or len(fps) != len(frames) or any(
-                f is not None and (isinstance(f, bool) or not isinstance(f, int | float) or not f > 0) for f in fps):
+        if not isinstance(fps, list) or len(fps) != len(frames) or any(f is not None and not _rate(f) for f in fps):
             raise bad("video_fps", fps)
         return cls(raw["frames_per_clip"], raw["step"], None if rate is None else float(rate), raw["output_format"],
                    tuple(frames), tuple(None if f is None else float(f) for f in fps))

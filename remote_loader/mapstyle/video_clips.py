@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from remote_loader.errors import ConfigError, DecodeError
+from remote_loader.errors import ConfigError, DecodeError, FormatError
 from remote_loader.format.clip_index import ClipIndex
 from remote_loader.format.video import VIDEO_EXTENSIONS
 from remote_loader.frames import RangedFile, audio_between, frames_at, open_av
@@ -57,6 +57,10 @@ class RemoteVideoClips(Dataset):
             raise ConfigError(f"{where} was not uploaded from a torchvision video class (UCF101, HMDB51, Kinetics):"
                               " it has no clip index; read its videos with RemoteMapDataset or RemoteDataset")
         self.clip_index = ClipIndex.of_params(raw, where)
+        videos = upload.get("samples") if isinstance(upload, dict) else None
+        if len(self.clip_index.video_frames) != videos:
+            raise FormatError(f"{where}: its clip index has {len(self.clip_index.video_frames)} videos where the upload"
+                              f" read {videos}", name=where)
         if ranges_over is not None and (isinstance(ranges_over, bool) or not isinstance(ranges_over, int)
                                         or ranges_over < 0):
             raise ConfigError(f"ranges_over must be a number of bytes >= 0 or None, got {ranges_over!r}")

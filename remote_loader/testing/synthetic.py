@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 
 import numpy as np
 from PIL import Image
@@ -137,8 +138,6 @@ class SyntheticVideos:
 
     def path(self, index: int) -> str:
         """Video ``index``'s file, written if it is not there yet."""
-        import os
-
         path = os.path.join(self.root, f"video_{index:05d}.mp4")
         if not os.path.exists(path):
             os.makedirs(self.root, exist_ok=True)
@@ -221,9 +220,7 @@ def ucf101_tree(root: str, classes: int = 2, per_class: int = 3, frames: int = 4
     for testing). Returns the two folders and the metadata torchvision's ``VideoClips``
     computes for them (each video's frame numbers and rate), for ``_precomputed_metadata``:
     its own computation reads every video with torchcodec."""
-    import os
-
-    import torch
+    import torch  # only here: the demo's images need no torch
 
     videos, splits = os.path.join(root, "UCF-101"), os.path.join(root, "splits")
     os.makedirs(splits, exist_ok=True)

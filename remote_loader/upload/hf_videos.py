@@ -7,17 +7,39 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from remote_loader.errors import UploadError
+from remote_loader.errors import ConfigError, UploadError
+from remote_loader.format.video import video_extension
 
 
 def video_columns(ds: Any) -> list[str]:
     """The columns of ``ds`` (a ``datasets.Dataset``) whose feature is a ``Video``; none for
-    anything else."""
+    anything else. ConfigError for a ``Video`` inside another feature (a list of videos),
+    which would be decoded."""
     features = getattr(ds, "features", None)
     if not isinstance(features, Mapping) or not hasattr(ds, "cast_column"):
         return []
-    return [name for name, feature in features.items()
-            if type(feature).__name__ == "Video" and type(feature).__module__.startswith("datasets")]
+    columns = [name for name, feature in features.items() if _is_video(feature)]
+    nested = [name for name, feature in features.items() if not _is_video(feature) and _holds_video(feature)]
+    if nested:
+        raise ConfigError(f"column {nested[0]!r} holds Video features inside another feature (a list of videos):"
+                          " only a column that is one Video is stored as its files; make each video a column")
+    return columns
+
+
+def _is_video(feature: Any) -> bool:
+    return type(feature).__name__ == "Video" and type(feature).__module__.startswith("datasets")
+
+
+def _holds_video(feature: Any) -> bool:
+    """Whether a Video feature lies anywhere inside ``feature`` (lists, dicts, sequences)."""
+    if _is_video(feature):
+        return True
+    if isinstance(feature, Mapping):
+        return any(_holds_video(f) for f in feature.values())
+    if isinstance(feature, list | tuple):
+        return any(_holds_video(f) for f in feature)
+    inner = getattr(feature, "feature", None)  # Sequence and List keep theirs here
+    return inner is not None and _holds_video(inner)
 
 
 class HFVideos:
@@ -45,15 +67,20 @@ class HFVideos:
     @staticmethod
     def _file(value: Any, index: int, column: str) -> bytes:
         """A ``Video(decode=False)`` value's bytes: its own, else its file's."""
-        if isinstance(value, Mapping) and value.get("bytes") is not None:
-            return bytes(value["bytes"])
         path = value.get("path") if isinstance(value, Mapping) else None
-        if not path:
+        if isinstance(value, Mapping) and value.get("bytes") is not None:
+            data = bytes(value["bytes"])
+        elif not path:
             raise UploadError(f"sample {index}: column {column!r} holds no video (neither bytes nor a path)",
                               index=index)
-        try:
-            with open(path, "rb") as file:
-                return file.read()
-        except OSError as exc:
-            raise UploadError(f"sample {index}: column {column!r}'s video {path!r} cannot be read ({exc.strerror})",
-                              index=index) from None
+        else:
+            try:
+                with open(path, "rb") as file:
+                    data = file.read()
+            except OSError as exc:
+                raise UploadError(f"sample {index}: column {column!r}'s video {path!r} cannot be read"
+                                  f" ({exc.strerror})", index=index) from None
+        if video_extension(data) is None:
+            raise UploadError(f"sample {index}: column {column!r} holds {path or 'bytes'!r}, which is not a video file"
+                              " (mp4, mov, mkv, webm, avi)", index=index)
+        return data

@@ -174,7 +174,7 @@ def test_a_member_is_read_whole_checked_or_in_parts(tmp_path):
         ds.read_member(4, "png")
     with pytest.raises(ValueError, match="not within field 'jpg'"):
         ds.read_member(4, "jpg", 0, members["jpg"][0] + 1)
-    shard = next(p for p in tmp_path.rglob("*.tar") if whole["jpg"][:64] in p.read_bytes())
+    shard = next(p for p in tmp_path.rglob("*.tar") if whole["jpg"] in p.read_bytes())  # JPEGs' heads are alike
     data = bytearray(shard.read_bytes())
     at = data.index(whole["jpg"]) + 100
     data[at] ^= 0xFF

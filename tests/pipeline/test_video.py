@@ -373,3 +373,11 @@ def test_a_clip_s_sound_is_timed_from_the_video_s_start(tmp_path, codec, contain
         assert np.abs(got[body] - expected[body]).max() < tolerance, f"a clip from frame {start}"
         checked += start > 0
     assert checked >= 6
+
+
+def test_restore_leaves_a_clip_s_sound_out_of_the_item(sounding):
+    _, store = sounding
+    clip = VideoClip(frames=2, layout="THWC", audio=8000)
+    (sample,) = [s for s in RemoteDataset(store, "v", "tuples").decode(video=clip)]
+    first, second, label = restore(sample)
+    assert first.shape == second.shape == (2, 48, 64, 3) and label == 0 and "0.audio" in sample

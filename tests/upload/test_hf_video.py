@@ -55,3 +55,18 @@ def test_a_video_file_gone_names_its_sample_and_column(tmp_path):
     Path(paths[1]).unlink()
     with pytest.raises(UploadError, match=r"sample 1: column 'video''s video .* cannot be read"):
         upload_cv_dataset(ds, client=_store(tmp_path), bucket="b", base_folder="hf", workers=0, progress=False)
+
+
+def test_videos_inside_another_feature_and_files_that_are_not_videos_are_named(tmp_path):
+    from remote_loader import ConfigError
+
+    ds, paths = _dataset(tmp_path, n=2)
+    listed = datasets.Dataset.from_dict({"clips": [[p] for p in paths]},
+                                        features=datasets.Features({"clips": datasets.Sequence(datasets.Video())}))
+    with pytest.raises(ConfigError, match="column 'clips' holds Video features inside another feature"):
+        upload_cv_dataset(listed, client=_store(tmp_path), bucket="b", base_folder="l", workers=0, progress=False)
+    text = tmp_path / "notes.txt"
+    text.write_text("not a video")
+    wrong = datasets.Dataset.from_dict({"video": [str(text)], "label": [0]}, features=ds.features)
+    with pytest.raises(UploadError, match=r"sample 0: column 'video' holds .*notes.txt.*, which is not a video file"):
+        upload_cv_dataset(wrong, client=_store(tmp_path), bucket="b", base_folder="w", workers=0, progress=False)

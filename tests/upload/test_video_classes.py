@@ -165,8 +165,10 @@ def test_a_dataset_without_a_clip_index_and_a_hostile_one_are_named(tmp_path, uc
         RemoteVideoClips(store, "other", "files")
     good = ClipIndex.of_params(RemoteMapDataset(store, "videos", "ucf").reader.manifest.params["upload"]["video_clips"],
                                "x").as_params()
+    videos = len(good["video_frames"])
     for field, value in (("step", 0), ("video_frames", [3, -1, 2]), ("video_fps", [1.0]), ("output_format", "HWC"),
-                         ("frame_rate", "fast")):
+                         ("frame_rate", "fast"), ("frame_rate", float("inf")), ("video_fps", [float("nan")] * videos),
+                         ("video_frames", [10**12] * videos)):  # a record that would not fit in memory
         with pytest.raises(FormatError, match=f"the clip index's {field} is not valid"):
             ClipIndex.of_params({**good, field: value}, "s3://videos/ucf")
 
