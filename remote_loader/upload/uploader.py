@@ -117,34 +117,32 @@ def upload_cv_dataset(
         part_size: Multipart part size in bytes.
         retry: How every request is retried (``RetryConfig``); a task that fails on an
             outage is written again whole.
-        overwrite: Replace a dataset uploaded there. The new shards are written beside
-            the old dataset, the manifest is switched in one PUT, and only then are the
-            old shards deleted: a failed overwrite leaves the old dataset readable.
+        overwrite: Replace a dataset uploaded there: new shards beside the old, the manifest
+            switched in one PUT, the old shards deleted after (a failure leaves it readable).
         progress: Show a progress bar.
-        verify: Where shards are already uploaded (the dataset is there, or an interrupted
-            run is resumed), read every item they hold again, in the workers without encoding,
-            and compare it with its digest: a dataset with an item that differs is refused,
-            an interrupted run's task with one written again. False compares the 128 sampled
-            items only (the summary says so): a fast resume of a huge upload.
+        verify: Where shards are already uploaded (the dataset is there, or a run resumed),
+            read every item they hold again in the workers and compare it with its digest: a
+            dataset whose item differs is refused, an interrupted run's task written again.
+            False compares the 128 sampled items only (said so): a fast resume of a huge upload.
         stall_timeout: Seconds one item may take in this process or a worker of the upload's
             own before the upload ends with an ``UploadError`` naming it (finished tasks are
             kept), warned of at half of it (at most 60 s); None waits for ever.
+        frames_as_video: ``"h264"`` (lossy) or ``"lossless"``: frames (uint8 arrays and tensors
+            of 1 or 3 channels, torchvision ``Video``s) stored as an H.264 video, read back as
+            they were; None (the default) stores their values (docs/video.md).
 
     Returns:
         What was uploaded, with throughput.
 
     Raises:
-        UploadError: A sample is bad (naming its index), the dataset is empty, a different
-            dataset is already there (or one whose item ``ds[i]`` differs, naming it), or
-            an item took longer than ``stall_timeout`` (naming it).
+        UploadError: A sample is bad (naming its index), the dataset is empty, another dataset
+            (or an item ``ds[i]`` that differs) is there, or an item outlasted ``stall_timeout``.
     """
     started = time.perf_counter()
-    params = _parameters(maxsize=maxsize, maxcount=maxcount, workers=workers, seed=seed, image_format=image_format,
-                         quality=quality, on_error=on_error, shuffle=shuffle, overwrite=overwrite, progress=progress,
-                         bucket=bucket, base_folder=base_folder)
-    options = EncodeOptions(image_format=image_format, quality=quality, frames_as_video=frames_as_video)
-    if frames_as_video is not None:  # recorded where set: an upload made before the option still matches
-        params["frames_as_video"] = frames_as_video
+    params, options = _parameters(maxsize=maxsize, maxcount=maxcount, workers=workers, seed=seed,
+                                  image_format=image_format, quality=quality, on_error=on_error, shuffle=shuffle,
+                                  overwrite=overwrite, progress=progress, bucket=bucket, base_folder=base_folder,
+                                  frames_as_video=frames_as_video)
     running = Running(workers, executor, part_size, _stall_timeout(stall_timeout), bool(require_bool("verify", verify)),
                       overwrite, progress)
     client = as_store(client, bucket)
@@ -237,9 +235,10 @@ def _parameters(
     progress: bool,
     bucket: str,
     base_folder: str,
-) -> dict[str, Any]:
+    frames_as_video: str | None,
+) -> tuple[dict[str, Any], EncodeOptions]:
     """The upload's parameters, checked: what a dataset records and an interrupted run is
-    recognised by (``samples`` is added once the dataset is opened)."""
+    recognised by (``samples`` is added once the dataset is opened); and how it encodes."""
     if getattr(multiprocessing.current_process(), "_inheriting", False):  # multiprocessing's own test of this
         raise ConfigError("upload_cv_dataset was called while a worker process was starting: with the spawn or"
                           " forkserver start method each worker imports your main script again; put the code that"
@@ -257,16 +256,20 @@ def _parameters(
         raise ConfigError(f"bucket must be a non-empty string, got {bucket!r}")
     if not isinstance(base_folder, str):
         raise ConfigError(f"base_folder must be a string, got {base_folder!r}")
-    return {
+    options = EncodeOptions(image_format=image_format, quality=quality, frames_as_video=frames_as_video)
+    params = {
         "samples": 0,
         "seed": require_int("seed", seed, 0, 2**63 - 1),
         "shuffle": shuffle,
         "maxsize": int(maxsize),
         "maxcount": int(maxcount),
-        "image_format": EncodeOptions(image_format=image_format, quality=quality).image_format,
+        "image_format": options.image_format,
         "quality": quality,
         "on_error": policy.value,
     }
+    if frames_as_video is not None:  # recorded where set: an upload made before the option still matches
+        params["frames_as_video"] = frames_as_video
+    return params, options
 
 
 def _encodes(options: EncodeOptions, item: Any, index: int) -> None:

@@ -97,17 +97,17 @@ class DaliCrops:
         from nvidia.dali.tensors import TensorCPU
 
         samples = [TensorCPU(jpeg, "") for jpeg in jpegs]  # views of the bytes: a quarter of feed_input's own work
-        box = np.asarray(boxes, dtype=np.float32).reshape(-1, 4)
-        anchor = np.ascontiguousarray(box[:, :2])
-        shape = np.ascontiguousarray(box[:, 2:] - box[:, :2])
+        return self._run({"jpegs": samples, **cuts(boxes, flips)}, len(jpegs), cuda_stream)
+
+    def _run(self, inputs: dict[str, Any], count: int, cuda_stream: Any) -> torch.Tensor:
+        """One run of the pipeline over ``count`` samples, fed ``inputs`` by name; the
+        pipeline made again for a larger batch, and after an error (DALI's is no longer usable)."""
         with self._lock:
-            if len(jpegs) > self.batch:
-                self.batch, self._pipe = len(jpegs), self._build(len(jpegs))
+            if count > self.batch:
+                self.batch, self._pipe = count, self._build(count)
             try:
-                self._pipe.feed_input("jpegs", samples)
-                self._pipe.feed_input("anchor", anchor)
-                self._pipe.feed_input("shape", shape)
-                self._pipe.feed_input("flip", np.asarray(flips, dtype=np.int32).reshape(-1, 1))
+                for name, value in inputs.items():
+                    self._pipe.feed_input(name, value)
                 (out,) = self._pipe.run()
                 return self._tensor(out, cuda_stream)
             except RuntimeError:
@@ -126,6 +126,13 @@ class DaliCrops:
     def _shape(self, count: int) -> tuple[int, ...]:
         """The shape of a run's output of ``count`` samples."""
         return (count, 3, self.size, self.size)
+
+
+def cuts(boxes: Sequence[Sequence[float]], flips: Sequence[bool]) -> dict[str, np.ndarray]:
+    """The pipeline's inputs for each sample's box (its corner and size) and flip."""
+    box = np.asarray(boxes, dtype=np.float32).reshape(-1, 4)
+    return {"anchor": np.ascontiguousarray(box[:, :2]), "shape": np.ascontiguousarray(box[:, 2:] - box[:, :2]),
+            "flip": np.asarray(flips, dtype=np.int32).reshape(-1, 1)}
 
 
 _PRESTARTED: dict[tuple[Any, ...], concurrent.futures.Future[DaliCrops]] = {}

@@ -15,7 +15,7 @@ import torch
 
 from remote_loader.config import rank_cores
 from remote_loader.errors import DecodeError, OnError
-from remote_loader.pipeline.device.dali import ON_CPU, ON_GPU, DaliCrops, DaliDecoder, scaled
+from remote_loader.pipeline.device.dali import ON_CPU, ON_GPU, DaliCrops, DaliDecoder, cuts, scaled
 from remote_loader.pipeline.device.decoder import Place
 from remote_loader.pipeline.stages.augment import RandomResizedCrop
 from remote_loader.pipeline.stages.prepared import EncodedClips
@@ -73,21 +73,8 @@ class DaliClips(DaliCrops):
         from nvidia.dali.tensors import TensorCPU
 
         samples = [TensorCPU(video, "") for video in videos]
-        box = np.asarray(boxes, dtype=np.float32).reshape(-1, 4)
-        with self._lock:
-            if len(videos) > self.batch:
-                self.batch, self._pipe = len(videos), self._build(len(videos))
-            try:
-                self._pipe.feed_input("videos", samples)
-                self._pipe.feed_input("frames", [np.ascontiguousarray(row) for row in frames])
-                self._pipe.feed_input("anchor", np.ascontiguousarray(box[:, :2]))
-                self._pipe.feed_input("shape", np.ascontiguousarray(box[:, 2:] - box[:, :2]))
-                self._pipe.feed_input("flip", np.asarray(flips, dtype=np.int32).reshape(-1, 1))
-                (out,) = self._pipe.run()
-                return self._tensor(out, cuda_stream)
-            except RuntimeError:
-                self._pipe = self._build(self.batch)
-                raise
+        inputs = {"videos": samples, "frames": [np.ascontiguousarray(row) for row in frames], **cuts(boxes, flips)}
+        return self._run(inputs, len(videos), cuda_stream)
 
     def _shape(self, count: int) -> tuple[int, ...]:
         if self.layout == "TCHW":

@@ -90,7 +90,30 @@ class Ready:
         self.tensor = tensor
 
 
-class EncodedBatch:
+class Packed:
+    """Files' bytes in one uint8 tensor (``offsets`` into it), one copy of each: what
+    DataLoader shares with this process and pins, as a batch for the device."""
+
+    def _pack(self, files: Sequence[bytes]) -> None:
+        lengths = [len(data) for data in files]
+        self.offsets = np.concatenate(([0], np.cumsum(lengths, dtype=np.int64))).tolist()
+        self.data = torch.empty(self.offsets[-1], dtype=torch.uint8)
+        packed = self.data.numpy()
+        for k, data in enumerate(files):
+            packed[self.offsets[k] : self.offsets[k + 1]] = np.frombuffer(data, dtype=np.uint8)
+
+    def files(self) -> list[np.ndarray]:
+        """Each file's bytes, a view into the tensor."""
+        data = self.data.numpy()
+        return [data[a:b] for a, b in zip(self.offsets, self.offsets[1:], strict=False)]
+
+    def pin_memory(self) -> Packed:
+        """DataLoader's ``pin_memory`` calls this: the bytes in page-locked memory."""
+        self.data = self.data.pin_memory()
+        return self
+
+
+class EncodedBatch(Packed):
     """A batch's images: the JPEGs' bytes in one uint8 tensor (``offsets`` into it), their
     boxes and flips, and images already decoded (``Ready``: other formats), by position."""
 
@@ -102,12 +125,7 @@ class EncodedBatch:
         jpegs = [(i, item) for i, item in enumerate(items) if isinstance(item, Encoded)]
         self.size = len(items)
         self.positions = [i for i, _ in jpegs]
-        lengths = [len(item.data) for _, item in jpegs]
-        self.offsets = np.concatenate(([0], np.cumsum(lengths, dtype=np.int64))).tolist()
-        self.data = torch.empty(self.offsets[-1], dtype=torch.uint8)
-        data = self.data.numpy()
-        for k, (_, item) in enumerate(jpegs):  # one copy of each JPEG, into the tensor DataLoader shares
-            data[self.offsets[k] : self.offsets[k + 1]] = np.frombuffer(item.data, dtype=np.uint8)
+        self._pack([item.data for _, item in jpegs])
         self.boxes = [item.box for _, item in jpegs]
         self.flips = [item.flip for _, item in jpegs]
         self.names = [(item.key, item.shard) for _, item in jpegs]
@@ -119,30 +137,23 @@ class EncodedBatch:
 
     def jpegs(self) -> list[np.ndarray]:
         """Each JPEG's bytes, a view into the batch's tensor."""
-        data = self.data.numpy()
-        return [data[a:b] for a, b in zip(self.offsets, self.offsets[1:], strict=False)]
-
-    def pin_memory(self) -> EncodedBatch:
-        """DataLoader's ``pin_memory`` calls this: the bytes in page-locked memory."""
-        self.data = self.data.pin_memory()
-        return self
+        return self.files()
 
 
 @dataclass(frozen=True)
 class EncodedClip:
     """A video whose clip was drawn in a worker, to decode in the training process: the
-    numbers of its frames, and its crop's box (in the video's pixels; None: whole frames)
-    and flip."""
+    numbers of its frames, and its crop's box (in the video's pixels) and flip."""
 
     data: bytes
     frames: tuple[int, ...]
-    box: Box | None
+    box: Box
     flip: bool
     key: str
     shard: str
 
 
-class EncodedClips:
+class EncodedClips(Packed):
     """A batch's videos: their bytes in one uint8 tensor (``offsets`` into it), each clip's
     frame numbers (``n x T``), boxes and flips, and the samples they belong to."""
 
@@ -151,12 +162,7 @@ class EncodedClips:
         if strays:
             raise ConfigError("a batch of clips to decode on the device mixes videos with a"
                               f" {type(strays[0]).__name__}: VideoClip(device=...) puts clips in video fields alone")
-        lengths = [len(item.data) for item in items]
-        self.offsets = np.concatenate(([0], np.cumsum(lengths, dtype=np.int64))).tolist()
-        self.data = torch.empty(self.offsets[-1], dtype=torch.uint8)
-        data = self.data.numpy()
-        for k, item in enumerate(items):
-            data[self.offsets[k] : self.offsets[k + 1]] = np.frombuffer(item.data, dtype=np.uint8)
+        self._pack([item.data for item in items])
         self.frames = np.asarray([item.frames for item in items], dtype=np.int32).reshape(len(items), -1)
         self.boxes = [item.box for item in items]
         self.flips = [item.flip for item in items]
@@ -167,13 +173,7 @@ class EncodedClips:
 
     def videos(self) -> list[np.ndarray]:
         """Each video's bytes, a view into the batch's tensor."""
-        data = self.data.numpy()
-        return [data[a:b] for a, b in zip(self.offsets, self.offsets[1:], strict=False)]
-
-    def pin_memory(self) -> EncodedClips:
-        """DataLoader's ``pin_memory`` calls this: the bytes in page-locked memory."""
-        self.data = self.data.pin_memory()
-        return self
+        return self.files()
 
 
 IMAGES = (Encoded, Ready)
