@@ -17,7 +17,11 @@ them), one boto3 client per process (WebDataset's ``gopen_schemes``), every row
 against the files, and against the clips stored as decoded frames (16 x 112 x 112 x 3 bytes
 a clip, one clip a video; at full size, 16 x 240 x 320 x 3).
 
-    python benchmarks/video.py [--videos 48] [--repeats 3] [--json results/video-<commit>.json]
+``--device cuda`` (on a GPU node, with the ``gpu`` extra) adds ours with
+``VideoClip(..., device="cuda")``: the same clips decoded by DALI (NVDEC) in this process,
+through ``loader()`` with 0 and 2 workers that only draw the clips.
+
+    python benchmarks/video.py [--videos 48] [--repeats 3] [--device cuda] [--json results/video-<commit>.json]
 """
 
 from __future__ import annotations
@@ -80,14 +84,16 @@ class _Clip:
         return pyav_clip(data, os.getpid() * 1_000_003 + self.calls)
 
 
-def _ours(server: Any, workers: int) -> Any:
+def _ours(server: Any, workers: int, device: str | None = None) -> Any:
     from torch.utils.data import DataLoader
 
-    from remote_loader import RandomResizedCrop, RemoteDataset, VideoClip
+    from remote_loader import RandomResizedCrop, RemoteDataset, VideoClip, loader
 
-    clip = VideoClip(FRAMES, step=STEP, crop=RandomResizedCrop(SIZE))
+    clip = VideoClip(FRAMES, step=STEP, crop=RandomResizedCrop(SIZE), device=device)
     ds = (RemoteDataset(server.client(), "bench", "ours", seed=0).shuffle(BATCH * 2).decode(video=clip)
           .to_tuple("mp4", "cls").batched(BATCH))
+    if device is not None:  # the clips decoded in this process, as loader() runs it
+        return loader(ds, num_workers=workers)
     return DataLoader(ds, batch_size=None, num_workers=workers, persistent_workers=workers > 0)
 
 
@@ -116,6 +122,10 @@ def _epochs(loader: Any, epochs: int = 2) -> tuple[int, float]:
         for videos, _ in loader:
             assert tuple(videos.shape[1:]) == (FRAMES, 3, SIZE, SIZE)
             clips += len(videos)
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # the last batch's decode is done
     return clips, time.perf_counter() - started
 
 
@@ -123,6 +133,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--videos", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", choices=("cuda",), help="add ours decoding the clips with DALI there")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
@@ -148,8 +159,12 @@ def main() -> None:
                 sink.write({"__key__": f"{i:06d}", "mp4": Path(path).read_bytes(), "cls": str(label).encode()})
         for shard in sorted(work.glob("shard-*.tar")):
             client.put("bench", f"wds/{shard.name}", shard.read_bytes())
+        systems: list[tuple[str, Any]] = [("remote_loader", _ours), ("webdataset", _webdataset)]
+        if args.device:
+            systems.insert(1, (f"remote_loader, DALI on {args.device}",
+                               lambda server, workers: _ours(server, workers, args.device)))
         for repeat in range(args.repeats):
-            for name, make in (("remote_loader", _ours), ("webdataset", _webdataset)):
+            for name, make in systems:
                 for workers in (0, 2):
                     clips, seconds = _epochs(make(server, workers))
                     rate = clips / seconds
