@@ -381,3 +381,50 @@ def test_restore_leaves_a_clip_s_sound_out_of_the_item(sounding):
     (sample,) = [s for s in RemoteDataset(store, "v", "tuples").decode(video=clip)]
     first, second, label = restore(sample)
     assert first.shape == second.shape == (2, 48, 64, 3) and label == 0 and "0.audio" in sample
+
+
+@pytest.mark.parametrize("device", [None, "cpu"])
+def test_a_stateful_loader_resumed_gives_the_rest_of_the_clips_once(videos, tmp_path, device):
+    pytest.importorskip("torchdata")
+    if device is not None:
+        pytest.importorskip("nvidia.dali")
+    from remote_loader import loader
+
+    ds, store = videos
+    if device is not None:  # DALI's CPU decoder takes VP9, not H.264: the same videos as VP9
+        store = LocalStore(str(tmp_path / "vp9"))
+        store.create_bucket("videos")
+        upload_cv_dataset([(_vp9(ds.frames_of(k)), k) for k in range(len(ds))], client=store, bucket="videos",
+                          base_folder="v", maxcount=3, workers=0, progress=False)
+
+    def pipeline():
+        clip = VideoClip(frames=4, step=2, crop=RandomResizedCrop(16), device=device)
+        return (RemoteDataset(store, "videos", "v", seed=4).decode(video=clip)
+                .to_tuple("__key__", "webm" if device else "mp4").batched(2))
+
+    whole = {key: clip for keys, clips in loader(pipeline(), num_workers=2, stateful=True)
+             for key, clip in zip(keys, clips, strict=True)}
+    first = loader(pipeline(), num_workers=2, stateful=True)
+    stream = iter(first)
+    keys, clips = next(stream)
+    state = first.state_dict()
+    del stream
+    resumed = loader(pipeline(), num_workers=2, stateful=True)
+    resumed.load_state_dict(state)
+    rest = [(key, clip) for keys_, clips_ in resumed for key, clip in zip(keys_, clips_, strict=True)]
+    assert Counter(list(keys) + [key for key, _ in rest]) == Counter(list(whole))  # each clip once
+    assert all(torch.equal(clip, whole[key]) for key, clip in rest)  # the same clips as the whole pass
+
+
+def _vp9(frames):
+    out = io.BytesIO()
+    with av.open(out, "w", format="webm") as container:
+        stream = container.add_stream("libvpx-vp9", rate=10)
+        stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
+        stream.codec_context.options = {"lossless": "1"}
+        for pixels in frames:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return out.getvalue()
