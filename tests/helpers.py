@@ -244,3 +244,24 @@ def alive(pid: int) -> bool:
             return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def vp9_bytes(frames: Any, gop: int = 8) -> bytes:
+    """``frames`` (``T x H x W x 3`` uint8) as a lossless VP9 WebM, a key frame every ``gop``:
+    a video DALI's CPU decoder reads (it has no H.264). Needs PyAV."""
+    import io
+
+    import av
+
+    out = io.BytesIO()
+    with av.open(out, "w", format="webm") as container:
+        stream = container.add_stream("libvpx-vp9", rate=10)
+        stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
+        stream.codec_context.gop_size = gop
+        stream.codec_context.options = {"lossless": "1"}
+        for pixels in frames:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return out.getvalue()

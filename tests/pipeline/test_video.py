@@ -25,6 +25,7 @@ from remote_loader import (
 )
 from remote_loader.format.video import video_extension
 from remote_loader.testing.synthetic import SyntheticVideos
+from tests.helpers import vp9_bytes
 
 av = pytest.importorskip("av", reason="PyAV is not installed (the video extra)")
 
@@ -394,7 +395,7 @@ def test_a_stateful_loader_resumed_gives_the_rest_of_the_clips_once(videos, tmp_
     if device is not None:  # DALI's CPU decoder takes VP9, not H.264: the same videos as VP9
         store = LocalStore(str(tmp_path / "vp9"))
         store.create_bucket("videos")
-        upload_cv_dataset([(_vp9(ds.frames_of(k)), k) for k in range(len(ds))], client=store, bucket="videos",
+        upload_cv_dataset([(vp9_bytes(ds.frames_of(k)), k) for k in range(len(ds))], client=store, bucket="videos",
                           base_folder="v", maxcount=3, workers=0, progress=False)
 
     def pipeline():
@@ -414,17 +415,3 @@ def test_a_stateful_loader_resumed_gives_the_rest_of_the_clips_once(videos, tmp_
     rest = [(key, clip) for keys_, clips_ in resumed for key, clip in zip(keys_, clips_, strict=True)]
     assert Counter(list(keys) + [key for key, _ in rest]) == Counter(list(whole))  # each clip once
     assert all(torch.equal(clip, whole[key]) for key, clip in rest)  # the same clips as the whole pass
-
-
-def _vp9(frames):
-    out = io.BytesIO()
-    with av.open(out, "w", format="webm") as container:
-        stream = container.add_stream("libvpx-vp9", rate=10)
-        stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
-        stream.codec_context.options = {"lossless": "1"}
-        for pixels in frames:
-            for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    return out.getvalue()

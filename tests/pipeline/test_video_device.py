@@ -4,10 +4,8 @@ NVDEC: the same frames, boxes and flips as the CPU path's, every clip once."""
 
 from __future__ import annotations
 
-import io
 from collections import Counter
 
-import numpy as np
 import pytest
 import torch
 
@@ -22,6 +20,7 @@ from remote_loader import (
     upload_cv_dataset,
 )
 from remote_loader.testing.synthetic import SyntheticVideos
+from tests.helpers import vp9_bytes
 
 av = pytest.importorskip("av", reason="PyAV is not installed (the video extra)")
 pytest.importorskip("nvidia.dali", reason="NVIDIA DALI is not installed (the gpu extra)")
@@ -29,27 +28,11 @@ pytest.importorskip("nvidia.dali", reason="NVIDIA DALI is not installed (the gpu
 FRAMES = (30, 30, 30, 30, 30, 6, 30)  # video 5 is shorter than a clip
 
 
-def _vp9(frames: np.ndarray) -> bytes:
-    """``frames`` as a lossless VP9 WebM (a key frame every 8)."""
-    out = io.BytesIO()
-    with av.open(out, "w", format="webm") as container:
-        stream = container.add_stream("libvpx-vp9", rate=10)
-        stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
-        stream.codec_context.gop_size = 8
-        stream.codec_context.options = {"lossless": "1"}
-        for pixels in frames:
-            for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    return out.getvalue()
-
-
 @pytest.fixture(scope="module")
 def webms(tmp_path_factory):
     root = tmp_path_factory.mktemp("webm")
     made = SyntheticVideos(len(FRAMES), str(root / "unused"), frames=max(FRAMES), size=(64, 48))
-    items = [(_vp9(made.frames_of(k)[:n]), k) for k, n in enumerate(FRAMES)]
+    items = [(vp9_bytes(made.frames_of(k)[:n]), k) for k, n in enumerate(FRAMES)]
     store = LocalStore(str(root / "store"))
     store.create_bucket("v")
     upload_cv_dataset(items, client=store, bucket="v", base_folder="webm", maxcount=3, workers=0, progress=False)
