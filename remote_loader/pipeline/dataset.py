@@ -215,8 +215,9 @@ class RemoteDataset(IterableDataset):
         first. Which decoder works there is found now, and a GPU stage that would decode on
         the CPU raises ``ConfigError`` unless ``cpu_fallback=True``.
         ``video``: a ``VideoClip`` decodes a clip of each video field (mp4, mov, mkv, webm,
-        avi) in the workers, its frames drawn from (seed, epoch, key) (docs/video.md); without
-        it, videos stay their files' bytes.
+        avi) in the workers, its frames drawn from (seed, epoch, key) (docs/video.md); with
+        its ``device``, the workers draw the clips and DALI decodes them in this process
+        (``loader()``); without it, videos stay their files' bytes.
         """
         require_bool("batched", batched)
         require_bool("cpu_fallback", cpu_fallback)
