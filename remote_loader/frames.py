@@ -5,14 +5,15 @@ frame's number is its time since the stream's start times the frame rate."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
-from remote_loader.errors import ConfigError
+from remote_loader.errors import ConfigError, DecodeError
 
 EXTRA = "install the video extra (pip install '.[video]' in remote_loader's checkout: PyAV)"
 
@@ -73,6 +74,19 @@ class RangedFile(io.RawIOBase):
         while len(self._blocks) > self.keep:
             self._blocks.popitem(last=False)
         return data
+
+
+@contextlib.contextmanager
+def decode_errors(what: str = "not a decodable video") -> Iterator[Any]:
+    """PyAV, imported, for the block; what FFmpeg (or a malformed file) raises in it is a
+    DecodeError saying ``what`` and why; a DecodeError raised in it passes as it is."""
+    av = open_av()
+    try:
+        yield av
+    except DecodeError:
+        raise
+    except (av.error.FFmpegError, ValueError, OSError, IndexError, RuntimeError) as exc:
+        raise DecodeError(f"{what} ({type(exc).__name__}: {str(exc)[:120]})") from None
 
 
 def open_av() -> Any:

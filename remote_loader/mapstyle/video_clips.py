@@ -15,7 +15,7 @@ from torch.utils.data import Dataset
 from remote_loader.errors import ConfigError, DecodeError, FormatError
 from remote_loader.format.clip_index import ClipIndex
 from remote_loader.format.video import VIDEO_EXTENSIONS
-from remote_loader.frames import RangedFile, audio_between, frames_at, open_av
+from remote_loader.frames import RangedFile, audio_between, decode_errors, frames_at
 from remote_loader.mapstyle.dataset import RemoteMapDataset
 
 
@@ -109,8 +109,7 @@ class RemoteVideoClips(Dataset):
         return lambda: io.BytesIO(data), int(bytes(sample["cls"])), key
 
     def _decode(self, file: Callable[[], Any], numbers: list[int], fps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        av = open_av()
-        try:
+        with decode_errors() as av:
             with av.open(file(), mode="r") as container:
                 if not container.streams.video:
                     raise DecodeError("a video file without a video stream")
@@ -121,10 +120,6 @@ class RemoteVideoClips(Dataset):
             if self.audio:
                 with av.open(file(), mode="r") as container:
                     sound = audio_between(container, numbers[0] / fps, (numbers[-1] + 1) / fps)
-        except DecodeError:
-            raise
-        except (av.error.FFmpegError, ValueError, OSError, IndexError, RuntimeError) as exc:
-            raise DecodeError(f"not a decodable video ({type(exc).__name__}: {str(exc)[:120]})") from None
         if len(got) != len(numbers):
             raise DecodeError(f"the video has {len(got)} of the clip's {len(numbers)} frames")
         frames = torch.from_numpy(np.stack(got))

@@ -23,7 +23,7 @@ from torch.nn import functional
 
 from remote_loader.errors import ConfigError, DecodeError
 from remote_loader.format.video import VIDEO_EXTENSIONS
-from remote_loader.frames import audio_between, frame_count, frames_at, open_av
+from remote_loader.frames import audio_between, decode_errors, frame_count, frames_at
 from remote_loader.pipeline.stages.augment import RandomResizedCrop
 from remote_loader.pipeline.stages.prepared import EncodedClip
 
@@ -130,13 +130,9 @@ class VideoClip:
         """The sound from ``start`` to ``stop`` seconds, mono at ``audio`` samples a second,
         exactly as many samples as that span holds (silence where there is none)."""
         assert self.audio is not None
-        av = open_av()
         count = max(0, round((stop - start) * self.audio))
-        try:
-            with av.open(io.BytesIO(data), mode="r") as container:
-                sound = audio_between(container, start, stop, rate=self.audio)
-        except (av.error.FFmpegError, ValueError, OSError, IndexError, RuntimeError) as exc:
-            raise DecodeError(f"sound that does not decode ({type(exc).__name__}: {str(exc)[:120]})") from None
+        with decode_errors("sound that does not decode") as av, av.open(io.BytesIO(data), mode="r") as container:
+            sound = audio_between(container, start, stop, rate=self.audio)
         out = torch.zeros((1, count), dtype=torch.float32)
         if sound is not None:  # mono: the channels' mean (a downmix that keeps a sound's level)
             taken = min(count, sound.shape[1])
@@ -145,21 +141,15 @@ class VideoClip:
 
     def _decode(self, data: bytes, rng: np.random.Generator) -> tuple[list[torch.Tensor], tuple[float, float]]:
         """The clip's frames (``decode``), and the times its first frame starts and its last ends."""
-        av = open_av()
-        try:
-            with av.open(io.BytesIO(data), mode="r") as container:
-                stream, width, height, rate, start, wanted, _ = self._draw(container, rng)
-                span = wanted[-1] - wanted[0] + 1
-                keep = self._keeper(width, height, rng)
-                got = frames_at(container, stream, rate, wanted, keep)
-                if not got and start:  # a header that claims more frames than there are: the clip from the start
-                    container.seek(stream.start_time or 0, stream=stream, backward=True, any_frame=False)
-                    start = 0
-                    got = frames_at(container, stream, rate, [k * self.step for k in range(self.frames)], keep)
-        except DecodeError:
-            raise
-        except (av.error.FFmpegError, ValueError, OSError, IndexError, RuntimeError) as exc:
-            raise DecodeError(f"not a decodable video ({type(exc).__name__}: {str(exc)[:120]})") from None
+        with decode_errors() as av, av.open(io.BytesIO(data), mode="r") as container:
+            stream, width, height, rate, start, wanted, _ = self._draw(container, rng)
+            span = wanted[-1] - wanted[0] + 1
+            keep = self._keeper(width, height, rng)
+            got = frames_at(container, stream, rate, wanted, keep)
+            if not got and start:  # a header that claims more frames than there are: the clip from the start
+                container.seek(stream.start_time or 0, stream=stream, backward=True, any_frame=False)
+                start = 0
+                got = frames_at(container, stream, rate, [k * self.step for k in range(self.frames)], keep)
         if not got:
             raise DecodeError("a video without a frame that decodes")
         seconds = (start / rate, (start + span) / rate) if rate else (0.0, 0.0)
@@ -190,14 +180,8 @@ class VideoClip:
         """The clip drawn as ``_decode`` draws it (its frames, then its box and flip), for
         the training process to decode (``device``), and the times it spans."""
         assert self.crop is not None
-        av = open_av()
-        try:
-            with av.open(io.BytesIO(data), mode="r") as container:
-                _, width, height, rate, start, wanted, count = self._draw(container, rng)
-        except DecodeError:
-            raise
-        except (av.error.FFmpegError, ValueError, OSError, IndexError, RuntimeError) as exc:
-            raise DecodeError(f"not a decodable video ({type(exc).__name__}: {str(exc)[:120]})") from None
+        with decode_errors() as av, av.open(io.BytesIO(data), mode="r") as container:
+            _, width, height, rate, start, wanted, count = self._draw(container, rng)
         left, top, right, bottom = self.crop.box(width, height, rng)
         flip = bool(self.crop.flip and rng.random() < 0.5)
         seconds = (start / rate, (wanted[-1] + 1) / rate) if rate else (0.0, 0.0)
