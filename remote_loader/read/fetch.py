@@ -162,10 +162,12 @@ class Prefetcher(Generic[C]):
         self._reach = Reach(self.config.concurrency, self.config.prefetch_bytes, round_trip)
         self._budget_blocked = False  # the scheduler waits for budget
         self.metrics.peak("gets_in_flight", self._reach.gets)
-        # Its getters and its scheduler: each a loop on a thread of the daemon pool, until closed.
-        self._threads = DaemonPool(self.config.concurrency + 1, "remote-loader-fetch", numbered=True)
-        for _ in range(self.config.concurrency):
-            self._threads.submit(self._get)
+        # Its scheduler, the threads that locate ranges, and its getters (each a loop, until
+        # closed), on daemon threads. The getters start with the first range to GET: ranges
+        # that the node's cache holds whole need none.
+        self._threads = DaemonPool(1, "remote-loader-fetch")
+        self._locators = DaemonPool(_LOCATE_AHEAD, "remote-loader-locate")
+        self._getters: DaemonPool | None = None
         self._threads.submit(self._schedule)
 
     def check(self) -> None:
@@ -219,7 +221,7 @@ class Prefetcher(Generic[C]):
                 if job is None:
                     break
                 slot = _Pending(job)
-                pending.append((slot, in_daemon_thread(job.locate), job.early))
+                pending.append((slot, self._locators.submit(job.locate), job.early))
                 with self._lock:
                     self._slots.append(slot)
                     self._handed.notify()
@@ -260,6 +262,10 @@ class Prefetcher(Generic[C]):
         if len(bounds) > (2 if head is not None else 1) and end - bounds[-1] < _MIN_TAIL:
             bounds.pop()
         self._submitted += 1
+        if self._getters is None:
+            self._getters = DaemonPool(self.config.concurrency, "remote-loader-fetch", numbered=True)
+            for _ in range(self.config.concurrency):
+                self._getters.submit(self._get)
         backing = self._buffers.take(end - start)
         fetched = Fetched(
             slot.job.key,
@@ -389,7 +395,10 @@ class Prefetcher(Generic[C]):
             self._parts.clear()  # queued parts hold their ranges, which hold this fetcher
             self._wake_all()
         self.session.cancel.set()  # requests waiting to retry give up at once
-        self._threads.shutdown(join=_CLOSE_WITHIN)
+        deadline = time.monotonic() + _CLOSE_WITHIN
+        for pool in (self._threads, self._locators, self._getters):
+            if pool is not None:
+                pool.shutdown(join=max(0.0, deadline - time.monotonic()))
 
     def __enter__(self) -> Prefetcher:
         return self
