@@ -13,7 +13,9 @@ LitData's (``cache_dir``), each written by its own writer and read as the suite 
         [--profile s3-same-region] [--repeats 3] [--cache-rows] [--out results/cache-<commit>.json]
 
 ``--cache-rows`` runs only the rows of (1) with each system's cache: epoch 2 there is each
-loader's own cost per sample, the store out of the way. ``--read`` has each batch's consumer
+loader's own cost per sample, the store out of the way. ``--views`` adds ours with
+``views=True`` (members as read-only views of the cache's mapped files, as LitData hands out
+its items: no copy). ``--read`` has each batch's consumer
 read one byte of each 4 KB page of each sample (``augment.read_batch``), as a decoder would:
 without it a loader that hands out views of a memory-mapped file it never reads (LitData)
 is timed without reading the bytes at all, one that hands out ``bytes`` (ours) with a copy.
@@ -51,9 +53,10 @@ PEERS = ("remote_loader", "streaming", "litdata")
 # ---------------------------------------------------------------------------- in a child process
 
 
-def _ours(target: Any, prefix: str, workers: int, collate: Callable[[list[Any]], Any]) -> Any:
+def _ours(target: Any, prefix: str, workers: int, collate: Callable[[list[Any]], Any], views: bool) -> Any:
     """Ours as the suite reads it (``systems._load_remote_loader``, scenario A), the rank from
-    torch.distributed; the cache from ``REMOTE_LOADER_CACHE_DIR`` when the row has one."""
+    torch.distributed; the cache from ``REMOTE_LOADER_CACHE_DIR`` when the row has one;
+    members as ``bytes`` or, with ``views``, as views of the cache's mapped files."""
     from augment import BATCH
     from systems import SHUFFLE_BUFFER
     from torch.utils.data import DataLoader
@@ -61,7 +64,9 @@ def _ours(target: Any, prefix: str, workers: int, collate: Callable[[list[Any]],
     from remote_loader import RemoteDataset, make_client
 
     client = make_client(target.endpoint, target.access_key, target.secret_key)
-    stream = RemoteDataset(client, target.bucket, prefix, seed=0).shuffle(SHUFFLE_BUFFER).to_tuple("jpg", "cls")
+    options = {"views": True} if views else {}  # an older tree, compared, has no such argument
+    stream = RemoteDataset(client, target.bucket, prefix, seed=0, **options)
+    stream = stream.shuffle(SHUFFLE_BUFFER).to_tuple("jpg", "cls")
     return DataLoader(stream.batched(BATCH, collate), batch_size=None, num_workers=workers)
 
 
@@ -79,7 +84,7 @@ def child(system: str, prefix: str, workers: int, cache: str, counters: str, epo
     scenario = "A-read" if os.environ.get("BENCH_READ") == "1" else "A"
     if system == "remote_loader":
         os.environ.update(target.environ())
-        loader = _ours(target, prefix, workers, systems._collate(scenario))
+        loader = _ours(target, prefix, workers, systems._collate(scenario), setting == "views")
     else:
         loader = systems.loader(system, target, prefix, scenario, workers, cache, setting)
     out = []
@@ -173,9 +178,9 @@ def _measure(args: argparse.Namespace, target: Any, shaped: Any, counters: str, 
     without; two ranks of each; ours on loopback."""
     for workers in args.workers:
         for system in args.systems:
-            for setting in settings(system):  # LitData: batch_decode 1 and all, as the suite tries it
+            for setting in _settings(system, args.views):  # LitData: batch_decode 1 and all, as the suite tries it
                 (epochs,) = _rows(system, shaped, workers, str(work / f"cache-{system}"), counters, setting=setting)
-                record(f"{system}, {workers} workers{f', batch_decode={setting}' if setting else ''}, cache", epochs)
+                record(f"{system}, {workers} workers{_setting_name(system, setting)}, cache", epochs)
         if args.cache_rows:
             continue
         (epochs,) = _rows("remote_loader", shaped, workers, None, counters)
@@ -190,6 +195,20 @@ def _measure(args: argparse.Namespace, target: Any, shaped: Any, counters: str, 
     for workers in args.workers:
         (epochs,) = _rows("remote_loader", target, workers, None, "", epochs=1)
         record(f"remote_loader, {workers} workers, loopback, no cache", epochs)
+
+
+def _settings(system: str, views: bool) -> tuple[str | None, ...]:
+    """Each setting a system's cache rows are run with: ours with ``bytes`` and, with
+    ``--views``, with ``views=True`` too; LitData's ``batch_decode`` values."""
+    if system == "remote_loader":
+        return (None, "views") if views else (None,)
+    return settings(system)
+
+
+def _setting_name(system: str, setting: str | None) -> str:
+    if setting is None:
+        return ""
+    return f", {setting}" if system == "remote_loader" else f", batch_decode={setting}"
 
 
 def _median(runs: list[list[dict[str, float]]]) -> list[dict[str, float]]:
@@ -213,6 +232,7 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--cache-rows", action="store_true", help="only the rows of (1) with each system's cache")
     parser.add_argument("--read", action="store_true", help="each batch's consumer reads a byte of each page")
+    parser.add_argument("--views", action="store_true", help="ours also with views=True (members as views)")
     args = parser.parse_args()
     if args.read:
         os.environ["BENCH_READ"] = "1"  # the children's consumers read what they are given

@@ -8,7 +8,10 @@ or a server that ignores ``Range`` and answers with the whole object (``ignore_r
 header is dropped on the way, so only an upstream that checks no signature, moto, answers),
 or a request body with a byte flipped on the way to the server (``flip_body``: a PUT or a
 part damaged in transit; bodies go unsigned, so the signature still holds), or a range
-answered 416 though it lies inside the object (``refuse_range``: a store that answers wrongly).
+answered 416 though it lies inside the object (``refuse_range``: a store that answers wrongly),
+or a request held before it is forwarded until the test calls ``release()``, or for a minute
+(``hold``: a store that has not answered yet, for as long as a test needs; ``held`` counts
+those waiting).
 Whether a request meets a fault, and which, depends only on the seed, the request
 (method, path, query, range; a presigned URL's ``X-Amz-*`` parameters left out: they hold
 the time of signing) and how many times that same request was seen before, so a run is
@@ -31,7 +34,8 @@ from urllib.parse import urlsplit
 
 FAULTS = ("reset_before", "reset_mid_body", "error_500", "slow_down_503", "delay", "truncate", "flip", "stall_mid_body")
 """The faults a reader heals by retrying or fetching again."""
-ALL_FAULTS = (*FAULTS, "ignore_range", "flip_body", "refuse_range")
+ALL_FAULTS = (*FAULTS, "ignore_range", "flip_body", "refuse_range", "hold")
+_HOLD = 60.0  # seconds a request is held at most (a test that never releases it fails, never hangs)
 _SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
               b"<Message>Reduce your request rate.</Message></Error>")
 _INVALID_RANGE = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>InvalidRange</Code>'
@@ -87,6 +91,8 @@ class FaultProxy:
         self._lock = threading.Lock()
         self._connections: set[socket.socket] = set()
         self._closing = threading.Event()
+        self._released = threading.Event()
+        self.held = 0
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -177,6 +183,12 @@ class FaultProxy:
             return
         if fault == "delay":
             time.sleep(self.delay)  # the injected fault itself: a slow answer
+        if fault == "hold":
+            with self._lock:
+                self.held += 1
+            self._released.wait(_HOLD)
+            with self._lock:
+                self.held -= 1
         if fault == "flip_body" and body:
             corrupt = bytearray(body)
             corrupt[len(corrupt) // 2] ^= 0xFF
@@ -223,9 +235,14 @@ class FaultProxy:
         handler.close_connection = True
         handler.connection.close()
 
+    def release(self) -> None:
+        """Forward the requests held (``hold``) and, from now on, those that would be."""
+        self._released.set()
+
     def close(self) -> None:
         """Stop serving, drop open client connections and wait for every proxy thread."""
         self._closing.set()
+        self._released.set()
         self.server.shutdown()
         with self._lock:
             connections = list(self._connections)

@@ -6,6 +6,7 @@ import copy
 import os
 import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from typing import Any
 
 from torch.utils.data import IterableDataset, get_worker_info
@@ -21,6 +22,7 @@ from remote_loader.pipeline.sources.tars import Unindexed
 from remote_loader.pipeline.stages import chain as stages
 from remote_loader.pipeline.stages.augment import RandomResizedCrop
 from remote_loader.pipeline.stages.collate import collate as collate_samples
+from remote_loader.pipeline.stages.containers import owned
 from remote_loader.pipeline.stages.video import VideoClip
 from remote_loader.pipeline.state import resume
 from remote_loader.pipeline.state.epochs import EpochClock
@@ -29,6 +31,7 @@ from remote_loader.pipeline.state.stream import Data, WorkerStream
 from remote_loader.pipeline.state.uploads import Uploads
 from remote_loader.read import DatasetReader, Metrics
 from remote_loader.storage import Store, open_location
+from remote_loader.storage.daemon import in_daemon_thread
 
 
 class RemoteDataset(IterableDataset):
@@ -71,6 +74,11 @@ class RemoteDataset(IterableDataset):
         cache_verify: Check every member read from the cache against its crc32, every epoch
             (default ``REMOTE_LOADER_CACHE_VERIFY``, else off: a shard is checked whole as it
             enters the cache and read as it is while its file is unchanged; docs/cache.md).
+        views: Give each member as a read-only ``memoryview`` rather than ``bytes``: from a
+            shard in the node's cache, a view of the file mapped, with no copy (a pipeline
+            that hands its bytes to a decoder, or counts them, saves a copy of every sample:
+            docs/cache.md); elsewhere a view of the member's own copy. A view that leaves a
+            DataLoader worker in what it yields arrives as ``bytes`` (crossing copies it).
         **connection: ``endpoint_url``, ``access_key``, ``secret_key``, ``region``,
             ``backend``, with a URL.
 
@@ -98,6 +106,7 @@ class RemoteDataset(IterableDataset):
         cache_dir: str | os.PathLike[str] | None = None,
         cache_bytes: int | str | None = None,
         cache_verify: bool | None = None,
+        views: bool = False,
         **connection: Any,
     ) -> None:
         if isinstance(client, str):
@@ -114,11 +123,13 @@ class RemoteDataset(IterableDataset):
         require_bool("equalize", equalize, optional=True)
         require_bool("verify", verify)
         require_bool("unindexed", unindexed)
+        require_bool("views", views)
         if rank is not None or world_size is not None:
             rank, world_size = current_world(rank, world_size)
         self.fetch = fetch or FetchConfig()
         self.reader = DatasetReader(client, bucket, base_folder, verify=verify, fetch=self.fetch,
-                                    cache=CacheConfig.of(cache_dir, cache_bytes, verify_reads=cache_verify))
+                                    cache=CacheConfig.of(cache_dir, cache_bytes, verify_reads=cache_verify),
+                                    views=views)
         self.reader.after_change = _NEXT_PASS
         self.unindexed = unindexed
         self._data: Data = Unindexed(self.reader) if unindexed else Indexed(self.reader, self.on_error)
@@ -422,16 +433,26 @@ class RemoteDataset(IterableDataset):
         # once: the main process may set the next one while this runs
         epoch = self._epochs.begin(info, own=self._handover.own_epoch())
         reader = self.reader
+        check: Future[None] | None = None
         try:
             if not self._follow(epoch, info is not None) and self.reader.cache is not None and not self.unindexed:
-                self.reader.check_current()  # shards from the node's cache: nothing else would tell an overwrite
+                # Shards from the node's cache: nothing else would tell an overwrite. Asked beside
+                # the pass's start (a round trip to the store), or before it where it would
+                # take a loaded state, which a pass that raises must leave for the next.
+                if self._handover.loaded is None:
+                    check = in_daemon_thread(self.reader.check_current, "remote-loader-manifest")
+                else:
+                    self.reader.check_current()
             reader = self.reader
             stream = self._stream(epoch, worker, num_workers, take=True)
         except DatasetChanged:
             self._saw(reader)
             raise
         self._live = stream
-        return self._watched(iter(stream), reader)
+        items = iter(stream)
+        if info is not None and reader.views:
+            items = map(owned, items)  # a view cannot cross to the main process: what crosses is copied anyway
+        return self._watched(items, reader, check)
 
     # ------------------------------------------------------------------ an overwrite
 
@@ -479,8 +500,19 @@ class RemoteDataset(IterableDataset):
         if reader.replaced_by is not None:
             self._uploads.seen(reader.replaced_by, self._epochs.epoch)
 
-    def _watched(self, items: Iterator[Any], reader: DatasetReader) -> Iterator[Any]:
+    def _watched(self, items: Iterator[Any], reader: DatasetReader, check: Future[None] | None) -> Iterator[Any]:
+        """``items``, raising DatasetChanged where the read or ``check`` (the manifest read
+        again as the pass began, under way) finds the dataset replaced: the check's answer is
+        taken once it has come, and waited for before the pass ends."""
         try:
+            if check is not None:
+                for item in items:
+                    if check.done():
+                        check.result()
+                        yield item
+                        break
+                    yield item
+                check.result()
             yield from items
         except DatasetChanged:
             self._saw(reader)

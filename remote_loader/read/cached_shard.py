@@ -11,11 +11,16 @@ what ``CacheConfig.verify_reads`` is for, every member checked at every read.
 
 Members are read with ``os.pread``, one call a member: one copy, from the page cache into the
 sample's ``bytes``, made without the GIL; no mapping, so a file cut short or a disk's read error
-is an error the reader handles, never a signal that ends the process.
+is an error the reader handles, never a signal that ends the process. A dataset read with
+``views=True`` maps the file instead and hands out views of the mapping: no copy at all, at the
+price of that safety (a file of the cache cut short by another program while mapped ends the
+reading process with SIGBUS; the cache itself never writes into a shard in place: it renames a
+whole new file over it or unlinks it, and a mapping keeps the file it was made of).
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 import threading
@@ -29,6 +34,10 @@ _KEEP = 1 << 16  # files this process remembers having checked (where extended a
 
 _checked: dict[tuple[int, int], bytes] = {}  # (device, inode) -> stamp, checked in this process
 _lock = threading.Lock()
+_mappings: weakref.WeakValueDictionary[tuple[int, int, int, int], mmap.mmap] = weakref.WeakValueDictionary()
+"""Each cached file mapped in this process, by (device, inode, size, mtime), while any view of
+it or any ``ShardFile`` reading it lives: one mapping (and one descriptor, which the mapping
+keeps) a shard however many of its ranges are read, not one a range."""
 
 
 def _stamp(found: os.stat_result, crc: int) -> bytes:
@@ -76,14 +85,42 @@ def check_whole(fd: int, size: int, crc: int) -> bool:
     return True
 
 
+def _mapping(fd: int, size: int) -> mmap.mmap | None:
+    """The file open as ``fd`` (``size`` bytes) mapped read-only: this process's mapping of it
+    where one lives, else a new one; None where the file is no longer ``size`` bytes."""
+    found = os.fstat(fd)
+    if found.st_size != size:
+        return None
+    key = (found.st_dev, found.st_ino, found.st_size, found.st_mtime_ns)
+    with _lock:
+        mapped = _mappings.get(key)
+        if mapped is None:
+            mapped = _mappings[key] = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        return mapped
+
+
 class ShardFile:
     """A whole shard in the node's cache, open as ``fd`` (closed by ``close()``, or once the
     object is dropped). ``checked``: its bytes were checked whole and are trusted as they are.
     """
 
-    def __init__(self, fd: int, checked: bool) -> None:
-        self.fd, self.checked = fd, checked
+    def __init__(self, fd: int, checked: bool, size: int) -> None:
+        self.fd, self.checked, self.size = fd, checked, size
         self._close = weakref.finalize(self, os.close, fd)
+        self._mapped: memoryview | None = None
+
+    def view(self, offset: int, size: int) -> memoryview | None:
+        """Bytes ``[offset, offset + size)`` of the shard as a read-only view of the file
+        mapped whole (mapped at the first view, once a process; the mapping lasts while any
+        view of it does); None past the size the file had when opened."""
+        if offset < 0 or offset + size > self.size:
+            return None
+        if self._mapped is None:
+            mapped = _mapping(self.fd, self.size) if self.size else b""
+            if mapped is None:
+                return None  # cut short since it was opened whole
+            self._mapped = memoryview(mapped)
+        return self._mapped[offset : offset + size]
 
     def read(self, offset: int, size: int) -> bytes | None:
         """Bytes ``[offset, offset + size)`` of the shard; None where the file ends first (it
@@ -99,4 +136,5 @@ class ShardFile:
         return data
 
     def close(self) -> None:
+        self._mapped = None  # the mapping itself goes with the last view of it
         self._close()

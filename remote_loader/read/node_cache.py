@@ -380,7 +380,7 @@ class UploadCache:
                 self.discard(name)
                 damaged()
                 return None
-            shard, fd = ShardFile(fd, trusted), -1
+            shard, fd = ShardFile(fd, trusted, size), -1
             return shard
         finally:
             if fd >= 0:

@@ -85,11 +85,14 @@ class DatasetReader:
     """
 
     def __init__(self, client: Store | Any, bucket: str, base_folder: str, *, verify: bool = True,
-                 fetch: FetchConfig | None = None, cache_pages: int = 32, cache: CacheConfig | None = None) -> None:
+                 fetch: FetchConfig | None = None, cache_pages: int = 32, cache: CacheConfig | None = None,
+                 views: bool = False) -> None:
         self.client = as_store(client, bucket)
         base_folder = base_folder.strip("/")
         self.location = Location(bucket, base_folder, self.client.path_of(bucket, base_folder))
         self.verify = verify
+        self.views = views
+        """Members as read-only memoryviews (of the mapped file, from the node's cache), not bytes."""
         self.fetch = fetch or FetchConfig()
         self.cache_pages = require_int("cache_pages", cache_pages, 1)
         if cache is not None and not isinstance(cache, CacheConfig):

@@ -86,6 +86,11 @@ def own(sample: Sample) -> Sample:
     return {k: bytes(v) if isinstance(v, memoryview) else v for k, v in sample.items()}
 
 
+def as_views(sample: Sample) -> Sample:
+    """A sample's members as read-only memoryviews (what ``views=True`` gives)."""
+    return {k: memoryview(v) if isinstance(v, bytes) else v for k, v in sample.items()}
+
+
 def read_run(
     reader: DatasetReader, shard: int, index: ShardIndex, positions: list[int], session: ReadSession
 ) -> list[Sample]:
@@ -240,7 +245,7 @@ class OpenRange:
             end = self._ends[j]
             if end > self._arrived:
                 self._arrived = self._wait(end)
-            buffer, check, file = self._buffer, self._check, self._file
+            buffer, check, file, views = self._buffer, self._check, self._file, self.reader.views
             assert buffer is not None
             sample: Sample = {"__key__": self._keys[j], "__shard__": self.view.name}
             for field, offsets, sizes, crcs in self._columns:
@@ -251,9 +256,9 @@ class OpenRange:
                     data = buffer[offset : offset + sizes[j]]
                     if check and crc32(data) != crcs[j]:
                         return self._damaged(j + self._first)
-                    sample[field] = bytes(data)
+                    sample[field] = memoryview(bytes(data)) if views else bytes(data)
                     continue
-                read = file.read(offset, sizes[j])
+                read = file.view(offset, sizes[j]) if views else file.read(offset, sizes[j])
                 if read is None or (check and crc32(read) != crcs[j]):  # cut short, or changed, since it was opened
                     return self._damaged(j + self._first)
                 sample[field] = read
@@ -274,12 +279,13 @@ class OpenRange:
         """Sample ``i`` of the shard, whose bytes here failed their checksum, fetched again."""
         assert self.index is not None and self.view is not None  # unindexed tars are not verified
         try:
-            return read_run(self.reader, self.shard, self.index, [i], self.session)[0]
+            sample = read_run(self.reader, self.shard, self.index, [i], self.session)[0]
         except DAMAGE as error:
             if not self.on_error.skips:
                 raise
             skip(f"sample {self.view.index.keys[i]!r} of {self.view.name}", 1, error, self.session)
             return None
+        return as_views(sample) if self.reader.views else sample
 
     def close(self) -> None:
         self.view = None  # no view of the buffer may outlive it

@@ -25,9 +25,10 @@ def collate(batch: Sequence[Any]) -> Any:
     """A batch of samples: a tuple's positions (as a list, as ``default_collate`` gives them)
     or a dict's keys each collated across the batch. A field of tensors, arrays or numbers is
     stacked as ``default_collate`` stacks it, or kept per sample where shapes differ; a field
-    that is a dict or a list (a detection target, COCO's annotations), or torchvision
-    ``BoundingBoxes``, ``Mask`` or ``KeyPoints`` (whose metadata is each sample's), is kept per
-    sample: a list as long as the batch, NumPy arrays in it as tensors."""
+    that is a dict or a list (a detection target, COCO's annotations), torchvision
+    ``BoundingBoxes``, ``Mask`` or ``KeyPoints`` (whose metadata is each sample's), or a member
+    read as a memoryview (``views=True``: ``default_collate`` would take it for a sequence of
+    its bytes) is kept per sample: a list as long as the batch, NumPy arrays in it as tensors."""
     batch = list(batch)
     first = batch[0]
     if isinstance(first, Mapping) and all(isinstance(b, Mapping) and b.keys() == first.keys() for b in batch):
@@ -40,7 +41,7 @@ def collate(batch: Sequence[Any]) -> Any:
 def _field(values: list[Any]) -> Any:
     """One field's values across a batch: stacked where they are tensors, arrays or numbers of
     one shape, else one per sample."""
-    if any(isinstance(v, (Mapping, list, tuple)) or _per_sample(v) for v in values):
+    if any(isinstance(v, (Mapping, list, tuple, memoryview)) or _per_sample(v) for v in values):
         return [_tensors(v) for v in values]
     try:
         return default_collate(values)
