@@ -194,7 +194,8 @@ class RemoteDataset(IterableDataset):
 
         The buffer sits at the source, whatever its place among ``decode``, ``map`` and
         ``to_tuple``: it mixes samples as they come from storage, so it holds their encoded
-        bytes (copied out of the fetched ranges), and those stages, which treat each sample
+        bytes (copied out of the fetched ranges, or with ``views`` views of the cache's
+        mapped files), and those stages, which treat each sample
         alone, give the same results. It comes before ``select`` and ``batched``, once.
         """
         first = initial if initial is not None else min(bufsize, 100) if isinstance(bufsize, int) else 0

@@ -109,18 +109,21 @@ class ShardFile:
         self._close = weakref.finalize(self, os.close, fd)
         self._mapped: memoryview | None = None
 
-    def view(self, offset: int, size: int) -> memoryview | None:
-        """Bytes ``[offset, offset + size)`` of the shard as a read-only view of the file
-        mapped whole (mapped at the first view, once a process; the mapping lasts while any
-        view of it does); None past the size the file had when opened."""
-        if offset < 0 or offset + size > self.size:
-            return None
+    def mapped(self) -> memoryview | None:
+        """The whole file as a read-only view of it mapped (mapped once a process, and kept
+        while any view of it lives); None where it was cut short since it was opened."""
         if self._mapped is None:
             mapped = _mapping(self.fd, self.size) if self.size else b""
             if mapped is None:
-                return None  # cut short since it was opened whole
+                return None
             self._mapped = memoryview(mapped)
-        return self._mapped[offset : offset + size]
+        return self._mapped
+
+    def view(self, offset: int, size: int) -> memoryview | None:
+        """Bytes ``[offset, offset + size)`` of the shard as a read-only view of the file
+        mapped (``mapped()``); None past the size the file had when opened."""
+        whole = self.mapped() if 0 <= offset and offset + size <= self.size else None
+        return None if whole is None else whole[offset : offset + size]
 
     def read(self, offset: int, size: int) -> bytes | None:
         """Bytes ``[offset, offset + size)`` of the shard; None where the file ends first (it

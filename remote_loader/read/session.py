@@ -112,6 +112,11 @@ class ReadSession:
             self.metrics.add(cached_bytes=end - start)
         return shard
 
+    def holds(self, key: str) -> bool:
+        """Whether the node's cache holds object ``key`` whole (a look at its file: nothing read)."""
+        found = self._cached(key)
+        return found is not None and found[0].size(found[1]) == found[2]
+
     def head(self, bucket: str, key: str) -> int:
         """The object's size: a HEAD, or the size of its copy in the node's cache (checked whole
         against the manifest's crc32 when it was fetched)."""

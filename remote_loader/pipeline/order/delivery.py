@@ -127,14 +127,15 @@ class Shuffler:
             if item is not _END:
                 items.append(item)
                 taken += 1
-                for _ in range(2):
-                    if len(items) >= bufsize:
-                        break
-                    extra = next(source, _END)
-                    if extra is _END:
-                        break
-                    items.append(extra)
-                    taken += 1
+                if len(items) < bufsize:  # filling: up to two more (once full, one in, one out)
+                    for _ in range(2):
+                        if len(items) >= bufsize:
+                            break
+                        extra = next(source, _END)
+                        if extra is _END:
+                            break
+                        items.append(extra)
+                        taken += 1
                 self.reads = taken
                 if len(items) < initial:
                     continue

@@ -209,7 +209,8 @@ class ShardSource:
                 entry = shards[span.shard]
                 key = self.reader.location.key(entry.name)
                 self.session.expect(key, entry.name, entry.size, entry.crc32)  # read through the node's cache
-                early[slot] = fetch_head(self.session, self.reader.location.bucket, key, 0, entry.size)
+                if not self.session.holds(key):  # a cached shard is read from its file: no head to fetch
+                    early[slot] = fetch_head(self.session, self.reader.location.bucket, key, 0, entry.size)
         return early
 
     def _group_jobs(self, group: Group, offset: int, early: dict[int, Any]) -> list[Job[Piece]]:
