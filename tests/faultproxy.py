@@ -186,7 +186,8 @@ class FaultProxy:
         if fault == "hold":
             with self._lock:
                 self.held += 1
-            self._released.wait(_HOLD)
+                released = self._released
+            released.wait(_HOLD)
             with self._lock:
                 self.held -= 1
         if fault == "flip_body" and body:
@@ -235,14 +236,19 @@ class FaultProxy:
         handler.close_connection = True
         handler.connection.close()
 
-    def release(self) -> None:
-        """Forward the requests held (``hold``) and, from now on, those that would be."""
-        self._released.set()
+    def release(self, hold_again: bool = False) -> None:
+        """Forward the requests held (``hold``) and, from now on, those that would be; with
+        ``hold_again``, hold those that come from now on."""
+        with self._lock:
+            self._released.set()
+            if hold_again:
+                self._released = threading.Event()
 
     def close(self) -> None:
         """Stop serving, drop open client connections and wait for every proxy thread."""
         self._closing.set()
-        self._released.set()
+        with self._lock:
+            self._released.set()
         self.server.shutdown()
         with self._lock:
             connections = list(self._connections)

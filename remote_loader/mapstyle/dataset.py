@@ -72,9 +72,13 @@ class RemoteMapDataset(Dataset):
         cache_verify: bool | None = None,
         **connection: Any,
     ) -> None:
+        if "views" in connection:
+            raise ConfigError("views is RemoteDataset's: RemoteMapDataset gives each member as bytes")
         if isinstance(client, str):
             client, location = open_location(client, **connection)
             bucket, base_folder = location.bucket, location.base_folder
+        elif connection:
+            raise ConfigError(f"{', '.join(sorted(connection))}: connection options go with a URL, not a store")
         if bucket is None or base_folder is None:
             raise ConfigError("RemoteMapDataset needs (client, bucket, base_folder) or an s3:// URL")
         if cache_shards < 1 or cache_pages < 1 or merge_gap < 0:

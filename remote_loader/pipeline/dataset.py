@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -22,8 +23,8 @@ from remote_loader.pipeline.sources.tars import Unindexed
 from remote_loader.pipeline.stages import chain as stages
 from remote_loader.pipeline.stages.augment import RandomResizedCrop
 from remote_loader.pipeline.stages.collate import collate as collate_samples
-from remote_loader.pipeline.stages.containers import owned
 from remote_loader.pipeline.stages.video import VideoClip
+from remote_loader.pipeline.stages.views import default_conversion, owned, pickle_views_as_bytes
 from remote_loader.pipeline.state import resume
 from remote_loader.pipeline.state.epochs import EpochClock
 from remote_loader.pipeline.state.resume import Handover, Layout
@@ -31,7 +32,7 @@ from remote_loader.pipeline.state.stream import Data, WorkerStream
 from remote_loader.pipeline.state.uploads import Uploads
 from remote_loader.read import DatasetReader, Metrics
 from remote_loader.storage import Store, open_location
-from remote_loader.storage.daemon import in_daemon_thread
+from remote_loader.storage.daemon import in_daemon_thread, wait_result
 
 
 class RemoteDataset(IterableDataset):
@@ -78,7 +79,8 @@ class RemoteDataset(IterableDataset):
             shard in the node's cache, a view of the file mapped, with no copy (a pipeline
             that hands its bytes to a decoder, or counts them, saves a copy of every sample:
             docs/cache.md); elsewhere a view of the member's own copy. A view that leaves a
-            DataLoader worker in what it yields arrives as ``bytes`` (crossing copies it).
+            DataLoader worker arrives as ``bytes`` (crossing copies it), and so does one that
+            meets torch's default conversion (which would take it for a sequence of ints).
         **connection: ``endpoint_url``, ``access_key``, ``secret_key``, ``region``,
             ``backend``, with a URL.
 
@@ -142,6 +144,7 @@ class RemoteDataset(IterableDataset):
         self._uploads = Uploads()  # an overwrite seen by any of its processes, for the passes after it
         self._handover = Handover()  # the state loaded last, for the iterations that resume from it
         self._live: WorkerStream | None = None  # this process's latest stream, which gives its state
+        self._check: Future[None] | None = None  # the latest pass's manifest check, until that pass takes its answer
         self._loaded_state: Any = None  # the state load_state_dict was given last, for the stages chained after it
         self.fell_back = False
         """Whether ``decode(device="auto")`` found no GPU and decodes on the CPU, in the workers."""
@@ -152,12 +155,12 @@ class RemoteDataset(IterableDataset):
         numbers in shared memory, as a forked worker does."""
         clone = object.__new__(type(self))
         clone.__dict__.update(self.__dict__)
-        clone._handover, clone._live = copy.copy(self._handover), None
+        clone._handover, clone._live, clone._check = copy.copy(self._handover), None, None
         return clone
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_live"] = None  # a stream stays in its process
+        state["_live"] = state["_check"] = None  # a stream, and a thread's answer, stay in their process
         return state
 
     @property
@@ -421,12 +424,13 @@ class RemoteDataset(IterableDataset):
         # first item gets this iteration's; an error waits for the first next(), where
         # DataLoader workers report it (one raised here ends a persistent worker).
         self._live = None
+        converted = self.reader.views and default_conversion(sys._getframe(1))
         try:
-            return self._begin()
+            return self._begin(converted)
         except Exception as error:  # noqa: BLE001 - raised unchanged at the first next()
             return _failing(error)
 
-    def _begin(self) -> Iterator[Any]:
+    def _begin(self, converted: bool = False) -> Iterator[Any]:
         info = get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info else (0, 1)
         if num_workers > MAX_WORKERS:
@@ -434,26 +438,36 @@ class RemoteDataset(IterableDataset):
         # once: the main process may set the next one while this runs
         epoch = self._epochs.begin(info, own=self._handover.own_epoch())
         reader = self.reader
-        check: Future[None] | None = None
         try:
-            if not self._follow(epoch, info is not None) and self.reader.cache is not None and not self.unindexed:
-                # Shards from the node's cache: nothing else would tell an overwrite. Asked beside
-                # the pass's start (a round trip to the store), or before it where it would
-                # take a loaded state, which a pass that raises must leave for the next.
-                if self._handover.loaded is None:
-                    check = in_daemon_thread(self.reader.check_current, "remote-loader-manifest")
-                else:
-                    self.reader.check_current()
-            reader = self.reader
+            followed = self._follow(epoch, info is not None)
+            reader, check = self.reader, self._check_current(followed)
             stream = self._stream(epoch, worker, num_workers, take=True)
         except DatasetChanged:
             self._saw(reader)
             raise
         self._live = stream
         items = iter(stream)
-        if info is not None and reader.views:
-            items = map(owned, items)  # a view cannot cross to the main process: what crosses is copied anyway
+        if converted:
+            items = map(owned, items)  # torch's default conversion would take a view for a sequence of ints
+        if reader.views and info is not None:
+            pickle_views_as_bytes()  # what leaves the worker crosses as bytes: crossing copies it anyway
         return self._watched(items, reader, check)
+
+    def _check_current(self, followed: bool) -> Future[None] | None:
+        """With shards from the node's cache, nothing else would tell an overwrite: the manifest
+        read again, beside the pass's start (a round trip to the store), or before it where it
+        would take a loaded state, which a pass that raises must leave for the next. A check
+        whose pass ended before its answer came is taken first (DatasetChanged raised now)."""
+        previous, self._check = self._check, None
+        if followed or self.reader.cache is None or self.unindexed:
+            return None
+        if previous is not None:
+            wait_result(previous)
+        if self._handover.loaded is not None:
+            self.reader.check_current()
+            return None
+        self._check = in_daemon_thread(self.reader.check_current, "remote-loader-manifest")
+        return self._check
 
     # ------------------------------------------------------------------ an overwrite
 
@@ -509,15 +523,21 @@ class RemoteDataset(IterableDataset):
             if check is not None:
                 for item in items:
                     if check.done():
-                        check.result()
+                        self._taken(check)
                         yield item
                         break
                     yield item
-                check.result()
+                self._taken(check)
             yield from items
         except DatasetChanged:
             self._saw(reader)
             raise
+
+    def _taken(self, check: Future[None]) -> None:
+        """The answer of a pass's manifest check, taken by the pass (raised if it is DatasetChanged)."""
+        if self._check is check:
+            self._check = None
+        wait_result(check)
 
     def _stream(self, epoch: int, worker: int, num_workers: int, take: bool = False) -> WorkerStream:
         """Worker ``worker``'s stream of ``epoch``, reset to where it starts (a loaded state

@@ -108,12 +108,18 @@ class ShardFile:
         self.fd, self.checked, self.size = fd, checked, size
         self._close = weakref.finalize(self, os.close, fd)
         self._mapped: memoryview | None = None
+        self.unmappable = False
 
     def mapped(self) -> memoryview | None:
         """The whole file as a read-only view of it mapped (mapped once a process, and kept
-        while any view of it lives); None where it was cut short since it was opened."""
-        if self._mapped is None:
-            mapped = _mapping(self.fd, self.size) if self.size else b""
+        while any view of it lives); None where it was cut short since it was opened, or its
+        filesystem maps no file (``unmappable``: FUSE with ``direct_io`` before Linux 6.6)."""
+        if self._mapped is None and not self.unmappable:
+            try:
+                mapped = _mapping(self.fd, self.size) if self.size else b""
+            except OSError:
+                self.unmappable = True
+                return None
             if mapped is None:
                 return None
             self._mapped = memoryview(mapped)
@@ -121,9 +127,15 @@ class ShardFile:
 
     def view(self, offset: int, size: int) -> memoryview | None:
         """Bytes ``[offset, offset + size)`` of the shard as a read-only view of the file
-        mapped (``mapped()``); None past the size the file had when opened."""
-        whole = self.mapped() if 0 <= offset and offset + size <= self.size else None
-        return None if whole is None else whole[offset : offset + size]
+        mapped (``mapped()``), or of their copy where it cannot be mapped; None past the size
+        the file had when opened, or where it was cut short since."""
+        if offset < 0 or offset + size > self.size:
+            return None
+        whole = self.mapped()
+        if whole is not None:
+            return whole[offset : offset + size]
+        copy = self.read(offset, size) if self.unmappable else None
+        return None if copy is None else memoryview(copy)
 
     def read(self, offset: int, size: int) -> bytes | None:
         """Bytes ``[offset, offset + size)`` of the shard; None where the file ends first (it

@@ -42,12 +42,3 @@ def rebuild(item: Any, fn: Callable[[Path, Any], Any], path: Path = ()) -> Any:
         return tuple(members) if isinstance(item, tuple) else members
     return item
 
-
-def _bytes_of_view(_: Path, node: Any) -> Any:
-    return bytes(node) if isinstance(node, memoryview) else WALK_ON
-
-
-def owned(item: Any) -> Any:
-    """``item`` with every memoryview inside it (a member read with ``views=True``) as bytes:
-    what can be pickled, to leave a DataLoader worker. An item without one is given as it is."""
-    return rebuild(item, _bytes_of_view) if holds(item, memoryview) else item

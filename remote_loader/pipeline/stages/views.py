@@ -1,0 +1,88 @@
+"""Members read with ``views=True`` (read-only memoryviews) where they leave a pipeline: as
+bytes across to the main process, and as bytes where torch's default conversion would take
+a view for a sequence of ints.
+
+torch's ``default_convert`` and ``default_collate`` (what a ``DataLoader`` applies when given
+no ``collate_fn``) treat a ``memoryview`` as a sequence: a view of a JPEG would become a list
+of its bytes as ints. A view cannot be pickled either, so it cannot leave a DataLoader worker
+as it is (and crossing copies it anyway).
+"""
+
+from __future__ import annotations
+
+import copy
+import types
+from collections.abc import Mapping
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+
+from torch.utils.data import default_collate, default_convert
+
+from remote_loader.pipeline.stages.containers import holds
+
+_DEFAULTS = (default_convert, default_collate)
+_registered = False  # pickle_views_as_bytes, in this process (a forked child inherits both)
+
+
+def default_conversion(frame: types.FrameType | None) -> bool:
+    """Whether the caller of a dataset's ``__iter__`` (``frame``) is the fetcher of a torch
+    ``DataLoader`` (or of torchdata's ``StatefulDataLoader``) in this process that will pass
+    each item to torch's default conversion or collation: its ``__init__``, whose
+    ``collate_fn`` is one of them. A ``collate_fn`` of the user's own takes what it is given."""
+    if frame is None or frame.f_code.co_name != "__init__":
+        return False
+    fetcher = frame.f_locals.get("self")
+    if type(fetcher).__name__ != "_IterableDatasetFetcher":
+        return False
+    return any(frame.f_locals.get("collate_fn") is fn for fn in _DEFAULTS)
+
+
+def owned(item: Any) -> Any:
+    """``item`` with every memoryview inside its tuples, lists and mappings (the containers
+    torch's default conversion walks) as bytes, each container of its own type (a named
+    tuple, an ``OrderedDict``); an item without one is given as it is."""
+    return _owned(item) if holds(item, memoryview) else item
+
+
+def _owned(item: Any) -> Any:
+    if isinstance(item, memoryview):
+        return item.tobytes()
+    if isinstance(item, Mapping):
+        members = {k: _owned(v) for k, v in item.items()}
+        if type(item) is dict:
+            return members
+        try:
+            clone = copy.copy(item)
+            clone.update(members)  # type: ignore[attr-defined]
+            return clone
+        except (TypeError, AttributeError):
+            return members
+    if isinstance(item, tuple):
+        values = [_owned(v) for v in item]
+        if hasattr(item, "_fields"):  # a named tuple
+            return type(item)(*values)
+        return tuple(values) if type(item) is tuple else type(item)(values)
+    if isinstance(item, list):
+        values = [_owned(v) for v in item]
+        if type(item) is list:
+            return values
+        try:
+            return type(item)(values)
+        except TypeError:
+            return values
+    return item
+
+
+def _view_as_bytes(view: memoryview) -> tuple[type[bytes], tuple[bytes]]:
+    return bytes, (view.tobytes(),)
+
+
+def pickle_views_as_bytes() -> None:
+    """Have this process's multiprocessing pickler (a DataLoader worker's queue to the main
+    process) send each memoryview as bytes, wherever it lies in what is sent (in a dataclass
+    too), rather than fail in the queue's feeder thread (which leaves the DataLoader waiting
+    for an item that never comes). Done once a process; nothing else pickles views there."""
+    global _registered
+    if not _registered:
+        ForkingPickler.register(memoryview, _view_as_bytes)
+        _registered = True
