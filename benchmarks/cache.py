@@ -173,14 +173,20 @@ def _line(name: str, epochs: list[dict[str, float]]) -> str:
 
 
 def _measure(args: argparse.Namespace, target: Any, shaped: Any, counters: str, work: Path,
-             record: Callable[[str, list[dict[str, float]]], None]) -> None:
+             record: Callable[[str, list[dict[str, float]]], None], failed: dict[str, str]) -> None:
     """Every row once, in this order: at each worker count each system with its cache, ours
     without; two ranks of each; ours on loopback."""
     for workers in args.workers:
         for system in args.systems:
             for setting in _settings(system, args.views):  # LitData: batch_decode 1 and all, as the suite tries it
-                (epochs,) = _rows(system, shaped, workers, str(work / f"cache-{system}"), counters, setting=setting)
-                record(f"{system}, {workers} workers{_setting_name(system, setting)}, cache", epochs)
+                name = f"{system}, {workers} workers{_setting_name(system, setting)}, cache"
+                try:
+                    (epochs,) = _rows(system, shaped, workers, str(work / f"cache-{system}"), counters, setting=setting)
+                except RuntimeError as error:  # a row that fails is reported as failed; the others still run
+                    failed.setdefault(name, str(error).strip().splitlines()[-1])
+                    print(f"{name:<48}failed: {failed[name]}", flush=True)
+                    continue
+                record(name, epochs)
         if args.cache_rows:
             continue
         (epochs,) = _rows("remote_loader", shaped, workers, None, counters)
@@ -246,6 +252,7 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="bench-cache-"))
     runs: dict[str, list[list[dict[str, float]]]] = {}
+    failed: dict[str, str] = {}  # row -> the last line of its first failure
 
     def record(name: str, epochs: list[dict[str, float]]) -> None:
         runs.setdefault(name, []).append(epochs)
@@ -262,7 +269,7 @@ def main() -> None:
                 print(f"{args.images:,d} images through {args.profile}; per epoch: samples/s, what went to the store")
                 for repeat in range(args.repeats):
                     print(f"run {repeat + 1} of {args.repeats}", flush=True)
-                    _measure(args, target, shaped, counters, work, record)
+                    _measure(args, target, shaped, counters, work, record, failed)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     medians = {name: _median(found) for name, found in runs.items()}
@@ -271,7 +278,8 @@ def main() -> None:
         print(_line(name, epochs))
     if args.out:
         Path(args.out).write_text(json.dumps({"images": args.images, "profile": args.profile,
-                                              "shard_bytes": systems.SHARD_BYTES, "medians": medians, "runs": runs},
+                                              "shard_bytes": systems.SHARD_BYTES, "medians": medians, "runs": runs,
+                                              "failed": failed},
                                              indent=1))
 
 
