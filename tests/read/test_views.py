@@ -251,3 +251,33 @@ def test_an_overwrite_found_after_a_pass_ended_is_raised_by_the_next_pass(seawee
     finally:
         through.close()
         proxy.close()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_stateful_loader_over_views_resumes_each_sample_once_with_its_bytes(dataset, tmp_path, workers):
+    pytest.importorskip("torchdata")
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    store, bucket = dataset
+
+    def pipeline() -> RemoteDataset:
+        return RemoteDataset(store, bucket, "d", seed=7, cache_dir=tmp_path / "cache", views=True).shuffle(10)
+
+    expected = _members(pipeline())  # fills the cache: what follows reads its files' mappings
+    for stop in (3, 17):
+        first = StatefulDataLoader(pipeline(), batch_size=None, num_workers=workers, collate_fn=_as_given)
+        seen = []
+        for sample in first:
+            seen.append(sample)
+            if len(seen) == stop:
+                state = first.state_dict()
+                break
+        resumed = StatefulDataLoader(pipeline(), batch_size=None, num_workers=workers, collate_fn=_as_given)
+        resumed.load_state_dict(state)
+        rest = list(resumed)
+        assert _members(seen + rest) == expected, stop
+        assert _field_types(seen + rest) == ({memoryview} if workers == 0 else {bytes})
+
+
+def _as_given(item):
+    return item
