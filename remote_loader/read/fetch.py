@@ -163,12 +163,20 @@ class Prefetcher(Generic[C]):
         self._budget_blocked = False  # the scheduler waits for budget
         self.metrics.peak("gets_in_flight", self._reach.gets)
         # Its scheduler, the threads that locate ranges, and its getters (each a loop, until
-        # closed), on daemon threads. The getters start with the first range to GET: ranges
-        # that the node's cache holds whole need none.
+        # closed), on daemon threads. The getters start now, while the first ranges are
+        # located; through the node's cache, with the first range to GET (the ranges of
+        # shards it holds whole need none).
         self._threads = DaemonPool(1, "remote-loader-fetch")
         self._locators = DaemonPool(_LOCATE_AHEAD, "remote-loader-locate")
         self._getters: DaemonPool | None = None
+        if not session.caching:
+            self._start_getters()
         self._threads.submit(self._schedule)
+
+    def _start_getters(self) -> None:
+        self._getters = DaemonPool(self.config.concurrency, "remote-loader-fetch", numbered=True)
+        for _ in range(self.config.concurrency):
+            self._getters.submit(self._get)
 
     def check(self) -> None:
         """Raise the fetcher's failure, or FetcherClosed once it is closed."""
@@ -263,9 +271,7 @@ class Prefetcher(Generic[C]):
             bounds.pop()
         self._submitted += 1
         if self._getters is None:
-            self._getters = DaemonPool(self.config.concurrency, "remote-loader-fetch", numbered=True)
-            for _ in range(self.config.concurrency):
-                self._getters.submit(self._get)
+            self._start_getters()
         backing = self._buffers.take(end - start)
         fetched = Fetched(
             slot.job.key,

@@ -59,6 +59,11 @@ class ReadSession:
         self._upload: UploadCache | None = None  # the cache, once made (after the manifest is read)
         self._shards: dict[str, tuple[str, int, int]] = {}  # key -> (name, size, crc32) of shards the cache holds
 
+    @property
+    def caching(self) -> bool:
+        """Whether the session reads through a node's cache."""
+        return self._cache is not None
+
     def expect(self, key: str, name: str, size: int, crc: int) -> None:
         """Say that object ``key`` is shard ``name`` of the manifest (``size`` bytes, crc32
         ``crc``): reads of it go through the node's cache, where there is one."""
