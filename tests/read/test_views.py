@@ -179,6 +179,20 @@ def test_a_dataloader_without_workers_and_its_default_conversion_gets_bytes(cach
     assert {type(v) for b in loader(ds.batched(4), num_workers=0) for v in b["jpg"]} == {bytes}
 
 
+class _Counted(RemoteDataset):
+    """A subclass with an ``__iter__`` of its own, as users write them."""
+
+    def __iter__(self):
+        yield from super().__iter__()
+
+
+def test_a_subclass_with_its_own_iter_gets_bytes_through_the_default_conversion(dataset, tmp_path):
+    store, bucket = dataset
+    ds = _Counted(store, bucket, "d", cache_dir=tmp_path / "cache", views=True)
+    samples = list(DataLoader(ds, batch_size=None, num_workers=0))
+    assert _field_types(samples) == {bytes} and len(samples) == SAMPLES
+
+
 def test_a_collate_fn_of_ones_own_takes_views_as_they_are(cached):
     ds, expected = cached
     samples = list(DataLoader(ds, batch_size=None, num_workers=0, collate_fn=lambda item: item))

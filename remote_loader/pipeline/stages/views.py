@@ -24,17 +24,23 @@ _DEFAULTS = (default_convert, default_collate)
 _registered = False  # pickle_views_as_bytes, in this process (a forked child inherits both)
 
 
+_CALLERS = 4  # frames looked at above a dataset's __iter__ (a subclass's own __iter__ may come between)
+
+
 def default_conversion(frame: types.FrameType | None) -> bool:
-    """Whether the caller of a dataset's ``__iter__`` (``frame``) is the fetcher of a torch
-    ``DataLoader`` (or of torchdata's ``StatefulDataLoader``) in this process that will pass
-    each item to torch's default conversion or collation: its ``__init__``, whose
+    """Whether the caller of a dataset's ``__iter__`` (``frame``, or one of the few frames
+    above it: a subclass's generator runs it at the first ``next()``) is the fetcher of a
+    torch ``DataLoader`` (or of torchdata's ``StatefulDataLoader``) in this process that
+    passes each item to torch's default conversion or collation: a fetcher whose
     ``collate_fn`` is one of them. A ``collate_fn`` of the user's own takes what it is given."""
-    if frame is None or frame.f_code.co_name != "__init__":
-        return False
-    fetcher = frame.f_locals.get("self")
-    if type(fetcher).__name__ != "_IterableDatasetFetcher":
-        return False
-    return any(frame.f_locals.get("collate_fn") is fn for fn in _DEFAULTS)
+    for _ in range(_CALLERS):
+        if frame is None:
+            return False
+        fetcher = frame.f_locals.get("self")
+        if type(fetcher).__name__ == "_IterableDatasetFetcher":
+            return any(getattr(fetcher, "collate_fn", None) is fn for fn in _DEFAULTS)
+        frame = frame.f_back
+    return False
 
 
 def owned(item: Any) -> Any:
