@@ -3,6 +3,7 @@ stage needs: finding the leaves of a kind, and rebuilding a container around new
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -31,14 +32,33 @@ def holds(item: Any, kind: type | tuple[type, ...]) -> bool:
 
 def rebuild(item: Any, fn: Callable[[Path, Any], Any], path: Path = ()) -> Any:
     """``item`` with each node replaced by ``fn(path, node)``, outermost first; where ``fn``
-    returns ``WALK_ON`` a container is rebuilt of its walked members (a tuple stays a tuple)."""
+    returns ``WALK_ON`` a container is rebuilt of its walked members, of its own type where
+    one can be made so (a named tuple, an ``OrderedDict``, a list's subclass), else a plain one."""
     out = fn(path, item)
     if out is not WALK_ON:
         return out
     if isinstance(item, dict):
-        return {k: rebuild(x, fn, (*path, k)) for k, x in item.items()}
+        return _like(item, {k: rebuild(x, fn, (*path, k)) for k, x in item.items()})
     if isinstance(item, tuple | list):
-        members = [rebuild(x, fn, (*path, i)) for i, x in enumerate(item)]
-        return tuple(members) if isinstance(item, tuple) else members
+        return _like(item, [rebuild(x, fn, (*path, i)) for i, x in enumerate(item)])
     return item
 
+
+def _like(item: Any, members: Any) -> Any:
+    """``members`` (a dict or a list) in a container of ``item``'s type."""
+    kind = type(item)
+    if kind is dict or kind is list:
+        return members
+    if kind is tuple:
+        return tuple(members)
+    try:
+        if hasattr(item, "_fields"):  # a named tuple
+            return kind(*members)
+        if isinstance(item, dict):
+            clone = copy.copy(item)  # a defaultdict keeps its factory
+            clone.clear()
+            clone.update(members)
+            return clone
+        return kind(members)
+    except (TypeError, ValueError):
+        return tuple(members) if isinstance(item, tuple) else members

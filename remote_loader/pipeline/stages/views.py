@@ -10,20 +10,16 @@ as it is (and crossing copies it anyway).
 
 from __future__ import annotations
 
-import copy
 import types
-from collections.abc import Mapping
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from torch.utils.data import default_collate, default_convert
 
-from remote_loader.pipeline.stages.containers import holds
+from remote_loader.pipeline.stages.containers import WALK_ON, holds, rebuild
 
 _DEFAULTS = (default_convert, default_collate)
 _registered = False  # pickle_views_as_bytes, in this process (a forked child inherits both)
-
-
 _CALLERS = 4  # frames looked at above a dataset's __iter__ (a subclass's own __iter__ may come between)
 
 
@@ -44,39 +40,14 @@ def default_conversion(frame: types.FrameType | None) -> bool:
 
 
 def owned(item: Any) -> Any:
-    """``item`` with every memoryview inside its tuples, lists and mappings (the containers
+    """``item`` with every memoryview inside its tuples, lists and dicts (the containers
     torch's default conversion walks) as bytes, each container of its own type (a named
     tuple, an ``OrderedDict``); an item without one is given as it is."""
-    return _owned(item) if holds(item, memoryview) else item
+    return rebuild(item, _bytes_of_view) if holds(item, memoryview) else item
 
 
-def _owned(item: Any) -> Any:
-    if isinstance(item, memoryview):
-        return item.tobytes()
-    if isinstance(item, Mapping):
-        members = {k: _owned(v) for k, v in item.items()}
-        if type(item) is dict:
-            return members
-        try:
-            clone = copy.copy(item)
-            clone.update(members)  # type: ignore[attr-defined]
-            return clone
-        except (TypeError, AttributeError):
-            return members
-    if isinstance(item, tuple):
-        values = [_owned(v) for v in item]
-        if hasattr(item, "_fields"):  # a named tuple
-            return type(item)(*values)
-        return tuple(values) if type(item) is tuple else type(item)(values)
-    if isinstance(item, list):
-        values = [_owned(v) for v in item]
-        if type(item) is list:
-            return values
-        try:
-            return type(item)(values)
-        except TypeError:
-            return values
-    return item
+def _bytes_of_view(_: Any, node: Any) -> Any:
+    return node.tobytes() if isinstance(node, memoryview) else WALK_ON
 
 
 def _view_as_bytes(view: memoryview) -> tuple[type[bytes], tuple[bytes]]:
