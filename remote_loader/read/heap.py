@@ -3,10 +3,7 @@
 After a large block is freed (the manifest's raw bytes, an epoch split's temporary arrays),
 glibc raises its mmap threshold, so later large temporaries come from the heap and stay in
 the process once freed: in every forked DataLoader worker, tens of MB at a million shards.
-Trimming after those steps keeps a worker's private memory to what it holds. A trim also
-gives back every free page inside the heap, the last pass's samples' among them, which the
-next pass faults in again: an epoch's split trims only where its temporaries are large
-(``pipeline/sources/indexed.py``'s ``TRIM_FROM_SHARDS``).
+Trimming after those steps keeps a worker's private memory to what it holds.
 """
 
 from __future__ import annotations

@@ -15,7 +15,6 @@ from torch.utils.data import DataLoader
 from remote_loader import DatasetChanged, RemoteMapDataset
 from remote_loader.format import MANIFEST_NAME, Manifest, epoch_order
 from remote_loader.pipeline.dataset import RemoteDataset
-from remote_loader.pipeline.sources import indexed
 from remote_loader.testing.synthetic import SyntheticImages
 from tests.helpers import upload_to_new_bucket
 
@@ -136,19 +135,3 @@ def test_forked_workers_take_the_epochs_shard_order_from_the_main_process(versio
     in_process = list(DataLoader(dataset.shuffle(20).map(lambda s: s["__key__"]), batch_size=None, num_workers=0))
     assert in_process == expected  # the same order as one made afresh
     assert dataset._data.orders._last is not None and pickle.loads(pickle.dumps(dataset))._data.orders._last is None
-
-
-@pytest.mark.parametrize(("trim_from", "trims"), [(None, 0), (1, 3)])
-def test_a_pass_gives_back_free_heap_only_after_the_split_of_many_shards(versions, monkeypatch, trim_from, trims):
-    """A trim gives back the pages the last pass's samples lay in, which the next pass faults
-    in again (a third of one process's rate over a 4,000-sample epoch): worth it only where the
-    split's temporary arrays are large, at many shards (the threshold lowered to see it taken)."""
-    client, bucket = versions
-    trimmed = []
-    monkeypatch.setattr(indexed, "release_free_memory", lambda: trimmed.append(1))
-    if trim_from is not None:
-        monkeypatch.setattr(indexed, "TRIM_FROM_SHARDS", trim_from)
-    dataset = RemoteDataset(client, bucket, "v3", seed=2).shuffle(20)
-    for _ in range(3):
-        assert sorted(keys(dataset, 0)) == [f"{i:06d}" for i in range(131)]
-    assert len(trimmed) == trims

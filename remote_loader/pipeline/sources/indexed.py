@@ -44,14 +44,6 @@ from remote_loader.read.session import ReadSession
 from remote_loader.read.shards import DAMAGE, IndexCache, OpenRange, RangePlan, locate_span
 
 _EARLY_HEADS = 4  # shards whose first bytes are fetched before their indexes have come, per iteration
-TRIM_FROM_SHARDS = 1 << 16
-"""Shards from which an iteration gives the heap's free pages back after its split: its temporary
-arrays are then MBs (at 1M shards, ~7 MB a worker). Below, they are under half a MB, and a trim
-would give back the pages the last pass's samples lay in, which this pass faults in again
-before it reads: 7.5 page faults a sample in one process over a 4,000-sample epoch of 110 kB
-samples, 13,300 samples/s against 16,700-18,700 without (LocalStore on tmpfs, this repository's
-gil_cost harness). At 65,536 shards a pass reads that many samples at least: the faults, once a
-pass, come to under half a fault a sample."""
 _GAP = 2  # samples of a shard between two a resumed buffer needs that are fetched with them (one GET, not two)
 
 
@@ -384,8 +376,7 @@ class Indexed:
         plan = entry.plan
         counts, seed, shuffle = self.reader.counts, layout.seed, layout.shuffle
         spans = PlanSpans(self.orders.get(counts, self.rows, seed, epoch, shuffle, keep=False), plan.rows)
-        if len(counts) >= TRIM_FROM_SHARDS:
-            release_free_memory()  # the split's temporaries, so that a worker keeps only its share
+        release_free_memory()  # the split's temporaries, so that a worker keeps only its share
 
         def where(positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # a resumed buffer's samples (rare)
             return self.orders.get(counts, self.rows, seed, epoch, shuffle, keep=False).locate(positions)
