@@ -152,10 +152,11 @@ class RemoteMapDataset(Dataset):
         if start == end:
             return b""
         entry = self.reader.manifest.shards[shard]
-        key = self.reader.location.key(entry.name)
+        shard_object = self.reader.shard(entry)
 
         def fetch() -> bytes:
-            return bytes(self._session.get_range(self.reader.location.bucket, key, offset + start, offset + end))
+            return bytes(self._session.get_range(self.reader.location.bucket, shard_object, offset + start,
+                                                 offset + end))
 
         def check(data: bytes) -> bytes:
             if (start, end) == (0, size) and self.reader.verify and crc32(data) != crc:
@@ -163,7 +164,7 @@ class RemoteMapDataset(Dataset):
                                          " match its crc32", name=entry.name, key=index.keys[j], field=field)
             return data
 
-        return self._session.refetch(fetch, check, key)  # damaged bytes fetched again, as a sample's are
+        return self._session.refetch(fetch, check, shard_object)  # damaged bytes fetched again, as a sample's are
 
     def _source_sample(self, source: int) -> tuple[int, int, ShardIndex]:
         """The shard, the position in it and the shard's index of ``ds[source]``'s sample."""

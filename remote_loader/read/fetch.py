@@ -22,7 +22,7 @@ from remote_loader.read.arrivals import Arrivals
 from remote_loader.read.buffers import Buffers
 from remote_loader.read.cached_shard import ShardFile
 from remote_loader.read.reach import Reach
-from remote_loader.read.session import Cancelled, ReadSession
+from remote_loader.read.session import Cancelled, Object, ReadSession
 from remote_loader.storage.daemon import DaemonPool, in_daemon_thread
 
 T = TypeVar("T")
@@ -32,14 +32,14 @@ _POLL = 0.5  # longest single wait: every wait re-checks whether the fetcher fai
 _CLOSE_WITHIN = 1.0  # close() waits this long for threads; one stuck in a GET is left to its timeout
 
 
-def fetch_range(session: ReadSession, bucket: str, key: str, start: int, end: int) -> bytes | bytearray:
+def fetch_range(session: ReadSession, bucket: str, obj: Object, start: int, end: int) -> bytes | bytearray:
     """One ranged GET through the session (its retrying store or the node's cache), counted in its metrics."""
-    return session.get_range(bucket, key, start, end)
+    return session.get_range(bucket, obj, start, end)
 
 
-def fetch_range_into(session: ReadSession, bucket: str, key: str, start: int, end: int, out: memoryview) -> None:
+def fetch_range_into(session: ReadSession, bucket: str, obj: Object, start: int, end: int, out: memoryview) -> None:
     """One ranged GET received into ``out`` through the session, counted in its metrics."""
-    session.get_range_into(bucket, key, start, end, out)
+    session.get_range_into(bucket, obj, start, end, out)
 
 
 _Head = tuple[int, int, Future[bytes | bytearray]]  # bytes [start, end) of an object, fetched before it was located
@@ -56,21 +56,22 @@ class Job(Generic[C]):
     takes it as the range's first part when the range starts inside it.
     """
 
-    key: str
+    obj: Object
+    """The object: its key, or a ``Shard`` of the manifest (read through the node's cache, where there is one)."""
     locate: Callable[[], tuple[int, int, C]]
     early: _Head | None = None
 
 
 @dataclass
 class Fetched(Generic[C]):
-    """A range being fetched: ``buffer`` receives bytes ``[start, end)`` of ``key`` part by part.
+    """A range being fetched: ``buffer`` receives bytes ``[start, end)`` of ``obj`` part by part.
 
     The consumer may read a prefix of the range as soon as it has arrived: ``wait(upto)``
     blocks until bytes ``[start, upto)`` are in ``buffer`` (all of them by default) and
     raises the error of a part it needed that failed, or the fetcher's own failure.
     """
 
-    key: str
+    obj: Object
     start: int
     end: int
     context: C
@@ -274,7 +275,7 @@ class Prefetcher(Generic[C]):
             self._start_getters()
         backing = self._buffers.take(end - start)
         fetched = Fetched(
-            slot.job.key,
+            slot.job.obj,
             start,
             end,
             context,
@@ -300,12 +301,12 @@ class Prefetcher(Generic[C]):
     def _from_disk(self, slot: _Pending[C], start: int, end: int, context: C) -> bool:
         """Hand out a range of a shard the node's cache holds whole as that file, nothing to
         fetch nor to copy into a buffer; False where the cache does not hold it."""
-        shard = self.session.whole(slot.job.key, start, end)
+        shard = self.session.whole(slot.job.obj, start, end)
         if shard is None:
             return False
         parts = Arrivals([start], end)
         parts.arrive(0)
-        slot.fetched = Fetched(slot.job.key, start, end, context, memoryview(b""), parts, shard.close, self.check,
+        slot.fetched = Fetched(slot.job.obj, start, end, context, memoryview(b""), parts, shard.close, self.check,
                                shard)
         slot.located.set()
         return True
@@ -359,7 +360,7 @@ class Prefetcher(Generic[C]):
         error: BaseException | None = None
         try:
             out = fetched.buffer[start - fetched.start : end - fetched.start]
-            fetch_range_into(self.session, self.bucket, fetched.key, start, end, out)
+            fetch_range_into(self.session, self.bucket, fetched.obj, start, end, out)
         except BaseException as exc:
             error = exc
         finally:
@@ -413,8 +414,8 @@ class Prefetcher(Generic[C]):
         self.close()
 
 
-def fetch_head(session: ReadSession, bucket: str, key: str, offset: int, size: int) -> _Head:
+def fetch_head(session: ReadSession, bucket: str, obj: Object, offset: int, size: int) -> _Head:
     """Start fetching the first bytes of a range that starts at ``offset`` of an object of
     ``size`` bytes (a small object whole), on a daemon thread: before the range is located."""
     stop = size if size - offset < _FIRST_PART + _MIN_TAIL else offset + _FIRST_PART
-    return offset, stop, in_daemon_thread(partial(fetch_range, session, bucket, key, offset, stop))
+    return offset, stop, in_daemon_thread(partial(fetch_range, session, bucket, obj, offset, stop))

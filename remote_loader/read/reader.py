@@ -37,7 +37,7 @@ from remote_loader.format.tar import scan_tar
 from remote_loader.read.heap import release_free_memory
 from remote_loader.read.metrics import Metrics
 from remote_loader.read.node_cache import NodeCache, UploadCache
-from remote_loader.read.session import ReadSession
+from remote_loader.read.session import ReadSession, Shard
 from remote_loader.read.whole import fetch_whole
 from remote_loader.storage import Location, Store, as_store
 
@@ -316,10 +316,16 @@ class DatasetReader:
             )
         return index
 
-    def index_range(self, entry: ShardEntry) -> tuple[str, int, int]:
-        """Return ``(key, start, end)`` of the object bytes holding a shard's index."""
-        name = entry.index_name or entry.name
-        return self.location.key(name), entry.index_offset, entry.index_offset + entry.index_size
+    def shard(self, entry: ShardEntry) -> Shard:
+        """A shard as requests name it: read through the node's cache, where there is one."""
+        return Shard(self.location.key(entry.name), entry.name, entry.size, entry.crc32)
+
+    def index_range(self, entry: ShardEntry) -> tuple[Shard, int, int]:
+        """Return ``(object, start, end)`` of the object bytes holding a shard's index: the
+        shard, or the index kept apart (a whole object, its crc32 the index's)."""
+        holder = self.shard(entry) if not entry.index_name else Shard(
+            self.location.key(entry.index_name), entry.index_name, entry.index_size, entry.index_crc)
+        return holder, entry.index_offset, entry.index_offset + entry.index_size
 
     def read_index(self, entry: ShardEntry, session: ReadSession | None = None) -> ShardIndex:
         """Fetch and decode one shard's index with a single ranged GET (retried, and fetched
@@ -334,25 +340,21 @@ class DatasetReader:
             TruncatedShard: The shard or its index is not the size the manifest says.
         """
         session = session or self.session()
-        key = self.location.key(entry.name)
-        session.expect(key, entry.name, entry.size, entry.crc32)
-        if entry.index_name:  # an index apart: the whole object, its crc32 the index's
-            session.expect(self.location.key(entry.index_name), entry.index_name, entry.index_size, entry.index_crc)
         return session.refetch(partial(self._index_bytes, entry, session), partial(self.parse_index, entry),
-                               self.location.key(entry.index_name or entry.name))
+                               self.index_range(entry)[0])
 
     def _index_bytes(self, entry: ShardEntry, session: ReadSession) -> bytes | bytearray:
-        key, start, end = self.index_range(entry)
+        holder, start, end = self.index_range(entry)
         bucket = self.location.bucket
         try:
-            data, size = session.get_range_and_size(bucket, key, start, end)
+            data, size = session.get_range_and_size(bucket, holder, start, end)
         except InvalidRange:
             said = entry.index_size if entry.index_name else entry.size
             raise self.refused(entry.index_name or entry.name, start, end, said, session) from None
         if entry.index_name:
             objects = [
                 (entry.index_name, size, entry.index_size),
-                (entry.name, session.head(bucket, self.location.key(entry.name)), entry.size),
+                (entry.name, session.head(bucket, self.shard(entry)), entry.size),
             ]
         else:
             objects = [(entry.name, size, entry.size)]

@@ -7,12 +7,17 @@ ends the waits of its requests), and ``refetch``: bytes that fail their checksum
 fetched again, up to ``FetchConfig.refetch_attempts`` fetches, a concern of the format
 rather than of the store. A session of a dataset read through a node's shard cache
 (``read/node_cache.py``) reads the shards it holds from there, and fills it with those it lacks.
+
+Which objects those are, each request says: it names its object by key (read from the
+store), or as a ``Shard`` of the manifest (its name, size and crc32: through the cache, where
+there is one). Nothing is routed by what was read before.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from typing import TypeVar
 
@@ -27,12 +32,28 @@ from remote_loader.storage.retrying import Cancelled, Retry, RetryingStore
 T = TypeVar("T")
 P = TypeVar("P")
 
-__all__ = ["Cancelled", "ReadSession"]
+__all__ = ["Cancelled", "ReadSession", "Shard"]
 
-_EXPECTED = 4096
-"""Shards a session remembers as read through the node's cache, the most recently expected:
-far more than it holds indexes of (each read of an index says it again), and a session that
-reads a billion samples at random stays bounded."""
+
+@dataclass(frozen=True)
+class Shard:
+    """An object of the upload as its manifest lists it (a shard, or an index kept apart):
+    ``key`` in the bucket, ``name`` in the upload, ``size`` bytes, crc32 ``crc``. A request
+    naming its object so may be served by the node's cache, which keeps objects by these."""
+
+    key: str
+    name: str
+    size: int
+    crc: int
+
+
+Object = str | Shard
+"""What a request reads: an object by its key (always from the store), or a ``Shard``."""
+
+
+def key_of(obj: Object) -> str:
+    """The object's key in the bucket."""
+    return obj if isinstance(obj, str) else obj.key
 
 
 class ReadSession:
@@ -57,55 +78,45 @@ class ReadSession:
                                                 on_retry=lambda: metrics.add(retries=1)))
         self._cache = cache
         self._upload: UploadCache | None = None  # the cache, once made (after the manifest is read)
-        self._shards: dict[str, tuple[str, int, int]] = {}  # key -> (name, size, crc32) of shards the cache holds
 
     @property
     def caching(self) -> bool:
         """Whether the session reads through a node's cache."""
         return self._cache is not None
 
-    def expect(self, key: str, name: str, size: int, crc: int) -> None:
-        """Say that object ``key`` is shard ``name`` of the manifest (``size`` bytes, crc32
-        ``crc``): reads of it go through the node's cache, where there is one."""
-        if self._cache is not None:
-            self._shards.pop(key, None)  # the most recent last: the oldest go past _EXPECTED
-            self._shards[key] = (name, size, crc)
-            if len(self._shards) > _EXPECTED:
-                del self._shards[next(iter(self._shards))]
-
-    def get_range(self, bucket: str, key: str, start: int, end: int) -> bytes | bytearray:
+    def get_range(self, bucket: str, obj: Object, start: int, end: int) -> bytes | bytearray:
         """Bytes ``[start, end)`` of an object: one ranged GET, or the node's cache."""
-        if key in self._shards:
+        if isinstance(obj, Shard) and self._cache is not None:
             out = bytearray(end - start)
-            self.get_range_into(bucket, key, start, end, memoryview(out))
+            self.get_range_into(bucket, obj, start, end, memoryview(out))
             return out
         self.metrics.add(gets=1)
-        data = self.store.get_range(bucket, key, start, end)
+        data = self.store.get_range(bucket, key_of(obj), start, end)
         self.metrics.add(bytes=len(data))
         return data
 
-    def get_range_into(self, bucket: str, key: str, start: int, end: int, out: memoryview) -> None:
+    def get_range_into(self, bucket: str, obj: Object, start: int, end: int, out: memoryview) -> None:
         """Bytes ``[start, end)`` of an object received into ``out``: one ranged GET, or the
         node's cache (filled with the whole shard first where it lacks it)."""
-        if not self._from_cache(bucket, key, start, end, out):
-            self._get_into(bucket, key, start, end, out)
+        if not self._from_cache(bucket, obj, start, end, out):
+            self._get_into(bucket, key_of(obj), start, end, out)
 
-    def get_range_and_size(self, bucket: str, key: str, start: int, end: int) -> tuple[bytes | bytearray, int]:
+    def get_range_and_size(self, bucket: str, obj: Object, start: int, end: int) -> tuple[bytes | bytearray, int]:
         """Bytes ``[start, end)`` of an object and the object's size (see ``Store``)."""
-        if key in self._shards:
+        if isinstance(obj, Shard) and self._cache is not None:
             out = bytearray(end - start)
-            if self._from_cache(bucket, key, start, end, memoryview(out)):
-                return out, self._shards[key][1]
+            if self._from_cache(bucket, obj, start, end, memoryview(out)):
+                return out, obj.size
         self.metrics.add(gets=1)
-        data, size = self.store.get_range_and_size(bucket, key, start, end)
+        data, size = self.store.get_range_and_size(bucket, key_of(obj), start, end)
         self.metrics.add(bytes=len(data))
         return data, size
 
-    def whole(self, key: str, start: int, end: int) -> ShardFile | None:
-        """Object ``key`` open from the node's cache to read bytes ``[start, end)`` of it, where
+    def whole(self, obj: Object, start: int, end: int) -> ShardFile | None:
+        """The object open from the node's cache to read bytes ``[start, end)`` of it, where
         the cache holds it whole (``UploadCache.whole``: checked, or each member to check);
         None otherwise (read it as any range). Those bytes are counted as read from the cache."""
-        found = self._cached(key)
+        found = self._cached(obj)
         if found is None:
             return None
         cache, name, size, crc = found
@@ -117,47 +128,48 @@ class ReadSession:
             self.metrics.add(cached_bytes=end - start)
         return shard
 
-    def holds(self, key: str) -> bool:
-        """Whether the node's cache holds object ``key`` whole (a look at its file: nothing read)."""
-        found = self._cached(key)
+    def holds(self, obj: Object) -> bool:
+        """Whether the node's cache holds the object whole (a look at its file: nothing read)."""
+        found = self._cached(obj)
         return found is not None and found[0].size(found[1]) == found[2]
 
-    def head(self, bucket: str, key: str) -> int:
+    def head(self, bucket: str, obj: Object) -> int:
         """The object's size: a HEAD, or the size of its copy in the node's cache (checked whole
         against the manifest's crc32 when it was fetched)."""
-        found = self._cached(key)
+        found = self._cached(obj)
         size = found[0].size(found[1]) if found is not None else None
-        return size if size is not None else self.store.head(bucket, key)
+        return size if size is not None else self.store.head(bucket, key_of(obj))
 
-    def _cached(self, key: str | None) -> tuple[UploadCache, str, int, int] | None:
-        """The node's cache and what it holds object ``key`` as (name, size, crc32), if it may."""
-        shard = self._shards.get(key) if key is not None else None
-        if shard is not None and self._upload is None and self._cache is not None:
+    def _cached(self, obj: Object | None) -> tuple[UploadCache, str, int, int] | None:
+        """The node's cache and the object as it keeps it (name, size, crc32), where the object
+        is a ``Shard`` and the dataset is read through a cache."""
+        if not isinstance(obj, Shard) or self._cache is None:
+            return None
+        if self._upload is None:
             self._upload = self._cache()
-        cache = self._upload if shard is not None else None
-        return None if shard is None or cache is None else (cache, *shard)
+        return None if self._upload is None else (self._upload, obj.name, obj.size, obj.crc)
 
     def _get_into(self, bucket: str, key: str, start: int, end: int, out: memoryview) -> None:
         self.metrics.add(gets=1)
         self.store.get_range_into(bucket, key, start, end, out)
         self.metrics.add(bytes=end - start)
 
-    def _from_cache(self, bucket: str, key: str, start: int, end: int, out: memoryview) -> bool:
-        found = self._cached(key)
+    def _from_cache(self, bucket: str, obj: Object, start: int, end: int, out: memoryview) -> bool:
+        found = self._cached(obj)
         if found is None:
             return False
         cache, name, size, crc = found
-        if not cache.read(name, size, crc, start, end, out, partial(self._get_into, bucket, key),
+        if not cache.read(name, size, crc, start, end, out, partial(self._get_into, bucket, key_of(obj)),
                           self.config.part_size, self.config.concurrency, self.cancel):
             return False
         self.metrics.add(cached_bytes=end - start)
         return True
 
-    def refetch(self, fetch: Callable[[], P], parse: Callable[[P], T], key: str | None = None) -> T:
+    def refetch(self, fetch: Callable[[], P], parse: Callable[[P], T], obj: Object | None = None) -> T:
         """Return ``parse(fetch())``; bytes that ``parse`` (or ``fetch`` itself) finds damaged
         (``CorruptShard``) are fetched again, up to ``config.refetch_attempts`` fetches in all.
         An object of the wrong size (``TruncatedShard``) is read once more only: a second
-        answer of the same store settles it. Damaged bytes of object ``key`` read from the
+        answer of the same store settles it. Damaged bytes of ``obj`` (a ``Shard``) read from the
         node's cache drop its copy there: the next fetch goes to the store."""
         for attempt in range(1, self.config.refetch_attempts + 1):
             try:
@@ -166,11 +178,11 @@ class ReadSession:
                 if attempt == self.config.refetch_attempts or (isinstance(error, TruncatedShard) and attempt >= 2):
                     raise
                 self.metrics.add(retries=1)
-                self.discard(key)
+                self.discard(obj)
         raise AssertionError("unreachable")
 
-    def discard(self, key: str | None) -> None:
-        """Drop the cached copy of object ``key`` (its bytes failed a check), if there is one."""
-        found = self._cached(key)
+    def discard(self, obj: Object | None) -> None:
+        """Drop the cached copy of the object (its bytes failed a check), if there is one."""
+        found = self._cached(obj)
         if found is not None:
             found[0].discard(found[1])

@@ -99,7 +99,7 @@ def read_run(
     entry = reader.manifest.shards[shard]
     first, stop = positions[0], positions[-1] + 1
     start, end = index.start(first, stop), index.extent(first, stop)
-    key = reader.location.key(entry.name)
+    shard_object = reader.shard(entry)
 
     def parse(data: bytes | bytearray) -> list[Sample]:
         view = ShardView(data, index, name=entry.name, verify=reader.verify, base=start, first=first, stop=stop)
@@ -107,12 +107,12 @@ def read_run(
 
     def fetch() -> bytes | bytearray:
         try:
-            return fetch_range(session, reader.location.bucket, key, start, end)
+            return fetch_range(session, reader.location.bucket, shard_object, start, end)
         except InvalidRange:
             raise reader.refused(entry.name, start, end, entry.size, session) from None
 
     try:
-        return session.refetch(fetch, parse, key)
+        return session.refetch(fetch, parse, shard_object)
     except DAMAGE as error:
         reader.check_unchanged(error)
         raise

@@ -47,7 +47,7 @@ def test_prefetcher_delivers_every_range_byte_identical_in_job_order(tmp_path):
         got = []
         for fetched in prefetcher:
             fetched.wait()
-            got.append((fetched.key, bytes(fetched.buffer)))
+            got.append((fetched.obj, bytes(fetched.buffer)))
             fetched.release()
     assert got == [(key, blobs[key][start:end]) for key, start, end in spans]
     assert metrics.bytes == sum(end - start for _, start, end in spans)
@@ -91,7 +91,7 @@ def test_a_head_fetched_early_is_a_ranges_first_part(tmp_path, caplog):
         got = {}
         for fetched in prefetcher:
             fetched.wait()
-            got[fetched.key] = bytes(fetched.buffer)
+            got[fetched.obj] = bytes(fetched.buffer)
             fetched.release()
     assert got == {key: blobs[key][start:end] for key, (start, end) in spans.items()}
     assert in_time == {key: True for key in sizes}
@@ -130,7 +130,7 @@ def test_no_range_ends_in_a_part_of_a_few_kib(tmp_path):
         got = []
         for fetched in prefetcher:
             fetched.wait()
-            got.append((fetched.key, bytes(fetched.buffer)))
+            got.append((fetched.obj, bytes(fetched.buffer)))
             fetched.release()
     assert got == [(key, blobs[key][slice(*spans[key])]) for key in keys]
     assert [g for g in gets if g[0] == "headed"] == [("headed", 0, sizes["headed"])]
@@ -214,7 +214,7 @@ def test_an_error_locating_a_range_is_raised_in_job_order(tmp_path):
     jobs = [Job("obj0", lambda: (0, 10, None)), Job("obj1", broken)]
     with Prefetcher("b", jobs, ReadSession(FetchConfig(), Metrics(), store)) as prefetcher:
         ranges = iter(prefetcher)
-        assert next(ranges).key == "obj0"
+        assert next(ranges).obj == "obj0"
         with pytest.raises(TransientStorageError) as caught:
             next(ranges)
     assert caught.value.key == "obj1"

@@ -207,10 +207,9 @@ class ShardSource:
         for slot, (span, cursor) in enumerate(zip(group.spans, cursors, strict=True)):
             if len(early) < most and span.start + cursor == 0 and self.cache.cached(span.shard) is None:
                 entry = shards[span.shard]
-                key = self.reader.location.key(entry.name)
-                self.session.expect(key, entry.name, entry.size, entry.crc32)  # read through the node's cache
-                if not self.session.holds(key):  # a cached shard is read from its file: no head to fetch
-                    early[slot] = fetch_head(self.session, self.reader.location.bucket, key, 0, entry.size)
+                shard = self.reader.shard(entry)
+                if not self.session.holds(shard):  # a cached shard is read from its file: no head to fetch
+                    early[slot] = fetch_head(self.session, self.reader.location.bucket, shard, 0, entry.size)
         return early
 
     def _group_jobs(self, group: Group, offset: int, early: dict[int, Any]) -> list[Job[Piece]]:
@@ -223,7 +222,7 @@ class ShardSource:
         jobs = []
         for _, slot, first, stop in reads.ranges:
             shard = group.spans[slot].shard
-            jobs.append(Job(self.reader.location.key(shards[shard].name),
+            jobs.append(Job(self.reader.shard(shards[shard]),
                             partial(_locate, self.cache, shard, first, stop, self.on_error, reads),
                             early.pop(slot, None) if first == 0 else None))
         return jobs
@@ -253,7 +252,7 @@ class ShardSource:
                 runs[-1][1].append((sample, k))  # within the range that starts at the run's first sample
             else:
                 runs.append((shard, [(sample, k)]))
-        return [Job(self.reader.location.key(manifest[shard].name),
+        return [Job(self.reader.shard(manifest[shard]),
                     partial(_locate, self.cache, shard, run[0][0], run[-1][0] + 1, self.on_error, None, tuple(run)))
                 for shard, run in runs]
 
