@@ -485,7 +485,28 @@ def summary(results: dict[str, Any]) -> list[str]:
             best = max(ours, key=lambda r: r["rate"])
             lines.append(f"\n{scenario}: the default gives {default[0] / best['rate']:.0%} of the best row"
                          f" ({best['name']}, {best['rate']:,.0f}/s)")
-    return lines + gpu_targets(results)
+    return lines + read_targets(results) + gpu_targets(results)
+
+
+def read_targets(results: dict[str, Any]) -> list[str]:
+    """The read path's figures on a node, each from rows of this run (whole-epoch rates): one
+    process streaming bytes (target 25,000 samples/s), and the default set-up's memory against
+    WebDataset's at its best row, the fastest, in each scenario (target <= 1.2x)."""
+    done = [r for r in results["rows"] if "rate" in r and not r.get("train") and not r.get("spinner")]
+    out = ["\nThe read path (whole epochs):"]
+    one = [r for r in done if r.get("system") == "ours" and r["scenario"] == "A" and r.get("workers") == 0]
+    if one:
+        best = max(one, key=lambda r: r["rate"])
+        out.append(f"- one process, bytes only: {best['rate']:,.0f}/s ({best['name']}); target >= 25,000")
+    for ours, theirs in (("A", "A"), ("B-fused", "B")):
+        default = [r for r in done if r.get("system") == "ours" and r["scenario"] == ours and r.get("default")]
+        peers = [r for r in done if r.get("system") == "webdataset" and r["scenario"] == theirs]
+        if default and peers:
+            mine, best = default[0], max(peers, key=lambda r: r["rate"])
+            out.append(f"- memory, {ours}: the default set-up's PSS {mine['peak_pss_mb']:,.0f} MB is"
+                       f" {mine['peak_pss_mb'] / best['peak_pss_mb']:.2f}x WebDataset's at its best row"
+                       f" ({best['name']}, {best['peak_pss_mb']:,.0f} MB); target <= 1.2")
+    return out
 
 
 def gpu_targets(results: dict[str, Any]) -> list[str]:
