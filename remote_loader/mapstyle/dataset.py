@@ -14,7 +14,7 @@ from remote_loader.config import CacheConfig, FetchConfig
 from remote_loader.errors import ConfigError, CorruptSampleError, FormatError
 from remote_loader.format import Sample, ShardIndex
 from remote_loader.read import DatasetReader, Metrics
-from remote_loader.read.shards import IndexCache, read_run
+from remote_loader.read.shards import IndexCache, read_cached, read_run
 from remote_loader.storage import Store, open_location
 from remote_loader.storage.daemon import map_on_daemon_threads
 
@@ -232,8 +232,18 @@ class RemoteMapDataset(Dataset):
 
     def _fetch_run(self, shard: int, positions: list[int]) -> list[Sample]:
         """One GET covering samples ``positions`` (sorted) of one shard; fetched again if its
-        bytes fail their checksums, up to ``fetch.refetch_attempts``."""
-        return read_run(self.reader, shard, self._index(shard), positions, self._session)
+        bytes fail their checksums, up to ``fetch.refetch_attempts``. From a shard the node's
+        cache holds whole, each member read from the file into its bytes."""
+        cached = self._cached_run(shard, positions)
+        return cached if cached is not None else read_run(self.reader, shard, self._index(shard), positions,
+                                                          self._session)
+
+    def _cached_run(self, shard: int, positions: list[int]) -> list[Sample] | None:
+        """Samples ``positions`` (sorted) of a shard the node's cache holds whole, each member
+        read from the file into its bytes; None without a cache, or where it lacks the shard."""
+        if not self.reader.cache:
+            return None
+        return read_cached(self.reader, shard, self._index(shard), positions, self._session)
 
     def _runs(self, located: list[tuple[int, int]]) -> list[tuple[int, list[int]]]:
         """Group sample positions into runs of one shard whose byte ranges lie within ``merge_gap``."""
@@ -274,9 +284,16 @@ class RemoteMapDataset(Dataset):
         located = [self.locate(int(i)) for i in indices]
         runs = self._runs(located)  # makes this process's caches its own, as a forked worker needs
         fetched: dict[tuple[int, int], Sample] = {}
+        remote = []
+        for shard, positions in runs:  # what the node's cache holds whole is read here: threads would only cost
+            cached = self._cached_run(shard, positions)
+            if cached is None:
+                remote.append((shard, positions))
+            else:
+                fetched.update(((shard, j), s) for j, s in zip(positions, cached, strict=True))
         # On daemon threads that last the batch: Ctrl-C on a store that hangs does not wait for them.
-        for (shard, positions), samples in zip(runs, map_on_daemon_threads(
-                lambda run: self._fetch_run(*run), runs, self.fetch.concurrency, "remote-loader-map"), strict=True):
+        for (shard, positions), samples in zip(remote, map_on_daemon_threads(
+                lambda run: self._fetch_run(*run), remote, self.fetch.concurrency, "remote-loader-map"), strict=True):
             fetched.update(((shard, j), s) for j, s in zip(positions, samples, strict=True))
         return [self._apply(fetched[where]) for where in located]
 

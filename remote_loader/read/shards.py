@@ -118,6 +118,34 @@ def read_run(
         raise
 
 
+def read_cached(
+    reader: DatasetReader, shard: int, index: ShardIndex, positions: list[int], session: ReadSession
+) -> list[Sample] | None:
+    """Samples ``positions`` (sorted) of a shard the node's cache holds whole, each member read
+    from its file straight into its bytes (checked where the file is not trusted as it is);
+    None where the cache does not hold it whole, or a member comes short or fails its check
+    (``read_run`` then reads them: from the cache, and fetched again while damaged)."""
+    entry = reader.manifest.shards[shard]
+    first, stop = positions[0], positions[-1] + 1
+    file = session.whole(reader.shard(entry), index.start(first, stop), index.extent(first, stop))
+    if file is None:
+        return None
+    try:
+        check = reader.verify and not file.checked
+        out = []
+        for j in positions:
+            sample: Sample = {"__key__": index.keys[j], "__shard__": entry.name}
+            for field, offset, size, crc in index.members(j):
+                data = file.read(offset, size)
+                if data is None or (check and crc32(data) != crc):
+                    return None
+                sample[field] = data
+            out.append(sample)
+        return out
+    finally:
+        file.close()
+
+
 class _Opened(NamedTuple):
     view: ShardView | None
     shard_index: ShardIndex | None  # None: nothing to refetch a sample by (an unindexed tar, or nothing to read)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from remote_loader import CacheConfig, ConfigError, DatasetReader, RemoteDataset
+from remote_loader import CacheConfig, ConfigError, DatasetReader, RemoteDataset, RemoteMapDataset
 from remote_loader.read.cached_shard import ShardFile
 from remote_loader.read.node_cache import FILL
 from remote_loader.testing.synthetic import SyntheticImages
@@ -186,3 +186,22 @@ def test_a_flag_that_is_not_one_is_refused(tmp_path):
         CacheConfig.of(tmp_path, None, env={"REMOTE_LOADER_CACHE_VERIFY": "sometimes"})
     with pytest.raises(ConfigError, match="verify_reads must be True or False"):
         CacheConfig(str(tmp_path), verify_reads="yes")  # type: ignore[arg-type]
+
+
+def test_a_map_style_reader_reads_a_checked_file_as_it_is_and_every_member_with_cache_verify(dataset, tmp_path):
+    """``RemoteMapDataset`` reads the cache as ``RemoteDataset`` does: a file checked whole is
+    read as it lies, each member straight into its bytes; with ``cache_verify=True`` each
+    member is checked, and a damaged one's shard fetched again (batches and single samples)."""
+    store, bucket, reader, clean = dataset
+    cache = tmp_path / "cache"
+    assert _samples(RemoteDataset(store, bucket, "d", cache_dir=cache)) == clean
+    entry = reader.manifest.shards[2]
+    key, offset = _damaged_member(reader, 2)
+    _change_in_place(_cached_file(cache, entry.name), offset, keep_times=True)
+    stored = {k: jpg for k, jpg, _ in clean}
+    trusting = RemoteMapDataset(store, bucket, "d", cache_dir=cache)
+    read = {s["__key__"]: s["jpg"] for s in trusting.__getitems__(list(range(len(trusting))))}
+    assert [k for k in stored if read[k] != stored[k]] == [key] and trusting.metrics.gets == 0
+    checking = RemoteMapDataset(store, bucket, "d", cache_dir=cache, cache_verify=True)
+    assert _samples(checking[i] for i in range(len(checking))) == clean
+    assert checking.metrics.bytes == entry.size and checking.metrics.retries >= 1

@@ -90,6 +90,39 @@ def test_the_second_epoch_reads_the_cache_and_sends_no_shard_request(dataset, tm
     _check_whole(tmp_path / "cache", reader)
 
 
+def test_a_map_style_read_from_the_cache_reads_each_member_once_into_its_bytes(s3, tmp_path):
+    """From a shard the cache holds whole, a sample's members are read from the file straight
+    into their bytes: no buffer of the run beside them, zeroed and then copied out of (which
+    made a batch from the cache slower per sample than one ``ds[i]`` at a time). Its bytes are
+    the upload's, and a member of a checked file is not checked again."""
+    import io
+    import tracemalloc
+
+    import numpy as np
+    from PIL import Image
+
+    store, bucket = s3
+    noise = np.random.default_rng(0).integers(0, 256, (1200, 1200, 3), dtype=np.uint8)
+    jpeg = io.BytesIO()
+    Image.fromarray(noise).save(jpeg, format="JPEG", quality=98)
+    big = jpeg.getvalue()
+    assert len(big) > 2_000_000
+    upload(store, bucket, "big", [(big, 1), (big[:], 2)], maxcount=2)
+    ds = RemoteMapDataset(store, bucket, "big", cache_dir=tmp_path / "cache")
+    first = ds.__getitems__([0, 1])  # fetched whole into the cache
+    assert sorted(bytes(s["jpg"]) == big for s in first) == [True, True]
+    ds[0]  # the file opened and trusted once: what stays is the read itself
+    tracemalloc.start()
+    try:
+        again = ds[1]
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert again["jpg"] == big and type(again["jpg"]) is bytes
+    assert peak < 1.3 * len(big), f"{peak:,} bytes allocated to read a member of {len(big):,}"
+    assert ds.metrics.gets == 1  # the shard, whole, once: its index read from it
+
+
 def test_the_environment_turns_the_cache_on(dataset, tmp_path, monkeypatch):
     store, bucket, reader, clean = dataset
     monkeypatch.setenv("REMOTE_LOADER_CACHE_DIR", str(tmp_path / "env-cache"))
