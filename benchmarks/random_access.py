@@ -5,13 +5,16 @@ first batch with every index still to fetch (median of 5 fresh datasets).
     python benchmarks/random_access.py --images 2000 --maxcount 100 [--profile s3-same-region]
 
 ``--profile`` reads through ``shaper.py``'s relay (a round trip per request, a bandwidth
-cap per connection).
+cap per connection). ``--cache`` adds rows read from a node cache (``cache_dir``, in a
+temporary directory) once an epoch filled it: uniform batches, and single ``ds[i]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
+import tempfile
 import time
 
 import numpy as np
@@ -40,6 +43,7 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=2000)
     parser.add_argument("--maxcount", type=int, default=100)
     parser.add_argument("--profile", choices=["loopback", *sorted(PROFILES)], default="loopback")
+    parser.add_argument("--cache", action="store_true", help="also read from a node cache, once an epoch filled it")
     args = parser.parse_args()
     with EmbeddedS3(buckets=["bench"]) as server, relayed(server.endpoint_url, args.profile) as (endpoint, _):
         upload_cv_dataset(SyntheticImages(args.images), client=server.client(), bucket="bench", base_folder="ra",
@@ -67,7 +71,30 @@ def main() -> None:
                               for b in range(0, len(order) - BATCH + 1, BATCH)])
             print(f"{name:15s} {rate:8.0f} samples/s {gets:6.1f} GETs per batch {spread:5.1f} shards per batch")
         ds.close()
+        if args.cache:
+            from_cache(client, rows[0][1])
         client.close()
+
+
+def from_cache(client: object, order: list[int], repeats: int = 3) -> None:
+    """Rows from a node cache an epoch filled: uniform batches of ``BATCH``, then ``ds[i]``
+    one at a time (medians of ``repeats`` epochs, each a new order)."""
+    folder = tempfile.mkdtemp(prefix="random-access-cache-")
+    try:
+        ds = RemoteMapDataset(client, "bench", "ra", cache_shards=1000, cache_dir=folder)
+        run(ds, order)  # fills the cache
+        batches, singles = [], []
+        for seed in range(1, repeats + 1):
+            shuffled = np.random.default_rng(seed).permutation(len(ds)).tolist()
+            batches.append(run(ds, shuffled)[0])
+            started = time.perf_counter()
+            for i in shuffled:
+                ds[i]
+            singles.append(len(shuffled) / (time.perf_counter() - started))
+        print(f"{'node cache':15s} {statistics.median(batches):8.0f} samples/s in batches,"
+              f" {statistics.median(singles):8.0f} samples/s by ds[i], {ds.metrics.gets} GETs in all")
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 if __name__ == "__main__":
