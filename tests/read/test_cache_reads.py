@@ -10,6 +10,7 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -74,6 +75,19 @@ def _read_elsewhere(seaweed, bucket: str, cache: Path, **env: str) -> tuple[dict
     return json.loads(lines[-2]), json.loads(lines[-1])
 
 
+def _cached_with_a_member_changed(dataset, tmp_path: Path) -> tuple[Path, Any, str]:
+    """The dataset read once through a cache, then a byte of one jpg of shard 2's cached file
+    changed where it lies, its times kept (what no record of the file shows): the cache, that
+    shard's entry, and the key of the sample changed."""
+    store, bucket, reader, clean = dataset
+    cache = tmp_path / "cache"
+    assert _samples(RemoteDataset(store, bucket, "d", cache_dir=cache)) == clean
+    entry = reader.manifest.shards[2]
+    key, offset = _damaged_member(reader, 2)
+    _change_in_place(_cached_file(cache, entry.name), offset, keep_times=True)
+    return cache, entry, key
+
+
 def _damaged_member(reader: DatasetReader, shard: int) -> tuple[str, int]:
     """A sample of shard ``shard`` and an offset inside its jpg."""
     index = reader.read_index(reader.manifest.shards[shard])
@@ -106,12 +120,8 @@ def test_a_shard_checked_as_it_entered_is_read_as_it_is_by_every_process_until_i
 def test_verify_reads_checks_every_member_of_a_cached_shard(seaweed, dataset, tmp_path):
     """With REMOTE_LOADER_CACHE_VERIFY=1 a change that keeps the file's times is found at the
     member, and that shard is fetched again."""
-    store, bucket, reader, clean = dataset
-    cache = tmp_path / "cache"
-    assert _samples(RemoteDataset(store, bucket, "d", cache_dir=cache)) == clean
-    entry = reader.manifest.shards[2]
-    _, offset = _damaged_member(reader, 2)
-    _change_in_place(_cached_file(cache, entry.name), offset, keep_times=True)
+    _, bucket, _, clean = dataset
+    cache, entry, _ = _cached_with_a_member_changed(dataset, tmp_path)
     jpgs, metrics = _read_elsewhere(seaweed, bucket, cache, REMOTE_LOADER_CACHE_VERIFY="1")
     assert {k: bytes.fromhex(v) for k, v in jpgs.items()} == {k: jpg for k, jpg, _ in clean}
     assert metrics["bytes"] == entry.size and metrics["retries"] >= 1
@@ -120,12 +130,8 @@ def test_verify_reads_checks_every_member_of_a_cached_shard(seaweed, dataset, tm
 def test_cache_verify_holds_in_a_process_that_read_the_cache_without_it(dataset, tmp_path):
     """A dataset made with ``cache_verify=True`` checks every member even where this process
     already reads the same upload's cache without it (the cache's state is kept per setting)."""
-    store, bucket, reader, clean = dataset
-    cache = tmp_path / "cache"
-    assert _samples(RemoteDataset(store, bucket, "d", cache_dir=cache)) == clean
-    entry = reader.manifest.shards[2]
-    key, offset = _damaged_member(reader, 2)
-    _change_in_place(_cached_file(cache, entry.name), offset, keep_times=True)
+    store, bucket, _, clean = dataset
+    cache, entry, key = _cached_with_a_member_changed(dataset, tmp_path)
     trusting = {k: jpg for k, jpg, _ in _samples(RemoteDataset(store, bucket, "d", cache_dir=cache))}
     stored = {k: jpg for k, jpg, _ in clean}
     assert [k for k in stored if trusting[k] != stored[k]] == [key]  # the default: read as it lies
@@ -192,12 +198,8 @@ def test_a_map_style_reader_reads_a_checked_file_as_it_is_and_every_member_with_
     """``RemoteMapDataset`` reads the cache as ``RemoteDataset`` does: a file checked whole is
     read as it lies, each member straight into its bytes; with ``cache_verify=True`` each
     member is checked, and a damaged one's shard fetched again (batches and single samples)."""
-    store, bucket, reader, clean = dataset
-    cache = tmp_path / "cache"
-    assert _samples(RemoteDataset(store, bucket, "d", cache_dir=cache)) == clean
-    entry = reader.manifest.shards[2]
-    key, offset = _damaged_member(reader, 2)
-    _change_in_place(_cached_file(cache, entry.name), offset, keep_times=True)
+    store, bucket, _, clean = dataset
+    cache, entry, key = _cached_with_a_member_changed(dataset, tmp_path)
     stored = {k: jpg for k, jpg, _ in clean}
     trusting = RemoteMapDataset(store, bucket, "d", cache_dir=cache)
     read = {s["__key__"]: s["jpg"] for s in trusting.__getitems__(list(range(len(trusting))))}
