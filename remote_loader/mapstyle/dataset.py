@@ -230,23 +230,26 @@ class RemoteMapDataset(Dataset):
         self._own()
         return self._indexes.get(shard)
 
-    def _fetch_run(self, shard: int, positions: list[int]) -> list[Sample]:
+    def _fetch_run(self, shard: int, positions: list[int], index: ShardIndex | None = None,
+                   cached: bool = True) -> list[Sample]:
         """One GET covering samples ``positions`` (sorted) of one shard; fetched again if its
         bytes fail their checksums, up to ``fetch.refetch_attempts``. From a shard the node's
-        cache holds whole, each member read from the file into its bytes."""
-        cached = self._cached_run(shard, positions)
-        return cached if cached is not None else read_run(self.reader, shard, self._index(shard), positions,
-                                                          self._session)
+        cache holds whole, each member read from the file into its bytes (unless ``cached`` is
+        false: the caller looked already)."""
+        index = index if index is not None else self._index(shard)
+        found = self._cached_run(shard, positions, index) if cached else None
+        return found if found is not None else read_run(self.reader, shard, index, positions, self._session)
 
-    def _cached_run(self, shard: int, positions: list[int]) -> list[Sample] | None:
+    def _cached_run(self, shard: int, positions: list[int], index: ShardIndex) -> list[Sample] | None:
         """Samples ``positions`` (sorted) of a shard the node's cache holds whole, each member
         read from the file into its bytes; None without a cache, or where it lacks the shard."""
         if not self.reader.cache:
             return None
-        return read_cached(self.reader, shard, self._index(shard), positions, self._session)
+        return read_cached(self.reader, shard, index, positions, self._session)
 
-    def _runs(self, located: list[tuple[int, int]]) -> list[tuple[int, list[int]]]:
-        """Group sample positions into runs of one shard whose byte ranges lie within ``merge_gap``."""
+    def _runs(self, located: list[tuple[int, int]]) -> list[tuple[int, list[int], ShardIndex]]:
+        """Group sample positions into runs of one shard whose byte ranges lie within ``merge_gap``,
+        each with its shard's index (fetched now where it is not kept)."""
         by_shard: dict[int, list[int]] = {}
         for shard, j in located:
             by_shard.setdefault(shard, []).append(j)
@@ -267,9 +270,9 @@ class RemoteMapDataset(Dataset):
                 if index.start(j, j + 1) - index.extent(run[-1], run[-1] + 1) <= self.merge_gap:
                     run.append(j)
                 else:
-                    runs.append((shard, run))
+                    runs.append((shard, run, index))
                     run = [j]
-            runs.append((shard, run))
+            runs.append((shard, run, index))
         return runs
 
     def _apply(self, sample: Sample) -> Any:
@@ -285,15 +288,16 @@ class RemoteMapDataset(Dataset):
         runs = self._runs(located)  # makes this process's caches its own, as a forked worker needs
         fetched: dict[tuple[int, int], Sample] = {}
         remote = []
-        for shard, positions in runs:  # what the node's cache holds whole is read here: threads would only cost
-            cached = self._cached_run(shard, positions)
+        for shard, positions, index in runs:  # what the node's cache holds whole is read here: threads would cost
+            cached = self._cached_run(shard, positions, index)
             if cached is None:
-                remote.append((shard, positions))
+                remote.append((shard, positions, index))
             else:
                 fetched.update(((shard, j), s) for j, s in zip(positions, cached, strict=True))
         # On daemon threads that last the batch: Ctrl-C on a store that hangs does not wait for them.
-        for (shard, positions), samples in zip(remote, map_on_daemon_threads(
-                lambda run: self._fetch_run(*run), remote, self.fetch.concurrency, "remote-loader-map"), strict=True):
+        for (shard, positions, _), samples in zip(remote, map_on_daemon_threads(
+                lambda run: self._fetch_run(*run, cached=False), remote, self.fetch.concurrency, "remote-loader-map"),
+                strict=True):
             fetched.update(((shard, j), s) for j, s in zip(positions, samples, strict=True))
         return [self._apply(fetched[where]) for where in located]
 

@@ -301,9 +301,10 @@ class Prefetcher(Generic[C]):
     def _from_disk(self, slot: _Pending[C], start: int, end: int, context: C) -> bool:
         """Hand out a range of a shard the node's cache holds whole as that file, nothing to
         fetch nor to copy into a buffer; False where the cache does not hold it."""
-        shard = self.session.whole(slot.job.obj, start, end)
+        shard = self.session.whole(slot.job.obj)
         if shard is None:
             return False
+        self.metrics.add(cached_bytes=end - start)
         parts = Arrivals([start], end)
         parts.arrive(0)
         slot.fetched = Fetched(slot.job.obj, start, end, context, memoryview(b""), parts, shard.close, self.check,

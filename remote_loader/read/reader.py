@@ -111,7 +111,7 @@ class DatasetReader:
     def session(self, metrics: Metrics | None = None, cancel: threading.Event | None = None) -> ReadSession:
         """The requests on behalf of this reader: a retrying store, counted in ``metrics``."""
         return ReadSession(self.fetch, metrics or Metrics(), self.client, cancel,
-                           self.upload_cache if self.cache is not None else None)
+                           self.upload_cache if self.cache is not None else None, members_checked=self.verify)
 
     def upload_cache(self) -> UploadCache | None:
         """This process's view of the node's cache of the upload read (None without a cache)."""

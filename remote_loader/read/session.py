@@ -67,11 +67,16 @@ class ReadSession:
         cancel: Set it to make waiting requests give up at once with ``Cancelled``.
         cache: The node's cache of the dataset's upload, made when first needed (after the
             manifest is read), or None.
+        members_checked: Whether the reader checks each member it reads from a cached file
+            that is not trusted as it is (``verify``); where it does not, a cache that checks
+            every read still checks that a file is as it was when checked whole.
     """
 
     def __init__(self, config: FetchConfig, metrics: Metrics, store: Store,
-                 cancel: threading.Event | None = None, cache: Callable[[], UploadCache | None] | None = None) -> None:
+                 cancel: threading.Event | None = None, cache: Callable[[], UploadCache | None] | None = None,
+                 members_checked: bool = True) -> None:
         self.config = config
+        self.members_checked = members_checked
         self.metrics = metrics
         self.cancel = cancel if cancel is not None else threading.Event()
         self.store = RetryingStore(store, Retry(config.retry, store.endpoint, self.cancel,
@@ -112,21 +117,19 @@ class ReadSession:
         self.metrics.add(bytes=len(data))
         return data, size
 
-    def whole(self, obj: Object, start: int, end: int) -> ShardFile | None:
-        """The object open from the node's cache to read bytes ``[start, end)`` of it, where
-        the cache holds it whole (``UploadCache.whole``: checked, or each member to check);
-        None otherwise (read it as any range). Those bytes are counted as read from the cache."""
+    def whole(self, obj: Object) -> ShardFile | None:
+        """The object open from the node's cache, where the cache holds it whole
+        (``UploadCache.whole``: checked, or each member to check); None otherwise (read it as
+        any range). Whoever reads it counts the bytes it read in ``metrics.cached_bytes``."""
         found = self._cached(obj)
         if found is None:
             return None
         cache, name, size, crc = found
         try:
-            shard = cache.whole(name, size, crc, damaged=lambda: self.metrics.add(retries=1))
+            return cache.whole(name, size, crc, damaged=lambda: self.metrics.add(retries=1),
+                               members_checked=self.members_checked)
         except OSError:  # the disk's: the bytes come from the store, as without a cache
             return None
-        if shard is not None:
-            self.metrics.add(cached_bytes=end - start)
-        return shard
 
     def holds(self, obj: Object) -> bool:
         """Whether the node's cache holds the object whole (a look at its file: nothing read)."""

@@ -126,13 +126,12 @@ def read_cached(
     None where the cache does not hold it whole, or a member comes short or fails its check
     (``read_run`` then reads them: from the cache, and fetched again while damaged)."""
     entry = reader.manifest.shards[shard]
-    first, stop = positions[0], positions[-1] + 1
-    file = session.whole(reader.shard(entry), index.start(first, stop), index.extent(first, stop))
+    file = session.whole(reader.shard(entry))
     if file is None:
         return None
     try:
         check = reader.verify and not file.checked
-        out = []
+        out, read = [], 0
         for j in positions:
             sample: Sample = {"__key__": index.keys[j], "__shard__": entry.name}
             for field, offset, size, crc in index.members(j):
@@ -140,7 +139,9 @@ def read_cached(
                 if data is None or (check and crc32(data) != crc):
                     return None
                 sample[field] = data
+                read += size
             out.append(sample)
+        session.metrics.add(cached_bytes=read)
         return out
     finally:
         file.close()

@@ -75,16 +75,16 @@ def _read_elsewhere(seaweed, bucket: str, cache: Path, **env: str) -> tuple[dict
     return json.loads(lines[-2]), json.loads(lines[-1])
 
 
-def _cached_with_a_member_changed(dataset, tmp_path: Path) -> tuple[Path, Any, str]:
+def _cached_with_a_member_changed(dataset, tmp_path: Path, keep_times: bool = True) -> tuple[Path, Any, str]:
     """The dataset read once through a cache, then a byte of one jpg of shard 2's cached file
-    changed where it lies, its times kept (what no record of the file shows): the cache, that
-    shard's entry, and the key of the sample changed."""
+    changed where it lies, its times kept (what no record of the file shows) or not: the
+    cache, that shard's entry, and the key of the sample changed."""
     store, bucket, reader, clean = dataset
     cache = tmp_path / "cache"
     assert _samples(RemoteDataset(store, bucket, "d", cache_dir=cache)) == clean
     entry = reader.manifest.shards[2]
     key, offset = _damaged_member(reader, 2)
-    _change_in_place(_cached_file(cache, entry.name), offset, keep_times=True)
+    _change_in_place(_cached_file(cache, entry.name), offset, keep_times=keep_times)
     return cache, entry, key
 
 
@@ -207,3 +207,18 @@ def test_a_map_style_reader_reads_a_checked_file_as_it_is_and_every_member_with_
     checking = RemoteMapDataset(store, bucket, "d", cache_dir=cache, cache_verify=True)
     assert _samples(checking[i] for i in range(len(checking))) == clean
     assert checking.metrics.bytes == entry.size and checking.metrics.retries >= 1
+
+
+@pytest.mark.parametrize("mapped", [False, True])
+def test_checking_every_read_without_verify_still_finds_a_file_changed_since_its_check(dataset, tmp_path, mapped):
+    """With ``verify=False`` no member is checked: ``cache_verify=True`` must not then check
+    less than the default, which finds a file written to since its check and fetches it again."""
+    store, bucket, _, clean = dataset
+    cache, entry, _ = _cached_with_a_member_changed(dataset, tmp_path, keep_times=False)
+    if mapped:
+        ds = RemoteMapDataset(store, bucket, "d", cache_dir=cache, cache_verify=True, verify=False)
+        read = _samples(ds.__getitems__(list(range(len(ds)))))
+    else:
+        ds = RemoteDataset(store, bucket, "d", cache_dir=cache, cache_verify=True, verify=False)
+        read = _samples(ds)
+    assert read == clean and ds.metrics.bytes == entry.size

@@ -112,6 +112,7 @@ def test_a_map_style_read_from_the_cache_reads_each_member_once_into_its_bytes(s
     first = ds.__getitems__([0, 1])  # fetched whole into the cache
     assert sorted(bytes(s["jpg"]) == big for s in first) == [True, True]
     ds[0]  # the file opened and trusted once: what stays is the read itself
+    counted = ds.metrics.cached_bytes
     tracemalloc.start()
     try:
         again = ds[1]
@@ -119,8 +120,22 @@ def test_a_map_style_read_from_the_cache_reads_each_member_once_into_its_bytes(s
     finally:
         tracemalloc.stop()
     assert again["jpg"] == big and type(again["jpg"]) is bytes
+    assert ds.metrics.cached_bytes - counted == len(again["jpg"]) + len(again["cls"])  # what was read, no more
     assert peak < 1.3 * len(big), f"{peak:,} bytes allocated to read a member of {len(big):,}"
     assert ds.metrics.gets == 1  # the shard, whole, once: its index read from it
+
+
+def test_a_batch_over_more_shards_than_it_keeps_indexes_of_fetches_each_index_once(tmp_path):
+    """A batch reads each shard's index once, on its threads, and keeps it for the run it reads,
+    whether or not the cache holds that shard (here none: the bound is below a shard's size)."""
+    store = LocalStore(tmp_path / "store")
+    store.create_bucket("b")
+    upload(store, "b", "d", SyntheticImages(40, size=(32, 24)), maxcount=2)  # 20 shards
+    ds = RemoteMapDataset(store, "b", "d", cache_dir=tmp_path / "cache", cache_bytes=1000, cache_shards=4)
+    batch = [2 * shard for shard in range(20)]  # a sample of every shard
+    got = ds.__getitems__(batch)
+    assert ds.metrics.gets == 2 * 20  # an index and a run a shard
+    assert got == [RemoteMapDataset(store, "b", "d")[i] for i in batch]
 
 
 def test_the_environment_turns_the_cache_on(dataset, tmp_path, monkeypatch):
