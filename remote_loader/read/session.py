@@ -91,7 +91,7 @@ class ReadSession:
 
     def get_range(self, bucket: str, obj: Object, start: int, end: int) -> bytes | bytearray:
         """Bytes ``[start, end)`` of an object: one ranged GET, or the node's cache."""
-        if isinstance(obj, Shard) and self._cache is not None:
+        if self._cached(obj) is not None:
             out = bytearray(end - start)
             self.get_range_into(bucket, obj, start, end, memoryview(out))
             return out
@@ -108,10 +108,11 @@ class ReadSession:
 
     def get_range_and_size(self, bucket: str, obj: Object, start: int, end: int) -> tuple[bytes | bytearray, int]:
         """Bytes ``[start, end)`` of an object and the object's size (see ``Store``)."""
-        if isinstance(obj, Shard) and self._cache is not None:
+        found = self._cached(obj)
+        if found is not None:
             out = bytearray(end - start)
             if self._from_cache(bucket, obj, start, end, memoryview(out)):
-                return out, obj.size
+                return out, found[2]
         self.metrics.add(gets=1)
         data, size = self.store.get_range_and_size(bucket, key_of(obj), start, end)
         self.metrics.add(bytes=len(data))
