@@ -8,7 +8,8 @@ Makes the suite's JPEGs (``benchmarks/suite/data.py``, one generator per image, 
 core), starts SeaweedFS on loopback, writes them with remote_loader's uploader and with
 WebDataset's writer, then streams one shuffled epoch per row, each in a fresh process:
 
-- remote_loader as the README shows it (``loader(ds)``: a worker per core of the rank), in
+- remote_loader as the README shows it (``loader(ds)``: a worker per core of the rank, 4 at
+  most where the workers only fetch, as in A), in
   scenarios A (bytes only), B-fused (``RandomResizedCrop(224)``) and B (Pillow decode + RRC
   + flip as a user ``map``), batches of 64;
 - remote_loader at a sweep: one process with a stage thread per core (``num_workers=0``),

@@ -28,7 +28,7 @@ from remote_loader.pipeline.device import (
 from remote_loader.pipeline.device import collate as device_collate
 from remote_loader.pipeline.device.dali import DaliDecoder
 from remote_loader.pipeline.run.dataloader import Loader
-from remote_loader.pipeline.stages.chain import Chain
+from remote_loader.pipeline.stages.chain import Batched, Chain, ToTuple
 
 log = logging.getLogger("remote_loader")
 DECODING = ("dali", "process", "thread")
@@ -41,16 +41,21 @@ def loader(dataset: IterableDataset, *, num_workers: int | None = None, stateful
     One Python process runs its Python on one core at a time, so cores are filled by
     DataLoader worker processes: one per core this rank may use (``rank_cores()``: its CPU
     affinity, the container's CPU quota, and its share of the node under torchrun's
-    ``LOCAL_WORLD_SIZE``); at most 4 for a pipeline that decodes on the GPU, whose batches
-    are decoded as they come by a process of its own, which runs the DataLoader too
-    (``DeviceLoader``, docs/gpu.md). Items come as the
+    ``LOCAL_WORLD_SIZE``). At most 4 where the workers only fetch: for a pipeline that
+    decodes on the GPU, whose batches are decoded as they come by a process of its own,
+    which runs the DataLoader too (``DeviceLoader``, docs/gpu.md), and for one that streams
+    bytes, whose stages only pick fields and batch (``to_tuple``, ``batched``: no decode on
+    the CPU, no ``map``, ``map_tuple`` or ``select``). A worker streams tens of thousands of
+    samples a second of bytes, and each holds its own shuffle buffer and shard ranges, so
+    more would add memory and no speed. Items come as the
     pipeline makes them (``batch_size=None``: batch with ``.batched``), workers persist
     across epochs, and batches land in pinned memory when CUDA is available, so their copy
     to the GPU can overlap the step.
 
     Args:
         dataset: A ``RemoteDataset`` pipeline (any iterable dataset works).
-        num_workers: Worker processes; default one per core of this rank.
+        num_workers: Worker processes; default one per core of this rank (at most 4 where
+            the workers only fetch, above).
         stateful: A torchdata ``StatefulDataLoader`` (its ``state_dict()`` gathers each
             worker's position: see docs/checkpointing.md); needs the ``torchdata`` extra.
         decoding: For a pipeline that decodes on a device: ``"dali"``, by NVIDIA DALI in
@@ -69,7 +74,8 @@ def loader(dataset: IterableDataset, *, num_workers: int | None = None, stateful
     if num_workers is not None:
         workers = require_int("num_workers", num_workers, 0)
     else:  # workers that only fetch bytes and draw crops need fewer cores than decoders
-        workers = min(rank_cores(), _FETCHING_WORKERS) if decoder is not None else rank_cores()
+        fetching = decoder is not None or _streams_bytes(dataset)
+        workers = min(rank_cores(), _FETCHING_WORKERS) if fetching else rank_cores()
     require_bool("stateful", stateful)
     settings: dict[str, Any] = {"batch_size": None, "num_workers": workers,
                                 "pin_memory": torch.cuda.is_available()}
@@ -125,8 +131,17 @@ class ByName:
 
 
 _FETCHING_WORKERS = 4
-"""Workers ``loader()`` starts for a pipeline that decodes on a device (at most): theirs is
-fetching and drawing crops, a few cores' work for tens of thousands of images a second."""
+"""Workers ``loader()`` starts for a pipeline that decodes on a device or streams bytes (at
+most): theirs is fetching (and drawing crops), a few cores' work for tens of thousands of
+images a second."""
+
+
+def _streams_bytes(dataset: Any) -> bool:
+    """Whether ``dataset`` is a pipeline whose stages only pick fields and batch: nothing
+    runs for each sample that decodes or is the user's (a ``collation_fn`` runs once a
+    batch). A dataset that is not a pipeline may do anything."""
+    chain = getattr(dataset, "stages", None)
+    return isinstance(chain, list) and all(isinstance(stage, ToTuple | Batched) for stage in chain)
 
 
 def _batches(dataset: Any) -> bool:
