@@ -31,6 +31,7 @@ from remote_loader.pipeline.state.resume import Handover, Layout
 from remote_loader.pipeline.state.stream import Data, WorkerStream
 from remote_loader.pipeline.state.uploads import Uploads
 from remote_loader.read import DatasetReader, Metrics
+from remote_loader.read.heap import keep_large_blocks_apart
 from remote_loader.storage import Store, open_location
 from remote_loader.storage.daemon import in_daemon_thread, wait_result
 
@@ -451,6 +452,8 @@ class RemoteDataset(IterableDataset):
             items = map(owned, items)  # torch's default conversion would take a view for a sequence of ints
         if reader.views and info is not None:
             pickle_views_as_bytes()  # what leaves the worker crosses as bytes: crossing copies it anyway
+        if info is not None:
+            keep_large_blocks_apart()  # a worker's decoded images and ranges do not stay in its heap once freed
         return self._watched(items, reader, check)
 
     def _check_current(self, followed: bool) -> Future[None] | None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import sys
 import warnings
@@ -11,6 +13,7 @@ import pytest
 from torch.utils.data import DataLoader
 
 from remote_loader import ConfigError, RemoteDataset, loader, rank_cores
+from remote_loader.pipeline.run import loader as loader_module
 from remote_loader.testing.synthetic import SyntheticImages
 from tests.helpers import upload_to_new_bucket
 
@@ -53,13 +56,37 @@ def test_rank_cores_takes_the_affinity_the_quota_and_the_ranks_sharing_the_node(
 
 
 def test_the_loader_fills_the_ranks_cores_with_persistent_workers_and_gives_each_epoch_whole(keys):
-    stream = loader(keys)
+    stream = loader(keys.map(_same))
     assert isinstance(stream, DataLoader)
     assert stream.num_workers == rank_cores() and stream.batch_size is None and stream.persistent_workers
     epochs = [[key for (batch,) in stream for key in batch] for _ in range(2)]
     for keys_ in epochs:
         assert Counter(keys_) == Counter(f"{i:06d}" for i in range(N))
     assert epochs[0] != epochs[1]  # each pass takes the next epoch
+
+
+def _same(batch):
+    return batch
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")  # torch's: more workers than this machine's cores
+def test_a_pipeline_that_streams_bytes_gets_a_few_workers_and_one_that_runs_code_per_sample_one_a_core(
+        keys, seaweed, monkeypatch):
+    """Workers that only fetch (pick fields, batch) stream tens of thousands of samples a second
+    each, and each holds a shuffle buffer and shard ranges: on a node's 16 cores, 4 of them. A
+    per-sample function of the user's, or a decode on the CPU, may need every core."""
+    monkeypatch.setattr(loader_module, "rank_cores", lambda: 16)
+    client = seaweed.client()
+    plain = RemoteDataset(client, "loader-tests", "d", seed=2)
+    assert loader(keys).num_workers == 4  # to_tuple + batched
+    assert loader(plain).num_workers == 4  # no stage at all
+    assert loader(keys, num_workers=16).num_workers == 16  # asked for: given
+    for heavier in (keys.map(_same), keys.select(bool), plain.decode("pil").to_tuple("jpg").batched(8),
+                    plain.to_tuple("jpg", "cls").map_tuple(len, None).batched(8)):
+        assert loader(heavier).num_workers == 16, heavier.stages
+    client.close()
+    monkeypatch.setattr(loader_module, "rank_cores", lambda: 2)
+    assert loader(keys).num_workers == 2  # never more than the rank's cores
 
 
 def test_the_loader_takes_any_dataloader_argument_and_a_stateful_one(keys):
@@ -150,3 +177,37 @@ def test_loader_s_workers_hand_tensors_over_by_name_where_this_process_decodes(s
     assert codes == [int(by_name)] * 16
     stream.close()
     client.close()
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _mapped_bytes() -> int:
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    libc.mallinfo2.restype = _Mallinfo2
+    return libc.mallinfo2().hblkhd
+
+
+def _a_freed_megabyte_is_unmapped(batch):
+    """Whether this process gives a 1 MiB block a mapping of its own (returned to the system
+    when freed) even after a 32 MiB block was freed, which raises glibc's threshold unless fixed."""
+    large = bytearray(32 << 20)
+    del large
+    before = _mapped_bytes()
+    block = bytearray(1 << 20)
+    mapped = _mapped_bytes() - before >= 1 << 20
+    del block
+    return mapped
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not hasattr(ctypes.CDLL(ctypes.util.find_library("c")),
+                    "mallinfo2"), reason="glibc's mallinfo2 (2.33+) tells where a block lies")
+def test_a_worker_gives_each_large_block_back_when_freed_and_the_training_process_keeps_its_allocator(keys):
+    """Decoded images freed between the shuffle buffer's samples left holes that grew a worker's
+    heap for as long as it ran (755 MB a worker against 254 MB): a worker maps each block of
+    256 KiB or more on its own. The process that trains keeps glibc's own threshold."""
+    in_workers = DataLoader(keys.map(_a_freed_megabyte_is_unmapped), batch_size=None, num_workers=1)
+    assert set(in_workers) == {True}
+    assert set(keys.map(_a_freed_megabyte_is_unmapped)) == {False}
