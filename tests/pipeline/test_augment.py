@@ -73,3 +73,28 @@ def test_png_and_grayscale_inputs_decode_to_rgb():
     Image.new("L", (64, 48), 128).save(gray, format="JPEG")
     out = crop.decode(memoryview(gray.getvalue()))
     assert out.shape == (3, 32, 32) and int(out.float().mean().round()) == 128
+
+
+def test_crops_decoded_one_after_another_in_a_thread_are_their_own_and_as_a_fresh_decode_gives(monkeypatch):
+    """A thread decodes each JPEG into one buffer it keeps (a fresh array per image left holes in
+    a worker's heap): each crop is a tensor of its own, unchanged by the decodes after it, and
+    the same as decoding into a fresh array gives, whole-image crops (nothing resized) and images
+    too large for the buffer (an array of their own) included."""
+    from remote_loader.pipeline.stages import augment
+
+    data = [SyntheticImages(1, size=size, seed=seed)[0][0] for seed, size in ((1, (64, 64)), (2, (640, 480)),
+                                                                             (3, (64, 64)), (4, (800, 600)))]
+    whole = dict(size=64, scale=(1.0, 1.0), ratio=(1.0, 1.0), flip=False, seed=0)  # the box is the image
+    settings = [whole, dict(size=96, seed=7), whole, dict(size=32, seed=8)]
+
+    def crops() -> list[torch.Tensor]:
+        return [RandomResizedCrop(**kw).decode(d) for kw, d in zip(settings, data, strict=True)]
+
+    reused = crops()
+    kept = [c.clone() for c in reused]
+    crops()
+    assert all(torch.equal(a, b) for a, b in zip(reused, kept, strict=True))
+    monkeypatch.setattr(augment, "_REUSED", 64 * 64 * 3)  # the first image fits, the others get their own
+    assert all(torch.equal(a, b) for a, b in zip(crops(), kept, strict=True))
+    monkeypatch.setattr(augment, "_pixel_buffer", lambda size: None)  # every image an array of its own
+    assert all(torch.equal(a, b) for a, b in zip(crops(), kept, strict=True))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import io
 import math
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -185,7 +186,8 @@ class RandomResizedCrop:
         height, width, _, _ = simplejpeg.decode_jpeg_header(data)
         shrink, box = self._reduced(width, height, self.box(width, height, rng))
         pixels = simplejpeg.decode_jpeg(data, colorspace="RGB", fastdct=self.fast, fastupsample=self.fast,
-                                        min_width=math.ceil(width / shrink), min_height=math.ceil(height / shrink))
+                                        min_width=math.ceil(width / shrink), min_height=math.ceil(height / shrink),
+                                        buffer=_pixel_buffer(width * height * 3))
         return pixels, box
 
     def _reduced(self, width: int, height: int,
@@ -226,3 +228,21 @@ class RandomResizedCrop:
         if field.rsplit(".", 1)[-1] in IMAGE_FIELDS:
             return self.decode(data, rng)
         return data
+
+
+_REUSED = 16 << 20
+"""The largest decoded image (bytes) a thread decodes into its buffer: 5.5 MP of RGB."""
+_buffers = threading.local()
+
+
+def _pixel_buffer(size: int) -> np.ndarray | None:
+    """This thread's buffer for a decoded JPEG of up to ``size`` bytes, kept for the next: a
+    crop is resized out of it before the thread decodes again. A fresh array per image would
+    leave a hole in the heap each time, between the shuffle buffer's samples. None for an
+    image larger than ``_REUSED`` (it gets an array of its own)."""
+    if size > _REUSED:
+        return None
+    buffer: np.ndarray | None = getattr(_buffers, "pixels", None)
+    if buffer is None or buffer.size < size:
+        buffer = _buffers.pixels = np.empty(max(size, 1 << 20), np.uint8)
+    return buffer
