@@ -452,8 +452,8 @@ class RemoteDataset(IterableDataset):
             items = map(owned, items)  # torch's default conversion would take a view for a sequence of ints
         if reader.views and info is not None:
             pickle_views_as_bytes()  # what leaves the worker crosses as bytes: crossing copies it anyway
-        if info is not None:
-            keep_large_blocks_apart()  # a worker's decoded images and ranges do not stay in its heap once freed
+        if info is not None and not stages.streams_bytes(self.stages):
+            keep_large_blocks_apart()  # a decoding worker's large temporaries do not stay in its heap once freed
         return self._watched(items, reader, check)
 
     def _check_current(self, followed: bool) -> Future[None] | None:

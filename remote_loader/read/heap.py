@@ -41,8 +41,10 @@ def _c_library() -> Any:
 def keep_large_blocks_apart() -> None:
     """Fix this process's mmap threshold at ``LARGE``: every block that size or larger is
     mapped on its own and unmapped when freed, never left in the heap. Once a process; a
-    no-op where the C library has no ``mallopt``. For DataLoader workers, whose memory is
-    the pipeline's: the training process's allocator is left as it is."""
+    no-op where the C library has no ``mallopt``. For DataLoader workers that decode or run
+    the user's functions, whose memory is the pipeline's: the training process's allocator
+    is left as it is, and so is a worker's that only streams bytes (nothing there to keep
+    apart: its samples are smaller, its ranges reused)."""
     global _apart
     if not _apart:
         _apart = True

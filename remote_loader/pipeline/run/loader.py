@@ -28,7 +28,7 @@ from remote_loader.pipeline.device import (
 from remote_loader.pipeline.device import collate as device_collate
 from remote_loader.pipeline.device.dali import DaliDecoder
 from remote_loader.pipeline.run.dataloader import Loader
-from remote_loader.pipeline.stages.chain import Batched, Chain, ToTuple
+from remote_loader.pipeline.stages.chain import Chain, streams_bytes
 
 log = logging.getLogger("remote_loader")
 DECODING = ("dali", "process", "thread")
@@ -137,11 +137,10 @@ images a second."""
 
 
 def _streams_bytes(dataset: Any) -> bool:
-    """Whether ``dataset`` is a pipeline whose stages only pick fields and batch: nothing
-    runs for each sample that decodes or is the user's (a ``collation_fn`` runs once a
-    batch). A dataset that is not a pipeline may do anything."""
+    """Whether ``dataset`` is a pipeline that only streams bytes (``streams_bytes``); a
+    dataset that is not a pipeline may do anything."""
     chain = getattr(dataset, "stages", None)
-    return isinstance(chain, list) and all(isinstance(stage, ToTuple | Batched) for stage in chain)
+    return isinstance(chain, list) and streams_bytes(chain)
 
 
 def _batches(dataset: Any) -> bool:

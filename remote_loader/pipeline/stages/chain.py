@@ -402,6 +402,13 @@ class Batched(Stage):
         return batched_stage(samples, self.batchsize, self.collation_fn, self.keep_short)
 
 
+def streams_bytes(stages: Iterable[Stage]) -> bool:
+    """Whether ``stages`` only pick fields and batch: nothing runs for each sample that
+    decodes or is the user's (a ``collation_fn`` runs once a batch). Such a pipeline's
+    workers only fetch and copy bytes."""
+    return all(isinstance(stage, ToTuple | Batched) for stage in stages)
+
+
 # --------------------------------------------------------------------------- the generators stages run
 
 
