@@ -4,11 +4,11 @@ process, with the PSS and USS (private memory) of the process and of each worker
 moment their sum peaked. Memory does not depend on the cores, so a node's 16 workers can be
 measured here; their rates cannot.
 
-    python benchmarks/worker_memory.py [--images 20000] [--repeats 1] [--against CHECKOUT]
+    python benchmarks/worker_memory.py [--images 20000] [--repeats 1] [--against CHECKOUT...]
         [--rows '[{"system": "ours", "scenario": "B-fused", "workers": 16}, ...]']
 
-``--against`` runs each of ours a second time with the remote_loader of another checkout
-(a ``git worktree`` of an earlier commit), alternating. Needs what ``node/run.py`` needs
+``--against`` runs each of ours again with the remote_loader of each other checkout given
+(a ``git worktree`` of an earlier commit, or one with a change tried), alternating. Needs what ``node/run.py`` needs
 (scikit-image, webdataset, psutil).
 """
 
@@ -93,14 +93,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images", type=int, default=20000)
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--against", help="another checkout: each of ours runs with it too, alternating")
+    parser.add_argument("--against", nargs="+", default=[],
+                        help="other checkouts: each of ours runs with each of them too, alternating")
     parser.add_argument("--rows", type=json.loads, default=ROWS, help="rows as node/run.py names them (JSON)")
     args = parser.parse_args()
     import run
 
     from remote_loader.testing.server import EmbeddedS3
 
-    checkouts = {"this": {}} | ({"against": {"PYTHONPATH": args.against}} if args.against else {})
+    checkouts = {"this": {}} | {path: {"PYTHONPATH": path} for path in args.against}
     folder = Path(tempfile.mkdtemp(prefix="worker-memory-images-"))
     try:
         with EmbeddedS3(buckets=[run.BUCKET]) as server:
