@@ -6,7 +6,7 @@ an 8 MiB range, a batch's tensor), glibc raises its mmap threshold, so later lar
 temporaries come from the heap and stay in the process once freed: in every forked
 DataLoader worker, tens of MB at a million shards. Trimming after those steps keeps a
 worker's private memory to what it holds. A worker that decodes on its main thread is worse
-off: its decoded images, each several hundred KB, come from the main heap between the
+off: a decode's temporaries, hundreds of KB each, come from the main heap between the
 shuffle buffer's samples, and the holes they leave grow the heap for as long as it runs (2
 workers decoding 4,000 JPEGs each: 755 MB private each, against 254 MB with the threshold
 fixed; docs/performance.md). A fixed threshold keeps each block of 256 KiB or more a
