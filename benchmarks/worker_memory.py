@@ -84,7 +84,7 @@ def measure(spec: dict[str, Any], env: dict[str, str], timeout: float) -> dict[s
     result = json.loads(out.strip().splitlines()[-1])
     workers = sorted((p[1], p[2]) for p in peak[1] if not p[0])
     main = [p for p in peak[1] if p[0]]
-    return {"rate": result["rate"], "peak_pss_mb": peak[0] / 1e6,
+    return {"rate": result["rate"], "first_batch_seconds": result["first_batch_seconds"], "peak_pss_mb": peak[0] / 1e6,
             "process_pss_uss_mb": [round(v / 1e6) for v in main[0][1:]] if main else None,
             "workers_pss_uss_mb": [[round(a / 1e6), round(b / 1e6)] for a, b in workers]}
 
