@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from remote_loader import DatasetReader, RandomResizedCrop, RemoteDataset, loader, rank_cores, upload_cv_dataset
+from remote_loader import DatasetReader, RandomResizedCrop, RemoteDataset, loader, upload_cv_dataset
 from remote_loader.testing.server import EmbeddedS3
 from remote_loader.testing.synthetic import SyntheticImages
 
@@ -38,11 +38,12 @@ def main() -> None:
         bad = [r for r in (reader.check_shard(e) for e in reader.manifest.shards) if not r.ok]
         print(f"verified {len(reader.manifest.shards)} shards against their checksums: {len(bad)} bad")
 
-        print(f"streaming one epoch with RemoteDataset and loader() ({rank_cores()} workers, one per core), bytes only")
         stream = RemoteDataset(client, "demo", "synthetic", seed=0).shuffle(500).to_tuple("cls", "__key__")
+        batches = loader(stream, persistent_workers=False)  # bytes only: a worker per core, 4 at most
+        print(f"streaming one epoch with RemoteDataset and loader() ({batches.num_workers} workers), bytes only")
         started = time.perf_counter()
         labels, keys = [], set()
-        for label, key in loader(stream, persistent_workers=False):
+        for label, key in batches:
             labels.append(int(label))
             keys.add(key)
         seconds = time.perf_counter() - started
