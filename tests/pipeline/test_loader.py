@@ -194,9 +194,9 @@ _FREED_BLOCKS = textwrap.dedent("""
 
     def unmapped(batch):
         # Whether this process gives a 1 MiB block a mapping of its own (returned when freed) even
-        # after a 32 MiB block was freed, which raises glibc's threshold unless it is fixed. The
+        # after a 16 MiB block was freed, which raises glibc's threshold unless it is fixed. The
         # dataset's shards are a few KB: no other block of this size comes or goes meanwhile.
-        large = bytearray(32 << 20)
+        large = bytearray(16 << 20)  # under glibc's 32 MiB ceiling on the threshold it raises
         del large
         before = libc.mallinfo2().hblkhd
         block = bytearray(1 << 20)
