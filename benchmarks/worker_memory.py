@@ -37,25 +37,6 @@ ROWS = [
 ]
 
 
-def _processes(pid: int) -> list[tuple[bool, int, int]]:
-    """(is the loader's own process, PSS, USS) of a process and its descendants, in bytes."""
-    import psutil
-
-    try:
-        root = psutil.Process(pid)
-        processes = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return []
-    out = []
-    for process in processes:
-        try:
-            info = process.memory_full_info()
-        except psutil.Error:
-            continue
-        out.append((process.pid == pid, info.pss, info.uss))
-    return out
-
-
 def measure(spec: dict[str, Any], env: dict[str, str], timeout: float) -> dict[str, Any]:
     """One epoch of ``node/run.py``'s row ``spec`` in a fresh process, sampled every 0.1 s."""
     import run
@@ -68,7 +49,7 @@ def measure(spec: dict[str, Any], env: dict[str, str], timeout: float) -> dict[s
 
     def sample() -> None:
         while not stop.wait(0.1):
-            parts = _processes(process.pid)
+            parts = run.tree_memory(process.pid)
             if sum(p[1] for p in parts) > peak[0]:
                 peak[:] = [sum(p[1] for p in parts), parts]
 

@@ -210,22 +210,28 @@ def epoch(spec: dict) -> dict[str, Any]:
 # ---------------------------------------------------------------------------- the orchestration
 
 
-def tree_pss(pid: int) -> int:
-    """The sum of PSS over a process and its descendants (shared pages counted once)."""
+def tree_memory(pid: int) -> list[tuple[bool, int, int]]:
+    """``(is the process itself, PSS, USS)`` in bytes of a process and each of its descendants."""
     import psutil
 
     try:
         root = psutil.Process(pid)
         processes = [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
-        return 0
-    total = 0
+        return []
+    out = []
     for process in processes:
         try:
-            total += process.memory_full_info().pss
+            info = process.memory_full_info()
         except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
-    return total
+            continue
+        out.append((process.pid == pid, info.pss, info.uss))
+    return out
+
+
+def tree_pss(pid: int) -> int:
+    """The sum of PSS over a process and its descendants (shared pages counted once)."""
+    return sum(pss for _, pss, _ in tree_memory(pid))
 
 
 def measure(spec: dict, timeout: float) -> dict[str, Any]:
