@@ -21,7 +21,10 @@ held GIL makes. Stacks say which part held it.
 
 Rows: the suite's scenarios in one process, stage threads as the suite runs them without
 DataLoader workers (as many as cores), and the same without threads (what a DataLoader
-worker runs). The projection for a node of ``--cores``, each of its cores ``--scale``
+worker runs). Each row also runs beside a thread of the same process spinning pure Python,
+which gives the GIL up only every switch interval (5 ms): a GIL-held figure lowered by
+releasing the GIL once a sample shows there as a wait of up to a switch interval a sample.
+The projection for a node of ``--cores``, each of its cores ``--scale``
 times slower than one here (the node's own CPU-seconds per sample of a row measured on it,
 over the same row's here):
 
@@ -48,6 +51,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -215,7 +219,33 @@ def child(spec: dict) -> dict:
     gil = spy.stop(samples)
     return {"samples": samples, "warm": warm, "rate": samples / wall, "cpu_us": cpu / samples * 1e6,
             "thread_us": own / samples * 1e6, "gil_us": sum(gil.values()), "gil_parts": gil, "cores": cpu / wall,
-            "calibration_us": calibration_us()}
+            "calibration_us": calibration_us(), "beside_rate": _beside_spinning(pipeline, count)}
+
+
+def _beside_spinning(pipeline, count) -> float:  # noqa: ANN001
+    """Samples/s of the pipeline beside a thread of this process spinning pure Python (which
+    gives the GIL up only every switch interval), over at least half ``MEASURE_SECONDS``: what
+    releasing the GIL per sample costs where a training step's own Python runs beside it."""
+    spinning = threading.Event()
+    spinning.set()
+
+    def spin() -> None:
+        while spinning.is_set():
+            pass
+
+    spinner = threading.Thread(target=spin, daemon=True)
+    spinner.start()
+    try:
+        wall, samples = time.perf_counter(), 0
+        while time.perf_counter() - wall < MEASURE_SECONDS / 2:
+            for batch in pipeline:
+                samples += count(batch)
+                if time.perf_counter() - wall >= MEASURE_SECONDS / 2:
+                    break
+        return samples / (time.perf_counter() - wall)
+    finally:
+        spinning.clear()
+        spinner.join()
 
 
 def gets_child(spec: dict) -> dict:
@@ -367,7 +397,8 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, list[dict]]]:
                         run = _run("--child", {**base, "scenario": scenario, "threads": threads,
                                                "folder": folders[label]}, checkout)
                         results.setdefault(label, {}).setdefault(name, []).append(run)
-                        print(f"{label:8s} {name:22s} {run['rate']:8,.0f}/s  GIL {run['gil_us']:6.1f} us"
+                        print(f"{label:8s} {name:22s} {run['rate']:8,.0f}/s  beside a spinning thread"
+                              f" {run['beside_rate']:8,.0f}/s  GIL {run['gil_us']:6.1f} us"
                               f"  CPU {run['cpu_us']:6.1f} us  thread {run['thread_us']:6.1f} us", flush=True)
         with EmbeddedS3(buckets=[BUCKET]) as server:
             client = make_client(server.endpoint_url, server.access_key, server.secret_key)
@@ -401,11 +432,12 @@ def report(results: dict[str, dict[str, list[dict]]], args: argparse.Namespace) 
         per_sample_gets = sample_bytes / FetchConfig().part_size
         print(f"\n## {label}: medians of {args.repeats}, {os.cpu_count()} cores here, Python"
               f" {sys.version.split()[0]}; {sample_bytes / 1e3:.0f} KB a sample")
-        print("| row (from memory) | samples/s here | GIL us/sample | CPU us/sample | consuming thread us | cores |"
-              " GIL by part (us) |\n|---|---|---|---|---|---|---|")
+        print("| row (from memory) | samples/s here | beside a spinning thread | GIL us/sample | CPU us/sample |"
+              " consuming thread us | cores | GIL by part (us) |\n|---|---|---|---|---|---|---|---|")
         for name, row in medians.items():
             parts = ", ".join(f"{p} {v:.1f}" for p, v in sorted(row["gil_parts"].items(), key=lambda kv: -kv[1]))
-            print(f"| {name} | {row['rate']:,.0f} | {row['gil_us']:.1f} | {row['cpu_us']:.1f} |"
+            print(f"| {name} | {row['rate']:,.0f} | {row.get('beside_rate', float('nan')):,.0f} |"
+                  f" {row['gil_us']:.1f} | {row['cpu_us']:.1f} |"
                   f" {row['thread_us']:.1f} | {row['cores']:.2f} | {parts} |")
         print(f"\nS3 client, one ranged GET of {FetchConfig().part_size >> 20} MiB: GIL {get['gil_us']:.0f} us,"
               f" CPU {get['cpu_us']:.0f} us ({get['gil_us'] * per_sample_gets:.1f} and"
