@@ -10,12 +10,14 @@ that leaves those as they were (a failing disk's bits, a time set back on purpos
 what ``CacheConfig.verify_reads`` is for, every member checked at every read.
 
 Members are read with ``os.pread``, one call a member: one copy, from the page cache into the
-sample's ``bytes``, made without the GIL; no mapping, so a file cut short or a disk's read error
-is an error the reader handles, never a signal that ends the process. A dataset read with
-``views=True`` maps the file instead and hands out views of the mapping: no copy at all, at the
-price of that safety (a file of the cache cut short by another program while mapped ends the
-reading process with SIGBUS; the cache itself never writes into a shard in place: it renames a
-whole new file over it or unlinks it, and a mapping keeps the file it was made of).
+sample's ``bytes``, made without the GIL (a range of small samples is read with one call and
+its members copied out of it: ``read/shards.py``'s ``SMALL_SAMPLES``); no mapping, so a file
+cut short or a disk's read error is an error the reader handles, never a signal that ends the
+process. A dataset read with ``views=True`` maps the file instead and hands out views of the
+mapping: no copy at all, at the price of that safety (a file of the cache cut short by another
+program while mapped ends the reading process with SIGBUS; the cache itself never writes into
+a shard in place: it renames a whole new file over it or unlinks it, and a mapping keeps the
+file it was made of).
 """
 
 from __future__ import annotations

@@ -29,6 +29,10 @@ from remote_loader.storage.daemon import in_daemon_thread
 
 log = logging.getLogger("remote_loader")
 
+SMALL_SAMPLES = 16 * 1024
+"""Mean bytes a sample under which a range of a cached shard is read whole and its members
+copied out (``OpenRange``), not read one ``pread`` a member."""
+
 DAMAGE = (CorruptShard, ObjectNotFound)
 """What ``on_error="skip"`` skips: bytes that stay corrupt, a shard or index that is gone."""
 
@@ -224,7 +228,8 @@ class OpenRange:
     if the shard is gone, and every sample of a ``Skipped`` range). Where each member lies
     is read from the index once, when the range opens, as plain lists: a sample costs a few
     slices of the one buffer, its checksums and a copy of its bytes; from a shard the node's
-    cache holds whole, one read of the file a member, straight into its bytes, and no checksum
+    cache holds whole, one read of the file a member, straight into its bytes (one read a range
+    where its samples are small, ``SMALL_SAMPLES``), and no checksum
     where the file was checked whole and is unchanged since (``read/cached_shard.py``); with
     ``views``, a slice of the file's mapping a member, no copy.
     """
@@ -237,10 +242,26 @@ class OpenRange:
         self._first = self.next
         self._arrived = fetched.start
         self._file = fetched.file
+        self._trusted = self._file is not None and self._file.checked
         self._columns: list[tuple[str, list[int], list[int], list[int]]] = []
         self._mapped: memoryview | None = None
+        if self.view is not None and self._file is not None and not reader.views \
+                and fetched.end - fetched.start < SMALL_SAMPLES * (self.stop - self.next):
+            self._read_whole(self.view)
         if self.view is not None:
             self._read_columns(self.view)
+
+    def _read_whole(self, view: ShardView) -> None:
+        """A range of small samples from a shard the node's cache holds whole, read with one
+        ``pread`` and its members copied out of that, as from the store: a system call a
+        member costs more than copying a small one. Where the file ends first (cut short since
+        it was opened), the range is read member by member, each read saying which came short."""
+        assert self._file is not None
+        data = self._file.read(self.fetched.start, self.fetched.end - self.fetched.start)
+        if data is not None:
+            self.view = ShardView(data, view.index, name=view.name, verify=view.verify, base=self.fetched.start,
+                                  first=self.next, stop=self.stop)
+            self._file = None
 
     def _read_columns(self, view: ShardView) -> None:
         index, first, stop, base = view.index, self.next, self.stop, view.base
@@ -256,7 +277,7 @@ class OpenRange:
             self._columns.append((field, relative.tolist(), sizes[:, j].astype(np.int64).tolist(),
                                   index.crcs[first:stop, j].tolist()))
         self._buffer: memoryview | None = view.buffer
-        self._check = view.verify and not (self._file is not None and self._file.checked)
+        self._check = view.verify and not self._trusted
         # Views of a cached file trusted as it is: each member a slice of its mapping, as the
         # index says (the index was checked to lie inside the shard, the file to be its size).
         self._mapped = self._file.mapped() if self._file is not None and self.reader.views and not self._check \

@@ -222,3 +222,28 @@ def test_checking_every_read_without_verify_still_finds_a_file_changed_since_its
         ds = RemoteDataset(store, bucket, "d", cache_dir=cache, cache_verify=True, verify=False)
         read = _samples(ds)
     assert read == clean and ds.metrics.bytes == entry.size
+
+
+@pytest.mark.parametrize("small", [True, False])
+def test_a_range_of_small_samples_is_read_from_its_cached_shard_at_once(dataset, tmp_path, monkeypatch, small):
+    """A system call a member costs more than copying a small member: a range of samples of
+    under ``SMALL_SAMPLES`` bytes each is read from its cached shard with one ``pread`` and its
+    members copied out, checked where the file is not trusted as it is; larger ones are read
+    straight into their bytes, a ``pread`` a member."""
+    from remote_loader.read import shards
+
+    store, bucket, reader, clean = dataset
+    cache = tmp_path / "cache"
+    assert _samples(RemoteDataset(store, bucket, "d", cache_dir=cache)) == clean  # the first epoch fills the cache
+    if not small:
+        monkeypatch.setattr(shards, "SMALL_SAMPLES", 1)
+    reads: list[int] = []
+    read = ShardFile.read
+    monkeypatch.setattr(ShardFile, "read", lambda self, offset, size: (reads.append(size), read(self, offset, size))[1])
+    indexes = [reader.read_index(entry) for entry in reader.manifest.shards]
+    ranges = [index.extent(0, len(index)) - index.start(0, len(index)) for index in indexes]  # a shard's samples
+    members = [len(data) for _, jpg, cls in clean for data in (jpg, cls)]
+    for verify in (None, True):
+        reads.clear()
+        assert _samples(RemoteDataset(store, bucket, "d", cache_dir=cache, cache_verify=verify)) == clean
+        assert sorted(reads) == sorted(ranges if small else members)
