@@ -10,7 +10,8 @@ LitData's (``cache_dir``), each written by its own writer and read as the suite 
    epochs: what they fetched from the store together, with the cache and without it.
 
     BENCH_SHARD_BYTES=16000000 python benchmarks/cache.py [--images 3000] [--workers 0 2]
-        [--profile s3-same-region] [--repeats 3] [--cache-rows] [--out results/cache-<commit>.json]
+        [--profile s3-same-region] [--repeats 3] [--cache-rows] [--shorter 32 32]
+        [--out results/cache-<commit>.json]
 
 ``--cache-rows`` runs only the rows of (1) with each system's cache: epoch 2 there is each
 loader's own cost per sample, the store out of the way. ``--views`` adds ours with
@@ -239,6 +240,8 @@ def main() -> None:
     parser.add_argument("--cache-rows", action="store_true", help="only the rows of (1) with each system's cache")
     parser.add_argument("--read", action="store_true", help="each batch's consumer reads a byte of each page")
     parser.add_argument("--views", action="store_true", help="ours also with views=True (members as views)")
+    parser.add_argument("--shorter", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
+                        help="the images' shorter side in pixels (default 300-500, ImageNet-like; 32 32: CIFAR-sized)")
     args = parser.parse_args()
     if args.read:
         os.environ["BENCH_READ"] = "1"  # the children's consumers read what they are given
@@ -259,7 +262,9 @@ def main() -> None:
         print(_line(name, epochs), flush=True)
 
     try:
-        items = [(str(p), label) for p, label in data.build(args.data / str(args.images), args.images)]
+        shorter = tuple(args.shorter) if args.shorter else data.SHORTER
+        folder = args.data / (str(args.images) + ("" if shorter == data.SHORTER else "-{}-{}".format(*shorter)))
+        items = [(str(p), label) for p, label in data.build(folder, args.images, shorter=shorter)]
         with servers.seaweedfs() as (target, _):
             for system in args.systems:
                 systems.write(system, items, target, system)
@@ -277,7 +282,7 @@ def main() -> None:
     for name, epochs in medians.items():
         print(_line(name, epochs))
     if args.out:
-        Path(args.out).write_text(json.dumps({"images": args.images, "profile": args.profile,
+        Path(args.out).write_text(json.dumps({"images": args.images, "profile": args.profile, "shorter": args.shorter,
                                               "shard_bytes": systems.SHARD_BYTES, "medians": medians, "runs": runs,
                                               "failed": failed},
                                              indent=1))

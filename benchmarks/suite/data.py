@@ -40,14 +40,17 @@ def photographs() -> list[Image.Image]:
     return out
 
 
-def make_image(photo: Image.Image, rng: np.random.Generator, quality: int) -> bytes:
+SHORTER = (300, 500)
+"""The range of an image's shorter side, in pixels (ImageNet-like)."""
+
+
+def make_image(photo: Image.Image, rng: np.random.Generator, quality: int, shorter: tuple[int, int] = SHORTER) -> bytes:
     width, height = photo.size
     fraction = rng.uniform(0.5, 1.0)
     w, h = max(64, int(width * fraction)), max(64, int(height * fraction * rng.uniform(0.8, 1.2)))
     w, h = min(w, width), min(h, height)
     left, top = int(rng.integers(0, width - w + 1)), int(rng.integers(0, height - h + 1))
-    shorter = int(rng.integers(300, 501))
-    scale = shorter / min(w, h)
+    scale = int(rng.integers(shorter[0], shorter[1] + 1)) / min(w, h)
     size = (max(1, round(w * scale)), max(1, round(h * scale)))
     image = photo.resize(size, Image.Resampling.BICUBIC, box=(left, top, left + w, top + h))
     image = ImageEnhance.Brightness(image).enhance(rng.uniform(0.7, 1.3))
@@ -64,21 +67,26 @@ def make_image(photo: Image.Image, rng: np.random.Generator, quality: int) -> by
     return out.getvalue()
 
 
-def build(folder: Path, images: int, *, seed: int = 0, quality: int = 95) -> list[tuple[Path, int]]:
-    """Write (or reuse) ``images`` JPEGs in ``folder``; return ``(path, label)`` pairs."""
+def build(folder: Path, images: int, *, seed: int = 0, quality: int = 95,
+          shorter: tuple[int, int] = SHORTER) -> list[tuple[Path, int]]:
+    """Write (or reuse) ``images`` JPEGs in ``folder``, each's shorter side in ``shorter``
+    (pixels: ``(32, 32)`` for CIFAR-sized samples); return ``(path, label)`` pairs."""
     folder.mkdir(parents=True, exist_ok=True)
     labels_file = folder / "labels.json"
+    made = {"images": images, "seed": seed, "quality": quality}
+    if shorter != SHORTER:
+        made["shorter"] = list(shorter)
     if labels_file.exists():
         stored = json.loads(labels_file.read_text())
-        if stored["images"] == images and stored["seed"] == seed and stored["quality"] == quality:
+        if {k: stored.get(k) for k in (*made, "shorter")} == {"shorter": None, **made}:
             return [(folder / f"{i:07d}.jpg", label) for i, label in enumerate(stored["labels"])]
     rng = np.random.default_rng(seed)
     photos = photographs()
     labels = [int(x) for x in rng.integers(0, 1000, size=images)]
     for i in range(images):
         photo = photos[int(rng.integers(0, len(photos)))]
-        (folder / f"{i:07d}.jpg").write_bytes(make_image(photo, rng, quality))
-    labels_file.write_text(json.dumps({"images": images, "seed": seed, "quality": quality, "labels": labels}))
+        (folder / f"{i:07d}.jpg").write_bytes(make_image(photo, rng, quality, shorter))
+    labels_file.write_text(json.dumps({**made, "labels": labels}))
     return [(folder / f"{i:07d}.jpg", label) for i, label in enumerate(labels)]
 
 
