@@ -111,6 +111,11 @@ def test_a_map_style_read_from_the_cache_reads_each_member_once_into_its_bytes(s
     ds = RemoteMapDataset(store, bucket, "big", cache_dir=tmp_path / "cache")
     first = ds.__getitems__([0, 1])  # fetched whole into the cache
     assert sorted(bytes(s["jpg"]) == big for s in first) == [True, True]
+    name = ds.reader.manifest.shards[0].name
+    for _ in range(1200):  # until the fill has checked the shard and renamed it into place (at most 60 s)
+        if [p for p in (tmp_path / "cache").rglob(name) if FILL not in p.parts]:
+            break
+        _wait(0.05)
     ds[0]  # the file opened and trusted once: what stays is the read itself
     counted = ds.metrics.cached_bytes
     tracemalloc.start()
