@@ -31,7 +31,7 @@ log = logging.getLogger("remote_loader")
 
 SMALL_SAMPLES = 16 * 1024
 """Mean bytes a sample under which a range of a cached shard is read whole and its members
-copied out (``OpenRange``), not read one ``pread`` a member."""
+copied out (``SpanRead._read_small``), not read one ``pread`` a member."""
 
 DAMAGE = (CorruptShard, ObjectNotFound)
 """What ``on_error="skip"`` skips: bytes that stay corrupt, a shard or index that is gone."""
@@ -157,6 +157,7 @@ class _Opened(NamedTuple):
     shard: int
     next: int
     stop: int
+    in_file: bool = False  # members read from the cached file one by one, not from the view's bytes
 
 
 @dataclass(frozen=True)
@@ -170,11 +171,15 @@ class SpanRead:
     index: ShardIndex
 
     def open(self, fetched: Fetched[Any], reader: DatasetReader, wait: Callable[[int | None], object]) -> _Opened:
+        buffer: bytes | memoryview = fetched.buffer
         if fetched.file is not None:  # the whole shard on the node's disk: no bytes at hand, offsets in the file
-            whole = ShardView(fetched.buffer, self.index, name=self.entry.name, verify=reader.verify, stop=0)
-            return _Opened(whole, self.index, self.shard, self.first, self.stop)
+            read = self._read_small(fetched, reader)
+            if read is None:
+                whole = ShardView(fetched.buffer, self.index, name=self.entry.name, verify=reader.verify, stop=0)
+                return _Opened(whole, self.index, self.shard, self.first, self.stop, in_file=True)
+            buffer = read
         view = ShardView(
-            fetched.buffer,
+            buffer,
             self.index,
             name=self.entry.name,
             verify=reader.verify,
@@ -183,6 +188,16 @@ class SpanRead:
             stop=self.stop,
         )
         return _Opened(view, self.index, self.shard, self.first, self.stop)
+
+    def _read_small(self, fetched: Fetched[Any], reader: DatasetReader) -> bytes | None:
+        """The range's bytes read from its cached file with one ``pread``, where its samples are
+        small (``SMALL_SAMPLES``: a system call a member would cost more than copying them out)
+        and the reader takes copies, not views of the file; else None, as where the file ends
+        first (cut short since it was opened: each member's own read then says which came short)."""
+        assert fetched.file is not None
+        if reader.views or fetched.end - fetched.start >= SMALL_SAMPLES * (self.stop - self.first):
+            return None
+        return fetched.file.read(fetched.start, fetched.end - fetched.start)
 
 
 @dataclass(frozen=True)
@@ -238,30 +253,15 @@ class OpenRange:
         self, reader: DatasetReader, fetched: Fetched[Any], plan: RangePlan, session: ReadSession, on_error: OnError
     ) -> None:
         self.reader, self.fetched, self.session, self.on_error = reader, fetched, session, on_error
-        self.view, self.index, self.shard, self.next, self.stop = plan.open(fetched, reader, self._wait)
+        self.view, self.index, self.shard, self.next, self.stop, in_file = plan.open(fetched, reader, self._wait)
         self._first = self.next
         self._arrived = fetched.start
-        self._file = fetched.file
-        self._trusted = self._file is not None and self._file.checked
+        self._file = fetched.file if in_file else None
+        self._trusted = fetched.file is not None and fetched.file.checked  # read from a file checked whole
         self._columns: list[tuple[str, list[int], list[int], list[int]]] = []
         self._mapped: memoryview | None = None
-        if self.view is not None and self._file is not None and not reader.views \
-                and fetched.end - fetched.start < SMALL_SAMPLES * (self.stop - self.next):
-            self._read_whole(self.view)
         if self.view is not None:
             self._read_columns(self.view)
-
-    def _read_whole(self, view: ShardView) -> None:
-        """A range of small samples from a shard the node's cache holds whole, read with one
-        ``pread`` and its members copied out of that, as from the store: a system call a
-        member costs more than copying a small one. Where the file ends first (cut short since
-        it was opened), the range is read member by member, each read saying which came short."""
-        assert self._file is not None
-        data = self._file.read(self.fetched.start, self.fetched.end - self.fetched.start)
-        if data is not None:
-            self.view = ShardView(data, view.index, name=view.name, verify=view.verify, base=self.fetched.start,
-                                  first=self.next, stop=self.stop)
-            self._file = None
 
     def _read_columns(self, view: ShardView) -> None:
         index, first, stop, base = view.index, self.next, self.stop, view.base
