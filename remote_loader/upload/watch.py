@@ -6,6 +6,11 @@ at the table as it waits for results: an item that takes long is named in a warn
 past ``stall_timeout`` ends the upload with an ``UploadError`` naming it, instead of a wait
 for ever on a worker that stopped making progress (a dataset blocked on a lock, a thread pool
 that did not survive ``fork``). Writing a row costs a few stores to shared memory per item.
+
+A row is taken and freed under the table's lock, and the watch copies the table under it:
+a row half written (its process set, its item and time not yet) is never read as an item
+read since the clock's zero. An item's time is stored before its index, so a row read
+between the two is between items.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ DEFAULT_STALL_TIMEOUT = 600.0
 _WARN_AFTER = 60.0
 _PID, _TASK, _INDEX, _SINCE = range(4)
 _BETWEEN = -1.0  # a row's task runs, between items (writing a shard, committing it)
+_FREE = (0.0, 0.0, _BETWEEN, 0.0)
+_READ_LOCK_SECONDS = 1.0  # the watch skips a look it cannot take the lock for (a holder killed while holding it)
 
 
 class Slots:
@@ -49,6 +56,7 @@ class Slots:
         else:
             self._raw, self._lock, self._stop = context.RawArray("d", rows * 4), context.Lock(), context.Event()
         self._table: np.ndarray | None = None
+        self.table[:] = _FREE
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_table": None}
@@ -58,6 +66,16 @@ class Slots:
         if self._table is None:
             self._table = np.frombuffer(self._raw, dtype=np.float64).reshape(-1, 4)
         return self._table
+
+    def copy(self) -> np.ndarray | None:
+        """The table as it stands between rows being taken and freed; None where its lock
+        was not free within a second (the next look tries again)."""
+        if not self._lock.acquire(timeout=_READ_LOCK_SECONDS):
+            return None
+        try:
+            return self.table.copy()
+        finally:
+            self._lock.release()
 
     def stop(self) -> None:
         """Tell every task thread to start no new task (those running finish)."""
@@ -81,7 +99,7 @@ class Slots:
         finally:
             if row is not None:
                 with self._lock:
-                    self.table[row] = 0
+                    self.table[row] = _FREE
 
 
 class Reading:
@@ -137,7 +155,10 @@ class Watch:
 
     def check(self) -> Stalled | None:
         """Warn of items read for long (each once); the first item past the bound not reported before, or None."""
-        table, now = self.slots.table.copy(), time.monotonic()
+        table = self.slots.copy()
+        if table is None:
+            return None
+        now = time.monotonic()
         for pid, task, index, since in table[(table[:, _PID] != 0) & (table[:, _INDEX] >= 0)]:
             seconds, key = now - since, (pid, task, index, since)
             if seconds > self.warn_after and key not in self._warned:
@@ -153,7 +174,9 @@ class Watch:
 
     def busy(self) -> bool:
         """Whether a task is running that has not stalled (it will finish: worth waiting for)."""
-        table = self.slots.table.copy()
+        table = self.slots.copy()
+        if table is None:
+            return False  # its lock held past a second: a holder that died holding it, nothing to wait for
         stalled = {(s.pid, s.index) for s in self.stalled}
         return any(pid and (pid, index) not in stalled for pid, _, index, _ in table)
 

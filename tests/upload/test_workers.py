@@ -168,3 +168,31 @@ def test_a_stall_timeout_that_is_no_number_of_seconds_is_refused(s3, value):
 
     with pytest.raises(ConfigError, match="stall_timeout must be a number of seconds > 0, or None"):
         upload(client, bucket, "refused", SyntheticImages(4, size=(8, 8)), stall_timeout=value)
+
+
+@pytest.mark.parametrize("processes", [False, True])
+def test_a_row_of_the_watch_caught_half_written_is_no_stall(processes, monkeypatch):
+    """A task thread takes a row of the watch's table with one store a field, its process id
+    first. Caught between those stores, the row once read as item 0 read since the clock's
+    zero (the machine's uptime: hours), and ended a healthy upload as stalled. A row is now
+    free as "between items", and the watch reads the table only while no row is being taken
+    or freed."""
+    import multiprocessing
+
+    from remote_loader.upload import watch as watching
+    from remote_loader.upload.watch import Slots, Watch
+
+    monkeypatch.setattr(watching, "_READ_LOCK_SECONDS", 0.05, raising=False)
+
+    slots = Slots(2, multiprocessing.get_context("spawn") if processes else None)
+    watch = Watch(slots, stall_timeout=600)
+    slots.table[1, 0] = 4242.0  # the first store of a row being taken, on a table fresh or freed
+    assert watch.check() is None and not watch.stalled
+    with slots.task(7):
+        pass  # a task that took row 0 and freed it
+    slots.table[0, 0] = 4343.0
+    assert watch.check() is None and not watch.stalled
+    slots.table[:] = 0.0  # as the table was before: each row's index read as item 0
+    with slots._lock:  # a row being written: the watch skips this look, and waits for no task
+        slots.table[1, 0] = 4242.0
+        assert watch.check() is None and not watch.stalled and not watch.busy()
