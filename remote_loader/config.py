@@ -6,7 +6,7 @@ import operator
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from urllib.parse import urlsplit
 
 from remote_loader.errors import ConfigError
@@ -284,6 +284,11 @@ def _env_seconds(field_name: str, env: Mapping[str, str] | None = None) -> float
         raise ConfigError(f"{name} must be a number of seconds, got {env[name]!r}") from None
 
 
+DECODING_RANGE_BYTES = 2 * 1024 * 1024
+"""Largest range a decoding DataLoader worker reads from one shard at a time (``FetchConfig.for_decoding``)."""
+DECODING_PREFETCH_BYTES = 32 * 1024 * 1024
+"""Prefetch budget of a decoding DataLoader worker, at most (``FetchConfig.for_decoding``)."""
+
 _RETRY_FIELDS = ("backoff", "max_backoff", "outage_deadline", "first_contact_deadline")
 
 
@@ -298,21 +303,24 @@ class FetchConfig:
     buffers kept for reuse, and the heads of the first shards. With the defaults,
     ``open_shards=4`` and samples under 8 MiB: 184 MiB; with 40 MB samples, 408 MiB. Ranges
     are cut from each shard's index, so this holds for any mix of sample sizes. The fetcher
-    starts with 8 GETs in flight and a 32 MiB budget (88 MiB in all) and reaches toward ``concurrency`` and
+    starts with 8 GETs in flight and a quarter of ``prefetch_bytes`` as its budget, 32 MiB at
+    most (88 MiB in all) and reaches toward ``concurrency`` and
     ``prefetch_bytes`` only while the reader waits for bytes and each step brings them in
     faster: across a network, where every GET costs a round trip; it starts there when the
     manifest's first GET took 15 ms or more. At the start of an
     epoch the first MiB of the first four shards (a shard under 2 MiB whole) is fetched
     while their indexes arrive (8 MiB more at most, until copied into their ranges). A range larger than
     ``prefetch_bytes`` (one sample bigger than that) is fetched alone. A process's loader memory adds the shuffle
-    buffer's samples and, per threaded stage, ``2 x threads`` samples in flight.
+    buffer's samples and, per threaded stage, ``2 x threads`` samples in flight. A
+    DataLoader worker that decodes on the CPU, given no ``fetch``, reads smaller ranges
+    under a smaller budget (``for_decoding``).
 
     Attributes:
         part_size: Bytes per ranged GET; a shard is fetched as parallel parts of this size.
         concurrency: The most ranged GETs in flight at once (threads per process); the
             fetcher starts with up to 8 and adds more while they pay (see above).
         prefetch_bytes: Bound on bytes being fetched or fetched and not yet opened by the
-            reader; the fetcher starts with up to 32 MiB of it. A single range larger than
+            reader; the fetcher starts with a quarter of it, 32 MiB at most. A single range larger than
             this is still fetched, alone. A worker's memory for shard data is at most this
             plus the ``open_shards`` ranges it reads.
         range_bytes: Largest range read from one shard at a time: a worker's part of a
@@ -342,6 +350,17 @@ class FetchConfig:
         name FetchConfig's or RetryConfig's fields (None values ignored)."""
         retry = RetryConfig.from_env(env, **{k: v for k, v in overrides.items() if k in _RETRY_FIELDS})
         return cls(retry=retry, **{k: v for k, v in overrides.items() if k not in _RETRY_FIELDS and v is not None})  # type: ignore[arg-type]
+
+    def for_decoding(self) -> FetchConfig:
+        """What a DataLoader worker that decodes (or runs your functions) on the CPU fetches
+        with, where ``fetch`` was not given: ranges of at most ``DECODING_RANGE_BYTES`` and a
+        budget of at most ``DECODING_PREFETCH_BYTES`` (its fetcher starting at a quarter of
+        it). Such a worker takes its samples at the rate it decodes them, tens of MB a second,
+        which that covers across a network's round trip; each of a node's workers holding 8 MiB
+        ranges and a 32 MiB budget (128 MiB across a network) was most of the memory it held
+        beside its shuffle buffer (docs/performance.md)."""
+        return replace(self, range_bytes=min(self.range_bytes, DECODING_RANGE_BYTES),
+                       prefetch_bytes=min(self.prefetch_bytes, DECODING_PREFETCH_BYTES))
 
     def range_memory(self, open_shards: int, largest_sample: int = 0) -> int:
         """The most bytes of shard data a process holds at once with ``open_shards`` and

@@ -58,7 +58,10 @@ class RemoteDataset(IterableDataset):
             most ``world_size - 1`` samples); default on when ``world_size > 1``.
         fetch: Part size, concurrency, prefetch byte budget, checksum refetches, and in
             ``fetch.retry`` how requests are retried (``RetryConfig.outage_deadline`` bounds
-            how long a failing store is retried).
+            how long a failing store is retried). Not given, a DataLoader worker that decodes
+            on the CPU or runs your functions reads ranges of at most 2 MiB under a budget of
+            at most 32 MiB (``FetchConfig.for_decoding``): it takes samples no faster than it
+            decodes them, and its memory is what a node's many workers add up.
         verify: Check every member's crc32 (on by default). Bytes that fail are fetched
             again up to ``fetch.refetch_attempts`` times.
         on_error: For a sample whose bytes stay corrupt: ``"raise"`` CorruptSampleError
@@ -130,6 +133,7 @@ class RemoteDataset(IterableDataset):
         if rank is not None or world_size is not None:
             rank, world_size = current_world(rank, world_size)
         self.fetch = fetch or FetchConfig()
+        self._fetch_given = fetch is not None
         self.reader = DatasetReader(client, bucket, base_folder, verify=verify, fetch=self.fetch,
                                     cache=CacheConfig.of(cache_dir, cache_bytes, verify_reads=cache_verify),
                                     views=views)
@@ -442,6 +446,8 @@ class RemoteDataset(IterableDataset):
         try:
             followed = self._follow(epoch, info is not None)
             reader, check = self.reader, self._check_current(followed)
+            if info is not None and self._decodes_on_cpu():
+                reader.fetch = reader.fetch.for_decoding()  # smaller ranges and budget, where fetch was not given
             stream = self._stream(epoch, worker, num_workers, take=True)
         except DatasetChanged:
             self._saw(reader)
@@ -455,6 +461,13 @@ class RemoteDataset(IterableDataset):
         if info is not None and not stages.streams_bytes(self.stages):
             keep_large_blocks_apart()  # a decoding worker's large temporaries do not stay in its heap once freed
         return self._watched(items, reader, check)
+
+    def _decodes_on_cpu(self) -> bool:
+        """Whether a worker of this pipeline takes its samples at the rate it decodes them on
+        the CPU (or runs the user's functions), with no ``fetch`` given: its ranges and budget
+        are then ``FetchConfig.for_decoding``'s."""
+        return not self._fetch_given and not stages.streams_bytes(self.stages) \
+            and not any(stage.on_device() for stage in self.stages)
 
     def _check_current(self, followed: bool) -> Future[None] | None:
         """With shards from the node's cache, nothing else would tell an overwrite: the manifest

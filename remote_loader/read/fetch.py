@@ -127,7 +127,7 @@ class Prefetcher(Generic[C]):
     consumer, who then owns that memory.
 
     How far it reaches adapts to the store (``reach.py``): it starts with up to 8 GETs in
-    flight and a 32 MiB budget and raises both, up to ``config.concurrency`` and
+    flight and a quarter of ``config.prefetch_bytes`` (32 MiB at most) and raises both, up to ``config.concurrency`` and
     ``config.prefetch_bytes``, while the consumer waits for bytes and each step brings
     them in faster. ``metrics.gets_in_flight`` keeps the highest GET limit reached.
 

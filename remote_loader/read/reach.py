@@ -1,12 +1,13 @@
 """How far a prefetcher reaches: its limits on GETs in flight and on bytes fetched ahead,
 raised from what it measures.
 
-It starts with up to 8 GETs and a 32 MiB budget. After two windows of a quarter second
-running in which the reader spent more than 5% of its time waiting for bytes while either
-limit held the fetcher back, it doubles both, up to the configured ceilings, for as long
-as each step brings bytes in at least 10% faster. Across a network each GET costs a round
-trip, and the limits grow until enough are in flight to cover it (the bandwidth-delay
-product); on a nearby store that is busy, more GETs bring nothing and the limits stay.
+It starts with up to 8 GETs and a budget of a quarter of its ceiling, 32 MiB at most.
+After two windows of a quarter second running in which the reader spent more than 5% of
+its time waiting for bytes while either limit held the fetcher back, it doubles both, up
+to the configured ceilings, for as long as each step brings bytes in at least 10% faster.
+Across a network each GET costs a round trip, and the limits grow until enough are in
+flight to cover it (the bandwidth-delay product); on a nearby store that is busy, more
+GETs bring nothing and the limits stay.
 
 A reader whose first GET (its manifest's) took a network's round trip, 15 ms or more,
 starts at the ceilings instead: growing from the start takes a second or more, a large
@@ -37,7 +38,7 @@ class Reach:
     def __init__(self, max_gets: int, max_bytes: int, round_trip: float | None = None) -> None:
         self.max_gets, self.max_bytes = max_gets, max_bytes
         self.gets = min(START_GETS, max_gets)
-        self.bytes = min(START_BYTES, max_bytes)
+        self.bytes = min(START_BYTES, max(1, max_bytes // 4))
         self._window: tuple[float, float, float] | None = None  # (start, wait seconds, bytes received) then
         self._rate = 0.0  # bytes per second received in the last window
         self._starved = False  # the last window was starved
