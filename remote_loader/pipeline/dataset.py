@@ -59,9 +59,9 @@ class RemoteDataset(IterableDataset):
         fetch: Part size, concurrency, prefetch byte budget, checksum refetches, and in
             ``fetch.retry`` how requests are retried (``RetryConfig.outage_deadline`` bounds
             how long a failing store is retried). Not given, a DataLoader worker that decodes
-            on the CPU or runs your functions reads ranges of at most 2 MiB under a budget of
-            at most 32 MiB (``FetchConfig.for_decoding``): it takes samples no faster than it
-            decodes them, and its memory is what a node's many workers add up.
+            on the CPU or runs your functions fetches under a budget of at most 32 MiB
+            (``FetchConfig.for_decoding``): it takes samples no faster than it decodes them,
+            and its memory is what a node's many workers add up.
         verify: Check every member's crc32 (on by default). Bytes that fail are fetched
             again up to ``fetch.refetch_attempts`` times.
         on_error: For a sample whose bytes stay corrupt: ``"raise"`` CorruptSampleError
@@ -447,7 +447,7 @@ class RemoteDataset(IterableDataset):
             followed = self._follow(epoch, info is not None)
             reader, check = self.reader, self._check_current(followed)
             if info is not None and self._decodes_on_cpu():
-                reader.fetch = reader.fetch.for_decoding()  # smaller ranges and budget, where fetch was not given
+                reader.fetch = reader.fetch.for_decoding()  # a smaller budget, where fetch was not given
             stream = self._stream(epoch, worker, num_workers, take=True)
         except DatasetChanged:
             self._saw(reader)
@@ -464,8 +464,8 @@ class RemoteDataset(IterableDataset):
 
     def _decodes_on_cpu(self) -> bool:
         """Whether a worker of this pipeline takes its samples at the rate it decodes them on
-        the CPU (or runs the user's functions), with no ``fetch`` given: its ranges and budget
-        are then ``FetchConfig.for_decoding``'s."""
+        the CPU (or runs the user's functions), with no ``fetch`` given: its budget is then
+        ``FetchConfig.for_decoding``'s."""
         return not self._fetch_given and not stages.streams_bytes(self.stages) \
             and not any(stage.on_device() for stage in self.stages)
 
