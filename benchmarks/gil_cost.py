@@ -366,19 +366,12 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, list[dict]]]:
         sys.exit("py-spy is missing: pip install -r benchmarks/requirements.txt")
     items = data.build(Path(tempfile.gettempdir()) / "remote-loader-bench-images", args.images)
 
-    class Files:
-        def __len__(self) -> int:
-            return len(items)
-
-        def __getitem__(self, i: int) -> tuple[bytes, int]:
-            return Path(items[i][0]).read_bytes(), items[i][1]
-
     checkouts = {"this": None, **({"against": args.against} if args.against else {})}
     results: dict[str, dict[str, list[dict]]] = {}
     root = _tmpfs()
     try:
         (root / BUCKET).mkdir()
-        summary = upload_cv_dataset(Files(), client=LocalStore(str(root)), bucket=BUCKET, base_folder="d",
+        summary = upload_cv_dataset(data.Files(items), client=LocalStore(str(root)), bucket=BUCKET, base_folder="d",
                                     maxsize=64e6, workers=2, progress=False)
         folders = {"this": "d"}
         for label, checkout in checkouts.items():

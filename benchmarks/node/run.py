@@ -391,15 +391,8 @@ def prepare(images: int, cores: int, folder: Path, server: Any) -> dict[str, Any
     made = time.perf_counter() - started
     target = systems.Target(server.endpoint_url, BUCKET, server.access_key, server.secret_key)
 
-    class Files:
-        def __len__(self) -> int:
-            return len(items)
-
-        def __getitem__(self, i: int) -> tuple[bytes, int]:
-            return Path(items[i][0]).read_bytes(), items[i][1]
-
-    summary = upload_cv_dataset(Files(), client=server.client(), bucket=BUCKET, base_folder="ours", maxsize=64e6,
-                                workers=min(cores, 8), progress=False)
+    summary = upload_cv_dataset(data.Files(items), client=server.client(), bucket=BUCKET, base_folder="ours",
+                                maxsize=64e6, workers=min(cores, 8), progress=False)
     systems.write("webdataset", [(str(p), label) for p, label in items], target, "wds")
     import gpu
 

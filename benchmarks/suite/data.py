@@ -90,6 +90,19 @@ def build(folder: Path, images: int, *, seed: int = 0, quality: int = 95,
     return [(folder / f"{i:07d}.jpg", label) for i, label in enumerate(labels)]
 
 
+class Files:
+    """``(path, label)`` pairs as a dataset of ``(JPEG bytes, label)``: what the benchmarks upload."""
+
+    def __init__(self, items: list[tuple[Path, int]]) -> None:
+        self.items = items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> tuple[bytes, int]:
+        return Path(self.items[i][0]).read_bytes(), self.items[i][1]
+
+
 def _make_range(args: tuple[str, int, int, int, int]) -> list[int]:
     folder, first, stop, seed, quality = args
     photos = photographs()
