@@ -446,8 +446,6 @@ class RemoteDataset(IterableDataset):
         try:
             followed = self._follow(epoch, info is not None)
             reader, check = self.reader, self._check_current(followed)
-            if info is not None and self._decodes_on_cpu():
-                reader.fetch = reader.fetch.for_decoding()  # a smaller budget, where fetch was not given
             stream = self._stream(epoch, worker, num_workers, take=True)
         except DatasetChanged:
             self._saw(reader)
@@ -562,7 +560,9 @@ class RemoteDataset(IterableDataset):
         loaded = self._handover.applying(epoch, worker)
         entry = resume.entry(layout, loaded, epoch, worker, num_workers) if self._data.resumable else None
         metrics = Metrics(self._metrics[1 + worker if get_worker_info() else 0].numpy())
-        session = self.reader.session(metrics, cancel=threading.Event())
+        decoding = get_worker_info() is not None and self._decodes_on_cpu()  # a smaller budget, fetch not given
+        session = self.reader.session(metrics, cancel=threading.Event(),
+                                      fetch=self.reader.fetch.for_decoding() if decoding else None)
         stream = WorkerStream(self._data, layout, epoch, worker, num_workers, metrics, session).reset(entry)
         if take:
             self._handover.applied(loaded, worker)

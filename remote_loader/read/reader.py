@@ -108,9 +108,11 @@ class DatasetReader:
         """Seconds the manifest's first GET took beyond its transfer at 1 GB/s, once read: a
         network's round trip or a nearby store's; the fetcher starts wide after a long one."""
 
-    def session(self, metrics: Metrics | None = None, cancel: threading.Event | None = None) -> ReadSession:
-        """The requests on behalf of this reader: a retrying store, counted in ``metrics``."""
-        return ReadSession(self.fetch, metrics or Metrics(), self.client, cancel,
+    def session(self, metrics: Metrics | None = None, cancel: threading.Event | None = None,
+                fetch: FetchConfig | None = None) -> ReadSession:
+        """The requests on behalf of this reader: a retrying store, counted in ``metrics``,
+        fetched with ``fetch`` (default the reader's own)."""
+        return ReadSession(fetch or self.fetch, metrics or Metrics(), self.client, cancel,
                            self.upload_cache if self.cache is not None else None, members_checked=self.verify)
 
     def upload_cache(self) -> UploadCache | None:

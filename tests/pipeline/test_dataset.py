@@ -376,10 +376,10 @@ def _first_byte(sample: dict) -> dict:
 
 
 def _labels_and_fetch(batch: list) -> tuple[list[int], int, int]:
-    """A batch's labels, and the range size and budget its worker's reader fetches with."""
+    """A batch's labels, and the range size and budget its worker's stream fetches with."""
     from torch.utils.data import get_worker_info
 
-    fetch = get_worker_info().dataset.reader.fetch
+    fetch = get_worker_info().dataset._live.session.config
     return [int(x) for (x,) in batch], fetch.range_bytes, fetch.prefetch_bytes
 
 
