@@ -5,6 +5,7 @@ from __future__ import annotations
 import operator
 import os
 import re
+import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from urllib.parse import urlsplit
@@ -17,6 +18,16 @@ MAX_WORKERS = 1024
 dict may allocate)."""
 
 _HOST_PORT = re.compile(r"^[A-Za-z0-9.-]+:\d+$")
+_SHOWN = reprlib.Repr()  # Python 3.11's takes its limits as attributes
+_SHOWN.maxstring = _SHOWN.maxother = 60
+_SHOWN.maxlist = _SHOWN.maxtuple = _SHOWN.maxset = 6
+_SHOWN.maxdict, _SHOWN.maxlevel = 4, 2
+
+
+def shown(value: object) -> str:
+    """``repr(value)`` cut short for a one-line message: a list of a million items, or a
+    string of megabytes, a state dict's field may hold, named by its first few."""
+    return _SHOWN.repr(value)
 
 
 def _first(env: Mapping[str, str], *names: str) -> str | None:
@@ -39,7 +50,7 @@ def require_int(name: str, value: object, low: int | None = None, high: int | No
             raise TypeError
         number = operator.index(value)  # type: ignore[arg-type]
     except TypeError:
-        raise error(f"{name} must be an integer{bounds}, got {value!r}") from None
+        raise error(f"{name} must be an integer{bounds}, got {shown(value)}") from None
     if (low is not None and number < low) or (high is not None and number > high):
         raise error(f"{name} must be an integer{bounds}, got {number}")
     return number
@@ -49,7 +60,7 @@ def require_bool(name: str, value: object, *, optional: bool = False) -> bool | 
     """``value`` if it is a bool (or None when ``optional``); else a ConfigError naming ``name``."""
     if isinstance(value, bool) or (optional and value is None):
         return value if isinstance(value, bool) else None
-    raise ConfigError(f"{name} must be True or False{' or None' if optional else ''}, got {value!r}")
+    raise ConfigError(f"{name} must be True or False{' or None' if optional else ''}, got {shown(value)}")
 
 
 def check_world(rank: object, world_size: object) -> tuple[int, int]:
@@ -222,7 +233,7 @@ class StorageConfig:
 
 def _check_seconds(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-        raise ConfigError(f"{name} must be a number of seconds >= 0, got {value!r}")
+        raise ConfigError(f"{name} must be a number of seconds >= 0, got {shown(value)}")
 
 
 @dataclass(frozen=True)

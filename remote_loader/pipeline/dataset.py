@@ -383,6 +383,8 @@ class RemoteDataset(IterableDataset):
         if not self._data.resumable:
             raise ResumeError("checkpoints need an indexed dataset: run remote-loader index on it")
         if consumed is not None:
+            consumed = require_int("state_dict's consumed (items this epoch)", consumed, 0)
+            num_workers = require_int("state_dict's num_workers", num_workers, 0, MAX_WORKERS)
             epoch = self._epochs.current
             return resume.count_state(self._layout(), epoch, consumed, num_workers,
                                       self._handover.counted_before(epoch))

@@ -3,8 +3,10 @@ resume applies once, to its own epoch; hostile state dicts are refused with Conf
 
 from __future__ import annotations
 
+import io
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -95,11 +97,88 @@ def _state(dataset, **changes):
         ({"num_workers": 0}, "'num_workers' must be an integer in 1..1024"),
         ({"version": 99}, "state version 99"),
         ({"seed": 4}, "saved with seed 4"),
+        ({"version": [1, 1]}, r"state version \[1, 1\] is not 1"),
+        ({"version": torch.tensor([1, 1])}, "state version tensor"),
+        ({"mixing": [4, -1, 0]}, r"'mixing\[1\]' must be an integer"),
+        ({"mixing": "4,0,0"}, "'mixing' must be"),
     ],
 )
 def test_hostile_state_dicts_are_refused(dataset, changes, message):
     with pytest.raises(ConfigError, match=message):
         dataset.load_state_dict(_state(dataset, **changes))
+
+
+@pytest.mark.parametrize("field", ["version", "epoch", "seed"])
+def test_a_state_field_that_holds_a_long_list_is_named_in_a_message_of_one_short_line(dataset, field):
+    # A list of 100,000 numbers was echoed whole: a message of 690,000 characters.
+    with pytest.raises(ConfigError) as caught:
+        dataset.load_state_dict(_state(dataset, **{field: list(range(100_000))}))
+    assert len(str(caught.value)) < 300 and "\n" not in str(caught.value)
+
+
+def test_a_worker_state_whose_version_is_an_array_is_refused_naming_it(dataset):
+    # An array compared with != had numpy raise "The truth value of an array ... is ambiguous".
+    ds = _fresh(dataset)
+    it = iter(ds)
+    next(it)
+    state = ds.state_dict()
+    with pytest.raises(ResumeError, match="worker state version array"):
+        _fresh(dataset).load_state_dict({**state, "remote_loader_state": np.array([3, 3])})
+
+
+@pytest.mark.parametrize("consumed", [np.int64(3), torch.tensor(3)])
+def test_a_count_state_of_a_numpy_or_torch_count_holds_plain_ints_and_resumes(dataset, consumed):
+    state = _fresh(dataset).state_dict(consumed=consumed, num_workers=2)
+    assert type(state["skip"][0]) is int
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    _fresh(dataset).load_state_dict(torch.load(buffer))  # weights_only=True, the default
+
+
+@pytest.mark.parametrize(
+    "consumed, num_workers, message",
+    [
+        (2.5, 2, "consumed"),
+        ("3", 2, "consumed"),
+        (True, 2, "consumed"),
+        (-1, 2, "consumed"),
+        (3, "2", "num_workers"),
+        (3, -1, "num_workers"),
+        (3, 10**6, "num_workers"),
+    ],
+)
+def test_state_dict_names_a_bad_count_or_worker_count(dataset, consumed, num_workers, message):
+    with pytest.raises(ConfigError, match=f"state_dict's {message}"):
+        _fresh(dataset).state_dict(consumed=consumed, num_workers=num_workers)
+
+
+@pytest.mark.parametrize("mixing", [{"open_shards": 2}, {"shuffle": 50}])
+def test_a_count_state_refuses_a_pipeline_that_mixes_otherwise(dataset, seaweed, mixing):
+    # Loaded into another shuffle buffer (or open_shards), a count state repeated some samples
+    # and lost as many, without a word: each worker's order depends on them.
+    client = seaweed.client()
+
+    def pipeline(open_shards: int = 4, shuffle: int = 100) -> RemoteDataset:
+        ds = RemoteDataset(client, "epoch-resume-tests", "d", seed=3, open_shards=open_shards).shuffle(shuffle)
+        return ds.map(lambda s: s["__key__"]).batched(4)
+
+    saved = pipeline().state_dict(consumed=4, num_workers=2)
+    other = pipeline(**mixing)
+    with pytest.raises(ResumeError, match="mixes them otherwise"):
+        other.load_state_dict(saved)
+        list(DataLoader(other, batch_size=None, num_workers=2))
+    full = [k for batch in DataLoader(pipeline(), batch_size=None, num_workers=2) for k in batch]
+    same = pipeline()
+    same.load_state_dict(saved)
+    rest = [k for batch in DataLoader(same, batch_size=None, num_workers=2) for k in batch]
+    assert Counter(full[:16]) + Counter(rest) == ALL
+
+
+def test_a_count_state_saved_before_it_named_its_mixing_still_resumes(dataset):
+    state = _fresh(dataset).state_dict(consumed=10, num_workers=2)
+    del state["mixing"]
+    _fresh(dataset).load_state_dict(state)
 
 
 @pytest.mark.parametrize("state", [None, [], "state", {"version": 1}])

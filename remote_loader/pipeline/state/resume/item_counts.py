@@ -12,9 +12,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from remote_loader.config import MAX_WORKERS, require_int
+from remote_loader.config import MAX_WORKERS, require_int, shown
 from remote_loader.errors import ResumeError
+from remote_loader.pipeline.order.delivery import Mixing
 from remote_loader.pipeline.state.resume.layout import Layout
+from remote_loader.pipeline.state.resume.states import parse_mixing
 
 STATE_VERSION = 1
 
@@ -55,14 +57,20 @@ class ResumeState:
     split: tuple[int, int] | None = None
     """(samples per item, world size) of the pipeline counted: the workers' shares are cut by
     them, so the counts mean nothing in another; None in states saved before."""
+    mixing: Mixing | None = None
+    """The spans read at once and the shuffle buffer the counts were taken in: a worker's
+    order depends on them, so the counts mean nothing in a pipeline that mixes otherwise;
+    None in states saved before."""
 
     def as_dict(self) -> dict[str, Any]:
         state = {"version": STATE_VERSION, **asdict(self)}
-        for optional in ("dataset", "split"):
+        for optional in ("dataset", "split", "mixing"):
             if state[optional] is None:
                 del state[optional]
         if self.split is not None:
             state["split"] = list(self.split)
+        if self.mixing is not None:
+            state["mixing"] = self.mixing.as_list()
         return state
 
     @classmethod
@@ -73,8 +81,8 @@ class ResumeState:
         missing = [k for k in ("version", "epoch", "seed", "num_workers", "skip") if k not in state]
         if missing:
             raise ResumeError(f"not a RemoteDataset state_dict: it lacks {', '.join(missing)}")
-        if state["version"] != STATE_VERSION:
-            raise ResumeError(f"RemoteDataset state version {state['version']!r} is not {STATE_VERSION}")
+        if type(state["version"]) is not int or state["version"] != STATE_VERSION:  # an array compares per item
+            raise ResumeError(f"RemoteDataset state version {shown(state['version'])} is not {STATE_VERSION}")
         epoch = _count(state, "epoch")
         seed = _count(state, "seed", -(2**63), 2**64 - 1)
         num_workers = _count(state, "num_workers", 1, MAX_WORKERS)
@@ -90,7 +98,8 @@ class ResumeState:
                 raise ResumeError("RemoteDataset state field 'split' must be [samples per item, world size]")
             per_item, world = (_count({f"split[{i}]": v}, f"split[{i}]", 1) for i, v in enumerate(saved))
             split = (per_item, world)
-        return cls(epoch, seed, num_workers, counts, dataset, split)
+        mixing = parse_mixing(state) if "mixing" in state else None
+        return cls(epoch, seed, num_workers, counts, dataset, split, mixing)
 
 
 def count_state(layout: Layout, epoch: int, consumed: int, num_workers: int,
@@ -109,4 +118,4 @@ def count_state(layout: Layout, epoch: int, consumed: int, num_workers: int,
     rest = consumed_per_worker([n - d for n, d in zip(items, done, strict=True)], consumed - sum(done))
     taken = [d + t for d, t in zip(done, rest, strict=True)]
     return ResumeState(epoch, layout.seed, workers, [t * per_item for t in taken], layout.reader.identity,
-                       (per_item, layout.world_size)).as_dict()
+                       (per_item, layout.world_size), layout.mixing).as_dict()

@@ -107,6 +107,11 @@ def _counted(layout: Layout, counts: ResumeState) -> Loaded:
             f"this state counts items of {items} samples on {world} rank(s); this pipeline's items hold"
             f" {now[0]} on {now[1]}: the workers' shares are cut by them, so a count state resumes the"
             " pipeline it counted only (torchdata's StatefulDataLoader states resume any batch size and world)")
+    if counts.mixing is not None and counts.mixing != layout.mixing:
+        raise ResumeError(
+            f"this state counts samples of a pipeline that mixes them otherwise (open_shards, shuffle buffer, initial:"
+            f" {counts.mixing.as_list()}, here {layout.mixing.as_list()}): each worker's order depends on them, so a"
+            " count state resumes the pipeline it counted only (torchdata's StatefulDataLoader states resume any)")
     shares = [layout.worker_samples(w, counts.num_workers) for w in range(counts.num_workers)]
     for w, (skip, samples) in enumerate(zip(counts.skip, shares, strict=True)):
         if skip > -(-samples // per_item) * per_item:

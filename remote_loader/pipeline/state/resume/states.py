@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from remote_loader.config import require_int
+from remote_loader.config import require_int, shown
 from remote_loader.errors import ResumeError
 from remote_loader.pipeline.order.delivery import Mixing
 from remote_loader.pipeline.order.intervals import contains, merge, without
@@ -94,7 +94,8 @@ def _intervals(state: Mapping[str, Any], name: str, samples: int, *, ordered: bo
     return pairs
 
 
-def _mixing(state: Mapping[str, Any], samples: int) -> Mixing:
+def parse_mixing(state: Mapping[str, Any]) -> Mixing:
+    """A state's field ``mixing`` (``[open_shards, bufsize, initial]``), checked."""
     values = state.get("mixing")
     if not isinstance(values, (list, tuple)) or len(values) != 3:
         raise ResumeError("RemoteDataset state field 'mixing' must be [open_shards, bufsize, initial]")
@@ -108,14 +109,14 @@ def parse(state: Any) -> WorkerState:
     """Check a worker state's every field; raise ResumeError naming the first bad one."""
     if not isinstance(state, Mapping) or MARK not in state:
         raise ResumeError("not a RemoteDataset worker state")
-    if state[MARK] != STATE_VERSION:
-        raise ResumeError(f"RemoteDataset worker state version {state[MARK]!r} is not {STATE_VERSION}: it was saved"
+    if type(state[MARK]) is not int or state[MARK] != STATE_VERSION:  # an array compares per item
+        raise ResumeError(f"RemoteDataset worker state version {shown(state[MARK])} is not {STATE_VERSION}: it was saved"
                           " by another version of remote_loader, whose states this one does not read")
     missing = [k for k in (*_HEADER, "mixing", "delivered", "remaining", "extras") if k not in state]
     if missing:
         raise ResumeError(f"RemoteDataset worker state lacks {', '.join(missing)}")
     if type(state["shuffle"]) is not bool:
-        raise ResumeError(f"RemoteDataset state field 'shuffle' must be true or false, got {state['shuffle']!r}")
+        raise ResumeError(f"RemoteDataset state field 'shuffle' must be true or false, got {shown(state['shuffle'])}")
     samples = _int(state, "samples", 0, 2**62)
     header = {"epoch": _int(state, "epoch", 0, 2**62), "seed": _int(state, "seed", -(2**63), 2**64 - 1),
               "shuffle": state["shuffle"], "samples": samples, "shards": _int(state, "shards", 0, 2**62),
@@ -144,7 +145,7 @@ def parse(state: Any) -> WorkerState:
             raise ResumeError("RemoteDataset state field 'plan' names a position twice")
     bound = sum(b - a for a, b in rows) if rows is not None else samples
     delivered = _int(state, "delivered", 0, bound)
-    parsed = WorkerState(header, _mixing(state, samples), delivered, remaining, extras, rows)
+    parsed = WorkerState(header, parse_mixing(state), delivered, remaining, extras, rows)
     if "planned" in state:  # states saved before it was added lack it
         _adds_up(parsed, _int(state, "planned", 0, bound))
     return parsed
