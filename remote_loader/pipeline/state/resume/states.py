@@ -110,8 +110,8 @@ def parse(state: Any) -> WorkerState:
     if not isinstance(state, Mapping) or MARK not in state:
         raise ResumeError("not a RemoteDataset worker state")
     if type(state[MARK]) is not int or state[MARK] != STATE_VERSION:  # an array compares per item
-        raise ResumeError(f"RemoteDataset worker state version {shown(state[MARK])} is not {STATE_VERSION}: it was saved"
-                          " by another version of remote_loader, whose states this one does not read")
+        raise ResumeError(f"RemoteDataset worker state version {shown(state[MARK])} is not {STATE_VERSION}: it was"
+                          " saved by another version of remote_loader, whose states this one does not read")
     missing = [k for k in (*_HEADER, "mixing", "delivered", "remaining", "extras") if k not in state]
     if missing:
         raise ResumeError(f"RemoteDataset worker state lacks {', '.join(missing)}")
