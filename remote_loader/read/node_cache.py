@@ -396,7 +396,14 @@ class UploadCache:
         return found.st_size if found is not None and stat.S_ISREG(found.st_mode) else None
 
     def discard(self, name: str) -> None:
-        """Drop the copy of ``name`` (its bytes failed a check): the next read fetches it again."""
+        """Drop the copy of ``name`` (its bytes failed a check): the next read fetches it again.
+        A fetch of it under way in this process is read no more (a part of it came damaged,
+        and reading it again would give the same bytes): its reads go to the store, and it
+        is not kept (its whole fails its crc32)."""
+        with self._lock:
+            pending = self._filling.get(name)
+        if pending is not None and pending.done() and pending.result() is not None:
+            pending.result().spoil()
         folder = self._open()
         if folder is not None:
             with contextlib.suppress(OSError):

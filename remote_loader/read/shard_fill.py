@@ -47,6 +47,7 @@ class ShardFill:
         self.name, self.size, self.crc, self.part, self.final = name, size, crc, part, final
         self.fd, self.lock, self._done = fd, lock, done
         self.parts = Arrivals([], size)
+        self.spoiled = False  # bytes read from it failed a check: read no more from it
         weakref.finalize(self, os.close, fd)  # readers may still read the file after the fetch ends
 
     def start(self, fetch_into: Callable[[int, int, memoryview], None], part_size: int, threads: int,
@@ -101,11 +102,19 @@ class ShardFill:
             os.close(self.lock)  # other processes may fetch it now, or read it
             self._done()
 
+    def spoil(self) -> None:
+        """Bytes read from this fetch failed a check: a part came damaged. Read no more from
+        it (the same part would be read again): its readers go to the store."""
+        self.spoiled = True
+
     def read_into(self, start: int, end: int, out: memoryview, cancel: threading.Event) -> bool:
         """Bytes ``[start, end)`` into ``out`` once the parts holding them have arrived; False
         where they will not (the fetch was cancelled by the reader that began it, or the
-        object is shorter than the manifest says): read them from the store. A part that
-        failed otherwise raises its error (the store's, after its retries)."""
+        object is shorter than the manifest says, or bytes read from it failed a check):
+        read them from the store. A part that failed otherwise raises its error (the
+        store's, after its retries)."""
+        if self.spoiled:
+            return False
         if end <= start:
             return True
 

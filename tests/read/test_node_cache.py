@@ -37,7 +37,7 @@ from remote_loader.storage.base import Store
 from remote_loader.storage.daemon import in_daemon_thread
 from remote_loader.testing.synthetic import SyntheticImages
 from tests.faultproxy import FaultProxy
-from tests.helpers import upload
+from tests.helpers import upload, upload_to_new_bucket
 
 SAMPLES, PER_SHARD = 120, 12  # ten shards
 
@@ -544,3 +544,45 @@ def test_a_shard_renamed_into_place_while_the_space_is_counted_is_counted(tmp_pa
         assert sum(f.size for f in cache.files()) >= 8192
     finally:
         os.close(held)
+
+
+PART = 256 << 10
+
+
+class _FlipFirstPartHoldFourth(FaultProxy):
+    """The first GET of a shard's first part of ``PART`` bytes comes with a byte flipped; its
+    fourth part is held until the proxy is released or closed, so its fill stays under way."""
+
+    def _fault(self, handler):
+        super()._fault(handler)  # counted; no rates of its own
+        wanted = handler.headers.get("Range", "")
+        if handler.command != "GET" or ".tar" not in handler.path:
+            return None
+        if wanted == f"bytes=0-{PART - 1}" and self.seen("GET", handler.path, wanted) == 1:
+            with self._lock:
+                self.injected["flip"] += 1
+            return "flip"
+        return "hold" if wanted == f"bytes={3 * PART}-{4 * PART - 1}" else None
+
+
+def test_bytes_damaged_in_a_fill_under_way_are_fetched_again_from_the_store(seaweed, tmp_path):
+    # The refetch of a sample read from a shard's fill under way read the same damaged part
+    # file again, every attempt: CorruptSampleError where the store had good bytes.
+    client = seaweed.client()
+    upload_to_new_bucket(client, "cache-fill-flip", "d", SyntheticImages(40, size=(256, 256)), maxcount=40)  # a shard
+    reader = DatasetReader(client, "cache-fill-flip", "d")
+    (entry,) = reader.manifest.shards
+    assert entry.size > 4 * PART
+    index = reader.read_index(entry)
+    early = [k for k in range(len(index)) if int((index.offsets[k] + index.sizes[k]).max()) < 3 * PART]
+    direct = RemoteMapDataset(client, "cache-fill-flip", "d")
+    clean = {k: direct[k] for k in early}
+    proxy = _FlipFirstPartHoldFourth(seaweed.endpoint_url, {})
+    try:
+        ds = RemoteMapDataset(make_client(proxy.endpoint_url, seaweed.access_key, seaweed.secret_key),
+                              "cache-fill-flip", "d", cache_dir=tmp_path / "cache", fetch=FetchConfig(part_size=PART))
+        for k in early:  # the fourth part held: the fill is under way throughout
+            assert ds[k] == clean[k]
+        assert proxy.injected["flip"] == 1 and proxy.held == 1 and ds.metrics.retries >= 1
+    finally:
+        proxy.close()
