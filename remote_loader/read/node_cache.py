@@ -402,8 +402,9 @@ class UploadCache:
         is not kept (its whole fails its crc32)."""
         with self._lock:
             pending = self._filling.get(name)
-        if pending is not None and pending.done() and pending.result() is not None:
-            pending.result().spoil()
+        fill = pending.result() if pending is not None and pending.done() else None
+        if fill is not None:
+            fill.spoil()
         folder = self._open()
         if folder is not None:
             with contextlib.suppress(OSError):
