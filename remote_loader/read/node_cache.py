@@ -287,6 +287,9 @@ def _existing(parent: Folder, name: str) -> Folder | None:
         return None
 
 
+_READ = os.O_RDONLY | os.O_NONBLOCK  # a fifo planted where a shard goes does not block its reader
+
+
 class UploadCache:
     """The shards of one upload of one dataset in a node's cache, as one process uses them.
 
@@ -340,7 +343,7 @@ class UploadCache:
         if folder is None:
             return False
         try:
-            fd = folder.open(file_name(name), os.O_RDONLY)
+            fd = folder.open(file_name(name), _READ)
         except OSError:
             return False
         try:
@@ -368,7 +371,7 @@ class UploadCache:
         if folder is None:
             return None
         try:
-            fd = folder.open(file_name(name), os.O_RDONLY)
+            fd = folder.open(file_name(name), _READ)
         except OSError:
             return None
         try:

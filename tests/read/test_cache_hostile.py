@@ -5,11 +5,14 @@ warning, the dataset then read from the store."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
+import stat
 import subprocess
 import sys
+import threading
 from collections import Counter
 from pathlib import Path
 
@@ -308,3 +311,24 @@ def test_a_folder_of_the_cache_s_name_that_is_not_a_cache_is_left_alone(dataset,
     (message,) = _warnings(caplog)
     assert f"has no {TAG}" in message
     assert sorted(p.name for p in mine.iterdir()) == ["data.bin"]
+
+
+def test_a_fifo_planted_where_a_shard_goes_is_replaced_not_waited_on(dataset, tmp_path):
+    # Opened to be read, a fifo blocked the reader's threads until someone wrote to it: the
+    # epoch delivered nothing, for ever.
+    store, bucket, _, clean = dataset
+    ds = _reader(store, bucket, tmp_path / "cache")
+    assert _samples(ds) == clean
+    fifos = _cached_shards(ds)
+    for path in fifos:
+        path.unlink()
+        os.mkfifo(path)
+    got: list[Counter] = []
+    reading = threading.Thread(target=lambda: got.append(_samples(ds)), daemon=True)
+    reading.start()
+    reading.join(120)  # at most: a reader blocked on a fifo never ends
+    for path in fifos:  # a writer lets any reader still blocked on one go (it then reads nothing)
+        with contextlib.suppress(OSError):
+            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+    assert got == [clean]
+    assert all(p.is_file() and not stat.S_ISFIFO(p.lstat().st_mode) for p in fifos)  # fetched again in their place
