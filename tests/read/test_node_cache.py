@@ -586,3 +586,19 @@ def test_bytes_damaged_in_a_fill_under_way_are_fetched_again_from_the_store(seaw
         assert proxy.injected["flip"] == 1 and proxy.held == 1 and ds.metrics.retries >= 1
     finally:
         proxy.close()
+
+
+def test_a_write_into_cached_shards_mid_epoch_is_caught_under_cache_verify(dataset, tmp_path):
+    # docs/cache.md: ranges already open are read as the file then lies; cache_verify checks them.
+    store, bucket, reader, clean = dataset
+    cache = tmp_path / "cache"
+    list(RemoteDataset(store, bucket, "d", cache_dir=cache))
+    ds = RemoteDataset(store, bucket, "d", cache_dir=cache, cache_verify=True)
+    got = Counter()
+    for k, sample in enumerate(ds):
+        got[(sample["__key__"], bytes(sample["jpg"]), bytes(sample["cls"]))] += 1
+        if k == 0:  # another program writes zeros into every cached file, in place
+            for path in _cached_paths(cache):
+                with open(path, "r+b") as file:
+                    file.write(bytes(path.stat().st_size))
+    assert got == clean and ds.metrics.retries >= 1
