@@ -340,6 +340,9 @@ class Prefetcher(Generic[C]):
                 try:
                     self._fetch_part(fetched, number, start, end)
                 finally:
+                    # Not kept while this thread waits for more: an idle getter's last range
+                    # held its buffer (8 MiB) alive after the reader had given it back.
+                    del fetched
                     with self._lock:
                         self._active -= 1
                         gets, budget = self._reach.gets, self._reach.bytes
