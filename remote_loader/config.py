@@ -306,10 +306,10 @@ class FetchConfig:
     """How shards are fetched ahead of use: the shape of the reads and their memory.
 
     The shard data a process holds at once is at most ``range_memory(open_shards,
-    largest_sample)``: ``max(prefetch_bytes, R) + (open_shards + 2) * R`` plus 8 MiB, where
-    a range ``R`` is ``range_bytes`` or, when one sample is larger, that sample (rounded up
-    to whole MiB): ranges being fetched, the ``open_shards`` ranges being read, two free
-    buffers kept for reuse, and the heads of the first shards. With the defaults,
+    largest_sample)``: ``max(prefetch_bytes, R) + (open_shards + free_ranges) * R`` plus 8
+    MiB, where a range ``R`` is ``range_bytes`` or, when one sample is larger, that sample
+    (rounded up to whole MiB): ranges being fetched, the ``open_shards`` ranges being read,
+    the free buffers kept for reuse, and the heads of the first shards. With the defaults,
     ``open_shards=4`` and samples under 8 MiB: 184 MiB; with 40 MB samples, 408 MiB. Ranges
     are cut from each shard's index, so this holds for any mix of sample sizes. The fetcher
     starts with 8 GETs in flight and a quarter of ``prefetch_bytes`` as its budget, 32 MiB at
@@ -322,7 +322,7 @@ class FetchConfig:
     ``prefetch_bytes`` (one sample bigger than that) is fetched alone. A process's loader memory adds the shuffle
     buffer's samples and, per threaded stage, ``2 x threads`` samples in flight. A
     DataLoader worker that decodes on the CPU, given no ``fetch``, fetches under a smaller
-    budget (``for_decoding``).
+    budget and keeps no free buffer (``for_decoding``).
 
     Attributes:
         part_size: Bytes per ranged GET; a shard is fetched as parallel parts of this size.
@@ -337,6 +337,9 @@ class FetchConfig:
             sample larger than that alone), so memory does not grow with the shard size.
         refetch_attempts: Fetches of bytes that fail their checksum before they are
             reported as corrupt (``CorruptShard`` / ``CorruptSampleError``, or skipped).
+        free_ranges: Range buffers kept for reuse once read, each of a range's size: a
+            fresh buffer costs a page fault per page it is filled with, in the threads that
+            fetch (where the GIL is not held).
         retry: How each request is retried (``RetryConfig``).
     """
 
@@ -345,11 +348,13 @@ class FetchConfig:
     prefetch_bytes: int = 128 * 1024 * 1024
     range_bytes: int = 8 * 1024 * 1024
     refetch_attempts: int = 5
+    free_ranges: int = 2
     retry: RetryConfig = field(default_factory=RetryConfig)
 
     def __post_init__(self) -> None:
         for name in ("part_size", "concurrency", "prefetch_bytes", "range_bytes", "refetch_attempts"):
             object.__setattr__(self, name, require_int(name, getattr(self, name), low=1))
+        object.__setattr__(self, "free_ranges", require_int("free_ranges", self.free_ranges, 0, 64))
         if not isinstance(self.retry, RetryConfig):
             raise ConfigError(f"retry must be a RetryConfig, got {type(self.retry).__name__}")
 
@@ -363,20 +368,22 @@ class FetchConfig:
     def for_decoding(self) -> FetchConfig:
         """What a DataLoader worker that decodes (or runs your functions) on the CPU fetches
         with, where ``fetch`` was not given: a budget of at most ``DECODING_PREFETCH_BYTES``,
-        its fetcher starting at a quarter of it. Such a worker takes its samples at the rate it
-        decodes them, tens of MB a second, which that covers across a network's round trip;
-        each of a node's workers starting at 32 MiB (at 128 MiB across a network) held that
-        much more beside its shuffle buffer (docs/performance.md). Ranges keep their size:
+        its fetcher starting at a quarter of it, and no free range buffer. Such a worker takes
+        its samples at the rate it decodes them, tens of MB a second, which that covers across
+        a network's round trip; each of a node's workers starting at 32 MiB (at 128 MiB across
+        a network) held that much more beside its shuffle buffer (docs/performance.md). It keeps no free range
+        buffer: a few ranges a second come to it, and each buffer kept was a range more of its
+        memory (16 decoding workers: 140 MB of PSS in all). Ranges keep their size:
         smaller ones cost the store a request each (2 MiB ranges cut 16 decoding workers' PSS
         by a fifth, and took 2.2x the server's CPU a sample on SeaweedFS)."""
-        return replace(self, prefetch_bytes=min(self.prefetch_bytes, DECODING_PREFETCH_BYTES))
+        return replace(self, prefetch_bytes=min(self.prefetch_bytes, DECODING_PREFETCH_BYTES), free_ranges=0)
 
     def range_memory(self, open_shards: int, largest_sample: int = 0) -> int:
         """The most bytes of shard data a process holds at once with ``open_shards`` and
         samples of at most ``largest_sample`` bytes (see the class's docstring)."""
         mib = 1 << 20
         ranges = -(-max(self.range_bytes, largest_sample) // mib) * mib
-        return max(self.prefetch_bytes, ranges) + (open_shards + 2) * ranges + 8 * mib
+        return max(self.prefetch_bytes, ranges) + (open_shards + self.free_ranges) * ranges + 8 * mib
 
 
 def current_world(rank: int | None, world_size: int | None) -> tuple[int, int]:

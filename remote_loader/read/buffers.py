@@ -9,17 +9,17 @@ import numpy as np
 from remote_loader.read.metrics import Metrics
 
 _ROUND = 1 << 20  # range buffers are allocated in MiB steps, so they fit later ranges
-_KEEP_BUFFERS = 2  # free range buffers kept for reuse; more would be idle memory
 
 
 class Buffers:
-    """Range buffers kept for reuse: fresh memory costs a page fault per 4 KiB on first write.
+    """Range buffers kept for reuse, ``keep`` at most (``FetchConfig.free_ranges``): fresh
+    memory costs a page fault per 4 KiB on first write.
 
     New buffers are uninitialised numpy arrays: a bytearray would be zeroed first, holding
     the GIL; an empty array takes its page faults in the socket reads, which release it.
     """
 
-    def __init__(self, metrics: Metrics, keep: int = _KEEP_BUFFERS) -> None:
+    def __init__(self, metrics: Metrics, keep: int) -> None:
         self.keep, self.metrics = keep, metrics
         self._free: list[np.ndarray] = []
         self._lock = threading.Lock()

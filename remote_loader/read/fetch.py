@@ -155,7 +155,7 @@ class Prefetcher(Generic[C]):
         self._held = 0
         self._closed = False
         self._failure: BaseException | None = None
-        self._buffers = Buffers(self.metrics)
+        self._buffers = Buffers(self.metrics, self.config.free_ranges)
         self._parts: list[tuple[int, int, int, int, Fetched[C]]] = []  # heap: (part number, seq, start, end, range)
         self._seq = 0
         self._submitted = 0  # ranges queued so far

@@ -380,31 +380,33 @@ def _labels_and_fetch(batch: list) -> tuple[list[int], int, int]:
     from torch.utils.data import get_worker_info
 
     fetch = get_worker_info().dataset._live.session.config
-    return [int(x) for (x,) in batch], fetch.range_bytes, fetch.prefetch_bytes
+    return [int(x) for (x,) in batch], fetch.range_bytes, fetch.prefetch_bytes, fetch.free_ranges
 
 
-@pytest.mark.parametrize("decodes, given, budget", [(True, False, 32 << 20), (False, False, 128 << 20),
-                                                    (True, True, 128 << 20)])
+@pytest.mark.parametrize("decodes, given, budget", [(True, False, (32 << 20, 0)), (False, False, (128 << 20, 2)),
+                                                    (True, True, (128 << 20, 2))])
 def test_a_worker_that_runs_functions_fetches_under_a_smaller_budget_unless_fetch_is_given(
         uploaded, decodes, given, budget):
     """A DataLoader worker that decodes or runs the user's functions takes samples no faster
-    than it runs them: it fetches under a budget of at most 32 MiB (``FetchConfig.for_decoding``);
-    a worker that only streams bytes keeps the default, and so does one given a ``fetch``
-    (its settings are the user's). Ranges keep their size."""
+    than it runs them: it fetches under a budget of at most 32 MiB and keeps no free range
+    buffer (``FetchConfig.for_decoding``); a worker that only streams bytes keeps the
+    defaults, and so does one given a ``fetch`` (its settings are the user's). Ranges keep
+    their size."""
     client, bucket, _ = uploaded
     dataset = RemoteDataset(client, bucket, "few", fetch=FetchConfig() if given else None)
     dataset = (dataset.map(_first_byte) if decodes else dataset).to_tuple("cls").batched(20, _labels_and_fetch)
     batches = list(DataLoader(dataset, batch_size=None, num_workers=1))
-    assert sorted(label for labels, _, _ in batches for label in labels) == sorted(
+    assert sorted(label for labels, *_ in batches for label in labels) == sorted(
         int(label) for (label,) in RemoteDataset(client, bucket, "few").to_tuple("cls"))
-    assert {(range_bytes, held) for _, range_bytes, held in batches} == {(8 << 20, budget)}
+    assert {(range_bytes, (held, free)) for _, range_bytes, held, free in batches} == {(8 << 20, budget)}
 
 
 def test_a_decoding_fetch_is_smaller_and_keeps_what_was_smaller_already():
     from remote_loader.read.reach import Reach
 
     decoding = FetchConfig().for_decoding()
-    assert decoding == FetchConfig(prefetch_bytes=32 << 20)
-    assert FetchConfig(prefetch_bytes=4 << 20).for_decoding() == FetchConfig(prefetch_bytes=4 << 20)
+    assert decoding == FetchConfig(prefetch_bytes=32 << 20, free_ranges=0)
+    assert FetchConfig(prefetch_bytes=4 << 20).for_decoding() == FetchConfig(prefetch_bytes=4 << 20, free_ranges=0)
+    assert decoding.range_memory(4) == 72 << 20 and FetchConfig().range_memory(4) == 184 << 20
     # The fetcher starts with a quarter of its ceiling: 8 MiB there, 32 MiB by default.
     assert Reach(16, decoding.prefetch_bytes).bytes == 8 << 20 and Reach(16, 128 << 20).bytes == 32 << 20
