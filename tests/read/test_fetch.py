@@ -342,5 +342,6 @@ def test_a_range_given_back_is_freed_though_the_getter_that_fetched_it_is_idle(t
             fetched.release()
             del fetched
         alive = {id(ref()) for ref in buffers if ref() is not None}
-        # Those kept for reuse, and the last range's while its getter ends its turn
-        assert len(alive) <= free_ranges + 1
+        # Those kept for reuse, and the last two ranges' while their getters end their turns
+        # (with the leak, 10-12: one for nearly every getter)
+        assert len(alive) <= free_ranges + 2
