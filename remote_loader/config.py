@@ -371,9 +371,9 @@ class FetchConfig:
         its fetcher starting at a quarter of it, and no free range buffer. Such a worker takes
         its samples at the rate it decodes them, tens of MB a second, which that covers across
         a network's round trip; each of a node's workers starting at 32 MiB (at 128 MiB across
-        a network) held that much more beside its shuffle buffer (docs/performance.md). It keeps no free range
-        buffer: a few ranges a second come to it, and each buffer kept was a range more of its
-        memory (16 decoding workers: 140 MB of PSS in all). Ranges keep their size:
+        a network) held that much more beside its shuffle buffer (docs/performance.md). A few
+        ranges a second come to it, and each free buffer kept was a range more of its memory
+        (16 decoding workers: 140 MB of PSS in all). Ranges keep their size:
         smaller ones cost the store a request each (2 MiB ranges cut 16 decoding workers' PSS
         by a fifth, and took 2.2x the server's CPU a sample on SeaweedFS)."""
         return replace(self, prefetch_bytes=min(self.prefetch_bytes, DECODING_PREFETCH_BYTES), free_ranges=0)

@@ -59,9 +59,9 @@ class RemoteDataset(IterableDataset):
         fetch: Part size, concurrency, prefetch byte budget, checksum refetches, and in
             ``fetch.retry`` how requests are retried (``RetryConfig.outage_deadline`` bounds
             how long a failing store is retried). Not given, a DataLoader worker that decodes
-            on the CPU or runs your functions fetches under a budget of at most 32 MiB
-            (``FetchConfig.for_decoding``): it takes samples no faster than it decodes them,
-            and its memory is what a node's many workers add up.
+            on the CPU or runs your functions fetches under a budget of at most 32 MiB and
+            keeps no free range buffer (``FetchConfig.for_decoding``): it takes samples no
+            faster than it decodes them, and its memory is what a node's many workers add up.
         verify: Check every member's crc32 (on by default). Bytes that fail are fetched
             again up to ``fetch.refetch_attempts`` times.
         on_error: For a sample whose bytes stay corrupt: ``"raise"`` CorruptSampleError
