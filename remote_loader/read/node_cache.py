@@ -67,7 +67,7 @@ from functools import partial
 from remote_loader.config import CacheConfig
 from remote_loader.read.cached_shard import ShardFile, check_whole, was_checked
 from remote_loader.read.folder import Folder, Refused
-from remote_loader.read.shard_fill import ShardFill, pread_into
+from remote_loader.read.shard_fill import ShardFill, Slots, pread_into
 from remote_loader.storage.daemon import wait_result
 
 log = logging.getLogger("remote_loader")
@@ -414,24 +414,24 @@ class UploadCache:
                 folder.unlink(file_name(name))
 
     def read(self, name: str, size: int, crc: int, start: int, end: int, out: memoryview,
-             fetch_into: Callable[[int, int, memoryview], None], part_size: int, threads: int,
+             fetch_into: Callable[[int, int, memoryview], None], part_size: int, slots: Slots,
              cancel: threading.Event) -> bool:
         """Bytes ``[start, end)`` of shard ``name`` (``size`` bytes, crc32 ``crc``) into ``out``
         from the cache, fetching the shard whole into it first where it lacks it (once per
         node: a fetch by another thread is read as its parts arrive, one by another process
         waited for); False where the cache cannot give them (then read them from the store).
-        ``fetch_into(start, end, out)`` is a ranged GET."""
+        ``fetch_into(start, end, out)`` is a ranged GET, each made holding one of ``slots``."""
         if self.read_into(name, start, end, out):
             return True
         if self.broken is not None:
             return False
-        fill = self._fill(name, size, crc, fetch_into, part_size, threads, cancel, start)
+        fill = self._fill(name, size, crc, fetch_into, part_size, slots, cancel, start)
         if fill is None:  # fetched by another process meanwhile, or not to be cached
             return self.read_into(name, start, end, out)
         return fill.read_into(start, end, out, cancel)
 
     def _fill(self, name: str, size: int, crc: int, fetch_into: Callable[[int, int, memoryview], None],
-              part_size: int, threads: int, cancel: threading.Event, first: int) -> ShardFill | None:
+              part_size: int, slots: Slots, cancel: threading.Event, first: int) -> ShardFill | None:
         """The fetch of ``name`` into the cache this process runs, begun now if none is: one
         per shard and process (the threads that ask meanwhile wait for it to begin)."""
         with self._lock:
@@ -445,7 +445,7 @@ class UploadCache:
         try:
             fill = self._begin(name, size, crc, cancel)
             if fill is not None:
-                fill.start(fetch_into, part_size, threads, first)
+                fill.start(fetch_into, part_size, slots, cancel, first)
         finally:
             mine.set_result(fill)
             if fill is None:

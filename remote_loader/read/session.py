@@ -26,6 +26,7 @@ from remote_loader.errors import CorruptShard, TruncatedShard
 from remote_loader.read.cached_shard import ShardFile
 from remote_loader.read.metrics import Metrics
 from remote_loader.read.node_cache import UploadCache
+from remote_loader.read.shard_fill import Slots
 from remote_loader.storage import Store
 from remote_loader.storage.retrying import Cancelled, Retry, RetryingStore
 
@@ -83,6 +84,7 @@ class ReadSession:
                                                 on_retry=lambda: metrics.add(retries=1)))
         self._cache = cache
         self._upload: UploadCache | None = None  # the cache, once made (after the manifest is read)
+        self._slots = Slots(config.concurrency)  # the GETs of the shards it fills into the cache
 
     @property
     def caching(self) -> bool:
@@ -164,7 +166,7 @@ class ReadSession:
             return False
         cache, name, size, crc = found
         if not cache.read(name, size, crc, start, end, out, partial(self._get_into, bucket, key_of(obj)),
-                          self.config.part_size, self.config.concurrency, self.cancel):
+                          self.config.part_size, self._slots, self.cancel):
             return False
         self.metrics.add(cached_bytes=end - start)
         return True

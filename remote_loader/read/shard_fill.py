@@ -10,13 +10,14 @@ Bytes read before that check are checked as all bytes are (the index's crc32, ea
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import mmap
 import os
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from remote_loader.checksum import crc32
 from remote_loader.errors import InvalidRange
@@ -36,6 +37,42 @@ class FillFailed(Exception):
     """A part of a shard was not fetched because another one failed first."""
 
 
+class Slots:
+    """The GETs one reader may have in flight (``FetchConfig.concurrency``), shared by the
+    shards it fills at once: each fills on threads of its own, and without a shared bound
+    several filling together overflowed the client's connections. A part a reader waits for
+    (asked for when the fill began, or waited on already) takes the next free slot before
+    the others, which go in the order they came."""
+
+    def __init__(self, size: int) -> None:
+        self.size = self._free = size
+        self._changed = threading.Condition()
+        self._urgent: collections.deque[object] = collections.deque()
+        self._rest: collections.deque[object] = collections.deque()
+
+    @contextlib.contextmanager
+    def held(self, urgent: bool, cancel: threading.Event) -> Iterator[None]:
+        """Hold a slot meanwhile; ``Cancelled`` where ``cancel`` is set while waiting for one."""
+        me, queue = object(), self._urgent if urgent else self._rest
+        with self._changed:
+            queue.append(me)
+            try:
+                while not (self._free and (self._urgent or self._rest)[0] is me):
+                    if cancel.is_set():
+                        raise Cancelled("the reader was closed while a part waited for a GET")
+                    self._changed.wait(_POLL)
+            finally:
+                queue.remove(me)
+                self._changed.notify_all()  # the next in line, where a slot is free
+            self._free -= 1
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._free += 1
+                self._changed.notify_all()
+
+
 class ShardFill:
     """Shard ``name`` (``size`` bytes, crc32 ``crc``) being fetched into ``part`` (a folder and
     a name; open as ``fd``, allocated, its lock held as ``lock``), renamed to ``final`` once
@@ -48,23 +85,25 @@ class ShardFill:
         self.fd, self.lock, self._done = fd, lock, done
         self.parts = Arrivals([], size)
         self.spoiled = False  # bytes read from it failed a check: read no more from it
+        self.wanted: set[int] = set()  # the parts a reader has waited for: their GETs go first
         weakref.finalize(self, os.close, fd)  # readers may still read the file after the fetch ends
 
-    def start(self, fetch_into: Callable[[int, int, memoryview], None], part_size: int, threads: int,
-              first: int) -> None:
-        """Fetch the shard on threads of its own, in parts of ``part_size``, as many as ``threads``
-        (8 at most) at once. The part holding byte ``first`` (what the fetch was begun for) comes
-        first, then the last part (the index lies there: a shard's ranges are cut from it), then
-        the rest in order. Smaller parts, more of them at once, fetched a 16 MB shard no sooner
-        across the S3-like link and cost CPU: 8 parts of 2 MB took 1.04-1.09 s of an epoch that
-        2 parts of 8 MB took in 0.78-0.85 s (3,000 JPEGs, one process)."""
+    def start(self, fetch_into: Callable[[int, int, memoryview], None], part_size: int, slots: Slots,
+              cancel: threading.Event, first: int) -> None:
+        """Fetch the shard on threads of its own, in parts of ``part_size``, as many at once as
+        ``slots`` has (8 at most), each GET holding one of them. The part holding byte ``first``
+        (what the fetch was begun for) comes first, then the last part (the index lies there: a
+        shard's ranges are cut from it), then the rest in order. Smaller parts, more of them at
+        once, fetched a 16 MB shard no sooner across the S3-like link and cost CPU: 8 parts of
+        2 MB took 1.04-1.09 s of an epoch that 2 parts of 8 MB took in 0.78-0.85 s (3,000 JPEGs,
+        one process)."""
         self.parts = Arrivals(list(range(0, self.size, part_size)), self.size)
         asked, last = self.parts.holding(first, first + 1)[0], len(self.parts) - 1
+        self.wanted.add(asked)
         order = list(dict.fromkeys([asked, last, *range(len(self.parts))]))
-        in_daemon_thread(lambda: self._fetch(fetch_into, part_size, min(threads, _THREADS), order),
-                         "remote-loader-cache")
+        in_daemon_thread(lambda: self._fetch(fetch_into, slots, cancel, order), "remote-loader-cache")
 
-    def _fetch(self, fetch_into: Callable[[int, int, memoryview], None], part_size: int, threads: int,
+    def _fetch(self, fetch_into: Callable[[int, int, memoryview], None], slots: Slots, cancel: threading.Event,
                order: list[int]) -> None:
         mapped = mmap.mmap(self.fd, self.size)
         view = memoryview(mapped)
@@ -72,7 +111,8 @@ class ShardFill:
         def one(k: int) -> None:
             start = self.parts.bounds[k]
             try:
-                fetch_into(start, self.parts.stop(k), view[start: self.parts.stop(k)])
+                with slots.held(k in self.wanted, cancel):
+                    fetch_into(start, self.parts.stop(k), view[start: self.parts.stop(k)])
             except BaseException as error:
                 self.parts.arrive(k, error)
                 raise
@@ -80,7 +120,7 @@ class ShardFill:
 
         kept = False
         try:
-            map_on_daemon_threads(one, order, threads, "remote-loader-cache", settle=5.0)
+            map_on_daemon_threads(one, order, min(slots.size, _THREADS), "remote-loader-cache", settle=5.0)
             if crc32(view) == self.crc:
                 record_checked(self.fd, self.crc)  # read as it is from now on (read/cached_shard.py)
                 self.part[0].rename(self.part[1], *self.final)
@@ -123,6 +163,7 @@ class ShardFill:
                 raise Cancelled(f"reading {self.name} was cancelled")
 
         for k in self.parts.holding(start, end):
+            self.wanted.add(k)
             error = self.parts.wait(k, _POLL, check)
             if isinstance(error, (Cancelled, InvalidRange, FillFailed)):
                 return False

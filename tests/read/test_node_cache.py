@@ -603,3 +603,86 @@ def test_a_write_into_cached_shards_mid_epoch_is_caught_under_cache_verify(datas
                 with open(path, "r+b") as file:
                     file.write(bytes(path.stat().st_size))
     assert got == clean and ds.metrics.retries >= 1
+
+
+def test_shards_filling_at_once_share_fetch_concurrency(tmp_path):
+    """``FetchConfig.concurrency`` bounds the GETs a process has in flight, the node cache's
+    fetches of whole shards included: shards filling at once share it. (Each shard was
+    filled on threads of its own, up to 8 GETs each: eight shards overflowed a client's
+    32 connections.) Each GET of a shard here waits, a while, for one more to join it, so that
+    any that can run at once do; how long it waits decides nothing."""
+    concurrency, at_once, most = 3, [0], [0]
+    changed = threading.Condition()
+
+    class Counting(LocalStore):
+        get_range_into = Store.get_range_into  # through get_range
+
+        def get_range(self, bucket, key, start, end):
+            if not key.endswith(".tar"):
+                return super().get_range(bucket, key, start, end)
+            with changed:
+                at_once[0] += 1
+                most[0] = max(most[0], at_once[0])
+                changed.notify_all()
+                changed.wait_for(lambda: at_once[0] > concurrency, timeout=0.2)
+            try:
+                return super().get_range(bucket, key, start, end)
+            finally:
+                with changed:
+                    at_once[0] -= 1
+
+    store = Counting(tmp_path / "store")
+    store.create_bucket("b")
+    upload(store, "b", "d", SyntheticImages(48, size=(500, 375)), maxcount=6)
+    reader = DatasetReader(store, "b", "d")
+    assert len(reader.manifest.shards) == 8 and min(e.size for e in reader.manifest.shards) > 3 * (64 << 10)
+    fetch = FetchConfig(part_size=64 << 10, concurrency=concurrency)
+    ds = RemoteDataset(store, "b", "d", cache_dir=tmp_path / "cache", fetch=fetch)
+    assert _samples(ds) == _samples(reader)
+    assert len(_cached(tmp_path / "cache")) == 8
+    assert 1 < most[0] <= concurrency
+
+
+def test_a_part_a_reader_waits_for_takes_the_next_free_slot_before_parts_queued_earlier():
+    """Of the parts waiting for a GET slot, those a reader waits for go first; the rest in the
+    order they came. A part waiting when its reader is closed gives up (``Cancelled``)."""
+    from remote_loader.read.shard_fill import Slots
+    from remote_loader.storage.retrying import Cancelled
+
+    slots, order, release, never = Slots(1), [], threading.Event(), threading.Event()
+
+    def take(name, urgent, queued):
+        def run():
+            with slots.held(urgent, never):
+                if name == "holder":
+                    queued.set()
+                    assert release.wait(300)
+                order.append(name)
+        return in_daemon_thread(run)
+
+    def queued() -> int:
+        with slots._changed:
+            return len(slots._rest) + len(slots._urgent)
+
+    holding = threading.Event()
+    holder = take("holder", False, holding)
+    assert holding.wait(300)
+    waiting = []
+    for name, urgent in [("first", False), ("second", False), ("wanted", True)]:
+        waiting.append(take(name, urgent, threading.Event()))
+        deadline = time.monotonic() + 300
+        while queued() < len(waiting):  # each in line before the next comes
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    release.set()
+    wait([holder, *waiting], timeout=300)
+    assert order == ["holder", "wanted", "first", "second"]
+
+    cancel = threading.Event()
+    with slots.held(False, never):
+        cancel.set()
+        with pytest.raises(Cancelled):
+            with slots.held(True, cancel):
+                pass
+    with slots.held(True, never):  # the slot is free again, and the queue empty
+        assert not slots._urgent and not slots._rest
