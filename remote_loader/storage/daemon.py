@@ -74,13 +74,13 @@ class DaemonPool:
             if task is None:
                 return
             future, call, args = task
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(call(*args))
-            except BaseException as error:  # noqa: BLE001 - handed to whoever waits on the future
-                future.set_exception(error)
-            del task, future, args
+            del task
+            if future.set_running_or_notify_cancel():  # False: cancelled before its turn, skipped
+                try:
+                    future.set_result(call(*args))
+                except BaseException as error:  # noqa: BLE001 - handed to whoever waits on the future
+                    future.set_exception(error)
+            del future, call, args  # waiting for the next task, hold nothing of this one
 
     def shutdown(self, join: float = 0.0) -> None:
         """Stop the threads: those between calls end at once; those in a call are waited for

@@ -52,3 +52,36 @@ def test_a_pool_skips_a_future_cancelled_before_its_turn_and_its_threads_end():
     pool.shutdown(join=10)
     assert second.cancelled()
     assert not [t for t in threading.enumerate() if t.name == "remote-loader-test_0"]
+
+
+@pytest.mark.parametrize("cancelled", [False, True], ids=["ran", "cancelled"])
+def test_an_idle_thread_keeps_nothing_of_its_last_task(cancelled):
+    """A thread waiting for its next task holds no reference to the last one's call or
+    arguments, run or skipped as cancelled: they may be a range's buffer or a sample."""
+    import gc
+    import time
+    import weakref
+
+    class Big:
+        def __call__(self, *args):
+            return None
+
+    pool = DaemonPool(1, "remote-loader-test")
+    try:
+        gate = threading.Event()
+        blocker = pool.submit(gate.wait, 300)
+        call, argument = Big(), Big()
+        task = pool.submit(call, argument)
+        gone = [weakref.ref(call), weakref.ref(argument)]
+        if cancelled:
+            assert task.cancel()
+        del call, argument, task
+        gate.set()
+        assert blocker.result(300)
+        deadline = time.monotonic() + 30  # a guard against a leak, not a time to meet
+        while any(ref() is not None for ref in gone):
+            assert time.monotonic() < deadline, "the idle thread still holds its last task"
+            gc.collect()
+            time.sleep(0.01)
+    finally:
+        pool.shutdown(join=10)
