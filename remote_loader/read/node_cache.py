@@ -311,7 +311,10 @@ class UploadCache:
         self._dir: Folder | None = None
         self._fill_dir: Folder | None = None
         self._full_until = 0.0
+        self._said_full = False  # a shard did not fit under the cache's bound (said once)
         self._linked = False  # a link was found where a shard's lock goes (said once)
+        self._unfilled: set[str] = set()  # shards this process fetches into the cache no more
+        self._store_only: set[str] = set()  # shards it reads from the store: their copy is damaged, and stays
 
     def _open(self) -> Folder | None:
         """The upload's folder, made (with the dataset's, the shards of its other uploads
@@ -340,7 +343,7 @@ class UploadCache:
         """Bytes ``[start, end)`` of cached shard ``name`` into ``out``; False where it is not
         cached (or shorter than that: the copy is dropped)."""
         folder = self._open()
-        if folder is None:
+        if folder is None or name in self._store_only:
             return False
         try:
             fd = folder.open(file_name(name), _READ)
@@ -368,7 +371,7 @@ class UploadCache:
         and where the reader checks none (``members_checked`` false) the file is checked as
         when trusted, so that checking every read never checks less."""
         folder = self._open()
-        if folder is None:
+        if folder is None or name in self._store_only:
             return None
         try:
             fd = folder.open(file_name(name), _READ)
@@ -409,9 +412,17 @@ class UploadCache:
         if fill is not None:
             fill.spoil()
         folder = self._open()
-        if folder is not None:
-            with contextlib.suppress(OSError):
-                folder.unlink(file_name(name))
+        if folder is None:
+            return
+        try:
+            folder.unlink(file_name(name))
+        except FileNotFoundError:
+            pass
+        except OSError as error:  # read-only, immutable: reading it again would give the same bytes
+            if name not in self._store_only:
+                self._store_only.add(name)
+                log.warning("%s in the node's cache failed a check and cannot be removed (%s): read from the store",
+                            name, error.strerror or error)
 
     def read(self, name: str, size: int, crc: int, start: int, end: int, out: memoryview,
              fetch_into: Callable[[int, int, memoryview], None], part_size: int, slots: Slots,
@@ -423,7 +434,7 @@ class UploadCache:
         ``fetch_into(start, end, out)`` is a ranged GET, each made holding one of ``slots``."""
         if self.read_into(name, start, end, out):
             return True
-        if self.broken is not None:
+        if self.broken is not None or name in self._unfilled or name in self._store_only:
             return False
         fill = self._fill(name, size, crc, fetch_into, part_size, slots, cancel, start)
         if fill is None:  # fetched by another process meanwhile, or not to be cached
@@ -456,6 +467,15 @@ class UploadCache:
         with self._lock:
             self._filling.pop(name, None)
 
+    def _ended(self, name: str, misplaced: OSError | None) -> None:
+        """A fill of ``name`` ended; ``misplaced``: why the shard, fetched whole and checked,
+        could not be put in place (each range would fetch it whole again: not tried again)."""
+        if misplaced is not None:
+            self._unfilled.add(name)
+            log.warning("%s cannot be put in place in the node's cache (%s): read from the store", name,
+                        misplaced.strerror or misplaced)
+        self._forget(name)
+
     def _begin(self, name: str, size: int, crc: int, cancel: threading.Event) -> ShardFill | None:
         """Take the shard's lock (waiting a bounded time for another process's fetch) and
         reserve its space; None where there is nothing to fetch or it cannot be cached."""
@@ -468,7 +488,9 @@ class UploadCache:
         try:
             lock = fill_dir.lock(final + _LOCK, time.monotonic() + _PATIENCE + size / 10e6, cancel)
         except OSError as error:
-            if error.errno != errno.ELOOP:
+            if error.errno in (errno.ENOSPC, errno.EDQUOT):
+                self._full(name, size, "the disk is full")
+            elif error.errno != errno.ELOOP:
                 self._stop(error)
             elif not self._linked:  # planted by someone: that shard is read from the store
                 self._linked = True
@@ -477,7 +499,8 @@ class UploadCache:
                                                                                                   final + _LOCK))
             return None
         if lock is None:
-            if not cancel.is_set():  # not the reader going away: another process stuck
+            if not cancel.is_set():  # not the reader going away: another process stuck; not waited for again
+                self._unfilled.add(name)
                 log.warning("another process has fetched %s into the node's cache for %.0f s: read from the store",
                             name, _PATIENCE + size / 10e6)
             return None
@@ -487,25 +510,39 @@ class UploadCache:
                 return None  # fetched by another process while this one waited
             fd = fill_dir.create(part)
             if not self.node.reserve(size, upload.path, lambda: _allocate(fd, size)):
-                self._full_until = time.monotonic() + _FULL_FOR
+                with contextlib.suppress(OSError):
+                    fill_dir.unlink(part)
+                self._full(name, size, "under its bound")
                 return None
             if size == 0:  # nothing to fetch: whole at once
                 if crc == 0:
                     fill_dir.rename(part, upload, final)
                 return None
-            fill = ShardFill(name, size, crc, (fill_dir, part), (upload, final), fd, lock, partial(self._forget, name))
+            fill = ShardFill(name, size, crc, (fill_dir, part), (upload, final), fd, lock, partial(self._ended, name))
             fd = lock = -1  # the fill's now
             return fill
         except OSError as error:
             with contextlib.suppress(OSError):
                 fill_dir.unlink(part)
-            self._stop(error)
+            if error.errno in (errno.ENOSPC, errno.EDQUOT):  # the disk full: looked at again later
+                self._full(name, size, "the disk is full")
+            else:
+                self._stop(error)
             return None
         finally:
             if fd >= 0:
                 os.close(fd)
             if lock >= 0:
                 os.close(lock)  # releases the lock
+
+    def _full(self, name: str, size: int, why: str) -> None:
+        """``name`` does not fit: fetch nothing into the cache for a while (one warning)."""
+        self._full_until = time.monotonic() + _FULL_FOR
+        if not self._said_full:
+            self._said_full = True
+            log.warning("the shard cache in %s has no room for %s (%d bytes), %s: the shards that do not fit"
+                        " are read from the store, and the cache looked at again every %.0f s",
+                        self.node.config.directory, name, size, why, _FULL_FOR)
 
     def _stop(self, error: OSError) -> None:
         """Write no more in this process; one warning says why."""

@@ -77,10 +77,11 @@ class ShardFill:
     """Shard ``name`` (``size`` bytes, crc32 ``crc``) being fetched into ``part`` (a folder and
     a name; open as ``fd``, allocated, its lock held as ``lock``), renamed to ``final`` once
     whole and checked.
-    ``done()`` is called at the end, whatever happened, after the lock is released."""
+    ``done(misplaced)`` is called at the end, whatever happened, after the lock is released;
+    ``misplaced`` is the error that kept the whole, checked shard from its place, or None."""
 
     def __init__(self, name: str, size: int, crc: int, part: tuple[Folder, str], final: tuple[Folder, str], fd: int,
-                 lock: int, done: Callable[[], None]) -> None:
+                 lock: int, done: Callable[[OSError | None], None]) -> None:
         self.name, self.size, self.crc, self.part, self.final = name, size, crc, part, final
         self.fd, self.lock, self._done = fd, lock, done
         self.parts = Arrivals([], size)
@@ -118,13 +119,16 @@ class ShardFill:
                 raise
             self.parts.arrive(k)
 
-        kept = False
+        kept, misplaced = False, None
         try:
             map_on_daemon_threads(one, order, min(slots.size, _THREADS), "remote-loader-cache", settle=5.0)
             if crc32(view) == self.crc:
                 record_checked(self.fd, self.crc)  # read as it is from now on (read/cached_shard.py)
-                self.part[0].rename(self.part[1], *self.final)
-                kept = True
+                try:
+                    self.part[0].rename(self.part[1], *self.final)
+                    kept = True
+                except OSError as error:  # a directory planted there, an immutable folder
+                    misplaced = error
             else:
                 log.warning("%s fetched for the node's cache fails its crc32: not kept", self.name)
         except BaseException:  # noqa: BLE001 - each part's error is the readers'; the store tells the rest
@@ -140,7 +144,7 @@ class ShardFill:
                 with contextlib.suppress(OSError):
                     self.part[0].unlink(self.part[1])
             os.close(self.lock)  # other processes may fetch it now, or read it
-            self._done()
+            self._done(misplaced)
 
     def spoil(self) -> None:
         """Bytes read from this fetch failed a check: a part came damaged. Read no more from

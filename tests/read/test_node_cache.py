@@ -403,7 +403,8 @@ def test_a_fill_held_by_a_stopped_process_is_waited_for_a_bounded_time(dataset, 
     finally:
         os.close(held)
     assert len(_cached(cache)) == len(reader.manifest.shards) - 1
-    assert any("another process has fetched" in r.getMessage() for r in caplog.records)
+    waited = [r for r in caplog.records if "another process has fetched" in r.getMessage()]
+    assert len(waited) == 1  # once for the shard, not once for each of its reads
 
 
 def _upload_cache(ds: RemoteDataset) -> node_cache.UploadCache:
@@ -686,3 +687,106 @@ def test_a_part_a_reader_waits_for_takes_the_next_free_slot_before_parts_queued_
                 pass
     with slots.held(True, never):  # the slot is free again, and the queue empty
         assert not slots._urgent and not slots._rest
+
+
+def _larger_shards(store_dir: Path):
+    """Eight shards of about 300 kB, read in ranges of 64 KiB: several ranges a shard."""
+    store = LocalStore(store_dir)
+    store.create_bucket("b")
+    upload(store, "b", "d", SyntheticImages(48, size=(500, 375)), maxcount=6)
+    reader = DatasetReader(store, "b", "d")
+    assert min(e.size for e in reader.manifest.shards) > 3 * (64 << 10)
+    return store, reader, FetchConfig(part_size=64 << 10, range_bytes=64 << 10, concurrency=2)
+
+
+def test_a_shard_that_cannot_be_put_in_place_is_fetched_whole_once_and_said(tmp_path, caplog):
+    """A folder planted where a shard goes: its fetch into the cache cannot end in place. That
+    shard is read from the store, as without a cache, with one warning. (Every range of it
+    began another fetch of the whole shard, silently: 10-17 times its bytes.)"""
+    store, reader, fetch = _larger_shards(tmp_path / "store")
+    ds = RemoteDataset(store, "b", "d", cache_dir=tmp_path / "cache", fetch=fetch)
+    NodeCache(ds.reader.cache).root()
+    upload_dir = Path(_upload_cache(ds).path)
+    upload_dir.mkdir(parents=True, mode=0o700, exist_ok=True)
+    planted = reader.manifest.shards[3]
+    (upload_dir / node_cache.file_name(planted.name)).mkdir()
+    with caplog.at_level(logging.WARNING, logger="remote_loader"):
+        assert _samples(ds) == _samples(reader)
+        assert _samples(ds) == _samples(reader)
+    said = [r.getMessage() for r in caplog.records if "cannot be put in place" in r.getMessage()]
+    assert len(said) == 1 and planted.name in said[0]
+    total = _shard_bytes(reader)
+    assert ds.metrics.bytes <= total + 2 * planted.size  # the planted one: whole once, then as without a cache
+    assert (upload_dir / node_cache.file_name(planted.name)).is_dir()  # what was planted stays
+
+
+def test_a_damaged_copy_that_cannot_be_removed_is_read_from_the_store(dataset, tmp_path, caplog, monkeypatch):
+    """A cached shard damaged on disk and not removable (an immutable file, a file system gone
+    read-only): its samples come from the store, said once. (Each read served the same damaged
+    file again, and the epoch ended in ``CorruptSampleError``.)"""
+    from remote_loader.read.folder import Folder
+
+    store, bucket, reader, clean = dataset
+    cache = tmp_path / "cache"
+    ds = RemoteDataset(store, bucket, "d", cache_dir=cache)
+    assert _samples(ds) == clean
+    damaged = sorted(_cached_paths(cache))[0]
+    data = bytearray(damaged.read_bytes())
+    data[600:664] = bytes(b ^ 0xFF for b in data[600:664])  # inside the first member
+    damaged.write_bytes(bytes(data))
+    unlink = Folder.unlink
+
+    def immutable(self, name):
+        if name == damaged.name:
+            raise PermissionError(1, "Operation not permitted")
+        return unlink(self, name)
+
+    monkeypatch.setattr(Folder, "unlink", immutable)
+    with caplog.at_level(logging.WARNING, logger="remote_loader"):
+        assert _samples(ds) == clean
+        assert _samples(ds) == clean
+    said = [r.getMessage() for r in caplog.records if "cannot be removed" in r.getMessage()]
+    assert len(said) == 1 and damaged.name in said[0]
+    assert damaged.read_bytes() == bytes(data)  # not written to: the store's bytes are read instead
+
+
+def test_a_bound_smaller_than_a_shard_is_said_once_and_leaves_no_part(dataset, tmp_path, caplog):
+    store, bucket, reader, clean = dataset
+    cache = tmp_path / "cache"
+    ds = RemoteDataset(store, bucket, "d", cache_dir=cache, cache_bytes=1000)
+    with caplog.at_level(logging.WARNING, logger="remote_loader"):
+        assert _samples(ds) == clean
+    said = [r.getMessage() for r in caplog.records if "no room" in r.getMessage()]
+    assert len(said) == 1 and "under its bound" in said[0]
+    assert not list(cache.rglob("*.part")) and not _cached(cache)
+
+
+def test_a_full_disk_is_looked_at_again_and_the_cache_used_once_there_is_room(dataset, tmp_path, caplog,
+                                                                             monkeypatch):
+    """A disk found full (ENOSPC as a shard's space is allocated) keeps that shard out, with
+    one warning; the cache is looked at again later (every ``_FULL_FOR`` seconds, none here),
+    and shards go into it once there is room. (One full disk turned the cache off for the
+    rest of the process's life.)"""
+    import errno
+
+    store, bucket, reader, clean = dataset
+    allocate, refused = node_cache._allocate, []
+
+    def full_once(fd, size):
+        if not refused:
+            refused.append(size)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        allocate(fd, size)
+
+    monkeypatch.setattr(node_cache, "_allocate", full_once)
+    monkeypatch.setattr(node_cache, "_FULL_FOR", 0.0)
+    cache = tmp_path / "cache"
+    ds = RemoteDataset(store, bucket, "d", cache_dir=cache)
+    with caplog.at_level(logging.WARNING, logger="remote_loader"):
+        assert _samples(ds) == clean
+        assert len(_cached(cache)) >= len(reader.manifest.shards) - 1  # that shard too, at a later read of it
+        assert _samples(ds) == clean
+    assert len(_cached(cache)) == len(reader.manifest.shards) and refused
+    said = [r.getMessage() for r in caplog.records if "cache" in r.getMessage()]
+    assert len(said) == 1 and "the disk is full" in said[0], said
+    _check_whole(cache, reader)
