@@ -121,16 +121,17 @@ class Folder:
         return self.open(name, flags | os.O_CREAT | os.O_EXCL, mode)
 
     def write(self, name: str, data: bytes) -> None:
-        """Put file ``name`` holding ``data`` in place whole (a new file, renamed over the name)."""
+        """Put file ``name`` holding ``data`` in place whole (a new file, renamed over the name);
+        where it fails (a full disk), the new file is removed and the error raised."""
         apart = f".{name}.{uuid.uuid4().hex[:12]}"
         fd = self.open(apart, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         try:
-            os.write(fd, data)
-        finally:
-            os.close(fd)
-        try:
+            try:
+                os.write(fd, data)
+            finally:
+                os.close(fd)
             self.rename(apart, self, name)
-        except OSError:
+        except BaseException:
             self.unlink(apart)
             raise
 

@@ -3,6 +3,7 @@ blindly, bounded, and a fallback to the store whatever goes wrong with the disk.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
@@ -545,6 +546,23 @@ def test_a_shard_renamed_into_place_while_the_space_is_counted_is_counted(tmp_pa
         assert sum(f.size for f in cache.files()) >= 8192
     finally:
         os.close(held)
+
+
+def test_a_file_the_full_disk_refuses_leaves_no_temporary_file_behind(tmp_path, monkeypatch):
+    """A write that fails (ENOSPC) is raised, and neither the file nor its temporary one is
+    left (one was left at each process start, on a full disk: its ``CACHEDIR.TAG``)."""
+    from remote_loader.read import folder as folders
+
+    def full(fd: int, data: bytes) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    folder = folders.Folder.named(str(tmp_path / "cache"))
+    monkeypatch.setattr(folders.os, "write", full)
+    with pytest.raises(OSError) as failed:
+        folder.write("CACHEDIR.TAG", b"Signature: 8a477f597d28d172789f06886806bc55\n")
+    monkeypatch.undo()
+    assert failed.value.errno == errno.ENOSPC
+    assert os.listdir(tmp_path / "cache") == []
 
 
 PART = 256 << 10
