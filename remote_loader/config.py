@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import decimal
 import operator
 import os
 import re
@@ -408,16 +409,30 @@ _UNITS = {"": 1, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
           "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
 
 
+MOST_BYTES = 2**63 - 1
+"""The largest byte count ``parse_bytes`` takes: the largest a file can be (a larger one is a typo)."""
+
+
 def parse_bytes(name: str, value: object) -> int:
-    """A byte count: an int, or a string such as ``"500G"``, ``"1.5TB"``, ``"64GiB"``
-    (decimal units; ``i`` for binary ones); ConfigError naming ``name`` otherwise."""
+    """A byte count from 1 to ``MOST_BYTES``: an int, or a string such as ``"500G"``,
+    ``"1.5TB"``, ``"64GiB"`` (decimal units; ``i`` for binary ones) that comes to a whole
+    number of bytes; ConfigError naming ``name`` otherwise."""
+    count: object = value
     if isinstance(value, str):
         found = _SIZE.match(value)
         if found is None:
-            raise ConfigError(f"{name} must be a number of bytes such as 500G or 64GiB, got {value!r}")
-        unit = (found.group(2) or "").upper().removesuffix("B")
-        return require_int(name, int(float(found.group(1)) * _UNITS[unit]), low=1)
-    return require_int(name, value, low=1)
+            raise ConfigError(f"{name} must be a number of bytes such as 500G or 64GiB, got {shown(value)}")
+        digits, unit = found.group(1), (found.group(2) or "").upper().removesuffix("B")
+        with decimal.localcontext() as exact:  # digits enough for the product: nothing rounded
+            exact.prec = len(digits) + 20
+            exact_count = decimal.Decimal(digits) * _UNITS[unit]
+            if exact_count != exact_count.to_integral_value():
+                raise ConfigError(f"{name} must be a whole number of bytes, got {shown(value)}")
+        count = int(exact_count) if exact_count <= MOST_BYTES else MOST_BYTES + 1  # not an int of 1000 digits
+    number = require_int(name, count, low=1)
+    if number > MOST_BYTES:
+        raise ConfigError(f"{name} must be at most {MOST_BYTES} bytes, got {shown(value)}")
+    return number
 
 
 @dataclass(frozen=True)

@@ -158,6 +158,7 @@ def test_the_environment_turns_the_cache_on(dataset, tmp_path, monkeypatch):
 @pytest.mark.parametrize(("given", "bound", "message"), [
     ({"max_bytes": "64GiB"}, 64 << 30, None), ({"max_bytes": "1.5T"}, 1_500_000_000_000, None),
     ({"max_bytes": 1000}, 1000, None), ({"max_bytes": "lots"}, None, "cache_bytes must be a number of bytes"),
+    ({"max_bytes": "0.5K"}, 500, None), ({"max_bytes": "1.5KiB"}, 1536, None), ({"max_bytes": "2 GB"}, 2 * 10**9, None),
     ({"max_bytes": 0}, None, "cache_bytes"), ({"max_bytes": True}, None, "cache_bytes"),
 ])
 def test_a_bound_is_a_number_of_bytes(tmp_path, given, bound, message):
@@ -166,6 +167,15 @@ def test_a_bound_is_a_number_of_bytes(tmp_path, given, bound, message):
     else:
         with pytest.raises(ConfigError, match=message):
             CacheConfig(str(tmp_path), **given)
+
+
+@pytest.mark.parametrize("bound", ["1.5", "0.0001K", "9" * 309, "1" + "0" * 400 + "K", "1" + "0" * 5000, "10000000T",
+                                   2**63, 10**400], ids=["1.5", "0.0001K", "9*309", "1e400K", "1e5000", "1e7T",
+                                                         "2**63", "10**400"])
+def test_a_bound_of_a_fraction_of_a_byte_or_beyond_any_disk_is_refused_in_one_line(tmp_path, bound):
+    with pytest.raises(ConfigError, match="^cache_bytes must") as refused:
+        CacheConfig(str(tmp_path), bound)
+    assert len(str(refused.value)) < 200
 
 
 def test_a_bound_without_a_directory_is_refused():
