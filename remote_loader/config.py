@@ -458,6 +458,8 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.directory, (str, os.PathLike)) or not str(self.directory):
             raise ConfigError(f"the cache directory must be a path, got {self.directory!r}")
+        if "\0" in os.fsdecode(self.directory):  # no path holds one: refused here, not at the first sample
+            raise ConfigError(f"cache_dir must not hold a NUL byte, got {shown(os.fspath(self.directory))}")
         object.__setattr__(self, "directory", os.path.abspath(os.path.expanduser(os.fspath(self.directory))))
         if self.max_bytes is not None:
             object.__setattr__(self, "max_bytes", parse_bytes("cache_bytes", self.max_bytes))

@@ -178,6 +178,16 @@ def test_a_bound_of_a_fraction_of_a_byte_or_beyond_any_disk_is_refused_in_one_li
     assert len(str(refused.value)) < 200
 
 
+def test_a_cache_dir_holding_a_nul_byte_is_refused_when_the_dataset_is_made(tmp_path):
+    """Refused at once, given or from the environment, not at the first sample read."""
+    store = LocalStore(tmp_path / "store")
+    for make in (lambda: CacheConfig(str(tmp_path / "a\0b")),
+                 lambda: CacheConfig.of(None, None, env={"REMOTE_LOADER_CACHE_DIR": str(tmp_path / "a\0b")}),
+                 lambda: RemoteDataset(store, "b", "d", cache_dir=tmp_path / "a\0b")):
+        with pytest.raises(ConfigError, match="^cache_dir must .*NUL"):
+            make()
+
+
 def test_a_bound_without_a_directory_is_refused():
     with pytest.raises(ConfigError, match="give cache_dir too"):
         CacheConfig.of(None, "10G", env={})
