@@ -127,7 +127,9 @@ class Folder:
         fd = self.open(apart, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         try:
             try:
-                os.write(fd, data)
+                view = memoryview(data)
+                while view:  # a write may take part of it
+                    view = view[os.write(fd, view):]
             finally:
                 os.close(fd)
             self.rename(apart, self, name)
