@@ -457,7 +457,7 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.directory, (str, os.PathLike)) or not str(self.directory):
-            raise ConfigError(f"the cache directory must be a path, got {self.directory!r}")
+            raise ConfigError(f"the cache directory must be a path, got {shown(self.directory)}")
         if "\0" in os.fsdecode(self.directory):  # no path holds one: refused here, not at the first sample
             raise ConfigError(f"cache_dir must not hold a NUL byte, got {shown(os.fspath(self.directory))}")
         object.__setattr__(self, "directory", os.path.abspath(os.path.expanduser(os.fspath(self.directory))))
@@ -473,6 +473,8 @@ class CacheConfig:
         ``REMOTE_LOADER_CACHE_VERIFY`` (``1`` or ``0``); None (no cache) where no directory
         is named. ``directory=""`` turns off a cache the environment names."""
         env = os.environ if env is None else env
+        from_env = {"cache_dir": directory is None and "REMOTE_LOADER_CACHE_DIR",
+                    "cache_bytes": max_bytes is None and "REMOTE_LOADER_CACHE_BYTES"}
         if directory is None:
             if max_bytes is not None and not env.get("REMOTE_LOADER_CACHE_DIR"):
                 raise ConfigError("cache_bytes bounds a cache: give cache_dir too (or REMOTE_LOADER_CACHE_DIR)")
@@ -483,7 +485,13 @@ class CacheConfig:
             verify_reads = _env_flag(env, "REMOTE_LOADER_CACHE_VERIFY")
         if not directory:
             return None
-        return cls(os.fspath(directory), max_bytes, verify_reads)  # type: ignore[arg-type]
+        try:
+            return cls(os.fspath(directory), max_bytes, verify_reads)  # type: ignore[arg-type]
+        except ConfigError as error:  # a value the environment gave is named as the user set it
+            for field, variable in from_env.items():
+                if variable and str(error).startswith(field):
+                    raise ConfigError(f"the environment variable {variable}{str(error)[len(field):]}") from None
+            raise
 
 
 def _env_flag(env: Mapping[str, str], name: str) -> bool:

@@ -182,10 +182,20 @@ def test_a_cache_dir_holding_a_nul_byte_is_refused_when_the_dataset_is_made(tmp_
     """Refused at once, given or from the environment, not at the first sample read."""
     store = LocalStore(tmp_path / "store")
     for make in (lambda: CacheConfig(str(tmp_path / "a\0b")),
-                 lambda: CacheConfig.of(None, None, env={"REMOTE_LOADER_CACHE_DIR": str(tmp_path / "a\0b")}),
                  lambda: RemoteDataset(store, "b", "d", cache_dir=tmp_path / "a\0b")):
         with pytest.raises(ConfigError, match="^cache_dir must .*NUL"):
             make()
+    with pytest.raises(ConfigError, match="^the environment variable REMOTE_LOADER_CACHE_DIR must .*NUL"):
+        CacheConfig.of(None, None, env={"REMOTE_LOADER_CACHE_DIR": str(tmp_path / "a\0b")})
+
+
+def test_a_bad_value_from_the_environment_is_named_as_the_variable_that_gave_it(tmp_path):
+    env = {"REMOTE_LOADER_CACHE_DIR": str(tmp_path), "REMOTE_LOADER_CACHE_BYTES": "1.5"}
+    with pytest.raises(ConfigError, match="^the environment variable REMOTE_LOADER_CACHE_BYTES must be a whole"):
+        CacheConfig.of(None, None, env=env)
+    with pytest.raises(ConfigError, match="^cache_bytes must be a whole"):  # given, not from the environment
+        CacheConfig.of(None, "2.5", env=env)
+    assert CacheConfig.of(None, "2K", env=env).max_bytes == 2000
 
 
 def test_a_bound_without_a_directory_is_refused():
