@@ -18,6 +18,9 @@ MAX_WORKERS = 1024
 """Most DataLoader workers a RemoteDataset runs in, and a state may name (a bound on what a state
 dict may allocate)."""
 
+MOST_EPOCH = 2**62
+"""The largest epoch ``set_epoch`` takes and a saved state may hold."""
+
 _HOST_PORT = re.compile(r"^[A-Za-z0-9.-]+:\d+$")
 _SHOWN = reprlib.Repr()  # Python 3.11's takes its limits as attributes
 _SHOWN.maxstring = _SHOWN.maxother = 60

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Sampler
 
-from remote_loader.config import current_world, require_int
+from remote_loader.config import MOST_EPOCH, current_world, require_int
 from remote_loader.errors import ConfigError
 from remote_loader.format.epoch_order import EpochOrder
 from remote_loader.format.shard_counts import ArrayCounts, Counts
@@ -89,7 +89,7 @@ class _EpochSampler(Sampler[int]):
         """Choose the epoch whose order the next iteration follows. Without it, each
         iteration takes the next epoch by itself (0, 1, 2...; after ``load_state_dict``,
         the state's epoch, then the ones after it); once called, iterations follow it exactly."""
-        epoch = require_int("epoch", epoch, 0)
+        epoch = require_int("epoch", epoch, 0, MOST_EPOCH)
         if self._resume is not None and epoch != self.epoch:
             raise ConfigError(f"a state of epoch {self.epoch} is loaded and not yet iterated: set_epoch({self.epoch})"
                               " and finish it first")

@@ -12,7 +12,15 @@ from typing import Any
 
 from torch.utils.data import IterableDataset, get_worker_info
 
-from remote_loader.config import MAX_WORKERS, CacheConfig, FetchConfig, current_world, require_bool, require_int
+from remote_loader.config import (
+    MAX_WORKERS,
+    MOST_EPOCH,
+    CacheConfig,
+    FetchConfig,
+    current_world,
+    require_bool,
+    require_int,
+)
 from remote_loader.errors import ConfigError, DatasetChanged, OnError, ResumeError
 from remote_loader.pipeline.device import DaliClipDecoder, DeviceDecoder, check_device, clip_place
 from remote_loader.pipeline.device import collate as device_collate
@@ -245,6 +253,8 @@ class RemoteDataset(IterableDataset):
             stages.require_crop(mode, repr(device))
         if isinstance(video, VideoClip) and video.device is not None:
             clip_place(video.device)  # DALI and the device there, checked now
+        self._require_form("decode", ("dict", None), "decodes the fields of dict samples: put it before to_tuple"
+                           " and batched")
         place = check_device(device, batched, cpu_fallback, mode if isinstance(mode, RandomResizedCrop) else None)
         clone = self._with(stages.Decode(mode, min_size, threads, device=place, on_error=self.on_error, video=video))
         if self.on_error.skips and place is None:  # a sample that does not decode is left out, counted
@@ -263,8 +273,24 @@ class RemoteDataset(IterableDataset):
         fields there are.
         """
         stage = stages.ToTuple(fields)
+        self._require_form("to_tuple", ("dict", "batch", None), "picks fields of dict samples: give it once,"
+                           " before map_tuple")
         stage.check(self._field_names(), self.reader.location)
         return self._with(stage)
+
+    def _form(self) -> stages.Form:
+        """What the samples are at the end of the chain so far (``stages.Form``)."""
+        form: stages.Form = "dict"
+        for stage in self.stages:
+            form = stage.form(form)
+        return form
+
+    def _require_form(self, call: str, takes: tuple[stages.Form, ...], does: str) -> None:
+        """ConfigError, now, where ``call`` cannot take the samples the chain so far makes."""
+        form = self._form()
+        if form not in takes:
+            made = f"tuples of {form}" if isinstance(form, int) else "batches" if form == "batch" else "dicts"
+            raise ConfigError(f"{call} {does}; here the samples are {made}")
 
     def _field_names(self) -> frozenset[str] | None:
         """The field names the samples hold at the end of the chain so far (``__key__`` and
@@ -285,7 +311,10 @@ class RemoteDataset(IterableDataset):
 
     def map_tuple(self, *fns: Callable[[Any], Any] | None) -> RemoteDataset:
         """Apply ``fns[i]`` to element ``i`` of each tuple (None keeps it)."""
-        return self._with(stages.MapTuple(fns))
+        stage = stages.MapTuple(fns)
+        self._require_form("map_tuple", (None, "batch", len(fns)), f"applies {len(fns)} functions to the elements of"
+                           f" tuples of {len(fns)}: put to_tuple with as many fields before it")
+        return self._with(stage)
 
     def select(self, predicate: Callable[[Any], bool]) -> RemoteDataset:
         """Keep samples for which ``predicate`` is true."""
@@ -329,8 +358,7 @@ class RemoteDataset(IterableDataset):
         included (the epoch lives in shared memory). A loaded resume state applies to the
         first iteration of its own epoch only.
         """
-        if type(epoch) is not int or epoch < 0:
-            raise ConfigError(f"epoch must be an integer >= 0, got {epoch!r}")
+        epoch = require_int("epoch", epoch, 0, MOST_EPOCH)  # what a state saved of it may hold
         self._handover.check_epoch(epoch)
         self._uploads.epoch_set()
         self._epochs.set_epoch(epoch)

@@ -410,3 +410,43 @@ def test_a_decoding_fetch_is_smaller_and_keeps_what_was_smaller_already():
     assert decoding.range_memory(4) == 72 << 20 and FetchConfig().range_memory(4) == 184 << 20
     # The fetcher starts with a quarter of its ceiling: 8 MiB there, 32 MiB by default.
     assert Reach(16, decoding.prefetch_bytes).bytes == 8 << 20 and Reach(16, 128 << 20).bytes == 32 << 20
+
+
+def test_a_stage_that_cannot_take_the_samples_the_chain_makes_is_refused_when_chained(uploaded):
+    """Each of these was accepted, then failed deep inside at the first sample, or gave wrong
+    items without a word: ``map_tuple`` on dict samples iterated each dict's field names, and
+    ``decode`` after ``batched`` decoded nothing."""
+    client, bucket, _ = uploaded
+    base = RemoteDataset(client, bucket, "few", seed=4)
+    pairs = base.to_tuple("jpg", "cls")
+    refused = {
+        "decode decodes the fields of dict samples: .* here the samples are tuples of 2": lambda: pairs.decode("pil"),
+        "decode .* here the samples are batches": lambda: base.batched(4).decode("pil"),
+        "to_tuple picks fields of dict samples.* here the samples are tuples of 2": lambda: pairs.to_tuple("jpg"),
+        "to_tuple .* here the samples are tuples of 2": lambda: pairs.map_tuple(None, len).to_tuple("cls"),
+        "map_tuple applies 4 functions .* here the samples are dicts": lambda: base.map_tuple(None, None, None, None),
+        "map_tuple applies 1 functions .* here the samples are tuples of 2": lambda: pairs.map_tuple(len),
+    }
+    for message, chain in refused.items():
+        with pytest.raises(ConfigError, match=message):
+            chain()
+    # what a function makes is not known before it runs: left to the stage, as before
+    as_pairs = base.map(lambda s: (s["__key__"], s["cls"])).map_tuple(None, int)
+    assert sorted(as_pairs) == sorted((s["__key__"], int(s["cls"])) for s in base)
+    assert list(base.batched(4).to_tuple("__key__"))  # a batch of dicts collates to a dict: its fields by name
+
+
+def test_set_epoch_takes_the_epochs_a_saved_state_may_hold(uploaded):
+    """An epoch past 2**62 was taken (then refused by ``load_state_dict`` in the state saved
+    of it), and one past 2**63 raised torch's overflow from a tensor's assignment."""
+    import numpy as np
+
+    client, bucket, _ = uploaded
+    ds = RemoteDataset(client, bucket, "few", seed=4)
+    for bad in (2**62 + 1, 2**63, 10**30):
+        with pytest.raises(ConfigError, match=r"epoch must be an integer in 0\.\.4611686018427387904"):
+            ds.set_epoch(bad)
+    ds.set_epoch(np.int64(2))
+    ds.set_epoch(2**62)
+    state = ds.state_dict(consumed=0, num_workers=0)
+    RemoteDataset(client, bucket, "few", seed=4).load_state_dict(state)

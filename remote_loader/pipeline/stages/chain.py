@@ -169,6 +169,11 @@ class Chain:
         return n
 
 
+Form = str | int | None
+"""What a pipeline's samples are at a stage: ``"dict"`` (fields by name, as they stream),
+a tuple's length, ``"batch"``, or None where that is not known (what a function made)."""
+
+
 class Stage(ABC):
     """One step of a pipeline."""
 
@@ -191,6 +196,10 @@ class Stage(ABC):
     def fields(self, names: frozenset[str] | None) -> frozenset[str] | None:
         """The field names of this stage's samples, given those of the samples it takes in:
         None where they are unknown (what a function makes of a sample, a tuple, a batch)."""
+        return None
+
+    def form(self, before: Form) -> Form:
+        """What this stage's samples are (``Form``), given what it takes in."""
         return None
 
     def __repr__(self) -> str:
@@ -256,6 +265,9 @@ class Decode(Stage):
             return self.video, self.video.device  # clips decoded in the training process
         return (self.mode, self.device) if self.device is not None else None
 
+    def form(self, before: Form) -> Form:
+        return before
+
     def fields(self, names: frozenset[str] | None) -> frozenset[str] | None:
         if names is None or self.video is None:
             return names  # each field decoded under its own name
@@ -285,6 +297,9 @@ class DropUndecodable(Stage):
 
     def fields(self, names: frozenset[str] | None) -> frozenset[str] | None:
         return names
+
+    def form(self, before: Form) -> Form:
+        return before
 
     def run(self, samples: Iterable[Any], context: Context) -> Iterator[Any]:
         for sample in samples:
@@ -354,6 +369,9 @@ class ToTuple(Stage):
             raise ConfigError(f"to_tuple: {where} has {' and '.join(_absent(spec, names) for spec in missing)};"
                               f" its samples hold {_listed(names)}")
 
+    def form(self, before: Form) -> Form:
+        return len(self.names)
+
     def run(self, samples: Iterable[Any], context: Context) -> Iterator[Any]:
         return to_tuple_stage(samples, self.names)
 
@@ -366,6 +384,9 @@ class MapTuple(Stage):
             if fn is not None:
                 _check_callable(fn, "each of map_tuple's functions")
         self.fns = tuple(fns)
+
+    def form(self, before: Form) -> Form:
+        return before
 
     def run(self, samples: Iterable[Any], context: Context) -> Iterator[Any]:
         return map_tuple_stage(samples, self.fns)
@@ -383,6 +404,9 @@ class Select(Stage):
     def fields(self, names: frozenset[str] | None) -> frozenset[str] | None:
         return names
 
+    def form(self, before: Form) -> Form:
+        return before
+
     def run(self, samples: Iterable[Any], context: Context) -> Iterator[Any]:
         return select_stage(samples, self.predicate)
 
@@ -397,6 +421,9 @@ class Batched(Stage):
             _check_callable(collation_fn, "collation_fn")
         self.batchsize, self.collation_fn, self.keep_short = batchsize, collation_fn, bool(keep_short)
         self.cardinality = Cardinality(batchsize, batches=True, keep_short=self.keep_short)
+
+    def form(self, before: Form) -> Form:
+        return "batch"
 
     def run(self, samples: Iterable[Any], context: Context) -> Iterator[Any]:
         return batched_stage(samples, self.batchsize, self.collation_fn, self.keep_short)

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from remote_loader.config import require_int, shown
+from remote_loader.config import MOST_EPOCH, require_int, shown
 from remote_loader.errors import ResumeError
 from remote_loader.pipeline.order.delivery import Mixing
 from remote_loader.pipeline.order.intervals import contains, merge, without
@@ -118,7 +118,7 @@ def parse(state: Any) -> WorkerState:
     if type(state["shuffle"]) is not bool:
         raise ResumeError(f"RemoteDataset state field 'shuffle' must be true or false, got {shown(state['shuffle'])}")
     samples = _int(state, "samples", 0, 2**62)
-    header = {"epoch": _int(state, "epoch", 0, 2**62), "seed": _int(state, "seed", -(2**63), 2**64 - 1),
+    header = {"epoch": _int(state, "epoch", 0, MOST_EPOCH), "seed": _int(state, "seed", -(2**63), 2**64 - 1),
               "shuffle": state["shuffle"], "samples": samples, "shards": _int(state, "shards", 0, 2**62),
               "run": _int(state, "run", 0, 2**32), "world_size": _int(state, "world_size", 1, 2**20),
               "num_workers": _int(state, "num_workers", 1, 2**20)}
