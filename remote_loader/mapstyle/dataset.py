@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import operator
 import os
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -10,7 +12,7 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from remote_loader.checksum import crc32
-from remote_loader.config import CacheConfig, FetchConfig
+from remote_loader.config import CacheConfig, FetchConfig, shown
 from remote_loader.errors import ConfigError, CorruptSampleError, FormatError
 from remote_loader.format import Sample, ShardIndex
 from remote_loader.read import DatasetReader, Metrics
@@ -220,6 +222,12 @@ class RemoteMapDataset(Dataset):
 
     def locate(self, i: int) -> tuple[int, int]:
         """Return ``(shard position, sample position in the shard)`` of sample ``i``."""
+        try:
+            if isinstance(i, bool):
+                raise TypeError
+            i = operator.index(i)  # an int, numpy's or torch's: never a float taken for its floor
+        except TypeError:
+            raise TypeError(f"a sample index is an int, got {type(i).__name__} {shown(i)}") from None
         n = len(self)
         if not -n <= i < n:
             raise IndexError(f"sample index {i} out of range for {n} samples")
@@ -284,7 +292,7 @@ class RemoteMapDataset(Dataset):
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         """Fetch a batch: samples of one shard close together share a GET; runs go in parallel."""
-        located = [self.locate(int(i)) for i in indices]
+        located = [self.locate(i) for i in indices]
         runs = self._runs(located)  # makes this process's caches its own, as a forked worker needs
         fetched: dict[tuple[int, int], Sample] = {}
         remote = []
@@ -299,7 +307,9 @@ class RemoteMapDataset(Dataset):
                 lambda run: self._fetch_run(*run, cached=False), remote, self.fetch.concurrency, "remote-loader-map"),
                 strict=True):
             fetched.update(((shard, j), s) for j, s in zip(positions, samples, strict=True))
-        return [self._apply(fetched[where]) for where in located]
+        asked = Counter(located)  # an index asked twice gets a sample of its own each time, as ds[i] twice would
+        samples = [fetched[where] if asked[where] == 1 else dict(fetched[where]) for where in located]
+        return [self._apply(sample) for sample in samples]  # copied before a transform may change one
 
     def close(self) -> None:
         """Nothing to end: a batch's threads end with the batch. Kept for code that calls it."""

@@ -183,3 +183,32 @@ def test_a_member_is_read_whole_checked_or_in_parts(tmp_path):
     assert fresh.read_member(4, "jpg", 0, 50) == whole["jpg"][:50]  # a part: not checked, and it is intact
     with pytest.raises(CorruptSampleError, match=f"field 'jpg' of sample '{key}'"):
         fresh.read_member(4, "jpg")
+
+
+def test_an_index_that_is_not_an_int_is_refused_naming_it(dataset500):
+    """A float was taken for its floor (``ds[1.9]`` gave ``ds[1]``), a bool for 0 or 1, and a
+    string or slice raised a comparison's TypeError from inside."""
+    import torch
+
+    ds = RemoteMapDataset(dataset500, "map-tests", "d")
+    for bad in (1.9, np.float32(2.5), True, "2", slice(0, 3), None, np.array([1, 2]), torch.tensor(1.0)):
+        with pytest.raises(TypeError, match="a sample index is an int, got "):
+            ds[bad]
+    with pytest.raises(TypeError, match="got float 1.7"):
+        ds.__getitems__([1, 1.7])
+    assert ds[np.int64(2)] == ds[torch.tensor(2)] == ds[2]
+
+
+def test_an_index_asked_twice_in_a_batch_gives_a_sample_of_its_own_each_time(dataset500):
+    """As ``ds[i]`` twice would: a transform that changes its sample in place got the same
+    dict twice (and failed on what it had made of it the first time)."""
+    def label(sample):
+        sample["cls"] = int(bytes(sample.pop("cls")))
+        return sample
+
+    ds = RemoteMapDataset(dataset500, "map-tests", "d", transform=label)
+    once = ds[1]
+    twice = ds.__getitems__([1, 7, 1])
+    assert twice[0] == twice[2] == once and twice[0] is not twice[2]
+    plain = RemoteMapDataset(dataset500, "map-tests", "d").__getitems__([3, 3])
+    assert plain[0] == plain[1] and plain[0] is not plain[1]
