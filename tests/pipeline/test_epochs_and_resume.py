@@ -463,3 +463,32 @@ def test_a_count_state_after_a_resume_from_gathered_states_is_refused(dataset):
         with pytest.raises(ResumeError, match="epoch 0 resumed from workers' own or gathered states"):
             resumed.state_dict(consumed=consumed, num_workers=2)
     assert len(set(first + more)) == 30
+
+
+def test_a_state_of_another_upload_is_refused_and_one_that_names_none_is_not_taken_silently(dataset, seaweed,
+                                                                                          caplog):
+    """A worker state always names its upload: one cut short of that field was taken by
+    another dataset of the same size and delivered its positions there (70 of 100 samples).
+    A count state saved before states named their upload still loads, said in the log. The
+    refusal no longer says the state was saved on the dataset that refuses it."""
+    import logging
+
+    client = seaweed.client()
+    other = "epoch-resume-other"
+    upload_to_new_bucket(client, other, "d", SyntheticImages(N, size=(32, 24), seed=5), maxcount=25)
+    def elsewhere():
+        return RemoteDataset(client, other, "d", seed=3).map(lambda s: s["__key__"])
+
+    ds = _fresh(dataset)
+    it = iter(ds)
+    next(it)
+    worker = ds.state_dict()
+    counted = _fresh(dataset).state_dict(consumed=10, num_workers=2)
+    with pytest.raises(ResumeError, match=f"saved on another upload than s3://{other}/d's .*another dataset, or"):
+        elsewhere().load_state_dict(worker)
+    with pytest.raises(ResumeError, match="state lacks dataset"):
+        elsewhere().load_state_dict({k: v for k, v in worker.items() if k != "dataset"})
+    with caplog.at_level(logging.WARNING, logger="remote_loader"):
+        elsewhere().load_state_dict({k: v for k, v in counted.items() if k != "dataset"})
+    assert any("names no upload" in r.getMessage() for r in caplog.records)
+    client.close()

@@ -33,7 +33,7 @@ SEEDS = ((1, 0, 0, 0, 1), (1, 0, 0, 0, 2))
 
 def _header(epoch: int, samples: int, rank: int, world: int, worker: int, workers: int, run: int = 0):
     return {"epoch": epoch, "seed": 0, "shuffle": True, "samples": samples, "shards": 1, "run": run, "rank": rank,
-            "world_size": world, "worker": worker, "num_workers": workers}
+            "world_size": world, "worker": worker, "num_workers": workers, "dataset": 0}
 
 
 def _plans(total: int, world: int, workers: int, equalize: bool, sequence: Remainder | None = None):

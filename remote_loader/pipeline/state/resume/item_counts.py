@@ -8,6 +8,7 @@ fixes each worker's count.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -17,6 +18,8 @@ from remote_loader.errors import ResumeError
 from remote_loader.pipeline.order.delivery import Mixing
 from remote_loader.pipeline.state.resume.layout import Layout
 from remote_loader.pipeline.state.resume.states import parse_mixing
+
+log = logging.getLogger("remote_loader")
 
 STATE_VERSION = 1
 
@@ -91,6 +94,9 @@ class ResumeState:
             raise ResumeError(f"RemoteDataset state field 'skip' must list one count per worker ({num_workers})")
         counts = [_count({f"skip[{w}]": n}, f"skip[{w}]") for w, n in enumerate(skip)]
         dataset = _count(state, "dataset", 0, 2**32 - 1) if "dataset" in state else None
+        if dataset is None:  # saved before states named their upload, or cut short: nothing to check it against
+            log.warning("this RemoteDataset count state names no upload (saved before states did, or cut short):"
+                        " it cannot be checked against the dataset it resumes")
         split = None
         if "split" in state:
             saved = state["split"]

@@ -77,6 +77,6 @@ class Layout:
 
     def check_identity(self, saved: int | None) -> None:
         if saved is not None and saved != self.reader.identity:
-            raise ResumeError(f"the state was saved on another upload to {self.reader.location} (manifest"
-                              f" {saved:08x}, now {self.reader.identity:08x}): the dataset was replaced since, so"
-                              " the state's positions name other samples; start the epoch afresh")
+            raise ResumeError(f"the state was saved on another upload than {self.reader.location}'s (its manifest"
+                              f" {saved:08x}, this one {self.reader.identity:08x}): another dataset, or this one"
+                              " replaced since, so the state's positions name other samples; start the epoch afresh")

@@ -112,7 +112,7 @@ def parse(state: Any) -> WorkerState:
     if type(state[MARK]) is not int or state[MARK] != STATE_VERSION:  # an array compares per item
         raise ResumeError(f"RemoteDataset worker state version {shown(state[MARK])} is not {STATE_VERSION}: it was"
                           " saved by another version of remote_loader, whose states this one does not read")
-    missing = [k for k in (*_HEADER, "mixing", "delivered", "remaining", "extras") if k not in state]
+    missing = [k for k in (*_HEADER, "dataset", "mixing", "delivered", "remaining", "extras") if k not in state]
     if missing:
         raise ResumeError(f"RemoteDataset worker state lacks {', '.join(missing)}")
     if type(state["shuffle"]) is not bool:
@@ -122,8 +122,7 @@ def parse(state: Any) -> WorkerState:
               "shuffle": state["shuffle"], "samples": samples, "shards": _int(state, "shards", 0, 2**62),
               "run": _int(state, "run", 0, 2**32), "world_size": _int(state, "world_size", 1, 2**20),
               "num_workers": _int(state, "num_workers", 1, 2**20)}
-    if "dataset" in state:  # the manifest's identity
-        header["dataset"] = _int(state, "dataset", 0, 2**32 - 1)
+    header["dataset"] = _int(state, "dataset", 0, 2**32 - 1)  # the manifest's identity: a state names it always
     header["rank"] = _int(state, "rank", 0, header["world_size"] - 1)
     header["worker"] = _int(state, "worker", 0, header["num_workers"] - 1)
     remaining = _intervals(state, "remaining", samples, ordered=False)
