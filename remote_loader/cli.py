@@ -16,7 +16,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from remote_loader import __version__
-from remote_loader.config import CacheConfig, FetchConfig, RetryConfig
+from remote_loader.config import CacheConfig, FetchConfig, RetryConfig, one_line
 from remote_loader.errors import BucketNotFound, ConfigError, RemoteLoaderError
 from remote_loader.format import ShardTable, fields
 from remote_loader.format.video import VIDEO_EXTENSIONS
@@ -112,7 +112,7 @@ def _open(args: argparse.Namespace) -> tuple[Store, Location]:
 def _shown(text: str) -> str:
     """``text`` for a terminal: control characters (a class name from a hostile upload could
     hold escape sequences) shown as escapes, never sent as they are."""
-    return text if text.isprintable() else text.encode("unicode_escape", "backslashreplace").decode("ascii")
+    return one_line(text)
 
 
 def _counted(count: int, noun: str) -> str:
@@ -567,7 +567,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except RemoteLoaderError as exc:
-        print(f"remote-loader: error: {exc}{_hint(args.command, exc)}", file=sys.stderr)
+        print(f"remote-loader: error: {_shown(str(exc))}{_hint(args.command, exc)}", file=sys.stderr)
         return 2 if isinstance(exc, ConfigError) else 1  # argparse's convention: 2 for what the user typed
     except KeyboardInterrupt:
         print(f"remote-loader: interrupted{_INTERRUPTED.get(args.command, '')}", file=sys.stderr)

@@ -34,6 +34,14 @@ def shown(value: object) -> str:
     return _SHOWN.repr(value)
 
 
+def one_line(text: object) -> str:
+    """``str(text)`` with its control characters (a newline, a terminal's escape sequence)
+    written as escapes (``\\n``, ``\\x1b``): a message that quotes what a user's code or a
+    store said stays on one line and sends a terminal nothing but text."""
+    text = str(text)
+    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def _first(env: Mapping[str, str], *names: str) -> str | None:
     for name in names:
         value = env.get(name)

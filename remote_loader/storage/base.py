@@ -29,7 +29,8 @@ from remote_loader.storage.contact import answered, note_answer
 from remote_loader.storage.writer import DEFAULT_PART_SIZE, MIN_PART_SIZE, ObjectWriter
 
 __all__ = ["BUCKET_NAME_RULE", "DEFAULT_PART_SIZE", "MIN_PART_SIZE", "ObjectInfo", "ObjectWriter", "RangedStore",
-           "Store", "bucket_name_problem", "check_range", "error_for"]
+           "Store", "bucket_name_problem", "check_range", "error_for",
+           "place"]
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ def check_range(bucket: str, key: str, start: int, end: int, data: bytes, got: i
     received = len(data) if got is None else got
     if received != end - start:
         raise InvalidRange(
-            f"s3://{bucket}/{key} ends before byte {end}: bytes {start}-{end - 1} asked for, {received} of"
+            f"{place(bucket, key)} ends before byte {end}: bytes {start}-{end - 1} asked for, {received} of"
             f" {end - start} received",
             bucket=bucket,
             key=key,
@@ -76,7 +77,7 @@ def check_answer(bucket: str, key: str, start: int, end: int, content_range: str
             return
         answered = f"Content-Range {content_range[:80]!r}"
     raise StorageError(
-        f"s3://{bucket}/{key}: a GET of bytes {start}-{end - 1} was answered with {answered}: the server, or a"
+        f"{place(bucket, key)}: a GET of bytes {start}-{end - 1} was answered with {answered}: the server, or a"
         " proxy before it, ignores HTTP Range requests, which reading a dataset needs",
         bucket=bucket,
         key=key,
@@ -310,7 +311,7 @@ class RangedStore(Store):
         except InvalidRange:  # the object is empty: no byte 0 to start from
             size = self.head(bucket, key)
             if size:
-                raise InvalidRange(f"s3://{bucket}/{key}: the store answered that byte 0 lies outside the object, yet"
+                raise InvalidRange(f"{place(bucket, key)}: the store answered that byte 0 lies outside the object, yet"
                                    f" it is {size:,d} bytes: the store, or a proxy before it, answered wrongly",
                                    bucket=bucket, key=key, code="InvalidRange") from None
             return b"", 0
@@ -365,11 +366,18 @@ def bucket_name_problem(bucket: str) -> str | None:
     return None
 
 
+def place(bucket: str | None, key: str | None = None) -> str:
+    """``s3://bucket/key`` for a message; its ``repr`` where the names hold a control character
+    (a newline, an escape sequence), which a message shows escaped, never as it is."""
+    where = f"s3://{bucket}/{key}" if key else f"s3://{bucket}" if bucket else "the store"
+    return where if where.isprintable() else repr(where)
+
+
 def error_for(
     code: str, status: int | None, *, operation: str, bucket: str | None, key: str | None, endpoint: str | None
 ) -> StorageError:
     """Map an S3 error code and HTTP status to one of our exception types, with a one-line message."""
-    where = f"s3://{bucket}/{key}" if key else f"s3://{bucket}" if bucket else "the store"
+    where = place(bucket, key)
     args = {"bucket": bucket, "key": key, "code": code}
     problem = bucket_name_problem(bucket) if bucket is not None else None
     if code == "InvalidBucketName":

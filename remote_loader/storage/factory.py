@@ -6,11 +6,10 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import urlsplit
 
 from remote_loader.config import BACKENDS, StorageConfig
 from remote_loader.errors import ConfigError
-from remote_loader.storage.base import Store
+from remote_loader.storage.base import BUCKET_NAME_RULE, Store, bucket_name_problem
 from remote_loader.storage.local import LocalStore
 from remote_loader.storage.s3_boto3 import Boto3Store
 
@@ -21,6 +20,8 @@ _SCHEMES = ("s3://", "http://", "https://", "file://")
 _SCHEME_LIKE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
 _EXPLICIT_PATH = ("/", "./", "../", "~/")
 _MISTYPED_SCHEME = re.compile(r"^(s3|https?)[:/]+(?=[^:/])", re.IGNORECASE)
+_NOT_IN_BUCKETS = re.compile(r"[^A-Za-z0-9._-]")
+"""What no S3 SDK sends as a bucket's name (older buckets may hold capitals and ``_``)."""
 
 
 _USERINFO = r"(?:[^/@]*|[^@]*:[^@]*)@"
@@ -83,10 +84,11 @@ def _is_local(url: str, *, endpoint_ok: bool = False) -> bool:
 
 def _local_path(url: str) -> Path:
     if url.startswith("file://"):
-        parts = urlsplit(url)
-        if parts.netloc not in ("", "localhost"):
+        # Split by hand, as s3:// URLs are: urlsplit drops a path's tabs and cuts its '?' off.
+        host, slash, path = url.removeprefix("file://").partition("/")
+        if host not in ("", "localhost"):
             raise ConfigError(f"file URL {redact(url)!r} names a host; use file:///absolute/path")
-        return Path(parts.path)
+        return Path(slash + path)
     return Path(url).expanduser()
 
 
@@ -181,10 +183,17 @@ def parse_location(url: str) -> Location:
     its parent holds it as its bucket (``open_location``), so nothing outside it is written.
     """
     if _kind(url, endpoint_ok=False) == "s3":
-        parts = urlsplit(url)
-        bucket, prefix = parts.netloc, parts.path.strip("/")
+        # Split by hand: urlsplit drops tabs and newlines (another bucket than the one
+        # written), cuts a key's '?' or '#' off, and raises a bare ValueError on a '['.
+        bucket, _, prefix = url.removeprefix("s3://").partition("/")
+        prefix = prefix.strip("/")
         if not bucket:
             raise ConfigError(f"dataset URL {redact(url)!r} has no bucket{_meant(url)}")
+        if not bucket.isascii() or _NOT_IN_BUCKETS.search(bucket):
+            raise ConfigError(f"dataset URL {redact(url)!r} names no bucket an S3 store can hold:"
+                              f" {bucket_name_problem(bucket) or repr(bucket)}; {BUCKET_NAME_RULE}")
+        if not prefix.isprintable():
+            raise ConfigError(f"dataset URL {redact(url)!r} holds a control character; a dataset's prefix holds none")
         return Location(bucket=bucket, base_folder=prefix)
     path = _local_path(url).expanduser().resolve()
     if path == path.parent:

@@ -19,13 +19,14 @@ from botocore.httpsession import URLLib3Session
 from botocore.response import StreamingBody
 from urllib3.exceptions import HTTPError as Urllib3Error
 
-from remote_loader.config import StorageConfig
+from remote_loader.config import StorageConfig, one_line
 from remote_loader.errors import AccessDenied, ConfigError, EndpointUnreachable, StorageError, TransientStorageError
 from remote_loader.storage.base import (
     DEFAULT_PART_SIZE,
     ObjectInfo,
     ObjectWriter,
     RangedStore,
+    bucket_name_problem,
     check_answer,
     check_range,
     crc32_header,
@@ -199,7 +200,10 @@ class Boto3Store(RangedStore):
                 code="NoCredentials",
             ) from None
         except bce.ParamValidationError as exc:  # refused before it was sent: an invalid bucket name, say
-            detail = " ".join(str(exc).split()).removeprefix("Parameter validation failed: ")
+            if bucket is not None and bucket_name_problem(bucket):  # said as the minio backend says it
+                raise error_for("InvalidBucketName", None, operation=operation, bucket=bucket, key=key,
+                                endpoint=endpoint) from None
+            detail = one_line(" ".join(str(exc).split()).removeprefix("Parameter validation failed: "))
             raise StorageError(f"{operation} refused: {detail}"[:300], bucket=bucket, key=key,
                                code="InvalidParameter") from None
         except bce.BotoCoreError as exc:

@@ -45,6 +45,7 @@ from remote_loader.storage.base import (
     check_range,
     crc32_header,
     error_for,
+    place,
 )
 from remote_loader.storage.receive import BODY_ERRORS, receive_into
 from remote_loader.storage.writer import MultipartWriter
@@ -293,7 +294,7 @@ class MinioStore(RangedStore):
     def abort_uploads(self, bucket: str, prefix: str = "") -> int:
         if self._borrowed and self._pid == os.getpid():
             raise StorageError(
-                f"s3://{bucket}: unfinished uploads cannot be listed through a minio client of the"
+                f"{place(bucket)}: unfinished uploads cannot be listed through a minio client of the"
                 " caller's (minio 7.2 has no public call for it)",
                 bucket=bucket,
                 code="NotImplemented",

@@ -26,6 +26,23 @@ def run(env, *args, check=True):
     return result
 
 
+def source_that_fails():
+    """A source whose function raises with a message of two lines."""
+    raise ValueError("cannot build\nthe dataset")
+
+
+class _ItemFails(SyntheticImages):
+    def __getitem__(self, index):
+        if index == 3:
+            raise RuntimeError("line one\nline two")
+        return super().__getitem__(index)
+
+
+def source_whose_item_fails():
+    """A source whose ds[3] raises with a message of two lines."""
+    return _ItemFails(6, size=(16, 16))
+
+
 @pytest.fixture
 def image_folder(tmp_path):
     ds = SyntheticImages(36, num_classes=3, size=(48, 32), formats=("jpeg", "png"))
@@ -158,8 +175,15 @@ def test_bench_reports_rates_and_a_verdict(env, s3):
             "cannot reach the Dask scheduler at garbage within",
             2,
         ),
+        (["info", "s3://data[sets/x"], "'data[sets' holds '['", 2),
+        (["info", "s3://da\ttasets/x"], "'da\\ttasets' holds '\\t'", 2),
+        (["info", "s3://ab\x01c/x"], "'ab\\x01c' holds '\\x01'", 2),
+        (["info", "s3://my bucket/x"], "'my bucket' holds ' '", 2),
+        (["upload", "tests.cli.test_cli:source_that_fails", "s3://{bucket}/x"], "cannot build\\nthe dataset", 2),
         # Runtime errors (what the command ran into): 1.
         (["ls", "s3://{bucket}/nothing-here"], "no dataset at", 1),
+        (["upload", "--quiet", "--workers", "0", "tests.cli.test_cli:source_whose_item_fails", "s3://{bucket}/x"],
+         "ds[3] raised RuntimeError: line one\\nline two", 1),
         (["info", "s3://no-such-bucket-here/x"], "does not exist", 1),
     ],
 )
@@ -173,6 +197,7 @@ def test_bad_command_lines_get_one_line_errors_not_tracebacks(env, s3, args, mes
     assert result.returncode == status, result.stderr
     assert message in result.stderr and "Traceback" not in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 or "usage:" in result.stderr, result.stderr
+    assert all(line.isprintable() for line in result.stderr.split("\n")), result.stderr  # no control character
     if "unrecognized" in message:
         assert "usage: remote-loader upload" in result.stderr  # the command's usage, not the top level's
 

@@ -17,6 +17,7 @@ import pytest
 from remote_loader import (
     AccessDenied,
     BucketNotFound,
+    ConfigError,
     EndpointUnreachable,
     InvalidRange,
     ObjectNotFound,
@@ -26,8 +27,8 @@ from remote_loader import (
     TransientStorageError,
     make_client,
 )
-from remote_loader.storage import MinioStore, s3_minio
-from remote_loader.storage.base import check_answer
+from remote_loader.storage import MinioStore, parse_location, s3_minio
+from remote_loader.storage.base import BUCKET_NAME_RULE, check_answer, error_for
 from tests.conftest import new_bucket
 from tests.faultproxy import FaultProxy
 from tests.tlsproxy import TLSProxy, self_signed_certificate
@@ -558,3 +559,66 @@ def test_ranges_go_on_presigned_urls_that_are_signed_anew_when_refused(seaweed):
         client.get_range_into(bucket, "no/such/key", 0, 5, memoryview(out)[:5])
     assert missing.value.code == "NoSuchKey" and "X-Amz" not in str(missing.value)
     client.close()
+
+
+@pytest.mark.parametrize(
+    "url, problem",
+    [
+        ("s3://data[sets/x", "holds '['"),
+        ("s3://da\ttasets/x", "holds '\\t'"),  # urlsplit would drop the tab: another bucket
+        ("s3://ab\x01c/x", "holds '\\x01'"),
+        ("s3://my bucket/x", "holds ' '"),
+        ("s3://bkt\n/x", "holds '\\n'"),
+    ],
+)
+def test_a_dataset_url_whose_bucket_no_store_allows_is_refused_in_one_line_naming_it(url, problem):
+    """Not a ValueError from urlsplit, nor a bucket the URL does not name: a ConfigError that
+    shows the URL escaped and says what is wrong with its bucket."""
+    with pytest.raises(ConfigError) as info:
+        parse_location(url)
+    message = str(info.value)
+    assert repr(url) in message and problem in message and BUCKET_NAME_RULE in message, message
+    assert message.isprintable(), message
+
+
+@pytest.mark.parametrize("url, prefix", [("s3://bkt/a\tb", "a\tb"), ("s3://bkt/a?b#c", "a?b#c")])
+def test_a_dataset_urls_prefix_is_taken_whole_or_refused_never_changed(url, prefix):
+    """What follows the bucket is the prefix as written: a query or fragment is part of it,
+    and a control character is refused, where urlsplit would drop them silently."""
+    if prefix.isprintable():
+        assert parse_location(url).base_folder == prefix
+    else:
+        with pytest.raises(ConfigError, match="control character") as info:
+            parse_location(url)
+        assert str(info.value).isprintable() and repr(url) in str(info.value)
+
+
+@pytest.mark.parametrize("bucket", ["ab\x01c", "my bucket", "abc\x1b[31mred"])
+def test_a_bucket_name_the_sdk_refuses_is_explained_by_the_bucket_rule_in_one_printable_line(bucket):
+    """boto3 refuses such a name before sending (its regex, with the name raw in it); the
+    message is the project's own: the name escaped, what is wrong with it, the rule."""
+    config = StorageConfig(endpoint_url="http://127.0.0.1:9", access_key="k", secret_key="s", max_attempts=1)
+    client = make_client(config=config)
+    with pytest.raises(StorageError) as info:
+        client.get(bucket, "key")
+    message = str(info.value)
+    assert repr(bucket) in message and BUCKET_NAME_RULE in message and message.isprintable(), message
+    assert "regex" not in message and info.value.bucket == bucket
+
+
+@pytest.mark.parametrize("code, status", [("InvalidBucketName", 400), ("NoSuchKey", 404), ("AccessDenied", 403),
+                                          ("InternalError", 500), ("Weird", 400)])
+def test_a_stores_error_shows_a_bucket_or_key_with_control_characters_escaped(code, status):
+    """Each message names the object on one printable line, whatever its bucket and key hold."""
+    error = error_for(code, status, operation="GET", bucket="abc\n", key="k\x1b[31m", endpoint="http://h:1")
+    assert str(error).isprintable() and "\\n" in str(error), str(error)
+
+
+def test_creating_a_bucket_whose_name_ends_in_a_newline_fails_in_one_line(s3):
+    """botocore's bucket regex lets a trailing newline through (``$``); the server's refusal
+    names the bucket escaped."""
+    client, _ = s3
+    with pytest.raises(StorageError) as info:
+        client.create_bucket("abc\n")
+    assert str(info.value).isprintable() and "abc\\n" in str(info.value), str(info.value)
+
