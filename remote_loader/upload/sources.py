@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from remote_loader.config import one_line
 from remote_loader.errors import ConfigError, UploadError
 from remote_loader.upload.hf_videos import HFVideos, video_columns
 from remote_loader.upload.video_classes import class_videos, is_video_class
@@ -104,14 +105,16 @@ def load_source(spec: str) -> Any:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ConfigError(f"cannot import {module_name!r} for source {spec!r}: {exc}") from None
+        raise ConfigError(f"cannot import {module_name!r} for source {spec!r}: {one_line(exc)}") from None
     function = getattr(module, function_name, None)
     if not callable(function):
         raise ConfigError(f"{module_name!r} has no callable {function_name!r}")
     try:
         dataset = function()
     except Exception as exc:
-        raise ConfigError(f"source {spec!r}: {function_name}() raised {type(exc).__name__}: {exc}"[:300]) from None
+        raise ConfigError(
+            f"source {spec!r}: {function_name}() raised {type(exc).__name__}: {one_line(exc)}"[:300]
+        ) from None
     if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")) or isinstance(dataset, (str, bytes)):
         raise ConfigError(f"source {spec!r} returned a {type(dataset).__name__}, not a dataset (len(ds) and ds[i])")
     return uploaded_form(dataset)

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import msgpack
 import numpy as np
 
-from remote_loader.config import RetryConfig
+from remote_loader.config import RetryConfig, one_line
 from remote_loader.errors import OnError, RemoteLoaderError, UploadError
 from remote_loader.format import ShardEntry, ShardWriter
 from remote_loader.format.index import MAX_FIELDS, require, unpack
@@ -179,7 +179,8 @@ def read_item(dataset: Any, index: int) -> Any:
     except RemoteLoaderError:
         raise
     except Exception as exc:
-        raise UploadError(f"sample {index}: ds[{index}] raised {type(exc).__name__}: {exc}", index=index) from exc
+        raise UploadError(f"sample {index}: ds[{index}] raised {type(exc).__name__}: {one_line(exc)}",
+                          index=index) from exc
 
 
 class _ShardSequence:

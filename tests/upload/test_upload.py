@@ -135,6 +135,30 @@ def test_skip_counts_bad_samples_in_manifest_and_summary(s3):
     assert sorted(int(s["__key__"]) for s in reader) == sorted(set(range(80)) - {3, 40, 41})
 
 
+class _TwoLineFailure(SyntheticImages):
+    def __getitem__(self, index):
+        if index == 3:
+            raise RuntimeError("line one\nline two\x1b[31m")
+        return super().__getitem__(index)
+
+
+def test_an_items_error_of_several_lines_is_reported_on_one_line_each_place(s3, caplog):
+    """The user's message keeps its text, its newline and escape sequence shown escaped: in
+    skip_reasons, the WARNING record and the UploadError."""
+    client, bucket = s3
+    ds = _TwoLineFailure(10, size=(16, 16))
+    with caplog.at_level("WARNING", logger="remote_loader"):
+        summary = upload_cv_dataset(ds, client=client, bucket=bucket, base_folder="lines", on_error="skip",
+                                    workers=0, progress=False)
+    expected = "ds[3] raised RuntimeError: line one\\nline two\\x1b[31m"
+    assert len(summary.skip_reasons) == 1 and expected in summary.skip_reasons[0], summary.skip_reasons
+    warnings = [r.getMessage() for r in caplog.records if "skipped a sample" in r.getMessage()]
+    assert len(warnings) == 1 and expected in warnings[0] and warnings[0].isprintable(), warnings
+    with pytest.raises(UploadError) as info:
+        upload_cv_dataset(ds, client=client, bucket=bucket, base_folder="lines2", workers=0, progress=False)
+    assert expected in str(info.value) and str(info.value).isprintable(), str(info.value)
+
+
 def test_in_memory_images_round_trip_pixels(s3):
     client, bucket = s3
     ds = SyntheticImages(30, size=(40, 30), output="pil")
