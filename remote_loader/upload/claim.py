@@ -356,8 +356,8 @@ def _differences(unfinished: dict[str, Any], params: dict[str, Any]) -> str:
     there, here = _settings(unfinished), _settings(params)
     differences = [f"{k}={_short(there.get(k))} there, {_short(here.get(k))} here"
                    for k in sorted(set(there) | set(here)) if there.get(k) != here.get(k)]
-    if not same_items(unfinished, params):
-        differences.append(_items(unfinished, params))
+    if not same_items(unfinished, params) and there.get("samples") == here.get("samples"):
+        differences.append(_items(unfinished, params))  # datasets of other lengths differ by it, said above
     return ", ".join(differences) or "the same"
 
 
@@ -368,6 +368,8 @@ def _short(value: Any) -> str:
 
 
 def _items(there: dict[str, Any], params: dict[str, Any]) -> str:
+    """How a recorded upload's items differ from these, of a dataset of the same length (of
+    another, the fingerprints sample other indices: the lengths say how they differ)."""
     index = first_difference(there.get("items"), params["items"], params["samples"])
     if index == -1:
         return "items uploaded before uploads recorded them, which cannot be told from these"

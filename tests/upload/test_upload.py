@@ -735,6 +735,20 @@ def test_a_different_dataset_with_the_same_length_and_settings_is_refused_then_r
     assert again.kept_samples == 12 and again.uploaded_samples == 0
 
 
+def test_a_refusal_over_a_dataset_of_another_length_says_the_lengths_differ_not_that_items_went_unrecorded(s3):
+    """Both uploads recorded their items; a dataset of another length is told by its length."""
+    client, bucket = s3
+    with pytest.raises(UploadError, match="sample 9"):
+        upload(client, bucket, "len", FlakyImages(12, {9}, size=(16, 12)), maxcount=4, shuffle=False)
+    with pytest.raises(UploadConflict, match=r"unfinished upload") as unfinished:
+        upload(client, bucket, "len", SyntheticImages(8, size=(16, 12)), maxcount=4, shuffle=False)
+    upload(client, bucket, "done", SyntheticImages(12, size=(16, 12)), maxcount=4)
+    with pytest.raises(UploadError, match="other parameters") as finished:
+        upload(client, bucket, "done", SyntheticImages(8, size=(16, 12)), maxcount=4)
+    for message in (str(unfinished.value), str(finished.value)):
+        assert "samples=12 there, 8 here" in message and "before uploads recorded" not in message, message
+
+
 def test_an_interrupted_upload_is_not_finished_with_other_items(s3):
     client, bucket = s3
     with pytest.raises(UploadError, match="sample 9"):
