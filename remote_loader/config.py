@@ -154,11 +154,21 @@ def normalize_endpoint(endpoint: str, *, secure: bool = False) -> str:
         )
     if _HOST_PORT.match(endpoint):
         endpoint = f"{'https' if secure else 'http'}://{endpoint}"
-    parts = urlsplit(endpoint)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigError(f"endpoint {endpoint!r} is not an http(s)://host[:port] URL")
-    if parts.path not in ("", "/") or parts.query:
-        raise ConfigError(f"endpoint {endpoint!r} must not have a path; put bucket and prefix elsewhere")
+    # Never its query in a message: a presigned URL's holds its signature.
+    shown = repr(endpoint.partition("?")[0] + ("?..." if "?" in endpoint else ""))
+    if not endpoint.isprintable():  # urlsplit would drop a tab or newline: another host than the one given
+        raise ConfigError(f"endpoint {shown} holds a control character")
+    try:
+        parts = urlsplit(endpoint)
+        hostname = parts.hostname
+    except ValueError:  # 'Invalid IPv6 URL', a port that is no number
+        hostname = None
+    if not hostname or parts.scheme not in ("http", "https"):
+        raise ConfigError(f"endpoint {shown} is not an http(s)://host[:port] URL")
+    if parts.path not in ("", "/"):
+        raise ConfigError(f"endpoint {shown} must not have a path; put bucket and prefix elsewhere")
+    if parts.query:
+        raise ConfigError(f"endpoint {shown} must not have a query; give only http(s)://host[:port]")
     return f"{parts.scheme}://{parts.netloc}"
 
 

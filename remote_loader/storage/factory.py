@@ -30,7 +30,10 @@ _USERINFO = r"(?:[^/@]*|[^@]*:[^@]*)@"
 
 def redact(url: str) -> str:
     """``url`` for messages: any ``user:secret@`` part replaced by ``***@``, also after a
-    mistyped scheme (``s3:/key:secret@bucket``) and where the secret holds a ``/``."""
+    mistyped scheme (``s3:/key:secret@bucket``) and where the secret holds a ``/``; the query
+    of a URL other than ``s3://`` (whose key may hold a ``?``) by ``?...``."""
+    if _SCHEME_LIKE.match(url) and "://" in url and not url.startswith("s3://"):
+        url = re.sub(r"\?.*", "?...", url, count=1, flags=re.DOTALL)  # a query may hold a presigned URL's signature
     url = re.sub(r"(?<=//)" + _USERINFO, "***@", url, count=1)
     return re.sub(r"^((?:s3|https?|file)[:/]+)(?!\*\*\*@)" + _USERINFO, r"\1***@", url, flags=re.IGNORECASE)
 

@@ -622,3 +622,23 @@ def test_creating_a_bucket_whose_name_ends_in_a_newline_fails_in_one_line(s3):
         client.create_bucket("abc\n")
     assert str(info.value).isprintable() and "abc\\n" in str(info.value), str(info.value)
 
+
+@pytest.mark.parametrize(
+    "endpoint, problem",
+    [
+        ("http://127.0.0.1:9000?X-Amz-Signature=SECRET", "must not have a query"),
+        ("http://127.0.0.1:9000/?X-Amz-Signature=SECRET", "must not have a query"),
+        ("http://127.0.0.1:9000/bkt?X-Amz-Signature=SECRET", "must not have a path"),
+        ("ftp://127.0.0.1:9000?X-Amz-Signature=SECRET", "is not a valid URL"),
+        ("http://[::1?X-Amz-Signature=SECRET", "is not an http(s)://host[:port] URL"),
+        ("http://127.0.0.1:9\t000?X-Amz-Signature=SECRET", "control character"),
+    ],
+)
+def test_an_endpoint_that_is_no_host_and_port_is_refused_without_echoing_its_query(endpoint, problem):
+    """A query may hold a presigned URL's signature: the message names the endpoint up to it,
+    and says what is wrong (a query is not a path)."""
+    with pytest.raises(ConfigError) as info:
+        make_client(endpoint, "k", "s")
+    message = str(info.value)
+    assert problem in message and "SECRET" not in message and endpoint.split("//")[1][:4] in message, message
+    assert message.isprintable(), message
