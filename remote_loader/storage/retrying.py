@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
 
-from remote_loader.config import RetryConfig
+from remote_loader.config import RetryConfig, one_line
 from remote_loader.errors import EndpointUnreachable, StorageError, TransientStorageError
 from remote_loader.storage.base import DEFAULT_PART_SIZE, ObjectInfo, ObjectWriter, Store
 from remote_loader.storage.contact import answered, note_answer
@@ -134,7 +134,7 @@ class Retry:
         if setting == "first_contact_deadline":
             # Nothing ever answered: most likely a mistyped endpoint or a server not started.
             # The request it was (a range of a manifest) means nothing to the user.
-            last = "" if isinstance(error, EndpointUnreachable) else f" (last: {error})"
+            last = "" if isinstance(error, EndpointUnreachable) else f" (last: {one_line(error)})"
             check = ("no endpoint is set: set AWS_ENDPOINT_URL (or pass endpoint_url, the CLI's --endpoint-url) for"
                      " another server" if self.endpoint.startswith("AWS S3")
                      else "check the endpoint URL and that the server runs")
@@ -144,7 +144,7 @@ class Retry:
                 " or REMOTE_LOADER_FIRST_CONTACT_DEADLINE)"
             )
         return (
-            f"{self.endpoint} failed every request for {failing:.1f} s ({attempts} attempts, last: {error});"
+            f"{self.endpoint} failed every request for {failing:.1f} s ({attempts} attempts, last: {one_line(error)});"
             f" gave up at RetryConfig.{setting}={deadline:g} s (or REMOTE_LOADER_{setting.upper()})"
         )
 

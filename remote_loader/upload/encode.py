@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
+from remote_loader.config import one_line
 from remote_loader.errors import ConfigError, UploadError
 from remote_loader.format import fields
 from remote_loader.format.index import MAX_FIELD_NAME
@@ -117,8 +118,8 @@ def _encode_pil(image: Image.Image, options: EncodeOptions, index: int, where: s
     try:
         image.save(out, format=fmt, quality=options.quality)
     except (OSError, ValueError, KeyError) as exc:
-        raise _fail(index, f"{where}: cannot encode a {image.mode} image as {fmt} ({exc}); convert it or pick another"
-                           " image_format") from None
+        raise _fail(index, f"{where}: cannot encode a {image.mode} image as {fmt} ({one_line(exc)}); convert it or"
+                           " pick another image_format") from None
     return EXTENSIONS[fmt], out.getvalue()
 
 
@@ -352,7 +353,8 @@ class Structured:
             if lossless and not np.array_equal(decode_frames(data, *rgb.shape[:3]), rgb):
                 return None  # not exactly them: their values
         except ValueError as exc:
-            raise _fail(self.index, f"{where}: its frames {array.shape} do not encode as H.264 ({exc})") from None
+            raise _fail(self.index,
+                        f"{where}: its frames {array.shape} do not encode as H.264 ({one_line(exc)})") from None
         if len(data) >= array.nbytes:  # noise compresses no better than that: their values are smaller
             return None
         self._add(stem, steps, "mp4", data, where)

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import numpy as np
 from tqdm import tqdm
 
+from remote_loader.config import one_line
 from remote_loader.errors import RemoteLoaderError, UploadError
 from remote_loader.format import ShardEntry
 from remote_loader.storage.daemon import DaemonPool
@@ -99,9 +100,9 @@ def _result(future: Future[Any], what: str, own: bool) -> Any:
     except BrokenProcessPool as exc:
         if own:
             raise UploadError(_broken_pool()) from exc
-        raise UploadError(f"{what} did not complete: the executor's processes ended ({exc})") from exc
+        raise UploadError(f"{what} did not complete: the executor's processes ended ({one_line(exc)})") from exc
     except Exception as exc:
-        raise UploadError(f"{what} did not complete: the executor failed ({type(exc).__name__}: {exc});"
+        raise UploadError(f"{what} did not complete: the executor failed ({type(exc).__name__}: {one_line(exc)});"
                           " finished tasks are kept: run the same upload again to resume") from exc
 
 

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from remote_loader.config import one_line
 from remote_loader.errors import UploadError
 from remote_loader.format.index import DIGEST_SIZE
 
@@ -72,7 +73,7 @@ def item_digest(item: Any, files: Callable[[Image.Image], tuple[str, bytes] | No
     try:
         _feed(digest, item, 0, files)
     except (OSError, ValueError, SyntaxError) as exc:  # what Pillow raises for a file it cannot decode
-        raise UploadError(f"sample {index}: its content cannot be read ({type(exc).__name__}: {exc})",
+        raise UploadError(f"sample {index}: its content cannot be read ({type(exc).__name__}: {one_line(exc)})",
                           index=index) from None
     return digest.digest()[:DIGEST_SIZE]
 

@@ -760,3 +760,33 @@ def test_an_interrupted_upload_is_not_finished_with_other_items(s3):
     # ... not by other items
     with pytest.raises(UploadConflict, match=r"unfinished upload .*other items \(ds\[0\] differs\)"):
         upload(client, bucket, "other", SyntheticImages(12, size=(16, 12), seed=5), maxcount=4, shuffle=False)
+
+
+def test_an_error_of_several_lines_from_an_item_or_an_executor_is_quoted_on_one_line():
+    """An item whose content raises while it is read for its digest, and an executor that
+    fails, quote the error's text on one line, its newline escaped."""
+    from collections.abc import Mapping
+    from concurrent.futures import Future
+
+    from remote_loader.upload.executors import _result
+    from remote_loader.upload.fingerprint import item_digest
+
+    class Unreadable(Mapping):
+        def __getitem__(self, key):
+            raise ValueError("line one\nline two")
+
+        def __iter__(self):
+            return iter(["a"])
+
+        def __len__(self):
+            return 1
+
+    with pytest.raises(UploadError) as unreadable:
+        item_digest(Unreadable(), lambda image: None, 7)
+    failed: Future = Future()
+    failed.set_exception(RuntimeError("the cluster said\nno"))
+    with pytest.raises(UploadError) as executor:
+        _result(failed, "task 3", own=False)
+    for raised in (unreadable.value, executor.value):
+        message = str(raised).split("\nremote_loader facts:")[0]
+        assert "\n" not in message and "\\n" in message, message
