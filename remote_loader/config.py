@@ -155,20 +155,20 @@ def normalize_endpoint(endpoint: str, *, secure: bool = False) -> str:
     if _HOST_PORT.match(endpoint):
         endpoint = f"{'https' if secure else 'http'}://{endpoint}"
     # Never its query in a message: a presigned URL's holds its signature.
-    shown = repr(endpoint.partition("?")[0] + ("?..." if "?" in endpoint else ""))
+    named = repr(endpoint.partition("?")[0] + ("?..." if "?" in endpoint else ""))
     if not endpoint.isprintable():  # urlsplit would drop a tab or newline: another host than the one given
-        raise ConfigError(f"endpoint {shown} holds a control character")
+        raise ConfigError(f"endpoint {named} holds a control character")
     try:
         parts = urlsplit(endpoint)
         hostname = parts.hostname
     except ValueError:  # 'Invalid IPv6 URL', a port that is no number
         hostname = None
     if not hostname or parts.scheme not in ("http", "https"):
-        raise ConfigError(f"endpoint {shown} is not an http(s)://host[:port] URL")
+        raise ConfigError(f"endpoint {named} is not an http(s)://host[:port] URL")
     if parts.path not in ("", "/"):
-        raise ConfigError(f"endpoint {shown} must not have a path; put bucket and prefix elsewhere")
+        raise ConfigError(f"endpoint {named} must not have a path; put bucket and prefix elsewhere")
     if parts.query:
-        raise ConfigError(f"endpoint {shown} must not have a query; give only http(s)://host[:port]")
+        raise ConfigError(f"endpoint {named} must not have a query; give only http(s)://host[:port]")
     return f"{parts.scheme}://{parts.netloc}"
 
 

@@ -415,9 +415,7 @@ class UploadCache:
         if folder is None:
             return
         try:
-            folder.unlink(file_name(name))
-        except FileNotFoundError:
-            pass
+            folder.unlink(file_name(name))  # False where it is gone already
         except OSError as error:  # read-only, immutable: reading it again would give the same bytes
             if name not in self._store_only:
                 self._store_only.add(name)
