@@ -9,6 +9,7 @@ import contextlib
 import logging
 import multiprocessing
 import queue
+import signal
 import threading
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, wait
@@ -90,36 +91,47 @@ def _is_dask(executor: Executor) -> bool:
     return type(executor).__module__.startswith("distributed")
 
 
-def _result(future: Future[Any], what: str, own: bool) -> Any:
+def _result(future: Future[Any], what: str, broken: Callable[[], UploadError] | None) -> Any:
     """A job's result; its own error as it is, a failure of the executor as an UploadError
-    that names the likely cause."""
+    that names the likely cause (``broken``: the upload's own pool's, which names the item a
+    worker died reading)."""
     try:
         return future.result()
     except RemoteLoaderError:
         raise
     except BrokenProcessPool as exc:
-        if own:
-            raise UploadError(_broken_pool()) from exc
+        if broken is not None:
+            raise broken() from exc
         raise UploadError(f"{what} did not complete: the executor's processes ended ({one_line(exc)})") from exc
     except Exception as exc:
         raise UploadError(f"{what} did not complete: the executor failed ({type(exc).__name__}: {one_line(exc)});"
                           " finished tasks are kept: run the same upload again to resume") from exc
 
 
-def _broken_pool() -> str:
+def _broken_pool(ended: str | None = None) -> str:
     """Why the upload's own worker processes ended before finishing: under spawn or
     forkserver, most often a script that starts the upload at import, which each worker
-    then runs again; otherwise a worker killed (out of memory)."""
+    then runs again; otherwise a worker killed (out of memory). ``ended``: how one of them
+    ended, where that is known."""
     method = multiprocessing.get_start_method()
     if method in ("spawn", "forkserver"):
         return (f"the upload's worker processes ended before finishing their tasks. With the {method!r} start method"
                 " (the default on macOS and Windows) each worker imports your main script again: if the script starts"
                 " the upload at import, every worker tries to start one too and fails. Put the code that starts the"
                 ' upload under `if __name__ == "__main__":` (see the worker errors above), or pass workers=0')
-    return (
-        "the upload's worker processes ended before finishing their tasks (one was killed: out of memory, or a"
-        " signal); finished tasks are kept: run the same upload again to resume, with fewer workers if memory ran out"
-    )
+    how = ended or "one was killed: out of memory, or a signal"
+    return (f"the upload's worker processes ended before finishing their tasks ({how}); finished tasks are kept: run"
+            " the same upload again to resume, with fewer workers if memory ran out")
+
+
+def _how(code: int) -> str:
+    """A process's exit code in words: ``SIGSEGV``, ``exit status 3``."""
+    if code < 0:
+        try:
+            return signal.Signals(-code).name
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit status {code}"
 
 
 def task_groups(pending: list[T], processes: int) -> list[list[T]]:
@@ -234,9 +246,37 @@ class _Pool(_Runner):
         self.slots = Slots(workers * TASKS_AT_ONCE, context)
         self.executor = ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=tasks.init_worker,
                                             initargs=(dataset, self.progress, self.slots))
+        self._broken: UploadError | None = None
 
     def submit(self, job: Job) -> Future[Any]:
         return self.executor.submit(job.call, job.spec, job.group)
+
+    def broken(self) -> UploadError:
+        """The error for a pool a worker of which ended: the item it was reading, from the
+        watch's table, and how it ended (a crash in a native library, ``os._exit``, the OOM
+        killer). The pool ends its other workers itself (SIGTERM), so the one that ended
+        otherwise is the one that broke it. The same error each time it is asked for."""
+        if self._broken is not None:
+            return self._broken
+        table = self.slots.copy() if self.slots is not None else None
+        processes = dict(getattr(self.executor, "_processes", None) or {})  # pid -> Process (CPython's pool)
+        self.executor.shutdown(wait=True, cancel_futures=True)  # broken: its workers are ended and joined
+        codes = {pid: p.exitcode for pid, p in processes.items() if p.exitcode not in (None, -signal.SIGTERM)}
+        rows = [] if table is None else [(int(pid), int(task), int(index)) for pid, task, index, _ in table
+                                         if int(pid) in codes and index >= 0]
+        if rows:
+            pid = rows[0][0]
+            reading = [(task, index) for row_pid, task, index in rows if row_pid == pid]
+            items = " and ".join(f"ds[{index}] (task {task})" for task, index in sorted(reading, key=lambda r: r[1]))
+            which = "the item" if len(reading) == 1 else "one of them"
+            self._broken = UploadError(
+                f"worker process {pid} ended ({_how(codes[pid])}) while reading {items}: {which} crashed it (a fault"
+                " in a native library, os._exit, or the system's out-of-memory killer); finished tasks are kept: run"
+                " the same upload again to resume", index=reading[0][1] if len(reading) == 1 else None)
+        else:
+            ended = next((f"worker process {pid} ended ({_how(code)})" for pid, code in codes.items()), None)
+            self._broken = UploadError(_broken_pool(ended))
+        return self._broken
 
     def end(self, stalled: list[Stalled]) -> None:
         pids = {s.pid for s in stalled}
@@ -307,7 +347,7 @@ def _drive(runner: _Runner, jobs: list[Job], on_result: Callable[[Job, Any], lis
         for future in done:
             job = futures.pop(future)
             try:
-                result = _result(future, job.what, isinstance(runner, _Pool))
+                result = _result(future, job.what, runner.broken if isinstance(runner, _Pool) else None)
                 samples, nbytes = job.tally(result)
                 written += nbytes
                 if not own:  # a caller's executor has no progress queue: count whole results
@@ -316,7 +356,7 @@ def _drive(runner: _Runner, jobs: list[Job], on_result: Callable[[Job, Any], lis
             except Exception as error:
                 if failure is None:
                     failure = error
-                elif not isinstance(error.__cause__ or error, Cancelled):
+                elif error is not failure and not isinstance(error.__cause__ or error, Cancelled):
                     log.warning("upload: after the first error, %s", error)
                 continue
             if failure is None:

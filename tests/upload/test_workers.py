@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -196,3 +197,62 @@ def test_a_row_of_the_watch_caught_half_written_is_no_stall(processes, monkeypat
     with slots._lock:  # a row being written: the watch skips this look, and waits for no task
         slots.table[1, 0] = 4242.0
         assert watch.check() is None and not watch.stalled and not watch.busy()
+
+
+class CrashingImages(SyntheticImages):
+    """Synthetic images whose item ``crash_at`` ends the worker process that reads it, by
+    ``signal`` (a crash in a native library) or by ``os._exit`` (None); read here, it returns.
+    With ``hold``, that item, read in a worker, waits there for good, and ``crash_at`` crashes
+    only once it is being read: the process then dies reading both."""
+
+    def __init__(self, n: int, crash_at: int, signal: int | None, hold: int | None = None, **kwargs) -> None:
+        super().__init__(n, **kwargs)
+        self.crash_at, self.signal, self.hold, self.held = crash_at, signal, hold, threading.Event()
+
+    def __getitem__(self, index):
+        if __import__("multiprocessing").parent_process() is not None:
+            if index == self.hold:
+                self.held.set()
+                threading.Event().wait()
+            if index == self.crash_at:
+                if self.hold is not None:
+                    assert self.held.wait(120)
+                if self.signal is None:
+                    os._exit(3)
+                os.kill(os.getpid(), self.signal)
+        return super().__getitem__(index)
+
+
+@pytest.mark.skipif("fork" not in __import__("multiprocessing").get_all_start_methods(), reason="needs fork")
+@pytest.mark.parametrize(("how", "said"), [(None, "exit status 3"), (__import__("signal").SIGSEGV, "SIGSEGV"),
+                                          (__import__("signal").SIGKILL, "SIGKILL")])
+def test_a_worker_that_dies_reading_an_item_is_named_with_the_item(s3, how, said):
+    """A worker process that ends inside ``ds[7]`` (a crash in a decoder, ``os._exit``, the
+    kernel's OOM killer) ends the upload with an UploadError naming the item, the process and
+    how it ended, on one line; a re-run completes it. Two tasks, one a process."""
+    client, bucket = s3
+    with pytest.raises(UploadError) as error:
+        upload(client, bucket, "crashed", CrashingImages(8, 7, how, size=(16, 12)), workers=2, maxcount=4,
+               shuffle=False)
+    message = str(error.value)
+    assert re.search(rf"^worker process \d+ ended \({said}\) while reading ds\[7\] \(task 1\): the item crashed"
+                     r" it \(", message), message
+    assert error.value.index == 7 and "\n" not in message
+    assert "run the same upload again to resume" in message
+    summary = upload(client, bucket, "crashed", SyntheticImages(8, size=(16, 12)), workers=2, maxcount=4,
+                     shuffle=False)
+    assert summary.kept_samples + summary.uploaded_samples == 8  # task 0 kept where it ended before the pool did
+
+
+@pytest.mark.skipif("fork" not in __import__("multiprocessing").get_all_start_methods(), reason="needs fork")
+def test_a_worker_that_dies_beside_another_task_names_both_items_it_was_reading(s3):
+    """A process writes two tasks at once, on two threads: which of its items crashed it is
+    not known, so both are named, and no index is given as the culprit."""
+    client, bucket = s3
+    with pytest.raises(UploadError) as error:
+        upload(client, bucket, "crashed-two", CrashingImages(16, 7, None, hold=2, size=(16, 12)), workers=2,
+               maxcount=4, shuffle=False)
+    message = str(error.value)
+    assert re.search(r"^worker process \d+ ended \(exit status 3\) while reading ds\[2\] \(task 0\) and"
+                     r" ds\[7\] \(task 1\): one of them crashed it", message), message
+    assert error.value.index is None
