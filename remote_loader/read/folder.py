@@ -17,10 +17,19 @@ import time
 import uuid
 import weakref
 from collections.abc import Iterator
+from typing import Protocol
 
 _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 _DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW
 _OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
+
+
+class Cancel(Protocol):
+    """What ends a wait for a lock early (a ``threading.Event``, or what stands for one)."""
+
+    def is_set(self) -> bool: ...
+
+
 _STEP = 0.01  # seconds between tries of a lock another process holds
 
 
@@ -150,7 +159,7 @@ class Folder:
 
 
 
-    def lock(self, name: str, deadline: float, cancel: threading.Event) -> int | None:
+    def lock(self, name: str, deadline: float, cancel: Cancel) -> int | None:
         """Lock file ``name`` (``flock``; made where missing), waiting until ``deadline`` at
         most for the process that holds it: its descriptor, or None. A lock file removed
         meanwhile (``held`` being false, its remover took it) is taken anew, so that two
@@ -210,7 +219,7 @@ class Folder:
             os.close(fd)
 
 
-def _lock_until(fd: int, deadline: float, cancel: threading.Event) -> bool:
+def _lock_until(fd: int, deadline: float, cancel: Cancel) -> bool:
     """Take the file's lock, waiting until ``deadline`` at most for the process that holds it."""
     while True:
         try:

@@ -84,6 +84,7 @@ _FREE = 0.1  # the share of the disk a cache without a bound leaves free
 _TOUCH = 60.0  # seconds: a shard read is marked used (its atime) if it was not within this
 _FULL_FOR = 30.0  # seconds a process fetches nothing more into a cache it found full
 _PATIENCE = 30.0  # seconds another process's fill is waited for, plus a second per 10 MB of shard
+_STUCK_FOR = 30.0  # seconds after such a wait ran out in which no other process's fill is waited for
 
 
 def folder_name() -> str:
@@ -315,6 +316,7 @@ class UploadCache:
         self._linked = False  # a link was found where a shard's lock goes (said once)
         self._unfilled: set[str] = set()  # shards this process fetches into the cache no more
         self._store_only: set[str] = set()  # shards it reads from the store: their copy is damaged, and stays
+        self._stuck_until = 0.0  # a wait for another process's fill ran out: none is waited for until then
 
     def _open(self) -> Folder | None:
         """The upload's folder, made (with the dataset's, the shards of its other uploads
@@ -483,8 +485,9 @@ class UploadCache:
         if upload is None or fill_dir is None:
             return None
         part = final + _PART
+        patience = 0.0 if time.monotonic() < self._stuck_until else _PATIENCE + size / 10e6
         try:
-            lock = fill_dir.lock(final + _LOCK, time.monotonic() + _PATIENCE + size / 10e6, cancel)
+            lock = fill_dir.lock(final + _LOCK, time.monotonic() + patience, _GiveUp(cancel, self))
         except OSError as error:
             if error.errno in (errno.ENOSPC, errno.EDQUOT):
                 self._full(name, size, "the disk is full")
@@ -499,8 +502,10 @@ class UploadCache:
         if lock is None:
             if not cancel.is_set():  # not the reader going away: another process stuck; not waited for again
                 self._unfilled.add(name)
-                log.warning("another process has fetched %s into the node's cache for %.0f s: read from the store",
-                            name, _PATIENCE + size / 10e6)
+                if patience and self._ran_out():  # the first wait to run out (others cut short, or at once)
+                    log.warning("another process has fetched %s into the node's cache for %.0f s: read from the"
+                                " store, as are, for %.0f s, the shards other processes are fetching (a process"
+                                " stopped while it fetches holds several)", name, patience, _STUCK_FOR)
             return None
         fd = -1
         try:
@@ -532,6 +537,16 @@ class UploadCache:
                 os.close(fd)
             if lock >= 0:
                 os.close(lock)  # releases the lock
+
+    def _ran_out(self) -> bool:
+        """A wait for another process's fill ran out: wait for none for ``_STUCK_FOR`` seconds.
+        True for the first of the waits that run out together (the one that says so)."""
+        with self._lock:
+            now = time.monotonic()
+            first = now >= self._stuck_until
+            if first:
+                self._stuck_until = now + _STUCK_FOR
+        return first
 
     def _full(self, name: str, size: int, why: str) -> None:
         """``name`` does not fit: fetch nothing into the cache for a while (one warning)."""
@@ -585,6 +600,17 @@ def _touch(fd: int, found: os.stat_result) -> None:
     if max(found.st_atime, found.st_mtime) < time.time() - _TOUCH:
         with contextlib.suppress(OSError):
             os.utime(fd, ns=(time.time_ns(), found.st_mtime_ns))
+
+
+class _GiveUp:
+    """What ends a wait for another process's fill early: the reader going away, or another
+    wait of this process that ran out (the holder is likely stuck, and holds others)."""
+
+    def __init__(self, cancel: threading.Event, cache: UploadCache) -> None:
+        self.cancel, self.cache = cancel, cache
+
+    def is_set(self) -> bool:
+        return self.cancel.is_set() or time.monotonic() < self.cache._stuck_until
 
 
 def _allocate(fd: int, size: int) -> None:

@@ -438,6 +438,34 @@ def test_a_fill_held_by_a_stopped_process_is_waited_for_a_bounded_time(dataset, 
     assert len(waited) == 1  # once for the shard, not once for each of its reads
 
 
+def test_a_process_stopped_holding_several_fills_is_waited_for_once_not_once_a_shard(dataset, tmp_path, monkeypatch,
+                                                                                    caplog):
+    """A process stopped while it fills several shards holds all their locks. Once a wait for
+    one of them runs out, the others are read from the store without waiting: one wait in
+    all, not one a shard (the reads one at a time here, so that waits cannot overlap)."""
+    store, bucket, reader, clean = dataset
+    cache = tmp_path / "cache"
+    ds = RemoteDataset(store, bucket, "d", cache_dir=cache, fetch=FetchConfig(concurrency=1))
+    NodeCache(ds.reader.cache).root()
+    upload_dir = Path(_upload_cache(ds).path)
+    (upload_dir / FILL).mkdir(parents=True, mode=0o700)
+    held = [os.open(upload_dir / FILL / (entry.name + ".lock"), os.O_RDWR | os.O_CREAT)
+            for entry in reader.manifest.shards]
+    for fd in held:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    monkeypatch.setattr(node_cache, "_PATIENCE", 0.3)
+    try:
+        with caplog.at_level(logging.WARNING, logger="remote_loader"):
+            assert _samples(ds) == clean
+    finally:
+        for fd in held:
+            os.close(fd)
+    assert len(reader.manifest.shards) >= 3 and not _cached(cache)
+    waited = [r.getMessage() for r in caplog.records if "another process has fetched" in r.getMessage()]
+    assert len(waited) == 1, waited
+    assert "the shards other processes are fetching" in waited[0]
+
+
 def _upload_cache(ds: RemoteDataset) -> node_cache.UploadCache:
     upload_cache = ds.reader.upload_cache()
     assert upload_cache is not None
