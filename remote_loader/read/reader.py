@@ -36,8 +36,9 @@ from remote_loader.format.shard_counts import Counts
 from remote_loader.format.tar import scan_tar
 from remote_loader.read.heap import release_free_memory
 from remote_loader.read.metrics import Metrics
-from remote_loader.read.node_cache import NodeCache, UploadCache
+from remote_loader.read.node_cache import NodeCache
 from remote_loader.read.session import ReadSession, Shard
+from remote_loader.read.upload_cache import UploadCache, open_upload
 from remote_loader.read.whole import fetch_whole
 from remote_loader.storage import Location, Store, as_store
 
@@ -119,7 +120,7 @@ class DatasetReader:
         """This process's view of the node's cache of the upload read (None without a cache)."""
         if self.cache is None:
             return None
-        return NodeCache(self.cache).upload(self.client.endpoint, str(self.location), self.identity)
+        return open_upload(NodeCache(self.cache), self.client.endpoint, str(self.location), self.identity)
 
     def __repr__(self) -> str:
         return f"DatasetReader({self.location}, client={self.client!r})"

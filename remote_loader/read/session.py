@@ -6,7 +6,7 @@ counting (GETs, bytes, retries into ``Metrics``), cancelling (an iterator being 
 ends the waits of its requests), and ``refetch``: bytes that fail their checksum are
 fetched again, up to ``FetchConfig.refetch_attempts`` fetches, a concern of the format
 rather than of the store. A session of a dataset read through a node's shard cache
-(``read/node_cache.py``) reads the shards it holds from there, and fills it with those it lacks.
+(``read/upload_cache.py``) reads the shards it holds from there, and fills it with those it lacks.
 
 Which objects those are, each request says: it names its object by key (read from the
 store), or as a ``Shard`` of the manifest (its name, size and crc32: through the cache, where
@@ -25,8 +25,8 @@ from remote_loader.config import FetchConfig
 from remote_loader.errors import CorruptShard, TruncatedShard
 from remote_loader.read.cached_shard import ShardFile
 from remote_loader.read.metrics import Metrics
-from remote_loader.read.node_cache import UploadCache
 from remote_loader.read.shard_fill import Slots
+from remote_loader.read.upload_cache import UploadCache
 from remote_loader.storage import Store
 from remote_loader.storage.retrying import Cancelled, Retry, RetryingStore
 

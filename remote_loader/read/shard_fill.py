@@ -1,5 +1,5 @@
 """One shard being fetched into the node's cache, read by the threads of this process as its
-parts arrive (``read/node_cache.py`` decides when a shard is fetched, and where).
+parts arrive (``read/upload_cache.py`` decides when a shard is fetched, and where).
 
 The parts go straight into the part file, mapped; a thread that needs bytes ``[start, end)``
 waits only for the parts that hold them, then reads them from the file, so the first samples

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from remote_loader import CacheConfig, RemoteDataset
-from remote_loader.read.node_cache import FILL, TAG, NodeCache, UploadCache, file_name, folder_name
+from remote_loader.read.node_cache import FILL, TAG, NodeCache, file_name, folder_name
+from remote_loader.read.upload_cache import UploadCache
 from remote_loader.testing.synthetic import SyntheticImages
 from tests.helpers import upload
 

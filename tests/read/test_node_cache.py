@@ -32,7 +32,7 @@ from remote_loader import (
     RemoteMapDataset,
     make_client,
 )
-from remote_loader.read import node_cache
+from remote_loader.read import node_cache, upload_cache
 from remote_loader.read.node_cache import FILL, NodeCache
 from remote_loader.storage.base import Store
 from remote_loader.storage.daemon import in_daemon_thread
@@ -427,7 +427,7 @@ def test_a_fill_held_by_a_stopped_process_is_waited_for_a_bounded_time(dataset, 
     entry = reader.manifest.shards[0]
     held = os.open(upload_dir / FILL / (entry.name + ".lock"), os.O_RDWR | os.O_CREAT)
     fcntl.flock(held, fcntl.LOCK_EX)
-    monkeypatch.setattr(node_cache, "_PATIENCE", 0.2)
+    monkeypatch.setattr(upload_cache, "_PATIENCE", 0.2)
     try:
         with caplog.at_level(logging.WARNING, logger="remote_loader"):
             assert _samples(ds) == clean
@@ -453,7 +453,7 @@ def test_a_process_stopped_holding_several_fills_is_waited_for_once_not_once_a_s
             for entry in reader.manifest.shards]
     for fd in held:
         fcntl.flock(fd, fcntl.LOCK_EX)
-    monkeypatch.setattr(node_cache, "_PATIENCE", 0.3)
+    monkeypatch.setattr(upload_cache, "_PATIENCE", 0.3)
     try:
         with caplog.at_level(logging.WARNING, logger="remote_loader"):
             assert _samples(ds) == clean
@@ -466,10 +466,10 @@ def test_a_process_stopped_holding_several_fills_is_waited_for_once_not_once_a_s
     assert "the shards other processes are fetching" in waited[0]
 
 
-def _upload_cache(ds: RemoteDataset) -> node_cache.UploadCache:
-    upload_cache = ds.reader.upload_cache()
-    assert upload_cache is not None
-    return upload_cache
+def _upload_cache(ds: RemoteDataset) -> upload_cache.UploadCache:
+    cache = ds.reader.upload_cache()
+    assert cache is not None
+    return cache
 
 
 def test_the_cli_shows_and_clears_a_cache(dataset, tmp_path):
@@ -848,7 +848,7 @@ def test_a_full_disk_is_looked_at_again_and_the_cache_used_once_there_is_room(da
     import errno
 
     store, bucket, reader, clean = dataset
-    allocate, refused = node_cache._allocate, []
+    allocate, refused = upload_cache._allocate, []
 
     def full_once(fd, size):
         if not refused:
@@ -856,8 +856,8 @@ def test_a_full_disk_is_looked_at_again_and_the_cache_used_once_there_is_room(da
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         allocate(fd, size)
 
-    monkeypatch.setattr(node_cache, "_allocate", full_once)
-    monkeypatch.setattr(node_cache, "_FULL_FOR", 0.0)
+    monkeypatch.setattr(upload_cache, "_allocate", full_once)
+    monkeypatch.setattr(upload_cache, "_FULL_FOR", 0.0)
     cache = tmp_path / "cache"
     ds = RemoteDataset(store, bucket, "d", cache_dir=cache)
     with caplog.at_level(logging.WARNING, logger="remote_loader"):
