@@ -29,7 +29,8 @@ from remote_loader.frames import decode_frames, encode_frames
 from remote_loader.upload.originals import Originals
 
 # Pillow's format name -> the field (file extension) it is stored under.
-EXTENSIONS = {"JPEG": "jpg", "MPO": "jpg", "PNG": "png", "WEBP": "webp", "GIF": "gif", "BMP": "bmp", "TIFF": "tiff"}
+EXTENSIONS = {"JPEG": "jpg", "MPO": "jpg", "PNG": "png", "WEBP": "webp", "GIF": "gif", "BMP": "bmp", "TIFF": "tiff",
+              "PPM": "ppm"}
 ENCODINGS = {"jpeg": "JPEG", "jpg": "JPEG", "png": "PNG", "webp": "WEBP"}
 
 
@@ -78,6 +79,8 @@ def _sniff(data: bytes, index: int, what: str) -> str:
     except (UnidentifiedImageError, OSError, ValueError):
         raise _fail(index, f"{what} is not an image Pillow can read, nor a video file (mp4, mov, mkv, webm,"
                            " avi)") from None
+    except Image.DecompressionBombError as exc:
+        raise _fail(index, f"{what} is larger than Pillow's MAX_IMAGE_PIXELS allows ({one_line(exc)})") from None
     if fmt not in EXTENSIONS:
         raise _fail(index, f"{what} is a {fmt} image; supported: {', '.join(sorted(set(EXTENSIONS)))}")
     return EXTENSIONS[fmt]
@@ -200,7 +203,11 @@ def encode_item(item: Any, options: EncodeOptions, index: int, originals: Origin
     any other tuple or a dict by the field rule (``remote_loader.format.fields``); its PIL
     images that are exactly one of ``originals`` as that file's bytes.
     UploadError for a sample with no field, or a field name longer than a shard holds."""
-    fields = _fields(item, options, index, originals)
+    try:
+        fields = _fields(item, options, index, originals)
+    except UnicodeEncodeError as exc:  # a str with a lone surrogate: a file name decoded with surrogateescape
+        raise _fail(index, f"a str of ds[{index}] is not UTF-8 text ({exc.reason}: {exc.object[exc.start:exc.end]!r}"
+                           f" at position {exc.start} of {exc.object[:40]!r})") from None
     if not fields:
         raise _fail(index, f"ds[{index}] is an empty {type(item).__name__}: a sample has at least one field")
     for name in fields:

@@ -20,7 +20,8 @@ from typing import Any
 
 from PIL import Image, ImageChops, ImageFile, UnidentifiedImageError
 
-_FORMATS = {"JPEG": "jpg", "MPO": "jpg", "PNG": "png", "WEBP": "webp", "GIF": "gif", "BMP": "bmp", "TIFF": "tiff"}
+_FORMATS = {"JPEG": "jpg", "MPO": "jpg", "PNG": "png", "WEBP": "webp", "GIF": "gif", "BMP": "bmp", "TIFF": "tiff",
+            "PPM": "ppm"}
 
 _recording = threading.local()
 _wrapped: list[Any] = []
@@ -45,7 +46,7 @@ def _wrap_load() -> None:
         noted = getattr(_recording, "decoded", None)
         path = getattr(self, "filename", None)
         if noted is not None and id(self) not in noted and isinstance(path, str) and path \
-                and self.format in _FORMATS and getattr(self, "n_frames", 1) == 1:
+                and self.format in _FORMATS and _first_frame(self):
             noted[id(self)] = None  # before the copy, which loads again
             noted[id(self)] = Decoded(path, self.format, self.copy())
         return result
@@ -117,7 +118,7 @@ def _file(path: str, fmt: str, image: Image.Image, compare: bool = False) -> tup
         with open(path, "rb") as f:
             data = f.read()
         with Image.open(io.BytesIO(data)) as now:
-            if (now.format, now.mode, now.size) != (fmt, image.mode, image.size) or getattr(now, "n_frames", 1) != 1:
+            if (now.format, now.mode, now.size) != (fmt, image.mode, image.size) or not _first_frame(now):
                 return None
             if now.getexif().get(0x0112, 1) != 1:  # an orientation decoders apply and the pixels did not
                 return None
@@ -139,3 +140,8 @@ def _same(decoded: Image.Image, image: Image.Image) -> bool:
     if image.mode in ("RGB", "L"):  # compared in C, without copying either out
         return ImageChops.difference(decoded, image).getbbox() is None
     return decoded.tobytes() == image.tobytes()
+
+
+def _first_frame(image: Image.Image) -> bool:
+    """One frame; or an MPO (a phone camera's JPEG) at its first frame, the image every JPEG decoder reads."""
+    return getattr(image, "n_frames", 1) == 1 or (image.format == "MPO" and image.tell() == 0)

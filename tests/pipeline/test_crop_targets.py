@@ -250,3 +250,23 @@ def test_a_pipeline_crops_each_target_without_a_raw_error(seaweed, tv):
         assert target["ignore"].canvas_size == (SIZE, SIZE) and len(target["ignore"]) <= 3
         seen.append(target["notes"][1])
     assert sorted(seen) == [str(i) for i in range(6)]
+
+
+def test_a_mask_or_boxes_that_are_a_samples_own_field_are_cropped_with_its_image(tv):
+    """What ``wrap_dataset_for_transforms_v2(VOCSegmentation)`` gives, ``(image, Mask)``, and a
+    dict sample whose ``boxes`` field is itself a ``BoundingBoxes``: each tv_tensor moves with
+    the image as torchvision moves it, with no ``boxes=`` to write."""
+    tv_tensors, functional = tv
+    mask = torch.zeros(1, H, W, dtype=torch.uint8)
+    mask[0, 10:30, 5:40] = 1
+    for seed in SEEDS[:8]:
+        (image, got), box, flip = cropped((_image(), tv_tensors.Mask(mask)), RandomResizedCrop(SIZE), seed)
+        want = expected(tv_tensors.Mask(mask), box, flip, functional)
+        assert type(got) is tv_tensors.Mask and got.shape == want.shape and got.dtype == torch.uint8, seed
+        assert set(got.unique().tolist()) <= {0, 1} and got.sum() > 0
+        assert (got == want).float().mean() >= 0.9, seed  # nearest neighbour: they differ at the edges only
+    boxes = tv_tensors.BoundingBoxes([[4.0, 6.0, 40.0, 30.0]], format="XYXY", canvas_size=(H, W))
+    for seed in SEEDS[:8]:
+        out, box, flip = cropped({"image": _image(), "boxes": boxes, "labels": torch.tensor([1])},
+                                 RandomResizedCrop(SIZE), seed)
+        assert_boxes_as_torchvision(out["boxes"], boxes, box, flip, tv)

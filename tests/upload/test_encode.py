@@ -115,3 +115,42 @@ def test_bad_options():
         EncodeOptions(image_format="gif")
     with pytest.raises(ConfigError):
         EncodeOptions(quality=0)
+
+
+def _png_header(width: int, height: int) -> bytes:
+    """A PNG whose header says ``width`` x ``height`` (its data is not that image's)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
+
+
+def test_an_image_past_pillows_pixel_limit_names_the_sample():
+    """A scan or panorama past twice Pillow's ``MAX_IMAGE_PIXELS``: Pillow refuses to open it
+    (``DecompressionBombError``); the upload names the sample (``on_error="skip"`` skips it)."""
+    with pytest.raises(UploadError, match=re.escape("sample 5: image bytes is larger than Pillow's MAX_IMAGE_PIXELS"
+                                                    " allows")) as info:
+        encode_item((_png_header(20000, 10000), 1), PNG, 5)
+    assert info.value.index == 5 and "\n" not in str(info.value)
+
+
+def test_text_that_is_not_utf8_names_the_sample():
+    """A file name ``os.listdir`` decoded with surrogateescape (a Latin-1 name) as a target."""
+    name = b"caf\xe9.jpg".decode("utf-8", "surrogateescape")
+    for target in (name, {"file": name}, [name]):
+        with pytest.raises(UploadError, match=r"^sample 5: a str of ds\[5\] is not UTF-8 text") as info:
+            encode_item((Image.new("L", (4, 4)), target), PNG, 5)
+        assert info.value.index == 5 and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("mode, field", [("RGB", "ppm"), ("L", "ppm")])
+def test_netpbm_files_keep_their_bytes(tmp_path, mode, field):
+    """GTSRB's images are ``.ppm`` files (``.pgm`` for grey ones): kept as they are, as
+    ``ImageFolder`` lists them and ``decode`` reads them."""
+    path = tmp_path / ("x.ppm" if mode == "RGB" else "x.pgm")
+    Image.new(mode, (8, 6), 7).save(path)
+    assert encode_item((str(path), 3), PNG, 0) == {field: path.read_bytes(), "cls": b"3"}

@@ -80,3 +80,46 @@ def test_an_image_changed_in_place_or_whose_file_changed_is_encoded_from_its_pix
         assert "png" in stored[i] and stored[i]["png"] != files[i].read_bytes()
         assert np.array_equal(np.asarray(Image.open(io.BytesIO(stored[i]["png"]))), pixels[i])  # its own pixels
     assert stored[3]["png"] == files[3].read_bytes()  # untouched: its file's bytes
+
+
+def test_a_phone_cameras_jpeg_with_a_preview_frame_is_stored_as_its_files_bytes(s3, tmp_path):
+    """A phone camera's JPEG holds a second, preview frame after the image (Pillow opens it as
+    MPO). Opened as torchvision's classes open files (``Image.open(path).convert("RGB")``), it
+    is kept as the file's bytes, which every JPEG decoder reads as its first frame."""
+    client, bucket = s3
+    path = tmp_path / "phone.jpg"
+    Image.fromarray(_photo(1)).save(path, "MPO", save_all=True, append_images=[Image.fromarray(_photo(2, (40, 30)))])
+    with Image.open(path) as opened:
+        assert opened.format == "MPO" and opened.n_frames == 2
+
+    class Opened:
+        def __len__(self) -> int:
+            return 2
+
+        def __getitem__(self, index: int):
+            with Image.open(path) as image:  # as CocoDetection and VOCDetection open theirs
+                return image.convert("RGB"), index
+
+    upload(client, bucket, "phone", Opened(), workers=0)
+    stored = _stored(client, bucket, "phone")
+    assert [stored[i]["jpg"] == path.read_bytes() for i in range(2)] == [True, True]
+
+
+def test_gtsrbs_ppm_files_opened_as_torchvision_opens_them_are_stored_as_their_bytes(s3, tmp_path):
+    """torchvision's GTSRB opens each ``.ppm`` with ``Image.open(path).convert("RGB")``."""
+    client, bucket = s3
+    paths = []
+    for i in range(3):
+        paths.append(tmp_path / f"{i:05d}_00000.ppm")
+        Image.fromarray(_photo(i, (30, 32))).save(paths[-1])
+
+    class Signs:
+        def __len__(self) -> int:
+            return len(paths)
+
+        def __getitem__(self, index: int):
+            return Image.open(paths[index]).convert("RGB"), index
+
+    upload(client, bucket, "signs", Signs(), workers=0)
+    stored = _stored(client, bucket, "signs")
+    assert [stored[i].get("ppm") == path.read_bytes() for i, path in enumerate(paths)] == [True] * 3

@@ -79,7 +79,8 @@ def _typed(found: Plan, decoded: dict[str, Any], left: tuple[str, ...], where: s
     fills it (a string of the same text, where none does, is a string)."""
     for name in decoded:
         parsed = rule.parse(name)
-        if name.startswith("__") or parsed.stem is None or not parsed.steps or named(name, left):
+        if name.startswith("__") or parsed.stem is None or (not parsed.steps and parsed.ext == "json") \
+                or named(name, left):
             continue
         skeleton = decoded.get(rule.render(parsed.stem, (), "json"))
         kind, meta = rule.tv_tensor(_node(skeleton, parsed.steps)) or (None, {})
