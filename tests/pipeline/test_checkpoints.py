@@ -151,6 +151,33 @@ def test_each_worker_resumes_from_its_own_state_where_it_stopped(location, ranks
     assert done == uninterrupted
 
 
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_process_without_workers_resumes_in_the_uninterrupted_order(location, world_size):
+    """Each rank iterating in its main process (``num_workers=0``), its own state loaded back:
+    the rest comes in the order the uninterrupted epoch has, on one rank as on several."""
+    for rank in range(world_size):
+        uninterrupted = list(make(location, rank, world_size))
+        first = make(location, rank, world_size)
+        stream = iter(first)
+        taken = list(itertools.islice(stream, 13))
+        state = pickle.loads(pickle.dumps(first.state_dict()))
+        stream.close()
+        resumed = make(location, rank, world_size)
+        resumed.load_state_dict(state)
+        assert taken + list(resumed) == uninterrupted
+
+
+def test_a_main_process_state_of_one_rank_resumes_on_workers_exactly_once(location):
+    """The same state given to DataLoader workers: no worker's own, so its rest is divided."""
+    first = make(location)
+    stream = iter(first)
+    taken = list(itertools.islice(stream, 13))
+    state = first.state_dict()
+    stream.close()
+    rest, _ = run(location, 1, 2, states=[state])
+    assert Counter(taken) + Counter(rest[0]) == ALL
+
+
 def test_resuming_is_deterministic(location):
     _, states = run(location, 2, 2, stops=STOPS["uneven"])
     once, _ = run(location, 3, 1, states=states)

@@ -38,7 +38,8 @@ class Entry:
 class Loaded:
     """A loaded state, for the next iteration of its epoch: each worker's own (``own``, by
     worker: it goes on exactly in order), or the rest of the epoch gathered from every
-    worker's (``rest``: divided as an epoch is, exactly in set).
+    worker's (``rest``: divided as an epoch is, exactly in set); both for one process's state
+    of a world of one (its own where the iteration has the same place, else its rest divided).
 
     Attributes:
         finished: Nothing of the epoch was left: the next iteration starts the next epoch.
@@ -76,11 +77,14 @@ def load(layout: Layout, state: Any, worker: tuple[int, int] | None) -> Loaded:
                               f" {world_size} x {worker[1]}); gather every rank's state in the main process")
         return _own({worker[0]: parsed[0]})
     only = parsed[0].header
-    if len(parsed) == 1 and only["world_size"] > 1 and only["num_workers"] == 1 \
-            and (only["rank"], only["world_size"]) == (rank, world_size):
+    own = len(parsed) == 1 and only["num_workers"] == 1 and (only["rank"], only["world_size"]) == (rank, world_size)
+    if own and world_size > 1:
         return _own({0: parsed[0]})  # this rank's own, without DataLoader workers
     rest = gather(parsed)
-    return Loaded(rest.epoch, rest=rest, finished=not len(rest), pending=bool(len(rest)))
+    # One process's state of a world of one is also the whole epoch's: its own where it iterates
+    # without workers again (in the uninterrupted order), its rest divided where it has workers.
+    return Loaded(rest.epoch, own={0: parsed[0]} if own else {}, rest=rest, finished=not len(rest),
+                  pending=bool(len(rest)))
 
 
 def _own(states: dict[int, WorkerState]) -> Loaded:
@@ -132,9 +136,11 @@ def entry(layout: Layout, loaded: Loaded | None, epoch: int, worker: int, num_wo
     from its share of the rest ``loaded`` gathered, or at the start of its share of the epoch."""
     if loaded is None or loaded.epoch != epoch:
         return Entry(share(layout, None, worker, num_workers))
-    if loaded.rest is not None:
+    state = loaded.own.get(worker)
+    if loaded.rest is not None and (state is None or state.mixing != layout.mixing
+                                    or _split(state) != (layout.rank, layout.world_size, worker, num_workers)):
         return Entry(share(layout, loaded.rest, worker, num_workers))
-    state = loaded.own.get(worker) or next(iter(loaded.own.values()))
+    state = state or next(iter(loaded.own.values()))
     if _split(state) != (layout.rank, layout.world_size, worker, num_workers):
         saved = "rank {rank}/{world_size} worker {worker}/{num_workers}".format(**state.header)
         how = ("a count state resumes the ranks and workers it counted only" if state.remaining is None else
