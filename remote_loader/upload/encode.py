@@ -67,9 +67,10 @@ def _fail(index: int, message: str) -> UploadError:
     return UploadError(f"sample {index}: {message}", index=index)
 
 
-def _sniff(data: bytes, index: int, what: str) -> str:
+def _sniff(data: bytes, index: int, what: str, whole: bool = True) -> str:
     """Return the field name for encoded image ``data`` by reading its header; a video
-    file's bytes (mp4, mov, mkv, webm, avi) are named by their container."""
+    file's bytes (mp4, mov, mkv, webm, avi) are named by their container. ``whole``: a JPEG
+    or PNG cut short is refused (an image, not bytes a structured sample holds as they are)."""
     video = video_extension(data)
     if video is not None:
         return video
@@ -83,7 +84,26 @@ def _sniff(data: bytes, index: int, what: str) -> str:
         raise _fail(index, f"{what} is larger than Pillow's MAX_IMAGE_PIXELS allows ({one_line(exc)})") from None
     if fmt not in EXTENSIONS:
         raise _fail(index, f"{what} is a {fmt} image; supported: {', '.join(sorted(set(EXTENSIONS)))}")
+    if whole and _cut_short(data, fmt):
+        raise _fail(index, f"{what} is cut short: its {fmt} data ends before its end marker (a file truncated by a"
+                           " copy or download that failed), which decoders refuse")
     return EXTENSIONS[fmt]
+
+
+def _cut_short(data: bytes, fmt: str) -> bool:
+    """Whether a JPEG or PNG ends inside its data, as a truncated file does: no end-of-image
+    after a JPEG's last scan (scan data never holds a marker's bytes); a PNG chunk whose data
+    the file ends inside (a chunk: its length, type, data and crc, 12 bytes and its data; a
+    crc cut short Pillow reads past). What follows the end (a camera's padding) is no matter;
+    other formats are not looked at."""
+    if fmt in ("JPEG", "MPO"):
+        return data.rfind(b"\xff\xd9") < data.rfind(b"\xff\xda")
+    if fmt == "PNG":
+        at = 8  # the signature's end
+        while at + 8 <= len(data) and data[at + 4 : at + 8] != b"IEND":
+            at += 12 + int.from_bytes(data[at : at + 4], "big")
+        return at - 4 > len(data)
+    return False
 
 
 def _to_pil(array: np.ndarray, index: int) -> Image.Image:
@@ -381,7 +401,7 @@ class Structured:
         """An encoded image's own format, or ``bin`` for bytes Pillow does not read."""
         raw = bytes(data)
         try:
-            return _sniff(raw, self.index, where), raw
+            return _sniff(raw, self.index, where, whole=False), raw
         except UploadError:
             return "bin", raw
 

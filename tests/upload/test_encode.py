@@ -154,3 +154,43 @@ def test_netpbm_files_keep_their_bytes(tmp_path, mode, field):
     path = tmp_path / ("x.ppm" if mode == "RGB" else "x.pgm")
     Image.new(mode, (8, 6), 7).save(path)
     assert encode_item((str(path), 3), PNG, 0) == {field: path.read_bytes(), "cls": b"3"}
+
+
+def _jpeg(progressive: bool = False) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (48, 64, 3), dtype=np.uint8)).save(
+        buffer, "JPEG", progressive=progressive)
+    return buffer.getvalue()
+
+
+def _png() -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (48, 64, 3), dtype=np.uint8)).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("data", [_jpeg()[:-200], _jpeg(progressive=True)[:-300], _jpeg()[:-2], _png()[:-400],
+                                  _png()[:-40]], ids=["jpeg", "progressive", "jpeg-no-eoi", "png", "png-data-end"])
+def test_a_truncated_file_is_refused_naming_the_sample(tmp_path, data):
+    """A file cut short by a failed copy: torchvision's ``ds[i]`` raises on it; the upload, which
+    reads files itself, names it (``on_error="skip"`` skips it) rather than store what every
+    epoch would then fail to decode."""
+    path = tmp_path / "cut"
+    path.write_bytes(data)
+    for item in ((data, 1), (str(path), 1)):
+        with pytest.raises(UploadError, match=r"^sample 5: .* is cut short: its (JPEG|PNG) data ends before") as info:
+            encode_item(item, PNG, 5)
+        assert info.value.index == 5 and "\n" not in str(info.value)
+    with pytest.raises(OSError):
+        Image.open(io.BytesIO(data)).load()  # what a decoder makes of it
+
+
+@pytest.mark.parametrize("data", [_jpeg(), _jpeg(progressive=True), _jpeg() + b"\0" * 64, _png(), _png() + b"pad",
+                                  _png()[:-12], _png()[:-14]], ids=["jpeg", "progressive", "jpeg-padded", "png",
+                                                                    "png-padded", "png-no-iend", "png-short-crc"])
+def test_whole_files_are_kept_padding_and_all(data):
+    """What decoders read whole is kept: a PNG without its IEND chunk or with its last crc cut
+    short too, which Pillow reads."""
+    Image.open(io.BytesIO(data)).load()
+    field = "png" if data.startswith(b"\x89PNG") else "jpg"
+    assert encode_item((data, 1), PNG, 0) == {field: data, "cls": b"1"}

@@ -786,7 +786,7 @@ def test_an_error_of_several_lines_from_an_item_or_an_executor_is_quoted_on_one_
     failed: Future = Future()
     failed.set_exception(RuntimeError("the cluster said\nno"))
     with pytest.raises(UploadError) as executor:
-        _result(failed, "task 3", own=False)
+        _result(failed, "task 3", None)
     for raised in (unreadable.value, executor.value):
         message = str(raised).split("\nremote_loader facts:")[0]
         assert "\n" not in message and "\\n" in message, message
