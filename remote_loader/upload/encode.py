@@ -257,13 +257,15 @@ def _fields(item: Any, options: EncodeOptions, index: int, originals: Originals 
 
 def _values_not_pixels(value: Any) -> bool:
     """An array or tensor of other than uint8 where a pair's image goes: ``ToTensor``'s floats
-    in [0, 1], or normalised ones; or of more than 3 dimensions (a clip's frames). No image
+    in [0, 1], or normalised ones; or of more than 3 dimensions (a clip's frames); or a
+    tv_tensor (``v2.ToImage``'s ``Image``), which comes back as that class. No image
     format holds them as they are, and turning them into 8-bit pixels would alter them: the
     pair is stored by the field rule, the array as its values (``.npy``; frames as a video
     with ``frames_as_video``), and comes back as it went in."""
     if isinstance(value, np.ndarray):
         return bool(value.dtype != np.uint8 or value.ndim > 3)
-    return _is_tensor(value) and (str(value.dtype) != "torch.uint8" or value.dim() > 3)
+    return _is_tensor(value) and (str(value.dtype) != "torch.uint8" or value.dim() > 3
+                                  or _tv_placeholder(value) is not None)  # a tv_tensor comes back one
 
 
 class Structured:

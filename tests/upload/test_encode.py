@@ -194,3 +194,19 @@ def test_whole_files_are_kept_padding_and_all(data):
     Image.open(io.BytesIO(data)).load()
     field = "png" if data.startswith(b"\x89PNG") else "jpg"
     assert encode_item((data, 1), PNG, 0) == {field: data, "cls": b"1"}
+
+
+def test_a_tv_tensor_image_in_a_pair_comes_back_as_itself():
+    """``v2.ToImage()`` hands over a ``tv_tensors.Image``: in an (image, label) pair as in a
+    longer tuple it is stored as its values, and comes back as that tv_tensor, unchanged (not
+    a JPEG of it, which would come back a PIL image with other values)."""
+    from remote_loader import restore
+    from tests.helpers import vision
+
+    vision()
+    from torchvision import tv_tensors
+
+    pixels = torch.from_numpy(np.random.default_rng(0).integers(0, 256, (3, 24, 32), dtype=np.uint8))
+    for item in ((tv_tensors.Image(pixels), 4), (tv_tensors.Image(pixels), 4, "a caption")):
+        back = restore({**encode_item(item, EncodeOptions(), 0), "__key__": "0"})
+        assert type(back[0]) is tv_tensors.Image and torch.equal(back[0], pixels) and back[1] == 4
