@@ -90,6 +90,15 @@ def _sniff(data: bytes, index: int, what: str, whole: bool = True) -> str:
     return EXTENSIONS[fmt]
 
 
+def check_image(data: bytes, index: int, what: str) -> bytes:
+    """``data`` where it is a whole image of a format the upload stores; else the UploadError
+    that names sample ``index`` and ``what`` (``on_error="skip"`` skips it)."""
+    if video_extension(data) is not None:
+        raise _fail(index, f"{what} is a video file, not an image")
+    _sniff(data, index, what)
+    return data
+
+
 def _cut_short(data: bytes, fmt: str) -> bool:
     """Whether a JPEG or PNG ends inside its data, as a truncated file does: no end-of-image
     after a JPEG's last scan (scan data never holds a marker's bytes); a PNG chunk whose data

@@ -11,7 +11,7 @@ from typing import Any
 
 from remote_loader.config import one_line
 from remote_loader.errors import ConfigError, UploadError
-from remote_loader.upload.hf_videos import HFVideos, video_columns
+from remote_loader.upload.hf_files import HFFiles, image_columns, video_columns
 from remote_loader.upload.video_classes import class_videos, is_video_class
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp", ".gif")
@@ -123,11 +123,12 @@ def load_source(spec: str) -> Any:
 def uploaded_form(ds: Any) -> Any:
     """What an upload reads of ``ds``: the files of a torchvision video class (``UCF101``...),
     one item a video, with its clip index (``video_classes.py``); a Hugging Face dataset's
-    ``Video`` columns as their files' bytes (``hf_videos.py``); any other dataset as it is."""
+    ``Video`` and ``Image`` columns as their files' bytes (``hf_files.py``); any other dataset
+    as it is."""
     if is_video_class(ds):
         return class_videos(ds)
-    columns = video_columns(ds)
-    return HFVideos(ds, columns) if columns else ds
+    videos, images = video_columns(ds), image_columns(ds)
+    return HFFiles(ds, videos, images) if videos or images else ds
 
 
 @dataclass(frozen=True)
