@@ -161,10 +161,16 @@ def normalize_endpoint(endpoint: str, *, secure: bool = False) -> str:
     try:
         parts = urlsplit(endpoint)
         hostname = parts.hostname
-    except ValueError:  # 'Invalid IPv6 URL', a port that is no number
+    except ValueError:  # 'Invalid IPv6 URL'
         hostname = None
     if not hostname or parts.scheme not in ("http", "https"):
         raise ConfigError(f"endpoint {named} is not an http(s)://host[:port] URL")
+    try:
+        port = parts.port  # read only here: a port that is no number or out of range raises
+    except ValueError:
+        port = 0
+    if port == 0:  # else the SDKs fail at the first request (boto3: EndpointResolutionError)
+        raise ConfigError(f"endpoint {named} has no valid port: a port is a number from 1 to 65535")
     if parts.path not in ("", "/"):
         raise ConfigError(f"endpoint {named} must not have a path; put bucket and prefix elsewhere")
     if parts.query:

@@ -179,6 +179,10 @@ def test_bench_reports_rates_and_a_verdict(env, s3):
         (["info", "s3://da\ttasets/x"], "'da\\ttasets' holds '\\t'", 2),
         (["info", "s3://ab\x01c/x"], "'ab\\x01c' holds '\\x01'", 2),
         (["info", "s3://my bucket/x"], "'my bucket' holds ' '", 2),
+        (["ls", "--endpoint-url", "http://127.0.0.1:9OOO", "s3://{bucket}/x"],
+         "endpoint 'http://127.0.0.1:9OOO' has no valid port", 2),
+        (["ls", "--backend", "minio", "--endpoint-url", "http://127.0.0.1:99999", "s3://{bucket}/x"],
+         "endpoint 'http://127.0.0.1:99999' has no valid port", 2),
         (["upload", "tests.cli.test_cli:source_that_fails", "s3://{bucket}/x"], "cannot build\\nthe dataset", 2),
         # Runtime errors (what the command ran into): 1.
         (["ls", "s3://{bucket}/nothing-here"], "no dataset at", 1),
