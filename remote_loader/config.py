@@ -50,6 +50,36 @@ def _first(env: Mapping[str, str], *names: str) -> str | None:
     return None
 
 
+_KEY_VARIABLES = {
+    "access_key": ("AWS_ACCESS_KEY_ID", "MINIO_ACCESS_KEY", "MINIO_ROOT_USER"),
+    "secret_key": ("AWS_SECRET_ACCESS_KEY", "MINIO_SECRET_KEY", "MINIO_ROOT_PASSWORD"),
+    "session_token": ("AWS_SESSION_TOKEN",),
+}
+"""StorageConfig's keys and the environment variables that give them, the first set winning."""
+_UNSHOWN = "it is not shown; a newline or a tab copied with the key?"
+
+
+def _key_from(env: Mapping[str, str], *names: str) -> str | None:
+    """The first of ``names`` set in ``env``; a ConfigError naming the variable, never its
+    value, where it holds a control character (an SDK would send it in a header)."""
+    for name in names:
+        value = env.get(name)
+        if value:
+            if not value.isprintable():
+                raise ConfigError(f"the environment variable {name} holds a non-printable character ({_UNSHOWN})")
+            return value
+    return None
+
+
+def aws_files(env: Mapping[str, str] | None = None) -> tuple[str, str]:
+    """The AWS credentials file and config file botocore reads (``AWS_SHARED_CREDENTIALS_FILE``
+    and ``AWS_CONFIG_FILE``, else ``~/.aws/credentials`` and ``~/.aws/config``), for messages
+    and the minio backend."""
+    env = os.environ if env is None else env
+    return (os.path.expanduser(env.get("AWS_SHARED_CREDENTIALS_FILE") or "~/.aws/credentials"),
+            os.path.expanduser(env.get("AWS_CONFIG_FILE") or "~/.aws/config"))
+
+
 def require_int(name: str, value: object, low: int | None = None, high: int | None = None, *,
                 error: type[ConfigError] = ConfigError, exact: bool = False) -> int:
     """``value`` if it is an int (not a bool) within ``low..high``; else ``error`` (a
@@ -218,6 +248,11 @@ class StorageConfig:
             object.__setattr__(self, "endpoint_url", normalize_endpoint(self.endpoint_url))
         if (self.access_key is None) != (self.secret_key is None):
             raise ConfigError("give both access_key and secret_key, or neither")
+        for name in _KEY_VARIABLES:
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.isprintable()):
+                raise ConfigError(f"{name} holds a non-printable character ({_UNSHOWN})"
+                                  if isinstance(value, str) else f"{name} must be a str, got {type(value).__name__}")
         if self.max_attempts < 1:
             raise ConfigError(f"max_attempts must be >= 1, got {self.max_attempts}")
         if self.connect_timeout <= 0 or self.read_timeout <= 0:
@@ -244,9 +279,9 @@ class StorageConfig:
             endpoint = normalize_endpoint(env["MINIO_ENDPOINT"], secure=secure)
         values: dict[str, object] = {
             "endpoint_url": endpoint,
-            "access_key": _first(env, "AWS_ACCESS_KEY_ID", "MINIO_ACCESS_KEY", "MINIO_ROOT_USER"),
-            "secret_key": _first(env, "AWS_SECRET_ACCESS_KEY", "MINIO_SECRET_KEY", "MINIO_ROOT_PASSWORD"),
-            "session_token": _first(env, "AWS_SESSION_TOKEN"),
+            # a key an override replaces is not read: its variable's faults do not matter
+            **{name: _key_from(env, *variables) for name, variables in _KEY_VARIABLES.items()
+               if overrides.get(name) is None},
             "region": _first(env, "AWS_REGION", "AWS_DEFAULT_REGION", "MINIO_REGION") or "us-east-1",
             "profile": _first(env, "AWS_PROFILE"),
             "credentials_file": _first(env, "AWS_SHARED_CREDENTIALS_FILE"),

@@ -19,7 +19,7 @@ from botocore.httpsession import URLLib3Session
 from botocore.response import StreamingBody
 from urllib3.exceptions import HTTPError as Urllib3Error
 
-from remote_loader.config import StorageConfig, one_line
+from remote_loader.config import StorageConfig, aws_files, one_line
 from remote_loader.errors import AccessDenied, ConfigError, EndpointUnreachable, StorageError, TransientStorageError
 from remote_loader.storage.base import (
     DEFAULT_PART_SIZE,
@@ -95,6 +95,34 @@ def _continue_only_for_large_bodies(request: Any, **_: Any) -> None:
         request.headers.pop("Expect", None)
 
 
+@contextmanager
+def _setup_errors(endpoint: str) -> Iterator[None]:
+    """Translate what botocore raises while it reads the AWS profile and files to make a
+    client (a profile that is not there, one with half its keys, a file it cannot parse) into
+    a ConfigError naming the profile and the files, never a key: a traceback before."""
+    try:
+        yield
+    except bce.ProfileNotFound as exc:
+        credentials, config = aws_files()
+        raise ConfigError(
+            f"the AWS profile {exc.kwargs.get('profile')!r} (AWS_PROFILE) is in neither the AWS credentials file"
+            f" {credentials} nor the config file {config}: name a profile they hold, or unset AWS_PROFILE"
+        ) from None
+    except bce.PartialCredentialsError as exc:
+        credentials, config = aws_files()
+        profile = _SESSION.profile_name if _SESSION is not None else "default"
+        files = {"shared-credentials-file": f"the AWS credentials file {credentials}",
+                 "config-file": f"the AWS config file {config}"}
+        provider = str(exc.kwargs.get("provider", ""))
+        source = f"the AWS profile {profile!r} in {files[provider]}" if provider in files else \
+            f"the AWS credentials botocore found ({provider})"
+        raise ConfigError(f"{source} has no {exc.kwargs.get('cred_var')}: give both keys there") from None
+    except bce.ConfigParseError as exc:
+        raise ConfigError(f"the AWS file {exc.kwargs.get('path')} cannot be parsed (an INI file of profiles)") from None
+    except bce.BotoCoreError as exc:  # a region no endpoint serves, a credential_process that failed...
+        raise ConfigError(f"boto3 could not make a client for {endpoint}: {type(exc).__name__}") from None
+
+
 class Boto3Store(RangedStore):
     """An S3-compatible store reached through boto3.
 
@@ -136,6 +164,10 @@ class Boto3Store(RangedStore):
         return f"Boto3Store(endpoint_url={self.config.endpoint_url!r}, region={self.config.region!r})"
 
     def _connect(self) -> Any:
+        with _setup_errors(self.endpoint):
+            return self._new_client()
+
+    def _new_client(self) -> Any:
         c = self.config
         if self._borrowed and c.access_key is None and _session().get_credentials() is None:
             raise ConfigError(self._borrowed_elsewhere())

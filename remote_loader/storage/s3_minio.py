@@ -11,6 +11,7 @@ their XML is read here.
 
 from __future__ import annotations
 
+import configparser
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
@@ -21,13 +22,13 @@ from xml.etree import ElementTree
 
 import urllib3
 from minio import Minio
-from minio.credentials import AWSConfigProvider, Provider, StaticProvider
+from minio.credentials import AWSConfigProvider, Credentials, Provider, StaticProvider
 from minio.error import InvalidResponseError, MinioException, S3Error, ServerError
 from minio.signer import presign_v4
 from urllib3.exceptions import HTTPError as Urllib3Error
 from urllib3.exceptions import MaxRetryError, NewConnectionError
 
-from remote_loader.config import StorageConfig
+from remote_loader.config import StorageConfig, aws_files
 from remote_loader.errors import (
     ConfigError,
     EndpointUnreachable,
@@ -64,6 +65,49 @@ def _checksum(body: bytes | bytearray | memoryview) -> dict[str, str]:
     """A body's ``x-amz-checksum-crc32`` as a query parameter of a presigned URL, where the
     signature covers it (an unsigned header is refused): a body damaged on the way is refused."""
     return {"x-amz-checksum-crc32": crc32_header(body)}
+
+
+class _ProfileProvider(AWSConfigProvider):
+    """minio's reader of a profile's keys in an AWS credentials file, which reads the file
+    again at each request (keys rotated there are picked up); a profile without both keys is
+    a ConfigError naming the profile and the file, where minio raised a bare ValueError."""
+
+    def __init__(self, filename: str, profile: str, *, named: bool) -> None:
+        super().__init__(filename=filename, profile=profile)
+        self.filename, self.profile, self.named = filename, profile, named
+
+    def retrieve(self) -> Credentials:
+        try:
+            return super().retrieve()
+        except (ValueError, configparser.Error):  # the file changed since the store connected
+            raise ConfigError(self.problem() or f"the AWS profile {self.profile!r} cannot be read") from None
+
+    def problem(self) -> str | None:
+        """What keeps the profile from giving both keys, or None; never a line of the file."""
+        shown = f"the AWS profile {self.profile!r}{' (AWS_PROFILE)' if self.named else ''}"
+        parser = configparser.ConfigParser()
+        try:
+            if not parser.read(self.filename):
+                return f"{shown} is not there: there is no AWS credentials file {self.filename}"
+            if not parser.has_section(self.profile):
+                return f"{shown} is not in the AWS credentials file {self.filename}, where the minio backend reads it"
+            for option in ("aws_access_key_id", "aws_secret_access_key"):
+                if not parser.get(self.profile, option, fallback=None):
+                    return f"{shown} in the AWS credentials file {self.filename} has no {option}: give both keys there"
+        except (configparser.Error, UnicodeDecodeError) as exc:  # its message may quote a line, a key's
+            return f"the AWS credentials file {self.filename} cannot be read as one of profiles ({type(exc).__name__})"
+        return None
+
+
+def _profile_keys(config: StorageConfig) -> _ProfileProvider:
+    """The keys of the AWS profile ``config`` names (else the default one) in its credentials
+    file, checked now: what is missing is said once, not at every request."""
+    provider = _ProfileProvider(config.credentials_file or aws_files()[0], config.profile or "default",
+                                named=config.profile is not None)
+    problem = provider.problem()
+    if problem is not None:
+        raise ConfigError(problem)
+    return provider
 
 
 class MinioStore(RangedStore):
@@ -141,7 +185,7 @@ class MinioStore(RangedStore):
         if c.access_key is not None and c.secret_key is not None:
             provider = StaticProvider(c.access_key, c.secret_key, c.session_token)
         elif c.profile or c.credentials_file:
-            provider = AWSConfigProvider(filename=c.credentials_file, profile=c.profile or "default")
+            provider = _profile_keys(c)
         self._pool, self._provider = http, provider
         return Minio(parts.netloc, secure=parts.scheme == "https", region=c.region, http_client=http,
                      credentials=provider)

@@ -3,17 +3,97 @@ refused in one line naming what was wrong (never a key), and read by both S3 bac
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
-from remote_loader import ConfigError, make_client
+from remote_loader import ConfigError, StorageConfig, make_client
 
 
 @pytest.mark.parametrize("backend", ["boto3", "minio"])
 @pytest.mark.parametrize("endpoint", ["http://127.0.0.1:9OOO", "http://127.0.0.1:99999", "127.0.0.1:99999",
-                                      "https://s3.example:0", "http://127.0.0.1:9000x/?X-Amz-Signature=SECRET-1"])
+                                      "https://s3.example:0", "http://127.0.0.1:9000x/?X-Amz-Signature=SHH-VALUE-1"])
 def test_an_endpoint_whose_port_is_no_port_is_refused_naming_it(backend, endpoint):
     with pytest.raises(ConfigError, match="has no valid port: a port is a number from 1 to 65535") as caught:
-        make_client(endpoint, "k", "SECRET-2", backend=backend)
+        make_client(endpoint, "k", "SHH-VALUE-2", backend=backend)
     message = str(caught.value)
     assert endpoint.partition("?")[0].removeprefix("http://") in message and "\n" not in message
-    assert "SECRET" not in message + repr(caught.value)
+    assert "SHH-VALUE" not in message + repr(caught.value)
+
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = Path(sys.executable).with_name("remote-loader")
+
+
+def _users_env(home: Path, endpoint: str, **variables: str) -> dict[str, str]:
+    """The environment of a user whose home is ``home`` (its ``.aws`` files, never the real
+    ones), with none of this run's AWS or MinIO variables: only ``variables`` and the endpoint."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "MINIO_"))}
+    return {**env, "HOME": str(home), "PYTHONPATH": str(ROOT), "AWS_EC2_METADATA_DISABLED": "true",
+            "AWS_ENDPOINT_URL": endpoint, **variables}
+
+
+def _aws_file(home: Path, name: str, text: str) -> Path:
+    path = home / ".aws" / name
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def _cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize(
+    "backend, variables, said",
+    [
+        ("boto3", {"AWS_PROFILE": "nosuch"}, ["AWS profile 'nosuch' (AWS_PROFILE)", "credentials"]),
+        ("minio", {"AWS_PROFILE": "nosuch"}, ["AWS profile 'nosuch' (AWS_PROFILE)", "credentials"]),
+        # boto3 reads the profile's settings even where the keys come from the environment
+        ("boto3",
+         {"AWS_PROFILE": "nosuch", "AWS_ACCESS_KEY_ID": "AKID-VALUE-1", "AWS_SECRET_ACCESS_KEY": "SHH-VALUE-1"},
+         ["AWS profile 'nosuch' (AWS_PROFILE)", "credentials"]),
+        ("boto3", {"AWS_PROFILE": "half"}, ["AWS profile 'half'", "credentials", "aws_secret_access_key"]),
+        ("minio", {"AWS_PROFILE": "half"}, ["AWS profile 'half'", "credentials", "aws_secret_access_key"]),
+        ("boto3", {"AWS_ACCESS_KEY_ID": "AKID-VALUE-1", "AWS_SECRET_ACCESS_KEY": "SHH-VALUE-1",
+                   "AWS_SESSION_TOKEN": "SHH-VALUE-TOKEN-1\n"}, ["AWS_SESSION_TOKEN", "non-printable"]),
+        ("minio", {"AWS_ACCESS_KEY_ID": "AKID-VALUE-1", "AWS_SECRET_ACCESS_KEY": "SHH-VALUE-1\t"},
+         ["AWS_SECRET_ACCESS_KEY", "non-printable"]),
+    ],
+)
+def test_a_profile_missing_or_half_there_and_a_key_with_a_newline_are_one_line_config_errors(
+        seaweed, tmp_path, backend, variables, said):
+    # Before: botocore's ProfileNotFound or PartialCredentialsError traceback (60+ lines),
+    # minio's "GET ... failed: ValueError", and for the token "failed: HTTPClientError".
+    credentials = _aws_file(tmp_path, "credentials", "[half]\naws_access_key_id = AKID-VALUE-HALF\n")
+    result = _cli(_users_env(tmp_path, seaweed.endpoint_url, **variables), "ls", "--backend", backend,
+                  "s3://datasets/x")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("remote-loader: error: ") and result.stderr.count("\n") == 1, result.stderr
+    for words in said:
+        assert words in result.stderr, result.stderr
+    if "AWS_PROFILE" in variables:
+        assert str(credentials) in result.stderr, result.stderr
+    assert "AKID-VALUE" not in result.stderr and "SHH-VALUE" not in result.stderr
+
+
+_VARIABLE = {"access_key": "AWS_ACCESS_KEY_ID", "secret_key": "MINIO_SECRET_KEY", "session_token": "AWS_SESSION_TOKEN"}
+
+
+@pytest.mark.parametrize("field", ["access_key", "secret_key", "session_token"])
+def test_keys_holding_a_control_character_are_refused_without_showing_them(field):
+    keys = {"access_key": "AKID-VALUE-2", "secret_key": "SHH-VALUE-2", "session_token": "SHH-VALUE-3"}
+    keys[field] += "\n"
+    with pytest.raises(ConfigError, match=f"^{field} holds a non-printable character") as caught:
+        StorageConfig(endpoint_url="http://127.0.0.1:9000", **keys)
+    assert "AKID-VALUE" not in str(caught.value) + repr(caught.value) and "SHH-VALUE" not in str(caught.value)
+    env = {"AWS_ACCESS_KEY_ID": "AKID-VALUE-2", "MINIO_SECRET_KEY": "SHH-VALUE-2"}
+    env[_VARIABLE[field]] = "\x1b[2JSHH-VALUE-4"
+    with pytest.raises(ConfigError, match=f"^the environment variable {_VARIABLE[field]} holds a non-printable"
+                       ) as caught:
+        StorageConfig.from_env(env)
+    message = str(caught.value)
+    assert "AKID-VALUE" not in message and "SHH-VALUE" not in message and "\x1b" not in message
