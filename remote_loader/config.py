@@ -225,8 +225,9 @@ class StorageConfig:
         read_timeout: Seconds to wait for bytes on an open connection: it bounds how long
             a request to a hung server can block.
         max_connections: Size of the connection pool per process.
-        profile: The AWS profile whose keys to use when none are given (``AWS_PROFILE``);
-            boto3 reads it through its own chain, the minio backend from the credentials file.
+        profile: The AWS profile whose keys to use when none are given (``AWS_PROFILE``;
+            None: the ``default`` profile, where it holds keys); boto3 reads it through its
+            own chain, the minio backend from the credentials file.
         credentials_file: The AWS credentials file (``AWS_SHARED_CREDENTIALS_FILE``, else
             ``~/.aws/credentials``).
     """

@@ -80,33 +80,58 @@ class _ProfileProvider(AWSConfigProvider):
         try:
             return super().retrieve()
         except (ValueError, configparser.Error):  # the file changed since the store connected
-            raise ConfigError(self.problem() or f"the AWS profile {self.profile!r} cannot be read") from None
+            self.check()
+            raise ConfigError(f"{self._shown()} cannot be read from the AWS credentials file {self.filename}") from None
 
-    def problem(self) -> str | None:
-        """What keeps the profile from giving both keys, or None; never a line of the file."""
-        shown = f"the AWS profile {self.profile!r}{' (AWS_PROFILE)' if self.named else ''}"
+    def holds_a_key(self) -> bool:
+        """Whether the profile names an access key."""
+        return bool(self._value("aws_access_key_id"))
+
+    def check(self) -> None:
+        """Raise a ConfigError saying what keeps the profile from giving both keys, if anything."""
+        if not os.path.isfile(self.filename):
+            raise ConfigError(f"{self._shown()} is not there: there is no AWS credentials file {self.filename}")
+        if not self._read().has_section(self.profile):
+            raise ConfigError(f"{self._shown()} is not in the AWS credentials file {self.filename}, where the minio"
+                              " backend reads it")
+        for option in ("aws_access_key_id", "aws_secret_access_key"):
+            if not self._value(option):
+                raise ConfigError(f"{self._shown()} in the AWS credentials file {self.filename} has no {option}:"
+                                  " give both keys there")
+
+    def _shown(self) -> str:
+        return f"the AWS profile {self.profile!r}{' (AWS_PROFILE)' if self.named else ''}"
+
+    def _read(self) -> configparser.ConfigParser:
+        """The file as minio reads it (empty where there is none)."""
         parser = configparser.ConfigParser()
         try:
-            if not parser.read(self.filename):
-                return f"{shown} is not there: there is no AWS credentials file {self.filename}"
-            if not parser.has_section(self.profile):
-                return f"{shown} is not in the AWS credentials file {self.filename}, where the minio backend reads it"
-            for option in ("aws_access_key_id", "aws_secret_access_key"):
-                if not parser.get(self.profile, option, fallback=None):
-                    return f"{shown} in the AWS credentials file {self.filename} has no {option}: give both keys there"
+            parser.read(self.filename)
         except (configparser.Error, UnicodeDecodeError) as exc:  # its message may quote a line, a key's
-            return f"the AWS credentials file {self.filename} cannot be read as one of profiles ({type(exc).__name__})"
-        return None
+            raise ConfigError(f"the AWS credentials file {self.filename} cannot be parsed as [profile] sections"
+                              f" ({type(exc).__name__})") from None
+        return parser
+
+    def _value(self, option: str) -> str | None:
+        try:
+            return self._read().get(self.profile, option, fallback=None)
+        except configparser.Error as exc:  # a '%' the file's syntax does not take, say
+            raise ConfigError(f"{self._shown()} in the AWS credentials file {self.filename} cannot be read"
+                              f" ({type(exc).__name__})") from None
 
 
-def _profile_keys(config: StorageConfig) -> _ProfileProvider:
-    """The keys of the AWS profile ``config`` names (else the default one) in its credentials
-    file, checked now: what is missing is said once, not at every request."""
+def _keys(config: StorageConfig) -> Provider | None:
+    """The keys minio signs with, found as boto3 finds them: the config's (the environment's,
+    which win over any profile), else those of the AWS profile it names (``AWS_PROFILE``) in
+    its credentials file, else the default profile's there. None (anonymous requests) where no
+    profile is named and the default one holds no key. A profile's faults are said now, once."""
+    if config.access_key is not None and config.secret_key is not None:
+        return StaticProvider(config.access_key, config.secret_key, config.session_token)
     provider = _ProfileProvider(config.credentials_file or aws_files()[0], config.profile or "default",
                                 named=config.profile is not None)
-    problem = provider.problem()
-    if problem is not None:
-        raise ConfigError(problem)
+    if not provider.named and not provider.holds_a_key():
+        return None
+    provider.check()
     return provider
 
 
@@ -174,18 +199,13 @@ class MinioStore(RangedStore):
     def _connect(self) -> Any:
         c = self.config
         if self._borrowed and c.access_key is None:  # another process than the caller's: keys from its environment
-            found = StorageConfig.from_env(endpoint_url=c.endpoint_url, region=c.region)
-            if found.access_key is None and not found.profile:
-                raise ConfigError(self._borrowed_elsewhere())
-            c = self.config = found
+            c = StorageConfig.from_env(endpoint_url=c.endpoint_url, region=c.region)
+        provider = _keys(c)  # without keys, an AWS profile's (AWS_PROFILE, else the default), as boto3 would
+        if self._borrowed and provider is None:
+            raise ConfigError(self._borrowed_elsewhere())
+        self.config = c
         parts = urlsplit(c.endpoint_url or "")
         http = self._new_pool()
-        # Without keys, an AWS profile's (AWS_PROFILE, the credentials file), as boto3 would.
-        provider: Provider | None = None
-        if c.access_key is not None and c.secret_key is not None:
-            provider = StaticProvider(c.access_key, c.secret_key, c.session_token)
-        elif c.profile or c.credentials_file:
-            provider = _profile_keys(c)
         self._pool, self._provider = http, provider
         return Minio(parts.netloc, secure=parts.scheme == "https", region=c.region, http_client=http,
                      credentials=provider)

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from remote_loader import ConfigError, StorageConfig, make_client
+from remote_loader import AccessDenied, ConfigError, StorageConfig, make_client
+from tests.conftest import new_bucket
 
 
 @pytest.mark.parametrize("backend", ["boto3", "minio"])
@@ -97,3 +98,56 @@ def test_keys_holding_a_control_character_are_refused_without_showing_them(field
         StorageConfig.from_env(env)
     message = str(caught.value)
     assert "AKID-VALUE" not in message and "SHH-VALUE" not in message and "\x1b" not in message
+
+
+def _home_with_no_keys(monkeypatch: pytest.MonkeyPatch, home: Path) -> None:
+    """This process as a user's whose home is ``home``: no key variable, the AWS files under ``home``."""
+    for name in [n for n in os.environ if n.startswith(("AWS_", "MINIO_"))]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+
+
+def test_the_minio_backend_takes_the_default_profiles_keys_as_boto3_does(seaweed, tmp_path, monkeypatch):
+    # `aws configure`'s set-up: keys in ~/.aws/credentials [default], no AWS_PROFILE. Before:
+    # the minio backend sent anonymous requests (AccessDenied) where boto3 used them.
+    bucket = new_bucket(seaweed.client())
+    _home_with_no_keys(monkeypatch, tmp_path)
+    _aws_file(tmp_path, "credentials", f"[default]\naws_access_key_id = {seaweed.access_key}\n"
+                                       f"aws_secret_access_key = {seaweed.secret_key}\n")
+    store = make_client(seaweed.endpoint_url, backend="minio")
+    store.put(bucket, "k", b"v")
+    assert store.get(bucket, "k") == b"v"
+    store.close()
+
+
+def test_keys_in_the_environment_win_over_the_default_profiles(seaweed, tmp_path, monkeypatch):
+    bucket = new_bucket(seaweed.client())
+    _home_with_no_keys(monkeypatch, tmp_path)
+    _aws_file(tmp_path, "credentials", "[default]\naws_access_key_id = wrong\naws_secret_access_key = wrong\n")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", seaweed.access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", seaweed.secret_key)
+    store = make_client(seaweed.endpoint_url, backend="minio")
+    store.put(bucket, "k", b"v")
+    assert store.get(bucket, "k") == b"v"
+    store.close()
+
+
+@pytest.mark.parametrize("text, refused", [
+    (None, None),  # no file: anonymous requests, which the server refuses, as before
+    ("[work]\naws_access_key_id = AKID-VALUE-5\naws_secret_access_key = SHH-VALUE-5\n", None),
+    ("[default]\nregion = eu-west-1\n", None),  # a default profile without keys: anonymous too, as boto3 finds none
+    ("[default]\naws_access_key_id = AKID-VALUE-5\n", "the AWS profile 'default' in the AWS credentials file"),
+    ("aws_access_key_id = AKID-VALUE-5\n",
+     r"credentials cannot be parsed as \[profile\] sections \(MissingSectionHeaderError\)"),
+])
+def test_a_default_profile_absent_means_no_keys_and_half_there_an_error(seaweed, tmp_path, monkeypatch, text, refused):
+    bucket = new_bucket(seaweed.client())
+    _home_with_no_keys(monkeypatch, tmp_path)
+    if text is not None:
+        _aws_file(tmp_path, "credentials", text)
+    store = make_client(seaweed.endpoint_url, backend="minio")
+    with pytest.raises(ConfigError if refused else AccessDenied, match=refused) as caught:
+        store.get(bucket, "k")
+    assert "AKID-VALUE" not in str(caught.value) and "SHH-VALUE" not in str(caught.value)
+    store.close()
