@@ -80,7 +80,7 @@ class ReadSession:
         self.members_checked = members_checked
         self.metrics = metrics
         self.cancel = cancel if cancel is not None else threading.Event()
-        self.store = RetryingStore(store, Retry(config.retry, store.endpoint, self.cancel,
+        self.store = RetryingStore(store, Retry(config.retry, store, self.cancel,
                                                 on_retry=lambda: metrics.add(retries=1)))
         self._cache = cache
         self._upload: UploadCache | None = None  # the cache, once made (after the manifest is read)

@@ -84,15 +84,22 @@ class Retry:
 
     Args:
         config: Backoff and deadlines.
-        endpoint: Named in errors and log lines (never with credentials).
+        where: The store the requests go to, or its endpoint: named in errors and log lines
+            (never with credentials). A store is asked at each use: one may learn where it
+            is only when it makes its client (boto3's endpoint from ``~/.aws/config``).
         cancel: Set it to make waiting requests give up at once with ``Cancelled``.
         on_retry: Called once per repeated attempt (to count retries).
     """
 
     config: RetryConfig
-    endpoint: str
+    where: str | Store
     cancel: threading.Event = field(default_factory=threading.Event)
     on_retry: Callable[[], None] = _nothing
+
+    @property
+    def endpoint(self) -> str:
+        """The endpoint, as the store names it now."""
+        return self.where if isinstance(self.where, str) else self.where.endpoint
 
     def call(self, request: Callable[[], T], *, bucket: str | None = None, key: str | None = None) -> T:
         """Return ``request()``, repeating it on retryable faults until the deadline."""
@@ -126,8 +133,9 @@ class Retry:
             except StorageError:
                 note_answer(self.endpoint)  # an error answer (404, 403...) is an answer
                 raise
-            note_answer(self.endpoint)
-            _OUTAGES.answered(self.endpoint)
+            endpoint = self.endpoint
+            note_answer(endpoint)
+            _OUTAGES.answered(endpoint)
             return result
 
     def _gave_up(self, error: BaseException, failing: float, attempts: int, deadline: float, setting: str) -> str:

@@ -135,6 +135,7 @@ class Boto3Store(RangedStore):
         self.config = config
         self._urls: OrderedDict[tuple[str, str], tuple[str, float]] = OrderedDict()
         self._urls_pid = -1
+        self._found_url: str | None = None  # the endpoint botocore chose, where the config names none
 
     def __getstate__(self) -> dict[str, Any]:
         return {**super().__getstate__(), "_urls": OrderedDict(), "_urls_pid": -1}
@@ -157,8 +158,14 @@ class Boto3Store(RangedStore):
 
     @property
     def endpoint(self) -> str:
-        url = self.config.endpoint_url
+        url = self._url()
         return f"AWS S3 ({url})" if _on_aws(url) else url or "AWS S3"
+
+    def _url(self) -> str | None:
+        """The endpoint URL given, else the one botocore found once the client is made (an
+        ``endpoint_url`` of ``~/.aws/config``) where that is not AWS S3's default."""
+        found = self._found_url
+        return self.config.endpoint_url or (found if found is not None and not _on_aws(found) else None)
 
     def __repr__(self) -> str:
         return f"Boto3Store(endpoint_url={self.config.endpoint_url!r}, region={self.config.region!r})"
@@ -197,44 +204,45 @@ class Boto3Store(RangedStore):
             ),
         )
         client.meta.events.register("before-send.s3", _continue_only_for_large_bodies)
+        self._found_url = client.meta.endpoint_url
         return client
 
     @contextmanager
     def _errors(self, operation: str, bucket: str | None = None, key: str | None = None) -> Iterator[None]:
-        """Translate every boto3 and connection exception raised inside into our types."""
-        endpoint = self.endpoint
+        """Translate every boto3 and connection exception raised inside into our types. The
+        endpoint is named as it is known after the request: the client is made by then."""
         try:
             yield
         except bce.ClientError as exc:
             error = exc.response.get("Error", {})
             status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
             raise error_for(
-                str(error.get("Code", "")), status, operation=operation, bucket=bucket, key=key, endpoint=endpoint
+                str(error.get("Code", "")), status, operation=operation, bucket=bucket, key=key, endpoint=self.endpoint
             ) from None
         except _UNREACHABLE:
             raise EndpointUnreachable(
-                f"cannot connect to {endpoint} ({operation})", bucket=bucket, key=key, code="Unreachable"
+                f"cannot connect to {self.endpoint} ({operation})", bucket=bucket, key=key, code="Unreachable"
             ) from None
         except _TRANSIENT as exc:
             raise TransientStorageError(
-                f"connection to {endpoint} failed during {operation} ({type(exc).__name__})",
+                f"connection to {self.endpoint} failed during {operation} ({type(exc).__name__})",
                 bucket=bucket,
                 key=key,
                 code=type(exc).__name__,
             ) from None
         except (bce.NoCredentialsError, bce.PartialCredentialsError):
             # With no endpoint either, the user most likely meant another server than AWS S3.
-            other = "" if self.config.endpoint_url else (
+            other = "" if self._url() else (
                 ", and AWS_ENDPOINT_URL (or pass endpoint_url, the CLI's --endpoint-url) for another server than AWS S3"
             )
             raise AccessDenied(
-                f"no credentials for {endpoint}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY{other}",
+                f"no credentials for {self.endpoint}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY{other}",
                 code="NoCredentials",
             ) from None
         except bce.ParamValidationError as exc:  # refused before it was sent: an invalid bucket name, say
             if bucket is not None and bucket_name_problem(bucket):  # said as the minio backend says it
                 raise error_for("InvalidBucketName", None, operation=operation, bucket=bucket, key=key,
-                                endpoint=endpoint) from None
+                                endpoint=self.endpoint) from None
             detail = one_line(" ".join(str(exc).split()).removeprefix("Parameter validation failed: "))
             raise StorageError(f"{operation} refused: {detail}"[:300], bucket=bucket, key=key,
                                code="InvalidParameter") from None

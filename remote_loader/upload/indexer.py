@@ -48,7 +48,7 @@ def index_webdataset(
             lose the upload's parameters, id and class names); refused without it.
         retry: How every request is retried.
     """
-    store = RetryingStore(store, Retry(retry or RetryConfig(), store.endpoint))
+    store = RetryingStore(store, Retry(retry or RetryConfig(), store))
     manifest_key = location.key(MANIFEST_NAME)
     found = read_versioned(store, location.bucket, manifest_key)
     existing = None if found is None else Manifest.decode(found[0], name=manifest_key)

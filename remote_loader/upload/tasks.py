@@ -345,7 +345,7 @@ def write_task(
         raise Cancelled(f"task {task_id} did not start: the upload is stopping")
     # The whole task is the unit of retry, its task record included: its shards are written
     # again under the same names. Its requests go to the store itself, so retries do not nest.
-    retry = Retry(spec.retry, spec.store.endpoint, cancel=threading.Event() if stop is None else stop)
+    retry = Retry(spec.retry, spec.store, cancel=threading.Event() if stop is None else stop)
     if slots is None:
         return retry.call(partial(_write_task, spec, task_id, indices, dataset, progress, retry.cancel, UNWATCHED))
     with slots.task(task_id) as reading:

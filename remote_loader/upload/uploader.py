@@ -192,7 +192,7 @@ def _upload(ds: Any, client: Store, location: Location, params: dict[str, Any], 
     params["items"] = fingerprint.items(partial(tasks.read_item, ds), partial(_encodes, options), num)
     # Every request here is retried like a task's, so a 503 or a restart of the store after
     # hours of encoding does not end the upload at its manifest PUT.
-    store = RetryingStore(client, Retry(retry, client.endpoint))
+    store = RetryingStore(client, Retry(retry, client))
     before = claim.Before.read(store, location)
     if before.existing is not None and before.found is not None:
         if claim.same_upload(before.existing.params.get("upload"), params) and not running.overwrite:

@@ -116,7 +116,7 @@ def _index(spec: CheckSpec, entry: ShardEntry, stop: threading.Event) -> ShardIn
     if entry.index_name:
         raise CorruptShard(f"shard {entry.name} has its index apart: not a shard of an upload", name=entry.name)
     key = spec.location.key(entry.name)
-    retry = Retry(spec.retry, spec.store.endpoint, cancel=stop)
+    retry = Retry(spec.retry, spec.store, cancel=stop)
     data = retry.call(lambda: spec.store.get_range(spec.location.bucket, key, entry.index_offset,
                                                    entry.index_offset + entry.index_size))
     if crc32(data) != entry.index_crc:

@@ -12,6 +12,7 @@ import pytest
 
 from remote_loader import AccessDenied, ConfigError, StorageConfig, make_client
 from tests.conftest import new_bucket
+from tests.servers import free_port
 
 
 @pytest.mark.parametrize("backend", ["boto3", "minio"])
@@ -151,3 +152,23 @@ def test_a_default_profile_absent_means_no_keys_and_half_there_an_error(seaweed,
         store.get(bucket, "k")
     assert "AKID-VALUE" not in str(caught.value) and "SHH-VALUE" not in str(caught.value)
     store.close()
+
+
+def test_an_endpoint_from_the_aws_config_file_is_the_one_messages_name(seaweed, tmp_path):
+    # botocore sends every request to an endpoint_url of ~/.aws/config; before, messages said
+    # "at AWS S3", and for a dead one "no endpoint is set: set AWS_ENDPOINT_URL".
+    config = _aws_file(tmp_path, "config", f"[default]\nendpoint_url = {seaweed.endpoint_url}\n")
+    env = _users_env(tmp_path, seaweed.endpoint_url, AWS_ACCESS_KEY_ID=seaweed.access_key,
+                     AWS_SECRET_ACCESS_KEY=seaweed.secret_key, REMOTE_LOADER_FIRST_CONTACT_DEADLINE="0.5")
+    del env["AWS_ENDPOINT_URL"]
+    missing = _cli(env, "ls", f"s3://{new_bucket(seaweed.client())}-no/x")
+    assert f"does not exist at {seaweed.endpoint_url} (" in missing.stderr, missing.stderr
+    refused = _cli({**env, "AWS_SECRET_ACCESS_KEY": "SHH-VALUE-6"}, "ls", f"s3://{new_bucket(seaweed.client())}/x")
+    assert f"at {seaweed.endpoint_url} (GET" in refused.stderr and "SHH-VALUE" not in refused.stderr, refused.stderr
+    dead = f"http://127.0.0.1:{free_port()}"
+    config.write_text(f"[default]\nendpoint_url = {dead}\n")
+    unreachable = _cli(env, "ls", "s3://datasets/x")
+    assert f"cannot connect to {dead}: it has never answered" in unreachable.stderr, unreachable.stderr
+    assert "check the endpoint URL" in unreachable.stderr and "no endpoint is set" not in unreachable.stderr
+    for result in (missing, refused, unreachable):
+        assert result.returncode == 1 and "AWS S3" not in result.stderr and result.stderr.count("\n") == 1
