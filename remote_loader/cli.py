@@ -27,20 +27,34 @@ from remote_loader.storage.base import bucket_name_problem
 from remote_loader.storage.factory import Backend
 from remote_loader.upload import load_source, upload_cv_dataset
 from remote_loader.upload.indexer import index_webdataset
+from remote_loader.upload.uploader import MAXCOUNT_RANGE, MAXSIZE_RANGE
 from remote_loader.upload.watch import DEFAULT_STALL_TIMEOUT
 
 
-def _count(low: int) -> Any:
-    """An argparse type: an integer >= ``low``."""
+def _count(low: int, high: int | None = None) -> Any:
+    """An argparse type: an integer >= ``low`` (and <= ``high``, where given)."""
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be {f'>= {low}' if high is None else f'in {low}..{high}'},"
+                                             f" got {value}")
         return value
     return parse
+
+
+def _maxsize(text: str) -> float:
+    """An argparse type: a shard size in bytes, ``1e8`` or ``100000000`` (not inf, not nan)."""
+    low, high = MAXSIZE_RANGE
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not low <= value <= high:
+        raise argparse.ArgumentTypeError(f"must be a number of bytes in {low}..{high}, got {text!r}")
+    return value
 
 
 def _seconds(text: str) -> float:
@@ -451,8 +465,8 @@ def _upload_parser(sub: Any) -> None:
     p = sub.add_parser("upload", help="pack a dataset into shards in a bucket", formatter_class=_Help)
     p.add_argument("source", help="an image-folder tree (class subfolders) or module:function returning a dataset")
     p.add_argument("url", help="destination, s3://bucket/prefix or a local path")
-    p.add_argument("--maxsize", type=float, default=1e8, help="maximum shard size in bytes (default: 1e8)")
-    p.add_argument("--maxcount", type=_count(1), default=100_000, help="maximum samples per shard")
+    p.add_argument("--maxsize", type=_maxsize, default=1e8, help="maximum shard size in bytes (default: 1e8)")
+    p.add_argument("--maxcount", type=_count(*MAXCOUNT_RANGE), default=100_000, help="maximum samples per shard")
     p.add_argument("--workers", type=_count(0), default=None,
                    help="encoding processes; 0 encodes in this process (default: CPU count)")
     p.add_argument("--seed", type=_count(0), default=0, help="seed of the permutation before sharding")

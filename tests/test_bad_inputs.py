@@ -234,8 +234,12 @@ def test_other_constructors_check_their_arguments(make, field):
     [
         ({"workers": -1}, "workers must be an integer >= 0"),
         ({"seed": -1}, "seed must be an integer in 0.."),
-        ({"maxcount": 0}, "maxcount must be an integer >= 1"),
+        ({"maxcount": 0}, "maxcount must be an integer in 1..18014398509481983, got 0"),
         ({"maxsize": "big"}, "maxsize must be a number"),
+        ({"maxsize": float("inf")}, "maxsize must be a number of bytes in 4096..9223372036854775807, got inf"),
+        ({"maxsize": float("nan")}, "maxsize must be a number of bytes in 4096..9223372036854775807, got nan"),
+        ({"maxsize": 2.0**63}, "maxsize must be a number of bytes in 4096..9223372036854775807"),
+        ({"maxcount": 2**70}, "maxcount must be an integer in 1..18014398509481983, got 1180591620717411303424"),
         ({"quality": 0}, "quality must be an integer in 1..100"),
         ({"shuffle": "no"}, "shuffle must be True or False"),
     ],

@@ -21,6 +21,9 @@ DTYPES: dict[str, np.dtype[Any]] = {
     "<u8": np.dtype("<u8"),
 }
 LIMIT = 2**63  # every size, offset and the sum of sample counts fit a signed 64-bit integer
+MOST_SAMPLES_PER_SHARD = (LIMIT - 1) // 512
+"""The most samples a shard can hold: each takes at least a 512-byte tar header, and a shard
+is under ``LIMIT`` bytes (docs/FORMAT.md); a count that msgpack holds too."""
 
 
 def manifest_error(name: str | None, what: str) -> CorruptShard:

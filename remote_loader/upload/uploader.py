@@ -21,13 +21,14 @@ from typing import Any
 
 import numpy as np
 
-from remote_loader.config import RetryConfig, require_bool, require_int
+from remote_loader.config import MOST_BYTES, RetryConfig, require_bool, require_int
 from remote_loader.errors import (
     ConfigError,
     OnError,
     UploadError,
 )
 from remote_loader.format import Manifest
+from remote_loader.format.columns import MOST_SAMPLES_PER_SHARD
 from remote_loader.format.shard import member_bytes
 from remote_loader.storage import DEFAULT_PART_SIZE, Location, Store, as_store
 from remote_loader.storage.retrying import Retry, RetryingStore
@@ -48,6 +49,11 @@ _ESTIMATE_SAMPLES = 64
 """Samples encoded to judge the mean size: photographs' sizes vary by about a third, and 16
 of them missed the mean by up to 12%, so every task of ~64 MB spilled a shard of ~1 MB."""
 
+
+MAXSIZE_RANGE = (4096, MOST_BYTES)
+"""The ``maxsize`` an upload takes: room for an index and a sample, and at most what a file can be."""
+MAXCOUNT_RANGE = (1, MOST_SAMPLES_PER_SHARD)
+"""The ``maxcount`` an upload takes: at most what a shard can hold (and the manifest record)."""
 
 
 def _plan_task_size(dataset: Any, order: np.ndarray, options: EncodeOptions, maxsize: int, maxcount: int) -> int:
@@ -244,9 +250,10 @@ def _parameters(
                           " forkserver start method each worker imports your main script again; put the code that"
                           ' starts the upload under `if __name__ == "__main__":`')
     policy = OnError.of(on_error)
-    maxcount = require_int("maxcount", maxcount, 1)
-    if isinstance(maxsize, bool) or not isinstance(maxsize, (int, float)) or not maxsize >= 4096:
-        raise ConfigError(f"maxsize must be a number of bytes >= 4096, got {maxsize!r}")
+    maxcount = require_int("maxcount", maxcount, *MAXCOUNT_RANGE)
+    low, high = MAXSIZE_RANGE
+    if isinstance(maxsize, bool) or not isinstance(maxsize, (int, float)) or not low <= maxsize <= high:
+        raise ConfigError(f"maxsize must be a number of bytes in {low}..{high}, got {maxsize!r}")  # not inf, not nan
     if workers is not None:
         require_int("workers", workers, 0)
     require_int("quality", quality, 1, 100)
