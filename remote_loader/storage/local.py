@@ -54,10 +54,8 @@ class LocalStore(Store):
         if not bucket or "/" in bucket or bucket in (".", "..") or "\0" in bucket:
             raise StorageError(f"invalid bucket name {bucket!r}", bucket=bucket, code="InvalidBucketName")
         path = self.root / bucket
-        if not path.is_dir():
-            raise BucketNotFound(
-                f"bucket {bucket!r} does not exist under {self.root}", bucket=bucket, code="NoSuchBucket"
-            )
+        if not path.is_dir():  # the message names the directory: a dataset's own, where the URL was a path
+            raise BucketNotFound(_no_directory(path), bucket=bucket, code="NoSuchBucket")
         return path
 
     def _path(self, bucket: str, key: str) -> Path:
@@ -195,7 +193,29 @@ class LocalStore(Store):
     def create_bucket(self, bucket: str) -> None:
         if not bucket or "/" in bucket or bucket in (".", ".."):
             raise StorageError(f"invalid bucket name {bucket!r}", bucket=bucket, code="InvalidBucketName")
-        (self.root / bucket).mkdir(parents=True, exist_ok=True)
+        path = self.root / bucket
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):  # a file there, or above it: never replaced
+            raise StorageError(_no_directory(path), bucket=bucket, code="NotADirectory") from None
+        except PermissionError:
+            raise AccessDenied(f"no permission to make the directory {path}", bucket=bucket) from None
+        except OSError as error:
+            raise StorageError(f"cannot make the directory {path}: {error.strerror}", bucket=bucket) from None
+
+
+def _no_directory(path: Path) -> str:
+    """Why ``path`` is no directory, naming it: it is a file, a file lies above it, or nothing is there."""
+    try:
+        for above in (path, *path.parents):
+            if above.is_dir():
+                break
+            if above.exists() or above.is_symlink():
+                kind = "a file, not a directory" if above.is_file() else "not a directory"
+                return f"{above} is {kind}" if above == path else f"{path}: {above} is {kind}"
+    except OSError:  # a parent that cannot be searched
+        pass
+    return f"no directory {path}"
 
 
 def _etag(data: bytes) -> str:

@@ -481,3 +481,25 @@ def test_upload_stores_frames_as_video_where_asked(tmp_path):
         subprocess.run([str(SCRIPT), "info", str(dest), "--json"], capture_output=True, text=True, check=True).stdout
     )
     assert info["samples"] == 3 and "0.mp4" in json.dumps(info["fields"])
+
+
+def test_a_local_path_that_is_a_file_or_no_directory_is_named_in_one_line(tmp_path):
+    work = tmp_path.resolve()
+    (work / "notes.txt").write_text("mine\n")
+    (work / "src").mkdir()
+    (work / "src" / "main.py").write_text("mine\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "MINIO_"))}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    upload = ["upload", "tests.helpers:small_images", "--workers", "0", "--quiet"]
+    under_a_file = f"{work}/src/main.py/x: {work}/src/main.py is a file, not a directory"
+    for args, message in (
+        ([*upload, "./notes.txt"], f"{work}/notes.txt is a file, not a directory"),
+        ([*upload, f"file://{work}/src/main.py/x"], under_a_file),
+        (["ls", "./notes.txt"], f"{work}/notes.txt is a file, not a directory"),
+        (["info", f"{work}/src/main.py/x"], under_a_file),
+        (["info", "./missing-dir"], f"no directory {work}/missing-dir"),
+    ):
+        done = subprocess.run([str(SCRIPT), *args], env=env, cwd=work, capture_output=True, text=True, timeout=120)
+        assert (done.returncode, done.stderr) == (1, f"remote-loader: error: {message}\n"), args
+    assert sorted(p.name for p in work.iterdir()) == ["notes.txt", "src"]  # nothing made, nothing touched
+    assert (work / "notes.txt").read_text() == (work / "src" / "main.py").read_text() == "mine\n"
