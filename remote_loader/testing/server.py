@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -38,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
+from remote_loader.config import one_line
 from remote_loader.errors import ConfigError, EndpointUnreachable
 from remote_loader.storage import Store, make_client
 from remote_loader.storage.factory import Backend
@@ -126,6 +128,22 @@ def service_ports(base: int) -> dict[str, int]:
     return ports
 
 
+_GO_STACK = re.compile(r"^goroutine \d+ \[", re.MULTILINE)
+"""Where a Go program's stack dump starts: after the line that says what went wrong."""
+
+
+def _log_tail(log: Path, lines: int = 3, most: int = 400) -> str:
+    """The last few lines of the server's log before any Go stack dump, on one line."""
+    try:
+        text = log.read_text(errors="replace")[-100_000:]
+    except OSError:
+        return "(no log)"
+    stack = _GO_STACK.search(text)
+    kept = [" ".join(line.split()) for line in text[: stack.start() if stack else None].splitlines() if line.strip()]
+    tail = one_line(" | ".join(kept[-lines:])) or "(nothing)"
+    return tail if len(tail) <= most else "..." + tail[-most:]
+
+
 @dataclass
 class EmbeddedS3:
     """A SeaweedFS S3 server on 127.0.0.1, started and stopped by this object.
@@ -192,7 +210,9 @@ class EmbeddedS3:
             self._tmp = tempfile.TemporaryDirectory(prefix=_DATA_PREFIX)
             self.data_dir = self._tmp.name
             claim(self.data_dir)
-        data = Path(self.data_dir)
+        # Absolute: weed runs in it (cwd), and would take a relative path as one below it.
+        data = Path(os.path.abspath(self.data_dir))
+        self.data_dir = str(data)
         try:
             data.mkdir(parents=True, exist_ok=True)
             data.chmod(0o700)
@@ -305,9 +325,9 @@ class EmbeddedS3:
         while time.monotonic() < deadline:
             if self._process is not None and self._process.poll() is not None:
                 log = Path(self.data_dir or ".") / "weed.log"
-                tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
                 self._process = None
-                raise EndpointUnreachable(f"embedded S3 server exited at start; its log ends:\n{tail}")
+                raise EndpointUnreachable(f"embedded S3 server exited at start; its log ends: {_log_tail(log)}"
+                                          f" (all of it in {log})")
             try:
                 with urllib.request.urlopen(url, timeout=1) as response:
                     if response.status == 200:

@@ -318,3 +318,42 @@ def test_a_stop_then_a_start_on_the_same_data_directory_keeps_every_object(tmp_p
         raw.close()
     finally:
         server.stop()
+
+
+def test_a_relative_data_directory_is_taken_from_where_the_server_is_started(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with EmbeddedS3(data_dir="rel-data", buckets=["here"]) as server:
+        assert server.data_dir == str(tmp_path / "rel-data")
+        client = server.client()
+        client.put("here", "k", b"v")
+        assert client.get("here", "k") == b"v"
+        client.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rel-data"]
+    assert not (tmp_path / "rel-data" / "rel-data").exists()  # nothing made below it as if it were relative
+
+
+_DYING_WEED = """#!/bin/sh
+echo "  Starting SeaweedFS Mini ..."
+echo "F1207 01:10:09.305479 tls.go:261 open tls/ca.crt: no such file or directory"
+echo "goroutine 146 [running]:"
+for i in $(seq 60); do printf 'github.com/seaweedfs/seaweedfs/weed/glog.stacks(0x0)\\n\\tglog.go:832 +0x85\\n'; done
+exit 1
+"""
+
+
+def test_a_server_that_exits_at_start_is_reported_in_one_short_line(tmp_path, monkeypatch):
+    from remote_loader import EndpointUnreachable
+    from remote_loader.testing import server as embedded
+
+    weed = tmp_path / "weed"
+    weed.write_text(_DYING_WEED)
+    weed.chmod(0o755)
+    monkeypatch.setattr(embedded, "find_weed", lambda: str(weed))
+    with pytest.raises(EndpointUnreachable) as caught:
+        EmbeddedS3(data_dir=str(tmp_path / "data")).start(timeout=60)
+    message = str(caught.value)
+    assert "\n" not in message and len(message) < 600, message
+    assert message == (
+        "embedded S3 server exited at start; its log ends: Starting SeaweedFS Mini ... | F1207 01:10:09.305479"
+        f" tls.go:261 open tls/ca.crt: no such file or directory (all of it in {tmp_path}/data/weed.log)"
+    )
