@@ -572,6 +572,10 @@ _INTERRUPTED = {"upload": ": the shards written are kept, and the same command a
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if sys.stdout is None:  # started with its stdout closed (`>&-`): what it prints would be lost
+        if sys.stderr is not None:
+            print("remote-loader: error: standard output is closed", file=sys.stderr)
+        return 1
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # the command's own usage, not the top-level one, says what it takes

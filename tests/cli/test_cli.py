@@ -503,3 +503,14 @@ def test_a_local_path_that_is_a_file_or_no_directory_is_named_in_one_line(tmp_pa
         assert (done.returncode, done.stderr) == (1, f"remote-loader: error: {message}\n"), args
     assert sorted(p.name for p in work.iterdir()) == ["notes.txt", "src"]  # nothing made, nothing touched
     assert (work / "notes.txt").read_text() == (work / "src" / "main.py").read_text() == "mine\n"
+
+
+@pytest.mark.parametrize("command", ["ls", "info", "verify"])
+def test_a_command_whose_stdout_is_closed_says_so_in_one_line(tmp_path, command):
+    from remote_loader import LocalStore
+    from tests.helpers import upload_to_new_bucket
+
+    upload_to_new_bucket(LocalStore(tmp_path), "ds", "", SyntheticImages(4, size=(16, 16)), maxcount=2)
+    done = subprocess.run(["sh", "-c", 'exec "$0" "$@" >&-', str(SCRIPT), command, str(tmp_path / "ds")],
+                          capture_output=False, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert (done.returncode, done.stderr) == (1, "remote-loader: error: standard output is closed\n")
