@@ -16,7 +16,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from remote_loader import __version__
-from remote_loader.config import CacheConfig, FetchConfig, RetryConfig, one_line
+from remote_loader.config import CacheConfig, FetchConfig, RetryConfig, normalize_endpoint, one_line
 from remote_loader.errors import BucketNotFound, ConfigError, RemoteLoaderError
 from remote_loader.format import ShardTable, fields
 from remote_loader.format.video import VIDEO_EXTENSIONS
@@ -77,6 +77,16 @@ def _timeout(text: str) -> float | None:
     return value
 
 
+def _endpoint(text: str) -> str:
+    """An argparse type: an S3 endpoint, ``http(s)://host[:port]`` or ``host:port`` (never a
+    local path, which would be written to as a directory)."""
+    try:
+        normalize_endpoint(text)
+    except ConfigError as error:  # its message never repeats credentials the URL holds
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
 _CONNECTION = """The endpoint and keys come from the environment: AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID,
 AWS_SECRET_ACCESS_KEY (AWS_SESSION_TOKEN, AWS_REGION, AWS_PROFILE), or MinIO's MINIO_ENDPOINT,
 MINIO_ACCESS_KEY, MINIO_SECRET_KEY. With no endpoint, s3:// means AWS S3. Keys are not options:
@@ -99,7 +109,8 @@ class _Help(argparse.RawDescriptionHelpFormatter):
 
 def _connection(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("connection", _CONNECTION)
-    group.add_argument("--endpoint-url", help="S3 endpoint, e.g. http://127.0.0.1:9000 (default: AWS_ENDPOINT_URL)")
+    group.add_argument("--endpoint-url", type=_endpoint,
+                       help="S3 endpoint, e.g. http://127.0.0.1:9000 (default: AWS_ENDPOINT_URL)")
     group.add_argument("--region", help="signing region (default: AWS_REGION, else us-east-1)")
     group.add_argument("--backend", choices=("boto3", "minio"), default="boto3", help="S3 client library")
     retry = RetryConfig()

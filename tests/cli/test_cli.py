@@ -514,3 +514,18 @@ def test_a_command_whose_stdout_is_closed_says_so_in_one_line(tmp_path, command)
     done = subprocess.run(["sh", "-c", 'exec "$0" "$@" >&-', str(SCRIPT), command, str(tmp_path / "ds")],
                           capture_output=False, stderr=subprocess.PIPE, text=True, timeout=120)
     assert (done.returncode, done.stderr) == (1, "remote-loader: error: standard output is closed\n")
+
+
+@pytest.mark.parametrize("endpoint", ["./ep", "127.0.0.1", "file://{tmp_path}/ep"])
+def test_an_endpoint_url_that_is_no_http_endpoint_is_refused_never_taken_as_a_directory(tmp_path, endpoint):
+    endpoint = endpoint.format(tmp_path=tmp_path)
+    problem = f"endpoint {endpoint!r} is not an http(s)://host[:port] URL"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "AWS_ACCESS_KEY_ID": "k",
+           "AWS_SECRET_ACCESS_KEY": "s"}
+    for command in (["upload", "tests.helpers:small_images", "s3://datasets/x", "--create-bucket", "--workers", "0",
+                     "--quiet"], ["ls", "s3://datasets/x"]):
+        done = subprocess.run([str(SCRIPT), *command, "--endpoint-url", endpoint], env=env, cwd=tmp_path,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.splitlines()[-1].endswith(f"error: argument --endpoint-url: {problem}"), done.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing written where the endpoint was taken for a directory
