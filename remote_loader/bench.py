@@ -9,7 +9,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
-from remote_loader.config import FetchConfig
+from remote_loader.config import MAX_WORKERS, FetchConfig, require_int
 from remote_loader.errors import ConfigError
 from remote_loader.format import fields
 from remote_loader.format.video import VIDEO_EXTENSIONS
@@ -104,6 +104,7 @@ def run(
     clock there, so its rate is this result's), then with the number of samples each item
     brought.
     """
+    workers = require_int("workers", workers, 0, MAX_WORKERS)  # RemoteDataset's bound: checked before they start
     base = RemoteDataset(client, bucket, prefix, fetch=fetch, rank=0, world_size=1, verify=verify)
     manifest = base.reader.manifest
     total = manifest.num_samples if samples is None else min(samples, manifest.num_samples)

@@ -16,7 +16,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from remote_loader import __version__
-from remote_loader.config import CacheConfig, FetchConfig, RetryConfig, normalize_endpoint, one_line
+from remote_loader.config import MAX_WORKERS, CacheConfig, FetchConfig, RetryConfig, normalize_endpoint, one_line
 from remote_loader.errors import BucketNotFound, ConfigError, RemoteLoaderError
 from remote_loader.format import ShardTable, fields
 from remote_loader.format.video import VIDEO_EXTENSIONS
@@ -535,7 +535,7 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=_Help)
     p.add_argument("url", help="s3://bucket/prefix or a local path")
     p.add_argument("--samples", type=_count(1), default=None, help="samples per run (default: one epoch)")
-    p.add_argument("--workers", type=_count(0), default=2, help="DataLoader workers")
+    p.add_argument("--workers", type=_count(0, MAX_WORKERS), default=2, help="DataLoader workers")
     p.add_argument(
         "--decode",
         choices=("none", "pil", "rrc", "rrc-plain", "clip"),

@@ -294,3 +294,10 @@ def test_a_text_label_that_is_not_utf8_is_a_decode_error_through_workers(s3):
     with pytest.raises(DecodeError, match="field 'txt' of sample '001'") as caught:
         list(DataLoader(ds, batch_size=None, num_workers=1))
     assert (caught.value.key, caught.value.field) == ("001", "txt")
+
+
+def test_bench_refuses_more_workers_than_a_dataset_runs_in_before_any_request():
+    from remote_loader.bench import run
+
+    with pytest.raises(ConfigError, match="workers must be an integer in 0..1024, got 5000"):
+        run(make_client(_UNREACHED, "key", "secret"), "bkt", "ds", workers=5000)
