@@ -221,9 +221,10 @@ def flaky_images() -> FlakyImages:
     return FlakyImages(30, {3, 11, 29}, size=(32, 24))
 
 
-class CutShort(SyntheticImages):
-    """JPEGs, one of them (``broken``) cut short 20 bytes into its scan: the upload takes it,
-    a decoder does not."""
+class Undecodable(SyntheticImages):
+    """JPEGs, one of them (``broken``) whole but undecodable: its scan names a Huffman table
+    it never defines. Its header reads and it ends where it should (the upload takes it, as
+    it takes any whole file: it does not decode), but no decoder decodes it."""
 
     def __init__(self, *args: Any, broken: int, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -232,8 +233,9 @@ class CutShort(SyntheticImages):
     def __getitem__(self, index: int):  # type: ignore[override]
         image, label = super().__getitem__(index)
         if index == self.broken:
-            data = self.encoded(index)
-            return data[: data.find(b"\xff\xda") + 20], label
+            data = bytearray(self.encoded(index))
+            data[data.find(b"\xff\xda") + 6] = 0x99  # the first component's tables: DC 9, AC 9
+            return bytes(data), label
         return image, label
 
 

@@ -23,6 +23,7 @@ from PIL import Image, UnidentifiedImageError
 from remote_loader.config import one_line
 from remote_loader.errors import ConfigError, UploadError
 from remote_loader.format import fields
+from remote_loader.format.images import png_cut_short, structure_problem
 from remote_loader.format.index import MAX_FIELD_NAME
 from remote_loader.format.video import video_extension
 from remote_loader.frames import decode_frames, encode_frames
@@ -84,9 +85,10 @@ def _sniff(data: bytes, index: int, what: str, whole: bool = True) -> str:
         raise _fail(index, f"{what} is larger than Pillow's MAX_IMAGE_PIXELS allows ({one_line(exc)})") from None
     if fmt not in EXTENSIONS:
         raise _fail(index, f"{what} is a {fmt} image; supported: {', '.join(sorted(set(EXTENSIONS)))}")
-    if whole and _cut_short(data, fmt):
-        raise _fail(index, f"{what} is cut short: its {fmt} data ends before its end marker (a file truncated by a"
-                           " copy or download that failed), which decoders refuse")
+    problem = _cut_short(data, fmt) if whole else None
+    if problem is not None:
+        raise _fail(index, f"{what} is not a whole {fmt}: {problem} (as a file cut short by a failed copy or"
+                           " download), which decoders refuse")
     return EXTENSIONS[fmt]
 
 
@@ -99,20 +101,14 @@ def check_image(data: bytes, index: int, what: str) -> bytes:
     return data
 
 
-def _cut_short(data: bytes, fmt: str) -> bool:
-    """Whether a JPEG or PNG ends inside its data, as a truncated file does: no end-of-image
-    after a JPEG's last scan (scan data never holds a marker's bytes); a PNG chunk whose data
-    the file ends inside (a chunk: its length, type, data and crc, 12 bytes and its data; a
-    crc cut short Pillow reads past). What follows the end (a camera's padding) is no matter;
-    other formats are not looked at."""
+def _cut_short(data: bytes, fmt: str) -> str | None:
+    """What makes a JPEG or PNG less than whole (``format.images``), or None; other formats
+    are not looked at."""
     if fmt in ("JPEG", "MPO"):
-        return data.rfind(b"\xff\xd9") < data.rfind(b"\xff\xda")
-    if fmt == "PNG":
-        at = 8  # the signature's end
-        while at + 8 <= len(data) and data[at + 4 : at + 8] != b"IEND":
-            at += 12 + int.from_bytes(data[at : at + 4], "big")
-        return at - 4 > len(data)
-    return False
+        return structure_problem(data)
+    if fmt == "PNG" and png_cut_short(data):
+        return "it ends inside its data"
+    return None
 
 
 def _to_pil(array: np.ndarray, index: int) -> Image.Image:

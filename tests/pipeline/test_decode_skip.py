@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 
 from remote_loader import DecodeError, RandomResizedCrop, RemoteDataset
-from tests.helpers import CutShort, upload_to_new_bucket
+from tests.helpers import Undecodable, upload_to_new_bucket
 
 N, BROKEN = 12, 5
 
@@ -17,7 +17,7 @@ N, BROKEN = 12, 5
 @pytest.fixture(scope="module")
 def client(seaweed):
     store = seaweed.client()
-    upload_to_new_bucket(store, "decode-skip", "d", CutShort(N, size=(48, 32), broken=BROKEN), maxcount=6)
+    upload_to_new_bucket(store, "decode-skip", "d", Undecodable(N, size=(48, 32), broken=BROKEN), maxcount=6)
     return store
 
 

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 from remote_loader import ConfigError, DecodeError, RandomResizedCrop, RemoteDataset, decode_batches, loader
 from remote_loader.pipeline.device import EncodedBatch, nvimgcodec
 from remote_loader.testing.synthetic import SyntheticImages
-from tests.helpers import CutShort, upload_to_new_bucket
+from tests.helpers import Undecodable, upload_to_new_bucket
 
 try:
     nvimgcodec()
@@ -27,7 +27,7 @@ except ConfigError:
     pytest.skip("nvImageCodec is not installed (the gpu extra)", allow_module_level=True)
 
 N = 90
-BROKEN = 37  # a JPEG cut short after its header: Pillow and the upload take it, a decoder does not
+BROKEN = 37  # a whole JPEG no decoder decodes (helpers.Undecodable): the upload takes it
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
@@ -37,7 +37,8 @@ MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 def client(seaweed):
     store = seaweed.client()
     upload_to_new_bucket(store, "device-tests", "d", SyntheticImages(N, size=(160, 120)), maxcount=20)
-    upload_to_new_bucket(store, "device-tests-broken", "d", CutShort(40, size=(160, 120), broken=BROKEN), maxcount=20)
+    broken = Undecodable(40, size=(160, 120), broken=BROKEN)
+    upload_to_new_bucket(store, "device-tests-broken", "d", broken, maxcount=20)
     yield store
     store.close()
 
@@ -82,8 +83,8 @@ def test_normalised_output_matches_the_cpu_path(client):
 
 
 def test_a_jpeg_that_does_not_decode_names_its_sample_or_leaves_the_rest_of_its_batch(client):
-    cut_short = r"sample .0000\d\d. of shard-.* is not a decodable JPEG: it ends before its end-of-image marker"
-    with pytest.raises(DecodeError, match=cut_short) as info:
+    undecodable = r"sample .0000\d\d. of shard-.* is not a decodable JPEG: the CPU decoder could not decode it"
+    with pytest.raises(DecodeError, match=undecodable) as info:
         list(loader(pipeline(client, "device-tests-broken", device="cpu", batched=True), num_workers=0))
     assert info.value.key == f"{BROKEN:06d}"
     skipping = pipeline(client, "device-tests-broken", on_error="skip", device="cpu", batched=True)

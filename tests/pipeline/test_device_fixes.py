@@ -23,13 +23,13 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from remote_loader import ConfigError, RandomResizedCrop, RemoteDataset, decode_batches, loader
+from remote_loader.format.images import structure_problem
 from remote_loader.pipeline.device import Encoded, EncodedBatch
 from remote_loader.pipeline.device.codec import HARDWARE, NvImageCodec
 from remote_loader.pipeline.device.place import indexed
 from remote_loader.pipeline.device.resize import chunks
-from remote_loader.pipeline.stages.prepared import structure_problem
 from remote_loader.testing.synthetic import SyntheticImages
-from tests.helpers import CutShort, require_nvimagecodec, upload_to_new_bucket
+from tests.helpers import Undecodable, require_nvimagecodec, upload_to_new_bucket
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 WIDTH, HEIGHT = 160, 120
@@ -61,7 +61,7 @@ def client(seaweed):
     mixed = SyntheticImages(MIXED, size=(WIDTH, HEIGHT), formats=("jpeg", "png"))  # odd indexes are PNG
     upload_to_new_bucket(store, "fixes-mixed", "d", mixed, maxcount=16)
     upload_to_new_bucket(store, "fixes-large", "d", SyntheticImages(LARGE, size=(400, 300)), maxcount=16)
-    upload_to_new_bucket(store, "fixes-broken", "d", CutShort(BROKEN_OF, size=(64, 48), broken=BROKEN), maxcount=8)
+    upload_to_new_bucket(store, "fixes-broken", "d", Undecodable(BROKEN_OF, size=(64, 48), broken=BROKEN), maxcount=8)
     yield store
     store.close()
 

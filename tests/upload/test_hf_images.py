@@ -61,7 +61,7 @@ def test_an_image_column_that_converts_its_images_is_stored_as_ds_i_gives_them(t
 
 def test_a_truncated_image_names_its_sample_and_column(tmp_path):
     blobs = [_encoded(0, "JPEG"), _encoded(1, "JPEG")[:-300]]
-    with pytest.raises(UploadError, match=r"^sample 1: column 'image''s image is cut short"):
+    with pytest.raises(UploadError, match=r"^sample 1: column 'image''s image is not a whole JPEG: it ends before"):
         _upload(tmp_path, _hf(blobs))
     samples, _ = _upload(tmp_path, _hf(blobs), on_error="skip", overwrite=True)
     assert [s["__key__"] for s in samples] == ["000000"]

@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import default_collate
 
 from remote_loader.errors import ConfigError, DecodeError
+from remote_loader.format.images import structure_problem
 from remote_loader.pipeline.stages.augment import JPEG_MAGIC, RandomResizedCrop
 from remote_loader.pipeline.stages.containers import holds
 
@@ -47,40 +48,6 @@ def prepare(crop: RandomResizedCrop, data: Any, rng: np.random.Generator, key: s
     box = crop.source_box(width, height, crop.box(width, height, rng))
     flip = bool(crop.flip and rng.random() < 0.5)
     return Encoded(bytes(data), box, flip, key, shard, structure_problem(data))
-
-
-def structure_problem(data: Any) -> str | None:
-    """What makes ``data`` less than a whole JPEG's structure (no image scan, or cut short
-    before the end marker that follows its scan), or None. Bytes after the end marker
-    (a camera's trailer, padding) are harmless. A GPU's hardware decoder reports an image
-    decoded once it is queued, so a JPEG cut short must be caught before it gets there."""
-    raw = bytes(data)
-    scan = _scan_start(raw)
-    if scan is None:
-        return "it has no image scan"
-    if raw.rfind(b"\xff\xd9") < scan:  # entropy-coded data never holds FF D9: it is the end
-        return "it ends before its end-of-image marker"
-    return None
-
-
-def _scan_start(raw: bytes) -> int | None:
-    """Where the image's scan (its first SOS segment) starts, walking the segments from the
-    start-of-image marker (an EXIF thumbnail inside APP1 is skipped whole), or None."""
-    at = 2
-    while at + 4 <= len(raw):
-        if raw[at] != 0xFF:
-            return None
-        marker = raw[at + 1]
-        if marker == 0xFF:  # fill byte before a marker
-            at += 1
-            continue
-        if marker == 0xDA:
-            return at
-        if marker in (0xD8, 0x01) or 0xD0 <= marker <= 0xD7:  # markers without a length
-            at += 2
-            continue
-        at += 2 + int.from_bytes(raw[at + 2 : at + 4], "big")
-    return None
 
 
 class Ready:
