@@ -255,12 +255,24 @@ class RemoteDataset(IterableDataset):
             clip_place(video.device)  # DALI and the device there, checked now
         self._require_form("decode", ("dict", None), "decodes the fields of dict samples: put it before to_tuple"
                            " and batched")
+        if batched or device not in ("cpu", "auto"):
+            self._require_unstructured(device)
         place = check_device(device, batched, cpu_fallback, mode if isinstance(mode, RandomResizedCrop) else None)
         clone = self._with(stages.Decode(mode, min_size, threads, device=place, on_error=self.on_error, video=video))
-        if self.on_error.skips and place is None:  # a sample that does not decode is left out, counted
+        if self.on_error.skips:  # a sample that does not decode is left out, counted (a worker's, on a device)
             clone = clone._with(stages.DropUndecodable())
         clone.fell_back = self.fell_back or (device == "auto" and place is None)
         return clone
+
+    def _require_unstructured(self, device: Any) -> None:
+        """ConfigError where the manifest says the samples are structured (``0.jpg``,
+        ``1.boxes.npy``): decoding on a device crops classification samples only. Said now,
+        not by a DataLoader worker at the first sample."""
+        structured = sorted(n for n in self._field_names() or () if "." in n and not n.startswith("__"))
+        if structured:
+            raise ConfigError(f"decode(device={device!r}) crops classification samples (an image and its label);"
+                              f" this dataset's samples have the fields {stages.listed(structured)}: decode them with"
+                              " RandomResizedCrop on the CPU, which crops their targets with their images")
 
     def to_tuple(self, *fields: str) -> RemoteDataset:
         """Samples become tuples of these fields (``"jpg;png"``: the first present); one

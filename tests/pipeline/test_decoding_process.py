@@ -411,6 +411,42 @@ def test_a_state_loaded_then_close_is_the_one_the_loader_resumes_from(client):
     assert len(first) == 16 and sorted(first + rest) == EVERY
 
 
+class Flaky:
+    """A map whose first call after ``arm()`` raises (a transient failure in a user's map), in
+    whichever process runs it: the flag is a file."""
+
+    def __init__(self, flag) -> None:
+        self.flag = flag
+
+    def arm(self) -> None:
+        self.flag.write_text("")
+
+    def __call__(self, sample):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.flag)
+            raise RuntimeError("a transient failure")
+        return sample
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_loaded_state_whose_pass_fails_before_its_first_batch_is_resumed_again(client, tmp_path, workers):
+    """A checkpoint loaded, the resumed pass failing before it hands out a batch: the state the
+    loader gives then is still the one loaded, and resuming from it delivers the rest once."""
+    pytest.importorskip("torchdata")
+    flaky = Flaky(tmp_path / "flag")
+    stopped = loader(pipeline(client, fn=flaky), num_workers=workers, stateful=True)
+    first = keys(itertools.islice(iter(stopped), 2))
+    state = stopped.state_dict()
+    resumed = loader(pipeline(client, fn=flaky), num_workers=workers, stateful=True)
+    resumed.load_state_dict(state)
+    flaky.arm()
+    with pytest.raises(RuntimeError, match="a transient failure"):
+        keys(resumed)
+    again = loader(pipeline(client, fn=flaky), num_workers=workers, stateful=True)
+    again.load_state_dict(resumed.state_dict())
+    assert sorted(first + keys(again)) == EVERY
+
+
 def test_the_environment_and_sys_path_of_a_pass_are_this_processs_as_it_begins(client, monkeypatch, tmp_path):
     ds = pipeline(client)  # the decoding process starts now, with the environment of now
     monkeypatch.setenv("RANK", "1")

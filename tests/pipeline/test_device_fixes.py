@@ -16,13 +16,14 @@ import threading
 import types
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from PIL import Image
 
-from remote_loader import ConfigError, RandomResizedCrop, RemoteDataset, decode_batches, loader
+from remote_loader import ConfigError, DecodeError, RandomResizedCrop, RemoteDataset, decode_batches, loader
 from remote_loader.format.images import structure_problem
 from remote_loader.pipeline.device import Encoded, EncodedBatch
 from remote_loader.pipeline.device.codec import HARDWARE, NvImageCodec
@@ -231,6 +232,59 @@ def test_a_device_stage_is_checked_for_its_decoder_before_its_device(client):
     for device in ("cuda", "cpu"):  # not "needs CUDA" first, on a machine without a GPU
         with pytest.raises(ConfigError, match=r"decoding on a device \('(cuda|cpu)'\) is for RandomResizedCrop"):
             base.decode("pil", device=device, batched=True)
+
+
+class BrokenPng(SyntheticImages):
+    """JPEGs, and one PNG (``broken``) whose image data is damaged inside whole chunks: it opens,
+    the upload takes it, and it fails only once decoded, in the worker (not a JPEG)."""
+
+    def __init__(self, *args, broken: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.broken = broken
+
+    def __getitem__(self, index: int):  # type: ignore[override]
+        if index != self.broken:
+            return super().__getitem__(index)
+        out = io.BytesIO()
+        self.image(index).save(out, "PNG")
+        data = bytearray(out.getvalue())
+        at = data.find(b"IDAT") + 40
+        data[at : at + 8] = bytes(8)
+        return bytes(data), self.label(index)
+
+
+def test_an_image_that_fails_in_the_worker_is_skipped_and_counted_on_the_device_path_too(seaweed):
+    """What fails in a worker on the device path (an image of another format that does not
+    decode, a JPEG header that does not parse) is left out and counted under ``skip``, as on
+    the CPU path; under ``raise`` it names the sample."""
+    require_nvimagecodec()
+    store = seaweed.client()
+    upload_to_new_bucket(store, "fixes-broken-png", "d", BrokenPng(12, size=(64, 48), broken=7), maxcount=6)
+    for on_error in ("skip", "raise"):
+        ds = (RemoteDataset(store, "fixes-broken-png", "d", on_error=on_error)
+              .decode(RandomResizedCrop(16), device="cpu", batched=True).to_tuple("__key__", "cls").batched(4))
+        if on_error == "raise":
+            with pytest.raises(DecodeError, match=r"field 'png' of sample '000007' in \S+: not a decodable image"):
+                list(loader(ds, num_workers=0))
+            continue
+        got = sorted(key for keys, _ in loader(ds, num_workers=0) for key in keys)
+        assert got == [f"{i:06d}" for i in range(12) if i != 7] and ds.metrics.skipped == 1
+    store.close()
+
+
+def test_structured_samples_are_refused_by_decode_on_a_device_when_it_is_called(seaweed):
+    """Detection samples (``0.jpg``, ``1.boxes.npy``): decoding on a device crops
+    classification samples only; the manifest says which these are, so ``decode`` says so
+    in one line, not a DataLoader worker at the first sample."""
+    store = seaweed.client()
+    boxes = [(Image.new("RGB", (32, 24)), {"boxes": np.zeros((1, 4), np.float32)}) for _ in range(4)]
+    upload_to_new_bucket(store, "fixes-structured", "d", boxes, maxcount=4)
+    with pytest.raises(ConfigError, match=r"^decode\(device='cpu'\) crops classification samples .* the fields"
+                                          r" 0\.jpg, 1\.boxes\.npy, 1\.json: decode them") as info:
+        RemoteDataset(store, "fixes-structured", "d").decode(RandomResizedCrop(16), device="cpu", batched=True)
+    assert "\n" not in str(info.value)
+    RemoteDataset(store, "fixes-structured", "d").decode(RandomResizedCrop(16))  # the CPU path crops them
+    store.close()
 
 
 def test_a_batch_whose_every_jpeg_is_left_out_is_not_handed_out(client):

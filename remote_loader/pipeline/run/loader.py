@@ -205,11 +205,11 @@ class DeviceLoader:
                 self._state = state
                 yield item
             return
-        to_load, self._to_load = self._to_load, None
-        try:
-            for item, state in self._process.run(pipeline, to_load, _world()):
-                self._state = state
+        try:  # a loaded state stays loaded until a batch of it is handed out: a pass that fails first resumes it
+            for item, state in self._process.run(pipeline, self._to_load, _world()):
+                self._to_load, self._state = None, state
                 yield item
+            self._to_load = None
         except BaseException:
             self._sent = False  # the pass failed, perhaps before the pipeline arrived whole: send it again
             raise

@@ -256,7 +256,8 @@ class Decode(Stage):
             fn = partial(_decode_seeded, self.mode, self.min_size, context, video=self.video)
         else:
             fn = partial(decode_sample, mode=self.mode, min_size=self.min_size)
-        if self.on_error.skips and self.device is None:  # left out by DropUndecodable, where it is counted
+        if self.on_error.skips:  # left out by DropUndecodable, where it is counted (on a device: what fails here,
+            # a header that does not parse, an image of another format that does not decode)
             fn = partial(_or_undecodable, fn)
         return threaded_map(fn, samples, self.threads) if self.threads else apply(fn, samples)
 
@@ -367,7 +368,7 @@ class ToTuple(Stage):
         missing = [spec for spec in self.names if not any(name in names for name in spec.split(";"))]
         if missing:
             raise ConfigError(f"to_tuple: {where} has {' and '.join(_absent(spec, names) for spec in missing)};"
-                              f" its samples hold {_listed(names)}")
+                              f" its samples hold {listed(names)}")
 
     def form(self, before: Form) -> Form:
         return len(self.names)
@@ -481,7 +482,7 @@ def _pick(sample: dict[str, Any], choices: list[list[str]]) -> tuple[Any, ...]:
             key, names = sample.get("__key__"), [str(name) for name in sample]
             where = f"sample {key!r} of {sample.get('__shard__')}" if key is not None else "a sample"
             closest = _closest(options, names)
-            raise DecodeError(f"{where} has none of the fields {';'.join(options)}: it holds {_listed(names)}"
+            raise DecodeError(f"{where} has none of the fields {';'.join(options)}: it holds {listed(names)}"
                               + (f" (did you mean {closest}?)" if closest else ""), key=key)
     return tuple(row)
 
@@ -489,7 +490,7 @@ def _pick(sample: dict[str, Any], choices: list[list[str]]) -> tuple[Any, ...]:
 _LISTED = 20  # field names a message lists at most
 
 
-def _listed(names: Iterable[str]) -> str:
+def listed(names: Iterable[str]) -> str:
     """Field names for a message, the sample's own before ``__key__`` and the like."""
     ordered = sorted(names, key=lambda name: (name.startswith("__"), name))
     more = f", ... ({len(ordered)} in all)" if len(ordered) > _LISTED else ""
