@@ -3,6 +3,7 @@ blindly, bounded, and a fallback to the store whatever goes wrong with the disk.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -16,6 +17,7 @@ import threading
 import time
 import zlib
 from collections import Counter
+from collections.abc import Iterator
 from concurrent.futures import wait
 from pathlib import Path
 
@@ -415,24 +417,31 @@ def test_a_disk_that_refuses_to_grow_a_file_warns_once_and_streams(seaweed, data
     assert result.stderr.count("cannot be written") == 1, result.stderr[-2000:]
 
 
+@contextlib.contextmanager
+def _fills_held(ds: RemoteDataset, entries) -> Iterator[None]:
+    """The locks of ``entries``' fills held here, as by a process stopped while it fills them."""
+    NodeCache(ds.reader.cache).root()  # made and tagged, as a first reader makes it
+    upload_dir = Path(_upload_cache(ds).path)
+    (upload_dir / FILL).mkdir(parents=True, mode=0o700)
+    held = [os.open(upload_dir / FILL / (entry.name + ".lock"), os.O_RDWR | os.O_CREAT) for entry in entries]
+    try:
+        for fd in held:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        for fd in held:
+            os.close(fd)
+
+
 def test_a_fill_held_by_a_stopped_process_is_waited_for_a_bounded_time(dataset, tmp_path, monkeypatch, caplog):
     """A process stopped (SIGSTOP) while it fills a shard holds the shard's lock: the others
     wait for it a bounded time, then read that shard from the store."""
     store, bucket, reader, clean = dataset
     cache = tmp_path / "cache"
     ds = RemoteDataset(store, bucket, "d", cache_dir=cache)
-    NodeCache(ds.reader.cache).root()  # made and tagged, as a first reader makes it
-    upload_dir = Path(_upload_cache(ds).path)
-    (upload_dir / FILL).mkdir(parents=True, mode=0o700)
-    entry = reader.manifest.shards[0]
-    held = os.open(upload_dir / FILL / (entry.name + ".lock"), os.O_RDWR | os.O_CREAT)
-    fcntl.flock(held, fcntl.LOCK_EX)
     monkeypatch.setattr(upload_cache, "_PATIENCE", 0.2)
-    try:
-        with caplog.at_level(logging.WARNING, logger="remote_loader"):
-            assert _samples(ds) == clean
-    finally:
-        os.close(held)
+    with _fills_held(ds, reader.manifest.shards[:1]), caplog.at_level(logging.WARNING, logger="remote_loader"):
+        assert _samples(ds) == clean
     assert len(_cached(cache)) == len(reader.manifest.shards) - 1
     waited = [r for r in caplog.records if "another process has fetched" in r.getMessage()]
     assert len(waited) == 1  # once for the shard, not once for each of its reads
@@ -441,25 +450,14 @@ def test_a_fill_held_by_a_stopped_process_is_waited_for_a_bounded_time(dataset, 
 def test_a_process_stopped_holding_several_fills_is_waited_for_once_not_once_a_shard(dataset, tmp_path, monkeypatch,
                                                                                     caplog):
     """A process stopped while it fills several shards holds all their locks. Once a wait for
-    one of them runs out, the others are read from the store without waiting: one wait in
-    all, not one a shard (the reads one at a time here, so that waits cannot overlap)."""
+    one of them runs out, the others are read from the store without waiting (those under way
+    end with it): one wait in all, said once, not one a shard."""
     store, bucket, reader, clean = dataset
     cache = tmp_path / "cache"
     ds = RemoteDataset(store, bucket, "d", cache_dir=cache, fetch=FetchConfig(concurrency=1))
-    NodeCache(ds.reader.cache).root()
-    upload_dir = Path(_upload_cache(ds).path)
-    (upload_dir / FILL).mkdir(parents=True, mode=0o700)
-    held = [os.open(upload_dir / FILL / (entry.name + ".lock"), os.O_RDWR | os.O_CREAT)
-            for entry in reader.manifest.shards]
-    for fd in held:
-        fcntl.flock(fd, fcntl.LOCK_EX)
     monkeypatch.setattr(upload_cache, "_PATIENCE", 0.3)
-    try:
-        with caplog.at_level(logging.WARNING, logger="remote_loader"):
-            assert _samples(ds) == clean
-    finally:
-        for fd in held:
-            os.close(fd)
+    with _fills_held(ds, reader.manifest.shards), caplog.at_level(logging.WARNING, logger="remote_loader"):
+        assert _samples(ds) == clean
     assert len(reader.manifest.shards) >= 3 and not _cached(cache)
     waited = [r.getMessage() for r in caplog.records if "another process has fetched" in r.getMessage()]
     assert len(waited) == 1, waited
