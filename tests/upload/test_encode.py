@@ -185,9 +185,10 @@ def test_a_truncated_file_is_refused_naming_the_sample(tmp_path, data):
         Image.open(io.BytesIO(data)).load()  # what a decoder makes of it
 
 
-@pytest.mark.parametrize("data", [_jpeg(), _jpeg(progressive=True), _jpeg() + b"\0" * 64, _png(), _png() + b"pad",
-                                  _png()[:-12], _png()[:-14]], ids=["jpeg", "progressive", "jpeg-padded", "png",
-                                                                    "png-padded", "png-no-iend", "png-short-crc"])
+@pytest.mark.parametrize("data", [_jpeg(), _jpeg(progressive=True), _jpeg() + b"\0" * 64, _jpeg() + b"\xff\xda\x01",
+                                  _png(), _png() + b"pad", _png()[:-12], _png()[:-14]],
+                         ids=["jpeg", "progressive", "jpeg-padded", "jpeg-trailer-with-markers", "png", "png-padded",
+                              "png-no-iend", "png-short-crc"])
 def test_whole_files_are_kept_padding_and_all(data):
     """What decoders read whole is kept: a PNG without its IEND chunk or with its last crc cut
     short too, which Pillow reads."""
