@@ -148,7 +148,9 @@ def test_the_gpu_stage_refuses_a_structured_sample(client):
         nvimgcodec()
     except ConfigError:
         pytest.skip("nvImageCodec is not installed (the gpu extra)")
-    ds = (RemoteDataset(client, "joint-seg", "d", seed=0).decode(RandomResizedCrop(24), device="cpu", batched=True)
-          .batched(4))
+    with pytest.raises(ConfigError, match="decode\\(device='cpu'\\) crops classification samples"):  # said when made
+        RemoteDataset(client, "joint-seg", "d", seed=0).decode(RandomResizedCrop(24), device="cpu", batched=True)
+    unknown = RemoteDataset(client, "joint-seg", "d", seed=0).map(lambda sample: sample)  # fields not known before
+    ds = unknown.decode(RandomResizedCrop(24), device="cpu", batched=True).batched(4)
     with pytest.raises(ConfigError, match="decode\\(device=...\\) crops classification samples"):
         next(iter(ds))
