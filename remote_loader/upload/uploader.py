@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from remote_loader.config import MOST_BYTES, RetryConfig, require_bool, require_int
+from remote_loader.config import MOST_BYTES, RetryConfig, one_line, require_bool, require_int
 from remote_loader.errors import (
     ConfigError,
     OnError,
@@ -182,6 +182,18 @@ def _stall_timeout(value: float | None) -> float | None:
     return None if value is None else float(value)
 
 
+def _length(ds: Any) -> int:
+    """``len(ds)``; ConfigError for a dataset without one (an iterable dataset), UploadError
+    quoting what its ``__len__`` raised, on one line."""
+    if not hasattr(type(ds), "__len__"):
+        raise ConfigError(f"the dataset ({type(ds).__name__}) has no len(): the upload reads a map-style dataset,"
+                          " len(ds) and ds[i] (an iterable one has no index to resume by)")
+    try:
+        return len(ds)
+    except Exception as exc:
+        raise UploadError(f"len(ds) raised {type(exc).__name__}: {one_line(exc)}") from exc
+
+
 def _upload(ds: Any, client: Store, location: Location, params: dict[str, Any], options: EncodeOptions,
             retry: RetryConfig, started: float, running: Running) -> UploadSummary:
     """The upload, its arguments checked: open the dataset, see what the prefix holds, claim
@@ -189,7 +201,7 @@ def _upload(ds: Any, client: Store, location: Location, params: dict[str, Any], 
     the manifest and clean up."""
     source = ds if isinstance(ds, str) else None
     ds = load_source(source) if source is not None else uploaded_form(ds)
-    params["samples"] = num = len(ds)
+    params["samples"] = num = _length(ds)
     if isinstance(ds, ClassVideos):
         params["video_clips"] = ds.clip_index.as_params()
     if num == 0:

@@ -790,3 +790,25 @@ def test_an_error_of_several_lines_from_an_item_or_an_executor_is_quoted_on_one_
     for raised in (unreadable.value, executor.value):
         message = str(raised).split("\nremote_loader facts:")[0]
         assert "\n" not in message and "\\n" in message, message
+
+
+class _NoLength:
+    def __getitem__(self, index: int):
+        return b"x", index
+
+
+class _LengthFails(_NoLength):
+    def __len__(self) -> int:
+        raise ValueError("the index file\nis missing")
+
+
+def test_a_dataset_without_len_or_whose_len_fails_is_named_in_one_line(tmp_path):
+    from remote_loader import ConfigError, LocalStore, upload_cv_dataset
+
+    store = LocalStore(str(tmp_path))
+    store.create_bucket("b")
+    with pytest.raises(ConfigError, match=r"^the dataset \(_NoLength\) has no len\(\): the upload reads a map-style"):
+        upload_cv_dataset(_NoLength(), client=store, bucket="b", base_folder="x", progress=False, workers=0)
+    with pytest.raises(UploadError, match=r"^len\(ds\) raised ValueError: the index file.*is missing$") as info:
+        upload_cv_dataset(_LengthFails(), client=store, bucket="b", base_folder="x", progress=False, workers=0)
+    assert isinstance(info.value.__cause__, ValueError) and "\n" not in str(info.value)
