@@ -31,6 +31,7 @@ from remote_loader.pipeline.sources.tars import Unindexed
 from remote_loader.pipeline.stages import chain as stages
 from remote_loader.pipeline.stages.augment import RandomResizedCrop
 from remote_loader.pipeline.stages.collate import collate as collate_samples
+from remote_loader.pipeline.stages.joint import structured_fields
 from remote_loader.pipeline.stages.video import VideoClip
 from remote_loader.pipeline.stages.views import default_conversion, owned, pickle_views_as_bytes
 from remote_loader.pipeline.state import resume
@@ -268,7 +269,7 @@ class RemoteDataset(IterableDataset):
         """ConfigError where the manifest says the samples are structured (``0.jpg``,
         ``1.boxes.npy``): decoding on a device crops classification samples only. Said now,
         not by a DataLoader worker at the first sample."""
-        structured = sorted(n for n in self._field_names() or () if "." in n and not n.startswith("__"))
+        structured = structured_fields(self._field_names() or ())
         if structured:
             raise ConfigError(f"decode(device={device!r}) crops classification samples (an image and its label);"
                               f" this dataset's samples have the fields {stages.listed(structured)}: decode them with"

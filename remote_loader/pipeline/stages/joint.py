@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -24,8 +24,14 @@ from remote_loader.pipeline.stages.decode import IMAGE_FIELDS
 from remote_loader.pipeline.stages.targets import Box, Plan, moved_boxes, moved_points, named, plan, rows
 
 
+def structured_fields(names: Iterable[str]) -> list[str]:
+    """The fields among ``names`` that make a sample structured (``0.jpg``, ``1.boxes.npy``:
+    a position or key first), sorted; none for a classification pair's (``jpg``, ``cls``)."""
+    return sorted(name for name in names if "." in name and not name.startswith("__"))
+
+
 def is_structured(sample: dict[str, Any]) -> bool:
-    return any("." in name for name in sample if not name.startswith("__"))
+    return bool(structured_fields(sample))
 
 
 def crop_together(crop: RandomResizedCrop, sample: dict[str, Any], rng: np.random.Generator,
