@@ -31,6 +31,10 @@ from remote_loader.upload.uploader import MAXCOUNT_RANGE, MAXSIZE_RANGE
 from remote_loader.upload.watch import DEFAULT_STALL_TIMEOUT
 
 
+MOST_CROP = 4096
+"""``bench --size``'s bound: a batch of 64 crops that size is 3.2 GB of pixels."""
+
+
 def _count(low: int, high: int | None = None) -> Any:
     """An argparse type: an integer >= ``low`` (and <= ``high``, where given)."""
     def parse(text: str) -> int:
@@ -544,7 +548,7 @@ def build_parser() -> argparse.ArgumentParser:
         " JPEG decoding; rrc-plain: the same without it; clip: a clip of 16 frames, 2 apart, of each"
         " video field, cropped to --size (PyAV)",
     )
-    p.add_argument("--size", type=_count(1), default=224, help="crop size for rrc and clip")
+    p.add_argument("--size", type=_count(1, MOST_CROP), default=224, help="crop size for rrc and clip")
     p.add_argument("--min-size", type=_count(1), default=None, help="reduced-size decoding for pil")
     p.add_argument("--no-verify", action="store_true", help="skip crc32 checks (to measure what they cost)")
     p.set_defaults(func=cmd_bench)
