@@ -30,7 +30,6 @@ from remote_loader.upload.indexer import index_webdataset
 from remote_loader.upload.uploader import MAXCOUNT_RANGE, MAXSIZE_RANGE
 from remote_loader.upload.watch import DEFAULT_STALL_TIMEOUT
 
-
 MOST_CROP = 4096
 """``bench --size``'s bound: a batch of 64 crops that size is 3.2 GB of pixels."""
 
