@@ -21,6 +21,7 @@ import pytest
 from torch.utils.data._utils import worker as torch_worker
 
 from remote_loader import ConfigError, FetchConfig, RemoteDataset
+from remote_loader.read.shards import OpenRange
 from remote_loader.testing.synthetic import SyntheticImages
 from tests.helpers import upload
 from tests.pipeline.conftest import CHECKPOINT_SAMPLES as N
@@ -311,3 +312,39 @@ def test_a_state_saved_on_a_replaced_dataset_is_refused(s3):
         fresh = RemoteDataset(client, bucket, "d", seed=1).map(itemgetter("__key__"))
         with pytest.raises(ConfigError, match="another upload"):
             fresh.load_state_dict(state)
+
+
+@pytest.mark.parametrize("at", [1, 30, 100])
+@pytest.mark.parametrize("resumed", [False, True], ids=["fresh pass", "resumed pass"])
+def test_ctrl_c_in_a_read_leaves_a_state_that_resumes_exactly_once(location, monkeypatch, at, resumed):
+    """KeyboardInterrupt where Ctrl-C lands in a sample's read (a wait for its bytes): the
+    sample being read is not delivered, and the state says so. In a resumed pass, read 1 is
+    among what its shuffle buffer held, read before anything is delivered."""
+    real, reads, armed = OpenRange.next_sample, itertools.count(1), [False]
+
+    def next_sample(self):  # noqa: ANN001, ANN202
+        if armed[0] and next(reads) == at:
+            raise KeyboardInterrupt
+        return real(self)
+
+    monkeypatch.setattr(OpenRange, "next_sample", next_sample)
+    before = []
+    state = None
+    if resumed:
+        first = make(location)
+        stream = iter(first)
+        before = list(itertools.islice(stream, 13))
+        state = first.state_dict()
+        stream.close()
+    interrupted = make(location)
+    if state is not None:
+        interrupted.load_state_dict(state)
+    taken = []
+    armed[0] = True
+    with pytest.raises(KeyboardInterrupt):
+        for key in interrupted:
+            taken.append(key)
+    armed[0] = False
+    rest = make(location)
+    rest.load_state_dict(pickle.loads(pickle.dumps(interrupted.state_dict())))
+    assert Counter(before) + Counter(taken) + Counter(rest) == ALL

@@ -261,7 +261,6 @@ class ShardSource:
     def __iter__(self) -> Iterator[Sample]:
         """The samples, in the delivery order from output ``delivered`` on."""
         bucket = self.reader.location.bucket
-        self._started = True
         with Prefetcher(bucket, self._jobs(), self.session, self.reader.round_trip) as prefetcher:
             fetched = iter(prefetcher)
             try:
@@ -273,6 +272,9 @@ class ShardSource:
                     outputs: Iterator[tuple[int, Sample | None]] = self._shuffler.run(reads)
                 else:
                     outputs = reads
+                # Started once a resumed buffer's samples are in it: an error or Ctrl-C while they
+                # are read leaves the state as it entered (``at_entry``), which counts them.
+                self._started = True
                 yield from self._emit(outputs)
             finally:
                 fetched.close()
@@ -333,8 +335,9 @@ class ShardSource:
                                                   self.on_error)
                         item, opened = None, opened + 1
                     position = nexts[slot]
+                    sample = readers[slot].next_sample()  # what stops it here (Ctrl-C) leaves the position unread
                     nexts[slot] = position + 1
-                    yield position, readers[slot].next_sample()
+                    yield position, sample
             finally:
                 for reading in readers:
                     if reading is not None:
