@@ -16,7 +16,7 @@ from remote_loader.config import CacheConfig, FetchConfig, shown
 from remote_loader.errors import ConfigError, CorruptSampleError, FormatError
 from remote_loader.format import Sample, ShardIndex
 from remote_loader.read import DatasetReader, Metrics
-from remote_loader.read.shards import IndexCache, read_cached, read_run
+from remote_loader.read.shards import DAMAGE, IndexCache, read_cached, read_run
 from remote_loader.storage import Store, open_location
 from remote_loader.storage.daemon import map_on_daemon_threads
 
@@ -166,7 +166,11 @@ class RemoteMapDataset(Dataset):
                                          " match its crc32", name=entry.name, key=index.keys[j], field=field)
             return data
 
-        return self._session.refetch(fetch, check, shard_object)  # damaged bytes fetched again, as a sample's are
+        try:
+            return self._session.refetch(fetch, check, shard_object)  # damaged bytes fetched again, as a sample's are
+        except DAMAGE as error:  # a shard gone, or bytes still damaged: DatasetChanged where it was replaced
+            self.reader.check_unchanged(error)
+            raise
 
     def _source_sample(self, source: int) -> tuple[int, int, ShardIndex]:
         """The shard, the position in it and the shard's index of ``ds[source]``'s sample."""

@@ -154,9 +154,12 @@ def test_a_dataset_overwritten_under_random_access_says_what_reads_the_new_uploa
     upload(store, "b", "d", SyntheticImages(20, size=(16, 12)), maxcount=10)
     ds = RemoteMapDataset(store, "b", "d")
     assert ds[0]["__key__"].isdigit()  # read before the overwrite
+    ds.members_of(3)  # its shard's index kept: a member read next goes straight to the shard
     upload(store, "b", "d", SyntheticImages(12, size=(16, 12), seed=5), maxcount=10, overwrite=True)
     with pytest.raises(DatasetChanged, match="make a new RemoteMapDataset"):
         ds[15]
+    with pytest.raises(DatasetChanged, match="make a new RemoteMapDataset"):
+        ds.read_member(3, "jpg")  # a part of a long video is read this way
     assert len(RemoteMapDataset(store, "b", "d")) == 12
 
 
