@@ -98,6 +98,18 @@ def require_int(name: str, value: object, low: int | None = None, high: int | No
     return number
 
 
+def as_index(value: object, what: str) -> int:
+    """``value`` as an index: an int, numpy's or torch's (0-d); else a TypeError naming
+    ``what``. A bool, a float (never taken for its floor) or an array of one item is refused."""
+    try:
+        boolean = isinstance(value, bool) or str(getattr(value, "dtype", "")).endswith("bool")
+        if boolean or getattr(value, "ndim", 0) != 0:
+            raise TypeError
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"{what} is an int, got {type(value).__name__} {shown(value)}") from None
+
+
 def require_bool(name: str, value: object, *, optional: bool = False) -> bool | None:
     """``value`` if it is a bool (or None when ``optional``); else a ConfigError naming ``name``."""
     if isinstance(value, bool) or (optional and value is None):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import operator
 import os
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -12,7 +11,7 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from remote_loader.checksum import crc32
-from remote_loader.config import CacheConfig, FetchConfig, shown
+from remote_loader.config import CacheConfig, FetchConfig, as_index
 from remote_loader.errors import ConfigError, CorruptSampleError, FormatError
 from remote_loader.format import Sample, ShardIndex
 from remote_loader.read import DatasetReader, Metrics
@@ -226,12 +225,7 @@ class RemoteMapDataset(Dataset):
 
     def locate(self, i: int) -> tuple[int, int]:
         """Return ``(shard position, sample position in the shard)`` of sample ``i``."""
-        try:
-            if isinstance(i, bool):
-                raise TypeError
-            i = operator.index(i)  # an int, numpy's or torch's: never a float taken for its floor
-        except TypeError:
-            raise TypeError(f"a sample index is an int, got {type(i).__name__} {shown(i)}") from None
+        i = as_index(i, "a sample index")
         n = len(self)
         if not -n <= i < n:
             raise IndexError(f"sample index {i} out of range for {n} samples")

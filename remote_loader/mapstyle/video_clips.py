@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from remote_loader.config import as_index
 from remote_loader.errors import ConfigError, DecodeError, FormatError
 from remote_loader.format.clip_index import ClipIndex
 from remote_loader.format.video import VIDEO_EXTENSIONS
@@ -78,6 +79,7 @@ class RemoteVideoClips(Dataset):
         return f"RemoteVideoClips({self.videos.reader.location}, {len(self)} clips)"
 
     def __getitem__(self, i: int) -> tuple[Any, torch.Tensor, int]:
+        i = as_index(i, "a clip index")
         video, clip = self.clip_index.locate(i)
         file, label, key = self._video(video)
         numbers = self.clip_index.clips_of(video)[clip]

@@ -194,7 +194,8 @@ def test_an_index_that_is_not_an_int_is_refused_naming_it(dataset500):
     import torch
 
     ds = RemoteMapDataset(dataset500, "map-tests", "d")
-    for bad in (1.9, np.float32(2.5), True, "2", slice(0, 3), None, np.array([1, 2]), torch.tensor(1.0)):
+    for bad in (1.9, np.float32(2.5), True, "2", slice(0, 3), None, np.array([1, 2]), torch.tensor(1.0),
+                torch.tensor(True), np.array([3]), torch.tensor([3])):
         with pytest.raises(TypeError, match="a sample index is an int, got "):
             ds[bad]
     with pytest.raises(TypeError, match="got float 1.7"):

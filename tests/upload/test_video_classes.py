@@ -136,6 +136,10 @@ def test_audio_false_and_a_transform_as_the_class_applies_it(tmp_path, ucf_files
                              transform=lambda video: video.float().mean())
     mean, audio, _ = clips[0]
     assert audio.shape == (1, 0) and mean.ndim == 0
+    for bad in (True, 1.0, 1.5, "1", None, slice(0, 2), torch.tensor([1])):  # clips[True] gave clip 1
+        with pytest.raises(TypeError, match="a clip index is an int, got "):
+            clips[bad]
+    assert clips[np.int64(0)][0] == clips[torch.tensor(0)][0] == mean
 
 
 @pytest.mark.parametrize("frames", [0, 5, 16, 17, 40, 101])
