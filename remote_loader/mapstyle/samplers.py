@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Sampler
 
-from remote_loader.config import MOST_EPOCH, current_world, require_int
+from remote_loader.config import MOST_EPOCH, current_world, require_int, shown
 from remote_loader.errors import ConfigError
 from remote_loader.format.epoch_order import EpochOrder
 from remote_loader.format.shard_counts import ArrayCounts, Counts
@@ -146,19 +146,31 @@ class _EpochSampler(Sampler[int]):
                 f" {type(self).__name__}, this version draws order {self.order_version}: its position"
                 " would name other samples; start the epoch afresh"
             )
-        epoch = require_int("epoch", state.get("epoch"), 0)
+        epoch = require_int("epoch", state.get("epoch"), 0, MOST_EPOCH)  # what set_epoch takes
         delivered = require_int("delivered", state.get("delivered"), 0, len(self))
         return epoch, delivered
+
+
+MOST_SAMPLES = 2**62
+"""The most samples a sampler's epoch may have: positions and their sums stay int64."""
 
 
 def _counts(shard_sizes: Sequence[int] | RemoteMapDataset) -> tuple[Counts, int | None]:
     """Samples per shard, and the blocks of the epoch's shard order (None: one block)."""
     if isinstance(shard_sizes, RemoteMapDataset):
         return shard_sizes.reader.counts, shard_sizes.reader.manifest.shards.rows
-    sizes = np.asarray(shard_sizes, dtype=np.int64)
-    if sizes.ndim != 1 or (sizes < 0).any():
-        raise ConfigError("shard_sizes must be a list of sample counts >= 0, one per shard")
-    return ArrayCounts(sizes), None
+    problem = "shard_sizes must be a list of sample counts >= 0, one per shard"
+    try:
+        raw = np.asarray(shard_sizes)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{problem}, got {shown(shard_sizes)}") from None
+    flags = raw.ndim == 1 and not isinstance(shard_sizes, np.ndarray) and \
+        any(isinstance(size, (bool, np.bool_)) for size in shard_sizes)
+    if raw.ndim != 1 or flags or (len(raw) and (raw.dtype.kind not in "iu" or raw.min() < 0)):
+        raise ConfigError(f"{problem}, got {shown(shard_sizes)}")  # 2.7 was taken as 2, "3" as 3, True as 1
+    if len(raw) and float(raw.sum(dtype=np.float64)) > MOST_SAMPLES:
+        raise ConfigError(f"{problem}, 2**62 in all at most: got {shown(shard_sizes)}")
+    return ArrayCounts(raw.astype(np.int64)), None
 
 
 class LocalitySampler(_EpochSampler):
@@ -296,7 +308,8 @@ class UniformSampler(_EpochSampler):
     def __init__(
         self, dataset: RemoteMapDataset | int, *, seed: int = 0, rank: int | None = None, world_size: int | None = None
     ) -> None:
-        total = len(dataset) if isinstance(dataset, RemoteMapDataset) else require_int("dataset", dataset, 0, 2**62)
+        total = len(dataset) if isinstance(dataset, RemoteMapDataset) else require_int("dataset", dataset, 0,
+                                                                                       MOST_SAMPLES)
         super().__init__(total, seed, rank, world_size)
 
     def indices(self, epoch: int, positions: np.ndarray) -> np.ndarray:

@@ -105,6 +105,7 @@ def test_a_loaded_state_applies_once_and_holds_its_epoch():
     ({**UniformSampler(38, rank=0, world_size=1).state_dict(), "delivered": 39}, "delivered"),
     ({**UniformSampler(38, rank=0, world_size=1).state_dict(), "delivered": True}, "delivered"),
     ({**UniformSampler(38, rank=0, world_size=1).state_dict(), "epoch": -1}, "epoch"),
+    ({**UniformSampler(38, rank=0, world_size=1).state_dict(), "epoch": 2**70}, "epoch"),  # set_epoch refuses it
 ])
 def test_hostile_states_are_refused_naming_the_field(state, message):
     with pytest.raises(ConfigError, match=message):
@@ -112,8 +113,12 @@ def test_hostile_states_are_refused_naming_the_field(state, message):
 
 
 def test_bad_arguments_are_refused():
-    with pytest.raises(ConfigError, match="shard_sizes"):
-        LocalitySampler([3, -1], rank=0, world_size=1)
+    # A float was taken for its floor, a string for its number, and counts past int64 summed to 0 (an empty epoch).
+    for sizes in ([3, -1], [2.7, 3.2], ["3", "4"], [True, 2], [[1, 2]], [2**62] * 4, [2**64]):
+        with pytest.raises(ConfigError, match="shard_sizes"):
+            LocalitySampler(sizes, rank=0, world_size=1)
+    assert len(LocalitySampler(np.array([3, 4], dtype=np.uint8), rank=0, world_size=1)) == 7
+    assert len(LocalitySampler([], rank=0, world_size=1)) == 0
     with pytest.raises(ConfigError, match="dataset"):
         UniformSampler(-5, rank=0, world_size=1)
 
