@@ -437,6 +437,7 @@ def test_a_loaded_state_whose_pass_fails_before_its_first_batch_is_resumed_again
     stopped = loader(pipeline(client, fn=flaky), num_workers=workers, stateful=True)
     first = keys(itertools.islice(iter(stopped), 2))
     state = stopped.state_dict()
+    stopped.close()  # its processes read ahead no more: the armed failure is the resumed pass's
     resumed = loader(pipeline(client, fn=flaky), num_workers=workers, stateful=True)
     resumed.load_state_dict(state)
     flaky.arm()
