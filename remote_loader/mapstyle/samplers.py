@@ -164,9 +164,9 @@ def _counts(shard_sizes: Sequence[int] | RemoteMapDataset) -> tuple[Counts, int 
         raw = np.asarray(shard_sizes)
     except (TypeError, ValueError):
         raise ConfigError(f"{problem}, got {shown(shard_sizes)}") from None
-    flags = raw.ndim == 1 and not isinstance(shard_sizes, np.ndarray) and \
+    has_bool = raw.ndim == 1 and not isinstance(shard_sizes, np.ndarray) and \
         any(isinstance(size, (bool, np.bool_)) for size in shard_sizes)
-    if raw.ndim != 1 or flags or (len(raw) and (raw.dtype.kind not in "iu" or raw.min() < 0)):
+    if raw.ndim != 1 or has_bool or (len(raw) and (raw.dtype.kind not in "iu" or raw.min() < 0)):
         raise ConfigError(f"{problem}, got {shown(shard_sizes)}")  # 2.7 was taken as 2, "3" as 3, True as 1
     if len(raw) and float(raw.sum(dtype=np.float64)) > MOST_SAMPLES:
         raise ConfigError(f"{problem}, 2**62 in all at most: got {shown(shard_sizes)}")
