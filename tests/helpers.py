@@ -248,6 +248,38 @@ def alive(pid: int) -> bool:
         return False
 
 
+def in_plain_fork(run: Any, seconds: float = 120) -> tuple[Any, ...]:
+    """``run()`` in a child made by ``os.fork`` (no multiprocessing hook runs in it):
+    ``("ok", result)``, ``("raised", type name, message)``, ``("hung",)`` where it gave no
+    answer within ``seconds`` (then killed), or ``("died", wait status)``."""
+    import pickle
+    import select
+
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        os.close(read_end)
+        try:
+            answer: tuple[Any, ...] = ("ok", run())
+        except BaseException as error:  # noqa: BLE001 - reported to the parent
+            answer = ("raised", type(error).__name__, str(error))
+        os.write(write_end, pickle.dumps(answer))
+        os._exit(0)
+    os.close(write_end)
+    try:
+        if not select.select([read_end], [], [], seconds)[0]:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return ("hung",)
+        chunks = []
+        while chunk := os.read(read_end, 1 << 16):
+            chunks.append(chunk)
+    finally:
+        os.close(read_end)
+    _, status = os.waitpid(pid, 0)
+    return pickle.loads(b"".join(chunks)) if chunks else ("died", status)
+
+
 def vp9_bytes(frames: Any, gop: int = 8) -> bytes:
     """``frames`` (``T x H x W x 3`` uint8) as a lossless VP9 WebM, a key frame every ``gop``:
     a video DALI's CPU decoder reads (it has no H.264). Needs PyAV."""

@@ -16,7 +16,7 @@ from remote_loader import ConfigError, DecodeError, RandomResizedCrop, RemoteDat
 from remote_loader.pipeline.device import dali
 from remote_loader.pipeline.run import loader as loading
 from remote_loader.testing.synthetic import SyntheticImages
-from tests.helpers import upload_to_new_bucket
+from tests.helpers import in_plain_fork, upload_to_new_bucket
 
 if not dali.installed():
     pytest.skip("DALI is not installed (the gpu extra)", allow_module_level=True)
@@ -153,3 +153,22 @@ def test_a_process_that_takes_one_batch_and_ends_with_dalis_threads_alive_exits_
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert (done.returncode, done.stderr) == (0, ""), done.stderr[-2000:]
     assert done.stdout.split() == ["(8,", "3,", "32,", "32)"]
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_process_forked_from_one_that_ran_dali_is_told_so_rather_than_waiting_forever(client, workers):
+    batches = loader(on_device(client), num_workers=workers, decoding="dali")
+    assert sum(len(keys) for _, _, keys in batches) == N
+
+    def again() -> int:
+        return sum(len(keys) for _, _, keys in batches)
+
+    answer = in_plain_fork(again)
+    assert answer[:2] == ("raised", "ConfigError") and "was forked" in answer[2] and "decoding='process'" in answer[2]
+
+    def made_there() -> int:
+        torch.set_num_threads(1)  # as in a DataLoader worker: a fork's first parallel region waits for OpenMP's threads
+        return sum(len(keys) for _, _, keys in loader(on_device(client), num_workers=workers, decoding="dali"))
+
+    assert in_plain_fork(made_there)[:2] == ("raised", "ConfigError")  # nor can a loader made in the fork
+    assert again() == N  # the parent's decodes on

@@ -3,8 +3,8 @@ nvImageCodec's CPU backend: the process that iterates never decodes; what the de
 process raises, warns and logs arrives here as its own; a killed process is named and a
 stateful loader resumes past it exactly; a pipeline that does not pickle is decoded here;
 one iteration at a time; a process is reused by the next loader; a forked copy starts
-its own and leaves its parent's alone; Ctrl-C gets through while a batch is awaited; ``close()`` ends a
-stopped process; the rank torch.distributed set up here reaches it."""
+its own and leaves its parent's alone (a plain ``os.fork`` too); Ctrl-C gets through while
+a batch is awaited; ``close()`` ends a stopped process; the rank torch.distributed set up here reaches it."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from remote_loader import ConfigError, RandomResizedCrop, RemoteDataset, loader
 from remote_loader.errors import DecoderExited
 from remote_loader.pipeline.run import loader as loading
 from remote_loader.testing.synthetic import SyntheticImages
-from tests.helpers import require_nvimagecodec, upload_to_new_bucket
+from tests.helpers import in_plain_fork, require_nvimagecodec, upload_to_new_bucket
 
 N, OTHER = 48, 24
 
@@ -190,6 +190,17 @@ def test_a_forked_copy_of_a_loader_decodes_in_a_process_of_its_own_and_leaves_it
     assert seen == EVERY
     assert ended_within(its_own, 60)  # its socket closed with the fork that started it
     assert batches.pid == parents and sorted(keys(batches)) == EVERY  # the parent's still serves it
+
+
+def test_a_copy_made_by_a_plain_os_fork_decodes_in_a_process_of_its_own(client):
+    batches = loader(pipeline(client), num_workers=1)
+    assert sorted(keys(batches)) == EVERY  # the pipeline's tensors went to the parent's process by descriptor
+    answer = in_plain_fork(lambda: (sorted(keys(batches)), batches.pid))  # no hook of multiprocessing runs there
+    assert answer[0] == "ok", answer
+    seen, its_own = answer[1]
+    assert its_own not in (batches.pid, None) and seen == EVERY
+    assert ended_within(its_own, 60)
+    assert sorted(keys(batches)) == EVERY
 
 
 def test_ctrl_c_while_a_batch_is_awaited_gets_through_and_the_next_epoch_is_whole(client):

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 from remote_loader import ConfigError, RemoteDataset, loader, rank_cores
 from remote_loader.pipeline.run import loader as loader_module
 from remote_loader.testing.synthetic import SyntheticImages
-from tests.helpers import upload_to_new_bucket
+from tests.helpers import alive, in_plain_fork, upload_to_new_bucket
 
 N = 90
 
@@ -69,6 +69,23 @@ def test_the_loader_fills_the_ranks_cores_with_persistent_workers_and_gives_each
 
 def _same(batch):
     return batch
+
+
+@pytest.mark.parametrize("stateful", [False, True])
+def test_a_plain_fork_of_a_loader_with_persistent_workers_starts_its_own_and_leaves_the_parents(keys, stateful):
+    if stateful:
+        pytest.importorskip("torchdata")
+    stream = loader(keys, num_workers=1, stateful=stateful)
+    every = Counter(f"{i:06d}" for i in range(N))
+    assert Counter(key for (batch,) in stream for key in batch) == every
+    parents = [w.pid for w in stream._iterator._workers]
+    answer = in_plain_fork(lambda: (Counter(key for (batch,) in stream for key in batch),
+                                    [w.pid for w in stream._iterator._workers]))
+    assert answer[0] == "ok", answer  # torch's iterator asked after the parent's workers: AssertionError
+    seen, its_own = answer[1]
+    assert seen == every and not set(its_own) & set(parents)
+    assert [w.pid for w in stream._iterator._workers] == parents and all(map(alive, parents))
+    assert Counter(key for (batch,) in stream for key in batch) == every  # the parent's workers serve it still
 
 
 @pytest.mark.filterwarnings("ignore:This DataLoader will create")  # torch's: more workers than this machine's cores

@@ -74,11 +74,25 @@ def pipeline_bytes(obj: Any) -> bytes:
     classes and functions of ``__main__`` it holds (``load_pipeline`` puts them back under
     their names): raises what pickling raises where something in it cannot be sent (a
     generator, a lock, an open file)."""
+    _own_resource_sharer()
     found = _PipelinePickler(io.BytesIO(), protocol=pickle.HIGHEST_PROTOCOL)
     found.dump(obj)  # which of __main__'s it holds; then the two in one pickle, as one set of objects
     out = io.BytesIO()
     _PipelinePickler(out, protocol=pickle.HIGHEST_PROTOCOL).dump((obj, found.of_main))
     return out.getvalue()
+
+
+def _own_resource_sharer() -> None:
+    """Where this process was forked by ``os.fork`` from one that shared a tensor's file
+    descriptor, make multiprocessing's resource sharer this process's, as multiprocessing does
+    in the children it forks itself: the one inherited names the parent's socket, whose thread
+    is not here, and the decoding process would ask the parent for this process's tensors."""
+    from multiprocessing import resource_sharer
+
+    sharer = getattr(resource_sharer, "_resource_sharer", None)
+    thread = getattr(sharer, "_thread", None)
+    if thread is not None and not thread.is_alive() and getattr(sharer, "_listener", None) is not None:
+        sharer._afterfork()  # type: ignore[union-attr]
 
 
 def load_pipeline(data: bytes) -> Any:

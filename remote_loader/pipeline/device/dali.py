@@ -35,6 +35,19 @@ EXTRA = "install the gpu extra (pip install '.[gpu]' in remote_loader's checkout
 ON_GPU, ON_CPU = "GPU (DALI)", "CPU (DALI)"
 BATCH = 256
 """Samples a pipeline is built for first; a larger batch builds it again, once, for its size."""
+_ran_in: int | None = None  # the process whose DALI pipelines were built (a fork inherits it)
+
+
+def _check_process() -> None:
+    """ConfigError in a process forked from one that built a DALI pipeline: DALI's threads are
+    not copied by a fork, and a pipeline, built or inherited, would wait for them forever."""
+    global _ran_in
+    if _ran_in is None:
+        _ran_in = os.getpid()
+    elif _ran_in != os.getpid():
+        raise ConfigError(f"DALI ran in process {_ran_in}, from which this one ({os.getpid()}) was forked, and"
+                          " cannot run here (a fork does not copy its threads): start this process with the"
+                          " 'spawn' or 'forkserver' method, or decode with decoding='process'")
 
 
 def installed() -> bool:
@@ -55,6 +68,7 @@ class DaliCrops:
         self.device, self.size, self.batch = device, size, batch
         self.mean, self.std = mean, std
         self._lock = threading.Lock()
+        _check_process()
         self._pipe = self._build(batch)
 
     def _build(self, batch: int) -> Any:
@@ -102,6 +116,7 @@ class DaliCrops:
     def _run(self, inputs: dict[str, Any], count: int, cuda_stream: Any) -> torch.Tensor:
         """One run of the pipeline over ``count`` samples, fed ``inputs`` by name; the
         pipeline made again for a larger batch, and after an error (DALI's is no longer usable)."""
+        _check_process()
         with self._lock:
             if count > self.batch:
                 self.batch, self._pipe = count, self._build(count)

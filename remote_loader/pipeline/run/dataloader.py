@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import multiprocessing
+import os
 from typing import Any
 
 from torch.utils.data import DataLoader
@@ -29,6 +30,22 @@ def collect_before_fork(dataloader: DataLoader) -> None:
         gc.collect()
 
 
+def start_iteration(dataloader: DataLoader, start: Any) -> Any:
+    """``start()`` (the DataLoader's own ``__iter__``) after what a fork calls for: persistent
+    workers that another process started are let go of, so that this one starts its own (the
+    workers, their queues and threads are the parent's: torch's iterator would ask after
+    processes that are not this one's children), and garbage is collected before workers
+    are forked (``collect_before_fork``)."""
+    inherited = getattr(dataloader, "_iterator", None)
+    if inherited is not None and dataloader.__dict__.get("_iterated_in") != os.getpid():
+        inherited._shutdown = True  # its end would stop the parent's workers, which serve the parent
+        dataloader._iterator = None
+    collect_before_fork(dataloader)
+    iterator = start()
+    dataloader.__dict__["_iterated_in"] = os.getpid()
+    return iterator
+
+
 class Loader(DataLoader):
     """The DataLoader ``loader()`` makes: torch's, whose workers start without this process's
     garbage (``collect_before_fork``), and which says where its samples are decoded."""
@@ -38,5 +55,4 @@ class Loader(DataLoader):
     on a device comes in a ``DeviceLoader``, which says which decoder)."""
 
     def __iter__(self) -> Any:
-        collect_before_fork(self)
-        return super().__iter__()
+        return start_iteration(self, super().__iter__)

@@ -7,16 +7,15 @@ from typing import Any
 
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from remote_loader.pipeline.run.dataloader import collect_before_fork
+from remote_loader.pipeline.run.dataloader import start_iteration
 
 
 class StatefulLoader(StatefulDataLoader):
     """torchdata's StatefulDataLoader, whose workers start without this process's garbage
-    (``dataloader.collect_before_fork``), and which says where its samples are decoded."""
+    (``dataloader.start_iteration``), and which says where its samples are decoded."""
 
     decoded_on = "CPU"
     """Where JPEGs are decoded: by the DataLoader workers, on the CPU."""
 
     def __iter__(self) -> Any:
-        collect_before_fork(self)
-        return super().__iter__()
+        return start_iteration(self, super().__iter__)
