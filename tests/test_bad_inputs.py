@@ -149,6 +149,26 @@ def test_local_keys_cannot_escape_their_bucket(tmp_path):
         store.get("..", "secret.txt")
 
 
+@pytest.mark.parametrize("planted", ["dangling link", "link to a file", "fifo", "directory"])
+def test_a_local_conditional_write_neither_follows_nor_waits_on_what_is_planted_at_its_lock(tmp_path, planted):
+    store = LocalStore(tmp_path / "root")
+    store.create_bucket("b")
+    lock, outside = tmp_path / "root" / "b" / ".rl-partial-lock", tmp_path / "outside"
+    if planted == "dangling link":
+        lock.symlink_to(outside)
+    elif planted == "link to a file":
+        outside.write_bytes(b"theirs")
+        lock.symlink_to(outside)
+    elif planted == "fifo":
+        os.mkfifo(lock)  # opened for writing it would wait for a reader forever
+    else:
+        lock.mkdir()
+    with pytest.raises(StorageError, match=r"\.rl-partial-lock .*: (remove it|remove what is there)\n"):
+        store.put("b", "k", b"x", if_none_match=True)
+    assert not (tmp_path / "root" / "b" / "k").exists() and [p.name for p in lock.parent.iterdir()] == [lock.name]
+    assert outside.read_bytes() == b"theirs" if planted == "link to a file" else not outside.exists()
+
+
 # Between a process and its decoding process: a socket pair only the two hold, as
 # multiprocessing pickles between its processes. Nothing read from a store goes there.
 PICKLES_BETWEEN_PROCESSES = {PACKAGE / "pipeline" / "device" / "channel.py"}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
+import stat
 import uuid
 from collections.abc import Iterator
 from io import BufferedReader
@@ -24,6 +25,21 @@ _PARTIAL = ".rl-partial-"
 """Marks files of unfinished writes; they never show in listings."""
 _LOCK = f"{_PARTIAL}lock"
 """The lock file of conditional writes, at the top of each bucket."""
+
+
+def _open_lock(path: Path, bucket: str) -> int:
+    """The bucket's lock file, opened (made where missing): a regular file, never a link,
+    FIFO or device planted in its place, which it would follow out of the store or wait on."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError as error:
+        raise StorageError(f"{path} cannot be opened as the bucket's lock file ({error.strerror}): remove what is"
+                           " there", bucket=bucket, code="BadLockFile") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise StorageError(f"{path} is not a regular file, so not the bucket's lock file: remove it", bucket=bucket,
+                           code="BadLockFile")
+    return fd
 
 
 class LocalStore(Store):
@@ -148,10 +164,10 @@ class LocalStore(Store):
             return
         target, tmp = self._path(bucket, key), self._partial(bucket, key)
         tmp.write_bytes(data)
-        # One lock per bucket makes check-and-replace atomic among processes on this host.
-        with (self._bucket_dir(bucket) / _LOCK).open("a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
+        try:
+            # One lock per bucket makes check-and-replace atomic among processes on this host.
+            with os.fdopen(_open_lock(self._bucket_dir(bucket) / _LOCK, bucket), "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
                 current = _etag(target.read_bytes()) if target.exists() else None
                 if (if_none_match and current is not None) or (if_match is not None and current != if_match):
                     raise PreconditionFailed(
@@ -161,8 +177,8 @@ class LocalStore(Store):
                         code="PreconditionFailed",
                     )
                 os.replace(tmp, target)
-            finally:
-                tmp.unlink(missing_ok=True)
+        finally:
+            tmp.unlink(missing_ok=True)
 
     def open_writer(self, bucket: str, key: str, *, part_size: int = DEFAULT_PART_SIZE) -> ObjectWriter:
         return _LocalWriter(self, bucket, key, part_size)
