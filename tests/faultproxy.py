@@ -11,7 +11,10 @@ part damaged in transit; bodies go unsigned, so the signature still holds), or a
 answered 416 though it lies inside the object (``refuse_range``: a store that answers wrongly),
 or a request held before it is forwarded until the test calls ``release()``, or for a minute
 (``hold``: a store that has not answered yet, for as long as a test needs; ``held`` counts
-those waiting).
+those waiting), or a whole answer with half the bytes asked for, its length saying so
+(``short_answer``: a store or proxy that answers wrongly), or a bare 429 (``too_many_requests``:
+a rate limit with no S3 body), or an answer to HEAD without its ``Content-Length``
+(``head_no_length``).
 Whether a request meets a fault, and which, depends only on the seed, the request
 (method, path, query, range; a presigned URL's ``X-Amz-*`` parameters left out: they hold
 the time of signing) and how many times that same request was seen before, so a run is
@@ -34,7 +37,8 @@ from urllib.parse import urlsplit
 
 FAULTS = ("reset_before", "reset_mid_body", "error_500", "slow_down_503", "delay", "truncate", "flip", "stall_mid_body")
 """The faults a reader heals by retrying or fetching again."""
-ALL_FAULTS = (*FAULTS, "ignore_range", "flip_body", "refuse_range", "hold")
+ALL_FAULTS = (*FAULTS, "ignore_range", "flip_body", "refuse_range", "hold", "short_answer", "too_many_requests",
+              "head_no_length")
 _HOLD = 60.0  # seconds a request is held at most (a test that never releases it fails, never hangs)
 _SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
               b"<Message>Reduce your request rate.</Message></Error>")
@@ -58,7 +62,9 @@ def _unsigned(path: str) -> str:
 class FaultProxy:
     """Forward to ``upstream`` (``http://host:port``) with faults at ``rates`` (kind -> probability).
 
-    Only requests whose method is in ``methods`` and whose path holds ``paths`` meet faults.
+    Only requests whose method is in ``methods`` and whose path holds ``paths`` meet faults
+    (with ``first_only="request"``, only the first time each request is made; with
+    ``"object"``, only the first request of each method for each object).
     ``injected`` counts faults by kind; ``requests`` counts every forwarded request and
     ``connections`` every client connection accepted; ``bodies`` lists, for each request
     with a body, its method, its length and whether it waited for ``100 Continue``;
@@ -75,6 +81,7 @@ class FaultProxy:
         delay: float = 0.05,
         paths: str = "",
         each_first: bool = False,
+        first_only: str | None = None,
     ) -> None:
         unknown = set(rates) - set(ALL_FAULTS)
         if unknown:
@@ -82,12 +89,14 @@ class FaultProxy:
         parts = urlsplit(upstream)
         self.upstream = (parts.hostname or "127.0.0.1", parts.port or 80)
         self.rates, self.seed, self.methods, self.delay, self.paths = rates, seed, methods, delay, paths
+        self.first_only = first_only
         self._first = [kind for kind in ALL_FAULTS if rates.get(kind, 0.0) > 0] if each_first else []
         self.injected: Counter[str] = Counter()
         self.requests = self.connections = 0
         self.bodies: list[tuple[str, int, bool]] = []
         self.payload_hashes: list[str | None] = []
         self._seen: Counter[str] = Counter()
+        self._objects: Counter[str] = Counter()  # requests by method and object, whatever their range
         self._lock = threading.Lock()
         self._connections: set[socket.socket] = set()
         self._closing = threading.Event()
@@ -139,7 +148,10 @@ class FaultProxy:
             self.requests += 1
             attempt = self._seen[request]
             self._seen[request] += 1
-        if handler.command not in self.methods or self.paths not in handler.path:
+            obj = f"{handler.command} {_unsigned(handler.path)}"
+            self._objects[obj] += 1
+            later = {"request": attempt > 0, "object": self._objects[obj] > 1}
+        if handler.command not in self.methods or self.paths not in handler.path or later.get(self.first_only, False):
             return None
         with self._lock:
             if self._first:
@@ -171,6 +183,11 @@ class FaultProxy:
             return self._reset(handler)
         if fault == "refuse_range" and not handler.headers.get("Range"):
             fault = None
+        if fault == "too_many_requests":
+            handler.send_response(429)
+            handler.send_header("Content-Length", "0")
+            handler.end_headers()
+            return
         if fault in ("error_500", "slow_down_503", "refuse_range"):
             status, payload = {"error_500": (500, _INTERNAL), "slow_down_503": (503, _SLOW_DOWN),
                                "refuse_range": (416, _INVALID_RANGE)}[fault]
@@ -212,9 +229,13 @@ class FaultProxy:
             if key.lower() not in ("connection", "transfer-encoding", "content-length"):
                 handler.send_header(key, value)
         if handler.command == "HEAD":  # the object's length, as upstream gave it; no body
-            handler.send_header("Content-Length", response.getheader("Content-Length") or "0")
+            if fault != "head_no_length":
+                handler.send_header("Content-Length", response.getheader("Content-Length") or "0")
+            handler.close_connection = fault == "head_no_length"  # no length: the answer ends with the connection
             handler.end_headers()
             return
+        if fault == "short_answer" and len(data) > 1 and response.status in (200, 206):
+            data = data[: len(data) // 2]
         handler.send_header("Content-Length", str(len(data)))
         handler.end_headers()
         cut = fault in ("truncate", "reset_mid_body", "stall_mid_body")

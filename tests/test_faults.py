@@ -299,3 +299,51 @@ def test_map_dataset_heals_flipped_bytes(seaweed, clean):
     finally:
         proxy.close()
     assert got == clean and proxy.injected["flip"] > 0 and ds.metrics.retries > 0
+
+
+@pytest.mark.parametrize("on_error", ["raise", "skip"])
+def test_ranges_answered_short_once_are_read_again_and_nothing_is_lost(seaweed, clean, on_error):
+    """Each sample range's first GET answered whole but with half its bytes (its length saying
+    so), though the shard is the manifest's size: the store answered wrongly, and the range is
+    read once more, streamed or read at random, under either ``on_error``."""
+    shards = len(clean) // 100
+    proxy = FaultProxy(seaweed.endpoint_url, {"short_answer": 1.0}, paths="/d/shard-", first_only="object")
+    try:
+        dataset = RemoteDataset(through(proxy, seaweed, "boto3"), "fault-tests", "d", on_error=on_error)
+        got = Counter((s["__key__"], bytes(s["jpg"]), bytes(s["cls"])) for s in dataset)
+    finally:
+        proxy.close()
+    assert got == clean and dataset.metrics.skipped == 0 and proxy.injected["short_answer"] == shards
+    proxy = FaultProxy(seaweed.endpoint_url, {"short_answer": 1.0}, paths="/d/shard-", first_only="object")
+    try:
+        ds = RemoteMapDataset(through(proxy, seaweed, "boto3"), "fault-tests", "d")
+        some = Counter((s["__key__"], s["jpg"], s["cls"]) for s in ds.__getitems__(list(range(0, len(ds), 97))))
+        ds.close()
+    finally:
+        proxy.close()
+    assert some <= clean and some.total() == len(range(0, len(clean), 97)) and proxy.injected["short_answer"] > 0
+
+
+@pytest.mark.parametrize("backend", ["boto3", "minio"])
+def test_a_bare_429_is_ridden_out_as_a_rate_limit(seaweed, clean, backend):
+    proxy = FaultProxy(seaweed.endpoint_url, {"too_many_requests": 1.0}, paths="/d/shard-", first_only="request")
+    try:
+        dataset = RemoteDataset(through(proxy, seaweed, backend), "fault-tests", "d",
+                                fetch=FetchConfig(retry=RetryConfig(backoff=0.001)))
+        got = Counter((s["__key__"], bytes(s["jpg"]), bytes(s["cls"])) for s in dataset)
+    finally:
+        proxy.close()
+    assert got == clean and proxy.injected["too_many_requests"] >= len(clean) // 100
+
+
+def test_an_answer_to_head_without_its_length_is_a_storage_error_naming_the_object(seaweed, clean):
+    proxy = FaultProxy(seaweed.endpoint_url, {"head_no_length": 1.0}, methods=("HEAD",))
+    try:
+        client = through(proxy, seaweed, "boto3")  # minio's client reads a missing length as 0
+        key = next(info.key for info in client.list("fault-tests", "d/"))
+        with pytest.raises(StorageError, match=rf"s3://fault-tests/{key}: the store answered HEAD without"
+                                               " Content-Length") as caught:
+            client.head("fault-tests", key)
+    finally:
+        proxy.close()
+    assert caught.value.code == "NoContentLength"

@@ -22,7 +22,7 @@ from functools import partial
 from typing import TypeVar
 
 from remote_loader.config import FetchConfig
-from remote_loader.errors import CorruptShard, TruncatedShard
+from remote_loader.errors import CorruptShard, InvalidRange, TruncatedShard
 from remote_loader.read.cached_shard import ShardFile
 from remote_loader.read.metrics import Metrics
 from remote_loader.read.shard_fill import Slots
@@ -174,14 +174,16 @@ class ReadSession:
     def refetch(self, fetch: Callable[[], P], parse: Callable[[P], T], obj: Object | None = None) -> T:
         """Return ``parse(fetch())``; bytes that ``parse`` (or ``fetch`` itself) finds damaged
         (``CorruptShard``) are fetched again, up to ``config.refetch_attempts`` fetches in all.
-        An object of the wrong size (``TruncatedShard``) is read once more only: a second
-        answer of the same store settles it. Damaged bytes of ``obj`` (a ``Shard``) read from the
+        An object of the wrong size (``TruncatedShard``), or one the store answered short though
+        it is the right size (``InvalidRange``), is read once more only: a second answer of the
+        same store settles it. Damaged bytes of ``obj`` (a ``Shard``) read from the
         node's cache drop its copy there: the next fetch goes to the store."""
         for attempt in range(1, self.config.refetch_attempts + 1):
             try:
                 return parse(fetch())
-            except CorruptShard as error:
-                if attempt == self.config.refetch_attempts or (isinstance(error, TruncatedShard) and attempt >= 2):
+            except (CorruptShard, InvalidRange) as error:
+                once = isinstance(error, TruncatedShard | InvalidRange)
+                if attempt == self.config.refetch_attempts or (once and attempt >= 2):
                     raise
                 self.metrics.add(retries=1)
                 self.discard(obj)

@@ -96,10 +96,11 @@ def as_views(sample: Sample) -> Sample:
 
 
 def read_run(
-    reader: DatasetReader, shard: int, index: ShardIndex, positions: list[int], session: ReadSession
+    reader: DatasetReader, shard: int, index: ShardIndex, positions: list[int], session: ReadSession,
+    once: bool = False,
 ) -> list[Sample]:
     """Samples ``positions`` (sorted) of one shard with one GET, fetched again while their
-    bytes fail their checksums (up to ``refetch_attempts`` fetches)."""
+    bytes fail their checksums (up to ``refetch_attempts`` fetches; ``once``: one fetch)."""
     entry = reader.manifest.shards[shard]
     first, stop = positions[0], positions[-1] + 1
     start, end = index.start(first, stop), index.extent(first, stop)
@@ -116,7 +117,7 @@ def read_run(
             raise reader.refused(entry.name, start, end, entry.size, session) from None
 
     try:
-        return session.refetch(fetch, parse, shard_object)
+        return parse(fetch()) if once else session.refetch(fetch, parse, shard_object)
     except DAMAGE as error:
         reader.check_unchanged(error)
         raise
@@ -276,6 +277,7 @@ class OpenRange:
             relative = np.where(column == 0, -1, column.astype(np.int64) - base)  # -1: the sample lacks the field
             self._columns.append((field, relative.tolist(), sizes[:, j].astype(np.int64).tolist(),
                                   index.crcs[first:stop, j].tolist()))
+        self._again: tuple[int, list[Sample]] | None = None  # samples from a position on, read once more
         self._buffer: memoryview | None = view.buffer
         self._check = view.verify and not self._trusted
         # Views of a cached file trusted as it is: each member a slice of its mapping, as the
@@ -296,6 +298,8 @@ class OpenRange:
     def next_sample(self) -> Sample | None:
         j = self.next - self._first
         self.next += 1
+        if self._again is not None:
+            return self._again[1][self.next - 1 - self._again[0]]
         mapped = self._mapped
         if mapped is not None:  # the one path that runs per sample with views from the cache: kept short
             sample: Sample = {"__key__": self._keys[j], "__shard__": self._name}
@@ -334,11 +338,32 @@ class OpenRange:
             if isinstance(error, InvalidRange) and self.index is not None:
                 entry = self.reader.manifest.shards[self.shard]
                 damage = self.reader.refused(entry.name, self.fetched.start, self.fetched.end, entry.size, self.session)
+                if type(damage) is InvalidRange:  # answered short, though the shard is the manifest's size
+                    return self._read_again(j)
             if not self.on_error.skips:
                 raise damage from None
             skip(f"the rest of shard {self.view.name}", self.stop - self.next + 1, damage, self.session)
             self.view = None
             return None
+
+    def _read_again(self, j: int) -> Sample | None:
+        """The range's samples from its ``j``-th on, which the store answered short though the
+        shard is the size the manifest says: the range read once more, with the same GET, and
+        given from there (a second such answer raises, or skips the rest under ``skip``)."""
+        assert self.index is not None and self.view is not None
+        first = self._first + j
+        try:
+            positions = list(range(self._first, self.stop))
+            again = read_run(self.reader, self.shard, self.index, positions, self.session, once=True)[j:]
+        except (InvalidRange, *DAMAGE) as error:
+            if not self.on_error.skips:
+                raise
+            skip(f"the rest of shard {self.view.name}", self.stop - first, error, self.session)
+            self.view = None
+            return None
+        self.session.metrics.add(retries=1)
+        self._again = (first, [as_views(sample) for sample in again] if self.reader.views else again)
+        return self._again[1][0]
 
     def _damaged(self, i: int) -> Sample | None:
         """Sample ``i`` of the shard, whose bytes here failed their checksum, fetched again."""

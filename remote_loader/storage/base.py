@@ -335,6 +335,7 @@ _TRANSIENT_CODES = {
     "RequestTimeout",
     "Throttling",
     "ThrottlingException",
+    "TooManyRequests",
     "RequestTimeTooSkewed",
 }
 
@@ -364,6 +365,15 @@ def bucket_name_problem(bucket: str) -> str | None:
         if c in ".-":
             return f"{bucket!r} {end} with {c!r}"
     return None
+
+
+def object_length(bucket: str, key: str, length: object) -> int:
+    """The ``Content-Length`` of an answer to HEAD, which must hold one (a proxy may drop it)."""
+    if length is None:
+        raise StorageError(f"{place(bucket, key)}: the store answered HEAD without Content-Length, which names the"
+                           " object's size (a proxy before it may drop it)", bucket=bucket, key=key,
+                           code="NoContentLength")
+    return int(length)  # type: ignore[call-overload]
 
 
 def place(bucket: str | None, key: str | None = None) -> str:
@@ -401,6 +411,6 @@ def error_for(
         return InvalidRange(f"{where}: requested range lies outside the object ({operation})", **args)
     if code == "NotImplemented" or status == 501:
         return StorageError(f"{where}: the store does not implement {operation}", **args)
-    if code in _TRANSIENT_CODES or (status is not None and status >= 500):
+    if code in _TRANSIENT_CODES or (status is not None and (status >= 500 or status == 429)):  # 429: a rate limit
         return TransientStorageError(f"{where}: store answered {code or status} ({operation}); retry later", **args)
     return StorageError(f"{where}: {operation} failed with {code or status}", **args)

@@ -31,6 +31,7 @@ from remote_loader.storage.base import (
     check_range,
     crc32_header,
     error_for,
+    object_length,
 )
 from remote_loader.storage.receive import BODY_ERRORS, receive_into
 from remote_loader.storage.writer import MultipartWriter
@@ -326,7 +327,7 @@ class Boto3Store(RangedStore):
 
     def head(self, bucket: str, key: str) -> int:
         with self._errors("HEAD", bucket, key):
-            return int(self._sdk().head_object(Bucket=bucket, Key=key)["ContentLength"])
+            return object_length(bucket, key, self._sdk().head_object(Bucket=bucket, Key=key).get("ContentLength"))
 
     def get_versioned(self, bucket: str, key: str) -> tuple[bytes, str]:
         with self._errors("GET", bucket, key):

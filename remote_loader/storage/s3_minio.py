@@ -46,6 +46,7 @@ from remote_loader.storage.base import (
     check_range,
     crc32_header,
     error_for,
+    object_length,
     place,
 )
 from remote_loader.storage.receive import BODY_ERRORS, receive_into
@@ -316,7 +317,7 @@ class MinioStore(RangedStore):
 
     def head(self, bucket: str, key: str) -> int:
         with self._errors("HEAD", bucket, key):
-            return int(self._sdk().stat_object(bucket, key).size or 0)
+            return object_length(bucket, key, self._sdk().stat_object(bucket, key).size)
 
     def get_versioned(self, bucket: str, key: str) -> tuple[bytes, str]:
         with self._errors("GET", bucket, key):
