@@ -116,15 +116,13 @@ class UploadCache:
         finally:
             os.close(fd)
 
-    def whole(self, name: str, size: int, crc: int, damaged: Callable[[], None] = lambda: None,
-              members_checked: bool = True) -> ShardFile | None:
+    def whole(self, name: str, size: int, crc: int, damaged: Callable[[], None] = lambda: None) -> ShardFile | None:
         """Cached shard ``name`` (``size`` bytes, crc32 ``crc``) open for reading, or None where
         the cache lacks it whole, or its file changed since it was checked and fails its crc32
         now (the copy is dropped, with a warning, and ``damaged()`` called: the next read
         fetches it again). Checked, and trusted as it is, unless the cache checks every read
-        (``CacheConfig.verify_reads``): then its members are to be checked as they are read,
-        and where the reader checks none (``members_checked`` false) the file is checked as
-        when trusted, so that checking every read never checks less."""
+        (``CacheConfig.verify_reads``): then its members are to be checked as they are read
+        (its reader checks every crc32: ``DatasetReader.verify``)."""
         folder = self._open()
         if folder is None or name in self._store_only:
             return None
@@ -138,7 +136,7 @@ class UploadCache:
                 return None
             _touch(fd, found)
             trusted = not self.node.config.verify_reads
-            if (trusted or not members_checked) and not was_checked(fd, found, crc) and not check_whole(fd, size, crc):
+            if trusted and not was_checked(fd, found, crc) and not check_whole(fd, size, crc):
                 log.warning("%s in the node's cache changed since it was checked and fails its crc32: fetched again",
                             name)
                 self.discard(name)

@@ -247,3 +247,20 @@ def test_a_range_of_small_samples_is_read_from_its_cached_shard_at_once(dataset,
         reads.clear()
         assert _samples(RemoteDataset(store, bucket, "d", cache_dir=cache, cache_verify=verify)) == clean
         assert sorted(reads) == sorted(ranges if small else members)
+
+
+@pytest.mark.parametrize("how", ["iterable", "views", "map batches", "map samples"])
+def test_cache_verify_checks_every_member_without_verify(dataset, tmp_path, how):
+    """``cache_verify=True`` checks every member read from the cache even with ``verify=False``:
+    a change that keeps the file's times is found at the member and that shard fetched again."""
+    store, bucket, _, clean = dataset
+    cache, entry, _ = _cached_with_a_member_changed(dataset, tmp_path)
+    ds: Any
+    if how.startswith("map"):
+        ds = RemoteMapDataset(store, bucket, "d", cache_dir=cache, cache_verify=True, verify=False)
+        every = list(range(len(ds)))
+        read = _samples(ds.__getitems__(every) if how == "map batches" else [ds[i] for i in every])
+    else:
+        ds = RemoteDataset(store, bucket, "d", cache_dir=cache, cache_verify=True, verify=False, views=how == "views")
+        read = _samples(ds)
+    assert read == clean and ds.metrics.bytes == entry.size
