@@ -160,7 +160,7 @@ class ReadSession:
             return False
         cache, name, size, crc = found
         if not cache.read(name, size, crc, start, end, out, partial(self._get_into, bucket, key_of(obj)),
-                          self.config.part_size, self._slots, self.cancel):
+                          self.config.part_size, self._slots, self.cancel, lambda: self.metrics.add(retries=1)):
             return False
         self.metrics.add(cached_bytes=end - start)
         return True
