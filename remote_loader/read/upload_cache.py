@@ -17,6 +17,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from functools import partial
 
+from remote_loader.config import CacheConfig
 from remote_loader.read.cached_shard import ShardFile, check_whole, was_checked
 from remote_loader.read.folder import Folder, Refused
 from remote_loader.read.node_cache import (
@@ -382,8 +383,10 @@ def _allocate(fd: int, size: int) -> None:
 
 
 def open_upload(node: NodeCache, endpoint: str, dataset: str, identity: int) -> UploadCache:
-    """This process's cache of one upload of one dataset in ``node`` (one object per process)."""
-    key = (node.path, endpoint, dataset, identity, node.config.verify_reads)  # each reads as its config says
+    """This process's cache of one upload of one dataset in ``node``: one object a process and
+    cache configuration, so that each dataset reads and fills as its own configuration says
+    (its bound, ``max_bytes``, bounds its fills; ``verify_reads`` how it reads)."""
+    key = (node.config, endpoint, dataset, identity)
     with _registry_lock:
         found = _registry.get(key)
         if found is None:
@@ -391,7 +394,7 @@ def open_upload(node: NodeCache, endpoint: str, dataset: str, identity: int) -> 
         return found
 
 
-_registry: dict[tuple[str, str, str, int, bool], UploadCache] = {}
+_registry: dict[tuple[CacheConfig, str, str, int], UploadCache] = {}
 _registry_lock = threading.Lock()
 
 

@@ -866,3 +866,19 @@ def test_a_full_disk_is_looked_at_again_and_the_cache_used_once_there_is_room(da
     said = [r.getMessage() for r in caplog.records if "cache" in r.getMessage()]
     assert len(said) == 1 and "the disk is full" in said[0], said
     _check_whole(cache, reader)
+
+
+def test_each_dataset_of_a_process_keeps_to_its_own_bound(dataset, tmp_path):
+    """``cache_bytes`` bounds the fills of the dataset given it, in one process as in several:
+    a dataset made after another of the same upload with a larger bound keeps to its own."""
+    store, bucket, reader, clean = dataset
+    total, cache = _shard_bytes(reader), tmp_path / "cache"
+    large = RemoteDataset(store, bucket, "d", cache_dir=cache, cache_bytes="1G")
+    assert _samples(large) == clean and sum(len(data) for data in _cached(cache).values()) == total
+    NodeCache(CacheConfig(str(cache))).clear()  # a change of mind: the cache emptied, a smaller bound
+    bound = int(total * 0.45)
+    small = RemoteDataset(store, bucket, "d", cache_dir=cache, cache_bytes=bound)
+    assert _samples(small) == clean
+    assert 0 < sum(len(data) for data in _cached(cache).values()) <= bound
+    assert _samples(large) == clean  # and the first, still in use, fills to its own
+    assert sum(len(data) for data in _cached(cache).values()) == total
