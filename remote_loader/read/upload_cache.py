@@ -95,6 +95,12 @@ class UploadCache:
                     self._stop(error)
         return self._dir
 
+    def moved(self) -> bool:
+        """Whether a folder this object holds open (the cache's, the upload's) is no longer at
+        its path: the cache's directory was removed, perhaps made again since. Nothing of it
+        can be written any more: a new object takes its place (``open_upload``)."""
+        return self.node.moved() or any(folder.moved() for folder in (self._dir, self._fill_dir) if folder is not None)
+
     def read_into(self, name: str, size: int, crc: int, start: int, end: int, out: memoryview,
                   damaged: Callable[[], None] = lambda: None) -> bool:
         """Bytes ``[start, end)`` of cached shard ``name`` (``size`` bytes, crc32 ``crc``) into
@@ -385,11 +391,12 @@ def _allocate(fd: int, size: int) -> None:
 def open_upload(node: NodeCache, endpoint: str, dataset: str, identity: int) -> UploadCache:
     """This process's cache of one upload of one dataset in ``node``: one object a process and
     cache configuration, so that each dataset reads and fills as its own configuration says
-    (its bound, ``max_bytes``, bounds its fills; ``verify_reads`` how it reads)."""
+    (its bound, ``max_bytes``, bounds its fills; ``verify_reads`` how it reads), made anew
+    where the folders of the one before were removed (each pass of a reader asks again)."""
     key = (node.config, endpoint, dataset, identity)
     with _registry_lock:
         found = _registry.get(key)
-        if found is None:
+        if found is None or found.moved():
             found = _registry[key] = UploadCache(node, endpoint, dataset, identity)
         return found
 
