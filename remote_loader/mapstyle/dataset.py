@@ -53,6 +53,7 @@ class RemoteMapDataset(Dataset):
         cache_verify: Check every member read from the cache against its crc32, every epoch
             (default ``REMOTE_LOADER_CACHE_VERIFY``, else off: a shard is checked whole as it
             enters the cache and read as it is while its file is unchanged; docs/cache.md).
+            It implies ``verify``: the store's bytes are checked too.
         **connection: ``endpoint_url``, ``access_key``, ... with a URL.
     """
 

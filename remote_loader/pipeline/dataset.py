@@ -88,6 +88,7 @@ class RemoteDataset(IterableDataset):
         cache_verify: Check every member read from the cache against its crc32, every epoch
             (default ``REMOTE_LOADER_CACHE_VERIFY``, else off: a shard is checked whole as it
             enters the cache and read as it is while its file is unchanged; docs/cache.md).
+            It implies ``verify``: the store's bytes are checked too.
         views: Give each member as a read-only ``memoryview`` rather than ``bytes``: from a
             shard in the node's cache, a view of the file mapped, with no copy (a pipeline
             that hands its bytes to a decoder, or counts them, saves a copy of every sample:

@@ -83,6 +83,16 @@ class Folder:
         _check_owned(os.fstat(fd), path, (os.geteuid(),), _OTHERS_WRITE)
         return folder
 
+    def moved(self) -> bool:
+        """Whether this folder is no longer the one at its path: removed (``rm -rf``, a cleaner
+        of ``/tmp``), perhaps with another made there since."""
+        try:
+            there = os.stat(self.path, follow_symlinks=False)
+        except OSError:
+            return True
+        here = os.fstat(self.fd)
+        return (there.st_dev, there.st_ino) != (here.st_dev, here.st_ino)
+
     def open(self, name: str, flags: int, mode: int = 0o600) -> int:
         """``os.open`` of entry ``name``, never through a link (ELOOP where it is one)."""
         try:

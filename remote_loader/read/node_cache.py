@@ -117,6 +117,11 @@ class NodeCache:
                 self._root = _claim(directory)
             return self._root
 
+    def moved(self) -> bool:
+        """Whether the cache's folder, once open, is no longer at its path (removed since)."""
+        with self._root_lock:
+            return self._root is not None and self._root.moved()
+
     def bound(self, root: Folder, used: int) -> int:
         """The most bytes the cache may hold, ``used`` being what it holds now."""
         if self.config.max_bytes is not None:

@@ -72,7 +72,8 @@ class DatasetReader:
         client: The store (``make_client``), or a boto3 S3 client or ``minio.Minio`` of your own.
         bucket: The bucket.
         base_folder: The dataset's key prefix.
-        verify: Check crc32s of indexes and sample members as they are read.
+        verify: Check crc32s of indexes and sample members as they are read (always, where
+            ``cache`` checks every read: ``CacheConfig.verify_reads``).
         fetch: Checksum refetches and, in ``fetch.retry``, how requests are retried.
         cache_pages: Pages of a version 3 manifest kept once read (each holds 4,096 shards'
             sizes, index places and checksums: about 60 kB).
@@ -91,7 +92,9 @@ class DatasetReader:
         self.client = as_store(client, bucket)
         base_folder = base_folder.strip("/")
         self.location = Location(bucket, base_folder, self.client.path_of(bucket, base_folder))
-        self.verify = verify
+        self.verify = verify or (isinstance(cache, CacheConfig) and cache.verify_reads)
+        """Whether crc32s are checked: asked for, or implied by a cache that checks every read (a
+        member it reads again after a failed check may come from the store)."""
         self.views = views
         """Members as read-only memoryviews (of the mapped file, from the node's cache), not bytes."""
         self.fetch = fetch or FetchConfig()
@@ -114,7 +117,7 @@ class DatasetReader:
         """The requests on behalf of this reader: a retrying store, counted in ``metrics``,
         fetched with ``fetch`` (default the reader's own)."""
         return ReadSession(fetch or self.fetch, metrics or Metrics(), self.client, cancel,
-                           self.upload_cache if self.cache is not None else None, members_checked=self.verify)
+                           self.upload_cache if self.cache is not None else None)
 
     def upload_cache(self) -> UploadCache | None:
         """This process's view of the node's cache of the upload read (None without a cache)."""

@@ -68,16 +68,11 @@ class ReadSession:
         cancel: Set it to make waiting requests give up at once with ``Cancelled``.
         cache: The node's cache of the dataset's upload, made when first needed (after the
             manifest is read), or None.
-        members_checked: Whether the reader checks each member it reads from a cached file
-            that is not trusted as it is (``verify``); where it does not, a cache that checks
-            every read still checks that a file is as it was when checked whole.
     """
 
     def __init__(self, config: FetchConfig, metrics: Metrics, store: Store,
-                 cancel: threading.Event | None = None, cache: Callable[[], UploadCache | None] | None = None,
-                 members_checked: bool = True) -> None:
+                 cancel: threading.Event | None = None, cache: Callable[[], UploadCache | None] | None = None) -> None:
         self.config = config
-        self.members_checked = members_checked
         self.metrics = metrics
         self.cancel = cancel if cancel is not None else threading.Event()
         self.store = RetryingStore(store, Retry(config.retry, store, self.cancel,
@@ -129,8 +124,7 @@ class ReadSession:
             return None
         cache, name, size, crc = found
         try:
-            return cache.whole(name, size, crc, damaged=lambda: self.metrics.add(retries=1),
-                               members_checked=self.members_checked)
+            return cache.whole(name, size, crc, damaged=lambda: self.metrics.add(retries=1))
         except OSError:  # the disk's: the bytes come from the store, as without a cache
             return None
 
@@ -166,7 +160,7 @@ class ReadSession:
             return False
         cache, name, size, crc = found
         if not cache.read(name, size, crc, start, end, out, partial(self._get_into, bucket, key_of(obj)),
-                          self.config.part_size, self._slots, self.cancel):
+                          self.config.part_size, self._slots, self.cancel, lambda: self.metrics.add(retries=1)):
             return False
         self.metrics.add(cached_bytes=end - start)
         return True

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from functools import partial
 
+from remote_loader.config import CacheConfig
 from remote_loader.read.cached_shard import ShardFile, check_whole, was_checked
 from remote_loader.read.folder import Folder, Refused
 from remote_loader.read.node_cache import (
@@ -94,37 +95,45 @@ class UploadCache:
                     self._stop(error)
         return self._dir
 
-    def read_into(self, name: str, start: int, end: int, out: memoryview) -> bool:
-        """Bytes ``[start, end)`` of cached shard ``name`` into ``out``; False where it is not
-        cached (or shorter than that: the copy is dropped)."""
-        folder = self._open()
-        if folder is None or name in self._store_only:
+    def moved(self) -> bool:
+        """Whether a folder this object holds open (the cache's, the upload's) is no longer at
+        its path: the cache's directory was removed, perhaps made again since. Nothing of it
+        can be written any more: a new object takes its place (``open_upload``)."""
+        return self.node.moved() or any(folder.moved() for folder in (self._dir, self._fill_dir) if folder is not None)
+
+    def read_into(self, name: str, size: int, crc: int, start: int, end: int, out: memoryview,
+                  damaged: Callable[[], None] = lambda: None) -> bool:
+        """Bytes ``[start, end)`` of cached shard ``name`` (``size`` bytes, crc32 ``crc``) into
+        ``out``; False where it is not cached, or its file is not the one checked (dropped, as
+        ``whole`` drops it)."""
+        fd = self._open_checked(name, size, crc, damaged)
+        if fd is None:
             return False
         try:
-            fd = folder.open(file_name(name), _READ)
-        except OSError:
-            return False
-        try:
-            found = os.fstat(fd)
-            if not stat.S_ISREG(found.st_mode):
-                return False
-            _touch(fd, found)
             if pread_into(fd, start, out[: end - start]):
                 return True
-            self.discard(name)  # shorter than the manifest says
+            self._dropped(name, "was cut short since it was checked", damaged)
             return False
         finally:
             os.close(fd)
 
-    def whole(self, name: str, size: int, crc: int, damaged: Callable[[], None] = lambda: None,
-              members_checked: bool = True) -> ShardFile | None:
+    def whole(self, name: str, size: int, crc: int, damaged: Callable[[], None] = lambda: None) -> ShardFile | None:
         """Cached shard ``name`` (``size`` bytes, crc32 ``crc``) open for reading, or None where
-        the cache lacks it whole, or its file changed since it was checked and fails its crc32
-        now (the copy is dropped, with a warning, and ``damaged()`` called: the next read
-        fetches it again). Checked, and trusted as it is, unless the cache checks every read
-        (``CacheConfig.verify_reads``): then its members are to be checked as they are read,
-        and where the reader checks none (``members_checked`` false) the file is checked as
-        when trusted, so that checking every read never checks less."""
+        the cache lacks it whole, or its file changed since it was checked and is no longer
+        the shard's size or fails its crc32 now (the copy is dropped, with a warning, and
+        ``damaged()`` called: the next read fetches it again). Checked, and trusted as it is,
+        unless the cache checks every read (``CacheConfig.verify_reads``): then its members
+        are to be checked as they are read (its reader checks every crc32:
+        ``DatasetReader.verify``)."""
+        fd = self._open_checked(name, size, crc, damaged)
+        if fd is None:
+            return None
+        return ShardFile(fd, not self.node.config.verify_reads, size)
+
+    def _open_checked(self, name: str, size: int, crc: int, damaged: Callable[[], None]) -> int | None:
+        """Cached shard ``name`` open (a descriptor the caller closes), where it is there and is
+        the shard's ``size``, and, unless every read is checked, as it was when checked whole
+        or found whole now; else None (a copy that is not the shard's is dropped)."""
         folder = self._open()
         if folder is None or name in self._store_only:
             return None
@@ -134,21 +143,28 @@ class UploadCache:
             return None
         try:
             found = os.fstat(fd)
-            if not stat.S_ISREG(found.st_mode) or found.st_size != size:
+            if not stat.S_ISREG(found.st_mode):
+                return None
+            if found.st_size != size:
+                self._dropped(name, f"is {found.st_size} bytes, not the shard's {size}", damaged)
                 return None
             _touch(fd, found)
-            trusted = not self.node.config.verify_reads
-            if (trusted or not members_checked) and not was_checked(fd, found, crc) and not check_whole(fd, size, crc):
-                log.warning("%s in the node's cache changed since it was checked and fails its crc32: fetched again",
-                            name)
-                self.discard(name)
-                damaged()
+            if not self.node.config.verify_reads and not was_checked(fd, found, crc) and \
+                    not check_whole(fd, size, crc):
+                self._dropped(name, "changed since it was checked and fails its crc32", damaged)
                 return None
-            shard, fd = ShardFile(fd, trusted, size), -1
-            return shard
+            opened, fd = fd, -1
+            return opened
         finally:
             if fd >= 0:
                 os.close(fd)
+
+    def _dropped(self, name: str, why: str, damaged: Callable[[], None]) -> None:
+        """The copy of ``name`` is not the shard (``why``): dropped, with a warning, and
+        ``damaged()`` called; the next read fetches it again."""
+        log.warning("%s in the node's cache %s: fetched again", name, why)
+        self.discard(name)
+        damaged()
 
     def size(self, name: str) -> int | None:
         """The size of cached shard ``name``, or None where it is not cached."""
@@ -179,19 +195,20 @@ class UploadCache:
 
     def read(self, name: str, size: int, crc: int, start: int, end: int, out: memoryview,
              fetch_into: Callable[[int, int, memoryview], None], part_size: int, slots: Slots,
-             cancel: threading.Event) -> bool:
+             cancel: threading.Event, damaged: Callable[[], None] = lambda: None) -> bool:
         """Bytes ``[start, end)`` of shard ``name`` (``size`` bytes, crc32 ``crc``) into ``out``
         from the cache, fetching the shard whole into it first where it lacks it (once per
         node: a fetch by another thread is read as its parts arrive, one by another process
         waited for); False where the cache cannot give them (then read them from the store).
-        ``fetch_into(start, end, out)`` is a ranged GET, each made holding one of ``slots``."""
-        if self.read_into(name, start, end, out):
+        ``fetch_into(start, end, out)`` is a ranged GET, each made holding one of ``slots``;
+        ``damaged()`` is called where a copy is dropped (``whole``)."""
+        if self.read_into(name, size, crc, start, end, out, damaged):
             return True
         if self.broken is not None or name in self._unfilled or name in self._store_only:
             return False
         fill = self._fill(name, size, crc, fetch_into, part_size, slots, cancel, start)
         if fill is None:  # fetched by another process meanwhile, or not to be cached
-            return self.read_into(name, start, end, out)
+            return self.read_into(name, size, crc, start, end, out, damaged)
         return fill.read_into(start, end, out, cancel)
 
     def _fill(self, name: str, size: int, crc: int, fetch_into: Callable[[int, int, memoryview], None],
@@ -372,16 +389,19 @@ def _allocate(fd: int, size: int) -> None:
 
 
 def open_upload(node: NodeCache, endpoint: str, dataset: str, identity: int) -> UploadCache:
-    """This process's cache of one upload of one dataset in ``node`` (one object per process)."""
-    key = (node.path, endpoint, dataset, identity, node.config.verify_reads)  # each reads as its config says
+    """This process's cache of one upload of one dataset in ``node``: one object a process and
+    cache configuration, so that each dataset reads and fills as its own configuration says
+    (its bound, ``max_bytes``, bounds its fills; ``verify_reads`` how it reads), made anew
+    where the folders of the one before were removed (each pass of a reader asks again)."""
+    key = (node.config, endpoint, dataset, identity)
     with _registry_lock:
         found = _registry.get(key)
-        if found is None:
+        if found is None or found.moved():
             found = _registry[key] = UploadCache(node, endpoint, dataset, identity)
         return found
 
 
-_registry: dict[tuple[str, str, str, int, bool], UploadCache] = {}
+_registry: dict[tuple[CacheConfig, str, str, int], UploadCache] = {}
 _registry_lock = threading.Lock()
 
 

@@ -198,7 +198,7 @@ def test_a_process_still_reading_an_older_upload_loses_only_its_shards(dataset, 
     assert len(list(_reader(store, bucket, cache))) == SAMPLES
     assert not _cached_shards(old)
     out = memoryview(bytearray(10))
-    assert not held.read_into(shard.name, 0, 10, out)  # gone...
+    assert not held.read_into(shard.name, shard.size, shard.crc32, 0, 10, out)  # gone...
     assert held.broken is None and held.size(shard.name) is None and before
     assert Path(held.path).is_dir()  # ...but its folder is there to fill again
 

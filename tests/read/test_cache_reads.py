@@ -247,3 +247,42 @@ def test_a_range_of_small_samples_is_read_from_its_cached_shard_at_once(dataset,
         reads.clear()
         assert _samples(RemoteDataset(store, bucket, "d", cache_dir=cache, cache_verify=verify)) == clean
         assert sorted(reads) == sorted(ranges if small else members)
+
+
+@pytest.mark.parametrize("how", ["iterable", "views", "map batches", "map samples"])
+def test_cache_verify_checks_every_member_without_verify(dataset, tmp_path, how):
+    """``cache_verify=True`` checks every member read from the cache even with ``verify=False``:
+    a change that keeps the file's times is found at the member and that shard fetched again."""
+    store, bucket, _, clean = dataset
+    cache, entry, _ = _cached_with_a_member_changed(dataset, tmp_path)
+    ds: Any
+    if how.startswith("map"):
+        ds = RemoteMapDataset(store, bucket, "d", cache_dir=cache, cache_verify=True, verify=False)
+        every = list(range(len(ds)))
+        read = _samples(ds.__getitems__(every) if how == "map batches" else [ds[i] for i in every])
+    else:
+        ds = RemoteDataset(store, bucket, "d", cache_dir=cache, cache_verify=True, verify=False, views=how == "views")
+        read = _samples(ds)
+    assert read == clean and ds.metrics.bytes == entry.size
+
+
+@pytest.mark.parametrize("cache_verify", [False, True])
+@pytest.mark.parametrize("resize", ["grown", "cut short"])
+def test_a_damaged_cached_shard_whose_size_changed_is_dropped_and_fetched_again(dataset, tmp_path, resize,
+                                                                              cache_verify, caplog):
+    """A file whose size is no longer the shard's is not the one checked: it is dropped, with a
+    warning, and the shard fetched again, even with ``verify=False`` (its ranges are never read
+    from the file as it lies)."""
+    store, bucket, reader, clean = dataset
+    cache, entry, _ = _cached_with_a_member_changed(dataset, tmp_path)
+    path = _cached_file(cache, entry.name)
+    if resize == "grown":
+        with path.open("ab") as grown:
+            grown.write(b"\0")
+    else:
+        os.truncate(path, reader.read_index(entry).extent(0, 6))  # the changed member kept
+    ds = RemoteDataset(store, bucket, "d", cache_dir=cache, verify=False, cache_verify=cache_verify)
+    with caplog.at_level("WARNING", logger="remote_loader"):
+        assert _samples(ds) == clean
+    assert ds.metrics.bytes == entry.size and path.stat().st_size == entry.size  # fetched again, once
+    assert any(entry.name in r.getMessage() and "fetched again" in r.getMessage() for r in caplog.records)

@@ -866,3 +866,44 @@ def test_a_full_disk_is_looked_at_again_and_the_cache_used_once_there_is_room(da
     said = [r.getMessage() for r in caplog.records if "cache" in r.getMessage()]
     assert len(said) == 1 and "the disk is full" in said[0], said
     _check_whole(cache, reader)
+
+
+def test_each_dataset_of_a_process_keeps_to_its_own_bound(dataset, tmp_path):
+    """``cache_bytes`` bounds the fills of the dataset given it, in one process as in several:
+    a dataset made after another of the same upload with a larger bound keeps to its own."""
+    store, bucket, reader, clean = dataset
+    total, cache = _shard_bytes(reader), tmp_path / "cache"
+    large = RemoteDataset(store, bucket, "d", cache_dir=cache, cache_bytes="1G")
+    assert _samples(large) == clean and sum(len(data) for data in _cached(cache).values()) == total
+    NodeCache(CacheConfig(str(cache))).clear()  # a change of mind: the cache emptied, a smaller bound
+    bound = int(total * 0.45)
+    small = RemoteDataset(store, bucket, "d", cache_dir=cache, cache_bytes=bound)
+    assert _samples(small) == clean
+    assert 0 < sum(len(data) for data in _cached(cache).values()) <= bound
+    assert _samples(large) == clean  # and the first, still in use, fills to its own
+    assert sum(len(data) for data in _cached(cache).values()) == total
+
+
+
+@pytest.mark.parametrize("reader", ["a new dataset", "the same dataset"])
+def test_a_cache_directory_removed_and_made_again_is_used_again(dataset, tmp_path, caplog, reader):
+    """A cache directory removed (``rm -rf``, a cleaner of ``/tmp``) and made again is used
+    again in the same process, by a dataset made after it and by one read before it (from its
+    next pass): nothing of the removed folders is kept, and no warning says the new directory
+    cannot be written."""
+    import shutil
+
+    store, bucket, _, clean = dataset
+    cache = tmp_path / "cache"
+    first = RemoteDataset(store, bucket, "d", cache_dir=cache)
+    assert _samples(first) == clean
+    total = first.metrics.bytes
+    shutil.rmtree(cache)
+    cache.mkdir()
+    ds = RemoteDataset(store, bucket, "d", cache_dir=cache) if reader == "a new dataset" else first
+    before = ds.metrics.bytes
+    with caplog.at_level(logging.WARNING, logger="remote_loader"):
+        for _ in range(3):
+            assert _samples(ds) == clean
+    assert ds.metrics.bytes - before == total and len(_cached(cache)) == len(first.reader.manifest.shards)
+    assert not [r.getMessage() for r in caplog.records if "cache" in r.getMessage()]
