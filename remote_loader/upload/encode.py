@@ -270,7 +270,7 @@ def _values_not_pixels(value: Any) -> bool:
     if isinstance(value, np.ndarray):
         return bool(value.dtype != np.uint8 or value.ndim > 3)
     return _is_tensor(value) and (str(value.dtype) != "torch.uint8" or value.dim() > 3
-                                  or _tv_placeholder(value) is not None)  # a tv_tensor comes back one
+                                  or tv_placeholder(value) is not None)  # a tv_tensor comes back one
 
 
 class Structured:
@@ -357,7 +357,7 @@ class Structured:
             return "numpy"
         if _is_tensor(value):
             self._add(stem, steps, "npy", _npy(_tensor_array(value, self.index, where), self.index, where), where)
-            return _tv_placeholder(value) or "torch"
+            return tv_placeholder(value) or "torch"
         if isinstance(value, Image.Image):
             ext, data = self._image(value, where)
             self._add(stem, steps, ext, data, where)
@@ -392,7 +392,7 @@ class Structured:
         if len(data) >= array.nbytes:  # noise compresses no better than that: their values are smaller
             return None
         self._add(stem, steps, "mp4", data, where)
-        was = "numpy" if isinstance(value, np.ndarray) else _tv_placeholder(value) or "torch"
+        was = "numpy" if isinstance(value, np.ndarray) else tv_placeholder(value) or "torch"
         return fields.frames_placeholder({"layout": layout, "channels": channels, "shape": list(array.shape),
                                           "of": was})
 
@@ -440,7 +440,7 @@ def _npy(array: np.ndarray, index: int, where: str) -> bytes:
     return out.getvalue()
 
 
-def _tv_placeholder(tensor: Any) -> str | None:
+def tv_placeholder(tensor: Any) -> str | None:
     """The placeholder of a torchvision tv_tensor (its class and metadata), None for a plain tensor."""
     cls = next((c for c in type(tensor).__mro__
                 if c.__module__.startswith("torchvision.tv_tensors") and c.__name__ in fields.TV_TENSORS), None)
