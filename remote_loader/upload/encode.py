@@ -182,7 +182,7 @@ def encode_image(image: Any, options: EncodeOptions, index: int,
         kept = originals.match(image) if originals is not None else None
         return kept if kept is not None else _encode_pil(image, options, index)
     if isinstance(image, np.ndarray):
-        return _encode_pil(_to_pil(image, index), options, index)
+        return _encode_pil(_to_pil(plain_array(image, index, "image"), index), options, index)
     if type(image).__module__.startswith("torch") and hasattr(image, "detach"):
         return _encode_pil(_from_tensor(image, index), options, index)
     raise _fail(index, f"image is a {type(image).__name__}; expected PIL image, uint8 array, tensor, bytes or path")
@@ -323,7 +323,7 @@ class Structured:
         elif isinstance(value, Image.Image):
             ext, data = self._image(value, where)
             self.fields[f"{stem}.{ext}"] = data
-        elif isinstance(value, np.ndarray) and not self._as_video(value):
+        elif isinstance(value, np.ndarray) and not self._as_video(plain_array(value, self.index, where)):
             self.fields[f"{stem}.npy"] = _npy(value, self.index, where)
         else:  # a tensor, frames, a list, a tuple, a dict: a skeleton and its members
             self.fields[f"{stem}.json"] = _json(self._skeleton(stem, (), value, where))
@@ -348,6 +348,8 @@ class Structured:
                     raise _fail(self.index, f"{where} has the key {key!r}, a {type(key).__name__}: JSON keys are str")
                 out[key] = self._skeleton(stem, (*steps, key), v, f"{where}[{key!r}]")
             return out
+        if isinstance(value, np.ndarray):
+            plain_array(value, self.index, where)
         if self._as_video(value):
             placeholder = self._frames(stem, steps, value, where)
             if placeholder is not None:
@@ -432,7 +434,21 @@ def _frames_layout(value: Any) -> str | None:
 NUMERIC_KINDS = frozenset("biuf")
 
 
+def plain_array(array: np.ndarray, index: int, where: str) -> np.ndarray:
+    """``array`` where a shard keeps all it is: a plain ndarray, or an ``np.memmap`` (a file's
+    values). Another subclass (a masked array's mask, a matrix's or recarray's class) would
+    come back a plain ndarray: the UploadError naming sample ``index`` and ``where``."""
+    if type(array) is np.ndarray or isinstance(array, np.memmap):
+        return array
+    kind = type(array).__name__
+    hint = ("its data and np.ma.getmaskarray() of it as two arrays" if isinstance(array, np.ma.MaskedArray)
+            else "np.asarray() of it")
+    raise _fail(index, f"{where} is a numpy {kind}, which a shard would give back as a plain ndarray without what"
+                       f" {kind} adds; store {hint}")
+
+
 def _npy(array: np.ndarray, index: int, where: str) -> bytes:
+    plain_array(array, index, where)
     if array.dtype.kind not in NUMERIC_KINDS:
         raise _fail(index, f"{where} is an array of {array.dtype}: arrays of bool, int, uint or float are stored")
     out = io.BytesIO()
