@@ -193,12 +193,15 @@ def _is_tensor(value: Any) -> bool:
 
 
 def _plain(value: Any, index: int, where: str) -> int | float | str:
-    """A classification target's value; a tensor (even of one value) is not one: it is
-    stored as a tensor, by the field rule, and comes back a tensor."""
+    """A classification target's value (an int subclass as the int it is); a tensor (even
+    of one value) is not one: it is stored as a tensor, by the field rule, and comes back a
+    tensor."""
     if isinstance(value, (np.integer, np.floating)):
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise _fail(index, f"{where} is a {type(value).__name__}; expected int, float or str")
+    if isinstance(value, int):  # an IntEnum (on Python 3.10) or any int subclass: its str() need not be digits
+        value = int(value)
     if isinstance(value, float) and not math.isfinite(value):
         raise _fail(index, f"{where} is {value}; JSON targets must be finite")
     return value
@@ -219,7 +222,7 @@ def encode_target(target: Any, index: int) -> dict[str, bytes]:
     if isinstance(value, float):
         raise _fail(index, "target is a float; use an int class index, a str or a dict")
     if isinstance(value, int):
-        return {"cls": str(value).encode("ascii")}
+        return {"cls": str(int(value)).encode("ascii")}
     return {"txt": value.encode("utf-8")}
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import io
 import json
 import re
@@ -66,6 +67,32 @@ def test_targets(target, expected):
     fields = encode_item((image, target), PNG, 0)
     fields.pop("png")
     assert fields == expected
+
+
+class Label(enum.IntEnum):
+    CAT = 0
+    DOG = 1
+    __str__ = enum.Enum.__str__  # str() of an IntEnum member on Python 3.10: 'Label.DOG'
+
+
+class Shown(int):
+    def __str__(self) -> str:
+        return f"class {int(self)}"
+
+
+@pytest.mark.parametrize("target", [Label.DOG, Shown(1)])
+def test_an_int_subclass_label_is_stored_as_its_digits_whatever_its_str(target):
+    """``cls`` holds ASCII digits, which every read decodes: never the label's own text."""
+    fields = encode_item((Image.new("L", (4, 4)), target), PNG, 0)
+    assert fields["cls"] == b"1"
+    fields = encode_item((Image.new("L", (4, 4)), {"label": target}), PNG, 0)
+    assert fields["json"] == b'{"label": 1}'
+
+
+def test_a_bool_target_is_no_class_index_but_json():
+    """FORMAT.md: ``cls`` holds an int, not a bool; a bool goes by the field rule, as JSON."""
+    fields = encode_item((Image.new("L", (4, 4)), True), PNG, 0)
+    assert sorted(fields) == ["0.png", "1.json"] and fields["1.json"] == b"true"
 
 
 def test_a_tensor_target_is_stored_as_a_tensor_even_of_one_value():
