@@ -68,13 +68,21 @@ def _fail(index: int, message: str) -> UploadError:
     return UploadError(f"sample {index}: {message}", index=index)
 
 
-def _sniff(data: bytes, index: int, what: str, whole: bool = True) -> str:
+def _sniff(data: bytes, index: int, what: str) -> str:
     """Return the field name for encoded image ``data`` by reading its header; a video
-    file's bytes (mp4, mov, mkv, webm, avi) are named by their container. ``whole``: a JPEG
-    or PNG cut short is refused (an image, not bytes a structured sample holds as they are)."""
+    file's bytes (mp4, mov, mkv, webm, avi) are named by their container. A JPEG or PNG cut
+    short is refused."""
     video = video_extension(data)
     if video is not None:
         return video
+    fmt = _image_format(data, index, what)
+    _check_whole(data, fmt, index, what)
+    return EXTENSIONS[fmt]
+
+
+def _image_format(data: bytes, index: int, what: str) -> str:
+    """Pillow's name for the format of image ``data``, one the upload stores; else the
+    UploadError naming sample ``index`` and ``what``."""
     try:
         with Image.open(io.BytesIO(data)) as image:
             fmt = image.format
@@ -85,11 +93,16 @@ def _sniff(data: bytes, index: int, what: str, whole: bool = True) -> str:
         raise _fail(index, f"{what} is larger than Pillow's MAX_IMAGE_PIXELS allows ({one_line(exc)})") from None
     if fmt not in EXTENSIONS:
         raise _fail(index, f"{what} is a {fmt} image; supported: {', '.join(sorted(set(EXTENSIONS)))}")
-    problem = _cut_short(data, fmt) if whole else None
+    return fmt
+
+
+def _check_whole(data: bytes, fmt: str, index: int, what: str) -> None:
+    """The UploadError naming sample ``index`` and ``what`` for a JPEG or PNG cut short, which
+    every read would fail to decode."""
+    problem = _cut_short(data, fmt)
     if problem is not None:
         raise _fail(index, f"{what} is not a whole {fmt}: {problem} (as a file cut short by a failed copy or"
                            " download), which decoders refuse")
-    return EXTENSIONS[fmt]
 
 
 def check_image(data: bytes, index: int, what: str) -> bytes:
@@ -410,12 +423,18 @@ class Structured:
         return _lossless(image, self.index, where)
 
     def _bytes(self, data: bytes | bytearray | memoryview, where: str) -> tuple[str, bytes]:
-        """An encoded image's own format, or ``bin`` for bytes Pillow does not read."""
+        """An encoded image's or video's own format, or ``bin`` for bytes Pillow does not
+        read; an image's bytes cut short are refused, as every read would fail to decode them."""
         raw = bytes(data)
+        video = video_extension(raw)
+        if video is not None:
+            return video, raw
         try:
-            return _sniff(raw, self.index, where, whole=False), raw
+            fmt = _image_format(raw, self.index, where)
         except UploadError:
             return "bin", raw
+        _check_whole(raw, fmt, self.index, where)
+        return EXTENSIONS[fmt], raw
 
 
 def _frames_layout(value: Any) -> str | None:

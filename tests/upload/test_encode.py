@@ -205,7 +205,7 @@ def test_a_truncated_file_is_refused_naming_the_sample(tmp_path, data):
     epoch would then fail to decode."""
     path = tmp_path / "cut"
     path.write_bytes(data)
-    for item in ((data, 1), (str(path), 1)):
+    for item in ((data, 1), (str(path), 1), {"image": data, "label": 3}, (data, [1, 2]), (1, data)):
         with pytest.raises(UploadError, match=r"^sample 5: .* is not a whole (JPEG|PNG): it (ends|has no)") as info:
             encode_item(item, PNG, 5)
         assert info.value.index == 5 and "\n" not in str(info.value)
@@ -223,6 +223,7 @@ def test_whole_files_are_kept_padding_and_all(data):
     Image.open(io.BytesIO(data)).load()
     field = "png" if data.startswith(b"\x89PNG") else "jpg"
     assert encode_item((data, 1), PNG, 0) == {field: data, "cls": b"1"}
+    assert encode_item({"image": data, "blob": b"\0\1"}, PNG, 0) == {f"image.{field}": data, "blob.bin": b"\0\1"}
 
 
 def test_a_tv_tensor_image_in_a_pair_comes_back_as_itself():
