@@ -150,6 +150,7 @@ another mode is stored lossless, in PNG or TIFF."""
 
 
 def _encode_pil(image: Image.Image, options: EncodeOptions, index: int, where: str = "image") -> tuple[str, bytes]:
+    _not_empty(image, index, where)
     fmt = ENCODINGS[options.image_format.lower()]
     if image.mode == "P" and fmt == "JPEG" and "transparency" not in image.info:
         image = image.convert("RGB")  # a palette holds RGB colours: no information is lost
@@ -166,6 +167,7 @@ def _encode_pil(image: Image.Image, options: EncodeOptions, index: int, where: s
 
 def _lossless(image: Image.Image, index: int, where: str) -> tuple[str, bytes]:
     """``image`` in PNG, or TIFF for the modes PNG does not hold (CMYK, LAB, YCbCr, I, F)."""
+    _not_empty(image, index, where)
     fmt = "PNG" if image.mode in HOLDS["PNG"] else "TIFF"
     out = io.BytesIO()
     try:
@@ -174,6 +176,14 @@ def _lossless(image: Image.Image, index: int, where: str) -> tuple[str, bytes]:
         raise _fail(index, f"{where} is a {image.mode} image, which no image format stores; convert it (to RGB, for"
                            " one)") from None
     return EXTENSIONS[fmt], out.getvalue()
+
+
+def _not_empty(image: Image.Image, index: int, where: str) -> None:
+    """The UploadError naming sample ``index`` and ``where`` for an image of no pixels (a crop
+    of nothing), which every format refuses (WebP's encoder with a bare MemoryError)."""
+    if 0 in image.size:
+        raise _fail(index, f"{where} is an empty image ({image.width} x {image.height}): no image format stores"
+                           " one")
 
 
 def encode_image(image: Any, options: EncodeOptions, index: int,

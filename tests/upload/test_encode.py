@@ -272,3 +272,34 @@ def test_a_memory_mapped_array_is_stored_as_its_values(tmp_path):
     mapped = np.load(tmp_path / "a.npy", mmap_mode="r")
     fields = encode_item((Image.new("L", (4, 4)), {"depth": mapped}), PNG, 5)
     assert np.array_equal(np.load(io.BytesIO(fields["1.depth.npy"])), mapped)
+
+
+@pytest.mark.parametrize("fmt", ["jpeg", "png", "webp"])
+@pytest.mark.parametrize("size, mode", [((0, 0), "RGB"), ((0, 5), "RGB"), ((4, 0), "L"), ((0, 0), "RGBA")])
+def test_an_empty_image_is_refused_naming_the_sample_and_field_in_every_format(fmt, size, mode):
+    """A crop of nothing: WebP's encoder raised a bare MemoryError that named no sample, and
+    that ``on_error="skip"`` let through."""
+    options = EncodeOptions(image_format=fmt)
+    for item, where in (((Image.new(mode, size), 1), "image"), ({"mask": Image.new(mode, size)}, "item['mask']")):
+        with pytest.raises(UploadError, match=rf"^sample 5: {re.escape(where)} is an empty image \({size[0]} x"
+                                              rf" {size[1]}\): no image format stores one") as info:
+            encode_item(item, options, 5)
+        assert info.value.index == 5 and "\n" not in str(info.value)
+
+
+def test_an_empty_image_is_skipped_under_skip(tmp_path):
+    from remote_loader import LocalStore
+    from tests.helpers import upload
+
+    class Cropped:
+        def __len__(self) -> int:
+            return 3
+
+        def __getitem__(self, index: int):
+            return Image.new("RGB", (0, 0) if index == 1 else (8, 8)), index
+
+    store = LocalStore(str(tmp_path))
+    store.create_bucket("b")
+    summary = upload(store, "b", "d", Cropped(), image_format="webp", on_error="skip")
+    assert summary.samples == 2 and summary.skipped == 1
+    assert summary.skip_reasons[0].startswith("sample 1: image is an empty image (0 x 0)")
