@@ -13,7 +13,7 @@ from PIL import Image
 from remote_loader.errors import CorruptShard, UploadError
 from remote_loader.format import ShardIndex, ShardWriter
 from remote_loader.format.index import DIGEST_SIZE, INDEX_MEMBER
-from remote_loader.upload.fingerprint import item_digest
+from remote_loader.upload.fingerprint import item_digest, matches
 from remote_loader.upload.originals import Originals, read_watching
 
 
@@ -124,3 +124,17 @@ def test_a_tv_tensors_metadata_is_in_the_digest():
     assert _digest(lambda: (Image.new("L", (8, 8)), {"boxes": boxes("XYXY", (100, 200))})) != xyxy
     plain = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
     assert item_digest(plain, Originals([]).match, 0) == item_digest(plain.clone(), Originals([]).match, 0)
+
+
+def test_a_digest_recorded_before_palettes_were_hashed_still_matches_its_item():
+    """A dataset uploaded when digests held pixels alone is still kept by a run over its items:
+    the digest of the same rule without what lies beside the pixels matches it."""
+    item = (_palette([0, 0, 0, 255, 0, 0]), 1)
+    recorded_then = item_digest(item, Originals([]).match, 0, beside=False)
+    assert recorded_then != item_digest(item, Originals([]).match, 0)
+    assert matches(recorded_then, item, Originals([]).match, 0)
+    assert matches(item_digest(item, Originals([]).match, 0), item, Originals([]).match, 0)
+    recolored = (_palette([0, 0, 0, 0, 255, 0]), 1)
+    assert not matches(item_digest(item, Originals([]).match, 0), recolored, Originals([]).match, 0)
+    assert not matches(recorded_then, (_palette([0, 0, 0, 255, 0, 0]).transpose(Image.Transpose.FLIP_LEFT_RIGHT), 1),
+                       Originals([]).match, 0)

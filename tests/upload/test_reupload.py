@@ -196,5 +196,5 @@ def test_items_changed_only_in_what_the_round_trip_keeps_of_them_are_caught(tmp_
     client.create_bucket("b")
     first = {"palette": [0, 0, 0, 255, 0, 0], "fmt": "XYXY", "canvas": (8, 8)}
     upload(client, "b", "meta", Boxed(**first), shuffle=False)  # type: ignore[arg-type]
-    with pytest.raises(UploadError, match=r"holds another dataset uploaded with these parameters"):
+    with pytest.raises(UploadError, match=r"but ds\[0\] is not the item uploaded from it"):
         upload(client, "b", "meta", Boxed(**{**first, **changed}), shuffle=False)  # type: ignore[arg-type]
