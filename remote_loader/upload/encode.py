@@ -68,13 +68,21 @@ def _fail(index: int, message: str) -> UploadError:
     return UploadError(f"sample {index}: {message}", index=index)
 
 
-def _sniff(data: bytes, index: int, what: str, whole: bool = True) -> str:
+def _sniff(data: bytes, index: int, what: str) -> str:
     """Return the field name for encoded image ``data`` by reading its header; a video
-    file's bytes (mp4, mov, mkv, webm, avi) are named by their container. ``whole``: a JPEG
-    or PNG cut short is refused (an image, not bytes a structured sample holds as they are)."""
+    file's bytes (mp4, mov, mkv, webm, avi) are named by their container. A JPEG or PNG cut
+    short is refused."""
     video = video_extension(data)
     if video is not None:
         return video
+    fmt = _image_format(data, index, what)
+    _check_whole(data, fmt, index, what)
+    return EXTENSIONS[fmt]
+
+
+def _image_format(data: bytes, index: int, what: str) -> str:
+    """Pillow's name for the format of image ``data``, one the upload stores; else the
+    UploadError naming sample ``index`` and ``what``."""
     try:
         with Image.open(io.BytesIO(data)) as image:
             fmt = image.format
@@ -85,11 +93,16 @@ def _sniff(data: bytes, index: int, what: str, whole: bool = True) -> str:
         raise _fail(index, f"{what} is larger than Pillow's MAX_IMAGE_PIXELS allows ({one_line(exc)})") from None
     if fmt not in EXTENSIONS:
         raise _fail(index, f"{what} is a {fmt} image; supported: {', '.join(sorted(set(EXTENSIONS)))}")
-    problem = _cut_short(data, fmt) if whole else None
+    return fmt
+
+
+def _check_whole(data: bytes, fmt: str, index: int, what: str) -> None:
+    """The UploadError naming sample ``index`` and ``what`` for a JPEG or PNG cut short, which
+    every read would fail to decode."""
+    problem = _cut_short(data, fmt)
     if problem is not None:
         raise _fail(index, f"{what} is not a whole {fmt}: {problem} (as a file cut short by a failed copy or"
                            " download), which decoders refuse")
-    return EXTENSIONS[fmt]
 
 
 def check_image(data: bytes, index: int, what: str) -> bytes:
@@ -137,6 +150,7 @@ another mode is stored lossless, in PNG or TIFF."""
 
 
 def _encode_pil(image: Image.Image, options: EncodeOptions, index: int, where: str = "image") -> tuple[str, bytes]:
+    _not_empty(image, index, where)
     fmt = ENCODINGS[options.image_format.lower()]
     if image.mode == "P" and fmt == "JPEG" and "transparency" not in image.info:
         image = image.convert("RGB")  # a palette holds RGB colours: no information is lost
@@ -153,6 +167,7 @@ def _encode_pil(image: Image.Image, options: EncodeOptions, index: int, where: s
 
 def _lossless(image: Image.Image, index: int, where: str) -> tuple[str, bytes]:
     """``image`` in PNG, or TIFF for the modes PNG does not hold (CMYK, LAB, YCbCr, I, F)."""
+    _not_empty(image, index, where)
     fmt = "PNG" if image.mode in HOLDS["PNG"] else "TIFF"
     out = io.BytesIO()
     try:
@@ -161,6 +176,14 @@ def _lossless(image: Image.Image, index: int, where: str) -> tuple[str, bytes]:
         raise _fail(index, f"{where} is a {image.mode} image, which no image format stores; convert it (to RGB, for"
                            " one)") from None
     return EXTENSIONS[fmt], out.getvalue()
+
+
+def _not_empty(image: Image.Image, index: int, where: str) -> None:
+    """The UploadError naming sample ``index`` and ``where`` for an image of no pixels (a crop
+    of nothing), which every format refuses (WebP's encoder with a bare MemoryError)."""
+    if 0 in image.size:
+        raise _fail(index, f"{where} is an empty image ({image.width} x {image.height}): no image format stores"
+                           " one")
 
 
 def encode_image(image: Any, options: EncodeOptions, index: int,
@@ -182,7 +205,7 @@ def encode_image(image: Any, options: EncodeOptions, index: int,
         kept = originals.match(image) if originals is not None else None
         return kept if kept is not None else _encode_pil(image, options, index)
     if isinstance(image, np.ndarray):
-        return _encode_pil(_to_pil(image, index), options, index)
+        return _encode_pil(_to_pil(plain_array(image, index, "image"), index), options, index)
     if type(image).__module__.startswith("torch") and hasattr(image, "detach"):
         return _encode_pil(_from_tensor(image, index), options, index)
     raise _fail(index, f"image is a {type(image).__name__}; expected PIL image, uint8 array, tensor, bytes or path")
@@ -193,12 +216,15 @@ def _is_tensor(value: Any) -> bool:
 
 
 def _plain(value: Any, index: int, where: str) -> int | float | str:
-    """A classification target's value; a tensor (even of one value) is not one: it is
-    stored as a tensor, by the field rule, and comes back a tensor."""
+    """A classification target's value (an int subclass as the int it is); a tensor (even
+    of one value) is not one: it is stored as a tensor, by the field rule, and comes back a
+    tensor."""
     if isinstance(value, (np.integer, np.floating)):
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise _fail(index, f"{where} is a {type(value).__name__}; expected int, float or str")
+    if isinstance(value, int):  # an IntEnum (on Python 3.10) or any int subclass: its str() need not be digits
+        value = int(value)
     if isinstance(value, float) and not math.isfinite(value):
         raise _fail(index, f"{where} is {value}; JSON targets must be finite")
     return value
@@ -219,7 +245,7 @@ def encode_target(target: Any, index: int) -> dict[str, bytes]:
     if isinstance(value, float):
         raise _fail(index, "target is a float; use an int class index, a str or a dict")
     if isinstance(value, int):
-        return {"cls": str(value).encode("ascii")}
+        return {"cls": str(int(value)).encode("ascii")}
     return {"txt": value.encode("utf-8")}
 
 
@@ -270,7 +296,7 @@ def _values_not_pixels(value: Any) -> bool:
     if isinstance(value, np.ndarray):
         return bool(value.dtype != np.uint8 or value.ndim > 3)
     return _is_tensor(value) and (str(value.dtype) != "torch.uint8" or value.dim() > 3
-                                  or _tv_placeholder(value) is not None)  # a tv_tensor comes back one
+                                  or tv_placeholder(value) is not None)  # a tv_tensor comes back one
 
 
 class Structured:
@@ -323,7 +349,7 @@ class Structured:
         elif isinstance(value, Image.Image):
             ext, data = self._image(value, where)
             self.fields[f"{stem}.{ext}"] = data
-        elif isinstance(value, np.ndarray) and not self._as_video(value):
+        elif isinstance(value, np.ndarray) and not self._as_video(plain_array(value, self.index, where)):
             self.fields[f"{stem}.npy"] = _npy(value, self.index, where)
         else:  # a tensor, frames, a list, a tuple, a dict: a skeleton and its members
             self.fields[f"{stem}.json"] = _json(self._skeleton(stem, (), value, where))
@@ -348,6 +374,8 @@ class Structured:
                     raise _fail(self.index, f"{where} has the key {key!r}, a {type(key).__name__}: JSON keys are str")
                 out[key] = self._skeleton(stem, (*steps, key), v, f"{where}[{key!r}]")
             return out
+        if isinstance(value, np.ndarray):
+            plain_array(value, self.index, where)
         if self._as_video(value):
             placeholder = self._frames(stem, steps, value, where)
             if placeholder is not None:
@@ -357,7 +385,7 @@ class Structured:
             return "numpy"
         if _is_tensor(value):
             self._add(stem, steps, "npy", _npy(_tensor_array(value, self.index, where), self.index, where), where)
-            return _tv_placeholder(value) or "torch"
+            return tv_placeholder(value) or "torch"
         if isinstance(value, Image.Image):
             ext, data = self._image(value, where)
             self._add(stem, steps, ext, data, where)
@@ -392,7 +420,7 @@ class Structured:
         if len(data) >= array.nbytes:  # noise compresses no better than that: their values are smaller
             return None
         self._add(stem, steps, "mp4", data, where)
-        was = "numpy" if isinstance(value, np.ndarray) else _tv_placeholder(value) or "torch"
+        was = "numpy" if isinstance(value, np.ndarray) else tv_placeholder(value) or "torch"
         return fields.frames_placeholder({"layout": layout, "channels": channels, "shape": list(array.shape),
                                           "of": was})
 
@@ -405,12 +433,18 @@ class Structured:
         return _lossless(image, self.index, where)
 
     def _bytes(self, data: bytes | bytearray | memoryview, where: str) -> tuple[str, bytes]:
-        """An encoded image's own format, or ``bin`` for bytes Pillow does not read."""
+        """An encoded image's or video's own format, or ``bin`` for bytes Pillow does not
+        read; an image's bytes cut short are refused, as every read would fail to decode them."""
         raw = bytes(data)
+        video = video_extension(raw)
+        if video is not None:
+            return video, raw
         try:
-            return _sniff(raw, self.index, where, whole=False), raw
+            fmt = _image_format(raw, self.index, where)
         except UploadError:
             return "bin", raw
+        _check_whole(raw, fmt, self.index, where)
+        return EXTENSIONS[fmt], raw
 
 
 def _frames_layout(value: Any) -> str | None:
@@ -432,7 +466,21 @@ def _frames_layout(value: Any) -> str | None:
 NUMERIC_KINDS = frozenset("biuf")
 
 
+def plain_array(array: np.ndarray, index: int, where: str) -> np.ndarray:
+    """``array`` where a shard keeps all it is: a plain ndarray, or an ``np.memmap`` (a file's
+    values). Another subclass (a masked array's mask, a matrix's or recarray's class) would
+    come back a plain ndarray: the UploadError naming sample ``index`` and ``where``."""
+    if type(array) is np.ndarray or isinstance(array, np.memmap):
+        return array
+    kind = type(array).__name__
+    hint = ("its data and np.ma.getmaskarray() of it as two arrays" if isinstance(array, np.ma.MaskedArray)
+            else "np.asarray() of it")
+    raise _fail(index, f"{where} is a numpy {kind}, which a shard would give back as a plain ndarray without what"
+                       f" {kind} adds; store {hint}")
+
+
 def _npy(array: np.ndarray, index: int, where: str) -> bytes:
+    plain_array(array, index, where)
     if array.dtype.kind not in NUMERIC_KINDS:
         raise _fail(index, f"{where} is an array of {array.dtype}: arrays of bool, int, uint or float are stored")
     out = io.BytesIO()
@@ -440,7 +488,7 @@ def _npy(array: np.ndarray, index: int, where: str) -> bytes:
     return out.getvalue()
 
 
-def _tv_placeholder(tensor: Any) -> str | None:
+def tv_placeholder(tensor: Any) -> str | None:
     """The placeholder of a torchvision tv_tensor (its class and metadata), None for a plain tensor."""
     cls = next((c for c in type(tensor).__mro__
                 if c.__module__.startswith("torchvision.tv_tensors") and c.__name__ in fields.TV_TENSORS), None)

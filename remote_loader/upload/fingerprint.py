@@ -8,7 +8,9 @@ arrays' and tensors' dtype, shape and values, and every other value by its type 
 Another dataset of the same length differs in practically every item; a change to a few
 items is seen only where one of them is sampled (1% of the items changed: 72% of the time).
 So every sample's index also records its item's digest (``item_digest``), the same content
-hashed as the upload read it, which a later run compares item by item.
+hashed as the upload read it, and what a read restores beside pixels and values (a palette,
+transparency, an ICC profile, a comment, a tv_tensor's metadata), which a later run compares
+item by item (``matches``: a digest recorded before those were hashed matches without them).
 """
 
 from __future__ import annotations
@@ -24,9 +26,13 @@ from PIL import Image
 from remote_loader.config import one_line
 from remote_loader.errors import UploadError
 from remote_loader.format.index import DIGEST_SIZE
+from remote_loader.upload.encode import tv_placeholder
 
 SAMPLES = 128
 _DEEPEST = 64
+KEPT_INFO = ("transparency", "icc_profile", "comment")
+"""The entries of a PIL image's ``info`` that the formats an upload writes store (PNG and TIFF
+an ICC profile, PNG transparency, JPEG a comment) and a read gives back."""
 
 
 def indices(num: int) -> list[int]:
@@ -64,21 +70,34 @@ def first_difference(there: Any, here: list[str | None], num: int) -> int | None
     return None
 
 
-def item_digest(item: Any, files: Callable[[Image.Image], tuple[str, bytes] | None], index: int) -> bytes:
+def item_digest(item: Any, files: Callable[[Image.Image], tuple[str, bytes] | None], index: int,
+                beside: bool = True) -> bytes:
     """The digest of ``ds[index]`` as a shard's index records it (``DIGEST_SIZE`` bytes): its
     content as the fingerprint hashes it, but an image stored as its file's bytes (``files``
     of it: ``Originals.match``) by those bytes, so an image handed over undecoded is never
-    decoded for it. UploadError where the item's content cannot be read (a truncated file)."""
+    decoded for it, and with what a read restores beside pixels and values (a palette, a
+    tv_tensor's metadata). ``beside=False``: without those, as uploads recorded digests
+    before (``matches``). UploadError where the item's content cannot be read (a truncated file)."""
     digest = hashlib.sha256()
     try:
-        _feed(digest, item, 0, files)
+        _feed(digest, item, 0, files, beside)
     except (OSError, ValueError, SyntaxError) as exc:  # what Pillow raises for a file it cannot decode
         raise UploadError(f"sample {index}: its content cannot be read ({type(exc).__name__}: {one_line(exc)})",
                           index=index) from None
     return digest.digest()[:DIGEST_SIZE]
 
 
-def _feed(digest: Any, value: Any, depth: int, files: Callable[[Image.Image], Any] | None = None) -> None:
+def matches(recorded: bytes | None, item: Any, files: Callable[[Image.Image], tuple[str, bytes] | None],
+            index: int) -> bool:
+    """Whether ``item`` has the digest a shard's index recorded for it: by this rule, or by
+    the rule of uploads made before digests held what a read restores beside pixels and values
+    (their items' palettes and metadata are then not told apart, as they were not before)."""
+    return (item_digest(item, files, index) == recorded
+            or item_digest(item, files, index, beside=False) == recorded)
+
+
+def _feed(digest: Any, value: Any, depth: int, files: Callable[[Image.Image], Any] | None = None,
+          beside: bool = False) -> None:
     """Add ``value``'s type and content to ``digest``. With ``files`` (an item's digest), an
     image is an image whatever class opened it, and one ``files`` finds a file for is that
     file: the same content gives the same digest, decoded or not."""
@@ -95,6 +114,8 @@ def _feed(digest: Any, value: Any, depth: int, files: Callable[[Image.Image], An
     if isinstance(value, Image.Image):
         digest.update(f"{value.mode}{value.size}".encode())
         digest.update(value.tobytes())
+        if beside:
+            digest.update(_beside_pixels(value))
     elif isinstance(value, (str, os.PathLike)) and depth <= 1 and os.path.isfile(value):
         with open(value, "rb") as f:
             digest.update(hashlib.sha256(f.read()).digest())
@@ -107,14 +128,30 @@ def _feed(digest: Any, value: Any, depth: int, files: Callable[[Image.Image], An
             array = np.asarray(value.detach().cpu().to_dense().double())
         digest.update(f"{array.dtype}{array.shape}".encode())
         digest.update(np.ascontiguousarray(array).tobytes() if array.dtype.kind != "O" else repr(array).encode())
+        metadata = tv_placeholder(value) if beside and hasattr(value, "detach") else None
+        if metadata is not None:  # a tv_tensor's format, canvas size...: a plain tensor's digest is as it was
+            digest.update(metadata.encode())
     elif isinstance(value, Mapping):
         for key in value:
-            _feed(digest, key, depth + 1, files)
-            _feed(digest, value[key], depth + 1, files)
+            _feed(digest, key, depth + 1, files, beside)
+            _feed(digest, value[key], depth + 1, files, beside)
     elif isinstance(value, (list, tuple)):
         digest.update(f"{len(value)}".encode())
         for item in value:
-            _feed(digest, item, depth + 1, files)
+            _feed(digest, item, depth + 1, files, beside)
     elif value is None or isinstance(value, (bool, int, float, str, np.generic)):
         digest.update(repr(value).encode())
     # any other object: its type alone (its repr may hold an address)
+
+
+def _beside_pixels(image: Image.Image) -> bytes:
+    """What a read gives back of ``image`` beside its pixels: the palette of a P or PA image and
+    the ``KEPT_INFO`` it holds; nothing for an image without them (its digest is as it was
+    before they were hashed)."""
+    out = b""
+    if image.mode in ("P", "PA") and image.palette is not None:
+        out += b"palette:" + image.palette.mode.encode() + bytes(image.getpalette(image.palette.mode) or [])
+    for key in KEPT_INFO:
+        if key in image.info:
+            out += f"{key}:{image.info[key]!r}".encode()
+    return out

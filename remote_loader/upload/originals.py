@@ -88,11 +88,13 @@ class Originals:
 
     def _match(self, image: Image.Image) -> tuple[str, bytes] | None:
         """An image opened from a file and not decoded yet (``Image.open(path)`` handed over as
-        it is) is that file; one decoded while the item was read, where its pixels are those
+        it is, at its first frame) is that file; one decoded while the item was read, where its pixels are those
         that decode gave; one decoded earlier (a dataset that keeps the images it opened),
         where its file decoded again gives its pixels: never by the file's name alone, as the
         image may have been changed in place since, or the file written over."""
         path = getattr(image, "filename", None) if isinstance(image, ImageFile.ImageFile) else None
+        if not _first_frame(image):  # an MPO moved to its second frame: the file decodes to its first
+            return None
         if path and isinstance(path, str) and getattr(image, "tile", None):
             kept = _file(path, image.format or "", image)
             if kept is not None and getattr(image, "_exclusive_fp", False):

@@ -22,7 +22,7 @@ from remote_loader.errors import CorruptShard
 from remote_loader.format import ShardEntry, ShardIndex
 from remote_loader.storage import Location, Store
 from remote_loader.storage.retrying import Cancelled, Retry
-from remote_loader.upload.fingerprint import item_digest
+from remote_loader.upload.fingerprint import matches
 from remote_loader.upload.originals import read_watching
 from remote_loader.upload.tasks import read_item, run_group
 from remote_loader.upload.watch import UNWATCHED, Reading, Slots
@@ -98,8 +98,8 @@ def _compare(index: ShardIndex, dataset: Any, progress: Any, stop: threading.Eve
         item_index = int(key)
         with reading.item(item_index):
             item, originals = read_watching(partial(read_item, dataset), item_index)
-            digest = item_digest(item, originals.match, item_index)
-        if digest != index.digest(i):
+            same = matches(index.digest(i), item, originals.match, item_index)
+        if not same:
             if progress is not None:
                 progress.put((-counted, 0))
             return item_index

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import enum
 import io
 import json
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -65,6 +67,32 @@ def test_targets(target, expected):
     fields = encode_item((image, target), PNG, 0)
     fields.pop("png")
     assert fields == expected
+
+
+class Label(enum.IntEnum):
+    CAT = 0
+    DOG = 1
+    __str__ = enum.Enum.__str__  # str() of an IntEnum member on Python 3.10: 'Label.DOG'
+
+
+class Shown(int):
+    def __str__(self) -> str:
+        return f"class {int(self)}"
+
+
+@pytest.mark.parametrize("target", [Label.DOG, Shown(1)])
+def test_an_int_subclass_label_is_stored_as_its_digits_whatever_its_str(target):
+    """``cls`` holds ASCII digits, which every read decodes: never the label's own text."""
+    fields = encode_item((Image.new("L", (4, 4)), target), PNG, 0)
+    assert fields["cls"] == b"1"
+    fields = encode_item((Image.new("L", (4, 4)), {"label": target}), PNG, 0)
+    assert fields["json"] == b'{"label": 1}'
+
+
+def test_a_bool_target_is_no_class_index_but_json():
+    """FORMAT.md: ``cls`` holds an int, not a bool; a bool goes by the field rule, as JSON."""
+    fields = encode_item((Image.new("L", (4, 4)), True), PNG, 0)
+    assert sorted(fields) == ["0.png", "1.json"] and fields["1.json"] == b"true"
 
 
 def test_a_tensor_target_is_stored_as_a_tensor_even_of_one_value():
@@ -177,7 +205,7 @@ def test_a_truncated_file_is_refused_naming_the_sample(tmp_path, data):
     epoch would then fail to decode."""
     path = tmp_path / "cut"
     path.write_bytes(data)
-    for item in ((data, 1), (str(path), 1)):
+    for item in ((data, 1), (str(path), 1), {"image": data, "label": 3}, (data, [1, 2]), (1, data)):
         with pytest.raises(UploadError, match=r"^sample 5: .* is not a whole (JPEG|PNG): it (ends|has no)") as info:
             encode_item(item, PNG, 5)
         assert info.value.index == 5 and "\n" not in str(info.value)
@@ -195,6 +223,7 @@ def test_whole_files_are_kept_padding_and_all(data):
     Image.open(io.BytesIO(data)).load()
     field = "png" if data.startswith(b"\x89PNG") else "jpg"
     assert encode_item((data, 1), PNG, 0) == {field: data, "cls": b"1"}
+    assert encode_item({"image": data, "blob": b"\0\1"}, PNG, 0) == {f"image.{field}": data, "blob.bin": b"\0\1"}
 
 
 def test_a_tv_tensor_image_in_a_pair_comes_back_as_itself():
@@ -211,3 +240,66 @@ def test_a_tv_tensor_image_in_a_pair_comes_back_as_itself():
     for item in ((tv_tensors.Image(pixels), 4), (tv_tensors.Image(pixels), 4, "a caption")):
         back = restore({**encode_item(item, EncodeOptions(), 0), "__key__": "0"})
         assert type(back[0]) is tv_tensors.Image and torch.equal(back[0], pixels) and back[1] == 4
+
+
+@pytest.mark.parametrize("value, where, kind", [
+    (np.ma.array([1.5, -9999.0, 3.0], mask=[False, True, False]), "target['depth']", "MaskedArray"),
+    (np.ma.array(np.zeros((4, 4, 3), np.uint8), mask=True), "image", "MaskedArray"),
+    (np.ma.array(np.zeros((4, 4, 3), np.float32)), "image", "MaskedArray"),
+    ("matrix", "target['depth']", "matrix"),
+    (np.zeros(3).view(np.recarray), "target['depth']", "recarray"),
+])
+def test_an_array_subclass_that_would_come_back_a_plain_array_is_refused_naming_the_sample_and_field(value, where,
+                                                                                                      kind):
+    """A masked array's mask, a matrix's class: a shard stores an array's dtype, shape and
+    values, so these would come back plain arrays, silently other than they went in."""
+    if isinstance(value, str):  # made here: numpy warns of a matrix made, and warnings are errors
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", PendingDeprecationWarning)
+            value = np.asmatrix(np.eye(2))
+    item = (value, 1) if where == "image" else (Image.new("L", (4, 4)), {"depth": value})
+    with pytest.raises(UploadError, match=rf"^sample 5: {re.escape(where)} is a numpy {kind}") as info:
+        encode_item(item, PNG, 5)
+    assert info.value.index == 5 and "\n" not in str(info.value)
+    frames = np.ma.array(np.zeros((2, 16, 16, 3), np.uint8))
+    with pytest.raises(UploadError, match=r"^sample 5: target\['clip'\] is a numpy MaskedArray"):
+        encode_item((Image.new("L", (4, 4)), {"clip": frames}), EncodeOptions(frames_as_video="lossless"), 5)
+
+
+def test_a_memory_mapped_array_is_stored_as_its_values(tmp_path):
+    """``np.load(mmap_mode="r")`` hands over ``np.memmap``: a file's values, all of them kept."""
+    np.save(tmp_path / "a.npy", np.arange(6, dtype=np.float32))
+    mapped = np.load(tmp_path / "a.npy", mmap_mode="r")
+    fields = encode_item((Image.new("L", (4, 4)), {"depth": mapped}), PNG, 5)
+    assert np.array_equal(np.load(io.BytesIO(fields["1.depth.npy"])), mapped)
+
+
+@pytest.mark.parametrize("fmt", ["jpeg", "png", "webp"])
+@pytest.mark.parametrize("size, mode", [((0, 0), "RGB"), ((0, 5), "RGB"), ((4, 0), "L"), ((0, 0), "RGBA")])
+def test_an_empty_image_is_refused_naming_the_sample_and_field_in_every_format(fmt, size, mode):
+    """A crop of nothing: WebP's encoder raised a bare MemoryError that named no sample, and
+    that ``on_error="skip"`` let through."""
+    options = EncodeOptions(image_format=fmt)
+    for item, where in (((Image.new(mode, size), 1), "image"), ({"mask": Image.new(mode, size)}, "item['mask']")):
+        with pytest.raises(UploadError, match=rf"^sample 5: {re.escape(where)} is an empty image \({size[0]} x"
+                                              rf" {size[1]}\): no image format stores one") as info:
+            encode_item(item, options, 5)
+        assert info.value.index == 5 and "\n" not in str(info.value)
+
+
+def test_an_empty_image_is_skipped_under_skip(tmp_path):
+    from remote_loader import LocalStore
+    from tests.helpers import upload
+
+    class Cropped:
+        def __len__(self) -> int:
+            return 3
+
+        def __getitem__(self, index: int):
+            return Image.new("RGB", (0, 0) if index == 1 else (8, 8)), index
+
+    store = LocalStore(str(tmp_path))
+    store.create_bucket("b")
+    summary = upload(store, "b", "d", Cropped(), image_format="webp", on_error="skip")
+    assert summary.samples == 2 and summary.skipped == 1
+    assert summary.skip_reasons[0].startswith("sample 1: image is an empty image (0 x 0)")

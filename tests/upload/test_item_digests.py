@@ -13,7 +13,7 @@ from PIL import Image
 from remote_loader.errors import CorruptShard, UploadError
 from remote_loader.format import ShardIndex, ShardWriter
 from remote_loader.format.index import DIGEST_SIZE, INDEX_MEMBER
-from remote_loader.upload.fingerprint import item_digest
+from remote_loader.upload.fingerprint import item_digest, matches
 from remote_loader.upload.originals import Originals, read_watching
 
 
@@ -84,3 +84,57 @@ def test_an_item_whose_image_cannot_be_decoded_names_its_sample(tmp_path):
     path.write_bytes(path.read_bytes()[:60])
     with Image.open(path) as image, pytest.raises(UploadError, match=r"^sample 7: its content cannot be read"):
         item_digest((image, 1), Originals([]).match, 7)
+
+
+def _palette(colours, transparency=None, comment=None) -> Image.Image:
+    image = Image.fromarray(np.arange(4, dtype=np.uint8).reshape(2, 2) % 2)
+    image.putpalette(colours)
+    if transparency is not None:
+        image.info["transparency"] = transparency
+    if comment is not None:
+        image.info["comment"] = comment
+    return image
+
+
+def test_what_an_image_format_keeps_beyond_the_pixels_is_in_the_digest():
+    """A mask's palette and transparency, an ICC profile, a JPEG's comment come back from the
+    round trip: an item that changed only in them is another item."""
+    red = _digest(lambda: (_palette([0, 0, 0, 255, 0, 0]), 1))
+    assert _digest(lambda: (_palette([0, 0, 0, 255, 0, 0]), 1)) == red
+    assert _digest(lambda: (_palette([0, 0, 0, 0, 255, 0]), 1)) != red
+    assert _digest(lambda: (_palette([0, 0, 0, 255, 0, 0], transparency=0), 1)) != red
+    assert _digest(lambda: (_palette([0, 0, 0, 255, 0, 0], comment=b"x"), 1)) != red
+    plain = Image.new("RGB", (4, 4), (1, 2, 3))
+    profiled = plain.copy()
+    profiled.info["icc_profile"] = b"a profile"
+    assert _digest(lambda: (profiled, 1)) != _digest(lambda: (plain, 1))
+    assert item_digest(profiled, Originals([]).match, 0) != item_digest(plain, Originals([]).match, 0)
+
+
+def test_a_tv_tensors_metadata_is_in_the_digest():
+    torch = pytest.importorskip("torch")
+    tv_tensors = pytest.importorskip("torchvision.tv_tensors")
+
+    def boxes(fmt, canvas):
+        return tv_tensors.BoundingBoxes(torch.tensor([[1.0, 2.0, 3.0, 4.0]]), format=fmt, canvas_size=canvas)
+
+    xyxy = _digest(lambda: (Image.new("L", (8, 8)), {"boxes": boxes("XYXY", (8, 8))}))
+    assert _digest(lambda: (Image.new("L", (8, 8)), {"boxes": boxes("XYXY", (8, 8))})) == xyxy
+    assert _digest(lambda: (Image.new("L", (8, 8)), {"boxes": boxes("XYWH", (8, 8))})) != xyxy
+    assert _digest(lambda: (Image.new("L", (8, 8)), {"boxes": boxes("XYXY", (100, 200))})) != xyxy
+    plain = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
+    assert item_digest(plain, Originals([]).match, 0) == item_digest(plain.clone(), Originals([]).match, 0)
+
+
+def test_a_digest_recorded_before_palettes_were_hashed_still_matches_its_item():
+    """A dataset uploaded when digests held pixels alone is still kept by a run over its items:
+    the digest of the same rule without what lies beside the pixels matches it."""
+    item = (_palette([0, 0, 0, 255, 0, 0]), 1)
+    recorded_then = item_digest(item, Originals([]).match, 0, beside=False)
+    assert recorded_then != item_digest(item, Originals([]).match, 0)
+    assert matches(recorded_then, item, Originals([]).match, 0)
+    assert matches(item_digest(item, Originals([]).match, 0), item, Originals([]).match, 0)
+    recolored = (_palette([0, 0, 0, 0, 255, 0]), 1)
+    assert not matches(item_digest(item, Originals([]).match, 0), recolored, Originals([]).match, 0)
+    assert not matches(recorded_then, (_palette([0, 0, 0, 255, 0, 0]).transpose(Image.Transpose.FLIP_LEFT_RIGHT), 1),
+                       Originals([]).match, 0)

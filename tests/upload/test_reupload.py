@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image, ImageOps
 
-from remote_loader import DatasetReader, UploadError, restore
+from remote_loader import DatasetReader, LocalStore, UploadError, restore
 from remote_loader.upload import fingerprint, tasks
 from tests.helpers import upload
 
@@ -165,3 +165,36 @@ def test_a_resumed_upload_writes_again_a_kept_task_whose_skipped_item_reads_now(
     assert summary.rewritten == (UNSAMPLED,) and summary.skipped == 0
     labels = _labels(client, bucket, "resumed-skips")
     assert sorted(labels) == list(range(N)) and labels[UNSAMPLED] == UNSAMPLED % 7
+
+
+class Boxed:
+    """Palette masks and boxes whose palette, box format and canvas are given: the same pixels
+    and values with other metadata."""
+
+    def __init__(self, palette: list[int], fmt: str, canvas: tuple[int, int]) -> None:
+        self.palette, self.fmt, self.canvas = palette, fmt, canvas
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int):
+        import torch
+        from torchvision import tv_tensors
+
+        mask = Image.fromarray(np.full((8, 8), index % 2, np.uint8))
+        mask.putpalette(self.palette)
+        boxes = tv_tensors.BoundingBoxes(torch.tensor([[1.0, 2.0, 3.0, 4.0]]), format=self.fmt,
+                                         canvas_size=self.canvas)
+        return mask, {"boxes": boxes}
+
+
+@pytest.mark.parametrize("changed", [{"palette": [0, 0, 0, 0, 255, 0]}, {"fmt": "XYWH"}, {"canvas": (100, 200)}])
+def test_items_changed_only_in_what_the_round_trip_keeps_of_them_are_caught(tmp_path, changed):
+    """A mask's palette, a box's format or canvas: restored by a read, so another dataset."""
+    pytest.importorskip("torchvision")
+    client = LocalStore(str(tmp_path))
+    client.create_bucket("b")
+    first = {"palette": [0, 0, 0, 255, 0, 0], "fmt": "XYXY", "canvas": (8, 8)}
+    upload(client, "b", "meta", Boxed(**first), shuffle=False)  # type: ignore[arg-type]
+    with pytest.raises(UploadError, match=r"but ds\[0\] is not the item uploaded from it"):
+        upload(client, "b", "meta", Boxed(**{**first, **changed}), shuffle=False)  # type: ignore[arg-type]

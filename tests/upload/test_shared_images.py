@@ -123,3 +123,28 @@ def test_gtsrbs_ppm_files_opened_as_torchvision_opens_them_are_stored_as_their_b
     upload(client, bucket, "signs", Signs(), workers=0)
     stored = _stored(client, bucket, "signs")
     assert [stored[i].get("ppm") == path.read_bytes() for i, path in enumerate(paths)] == [True] * 3
+
+
+def test_a_phone_cameras_jpeg_moved_to_its_second_frame_is_encoded_as_that_frame(tmp_path):
+    """``Image.open(path)`` then ``seek(1)``, handed over undecoded or decoded: the file's bytes
+    decode to its first frame, so the frame handed over is encoded from its own pixels."""
+    from remote_loader.upload.encode import EncodeOptions, encode_item
+    from remote_loader.upload.originals import Originals
+
+    path = tmp_path / "stereo.jpg"
+    right = Image.new("RGB", (64, 48), (10, 10, 250))
+    Image.new("RGB", (64, 48), (250, 10, 10)).save(path, "MPO", save_all=True, append_images=[right])
+    png = EncodeOptions(image_format="png")
+    for decoded in (False, True):
+        with Image.open(path) as image:
+            image.seek(1)
+            if decoded:
+                image.load()
+            fields = encode_item((image, 0), png, 0, Originals([]))
+            assert "png" in fields, decoded
+            back = np.asarray(Image.open(io.BytesIO(fields["png"])))
+            assert np.array_equal(back, np.asarray(image)) and abs(back[5, 5].astype(int) - [10, 10, 250]).max() < 8
+    with Image.open(path) as first:
+        first.seek(1)
+        first.seek(0)
+        assert encode_item((first, 0), png, 0, Originals([])) == {"jpg": path.read_bytes(), "cls": b"0"}
