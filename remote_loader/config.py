@@ -235,7 +235,8 @@ class StorageConfig:
             deadline); raising it multiplies the attempts of the two layers.
         connect_timeout: Seconds to wait for a connection.
         read_timeout: Seconds to wait for bytes on an open connection: it bounds how long
-            a request to a hung server can block.
+            a request to a hung server can block (a body must also come within it plus a
+            second for each 32 KiB: ``storage.receive.SLOWEST_BODY``).
         max_connections: Size of the connection pool per process.
         profile: The AWS profile whose keys to use when none are given (``AWS_PROFILE``;
             None: the ``default`` profile, where it holds keys); boto3 reads it through its

@@ -14,7 +14,8 @@ or a request held before it is forwarded until the test calls ``release()``, or 
 those waiting), or a whole answer with half the bytes asked for, its length saying so
 (``short_answer``: a store or proxy that answers wrongly), or a bare 429 (``too_many_requests``:
 a rate limit with no S3 body), or an answer to HEAD without its ``Content-Length``
-(``head_no_length``).
+(``head_no_length``), or a body sent a byte every ``delay`` seconds (``trickle``: a server
+that never stops, so never meets a read timeout).
 Whether a request meets a fault, and which, depends only on the seed, the request
 (method, path, query, range; a presigned URL's ``X-Amz-*`` parameters left out: they hold
 the time of signing) and how many times that same request was seen before, so a run is
@@ -38,7 +39,7 @@ from urllib.parse import urlsplit
 FAULTS = ("reset_before", "reset_mid_body", "error_500", "slow_down_503", "delay", "truncate", "flip", "stall_mid_body")
 """The faults a reader heals by retrying or fetching again."""
 ALL_FAULTS = (*FAULTS, "ignore_range", "flip_body", "refuse_range", "hold", "short_answer", "too_many_requests",
-              "head_no_length")
+              "head_no_length", "trickle")
 _HOLD = 60.0  # seconds a request is held at most (a test that never releases it fails, never hangs)
 _SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
               b"<Message>Reduce your request rate.</Message></Error>")
@@ -238,6 +239,16 @@ class FaultProxy:
             data = data[: len(data) // 2]
         handler.send_header("Content-Length", str(len(data)))
         handler.end_headers()
+        if fault == "trickle" and response.status in (200, 206):
+            try:
+                for k in range(len(data)):
+                    handler.wfile.write(data[k : k + 1])
+                    handler.wfile.flush()
+                    if self._closing.wait(self.delay):
+                        break
+            except OSError:
+                pass  # the client gave up
+            return self._reset(handler)
         cut = fault in ("truncate", "reset_mid_body", "stall_mid_body")
         if cut and len(data) > 1 and response.status in (200, 206):
             handler.wfile.write(data[: len(data) // 2])

@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader
 from remote_loader import (
     CorruptSampleError,
     DatasetReader,
+    EndpointUnreachable,
     FetchConfig,
     RemoteDataset,
     RemoteLoaderError,
@@ -347,3 +348,29 @@ def test_an_answer_to_head_without_its_length_is_a_storage_error_naming_the_obje
     finally:
         proxy.close()
     assert caught.value.code == "NoContentLength"
+
+
+@pytest.mark.parametrize("backend", ["boto3", "minio"])
+def test_a_server_that_trickles_its_bodies_is_given_up_on_after_the_outage_deadline(seaweed, clean, backend):
+    """A byte every half second never meets a read timeout: a body slower than
+    ``receive.SLOWEST_BODY`` fails its GET, and GETs failing past the outage deadline end the epoch."""
+    proxy = FaultProxy(seaweed.endpoint_url, {"trickle": 1.0}, paths="/d/shard-", delay=0.5)
+    config = StorageConfig(endpoint_url=proxy.endpoint_url, access_key=seaweed.access_key,
+                           secret_key=seaweed.secret_key, read_timeout=1)
+    fetch = FetchConfig(part_size=32 * 1024, range_bytes=32 * 1024, retry=RetryConfig(backoff=0.001, outage_deadline=3))
+    dataset = RemoteDataset(make_client(config=config, backend=backend), "fault-tests", "d", fetch=fetch)
+    outcome: list[object] = []
+
+    def epoch() -> None:
+        try:
+            outcome.append(sum(1 for _ in dataset))
+        except RemoteLoaderError as error:
+            outcome.append(error)
+
+    reading = threading.Thread(target=epoch, daemon=True)
+    reading.start()
+    reading.join(120)  # a bound for the test, never reached: it ends within seconds, or hangs for good
+    ended = not reading.is_alive()
+    proxy.close()
+    assert ended and isinstance(outcome[0], EndpointUnreachable), outcome
+    assert "outage_deadline=3" in str(outcome[0]) and proxy.injected["trickle"] > 0

@@ -33,7 +33,7 @@ from remote_loader.storage.base import (
     error_for,
     object_length,
 )
-from remote_loader.storage.receive import BODY_ERRORS, receive_into
+from remote_loader.storage.receive import BODY_ERRORS, read_body, receive_into
 from remote_loader.storage.writer import MultipartWriter
 
 _UNREACHABLE = (bce.EndpointConnectionError, bce.ConnectTimeoutError, bce.ProxyConnectionError)
@@ -123,6 +123,12 @@ def _setup_errors(endpoint: str) -> Iterator[None]:
     except bce.BotoCoreError as exc:  # a region no endpoint serves, a credential_process that failed...
         raise ConfigError(f"boto3 could not make a client for {endpoint}: {type(exc).__name__}") from None
 
+
+
+def _raw(body: Any) -> Any:
+    """A plain body's urllib3 response, which ``receive_into`` reads; a subclass (one checking
+    a checksum, say) reads itself."""
+    return getattr(body, "_raw_stream", body) if type(body) is StreamingBody else body
 
 class Boto3Store(RangedStore):
     """An S3-compatible store reached through boto3.
@@ -257,7 +263,7 @@ class Boto3Store(RangedStore):
             response = self._sdk().get_object(Bucket=bucket, Key=key, **extra)
             body = response["Body"]
             try:
-                return bytes(body.read()), response.get("ContentRange")
+                return read_body(_raw(body), self.config.read_timeout), response.get("ContentRange")
             finally:
                 body.close()
 
@@ -286,7 +292,7 @@ class Boto3Store(RangedStore):
                 try:
                     if response.status_code < 300:
                         check_answer(bucket, key, start, end, response.headers.get("Content-Range"))
-                        filled = receive_into(response.raw, out)
+                        filled = receive_into(response.raw, out, self.config.read_timeout)
                         break
                     code = _error_code(response.raw.read(_ERROR_BODY))
                 finally:
@@ -318,9 +324,7 @@ class Boto3Store(RangedStore):
             body = response["Body"]
             try:
                 check_answer(bucket, key, start, end, response.get("ContentRange"))
-                # A plain body's urllib3 response; a subclass (one checking a checksum, say) reads itself.
-                raw = getattr(body, "_raw_stream", body) if type(body) is StreamingBody else body
-                filled = receive_into(raw, out)
+                filled = receive_into(_raw(body), out, self.config.read_timeout)
             finally:
                 body.close()
         check_range(bucket, key, start, end, b"", got=filled)
@@ -333,7 +337,7 @@ class Boto3Store(RangedStore):
         with self._errors("GET", bucket, key):
             response = self._sdk().get_object(Bucket=bucket, Key=key)
             try:
-                return bytes(response["Body"].read()), str(response.get("ETag", ""))
+                return read_body(_raw(response["Body"]), self.config.read_timeout), str(response.get("ETag", ""))
             finally:
                 response["Body"].close()
 

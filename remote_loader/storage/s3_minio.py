@@ -49,7 +49,7 @@ from remote_loader.storage.base import (
     object_length,
     place,
 )
-from remote_loader.storage.receive import BODY_ERRORS, receive_into
+from remote_loader.storage.receive import BODY_ERRORS, read_body, receive_into
 from remote_loader.storage.writer import MultipartWriter
 
 _MAX_ABORT_ROUNDS = 100
@@ -295,7 +295,7 @@ class MinioStore(RangedStore):
         with self._errors(operation, bucket, key):
             response = self._sdk().get_object(bucket, key, **extra)
             try:
-                return bytes(response.read()), response.headers.get("Content-Range")
+                return read_body(response, self.config.read_timeout), response.headers.get("Content-Range")
             finally:
                 response.close()
                 response.release_conn()
@@ -309,7 +309,7 @@ class MinioStore(RangedStore):
             response = self._sdk().get_object(bucket, key, request_headers={"Range": byte_range})
             try:
                 check_answer(bucket, key, start, end, response.headers.get("Content-Range"))
-                filled = receive_into(response, out)
+                filled = receive_into(response, out, self.config.read_timeout)
             finally:
                 response.close()
                 response.release_conn()
@@ -323,7 +323,7 @@ class MinioStore(RangedStore):
         with self._errors("GET", bucket, key):
             response = self._sdk().get_object(bucket, key)
             try:
-                return bytes(response.read()), str(response.headers.get("ETag", ""))
+                return read_body(response, self.config.read_timeout), str(response.headers.get("ETag", ""))
             finally:
                 response.close()
                 response.release_conn()
