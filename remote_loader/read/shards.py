@@ -261,6 +261,7 @@ class OpenRange:
         self._trusted = fetched.file is not None and fetched.file.checked  # read from a file checked whole
         self._columns: list[tuple[str, list[int], list[int], list[int]]] = []
         self._mapped: memoryview | None = None
+        self._again: tuple[int, list[Sample]] | None = None  # samples from a position on, read once more
         if self.view is not None:
             self._read_columns(self.view)
 
@@ -277,7 +278,6 @@ class OpenRange:
             relative = np.where(column == 0, -1, column.astype(np.int64) - base)  # -1: the sample lacks the field
             self._columns.append((field, relative.tolist(), sizes[:, j].astype(np.int64).tolist(),
                                   index.crcs[first:stop, j].tolist()))
-        self._again: tuple[int, list[Sample]] | None = None  # samples from a position on, read once more
         self._buffer: memoryview | None = view.buffer
         self._check = view.verify and not self._trusted
         # Views of a cached file trusted as it is: each member a slice of its mapping, as the
