@@ -10,6 +10,7 @@ import pathlib
 import re
 import struct
 import tarfile
+import threading
 import zlib
 
 import msgpack
@@ -321,3 +322,40 @@ def test_bench_refuses_more_workers_than_a_dataset_runs_in_before_any_request():
 
     with pytest.raises(ConfigError, match="workers must be an integer in 0..1024, got 5000"):
         run(make_client(_UNREACHED, "key", "secret"), "bkt", "ds", workers=5000)
+
+
+def test_a_local_upload_leaves_no_empty_folder_and_deletes_racing_writes_lose_none(tmp_path):
+    """A prefix without objects is no folder in S3: a local store removes the folders its
+    deletes leave empty (an upload's ``_upload/<run>/``), and a write into a folder that a
+    delete in another thread removes at that moment makes it again."""
+    from remote_loader import upload_cv_dataset
+    from remote_loader.testing.synthetic import SyntheticImages
+
+    store = LocalStore(tmp_path / "root")
+    store.create_bucket("b")
+    upload_cv_dataset(SyntheticImages(30, size=(16, 12)), client=store, bucket="b", base_folder="d", maxcount=10,
+                      workers=0, progress=False)
+    bucket = tmp_path / "root" / "b"
+    assert [p for p in bucket.rglob("*") if p.is_dir() and not any(p.iterdir())] == []
+    assert not (bucket / "d" / "_upload").exists()
+
+    stop, failures = threading.Event(), []
+
+    def churn(name: str) -> None:
+        try:
+            while not stop.is_set():
+                store.put("b", f"x/y/{name}", b"1")
+                store.delete("b", f"x/y/{name}")
+        except Exception as error:  # noqa: BLE001 - what the test reports
+            failures.append(error)
+
+    threads = [threading.Thread(target=churn, args=(name,)) for name in "abc"]
+    for thread in threads:
+        thread.start()
+    for k in range(300):
+        store.put("b", f"x/y/z{k % 3}", b"2", if_none_match=k % 2 == 0)
+        store.delete("b", f"x/y/z{k % 3}")
+    stop.set()
+    for thread in threads:
+        thread.join()
+    assert failures == [] and not (bucket / "x").exists()

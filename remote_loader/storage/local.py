@@ -10,6 +10,7 @@ import uuid
 from collections.abc import Iterator
 from io import BufferedReader
 from pathlib import Path
+from typing import BinaryIO
 
 from remote_loader.errors import (
     AccessDenied,
@@ -25,6 +26,8 @@ _PARTIAL = ".rl-partial-"
 """Marks files of unfinished writes; they never show in listings."""
 _LOCK = f"{_PARTIAL}lock"
 """The lock file of conditional writes, at the top of each bucket."""
+_PRUNED_UNDER_US = 8
+"""Times a write makes its directory again where deletes keep removing it as empty."""
 
 
 def _open_lock(path: Path, bucket: str) -> int:
@@ -140,10 +143,20 @@ class LocalStore(Store):
     def head(self, bucket: str, key: str) -> int:
         return self._open(bucket, key)[1]
 
-    def _partial(self, bucket: str, key: str) -> Path:
+    def _partial(self, bucket: str, key: str) -> tuple[Path, BinaryIO]:
+        """A new temporary file beside the object's path, open for writing, and its path. Its
+        directory is made where missing, and made again where a ``delete`` in another thread
+        or process took it away as empty between the two."""
         path = self._path(bucket, key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return path.with_name(f"{path.name}{_PARTIAL}{uuid.uuid4().hex}")
+        tmp = path.with_name(f"{path.name}{_PARTIAL}{uuid.uuid4().hex}")
+        for attempt in range(_PRUNED_UNDER_US):
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                return tmp, tmp.open("xb")
+            except (FileNotFoundError, FileExistsError):  # a folder on the way removed meanwhile (FileExists: as
+                if attempt == _PRUNED_UNDER_US - 1:  # pathlib found it made, then gone)
+                    raise
+        raise AssertionError("unreachable")
 
     def get_versioned(self, bucket: str, key: str) -> tuple[bytes, str]:
         data = self.get(bucket, key)
@@ -162,8 +175,9 @@ class LocalStore(Store):
             with self.open_writer(bucket, key) as writer:
                 writer.write(data)
             return
-        target, tmp = self._path(bucket, key), self._partial(bucket, key)
-        tmp.write_bytes(data)
+        target, (tmp, file) = self._path(bucket, key), self._partial(bucket, key)
+        with file:
+            file.write(data)
         try:
             # One lock per bucket makes check-and-replace atomic among processes on this host.
             with os.fdopen(_open_lock(self._bucket_dir(bucket) / _LOCK, bucket), "a") as lock:
@@ -195,14 +209,30 @@ class LocalStore(Store):
         yield from sorted(found, key=lambda o: o.key)
 
     def delete(self, bucket: str, key: str) -> None:
-        self._path(bucket, key).unlink(missing_ok=True)
+        path = self._path(bucket, key)
+        path.unlink(missing_ok=True)
+        self._prune(path.parent, self._bucket_dir(bucket))
+
+    @staticmethod
+    def _prune(folder: Path, bucket_dir: Path) -> None:
+        """Remove ``folder`` and the folders above it, up to the bucket's, while each is empty
+        (as a prefix without objects is no more in S3); a write into one made again meanwhile
+        makes it anew (``_partial``)."""
+        while folder != bucket_dir and bucket_dir in folder.parents:
+            try:
+                folder.rmdir()
+            except OSError:  # not empty (or gone, or not ours to remove): what lies above is kept too
+                return
+            folder = folder.parent
 
     def abort_uploads(self, bucket: str, prefix: str = "") -> int:
         base = self._bucket_dir(bucket)
         count = 0
-        for path in base.rglob(f"*{_PARTIAL}*"):
+        partial = [Path(folder, name) for folder, _, names in os.walk(base) for name in names if _PARTIAL in name]
+        for path in partial:  # listed first (a folder that goes meanwhile is passed over), then removed
             if path.name != _LOCK and path.relative_to(base).as_posix().startswith(prefix):
                 path.unlink(missing_ok=True)
+                self._prune(path.parent, base)
                 count += 1
         return count
 
@@ -244,9 +274,8 @@ class _LocalWriter(ObjectWriter):
 
     def __init__(self, store: LocalStore, bucket: str, key: str, part_size: int) -> None:
         super().__init__(bucket, key, part_size)
-        self._target = store._path(bucket, key)
-        self._tmp = store._partial(bucket, key)
-        self._file = self._tmp.open("wb")
+        self._store, self._target = store, store._path(bucket, key)
+        self._tmp, self._file = store._partial(bucket, key)
 
     def _put_whole(self, data: bytes) -> None:
         self._file.write(data)
@@ -273,6 +302,7 @@ class _LocalWriter(ObjectWriter):
     def _abort_upload(self) -> None:
         self._file.close()
         self._tmp.unlink(missing_ok=True)
+        self._store._prune(self._tmp.parent, self._store._bucket_dir(self.bucket))
 
     def abort(self, *, interrupted: bool = False) -> None:
         super().abort(interrupted=interrupted)
