@@ -37,13 +37,39 @@ def start_iteration(dataloader: DataLoader, start: Any) -> Any:
     processes that are not this one's children), and garbage is collected before workers
     are forked (``collect_before_fork``)."""
     inherited = getattr(dataloader, "_iterator", None)
-    if inherited is not None and dataloader.__dict__.get("_iterated_in") != os.getpid():
+    if inherited is not None and dataloader.__dict__.get("_made_in") != os.getpid():
         inherited._shutdown = True  # its end would stop the parent's workers, which serve the parent
         dataloader._iterator = None
     collect_before_fork(dataloader)
-    iterator = start()
-    dataloader.__dict__["_iterated_in"] = os.getpid()
-    return iterator
+    return start()
+
+
+def made_here(dataloader: DataLoader, make: Any) -> Any:
+    """``make()`` (the DataLoader's own ``_get_iterator``), noting the process that made the
+    iterator; where it starts workers, a process forked from this one later forgets them
+    (``_forget_children_in_forks``)."""
+    dataloader.__dict__["_made_in"] = os.getpid()
+    if dataloader.num_workers:
+        _forget_children_in_forks()
+    return make()
+
+
+_forgetting = False
+
+
+def _forget_children_in_forks() -> None:
+    """Once a process: a process it forks with ``os.fork`` forgets the child processes it
+    inherits in multiprocessing's records (DataLoader workers among them), as one that
+    multiprocessing forks does. Otherwise, at its exit, multiprocessing would terminate
+    this process's workers, which are not its own, and its persistent loaders would fail."""
+    global _forgetting
+    if not _forgetting:
+        _forgetting = True
+        os.register_at_fork(after_in_child=_forget_inherited_children)
+
+
+def _forget_inherited_children() -> None:
+    multiprocessing.process._children.clear()  # type: ignore[attr-defined]
 
 
 class Loader(DataLoader):
@@ -56,3 +82,6 @@ class Loader(DataLoader):
 
     def __iter__(self) -> Any:
         return start_iteration(self, super().__iter__)
+
+    def _get_iterator(self) -> Any:
+        return made_here(self, super()._get_iterator)

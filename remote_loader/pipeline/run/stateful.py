@@ -7,7 +7,7 @@ from typing import Any
 
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from remote_loader.pipeline.run.dataloader import start_iteration
+from remote_loader.pipeline.run.dataloader import made_here, start_iteration
 
 
 class StatefulLoader(StatefulDataLoader):
@@ -19,3 +19,6 @@ class StatefulLoader(StatefulDataLoader):
 
     def __iter__(self) -> Any:
         return start_iteration(self, super().__iter__)
+
+    def _get_iterator(self) -> Any:
+        return made_here(self, super()._get_iterator)
