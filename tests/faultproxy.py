@@ -65,7 +65,8 @@ class FaultProxy:
 
     Only requests whose method is in ``methods`` and whose path holds ``paths`` meet faults
     (with ``first_only="request"``, only the first time each request is made; with
-    ``"object"``, only the first request of each method for each object).
+    ``"object"``, only the first request of each method for each object; with ``ranges``,
+    only those whose ``Range`` starts so).
     ``injected`` counts faults by kind; ``requests`` counts every forwarded request and
     ``connections`` every client connection accepted; ``bodies`` lists, for each request
     with a body, its method, its length and whether it waited for ``100 Continue``;
@@ -83,6 +84,7 @@ class FaultProxy:
         paths: str = "",
         each_first: bool = False,
         first_only: str | None = None,
+        ranges: str = "",
     ) -> None:
         unknown = set(rates) - set(ALL_FAULTS)
         if unknown:
@@ -90,7 +92,7 @@ class FaultProxy:
         parts = urlsplit(upstream)
         self.upstream = (parts.hostname or "127.0.0.1", parts.port or 80)
         self.rates, self.seed, self.methods, self.delay, self.paths = rates, seed, methods, delay, paths
-        self.first_only = first_only
+        self.first_only, self.ranges = first_only, ranges
         self._first = [kind for kind in ALL_FAULTS if rates.get(kind, 0.0) > 0] if each_first else []
         self.injected: Counter[str] = Counter()
         self.requests = self.connections = 0
@@ -153,6 +155,8 @@ class FaultProxy:
             self._objects[obj] += 1
             later = {"request": attempt > 0, "object": self._objects[obj] > 1}
         if handler.command not in self.methods or self.paths not in handler.path or later.get(self.first_only, False):
+            return None
+        if not handler.headers.get("Range", "").startswith(self.ranges):
             return None
         with self._lock:
             if self._first:

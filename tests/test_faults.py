@@ -308,8 +308,18 @@ def test_ranges_answered_short_once_are_read_again_and_nothing_is_lost(seaweed, 
     so), though the shard is the manifest's size: the store answered wrongly, and the range is
     read once more, streamed or read at random, under either ``on_error``."""
     shards = len(clean) // 100
-    proxy = FaultProxy(seaweed.endpoint_url, {"short_answer": 1.0}, paths="/d/shard-", first_only="object")
+    # The ranges read from a shard's first byte (its head, fetched before its index has come), once.
+    proxy = FaultProxy(seaweed.endpoint_url, {"short_answer": 1.0}, paths="/d/shard-", first_only="request",
+                       ranges="bytes=0-")
     try:
+        dataset = RemoteDataset(through(proxy, seaweed, "boto3"), "fault-tests", "d", on_error=on_error)
+        got = Counter((s["__key__"], bytes(s["jpg"]), bytes(s["cls"])) for s in dataset)
+    finally:
+        proxy.close()
+    assert got == clean and dataset.metrics.skipped == 0
+    assert dataset.metrics.retries >= proxy.injected["short_answer"] > 0
+    proxy = FaultProxy(seaweed.endpoint_url, {"short_answer": 1.0}, paths="/d/shard-", first_only="object")
+    try:  # the indexes
         dataset = RemoteDataset(through(proxy, seaweed, "boto3"), "fault-tests", "d", on_error=on_error)
         got = Counter((s["__key__"], bytes(s["jpg"]), bytes(s["cls"])) for s in dataset)
     finally:

@@ -26,6 +26,10 @@ class _Deadlines:
     way); ``watch`` and ``done`` bracket a body's reads. Made again in a forked process."""
 
     def __init__(self) -> None:
+        self._after_fork()
+
+    def _after_fork(self) -> None:
+        """Anew in a forked process: a lock another thread held at the fork stays held there."""
         self._pid = -1
         self._lock = threading.Lock()
 
@@ -77,6 +81,7 @@ class _Deadlines:
 
 
 _DEADLINES = _Deadlines()
+os.register_at_fork(after_in_child=_DEADLINES._after_fork)
 
 
 def _fill(read: Callable[[memoryview], int | None], out: memoryview) -> int:
