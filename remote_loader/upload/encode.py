@@ -245,7 +245,7 @@ def encode_target(target: Any, index: int) -> dict[str, bytes]:
     if isinstance(value, float):
         raise _fail(index, "target is a float; use an int class index, a str or a dict")
     if isinstance(value, int):
-        return {"cls": str(int(value)).encode("ascii")}
+        return {"cls": str(value).encode("ascii")}  # an int by now (_plain)
     return {"txt": value.encode("utf-8")}
 
 
