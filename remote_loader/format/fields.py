@@ -107,6 +107,10 @@ INPUT_MODES = frozenset({"RGB", "RGBA", "CMYK", "YCbCr", "LAB", "HSV"})
 RGB); any other (masks, depth: ``1``, ``L``, ``LA``, ``P``, ``I;16``, ``I``, ``F``) is stored
 lossless, PNG or TIFF (``I``, ``F``), and read back in its mode with its palette."""
 
+DEEP_MODES = frozenset({"I;16", "I;16L", "I;16B", "I;16N", "I", "F"})
+"""Image modes of more than 8 bits a value, which 8-bit RGB would clip: decoded in their own
+mode wherever they stand, an input image too."""
+
 
 @dataclass(frozen=True)
 class FieldName:

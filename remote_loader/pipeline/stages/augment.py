@@ -30,6 +30,7 @@ from torch.nn import functional
 
 from remote_loader.config import require_int
 from remote_loader.errors import ConfigError, DecodeError
+from remote_loader.format.fields import DEEP_MODES
 from remote_loader.pipeline.stages.decode import IMAGE_FIELDS
 from remote_loader.pipeline.stages.targets import per_box_option
 
@@ -219,6 +220,9 @@ class RandomResizedCrop:
 
     def _other(self, data: Any, rng: np.random.Generator) -> tuple[np.ndarray, tuple[int, int, int, int]]:
         image: Image.Image = Image.open(io.BytesIO(data))
+        if image.mode in DEEP_MODES:
+            raise DecodeError(f"a {image.mode} image, whose values 8-bit RGB would clip: crop it after decode('pil'),"
+                              " which keeps its mode")
         if image.mode != "RGB":
             image = image.convert("RGB")
         return np.array(image), self.box(*image.size, rng)

@@ -12,7 +12,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 from remote_loader.errors import ConfigError, DecodeError
-from remote_loader.format.fields import IMAGE_EXTENSIONS, INPUT_MODES
+from remote_loader.format.fields import DEEP_MODES, IMAGE_EXTENSIONS, INPUT_MODES
 from remote_loader.format.video import VIDEO_EXTENSIONS
 
 IMAGE_FIELDS = IMAGE_EXTENSIONS
@@ -50,10 +50,12 @@ def _draft(image: Image.Image, min_size: int) -> None:
 
 def _image(data: Any, mode: str, where: str, min_size: int | None, facts: dict[str, Any], target: bool) -> Any:
     """An image field as ``mode`` says, in RGB; a ``target`` (a structured sample's image
-    stored in a mode that is not an input image's: a mask, a depth map) keeps its mode."""
+    stored in a mode that is not an input image's: a mask, a depth map) keeps its mode, and
+    so does an image of more than 8 bits a value (``DEEP_MODES``: 16-bit, 32-bit, float),
+    which RGB would clip."""
     try:
         opened: Image.Image = Image.open(io.BytesIO(data))
-        if target and opened.mode not in INPUT_MODES:
+        if (target and opened.mode not in INPUT_MODES) or opened.mode in DEEP_MODES:
             opened.load()
             image = opened
         else:
@@ -67,7 +69,8 @@ def _image(data: Any, mode: str, where: str, min_size: int | None, facts: dict[s
     array = np.asarray(image)
     if mode == "rgb8":
         return array
-    tensor = torch.from_numpy(array.astype(np.int32) if array.dtype == np.uint16 else array.copy())
+    wide = array.dtype.kind == "u" and array.dtype.itemsize == 2  # torch has no uint16 ops: int32 holds it
+    tensor = torch.from_numpy(array.astype(np.int32) if wide or not array.dtype.isnative else array.copy())
     return tensor.permute(2, 0, 1) if tensor.ndim == 3 else tensor
 
 
