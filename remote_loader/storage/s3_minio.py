@@ -317,7 +317,8 @@ class MinioStore(RangedStore):
 
     def head(self, bucket: str, key: str) -> int:
         with self._errors("HEAD", bucket, key):
-            return object_length(bucket, key, self._sdk().stat_object(bucket, key).size)
+            found = self._sdk().stat_object(bucket, key)  # its size reads a missing length as 0: the header
+            return object_length(bucket, key, (found.metadata or {}).get("content-length"))
 
     def get_versioned(self, bucket: str, key: str) -> tuple[bytes, str]:
         with self._errors("GET", bucket, key):
