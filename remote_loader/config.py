@@ -387,7 +387,7 @@ class FetchConfig:
     MiB, where a range ``R`` is ``range_bytes`` or, when one sample is larger, that sample
     (rounded up to whole MiB): ranges being fetched, the ``open_shards`` ranges being read,
     the free buffers kept for reuse, and the heads of the first shards. With the defaults,
-    ``open_shards=4`` and samples under 8 MiB: 184 MiB; with 40 MB samples, 408 MiB. Ranges
+    ``open_shards=4`` and samples under 8 MiB: 184 MiB; with 40 MB samples, 370 MiB. Ranges
     are cut from each shard's index, so this holds for any mix of sample sizes. The fetcher
     starts with 8 GETs in flight and a quarter of ``prefetch_bytes`` as its budget, 32 MiB at
     most (88 MiB in all) and reaches toward ``concurrency`` and

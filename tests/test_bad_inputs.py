@@ -282,6 +282,24 @@ def test_connection_options_with_a_store_are_refused():
         RemoteDataset(make_client(_UNREACHED, "key", "secret"), "bkt", "ds", endpoint_url="http://elsewhere:9000")
 
 
+@pytest.mark.parametrize(("cls", "given", "said"), [
+    (RemoteDataset, {"prefix": "ds"}, "'prefix' (the dataset's prefix is base_folder)"),
+    (RemoteDataset, {"shuffle": True}, "'shuffle' (a shuffle buffer is .shuffle(bufsize), a method of the dataset)"),
+    (RemoteDataset, {"batch_size": 64}, "'batch_size' (batches are .batched(batch_size), a method of the dataset)"),
+    (RemoteDataset, {"open_shard": 2}, "'open_shard' (did you mean 'open_shards'?)"),
+    (RemoteMapDataset, {"transfrom": str}, "'transfrom' (did you mean 'transform'?)"),
+    (RemoteMapDataset, {"shuffle": True}, "'shuffle' (the DataLoader's, or its sampler's)"),
+])
+@pytest.mark.parametrize("where", ["store", "url"])
+def test_a_mistyped_keyword_is_named_as_such_not_taken_for_a_connection_option(cls, given, said, where):
+    """``**connection`` catches every keyword: one that is no connection option is a TypeError
+    naming it (with a URL it reached open_location's, with a store it was called a connection option)."""
+    args = ("s3://bkt/ds",) if where == "url" else (make_client(_UNREACHED, "key", "secret"), "bkt", "ds")
+    with pytest.raises(TypeError) as caught:
+        cls(*args, **given)
+    assert str(caught.value) == f"{cls.__name__}() got an unexpected keyword argument {said}"
+
+
 @pytest.mark.parametrize("delta", [+10, -3], ids=["manifest says more", "manifest says fewer"])
 def test_a_manifest_that_disagrees_with_a_shard_index_names_the_shard(small, delta):
     client, bucket = small

@@ -16,7 +16,7 @@ from remote_loader.errors import ConfigError, CorruptSampleError, FormatError
 from remote_loader.format import Sample, ShardIndex
 from remote_loader.read import DatasetReader, Metrics
 from remote_loader.read.shards import DAMAGE, IndexCache, read_cached, read_run
-from remote_loader.storage import Store, open_location
+from remote_loader.storage import Store, check_connection, open_location
 from remote_loader.storage.daemon import map_on_daemon_threads
 
 
@@ -76,11 +76,10 @@ class RemoteMapDataset(Dataset):
     ) -> None:
         if "views" in connection:
             raise ConfigError("views is RemoteDataset's: RemoteMapDataset gives each member as bytes")
+        check_connection(RemoteMapDataset, connection, isinstance(client, str))
         if isinstance(client, str):
             client, location = open_location(client, **connection)
             bucket, base_folder = location.bucket, location.base_folder
-        elif connection:
-            raise ConfigError(f"{', '.join(sorted(connection))}: connection options go with a URL, not a store")
         if bucket is None or base_folder is None:
             raise ConfigError("RemoteMapDataset needs (client, bucket, base_folder) or an s3:// URL")
         if cache_shards < 1 or cache_pages < 1 or merge_gap < 0:

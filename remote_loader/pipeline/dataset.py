@@ -41,7 +41,7 @@ from remote_loader.pipeline.state.stream import Data, WorkerStream
 from remote_loader.pipeline.state.uploads import Uploads
 from remote_loader.read import DatasetReader, Metrics
 from remote_loader.read.heap import keep_large_blocks_apart
-from remote_loader.storage import Store, open_location
+from remote_loader.storage import Store, check_connection, open_location
 from remote_loader.storage.daemon import in_daemon_thread, wait_result
 
 
@@ -125,11 +125,10 @@ class RemoteDataset(IterableDataset):
         views: bool = False,
         **connection: Any,
     ) -> None:
+        check_connection(RemoteDataset, connection, isinstance(client, str))
         if isinstance(client, str):
             client, location = open_location(client, **connection)
             bucket, base_folder = location.bucket, location.base_folder
-        elif connection:
-            raise ConfigError(f"{', '.join(sorted(connection))}: connection options go with a URL, not a store")
         self.on_error = OnError.of(on_error)
         if bucket is None or base_folder is None:
             raise ConfigError("RemoteDataset needs (client, bucket, base_folder) or an s3:// URL")

@@ -4,7 +4,14 @@ local directories, and ``RetryingStore``, the retry policy every request goes th
 from typing import Any
 
 from remote_loader.storage.base import DEFAULT_PART_SIZE, ObjectInfo, ObjectWriter, Store
-from remote_loader.storage.factory import Location, as_store, make_client, open_location, parse_location
+from remote_loader.storage.factory import (
+    Location,
+    as_store,
+    check_connection,
+    make_client,
+    open_location,
+    parse_location,
+)
 from remote_loader.storage.local import LocalStore
 from remote_loader.storage.s3_boto3 import Boto3Store
 
@@ -19,6 +26,7 @@ __all__ = [
     "Store",
     "as_store",
     "make_client",
+    "check_connection",
     "open_location",
     "parse_location",
 ]

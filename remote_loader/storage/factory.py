@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -219,3 +222,35 @@ def open_location(
     if _is_local(url):
         return LocalStore(Path(location.path).parent), location
     return make_client(endpoint_url or url, access_key, secret_key, region=region, backend=backend), location
+
+
+CONNECTION = ("endpoint_url", "access_key", "secret_key", "region", "backend")
+"""The keywords a dataset given a URL passes on to ``open_location``."""
+
+_ELSEWHERE = {
+    "prefix": "the dataset's prefix is base_folder",
+    "folder": "the dataset's prefix is base_folder",
+    "shuffle": "a shuffle buffer is .shuffle(bufsize), a method of the dataset",
+    "batch_size": "batches are .batched(batch_size), a method of the dataset",
+    "num_workers": "workers are the DataLoader's: loader(ds, num_workers=...)",
+}
+_METHODS = {"shuffle": "shuffle", "batch_size": "batched"}
+
+
+def check_connection(owner: type, connection: Mapping[str, Any], with_url: bool) -> None:
+    """Refuse what a dataset class's ``**connection`` caught that is no connection option (a
+    mistyped keyword: ``TypeError``, as Python's own, with the nearest name), or connection
+    options given with a store of the user's own (``ConfigError``)."""
+    for key in connection:
+        if key in CONNECTION:
+            continue
+        known = [p for p in inspect.signature(owner).parameters if p != "connection"]
+        hint = _ELSEWHERE.get(key)
+        if key in _METHODS and not hasattr(owner, _METHODS[key]):
+            hint = "the DataLoader's, or its sampler's"
+        hint = hint or next((f"did you mean {near!r}?" for near in
+                             difflib.get_close_matches(key, [*known, *CONNECTION], n=1)), None)
+        said = f"{owner.__name__}() got an unexpected keyword argument {key!r}"
+        raise TypeError(said + (f" ({hint})" if hint else ""))
+    if connection and not with_url:
+        raise ConfigError(f"{', '.join(sorted(connection))}: connection options go with a URL, not a store")

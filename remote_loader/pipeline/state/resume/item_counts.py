@@ -94,9 +94,11 @@ class ResumeState:
             raise ResumeError(f"RemoteDataset state field 'skip' must list one count per worker ({num_workers})")
         counts = [_count({f"skip[{w}]": n}, f"skip[{w}]") for w, n in enumerate(skip)]
         dataset = _count(state, "dataset", 0, 2**32 - 1) if "dataset" in state else None
-        if dataset is None:  # saved before states named their upload, or cut short: nothing to check it against
-            log.warning("this RemoteDataset count state names no upload (saved before states did, or cut short):"
-                        " it cannot be checked against the dataset it resumes")
+        unchecked = [field for field in ("dataset", "split", "mixing") if field not in state]
+        if unchecked:  # saved before states held them, or cut short: nothing to check the counts against
+            log.warning("this RemoteDataset count state holds no %s (saved before states did, or cut short): it cannot"
+                        " be checked against the pipeline it resumes, where another upload, world size or shuffle"
+                        " buffer would repeat or skip samples", ", ".join(unchecked))
         split = None
         if "split" in state:
             saved = state["split"]
