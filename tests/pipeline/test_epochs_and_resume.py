@@ -490,5 +490,22 @@ def test_a_state_of_another_upload_is_refused_and_one_that_names_none_is_not_tak
         elsewhere().load_state_dict({k: v for k, v in worker.items() if k != "dataset"})
     with caplog.at_level(logging.WARNING, logger="remote_loader"):
         elsewhere().load_state_dict({k: v for k, v in counted.items() if k != "dataset"})
-    assert any("names no upload" in r.getMessage() for r in caplog.records)
+    assert any("count state holds no dataset (saved before" in r.getMessage() for r in caplog.records)
     client.close()
+
+
+@pytest.mark.parametrize("field", ["mixing", "split"])
+def test_a_count_state_without_its_mixing_or_split_loads_said_in_the_log(dataset, caplog, field):
+    """A count state without the mixing or split it was counted in cannot be checked against
+    another shuffle buffer or world size, where its counts repeat samples (110 of 640 under
+    shuffle(200) for a state of shuffle(100)): it still loads, as one saved before states held
+    them, and the log says so, naming the field."""
+    import logging
+
+    counted = _fresh(dataset).state_dict(consumed=10, num_workers=2)
+    assert field in counted
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="remote_loader"):
+        _fresh(dataset).load_state_dict({k: v for k, v in counted.items() if k != field})
+    said = [r.getMessage() for r in caplog.records if "count state holds no" in r.getMessage()]
+    assert len(said) == 1 and f"holds no {field} (saved before states did" in said[0]
