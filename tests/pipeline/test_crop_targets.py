@@ -109,6 +109,27 @@ def test_a_list_of_box_fields_moves_each_by_itself(tv):
             assert_boxes_as_torchvision(got, source, box, flip, tv)
 
 
+def test_arrays_beside_several_box_fields_are_refused_at_once_each_paired_with_a_box_field_of_its_rows(tv):
+    """Every 1-D array beside several box fields is named in one refusal (it named one a run),
+    each with a box field of as many rows: the suggestion works (it suggested the first box
+    field, of another count, which then failed)."""
+    tv_tensors, _ = tv
+    target = {"boxes": tv_tensors.BoundingBoxes([[2, 2, 20, 20], [30, 10, 60, 40]], format="XYXY",
+                                                canvas_size=(H, W), dtype=torch.float32),
+              "crowd": tv_tensors.BoundingBoxes([[0, 0, 10, 10]], format="XYXY", canvas_size=(H, W)),
+              "labels": torch.tensor([1, 2]), "image_id": torch.tensor([7])}
+    with pytest.raises(ConfigError) as caught:
+        cropped((_image(), target), RandomResizedCrop(SIZE), 0)
+    said = str(caught.value)
+    assert "fields '1.labels.npy', '1.image_id.npy' of sample" in said and "are beside the box fields 1.boxes.npy," \
+        " 1.crowd.npy: say whose rows each keeps in per_box={'1.labels.npy': '1.boxes.npy', '1.image_id.npy':" \
+        " '1.crowd.npy'}, or name them in not_spatial=" in said
+    crop = RandomResizedCrop(SIZE, per_box={"1.labels": "1.boxes", "1.image_id": "1.crowd"})
+    for seed in SEEDS:
+        (_, got), box, flip = cropped((_image(), target), crop, seed)
+        assert len(got["labels"]) == len(got["boxes"]) and len(got["image_id"]) == len(got["crowd"])
+
+
 def test_box_fields_of_different_counts_are_each_moved_and_labels_follow_theirs(tv):
     tv_tensors, _ = tv
     target = {"boxes": tv_tensors.BoundingBoxes([[2, 2, 20, 20], [30, 10, 60, 40], [5, 30, 25, 46]],

@@ -125,16 +125,25 @@ def _rows(found: Plan, crop: Any, decoded: dict[str, Any], where: str) -> None:
     for entry, box in crop.per_box.items():
         for name in _fields(entry, decoded, crop.not_spatial):
             found.rows[name] = _tied(name, box, found, where)
+    unsaid: dict[str, str] = {}  # field -> a box field of as many rows, beside others
     for name, value in decoded.items():
         if (name.startswith("__") or name in found.boxes or name in found.rows or named(name, crop.not_spatial)
                 or not _per_box_shape(name, value, found)):
             continue
         mates = [box for box in found.boxes if parent(box) == parent(name)]
-        if len(mates) > 1:
-            raise ConfigError(f"field {name!r} of {where} is beside the box fields {', '.join(mates)}: say whose"
-                              f" rows it keeps in per_box={{{name!r}: {mates[0]!r}}}, or name it in not_spatial=")
-        if mates and _count(decoded[mates[0]]) == len(value):
-            found.rows[name] = mates[0]
+        counted = [box for box in mates if _count(decoded[box]) == len(value)]  # none: no box field's rows
+        if len(mates) > 1 and counted:
+            unsaid[name] = counted[0]
+        elif counted:
+            found.rows[name] = counted[0]
+    if unsaid:
+        names = ", ".join(repr(name) for name in unsaid)
+        boxes = ", ".join(dict.fromkeys(box for name in unsaid for box in found.boxes if parent(box) == parent(name)))
+        several = len(unsaid) > 1
+        raise ConfigError(f"field{'s' if several else ''} {names} of {where} {'are' if several else 'is'} beside the"
+                          f" box fields {boxes}:"
+                          f" say whose rows {'each' if several else 'it'} keeps in per_box={unsaid!r},"
+                          f" or name {'them' if several else 'it'} in not_spatial=")
 
 
 def _per_box_shape(name: str, value: Any, found: Plan) -> bool:
