@@ -36,10 +36,15 @@ _BLOCK = 1 << 16  # positions turned into indices at a time
 
 class _Positions:
     """Indices of positions ``[position, stop)`` of one epoch's order, a block at a time.
-    Its state is the next position."""
+    Its state is the next position. The epoch and the first position are taken from the
+    sampler at the first ``__next__``: an iterator made and dropped unread (DataLoader with
+    workers, and torchdata's ``BatchSampler``, make one before the one they read) changes nothing."""
 
-    def __init__(self, sampler: _EpochSampler, epoch: int, start: int, stop: int, position: int) -> None:
-        self.sampler, self.epoch, self.start, self.stop, self.position = sampler, epoch, start, stop, position
+    def __init__(self, sampler: _EpochSampler, start: int, stop: int) -> None:
+        self.sampler, self.start, self.stop = sampler, start, stop
+        self.epoch, self.position = sampler.epoch, start  # set again at the first __next__
+        self._begun = False
+        self._loaded: tuple[int, int] | None = None  # (epoch, delivered) loaded before the first __next__
         self._block: list[int] = []  # the indices of positions [_first, _first + len(_block))
         self._first = 0
 
@@ -47,6 +52,10 @@ class _Positions:
         return self
 
     def __next__(self) -> int:
+        if not self._begun:
+            begun = self.sampler._begin(self)  # the sampler's resume is taken even under a loaded state
+            self.epoch, delivered = self._loaded or begun
+            self.position, self._begun = self.start + delivered, True
         if self.position >= self.stop:
             raise StopIteration
         offset = self.position - self._first
@@ -63,11 +72,16 @@ class _Positions:
         return self.position - self.start
 
     def state_dict(self) -> dict[str, Any]:
-        return self.sampler._state(self.epoch, self.delivered)
+        if self._begun:
+            return self.sampler._state(self.epoch, self.delivered)
+        return self.sampler._state(*(self._loaded or self.sampler._next_pass()))  # where it would begin
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         epoch, delivered = self.sampler._check_state(state)
-        self.epoch, self.position, self._block = epoch, self.start + delivered, []
+        if self._begun:
+            self.epoch, self.position, self._block = epoch, self.start + delivered, []
+        else:
+            self._loaded = epoch, delivered
 
 
 class _EpochSampler(Sampler[int]):
@@ -100,12 +114,17 @@ class _EpochSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         start = self.rank * len(self)
-        if self._auto and self._iterated and self._resume is None:
-            self.epoch += 1
-        self._iterated = True
-        delivered, self._resume = self._resume or 0, None
-        self._live = _Positions(self, self.epoch, start, start + len(self), start + delivered)
-        return self._live
+        return _Positions(self, start, start + len(self))
+
+    def _next_pass(self) -> tuple[int, int]:
+        """The epoch and the indices already delivered of an iteration begun now."""
+        advance = self._auto and self._iterated and self._resume is None
+        return self.epoch + int(advance), self._resume or 0
+
+    def _begin(self, live: _Positions) -> tuple[int, int]:
+        """Begin ``live`` (at its first ``__next__``): it takes the next epoch, or the loaded state, once."""
+        (self.epoch, delivered), self._iterated, self._resume, self._live = self._next_pass(), True, None, live
+        return self.epoch, delivered
 
     @abstractmethod
     def indices(self, epoch: int, positions: np.ndarray) -> np.ndarray:
@@ -113,7 +132,7 @@ class _EpochSampler(Sampler[int]):
 
     def state_dict(self) -> dict[str, Any]:
         """Where this rank's iteration stands: its epoch and how many indices it handed out
-        (none yet, before the first iteration)."""
+        (none yet, before the first iteration). An iteration begins at its first index."""
         delivered = self._live.delivered if self._live is not None else (self._resume or 0)
         return self._state(self.epoch, delivered)
 

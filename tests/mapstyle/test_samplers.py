@@ -10,6 +10,8 @@ from collections import Counter
 
 import numpy as np
 import pytest
+import torch
+from torch.utils.data import DataLoader
 
 from remote_loader import ConfigError, LocalitySampler, UniformSampler
 
@@ -70,7 +72,11 @@ def test_a_state_resumes_the_rest_of_the_rank_part_exactly(kind, stop):
     whole = list(sampler)
     iterator = iter(sampler)
     taken = [next(iterator) for _ in range(stop)]
-    states = (sampler.state_dict(), iterator.state_dict())
+    states = [iterator.state_dict()]
+    if stop:
+        states.append(sampler.state_dict())
+    else:  # an iterator not yet read changes nothing: the sampler's state is still the finished pass's
+        assert sampler.state_dict() == {**iterator.state_dict(), "delivered": len(whole)}
     sampler.set_epoch(5)
     following = list(sampler)
     for state in states:
@@ -208,3 +214,67 @@ def test_without_set_epoch_each_iteration_takes_the_next_epoch(kind):
     resumed = make()
     resumed.load_state_dict(stopped.state_dict())
     assert head + list(resumed) == expected[1] and list(resumed) == expected[2]
+
+
+def _loader(sampler, loader: str):
+    """A loader with workers that makes the sampler's iterator twice a pass and reads only the
+    second: DataLoader's multiprocess iterator, torchdata's BatchSampler."""
+    if loader == "dataloader":
+        return DataLoader(_Indices(), sampler=sampler, batch_size=None, num_workers=2)
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    return stateful.StatefulDataLoader(_Indices(), sampler=sampler, batch_size=8, num_workers=2)
+
+
+def _indices(loader) -> list[int]:
+    return [i for item in loader for i in torch.as_tensor(item).reshape(-1).tolist()]
+
+
+def _epochs(kind: str, epochs: range) -> list[list[int]]:
+    orders = []
+    for epoch in epochs:
+        sampler = _make(kind)
+        sampler.set_epoch(epoch)
+        orders.append(list(sampler))
+    return orders
+
+
+@pytest.mark.parametrize("kind", ["locality", "uniform"])
+@pytest.mark.parametrize("loader", ["dataloader", "stateful"])
+@pytest.mark.parametrize("set_epoch", [False, True])
+def test_a_loaded_state_resumes_exactly_once_under_loaders_with_workers(kind, loader, set_epoch):
+    sampler = _make(kind)
+    if set_epoch:
+        sampler.set_epoch(2)
+    iterator = iter(sampler)
+    taken = [next(iterator) for _ in range(17)]
+    resumed = _make(kind)
+    resumed.load_state_dict(sampler.state_dict())
+    if set_epoch:
+        resumed.set_epoch(2)
+    batches = _loader(resumed, loader)
+    whole, following = _epochs(kind, range(2, 4) if set_epoch else range(2))
+    assert taken + _indices(batches) == whole  # the rest of the epoch, each index once
+    if not set_epoch:
+        assert _indices(batches) == following  # then the next epoch, whole
+
+
+@pytest.mark.parametrize("kind", ["locality", "uniform"])
+@pytest.mark.parametrize("loader", ["dataloader", "stateful"])
+def test_without_set_epoch_passes_under_loaders_with_workers_take_epochs_0_1_2(kind, loader):
+    batches = _loader(_make(kind), loader)
+    assert [_indices(batches) for _ in range(3)] == _epochs(kind, range(3))
+
+
+@pytest.mark.parametrize("kind", ["locality", "uniform"])
+def test_an_iterator_made_and_dropped_unread_changes_nothing(kind):
+    sampler = _make(kind)
+    iterator = iter(sampler)
+    taken = [next(iterator) for _ in range(5)]
+    state = sampler.state_dict()
+    resumed = _make(kind)
+    resumed.load_state_dict(state)
+    unread = iter(resumed)
+    assert unread.state_dict() == state and resumed.state_dict() == state  # what it would start from
+    iter(resumed)
+    assert taken + list(unread) == _epochs(kind, range(1))[0]
+    assert resumed.state_dict()["delivered"] == 38 and list(resumed) == _epochs(kind, range(1, 2))[0]
