@@ -132,8 +132,10 @@ class _EpochSampler(Sampler[int]):
 
     def state_dict(self) -> dict[str, Any]:
         """Where this rank's iteration stands: its epoch and how many indices it handed out
-        (none yet, before the first iteration). An iteration begins at its first index."""
-        delivered = self._live.delivered if self._live is not None else (self._resume or 0)
+        (none yet, before the first iteration). An iteration begins at its first index; after
+        ``set_epoch`` to another epoch than its, none of the new epoch's."""
+        live = self._live
+        delivered = live.delivered if live is not None and live.epoch == self.epoch else (self._resume or 0)
         return self._state(self.epoch, delivered)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

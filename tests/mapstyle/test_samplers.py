@@ -91,6 +91,22 @@ def test_a_state_resumes_the_rest_of_the_rank_part_exactly(kind, stop):
         assert taken + list(resumed) == whole
 
 
+@pytest.mark.parametrize("kind", ["locality", "uniform"])
+def test_a_state_taken_after_set_epoch_to_the_next_epoch_resumes_that_epoch_whole(kind):
+    """A checkpoint taken after ``set_epoch(5)`` that follows a finished pass of epoch 4 said
+    epoch 5 with all of epoch 4's indices delivered: resumed, epoch 5 was skipped whole."""
+    sampler = _make(kind)
+    sampler.set_epoch(4)
+    list(sampler)
+    sampler.set_epoch(5)
+    state = sampler.state_dict()
+    assert (state["epoch"], state["delivered"]) == (5, 0)
+    fresh = _make(kind)
+    fresh.load_state_dict(state)
+    fresh.set_epoch(5)
+    assert list(fresh) == list(sampler)
+
+
 def test_a_loaded_state_applies_once_and_holds_its_epoch():
     sampler = _make("uniform")
     iterator = iter(sampler)
