@@ -119,7 +119,8 @@ def upload_cv_dataset(
         shuffle: Permute samples before sharding (on by default).
         executor: Run tasks here instead of a new process pool, e.g. a Dask cluster's
             ``dask_client.get_executor()`` (each of its workers gets the dataset once, or
-            builds it from a source spec); any other executor receives it with every task.
+            builds it from a source spec once per upload); any other executor receives it
+            with every task.
         part_size: Multipart part size in bytes.
         retry: How every request is retried (``RetryConfig``); a task that fails on an
             outage is written again whole.
