@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from remote_loader import DatasetReader, ImageFolder, LocalStore, UploadError, upload_cv_dataset
+from remote_loader import ConfigError, DatasetReader, ImageFolder, LocalStore, UploadError, upload_cv_dataset
 from tests import helpers
 
 distributed = pytest.importorskip("distributed")
@@ -242,3 +242,11 @@ def test_each_upload_of_a_source_spec_builds_it_again_on_the_workers(dask_client
     again = upload_cv_dataset(str(folder), **run)  # unchanged now: kept, every item read again on the workers
     assert (again.uploaded_samples, again.compared) == (0, 26)
 
+
+def test_a_dask_client_passed_as_the_executor_is_refused(dask_client, tmp_path):
+    store = LocalStore(tmp_path)
+    store.create_bucket("b")
+    with pytest.raises(ConfigError, match=r"executor=.*Client.*client\.get_executor\(\)"):
+        upload_cv_dataset(helpers.FlakyImages(10, bad=set(), size=(8, 8)), client=store, bucket="b",
+                          base_folder="c", executor=dask_client, progress=False)
+    assert not DatasetReader(store, "b", "c").has_manifest()
