@@ -66,16 +66,15 @@ def _rate(nbytes: int, bar: tqdm) -> str:
 
 def _ship(executor: Executor, dataset: Any, source: str | None) -> tuple[Any, str | None]:
     """What a caller's executor sends with each task so that the dataset reaches each of its
-    workers once: the source spec (each worker builds the dataset), or, on a Dask cluster,
-    a token for the dataset sent to every worker in a plugin (whose name comes second, to
-    remove it when the upload ends); any other executor gets the dataset itself."""
-    if source is not None:
-        return SourceSpec(source), None
+    workers once: on a Dask cluster, a token for the dataset (or its source spec, which each
+    worker then builds) sent to every worker in a plugin whose name comes second, to remove
+    it when the upload ends; any other executor gets the dataset itself, a source spec's as
+    built in this process (its workers could keep nothing past the upload)."""
     client = getattr(executor, "_client", None)
     if _is_dask(executor) and client is not None:
         from remote_loader.upload.shipping import ship  # distributed: the dask extra
 
-        return ship(client, dataset)
+        return ship(client, SourceSpec(source) if source is not None else dataset)
     return dataset, None
 
 

@@ -15,7 +15,8 @@ from remote_loader.upload.sources import Shipped, drop_shipped, keep_shipped
 
 
 class DatasetPlugin(WorkerPlugin):
-    """Holds an upload's dataset on each worker while the upload runs."""
+    """Holds an upload's dataset, or the ``SourceSpec`` each worker builds it from, on each
+    worker while the upload runs."""
 
     def __init__(self, dataset: Any) -> None:
         self.token = uuid.uuid4().hex

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -133,8 +134,10 @@ def uploaded_form(ds: Any) -> Any:
 
 @dataclass(frozen=True)
 class SourceSpec:
-    """A dataset named by a ``load_source`` spec: what travels to a cluster's workers
-    instead of the dataset, which each worker process builds once (``resolve``)."""
+    """A dataset named by a ``load_source`` spec: what an upload's worker plugin carries to a
+    Dask cluster's workers instead of the dataset (``shipping.py``). Each worker builds it at
+    its first task of the upload, once, and drops it when the upload ends, so a later upload
+    of the same spec reads the folder or calls the function anew."""
 
     spec: str
 
@@ -146,12 +149,28 @@ class Shipped:
     token: str
 
 
-_built: dict[str, Any] = {}
+class _Built:
+    """A ``SourceSpec``'s dataset in this worker, built by the first task that asks for it;
+    the others wait for that one rather than build their own."""
+
+    def __init__(self, source: SourceSpec) -> None:
+        self.source = source
+        self._lock = threading.Lock()
+        self._dataset: Any = None
+
+    def dataset(self) -> Any:
+        with self._lock:
+            if self._dataset is None:
+                self._dataset = load_source(self.source.spec)
+            return self._dataset
+
+
 _shipped: dict[str, Any] = {}
 
 
 def keep_shipped(token: str, dataset: Any) -> None:
-    _shipped[token] = dataset
+    """Hold an upload's dataset (or the ``SourceSpec`` to build it from) in this worker while the upload runs."""
+    _shipped[token] = _Built(dataset) if isinstance(dataset, SourceSpec) else dataset
 
 
 def drop_shipped(token: str) -> None:
@@ -159,15 +178,12 @@ def drop_shipped(token: str) -> None:
 
 
 def resolve(dataset: Any) -> Any:
-    """The dataset itself; for a ``SourceSpec`` the one this process built from its spec; for a
-    ``Shipped`` the one its plugin left in this worker."""
-    if isinstance(dataset, Shipped):
-        if dataset.token not in _shipped:
-            raise UploadError("this Dask worker has not received the upload's dataset (its worker plugin was"
-                              " removed: the upload ended or was interrupted); re-run the upload")
-        return _shipped[dataset.token]
-    if not isinstance(dataset, SourceSpec):
+    """The dataset itself; for a ``Shipped`` the one its plugin left in this worker (built
+    here from its source spec the first time it is asked for)."""
+    if not isinstance(dataset, Shipped):
         return dataset
-    if dataset.spec not in _built:
-        _built[dataset.spec] = load_source(dataset.spec)
-    return _built[dataset.spec]
+    held = _shipped.get(dataset.token)
+    if held is None:
+        raise UploadError("this Dask worker has not received the upload's dataset (its worker plugin was"
+                          " removed: the upload ended or was interrupted); re-run the upload")
+    return held.dataset() if isinstance(held, _Built) else held

@@ -300,8 +300,8 @@ def write_tasks(
     Args:
         spec: Settings shared by every task of the upload.
         group: The tasks; each task's number names its shards and its record.
-        dataset: The dataset, a ``SourceSpec`` naming it, or None in a pool whose initializer
-            already set it.
+        dataset: The dataset, a ``Shipped`` token for it on a Dask worker, or None in a
+            pool whose initializer already set it.
         progress: Where (samples, bytes) counts go (``put``, from any thread); None in a
             pool whose initializer set its queue.
         slots: Where each task says which item it reads (``watch.Slots``), and whether to

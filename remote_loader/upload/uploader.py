@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import sys
 import time
 from collections.abc import Mapping
 from concurrent.futures import Executor
@@ -119,7 +120,8 @@ def upload_cv_dataset(
         shuffle: Permute samples before sharding (on by default).
         executor: Run tasks here instead of a new process pool, e.g. a Dask cluster's
             ``dask_client.get_executor()`` (each of its workers gets the dataset once, or
-            builds it from a source spec); any other executor receives it with every task.
+            builds it from a source spec once per upload); any other executor receives it
+            with every task. A Dask ``Client`` itself is refused (``ConfigError``).
         part_size: Multipart part size in bytes.
         retry: How every request is retried (``RetryConfig``); a task that fails on an
             outage is written again whole.
@@ -141,6 +143,7 @@ def upload_cv_dataset(
         What was uploaded, with throughput.
 
     Raises:
+        ConfigError: An argument is invalid (``executor`` a Dask ``Client``, not its executor).
         UploadError: A sample is bad (naming its index), the dataset is empty, another dataset
             (or an item ``ds[i]`` that differs) is there, or an item outlasted ``stall_timeout``.
     """
@@ -149,8 +152,8 @@ def upload_cv_dataset(
                                   image_format=image_format, quality=quality, on_error=on_error, shuffle=shuffle,
                                   overwrite=overwrite, progress=progress, bucket=bucket, base_folder=base_folder,
                                   frames_as_video=frames_as_video)
-    running = Running(workers, executor, part_size, _stall_timeout(stall_timeout), bool(require_bool("verify", verify)),
-                      overwrite, progress)
+    running = Running(workers, _executor(executor), part_size, _stall_timeout(stall_timeout),
+                      bool(require_bool("verify", verify)), overwrite, progress)
     client = as_store(client, bucket)
     location = Location(bucket, base_folder.strip("/"), client.path_of(bucket, base_folder.strip("/")))
     return _upload(ds, client, location, params, options, _retry(retry), started, running)
@@ -174,6 +177,18 @@ class Running:
         processes = (os.cpu_count() or 1) if self.workers is None else self.workers
         processes = processes if self.executor is None else max(1, processes)
         return Where(processes, self.executor, self.stall_timeout, self.progress, source)
+
+
+def _executor(value: Any) -> Executor | None:
+    """``executor`` checked: None, or an object with ``submit`` that is not a Dask ``Client``
+    (whose ``submit`` returns Dask's futures, which ``concurrent.futures`` cannot wait for)."""
+    dask_client = getattr(sys.modules.get("distributed"), "Client", None)  # never imported here for the check
+    if isinstance(dask_client, type) and isinstance(value, dask_client):
+        raise ConfigError(f"executor= got a {type(value).__module__}.{type(value).__qualname__} (a Dask client),"
+                          " not an executor: pass client.get_executor()")
+    if value is not None and not callable(getattr(value, "submit", None)):
+        raise ConfigError(f"executor must be a concurrent.futures executor (with submit), got {type(value).__name__}")
+    return value
 
 
 def _stall_timeout(value: float | None) -> float | None:

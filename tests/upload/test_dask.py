@@ -12,9 +12,11 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
+from PIL import Image
 
-from remote_loader import DatasetReader, UploadError, upload_cv_dataset
+from remote_loader import ConfigError, DatasetReader, ImageFolder, LocalStore, UploadError, upload_cv_dataset
 from tests import helpers
 
 distributed = pytest.importorskip("distributed")
@@ -75,13 +77,15 @@ def test_round_trip_with_the_dataset_sent_once_per_worker(dask_client, s3):
 
 def test_a_source_spec_is_built_once_on_each_worker_and_matches_the_local_pool(dask_client, s3):
     store, bucket = s3
+    before = dask_client.run(helpers.small_images_count)
     summary = upload_cv_dataset("tests.helpers:small_images", client=store, bucket=bucket, base_folder="spec",
                                 maxcount=30, executor=dask_client.get_executor(), progress=False)
     local = upload_cv_dataset(helpers.small_images(), client=store, bucket=bucket, base_folder="local",
                               maxcount=30, workers=2, progress=False)
     assert summary.samples == local.samples == 300
     assert read_back(store, bucket, "spec") == read_back(store, bucket, "local")
-    assert all(n <= 1 for n in dask_client.run(helpers.small_images_count).values())
+    after = dask_client.run(helpers.small_images_count)
+    assert all(after[worker] - before.get(worker, 0) <= 1 for worker in after)
 
 
 def test_skip_bad_samples_on_the_cluster(dask_client, s3):
@@ -197,3 +201,52 @@ def test_a_rerun_on_the_cluster_reads_every_kept_item_there(dask_client, s3):
     assert (again.uploaded_samples, again.compared) == (0, 120)
     with pytest.raises(UploadError, match=r"but ds\[3\] is not the item uploaded from it"):
         upload_cv_dataset(helpers.FlakyImages(120, bad={3}, size=(32, 32)), **args)
+
+
+def draw_folder(folder: Path, n: int, shade: int) -> None:
+    """An image folder of ``n`` small JPEGs in classes ``a`` and ``b``, image ``i`` filled with ``shade + i``."""
+    for i in range(n):
+        os.makedirs(folder / "ab"[i % 2], exist_ok=True)
+        Image.fromarray(np.full((8, 8, 3), shade + i, np.uint8)).save(folder / "ab"[i % 2] / f"{i:03d}.jpg")
+
+
+def stored_items(store: LocalStore, bucket: str, prefix: str) -> dict[int, tuple[bytes, int]]:
+    return {int(sample["__key__"]): (bytes(sample["jpg"]), int(bytes(sample["cls"])))
+            for sample in DatasetReader(store, bucket, prefix)}
+
+
+def folder_items(folder: Path) -> dict[int, tuple[bytes, int]]:
+    return {i: (Path(path).read_bytes(), label) for i, (path, label) in enumerate(ImageFolder(folder).samples)}
+
+
+def test_each_upload_of_a_source_spec_builds_it_again_on_the_workers(dask_client, tmp_path):
+    """A folder changed between two uploads on one cluster is read anew by its workers. They
+    kept the first upload's dataset for good: overwrite=True wrote its labels again, and a
+    folder that grew failed with ds[n] raising IndexError."""
+    folder, store = tmp_path / "folder", LocalStore(tmp_path / "store")
+    store.create_bucket("b")
+    run = dict(client=store, bucket="b", base_folder="f", maxcount=5, executor=dask_client.get_executor(),
+               progress=False)
+    draw_folder(folder, 20, 0)
+    upload_cv_dataset(str(folder), **run)
+    assert stored_items(store, "b", "f") == folder_items(folder)
+
+    os.mkdir(folder / "0")  # a class sorted first, empty so far: every label is one more
+    upload_cv_dataset(str(folder), overwrite=True, **run)
+    assert stored_items(store, "b", "f") == folder_items(folder)
+    assert {label for _, label in stored_items(store, "b", "f").values()} == {1, 2}
+
+    draw_folder(folder, 26, 100)  # every image redrawn, and 6 more
+    summary = upload_cv_dataset(str(folder), overwrite=True, **run)
+    assert summary.samples == 26 and stored_items(store, "b", "f") == folder_items(folder)
+    again = upload_cv_dataset(str(folder), **run)  # unchanged now: kept, every item read again on the workers
+    assert (again.uploaded_samples, again.compared) == (0, 26)
+
+
+def test_a_dask_client_passed_as_the_executor_is_refused(dask_client, tmp_path):
+    store = LocalStore(tmp_path)
+    store.create_bucket("b")
+    with pytest.raises(ConfigError, match=r"executor=.*Client.*client\.get_executor\(\)"):
+        upload_cv_dataset(helpers.FlakyImages(10, bad=set(), size=(8, 8)), client=store, bucket="b",
+                          base_folder="c", executor=dask_client, progress=False)
+    assert not DatasetReader(store, "b", "c").has_manifest()
