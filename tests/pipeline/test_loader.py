@@ -153,6 +153,15 @@ def test_the_loader_takes_any_dataloader_argument_and_a_stateful_one(keys):
     assert "remote_loader_state" in str(stateful.state_dict())
 
 
+def test_a_stateful_loader_out_of_order_is_refused(keys):
+    """Out of order, a StatefulDataLoader's snapshot does not say which items came out: a
+    resume repeated 2 samples of 241 and lost 2, with torchdata's generic warning only."""
+    pytest.importorskip("torchdata")
+    with pytest.raises(ConfigError, match="stateful=True with in_order=False: a StatefulDataLoader's state needs"):
+        loader(keys, num_workers=2, stateful=True, in_order=False)
+    assert loader(keys, num_workers=0, stateful=True, in_order=True).num_workers == 0
+
+
 def test_a_stateful_loader_without_torchdata_names_the_extra(keys, monkeypatch):
     monkeypatch.setitem(sys.modules, "torchdata.stateful_dataloader", None)  # as if it were not installed
     with pytest.raises(ConfigError, match="install the torchdata extra"):

@@ -77,6 +77,9 @@ def loader(dataset: IterableDataset, *, num_workers: int | None = None, stateful
         fetching = decoder is not None or _streams_bytes(dataset)
         workers = min(rank_cores(), _FETCHING_WORKERS) if fetching else rank_cores()
     require_bool("stateful", stateful)
+    if stateful and options.get("in_order", True) is not True:
+        raise ConfigError("stateful=True with in_order=False: a StatefulDataLoader's state needs its items in order"
+                          " (out of order, a resume repeats some and loses others); leave in_order on")
     settings: dict[str, Any] = {"batch_size": None, "num_workers": workers,
                                 "pin_memory": torch.cuda.is_available()}
     if workers:
