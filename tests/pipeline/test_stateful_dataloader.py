@@ -198,3 +198,18 @@ def test_a_state_loaded_after_persistent_workers_started_is_refused_and_a_new_lo
     assert Counter(before) + Counter(after) == ALL and len(after) == sum(ALL.values()) - 10
     assert "Traceback" not in capfd.readouterr().err  # no worker died printing torchdata's
 
+
+@pytest.mark.parametrize("taken, resumed", [(0, 2), (2, 0)])
+def test_a_loaders_state_for_another_worker_count_is_refused_and_resumes_through_the_dataset(location, taken,
+                                                                                            resumed):
+    # torchdata refused it with a bare AssertionError ("State doesn't contain key '_snapshot'
+    # expected for multiprocess dataloader"; '_num_yielded' the other way round).
+    stopped = loader(make(location), stateful=True, num_workers=taken)
+    before, _ = take(stopped, 30)
+    state = saved(stopped.state_dict())
+    with pytest.raises(ResumeError, match=r"ds\.load_state_dict\(state\)") as refused:
+        loader(make(location), stateful=True, num_workers=resumed).load_state_dict(state)
+    assert "\n" not in str(refused.value) and f"{taken or 'no'} DataLoader worker" in str(refused.value)
+    dataset = make(location)
+    dataset.load_state_dict(state)  # as the message advises
+    assert Counter(before) + Counter(loader(dataset, stateful=True, num_workers=resumed)) == ALL
