@@ -598,9 +598,11 @@ class RemoteDataset(IterableDataset):
 
     def _stream(self, epoch: int, worker: int, num_workers: int, take: bool = False) -> WorkerStream:
         """Worker ``worker``'s stream of ``epoch``, reset to where it starts (a loaded state
-        applies once: ``take`` marks it used)."""
+        applies once: ``take`` marks it used). Without ``take``, for ``state_dict()``, a load
+        that persistent workers missed is not refused here: torchdata asks a worker for its
+        state as a pass begins, and an error there ends the worker (the pass reports it)."""
         layout = self._layout()
-        loaded = self._handover.applying(epoch, worker)
+        loaded = self._handover.applying(epoch, worker, peek=not take)
         entry = resume.entry(layout, loaded, epoch, worker, num_workers) if self._data.resumable else None
         metrics = Metrics(self._metrics[1 + worker if get_worker_info() else 0].numpy())
         decoding = get_worker_info() is not None and self._decodes_on_cpu()  # a smaller budget, fetch not given

@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 import torch
 
-from remote_loader import ConfigError
+from remote_loader import ConfigError, ResumeError, loader
 from tests.pipeline.test_checkpoints import ALL, make
 
 stateful = pytest.importorskip("torchdata.stateful_dataloader", reason="torchdata is not installed (extra: torchdata)")
@@ -175,3 +175,41 @@ def test_a_state_of_a_finished_epoch_from_sparse_snapshots_resumes_the_next_epoc
     resumed.load_state_dict(saved(loader.state_dict()))
     dataset.set_epoch(2)
     assert keys(resumed) == keys(StatefulDataLoader(make(location, epoch=2), batch_size=8, num_workers=2))
+
+
+def test_a_state_loaded_after_persistent_workers_started_is_refused_and_a_new_loader_resumes_it(location, capfd):
+    # The refusal killed both workers inside torchdata (UnboundLocalError: 'initial_state'): the
+    # dataset's state_dict(), asked as the pass began, raised it. The loader's next pass then
+    # found them dead, and a new loader, as the message advises, was blamed for their exit.
+    dataset = make(location)
+    stopped = loader(dataset, stateful=True, num_workers=2)
+    before, stream = take(stopped, 10)
+    state = saved(stopped.state_dict())
+    list(stream)
+    dataset.load_state_dict(state)  # too late: the loader's workers run already
+    for _ in range(2):  # its workers live on: every pass says why it cannot resume
+        with pytest.raises(ResumeError) as refused:
+            list(stopped)
+        assert str(refused.value).splitlines()[-1].endswith("load the state before the first epoch, or create a"
+                                                            " new DataLoader")
+    resumed = make(location)
+    resumed.load_state_dict(state)
+    after = list(loader(resumed, stateful=True, num_workers=2))
+    assert Counter(before) + Counter(after) == ALL and len(after) == sum(ALL.values()) - 10
+    assert "Traceback" not in capfd.readouterr().err  # no worker died printing torchdata's
+
+
+@pytest.mark.parametrize("taken, resumed", [(0, 2), (2, 0)])
+def test_a_loaders_state_for_another_worker_count_is_refused_and_resumes_through_the_dataset(location, taken,
+                                                                                            resumed):
+    # torchdata refused it with a bare AssertionError ("State doesn't contain key '_snapshot'
+    # expected for multiprocess dataloader"; '_num_yielded' the other way round).
+    stopped = loader(make(location), stateful=True, num_workers=taken)
+    before, _ = take(stopped, 30)
+    state = saved(stopped.state_dict())
+    with pytest.raises(ResumeError, match=r"ds\.load_state_dict\(state\)") as refused:
+        loader(make(location), stateful=True, num_workers=resumed).load_state_dict(state)
+    assert "\n" not in str(refused.value) and f"{taken or 'no'} DataLoader worker" in str(refused.value)
+    dataset = make(location)
+    dataset.load_state_dict(state)  # as the message advises
+    assert Counter(before) + Counter(loader(dataset, stateful=True, num_workers=resumed)) == ALL

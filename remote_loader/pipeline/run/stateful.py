@@ -3,11 +3,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from remote_loader.errors import ResumeError
 from remote_loader.pipeline.run.dataloader import made_here, start_iteration
+
+# What torchdata's state_dict() holds with DataLoader workers, and without them.
+_WITH_WORKERS, _WITHOUT_WORKERS = "_snapshot", "_num_yielded"
 
 
 class StatefulLoader(StatefulDataLoader):
@@ -22,3 +27,28 @@ class StatefulLoader(StatefulDataLoader):
 
     def _get_iterator(self) -> Any:
         return made_here(self, super()._get_iterator)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torchdata's, refusing with ResumeError, now, a state taken with DataLoader workers
+        where this loader has none, or the reverse (torchdata's own check, as the next pass
+        begins, is a bare AssertionError)."""
+        _check_workers(state_dict, self.num_workers)
+        super().load_state_dict(state_dict)
+
+
+def _check_workers(state: Any, num_workers: int) -> None:
+    """A ResumeError where ``state`` is a StatefulDataLoader state of a loader with workers and
+    ``num_workers`` is 0, or the reverse."""
+    if not isinstance(state, Mapping):
+        return
+    if num_workers and _WITHOUT_WORKERS in state and _WITH_WORKERS not in state:
+        taken = "no DataLoader workers"
+    elif not num_workers and _WITH_WORKERS in state and _WITHOUT_WORKERS not in state:
+        snapshot = state[_WITH_WORKERS]
+        count = len(snapshot.get("_worker_snapshots", ())) if isinstance(snapshot, Mapping) else 0
+        taken = f"{count} DataLoader worker{'s' * (count != 1)}" if count else "DataLoader workers"
+    else:
+        return
+    raise ResumeError(f"this StatefulDataLoader state was taken with {taken}, this loader has {num_workers or 'none'}:"
+                      " a loader resumes its own worker count only; to resume on another, give the state to the"
+                      " dataset before the loader starts: ds.load_state_dict(state)")

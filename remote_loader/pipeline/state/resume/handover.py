@@ -71,10 +71,11 @@ class Handover:
         if self.loaded is not None and self.loaded.epoch != epoch:
             self.loaded = None
 
-    def applying(self, epoch: int, worker: int) -> Loaded | None:
+    def applying(self, epoch: int, worker: int, peek: bool = False) -> Loaded | None:
         """The loaded state worker ``worker``'s iteration of ``epoch`` resumes from: at the first
-        iteration of its epoch only (``applied`` marks it used)."""
-        if int(self.shared[_GENERATION]) != self.generation:
+        iteration of its epoch only (``applied`` marks it used). ``peek``: for the state of an
+        iteration not begun, a load this copy missed is not refused; the iteration refuses it."""
+        if not peek and int(self.shared[_GENERATION]) != self.generation:
             raise ResumeError("load_state_dict was called after this DataLoader's persistent workers started;"
                               " load the state before the first epoch, or create a new DataLoader")
         loaded = self.loaded
