@@ -26,6 +26,8 @@ from remote_loader.config import MOST_BYTES, RetryConfig, one_line, require_bool
 from remote_loader.errors import (
     ConfigError,
     OnError,
+    StorageError,
+    UploadConflict,
     UploadError,
 )
 from remote_loader.format import Manifest
@@ -241,7 +243,16 @@ def _upload(ds: Any, client: Store, location: Location, params: dict[str, Any], 
     spec = TaskSpec(client, location, options, params["maxsize"], params["maxcount"], OnError.of(params["on_error"]),
                     running.part_size, max(6, len(str(num - 1))), held.run, retry)
     writing = keeping.Writing(spec, claim.kept(store, location, held, num), order, held.task_size, running.verify)
-    seconds = keeping.run_writing(ds, writing, running.where(source), num)
+    try:
+        seconds = keeping.run_writing(ds, writing, running.where(source), num)
+    except StorageError as exc:
+        if exc.code != "NoSuchUpload":
+            raise
+        raise UploadConflict(
+            f"{location}: this run's multipart uploads were aborted while it wrote them ({one_line(exc)}), as an"
+            " upload with the same parameters does when it resumes a run it takes for interrupted: another upload"
+            " of this dataset is likely running and will finish it; run this one again once it has ended (it keeps"
+            " what is there)", location=str(location)) from None
     manifest, reasons = _manifest(writing.written, params, _class_names(ds), location)
     claim.finish(store, location, manifest, held, before)
     kept = writing.kept_numbers()

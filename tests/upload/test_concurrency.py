@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from remote_loader import DatasetReader, RetryConfig, UploadConflict, UploadError
+from remote_loader.storage.local import LocalStore
 from remote_loader.testing.synthetic import SyntheticImages
 from remote_loader.upload.uploader import _ESTIMATE_SAMPLES
 from tests.helpers import PausingImages, fingerprinting, upload
@@ -105,6 +106,28 @@ def test_an_upload_overtaken_by_an_overwrite_stops_and_leaves_the_winner_whole(s
     manifest = DatasetReader(client, bucket, "d").manifest
     names = {manifest.shards[i].name for i in range(len(manifest.shards))}
     assert _objects(client, bucket, "d") == names | {"manifest.msgpack"}  # neither one's leftovers
+
+
+def test_an_upload_whose_multipart_uploads_are_aborted_while_it_writes_stops_with_a_conflict(tmp_path):
+    """A second upload of the same dataset, started while the first writes, takes the first's
+    run for an interrupted one, resumes it and aborts its unfinished multipart uploads (as this
+    test does by hand, at a known point): the first stopped with the store's NoSuchUpload, a
+    StorageError that said nothing of the other upload. The prefix is left to a re-run. A local
+    store has the shard's upload under way at the pause (S3's writers start one only when a
+    part is full, and an upload overtaken there stops at its switch, tested above)."""
+    client, bucket = LocalStore(tmp_path), "local"
+    (tmp_path / bucket).mkdir()
+    def first(port):
+        return _upload(client, bucket, "d", PausingImages(N, _late_index(1), port, size=(32, 24)), seed=1)
+
+    with paused_upload(first) as outcome:
+        assert client.abort_uploads(bucket, "d/") == 1
+    assert isinstance(outcome.get("error"), UploadConflict), outcome
+    said = str(outcome["error"])
+    assert said.startswith(f"{outcome['error'].location}: this run's multipart uploads were aborted while it wrote")
+    assert "another upload of this dataset is likely running" in said
+    again = _upload(client, bucket, "d", SyntheticImages(N, size=(32, 24)), seed=1)
+    assert again.samples == N and len(_samples(client, bucket, "d")) == N
 
 
 _RACER = """
