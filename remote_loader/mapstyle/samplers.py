@@ -18,6 +18,7 @@ iterator's (which torchdata's ``StatefulDataLoader`` saves and restores).
 
 from __future__ import annotations
 
+import zlib
 from abc import abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -53,8 +54,7 @@ class _Positions:
 
     def __next__(self) -> int:
         if not self._begun:
-            begun = self.sampler._begin(self)  # the sampler's resume is taken even under a loaded state
-            self.epoch, delivered = self._loaded or begun
+            self.epoch, delivered = self.sampler._begin(self, self._loaded)
             self.position, self._begun = self.start + delivered, True
         if self.position >= self.stop:
             raise StopIteration
@@ -97,7 +97,9 @@ class _EpochSampler(Sampler[int]):
         self._auto = True  # set_epoch never called: each iteration takes the next epoch
         self._iterated = False  # an iteration of ``epoch`` began (in auto mode the next takes epoch + 1)
         self._resume: int | None = None  # positions of this rank delivered, from load_state_dict
+        self._done: int | None = None  # the epoch a loaded state had finished: a pass of it delivers nothing
         self._live: _Positions | None = None
+        self._layout: int | None = None  # what the order depends on besides seed and size (``layout``)
 
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch whose order the next iteration follows. Without it, each
@@ -119,39 +121,71 @@ class _EpochSampler(Sampler[int]):
     def _next_pass(self) -> tuple[int, int]:
         """The epoch and the indices already delivered of an iteration begun now."""
         advance = self._auto and self._iterated and self._resume is None
-        return self.epoch + int(advance), self._resume or 0
+        epoch = self.epoch + int(advance)
+        return epoch, len(self) if epoch == self._done else (self._resume or 0)
 
-    def _begin(self, live: _Positions) -> tuple[int, int]:
-        """Begin ``live`` (at its first ``__next__``): it takes the next epoch, or the loaded state, once."""
-        (self.epoch, delivered), self._iterated, self._resume, self._live = self._next_pass(), True, None, live
+    def _begin(self, live: _Positions, loaded: tuple[int, int] | None) -> tuple[int, int]:
+        """Begin ``live`` (at its first ``__next__``): it takes the next epoch, or the sampler's
+        loaded state, once; or the state loaded into it (``loaded``), whose epoch the sampler
+        then follows; a loaded state of a finished epoch other than the one ``set_epoch`` chose
+        holds nothing of that one and is passed over (StatefulDataLoader loads it after the
+        user's ``set_epoch``)."""
+        if loaded is not None and loaded[1] >= len(self) and not self._auto and loaded[0] != self.epoch:
+            loaded = None
+        self.epoch, delivered = loaded or self._next_pass()
+        self._iterated, self._resume, self._done, self._live = True, None, None, live
         return self.epoch, delivered
 
     @abstractmethod
     def indices(self, epoch: int, positions: np.ndarray) -> np.ndarray:
         """The sample indices at ``positions`` (each in ``[0, total)``) of ``epoch``'s order."""
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
         """Where this rank's iteration stands: its epoch and how many indices it handed out
         (none yet, before the first iteration). An iteration begins at its first index; after
-        ``set_epoch`` to another epoch than its, none of the new epoch's."""
+        ``set_epoch`` to another epoch than its, none of the new epoch's.
+
+        A DataLoader with workers takes indices ahead of what your loop has (``prefetch_factor``
+        batches a worker): give ``consumed``, the indices of the batches your loop took this
+        epoch, or take the state from torchdata's ``StatefulDataLoader``, which knows."""
         live = self._live
-        delivered = live.delivered if live is not None and live.epoch == self.epoch else (self._resume or 0)
+        if live is not None and live.epoch == self.epoch:
+            delivered = live.delivered
+        else:
+            delivered = len(self) if self.epoch == self._done else (self._resume or 0)
+        if consumed is not None:
+            delivered = require_int("consumed", consumed, 0, delivered)
         return self._state(self.epoch, delivered)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Make the next iteration of the state's epoch go on after the indices it had handed out."""
-        self.epoch, self._resume = self._check_state(state)
+        """Make the next iteration of the state's epoch go on after the indices it had handed
+        out. A state of a finished epoch holds no position: without ``set_epoch`` the next
+        iteration takes the epoch after it; with it, the epoch set, before or after the load
+        (that finished epoch's pass then delivers nothing)."""
+        epoch, delivered = self._check_state(state)
         self._live, self._iterated = None, False
-        if self._resume == len(self) and self._auto:  # a finished epoch: an iteration taking its own starts the next
-            self.epoch, self._resume = self.epoch + 1, None
+        if delivered < len(self):
+            self.epoch, self._resume, self._done = epoch, delivered, None
+            return
+        self._resume, self._done = None, epoch
+        if self._auto:
+            self.epoch = epoch + 1
 
     order_version = 1
     """Which definition of the order a state was taken with: a state of another one would
     resume at a position naming other samples."""
 
+    def layout(self) -> int | None:
+        """A crc32 of what the order depends on besides the seed and the number of samples
+        (the dataset's upload, the shard sizes, the window), or None where nothing else."""
+        return None
+
     def _state(self, epoch: int, delivered: int) -> dict[str, Any]:
-        return {"sampler": type(self).__name__, "order": self.order_version, "epoch": epoch, "seed": self.seed,
-                "total": self.total, "world_size": self.world_size, "delivered": delivered}
+        state = {"sampler": type(self).__name__, "order": self.order_version, "epoch": epoch, "seed": self.seed,
+                 "total": self.total, "world_size": self.world_size, "delivered": delivered}
+        if self.layout() is not None:
+            state["layout"] = self.layout()
+        return state
 
     def _check_state(self, state: Mapping[str, Any]) -> tuple[int, int]:
         if not isinstance(state, Mapping):
@@ -167,6 +201,10 @@ class _EpochSampler(Sampler[int]):
                 f" {type(self).__name__}, this version draws order {self.order_version}: its position"
                 " would name other samples; start the epoch afresh"
             )
+        if "layout" in state and state["layout"] != self.layout():
+            raise ConfigError(f"the sampler state was taken over another dataset, shard sizes or window (layout"
+                              f" {shown(state['layout'])}, this sampler's {self.layout()}): its position would name"
+                              " other samples; start the epoch afresh")
         epoch = require_int("epoch", state.get("epoch"), 0, MOST_EPOCH)  # what set_epoch takes
         delivered = require_int("delivered", state.get("delivered"), 0, len(self))
         return epoch, delivered
@@ -229,6 +267,15 @@ class LocalitySampler(_EpochSampler):
             self.order_version = 3  # windows inside blocks of a page's shards
         super().__init__(self.counts.total, seed, rank, world_size)
         self._epoch_order: EpochOrder | None = None
+        self._identity = shard_sizes.reader.identity if isinstance(shard_sizes, RemoteMapDataset) else None
+
+    def layout(self) -> int:
+        """A crc32 of the window and the shards: the upload's identity, or the sizes given."""
+        if self._layout is None:
+            shards = (self._identity.to_bytes(4, "little") if self._identity is not None
+                      else np.asarray(self.counts.values, dtype="<i8").tobytes())  # type: ignore[attr-defined]
+            self._layout = zlib.crc32(shards, zlib.crc32(self.window.to_bytes(8, "little")))
+        return self._layout
 
     def _order(self, epoch: int) -> EpochOrder:
         if self._epoch_order is None or self._epoch_order.epoch != epoch:
@@ -332,6 +379,12 @@ class UniformSampler(_EpochSampler):
         total = len(dataset) if isinstance(dataset, RemoteMapDataset) else require_int("dataset", dataset, 0,
                                                                                        MOST_SAMPLES)
         super().__init__(total, seed, rank, world_size)
+        self._layout = dataset.reader.identity if isinstance(dataset, RemoteMapDataset) else None
+
+    def layout(self) -> int | None:
+        """The upload's identity, for a sampler over a ``RemoteMapDataset`` (its order is the
+        same for any dataset of its size, but its indices name that upload's samples)."""
+        return self._layout
 
     def indices(self, epoch: int, positions: np.ndarray) -> np.ndarray:
         keys = np.random.default_rng([self.seed, epoch, 2]).integers(0, 2**63, size=_Bijection.rounds, dtype=np.uint64)
