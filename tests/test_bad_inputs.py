@@ -300,6 +300,24 @@ def test_a_mistyped_keyword_is_named_as_such_not_taken_for_a_connection_option(c
     assert str(caught.value) == f"{cls.__name__}() got an unexpected keyword argument {said}"
 
 
+@pytest.mark.parametrize(("given", "said"), [
+    ({"cache_shards": 1.5}, "cache_shards must be an integer >= 1, got 1.5"),
+    ({"cache_shards": True}, "cache_shards must be an integer >= 1, got True"),
+    ({"cache_shards": "2"}, "cache_shards must be an integer >= 1, got '2'"),
+    ({"cache_pages": 0}, "cache_pages must be an integer >= 1, got 0"),
+    ({"merge_gap": -1}, "merge_gap must be an integer >= 0, got -1"),
+    ({"transform": 5}, "transform must be callable (applied to each sample), got int"),
+])
+def test_a_map_style_dataset_s_bad_settings_are_refused_before_any_request(tmp_path, given, said):
+    """A float or bool was taken as a count, a str raised a bare TypeError from a comparison,
+    and a transform that is no function failed only at the first sample."""
+    from remote_loader.storage.local import LocalStore
+
+    with pytest.raises(ConfigError) as caught:
+        RemoteMapDataset(LocalStore(tmp_path), "nowhere", "ds", **given)
+    assert str(caught.value) == said
+
+
 @pytest.mark.parametrize("delta", [+10, -3], ids=["manifest says more", "manifest says fewer"])
 def test_a_manifest_that_disagrees_with_a_shard_index_names_the_shard(small, delta):
     client, bucket = small

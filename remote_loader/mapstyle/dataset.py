@@ -11,7 +11,7 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from remote_loader.checksum import crc32
-from remote_loader.config import CacheConfig, FetchConfig, as_index
+from remote_loader.config import CacheConfig, FetchConfig, as_index, require_int
 from remote_loader.errors import ConfigError, CorruptSampleError, FormatError
 from remote_loader.format import Sample, ShardIndex
 from remote_loader.read import DatasetReader, Metrics
@@ -82,8 +82,11 @@ class RemoteMapDataset(Dataset):
             bucket, base_folder = location.bucket, location.base_folder
         if bucket is None or base_folder is None:
             raise ConfigError("RemoteMapDataset needs (client, bucket, base_folder) or an s3:// URL")
-        if cache_shards < 1 or cache_pages < 1 or merge_gap < 0:
-            raise ConfigError("cache_shards and cache_pages must be >= 1 and merge_gap >= 0")
+        cache_shards = require_int("cache_shards", cache_shards, 1)
+        cache_pages = require_int("cache_pages", cache_pages, 1)
+        merge_gap = require_int("merge_gap", merge_gap, 0)
+        if transform is not None and not callable(transform):
+            raise ConfigError(f"transform must be callable (applied to each sample), got {type(transform).__name__}")
         self.fetch = fetch or FetchConfig()
         self.reader = DatasetReader(client, bucket, base_folder, verify=verify, fetch=self.fetch,
                                     cache_pages=cache_pages,
