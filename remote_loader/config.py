@@ -133,6 +133,9 @@ def world_from_env(env: Mapping[str, str] | None = None) -> tuple[int, int]:
             values.append(int(text))
         except ValueError:
             raise ConfigError(f"the environment variable {name} must be an integer, got {text!r}") from None
+    if not env.get("RANK") and values[1] > 1:  # every process would read rank 0's part
+        raise ConfigError(f"WORLD_SIZE={values[1]} in the environment but no RANK: set both (torchrun does), or pass"
+                          " rank= and world_size=")
     try:
         return check_world(*values)
     except ConfigError as exc:

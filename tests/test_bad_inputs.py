@@ -233,6 +233,17 @@ def test_rank_and_world_size_from_the_environment_are_checked(monkeypatch, small
         len(RemoteDataset(client, bucket, "ok"))
 
 
+def test_a_world_size_in_the_environment_without_a_rank_is_refused(monkeypatch, small):
+    """Every process of such a launch took itself for rank 0 and read rank 0's part."""
+    client, bucket = small
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ConfigError, match="WORLD_SIZE=4 in the environment but no RANK: set both"):
+        len(RemoteDataset(client, bucket, "ok"))
+    monkeypatch.setenv("WORLD_SIZE", "1")  # one process: rank 0, as without either
+    assert len(RemoteDataset(client, bucket, "ok")) > 0
+
+
 @pytest.mark.parametrize(
     "make, field",
     [
