@@ -99,15 +99,17 @@ class TarSource:
         exhausted = False
         try:
             while True:
+                # Tars read to their end make room first: ``open_shards`` are read at once until
+                # the last is fetched (one read whole, with none left open, is not the end).
+                for done in [r for r in reading if r.done]:
+                    reading.remove(done)
+                    done.close()
                 while not exhausted and len(reading) < self.mixing.open_shards:
                     item = next(fetched, None)
                     if item is None:
                         exhausted = True
                     else:
                         reading.append(OpenRange(self.reader, item, item.context, self.session, OnError.RAISE))
-                for done in [r for r in reading if r.done]:
-                    reading.remove(done)
-                    done.close()
                 if not reading:
                     return
                 current = reading[int(rng.integers(len(reading)))] if len(reading) > 1 else reading[0]
