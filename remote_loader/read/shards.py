@@ -236,6 +236,13 @@ def skip(what: str, samples: int, error: BaseException, session: ReadSession) ->
     log.warning("skipped %s (%d sample%s): %s", what, samples, "" if samples == 1 else "s", error)
 
 
+def skip_tar(name: str, error: BaseException, session: ReadSession) -> None:
+    """Count and log an unindexed tar skipped whole under ``on_error="skip"``: as one in
+    ``metrics.skipped``, its samples never having been counted."""
+    session.metrics.add(skipped=1)
+    log.warning("skipped unindexed tar %s (its samples unknown: counted as 1 skipped): %s", name, error)
+
+
 class OpenRange:
     """A range being read while its parts arrive, opened as its plan says (``SpanRead``, ``TarRead``, ``Skipped``).
 

@@ -16,19 +16,20 @@ from remote_loader.pipeline.state.resume import Entry, Layout
 from remote_loader.read.fetch import Fetched, Job, Prefetcher
 from remote_loader.read.reader import DatasetReader
 from remote_loader.read.session import ReadSession
-from remote_loader.read.shards import OpenRange, TarRead
+from remote_loader.read.shards import DAMAGE, OpenRange, TarRead, skip_tar
 
 
 class Unindexed:
-    """The ``.tar`` objects under a prefix without a manifest: no ``len()``, no states."""
+    """The ``.tar`` objects under a prefix without a manifest: no ``len()``, no states. With
+    ``on_error="skip"``, a tar that cannot be read is skipped whole (counted, logged)."""
 
     resumable = False
     classes: list[str] = []
 
-    def __init__(self, reader: DatasetReader) -> None:
+    def __init__(self, reader: DatasetReader, on_error: OnError) -> None:
         if reader.has_manifest():
             raise ConfigError(f"{reader.location} has a manifest: unindexed=True is for tars without one")
-        self.reader = reader
+        self.reader, self.on_error = reader, on_error
 
     def samples(self) -> int:
         raise TypeError("len() of unindexed tars is unknown: their sample counts are read as they stream")
@@ -46,7 +47,7 @@ class Unindexed:
         order = shard_order(len(tars), layout.seed, epoch, layout.shuffle)
         mine = [tars[k] for position, k in enumerate(order) if position % slots == slot]
         seeds = worker_seeds(layout.seed, epoch, layout.rank, worker)
-        return TarSource(self.reader, session, mine, layout.mixing, seeds)
+        return TarSource(self.reader, session, mine, layout.mixing, seeds, self.on_error)
 
 
 def _whole(name: str, size: int) -> tuple[int, int, TarRead]:
@@ -56,11 +57,14 @@ def _whole(name: str, size: int) -> tuple[int, int, TarRead]:
 class TarSource:
     """The samples of whole unindexed tars ``(name, size)``: ``open_shards`` read at once (each
     next sample from one of them, by the seed), then the shuffle buffer if any. It keeps no
-    positions, so its iterations have no state."""
+    positions, so its iterations have no state. A tar that cannot be read raises, or with
+    ``on_error="skip"`` is skipped whole: none of its samples is given (a tar is read whole
+    before its first sample is)."""
 
     def __init__(self, reader: DatasetReader, session: ReadSession, tars: Sequence[tuple[str, int]], mixing: Mixing,
-                 seeds: tuple[Sequence[int], Sequence[int]]) -> None:
+                 seeds: tuple[Sequence[int], Sequence[int]], on_error: OnError = OnError.RAISE) -> None:
         self.reader, self.session, self.tars, self.mixing, self.seeds = reader, session, tars, mixing, seeds
+        self.on_error = on_error
         self.emitted = 0
 
     @property
@@ -109,7 +113,9 @@ class TarSource:
                     if item is None:
                         exhausted = True
                     else:
-                        reading.append(OpenRange(self.reader, item, item.context, self.session, OnError.RAISE))
+                        opened = self._open(item)
+                        if opened is not None:
+                            reading.append(opened)
                 if not reading:
                     return
                 current = reading[int(rng.integers(len(reading)))] if len(reading) > 1 else reading[0]
@@ -119,3 +125,16 @@ class TarSource:
         finally:
             for r in reading:
                 r.close()
+
+    def _open(self, item: Fetched[TarRead]) -> OpenRange | None:
+        """The fetched tar opened (its members found); None for a tar that cannot be read,
+        skipped under ``on_error="skip"``: counted and logged."""
+        try:
+            return OpenRange(self.reader, item, item.context, self.session, self.on_error)
+        except DAMAGE as error:
+            if all(item.parts.settled(k) for k in range(len(item.parts))):
+                item.release()  # else a part may still arrive into the buffer: it is dropped, never reused
+            if not self.on_error.skips:
+                raise
+            skip_tar(item.context.name, error, self.session)
+            return None
