@@ -1,5 +1,5 @@
-"""Plain tars streamed without an index (``unindexed=True``): every tar's samples, once, and
-what is done with a tar that cannot be read."""
+"""Plain tars streamed without an index (``unindexed=True``): every tar's samples, once, what
+is done with a tar that cannot be read, and with one not the size the pass listed."""
 
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ from collections.abc import Iterator
 import pytest
 from torch.utils.data import DataLoader
 
-from remote_loader import CorruptShard, LocalStore, ObjectNotFound, RemoteDataset
+from remote_loader import CorruptShard, LocalStore, ObjectNotFound, RemoteDataset, TruncatedShard
 from remote_loader.storage.base import ObjectInfo
+from remote_loader.storage.s3_boto3 import Boto3Store
+from tests.conftest import new_bucket
 
 
 def tar_of(keys: list[str], size: int = 100) -> bytes:
@@ -51,6 +53,10 @@ class ListedBefore:
 
 
 class LocalListedBefore(ListedBefore, LocalStore):
+    pass
+
+
+class S3ListedBefore(ListedBefore, Boto3Store):
     pass
 
 
@@ -122,3 +128,86 @@ def test_raise_stops_at_a_tar_that_cannot_be_read_with_its_own_error(tmp_path, b
     assert got == keys_of("a", 3) and ds.metrics.skipped == 0
     if bad == "s1.tar":
         assert caught.value.name == "s1.tar"
+
+
+# --------------------------------------------------------------------------- tars changed after the listing
+
+
+@pytest.fixture(params=["local", "seaweedfs"])
+def listed_before(request, tmp_path):
+    """A store whose listing can be taken before its tars change: a local directory, or
+    SeaweedFS through boto3 (the object's size from the GET's ``Content-Range``)."""
+    if request.param == "local":
+        store: ListedBefore = LocalListedBefore(tmp_path)
+        bucket = "b"
+        store.create_bucket(bucket)
+        yield store, bucket
+        return
+    seaweed = request.getfixturevalue("seaweed")
+    store = S3ListedBefore(seaweed.client().config)
+    bucket = new_bucket(store)
+    yield store, bucket
+    store.close()
+
+
+@pytest.mark.parametrize("change", ["grown", "shrunk"])
+def test_a_tar_rewritten_after_the_listing_is_never_read_short(listed_before, change, caplog):
+    store, bucket = listed_before
+    listed, now = (keys_of("k", 40), keys_of("k", 60)) if change == "grown" else (keys_of("k", 60), keys_of("k", 40))
+    store.put(bucket, "ds/s0.tar", tar_of(listed))
+    store.put(bucket, "ds/s1.tar", tar_of(keys_of("m", 9)))
+    store.take_listing(bucket, "ds/")
+    store.put(bucket, "ds/s0.tar", tar_of(now))  # rewritten after the pass listed it
+    sizes = len(tar_of(now)), len(tar_of(listed))
+    assert len(tar_of(keys_of("k", 40))) == 51_200  # a record boundary: the listed size cuts the tar between members
+
+    ds = RemoteDataset(store, bucket, "ds", unindexed=True, shuffle_shards=False, open_shards=1)
+    with pytest.raises(TruncatedShard, match=rf"s0.tar is {sizes[0]:,d} bytes; .*{sizes[1]:,d}") as caught:
+        list(ds)
+    assert caught.value.name == "s0.tar" and "\n" not in str(caught.value)
+
+    skipping = RemoteDataset(store, bucket, "ds", unindexed=True, on_error="skip")
+    with caplog.at_level(logging.WARNING, logger="remote_loader"):
+        assert delivered(skipping) == Counter(keys_of("m", 9))  # none of s0.tar's, the other tar's exactly once
+    assert skipping.metrics.skipped == 1
+    assert any("s0.tar" in r.getMessage() and f"{sizes[0]:,d}" in r.getMessage() for r in caplog.records)
+
+
+class CutAfterFirstRead(LocalStore):
+    """A local store whose object ``key`` is cut to ``to`` bytes once its first bytes were
+    read: a tar truncated while a pass reads it, after the read that gave its size."""
+
+    key, to = "", 0
+
+    def get_range(self, bucket: str, key: str, start: int, end: int) -> bytes:
+        data = super().get_range(bucket, key, start, end)
+        self._cut(bucket, key, start)
+        return data
+
+    def get_range_into(self, bucket: str, key: str, start: int, end: int, out: memoryview) -> None:
+        super().get_range_into(bucket, key, start, end, out)
+        self._cut(bucket, key, start)
+
+    def _cut(self, bucket: str, key: str, start: int) -> None:
+        if key == self.key and start == 0:
+            self.key = ""
+            self.put(bucket, key, self.get(bucket, key)[: self.to])
+
+
+def test_a_tar_cut_while_it_is_read_is_named_with_both_sizes(tmp_path, caplog):
+    store = CutAfterFirstRead(tmp_path)
+    store.create_bucket("b")
+    whole = tar_of(keys_of("k", 30), size=100_000)  # over 2 MiB: its first MiB is fetched apart
+    store.put("b", "ds/s1.tar", tar_of(keys_of("m", 4)))
+    for on_error in ("raise", "skip"):
+        store.put("b", "ds/s0.tar", whole)
+        store.key, store.to = "ds/s0.tar", 2_000_000
+        ds = RemoteDataset(store, "b", "ds", unindexed=True, on_error=on_error)
+        if on_error == "raise":
+            with pytest.raises(TruncatedShard, match=rf"s0.tar is 2,000,000 bytes; .* {len(whole):,d}:"):
+                list(ds)
+        else:
+            with caplog.at_level(logging.WARNING, logger="remote_loader"):
+                assert delivered(ds) == Counter(keys_of("m", 4))
+            assert ds.metrics.skipped == 1 and any("s0.tar is 2,000,000" in r.getMessage() for r in caplog.records)
+

@@ -4,7 +4,6 @@ and workers in the epoch's order, read ``open_shards`` at once, then the shuffle
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from functools import partial
 
 import numpy as np
 
@@ -13,10 +12,10 @@ from remote_loader.format import Sample
 from remote_loader.format.epoch_order import shard_order
 from remote_loader.pipeline.order.delivery import Mixing, Shuffler, worker_seeds
 from remote_loader.pipeline.state.resume import Entry, Layout
-from remote_loader.read.fetch import Fetched, Job, Prefetcher
+from remote_loader.read.fetch import Fetched, Prefetcher
 from remote_loader.read.reader import DatasetReader
 from remote_loader.read.session import ReadSession
-from remote_loader.read.shards import DAMAGE, OpenRange, TarRead, skip_tar
+from remote_loader.read.shards import DAMAGE, OpenRange, Skipped, TarRead, skip_tar, tar_job
 
 
 class Unindexed:
@@ -50,10 +49,6 @@ class Unindexed:
         return TarSource(self.reader, session, mine, layout.mixing, seeds, self.on_error)
 
 
-def _whole(name: str, size: int) -> tuple[int, int, TarRead]:
-    return 0, size, TarRead(name)
-
-
 class TarSource:
     """The samples of whole unindexed tars ``(name, size)``: ``open_shards`` read at once (each
     next sample from one of them, by the seed), then the shuffle buffer if any. It keeps no
@@ -84,7 +79,8 @@ class TarSource:
         return None
 
     def __iter__(self) -> Iterator[Sample]:
-        jobs = [Job(self.reader.location.key(name), partial(_whole, name, size)) for name, size in self.tars]
+        # Made as the fetcher takes them: each holds its tar's first bytes once they are in.
+        jobs = (tar_job(self.reader, self.session, name, size, self.on_error) for name, size in self.tars)
         with Prefetcher(self.reader.location.bucket, jobs, self.session, self.reader.round_trip) as prefetcher:
             fetched = iter(prefetcher)
             try:
@@ -97,7 +93,7 @@ class TarSource:
             finally:
                 fetched.close()
 
-    def _mixed(self, fetched: Iterator[Fetched[TarRead]]) -> Iterator[Sample]:
+    def _mixed(self, fetched: Iterator[Fetched[TarRead | Skipped]]) -> Iterator[Sample]:
         rng = np.random.default_rng(list(self.seeds[0]))
         reading: list[OpenRange] = []
         exhausted = False
@@ -126,11 +122,11 @@ class TarSource:
             for r in reading:
                 r.close()
 
-    def _open(self, item: Fetched[TarRead]) -> OpenRange | None:
+    def _open(self, item: Fetched[TarRead | Skipped]) -> OpenRange | None:
         """The fetched tar opened (its members found); None for a tar that cannot be read,
-        skipped under ``on_error="skip"``: counted and logged."""
+        skipped under ``on_error="skip"`` (counted and logged, here or when it was located)."""
         try:
-            return OpenRange(self.reader, item, item.context, self.session, self.on_error)
+            opened = OpenRange(self.reader, item, item.context, self.session, self.on_error)
         except DAMAGE as error:
             if all(item.parts.settled(k) for k in range(len(item.parts))):
                 item.release()  # else a part may still arrive into the buffer: it is dropped, never reused
@@ -138,3 +134,7 @@ class TarSource:
                 raise
             skip_tar(item.context.name, error, self.session)
             return None
+        if opened.done:  # skipped when located
+            opened.close()
+            return None
+        return opened
