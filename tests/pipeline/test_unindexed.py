@@ -1,8 +1,10 @@
 """Plain tars streamed without an index (``unindexed=True``): every tar's samples, once, what
-is done with a tar that cannot be read, and with one not the size the pass listed."""
+is done with a tar that cannot be read or not the size the pass listed, and which objects
+are left out."""
 
 from __future__ import annotations
 
+import gzip
 import io
 import logging
 import tarfile
@@ -211,3 +213,24 @@ def test_a_tar_cut_while_it_is_read_is_named_with_both_sizes(tmp_path, caplog):
                 assert delivered(ds) == Counter(keys_of("m", 4))
             assert ds.metrics.skipped == 1 and any("s0.tar is 2,000,000" in r.getMessage() for r in caplog.records)
 
+
+# --------------------------------------------------------------------------- objects left out
+
+
+def test_gzipped_tars_are_left_out_with_one_warning(tmp_path, caplog):
+    store = LocalStore(tmp_path)
+    store.create_bucket("b")
+    store.put("b", "ds/s0.tar", tar_of(keys_of("a", 4)))
+    store.put("b", "ds/s1.tar.gz", gzip.compress(tar_of(keys_of("c", 2))))
+    store.put("b", "ds/s2.tgz", gzip.compress(tar_of(keys_of("d", 2))))
+    ds = RemoteDataset(store, "b", "ds", unindexed=True)
+    with caplog.at_level(logging.WARNING, logger="remote_loader"):
+        for _ in range(2):  # two passes: one warning
+            assert delivered(ds) == Counter(keys_of("a", 4))
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "\n" not in warned[0], warned
+    assert "2 gzipped tars" in warned[0] and "s1.tar.gz" in warned[0] and "byte range" in warned[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="remote_loader"):  # another rank leaves them out, silently
+        list(RemoteDataset(store, "b", "ds", unindexed=True, rank=1, world_size=2))
+    assert not caplog.records

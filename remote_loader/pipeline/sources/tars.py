@@ -38,7 +38,7 @@ class Unindexed:
 
     def source(self, layout: Layout, epoch: int, worker: int, num_workers: int, entry: Entry | None,
                session: ReadSession) -> TarSource:
-        tars = self.reader.list_tars()
+        tars = self.reader.list_tars(warn=layout.rank == 0 and worker == 0)  # one process says what it left out
         if not tars:
             raise DatasetNotFound(f"no .tar objects under {self.reader.location} to stream unindexed",
                                   bucket=self.reader.location.bucket, key=self.reader.location.key(""))
