@@ -57,7 +57,7 @@ class TarSource:
     before its first sample is)."""
 
     def __init__(self, reader: DatasetReader, session: ReadSession, tars: Sequence[tuple[str, int]], mixing: Mixing,
-                 seeds: tuple[Sequence[int], Sequence[int]], on_error: OnError = OnError.RAISE) -> None:
+                 seeds: tuple[Sequence[int], Sequence[int]], on_error: OnError) -> None:
         self.reader, self.session, self.tars, self.mixing, self.seeds = reader, session, tars, mixing, seeds
         self.on_error = on_error
         self.emitted = 0
