@@ -74,7 +74,8 @@ class RemoteDataset(IterableDataset):
         verify: Check every member's crc32 (on by default). Bytes that fail are fetched
             again up to ``fetch.refetch_attempts`` times.
         on_error: For a sample whose bytes stay corrupt: ``"raise"`` CorruptSampleError
-            naming shard and key, or ``"skip"`` it and count it in ``metrics.skipped``.
+            naming shard and key, or ``"skip"`` it and count it in ``metrics.skipped``. With
+            ``unindexed``, a tar that cannot be read is skipped whole, counted as one.
         unindexed: Stream the ``.tar`` objects under the prefix as plain WebDataset tars,
             without a manifest (whole tars dealt to ranks and workers; no resume, no
             equalising). Without it, a prefix with no manifest raises ``DatasetNotFound``.
@@ -148,7 +149,8 @@ class RemoteDataset(IterableDataset):
                                     views=views)
         self.reader.after_change = _NEXT_PASS
         self.unindexed = unindexed
-        self._data: Data = Unindexed(self.reader) if unindexed else Indexed(self.reader, self.on_error)
+        self._data: Data = (Unindexed(self.reader, self.on_error) if unindexed
+                            else Indexed(self.reader, self.on_error))
         self.seed, self.shuffle_shards = seed, shuffle_shards
         self.mixing = Mixing(open_shards)  # what the source's order mixes: open shards, then shuffle()'s buffer
         self.rank, self.world_size, self.equalize = rank, world_size, equalize

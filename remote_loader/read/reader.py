@@ -7,6 +7,7 @@ the CLI build on it.
 from __future__ import annotations
 
 import itertools
+import logging
 import struct
 import threading
 from collections.abc import Callable, Iterator
@@ -43,6 +44,11 @@ from remote_loader.read.whole import fetch_whole
 from remote_loader.storage import Location, Store, as_store
 
 T = TypeVar("T")
+
+log = logging.getLogger("remote_loader")
+
+GZIPPED_TARS = (".tar.gz", ".tgz")
+"""Names of compressed tars: no byte range of one is a tar member, so they are not streamed."""
 
 
 def _identity(manifest: bytes | bytearray) -> int:
@@ -111,6 +117,7 @@ class DatasetReader:
         self.round_trip: float | None = None
         """Seconds the manifest's first GET took beyond its transfer at 1 GB/s, once read: a
         network's round trip or a nearby store's; the fetcher starts wide after a long one."""
+        self._gzipped_told = False  # whether ``list_tars`` warned of gzipped tars it left out
 
     def session(self, metrics: Metrics | None = None, cancel: threading.Event | None = None,
                 fetch: FetchConfig | None = None) -> ReadSession:
@@ -298,14 +305,23 @@ class DatasetReader:
             return False
         return True
 
-    def list_tars(self) -> list[tuple[str, int]]:
-        """``(name, size)`` of every ``.tar`` object under the prefix, in name order."""
+    def list_tars(self, warn: bool = True) -> list[tuple[str, int]]:
+        """``(name, size)`` of every ``.tar`` object under the prefix, in name order. Gzipped
+        tars (``.tar.gz``, ``.tgz``) are left out: they cannot be read by byte range. With
+        ``warn``, the first time this reader lists them, a warning says so."""
         prefix = self.location.key("")
-        return sorted(
-            (o.key[len(prefix) :], o.size)
-            for o in self.session().store.list(self.location.bucket, prefix)
-            if o.key.endswith(".tar")
-        )
+        tars, gzipped = [], []
+        for o in self.session().store.list(self.location.bucket, prefix):
+            if o.key.endswith(".tar"):
+                tars.append((o.key[len(prefix) :], o.size))
+            elif o.key.endswith(GZIPPED_TARS):
+                gzipped.append(o.key[len(prefix) :])
+        if gzipped and warn and not self._gzipped_told:
+            self._gzipped_told = True
+            log.warning("left out %d gzipped tar%s under %s (%s%s): a compressed tar cannot be read by byte range;"
+                        " decompress each to a .tar to stream it", len(gzipped), "" if len(gzipped) == 1 else "s",
+                        self.location, min(gzipped), ", ..." if len(gzipped) > 1 else "")
+        return sorted(tars)
 
     def __len__(self) -> int:
         return self.counts.total

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, NamedTuple
@@ -18,11 +19,11 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from remote_loader.checksum import crc32
-from remote_loader.errors import CorruptShard, InvalidRange, ObjectNotFound, OnError
+from remote_loader.errors import CorruptShard, InvalidRange, ObjectNotFound, OnError, TruncatedShard
 from remote_loader.format import Sample, ShardEntry, ShardIndex, ShardView
 from remote_loader.format.tar import scan_tar
 from remote_loader.kept import Kept
-from remote_loader.read.fetch import Fetched, fetch_range
+from remote_loader.read.fetch import Fetched, Job, fetch_range
 from remote_loader.read.reader import DatasetReader
 from remote_loader.read.session import ReadSession
 from remote_loader.storage.daemon import in_daemon_thread
@@ -35,6 +36,10 @@ copied out (``SpanRead._read_small``), not read one ``pread`` a member."""
 
 DAMAGE = (CorruptShard, ObjectNotFound)
 """What ``on_error="skip"`` skips: bytes that stay corrupt, a shard or index that is gone."""
+
+TAR_HEAD = 1 << 20
+"""The first bytes of an unindexed tar, fetched with the object's size as its range's first
+part (a tar under twice this is fetched whole so)."""
 
 
 def fetch_index(reader: DatasetReader, entry: ShardEntry, session: ReadSession) -> ShardIndex:
@@ -208,7 +213,11 @@ class TarRead:
     name: str
 
     def open(self, fetched: Fetched[Any], reader: DatasetReader, wait: Callable[[int | None], object]) -> _Opened:
-        wait(None)
+        try:
+            wait(None)
+        except InvalidRange:  # cut short after its first bytes came with the size listed
+            size = reader.session().store.head(reader.location.bucket, reader.location.key(self.name))
+            raise tar_changed(reader, self.name, size, fetched.end) from None
         index, _ = scan_tar(lambda start, end: memoryview(fetched.buffer)[start:end], self.name, len(fetched.buffer))
         return _Opened(ShardView(fetched.buffer, index, name=self.name, verify=False), None, -1, 0, len(index))
 
@@ -234,6 +243,53 @@ def skip(what: str, samples: int, error: BaseException, session: ReadSession) ->
     """Count and log samples skipped under ``on_error="skip"``."""
     session.metrics.add(skipped=samples)
     log.warning("skipped %s (%d sample%s): %s", what, samples, "" if samples == 1 else "s", error)
+
+
+def tar_job(reader: DatasetReader, session: ReadSession, name: str, listed: int,
+            on_error: OnError) -> Job[TarRead | Skipped]:
+    """The fetch of unindexed tar ``name``, which the pass listed as ``listed`` bytes: its
+    first bytes come with the object's size (``locate_tar``), and are the range's first part."""
+    first = listed if listed < 2 * TAR_HEAD else TAR_HEAD
+    head: Future[bytes | bytearray] | None = Future() if first else None
+    locate = partial(locate_tar, reader, session, name, listed, first, head, on_error)
+    return Job(reader.location.key(name), locate, None if head is None else (0, first, head))
+
+
+def locate_tar(reader: DatasetReader, session: ReadSession, name: str, listed: int, first: int,
+               head: Future[bytes | bytearray] | None, on_error: OnError) -> tuple[int, int, TarRead | Skipped]:
+    """The whole of unindexed tar ``name``, the ``listed`` bytes the pass listed: its ``first``
+    bytes fetched with the object's size, given to ``head`` (which the fetcher takes as the
+    range's first part). A tar of another size was rewritten or cut since the listing: read
+    as listed, its samples would end short, silently where the cut fell between members, so
+    it raises ``TruncatedShard``. With ``on_error="skip"``, a tar not its listed size, or
+    gone, is skipped (counted, logged): an empty range stands for it."""
+    try:
+        session.metrics.add(gets=1)
+        data, size = session.store.get_first_bytes(reader.location.bucket, reader.location.key(name), first)
+        session.metrics.add(bytes=len(data))
+        if size != listed:
+            raise tar_changed(reader, name, size, listed)
+    except DAMAGE as error:
+        if not on_error.skips:
+            raise
+        skip_tar(name, error, session)
+        return 0, 0, Skipped(name, 0, str(error))
+    if head is not None:
+        head.set_result(data)
+    return 0, listed, TarRead(name)
+
+
+def tar_changed(reader: DatasetReader, name: str, size: int, listed: int) -> TruncatedShard:
+    """The error for unindexed tar ``name``, found ``size`` bytes though the pass listed ``listed``."""
+    return TruncatedShard(f"{reader.location}/{name} is {size:,d} bytes; this pass listed it at {listed:,d}: it was"
+                          " rewritten or truncated since (the next pass lists the tars again)", name=name)
+
+
+def skip_tar(name: str, error: BaseException, session: ReadSession) -> None:
+    """Count and log an unindexed tar skipped whole under ``on_error="skip"``: as one in
+    ``metrics.skipped``, its samples never having been counted."""
+    session.metrics.add(skipped=1)
+    log.warning("skipped unindexed tar %s (its samples unknown: counted as 1 skipped): %s", name, error)
 
 
 class OpenRange:
