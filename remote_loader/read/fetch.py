@@ -86,6 +86,13 @@ class Fetched(Generic[C]):
     then empty): its members are read from the file, each straight into its ``bytes``."""
     _ready: int = 0  # leading parts known to have arrived whole
 
+    def done_with(self) -> None:
+        """The consumer is done with the range and holds no view of it: its buffer goes back
+        for reuse once every part has settled. A part still arriving (after one before it
+        failed) would write into whatever range reused it, so the buffer is dropped instead."""
+        if all(self.parts.settled(k) for k in range(len(self.parts))):
+            self.release()
+
     def wait(self, upto: int | None = None) -> int:
         """Block until bytes ``[start, upto)`` have arrived; raise if a part among them failed.
         Returns where the bytes known to have arrived end (``upto`` or further)."""

@@ -436,7 +436,7 @@ class OpenRange:
     def close(self) -> None:
         self.view = None  # no view of the buffer may outlive it
         self._buffer = self._file = self._mapped = None
-        self.fetched.release()
+        self.fetched.done_with()
 
 
 def locate_span(cache: IndexCache, shard: int, first: int, stop: int, on_error: OnError) -> tuple[int, int, RangePlan]:

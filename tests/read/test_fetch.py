@@ -20,6 +20,22 @@ from tests.faultproxy import FaultProxy
 from tests.helpers import upload_to_new_bucket
 
 
+def test_a_range_done_with_while_a_part_still_arrives_keeps_its_buffer_from_reuse():
+    """A range closed after a part failed (skipped under on_error="skip") gave its buffer back
+    for the next range while a later part was still being received into it: that part's bytes
+    landed in the range that reused the buffer."""
+    given = []
+    parts = Arrivals([100, 110, 120], 130)
+    fetched = Fetched("k", 100, 130, None, memoryview(bytearray(30)), parts, release=lambda: given.append(1))
+    parts.arrive(0, TransientStorageError("part 0 failed"))
+    parts.arrive(1)
+    fetched.done_with()  # part 2 still arriving
+    assert given == []
+    parts.arrive(2)
+    fetched.done_with()
+    assert given == [1]
+
+
 def test_wait_returns_for_arrived_parts_and_raises_only_for_a_failed_one():
     parts = Arrivals([100, 110, 120], 130)
     fetched = Fetched("k", 100, 130, None, memoryview(bytearray(30)), parts)

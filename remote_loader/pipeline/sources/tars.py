@@ -128,8 +128,7 @@ class TarSource:
         try:
             opened = OpenRange(self.reader, item, item.context, self.session, self.on_error)
         except DAMAGE as error:
-            if all(item.parts.settled(k) for k in range(len(item.parts))):
-                item.release()  # else a part may still arrive into the buffer: it is dropped, never reused
+            item.done_with()
             if not self.on_error.skips:
                 raise
             skip_tar(item.context.name, error, self.session)
