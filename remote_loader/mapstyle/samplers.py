@@ -45,6 +45,7 @@ class _Positions:
         self.sampler, self.start, self.stop = sampler, start, stop
         self.epoch, self.position = sampler.epoch, start  # set again at the first __next__
         self._begun = False
+        self.first = 0  # indices of the epoch delivered before this pass began (a resumed one's)
         self._loaded: tuple[int, int] | None = None  # (epoch, delivered) loaded before the first __next__
         self._block: list[int] = []  # the indices of positions [_first, _first + len(_block))
         self._first = 0
@@ -54,8 +55,8 @@ class _Positions:
 
     def __next__(self) -> int:
         if not self._begun:
-            self.epoch, delivered = self.sampler._begin(self, self._loaded)
-            self.position, self._begun = self.start + delivered, True
+            self.epoch, self.first = self.sampler._begin(self, self._loaded)
+            self.position, self._begun = self.start + self.first, True
         if self.position >= self.stop:
             raise StopIteration
         offset = self.position - self._first
@@ -133,7 +134,10 @@ class _EpochSampler(Sampler[int]):
         if loaded is not None and loaded[1] >= len(self) and not self._auto and loaded[0] != self.epoch:
             loaded = None
         self.epoch, delivered = loaded or self._next_pass()
-        self._iterated, self._resume, self._done, self._live = True, None, None, live
+        self._iterated, self._resume, self._live = True, None, live
+        # A finished epoch stays finished while set_epoch keeps it: torchdata makes a fresh
+        # iterator after one whose loaded state was finished, which would begin it again.
+        self._done = self.epoch if delivered >= len(self) > 0 and not self._auto else None
         return self.epoch, delivered
 
     @abstractmethod
@@ -147,14 +151,22 @@ class _EpochSampler(Sampler[int]):
 
         A DataLoader with workers takes indices ahead of what your loop has (``prefetch_factor``
         batches a worker): give ``consumed``, the indices of the batches your loop took this
-        epoch, or take the state from torchdata's ``StatefulDataLoader``, which knows."""
+        epoch, those before a resume included (more than the rank's part counts as all of it: a
+        last batch that is short), or take the state from torchdata's ``StatefulDataLoader``,
+        which knows."""
         live = self._live
         if live is not None and live.epoch == self.epoch:
-            delivered = live.delivered
+            delivered, before = live.delivered, live.first
         else:
             delivered = len(self) if self.epoch == self._done else (self._resume or 0)
+            before = delivered
         if consumed is not None:
-            delivered = require_int("consumed", consumed, 0, delivered)
+            consumed = min(require_int("consumed", consumed, 0), len(self))
+            if not before <= consumed <= delivered:
+                raise ConfigError(f"consumed={consumed}, but this epoch's indices handed out are {before}"
+                                  f" (where its pass resumed) to {delivered}: count every index of the epoch your"
+                                  " loop took, those before the resume included")
+            delivered = consumed
         return self._state(self.epoch, delivered)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

@@ -389,3 +389,47 @@ def test_a_state_given_the_indices_consumed_resumes_what_a_dataloader_with_worke
     assert taken + list(resumed) == _epochs(kind, range(1))[0]
     with pytest.raises(ConfigError, match="consumed"):
         sampler.state_dict(consumed=10**6)
+
+
+@pytest.mark.parametrize("kind", ["locality", "uniform"])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_stateful_dataloader_state_of_a_finished_epoch_set_again_gives_nothing_of_it(kind, workers):
+    """A resume loop that starts at the checkpoint's epoch sets the finished epoch again: with
+    workers torchdata made a fresh iterator after the loaded, finished one, which began the
+    epoch again (all 38 indices twice)."""
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    sampler = _make(kind)
+    sampler.set_epoch(1)
+    loader = stateful.StatefulDataLoader(_Indices(), batch_size=8, sampler=sampler, num_workers=workers)
+    _indices(loader)
+    state = loader.state_dict()
+    resumed = _make(kind)
+    again = stateful.StatefulDataLoader(_Indices(), batch_size=8, sampler=resumed, num_workers=workers)
+    again.load_state_dict(state)
+    resumed.set_epoch(1)
+    assert _indices(again) == []
+    resumed.set_epoch(2)
+    assert _indices(again) == _epochs(kind, range(2, 3))[0]
+
+
+@pytest.mark.parametrize("kind", ["locality", "uniform"])
+def test_consumed_counts_the_whole_epoch_a_short_last_batch_included(kind):
+    """batches x batch_size passes the rank's part at a short last batch (it raised there), and
+    a count of the batches since a resume only is refused (it rewound: 20 indices twice)."""
+    sampler = _make(kind)
+    batches = iter(DataLoader(_Indices(), sampler=sampler, batch_size=8, num_workers=2))
+    taken = [i for batch in batches for i in batch.tolist()]
+    assert len(taken) == 38 and sampler.state_dict(consumed=5 * 8)["delivered"] == 38
+    first = iter(_make(kind))
+    head = [next(first) for _ in range(20)]
+    resumed = _make(kind)
+    resumed.load_state_dict(_make(kind).state_dict() | {"delivered": 20})
+    after = iter(resumed)
+    head += [next(after) for _ in range(4)]
+    with pytest.raises(ConfigError, match=r"consumed=4, but this epoch's indices handed out are 20 \(where its pass"
+                                          r" resumed\) to 24: count every index of the epoch"):
+        resumed.state_dict(consumed=4)
+    state = resumed.state_dict(consumed=24)
+    rest = _make(kind)
+    rest.load_state_dict(state)
+    assert head + list(rest) == _epochs(kind, range(1))[0]

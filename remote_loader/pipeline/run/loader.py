@@ -77,9 +77,6 @@ def loader(dataset: IterableDataset, *, num_workers: int | None = None, stateful
         fetching = decoder is not None or _streams_bytes(dataset)
         workers = min(rank_cores(), _FETCHING_WORKERS) if fetching else rank_cores()
     require_bool("stateful", stateful)
-    if stateful and options.get("in_order", True) is not True:
-        raise ConfigError("stateful=True with in_order=False: a StatefulDataLoader's state needs its items in order"
-                          " (out of order, a resume repeats some and loses others); leave in_order on")
     settings: dict[str, Any] = {"batch_size": None, "num_workers": workers,
                                 "pin_memory": torch.cuda.is_available()}
     if workers:
@@ -87,6 +84,9 @@ def loader(dataset: IterableDataset, *, num_workers: int | None = None, stateful
     if decoder is not None and options.get("batch_size") is not None and not _batches(dataset):
         settings["collate_fn"] = device_collate  # a DataLoader's batches of samples to decode
     settings.update(options)
+    if stateful and settings["num_workers"] and settings.get("in_order", True) is not True:
+        raise ConfigError("stateful=True with in_order=False: a StatefulDataLoader's state needs its workers' items"
+                          " in order (out of order, a resume repeats some and loses others); leave in_order on")
     in_process = decoder is not None and decoding_of(decoder, decoding) != "process"
     if in_process and settings["num_workers"] and settings.get("persistent_workers"):
         settings["worker_init_fn"] = ByName(settings.get("worker_init_fn"))
