@@ -190,10 +190,11 @@ def _members(stream: _Stream, name: str) -> Iterator[tuple[str, tarfile.TarInfo,
 
 
 def _split_name(path: str) -> tuple[str, str] | None:
-    """WebDataset's key/field split: the key ends at the first dot of the file name."""
+    """WebDataset's key/field split: the key ends at the first dot of the file name (a name
+    ending in that dot has an empty field, which ``_check_member`` refuses)."""
     directory, _, base = path.rpartition("/")
     key, dot, field = base.partition(".")
-    if not dot or not key or not field:
+    if not dot or not key:
         return None
     return (f"{directory}/{key}" if directory else key), field
 
@@ -201,6 +202,9 @@ def _split_name(path: str) -> tuple[str, str] | None:
 def _check_member(name: str, path: str, key: str, field: str) -> None:
     """Refuse a member whose name cannot be a sample's key and field, naming the tar and the
     member (its ``repr``: control characters and undecodable bytes show escaped)."""
+    if not field:
+        raise CorruptShard(f"{name}: member {path!r} cannot be read as a sample: its name ends with '.', which"
+                           " WebDataset reads as a field without a name and an index cannot hold", name=name)
     try:
         check_field_name(field)
     except ValueError as error:
@@ -211,19 +215,29 @@ def _check_member(name: str, path: str, key: str, field: str) -> None:
         )
 
 
+def _repeated(name: str, path: str, key: str, field: str) -> CorruptShard:
+    return CorruptShard(f"{name}: member {path!r} repeats field {field!r} of sample {key!r}: WebDataset refuses"
+                        " such a tar (duplicate file name)", name=name)
+
+
 def scan_tar(fetch: Callable[[int, int], bytes | memoryview], name: str, size: int) -> tuple[ShardIndex, int]:
     """Read a tar shard once, through ``fetch(start, end)``, and return its index and whole crc32.
 
     Members are read as tarfile (and so WebDataset) reads them: GNU long names, pax records
-    (``path``, ``size``, global headers). A sparse member, a compressed or truncated object
-    is refused with CorruptShard naming the tar and the member.
+    (``path``, ``size``, global headers); field names lower-cased as WebDataset's
+    ``group_by_keys`` does, except in a shard remote_loader wrote (it holds an ``__index__``
+    member), whose index keeps them as written. A sparse member, a field repeated within a
+    sample, a compressed or truncated object is refused with CorruptShard naming the tar
+    and the member.
     """
     stream = _Stream(fetch, name, size)
     keys: list[str] = []
     rows: list[dict[str, tuple[int, int, int]]] = []
+    ours = False
     for path, info, padded in _members(stream, name):
         split = _split_name(path) if info.isreg() and path != INDEX_MEMBER else None
         if split is None:
+            ours = ours or (path == INDEX_MEMBER and info.isreg())
             stream.crc_of(padded)
             continue
         key, field = split
@@ -231,14 +245,34 @@ def scan_tar(fetch: Callable[[int, int], bytes | memoryview], name: str, size: i
         offset = stream.pos
         crc = stream.crc_of(info.size)
         stream.crc_of(padded - info.size)
-        if not keys or keys[-1] != key or field in rows[-1]:
+        if not keys or keys[-1] != key:
             keys.append(key)
             rows.append({})
+        elif field in rows[-1]:
+            raise _repeated(name, path, key, field)
         rows[-1][field] = (offset, info.size, crc)
     stream.drain()
     if not keys:
         raise CorruptShard(f"{name} holds no WebDataset samples (<key>.<field> members)", name=name)
-    return _index(keys, rows), stream.crc
+    return _index(keys, rows if ours else _lower_cased(name, keys, rows)), stream.crc
+
+
+def _lower_cased(name: str, keys: list[str], rows: list[dict[str, tuple[int, int, int]]]
+                 ) -> list[dict[str, tuple[int, int, int]]]:
+    """``rows`` with their field names lower-cased, as WebDataset's ``group_by_keys(lcase=True)``
+    names them; CorruptShard for two members of a sample that become one field."""
+    lower = {field: field.lower() for row in rows for field in row}
+    if all(field == low for field, low in lower.items()):
+        return rows
+    out = []
+    for key, row in zip(keys, rows, strict=True):
+        fields: dict[str, tuple[int, int, int]] = {}
+        for field, member in row.items():
+            if lower[field] in fields:
+                raise _repeated(name, f"{key}.{field}", key, lower[field])
+            fields[lower[field]] = member
+        out.append(fields)
+    return out
 
 
 def _index(keys: list[str], rows: list[dict[str, tuple[int, int, int]]]) -> ShardIndex:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from remote_loader.errors import CorruptShard
+from remote_loader.format import ShardWriter
 from remote_loader.format.index import ShardIndex
 from remote_loader.format.tar import scan_tar
 
@@ -197,6 +198,36 @@ def test_gnu_long_names_and_links_are_read_as_tarfile_reads_them():
     data = buffer.getvalue()
     assert list(scan(data).keys) == ["d" * 120 + "/sample", "b"]
     assert indexed(scan(data)) == tarfile_reads(data)
+
+
+# --------------------------------------------------------------------------- names
+
+
+def test_field_names_are_lower_cased_as_webdataset_reads_them():
+    data = tar_of(("IMG_1.JPG", b"J"), ("IMG_1.Cls", b"3"), ("IMG_2.jpg", b"j"), ("IMG_2.seg.PNG", b"p"))
+    index = scan(data)
+    assert index.fields == ("cls", "jpg", "seg.png") and list(index.keys) == ["IMG_1", "IMG_2"]
+    assert indexed(index) == tarfile_reads(data)
+
+
+def test_a_field_repeated_in_a_sample_is_refused_naming_the_member():
+    for data, member in ((tar_of(("a.jpg", b"A1"), ("a.jpg", b"A2")), "a.jpg"),
+                         (tar_of(("a.JPG", b"A1"), ("b.cls", b"1"), ("b.jpg", b"B"), ("b.Jpg", b"B2")), "b.Jpg")):
+        with pytest.raises(CorruptShard, match=f"^s.tar: member '{member}' repeats field 'jpg' of sample"):
+            scan(data)
+
+
+def test_shards_we_wrote_keep_their_field_names_as_written():
+    out = io.BytesIO()
+    writer = ShardWriter(out.write)
+    writer.add("000001", {"Image.png": b"png", "image.json": b"{}"})
+    writer.close()
+    assert scan(out.getvalue()).fields == ("Image.png", "image.json")
+
+
+def test_a_member_whose_name_ends_with_a_dot_is_refused_not_dropped():
+    with pytest.raises(CorruptShard, match=r"^s.tar: member 'a\.' cannot be read as a sample: its name ends with '\.'"):
+        scan(tar_of(("a.", b"A"), ("b.jpg", b"B")))
 
 
 # --------------------------------------------------------------------------- damaged objects
