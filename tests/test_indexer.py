@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import gzip
+import io
 import json
+import logging
 import os
 import re
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -18,11 +22,13 @@ from remote_loader import (
     CorruptShard,
     DatasetNotFound,
     DatasetReader,
+    LocalStore,
     RemoteDataset,
     ResumeError,
     UploadError,
     make_client,
 )
+from remote_loader.format import MANIFEST_NAME
 from remote_loader.mapstyle.dataset import RemoteMapDataset
 from remote_loader.storage import Location
 from remote_loader.testing.synthetic import SyntheticImages
@@ -200,3 +206,55 @@ def test_tars_indexed_in_place_are_read_from_the_node_cache_in_the_second_epoch(
     assert first == second == expected
     assert proxy.requests == requests + 1 and ds.metrics.cached_bytes > 0  # the manifest, as the pass began
     assert len(list((tmp_path / "cache").rglob("*.tar.index"))) == len(list((tmp_path / "cache").rglob("*.tar"))) == 3
+
+
+def tar_bytes(*members: tuple[str, bytes]) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+def local_tars(tmp_path: Path, objects: dict[str, bytes]) -> tuple[LocalStore, Location]:
+    """``objects`` under the prefix ``ds`` of bucket ``bkt`` in a local store."""
+    (tmp_path / "store" / "bkt").mkdir(parents=True)
+    store = LocalStore(tmp_path / "store")
+    for name, data in objects.items():
+        store.put("bkt", f"ds/{name}", data)
+    return store, Location("bkt", "ds")
+
+
+def test_a_tar_with_more_field_names_than_an_index_holds_is_refused_before_its_index_is_written(tmp_path):
+    store, location = local_tars(tmp_path, {"s0.tar": tar_bytes(*((f"a.f{j:02d}", b"x") for j in range(70))),
+                                            "s1.tar": tar_bytes(("b.jpg", b"B"))})
+    with pytest.raises(CorruptShard, match=r"^s0.tar holds 70 field names, more than the 64 an index holds"
+                                           r" \(MAX_FIELDS\): member 'a.f64' brings the 65th, 'f64'") as caught:
+        index_webdataset(store, location)
+    assert caught.value.name == "s0.tar"
+    assert not any(o.key.endswith((".index", MANIFEST_NAME)) for o in store.list("bkt", "ds/"))
+
+
+def test_compressed_tars_under_the_prefix_are_reported_not_silently_left_out(tmp_path, caplog):
+    store, location = local_tars(tmp_path, {"s0.tar": tar_bytes(("a.jpg", b"A")),
+                                            "s1.tar.gz": gzip.compress(tar_bytes(("c.jpg", b"C"))),
+                                            "s2.tgz": gzip.compress(tar_bytes(("d.jpg", b"D")))})
+    said = (f"index {location}: left out 2 compressed tars ('s1.tar.gz' and 1 more): a compressed tar cannot be"
+            " read by byte range; decompress them to .tar and index again to include them")
+    with caplog.at_level(logging.WARNING, logger="remote_loader"):
+        summary = index_webdataset(store, location)
+    assert (summary.shards, summary.samples, summary.left_out) == (1, 1, ("s1.tar.gz", "s2.tgz"))
+    assert [r.getMessage() for r in caplog.records if r.name == "remote_loader"] == [said]
+    folder = tmp_path / "store" / "bkt" / "ds"  # the command line, on the same objects as a local path
+    out = subprocess.run([sys.executable, "-m", "remote_loader", "index", str(folder), "--quiet"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "indexed 1 sample in 1 shard" in out.stdout, out.stdout + out.stderr
+    assert out.stderr.splitlines() == [said.replace(str(location), str(folder))]
+
+
+def test_a_prefix_of_compressed_tars_only_says_so(tmp_path):
+    store, location = local_tars(tmp_path, {"s1.tar.gz": gzip.compress(tar_bytes(("c.jpg", b"C")))})
+    with pytest.raises(UploadError, match=r"^no .tar objects under .*, only 1 compressed tar \('s1.tar.gz'\)"):
+        index_webdataset(store, location)

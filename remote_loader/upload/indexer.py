@@ -8,14 +8,18 @@ the shards; the original objects are never modified.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
+import numpy as np
+
 from remote_loader.checksum import crc32
 from remote_loader.config import RetryConfig
-from remote_loader.errors import PreconditionFailed, UploadConflict, UploadError
-from remote_loader.format import MANIFEST_NAME, Manifest, ShardEntry, ShardTable
+from remote_loader.errors import CorruptShard, PreconditionFailed, UploadConflict, UploadError
+from remote_loader.format import MANIFEST_NAME, Manifest, ShardEntry, ShardIndex, ShardTable
+from remote_loader.format.index import MAX_FIELDS
 from remote_loader.format.manifest import datasets_inside
 from remote_loader.format.names import valid_shard_name
 from remote_loader.format.tar import scan_tar
@@ -24,14 +28,30 @@ from remote_loader.storage.retrying import Retry, RetryingStore
 from remote_loader.upload.claim import read_versioned
 
 INDEX_SUFFIX = ".index"
+COMPRESSED_SUFFIXES = (".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz", ".tar.zst")
+"""Compressed tars: left out by ``index_webdataset`` (a member of one cannot be read by
+byte range), and reported."""
+
+log = logging.getLogger("remote_loader")
 
 
 @dataclass(frozen=True)
 class IndexSummary:
+    """What ``index_webdataset`` indexed.
+
+    Attributes:
+        location: The prefix.
+        shards: The ``.tar`` objects indexed.
+        samples: Their samples.
+        bytes: Their bytes.
+        left_out: The compressed tars under the prefix (``COMPRESSED_SUFFIXES``), not indexed.
+    """
+
     location: Location
     shards: int
     samples: int
     bytes: int
+    left_out: tuple[str, ...] = ()
 
 
 def index_webdataset(
@@ -39,6 +59,9 @@ def index_webdataset(
     retry: RetryConfig | None = None,
 ) -> IndexSummary:
     """Index every ``*.tar`` under ``location`` and write a manifest; return what was indexed.
+
+    Compressed tars under ``location`` (``.tar.gz``, ``.tgz``...) are left out: a warning on
+    the ``remote_loader`` logger and the summary's ``left_out`` name them.
 
     Args:
         store: The store.
@@ -59,37 +82,12 @@ def index_webdataset(
             " indexing it would replace its manifest and drop its parameters and class names:"
             " pass force=True (--force) to do it anyway"
         )
-    prefix = location.key("")
-    listing = list(store.list(location.bucket, prefix))
-    inside = datasets_inside((info.key for info in listing), prefix)
-    if inside:
-        shown = ", ".join(f"s3://{location.bucket}/{d}" for d in inside[:5]) + (", ..." if len(inside) > 5 else "")
-        raise UploadError(
-            f"{location} holds {len(inside)} dataset{'s' if len(inside) > 1 else ''} below it ({shown}):"
-            " indexing it would write into them and make one dataset of their shards; index a folder"
-            " that holds only tars, nothing was written"
-        )
-    tars = sorted((info.key[len(prefix) :], info.size) for info in listing if info.key.endswith(".tar"))
-    if not tars:
-        raise UploadError(f"no .tar objects under {location}")
-    unreadable = [name for name, _ in tars if not valid_shard_name(name)]
-    if unreadable:
-        shown = ", ".join(repr(n) for n in unreadable[:5]) + (
-            f" and {len(unreadable) - 5} more" if len(unreadable) > 5 else ""
-        )
-        raise UploadError(
-            f"{len(unreadable)} .tar names under {location} cannot be shard names (ASCII letters, digits"
-            f" and _ . - / only, no part starting with . or -): {shown}; rename them, nothing was written"
-        )
+    tars, left_out = _tars(store, location)
     entries = []
     fields: set[str] = set()
     for name, size in tars:
-        key = location.key(name)
-        index, crc = scan_tar(partial(store.get_range, location.bucket, key), name, size)
-        encoded = index.encode()
-        index_name = name + INDEX_SUFFIX
-        store.put(location.bucket, location.key(index_name), encoded)
-        entries.append(ShardEntry(name, len(index), size, 0, len(encoded), crc32(encoded), crc, index_name))
+        entry, index = _index_tar(store, location, name, size)
+        entries.append(entry)
         fields.update(index.fields)
         if progress:
             progress(name)
@@ -106,4 +104,74 @@ def index_webdataset(
         raise UploadConflict(
             f"the manifest at {location} changed while it was being indexed; index it again", location=str(location)
         ) from None
-    return IndexSummary(location, len(entries), manifest.num_samples, manifest.num_bytes)
+    return IndexSummary(location, len(entries), manifest.num_samples, manifest.num_bytes, left_out)
+
+
+def _tars(store: Store, location: Location) -> tuple[list[tuple[str, int]], tuple[str, ...]]:
+    """``(name, size)`` of the ``.tar`` objects under ``location`` in name order, and the names
+    of the compressed tars left out (logged); UploadError where there is nothing to index."""
+    prefix = location.key("")
+    listing = list(store.list(location.bucket, prefix))
+    inside = datasets_inside((info.key for info in listing), prefix)
+    if inside:
+        shown = ", ".join(f"s3://{location.bucket}/{d}" for d in inside[:5]) + (", ..." if len(inside) > 5 else "")
+        raise UploadError(
+            f"{location} holds {len(inside)} dataset{'s' if len(inside) > 1 else ''} below it ({shown}):"
+            " indexing it would write into them and make one dataset of their shards; index a folder"
+            " that holds only tars, nothing was written"
+        )
+    tars = sorted((info.key[len(prefix) :], info.size) for info in listing if info.key.endswith(".tar"))
+    left_out = tuple(sorted(info.key[len(prefix) :] for info in listing if info.key.endswith(COMPRESSED_SUFFIXES)))
+    if not tars:
+        why = (f", only {_counted(left_out)} ({left_out[0]!r}{_more(left_out)}): a compressed tar cannot be read"
+               " by byte range; decompress to .tar and index again" if left_out else "")
+        raise UploadError(f"no .tar objects under {location}{why}")
+    unreadable = [name for name, _ in tars if not valid_shard_name(name)]
+    if unreadable:
+        shown = ", ".join(repr(n) for n in unreadable[:5]) + (
+            f" and {len(unreadable) - 5} more" if len(unreadable) > 5 else ""
+        )
+        raise UploadError(
+            f"{len(unreadable)} .tar names under {location} cannot be shard names (ASCII letters, digits"
+            f" and _ . - / only, no part starting with . or -): {shown}; rename them, nothing was written"
+        )
+    if left_out:
+        them = "them" if len(left_out) > 1 else "it"
+        log.warning("index %s: left out %s (%r%s): a compressed tar cannot be read by byte range; decompress %s to"
+                    " .tar and index again to include %s", location, _counted(left_out), left_out[0],
+                    _more(left_out), them, them)
+    return tars, left_out
+
+
+def _counted(names: tuple[str, ...]) -> str:
+    return f"{len(names)} compressed tar{'s' if len(names) > 1 else ''}"
+
+
+def _more(names: tuple[str, ...]) -> str:
+    return f" and {len(names) - 1} more" if len(names) > 1 else ""
+
+
+def _index_tar(store: Store, location: Location, name: str, size: int) -> tuple[ShardEntry, ShardIndex]:
+    """Scan tar ``name`` and write its index beside it; return its manifest entry and index."""
+    index, crc = scan_tar(partial(store.get_range, location.bucket, location.key(name)), name, size)
+    _check_fields(index, name)
+    encoded = index.encode()
+    entry = ShardEntry(name, len(index), size, 0, len(encoded), crc32(encoded), crc, name + INDEX_SUFFIX)
+    ShardIndex.decode(encoded, data_end=entry.data_end, name=name)  # every rule a reader applies, before the PUT
+    store.put(location.bucket, location.key(entry.index_name), encoded)
+    return entry, index
+
+
+def _check_fields(index: ShardIndex, name: str) -> None:
+    """Refuse a tar with more field names than an index holds, naming the member that
+    brings the first one too many (in tar order)."""
+    if len(index.fields) <= MAX_FIELDS:
+        return
+    offsets = np.where(index.offsets != 0, index.offsets, np.iinfo(np.uint64).max)
+    column = int(np.argsort(offsets.min(axis=0), kind="stable")[MAX_FIELDS])
+    row = int(np.argmin(offsets[:, column]))
+    field = index.fields[column]
+    raise CorruptShard(
+        f"{name} holds {len(index.fields)} field names, more than the {MAX_FIELDS} an index holds (MAX_FIELDS):"
+        f" member {index.keys[row] + '.' + field!r} brings the {MAX_FIELDS + 1}th, {field!r}", name=name
+    )
