@@ -12,6 +12,10 @@ from remote_loader.checksum import crc32
 from remote_loader.errors import CorruptShard
 from remote_loader.format.index import BLOCK, INDEX_MEMBER, KEY_RULE, ShardIndex, bad_key, check_field_name
 
+COMPRESSED_TARS = (".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz", ".tar.zst")
+"""Names of compressed tars: no byte range of one is a tar member, so they are neither
+indexed in place nor streamed, and both say so."""
+
 _PART = 8 * 1024 * 1024
 _ZERO_BLOCK = bytes(BLOCK)
 _MAX_EXTENDED = 1 << 20

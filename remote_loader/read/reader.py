@@ -34,7 +34,7 @@ from remote_loader.format import MANIFEST_NAME, UPLOAD_STATE, Manifest, Sample, 
 from remote_loader.format.manifest import datasets_inside
 from remote_loader.format.pages import PagedTable
 from remote_loader.format.shard_counts import Counts
-from remote_loader.format.tar import scan_tar
+from remote_loader.format.tar import COMPRESSED_TARS, scan_tar
 from remote_loader.read.heap import release_free_memory
 from remote_loader.read.metrics import Metrics
 from remote_loader.read.node_cache import NodeCache
@@ -47,8 +47,6 @@ T = TypeVar("T")
 
 log = logging.getLogger("remote_loader")
 
-GZIPPED_TARS = (".tar.gz", ".tgz")
-"""Names of compressed tars: no byte range of one is a tar member, so they are not streamed."""
 
 
 def _identity(manifest: bytes | bytearray) -> int:
@@ -117,7 +115,7 @@ class DatasetReader:
         self.round_trip: float | None = None
         """Seconds the manifest's first GET took beyond its transfer at 1 GB/s, once read: a
         network's round trip or a nearby store's; the fetcher starts wide after a long one."""
-        self._gzipped_told = False  # whether ``list_tars`` warned of gzipped tars it left out
+        self._compressed_told = False  # whether ``list_tars`` warned of compressed tars it left out
 
     def session(self, metrics: Metrics | None = None, cancel: threading.Event | None = None,
                 fetch: FetchConfig | None = None) -> ReadSession:
@@ -306,21 +304,22 @@ class DatasetReader:
         return True
 
     def list_tars(self, warn: bool = True) -> list[tuple[str, int]]:
-        """``(name, size)`` of every ``.tar`` object under the prefix, in name order. Gzipped
-        tars (``.tar.gz``, ``.tgz``) are left out: they cannot be read by byte range. With
+        """``(name, size)`` of every ``.tar`` object under the prefix, in name order. Compressed
+        tars (``COMPRESSED_TARS``) are left out: they cannot be read by byte range. With
         ``warn``, the first time this reader lists them, a warning says so."""
         prefix = self.location.key("")
-        tars, gzipped = [], []
+        tars, compressed = [], []
         for o in self.session().store.list(self.location.bucket, prefix):
             if o.key.endswith(".tar"):
                 tars.append((o.key[len(prefix) :], o.size))
-            elif o.key.endswith(GZIPPED_TARS):
-                gzipped.append(o.key[len(prefix) :])
-        if gzipped and warn and not self._gzipped_told:
-            self._gzipped_told = True
-            log.warning("left out %d gzipped tar%s under %s (%s%s): a compressed tar cannot be read by byte range;"
-                        " decompress each to a .tar to stream it", len(gzipped), "" if len(gzipped) == 1 else "s",
-                        self.location, min(gzipped), ", ..." if len(gzipped) > 1 else "")
+            elif o.key.endswith(COMPRESSED_TARS):
+                compressed.append(o.key[len(prefix) :])
+        if compressed and warn and not self._compressed_told:
+            self._compressed_told = True
+            many = len(compressed) > 1
+            log.warning("left out %d compressed tar%s under %s (%s%s): a compressed tar cannot be read by byte range;"
+                        " decompress each to a .tar to stream it", len(compressed), "s" if many else "",
+                        self.location, min(compressed), ", ..." if many else "")
         return sorted(tars)
 
     def __len__(self) -> int:

@@ -22,15 +22,12 @@ from remote_loader.format import MANIFEST_NAME, Manifest, ShardEntry, ShardIndex
 from remote_loader.format.index import MAX_FIELDS
 from remote_loader.format.manifest import datasets_inside
 from remote_loader.format.names import valid_shard_name
-from remote_loader.format.tar import scan_tar
+from remote_loader.format.tar import COMPRESSED_TARS, scan_tar
 from remote_loader.storage import Location, Store
 from remote_loader.storage.retrying import Retry, RetryingStore
 from remote_loader.upload.claim import read_versioned
 
 INDEX_SUFFIX = ".index"
-COMPRESSED_SUFFIXES = (".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz", ".tar.zst")
-"""Compressed tars: left out by ``index_webdataset`` (a member of one cannot be read by
-byte range), and reported."""
 
 log = logging.getLogger("remote_loader")
 
@@ -44,7 +41,7 @@ class IndexSummary:
         shards: The ``.tar`` objects indexed.
         samples: Their samples.
         bytes: Their bytes.
-        left_out: The compressed tars under the prefix (``COMPRESSED_SUFFIXES``), not indexed.
+        left_out: The compressed tars under the prefix (``COMPRESSED_TARS``), not indexed.
     """
 
     location: Location
@@ -121,7 +118,7 @@ def _tars(store: Store, location: Location) -> tuple[list[tuple[str, int]], tupl
             " that holds only tars, nothing was written"
         )
     tars = sorted((info.key[len(prefix) :], info.size) for info in listing if info.key.endswith(".tar"))
-    left_out = tuple(sorted(info.key[len(prefix) :] for info in listing if info.key.endswith(COMPRESSED_SUFFIXES)))
+    left_out = tuple(sorted(info.key[len(prefix) :] for info in listing if info.key.endswith(COMPRESSED_TARS)))
     if not tars:
         why = (f", only {_counted(left_out)} ({left_out[0]!r}{_more(left_out)}): a compressed tar cannot be read"
                " by byte range; decompress to .tar and index again" if left_out else "")
