@@ -121,9 +121,9 @@ def upload_cv_dataset(
             and counts it in the manifest and the summary.
         shuffle: Permute samples before sharding (on by default).
         executor: Run tasks here instead of a new process pool, e.g. a Dask cluster's
-            ``dask_client.get_executor()`` (each of its workers gets the dataset once, or
-            builds it from a source spec once per upload); any other executor receives it
-            with every task. A Dask ``Client`` itself is refused (``ConfigError``).
+            ``dask_client.get_executor()`` (not the ``Client``): each of its workers gets the
+            dataset, or builds it from a source spec, once per upload; any other executor
+            receives it with every task.
         part_size: Multipart part size in bytes.
         retry: How every request is retried (``RetryConfig``); a task that fails on an
             outage is written again whole.
@@ -145,7 +145,7 @@ def upload_cv_dataset(
         What was uploaded, with throughput.
 
     Raises:
-        ConfigError: An argument is invalid (``executor`` a Dask ``Client``, not its executor).
+        ConfigError: An argument is invalid (``executor`` a Dask ``Client``, say).
         UploadError: A sample is bad (naming its index), the dataset is empty, another dataset
             (or an item ``ds[i]`` that differs) is there, or an item outlasted ``stall_timeout``.
     """
@@ -156,9 +156,14 @@ def upload_cv_dataset(
                                   frames_as_video=frames_as_video)
     running = Running(workers, _executor(executor), part_size, _stall_timeout(stall_timeout),
                       bool(require_bool("verify", verify)), overwrite, progress)
-    client = as_store(client, bucket)
-    location = Location(bucket, base_folder.strip("/"), client.path_of(bucket, base_folder.strip("/")))
-    return _upload(ds, client, location, params, options, _retry(retry), started, running)
+    return _upload(ds, *_location(client, bucket, base_folder), params, options, _retry(retry), started, running)
+
+
+def _location(client: Any, bucket: str, base_folder: str) -> tuple[Store, Location]:
+    """The store, and the dataset's location in it."""
+    store, folder = as_store(client, bucket), base_folder.strip("/")
+    return store, Location(bucket, folder, store.path_of(bucket, folder))
+
 
 
 @dataclass(frozen=True)
