@@ -189,12 +189,13 @@ class Folder:
             os.close(fd)
 
     @contextlib.contextmanager
-    def locked(self, name: str, deadline: float) -> Iterator[bool]:
-        """Lock file ``name`` held for a while: whether it was had by ``deadline`` (a process
-        stopped while it holds it must not stop the others)."""
+    def locked(self, name: str, deadline: float) -> Iterator[int | None]:
+        """Lock file ``name`` held for a while: its descriptor, open for reading and writing,
+        or None where it was not had by ``deadline`` (a process stopped while it holds it must
+        not stop the others)."""
         fd = self.lock(name, deadline, threading.Event())
         try:
-            yield fd is not None
+            yield fd
         finally:
             if fd is not None:
                 os.close(fd)
