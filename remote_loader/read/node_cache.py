@@ -68,6 +68,7 @@ import re
 import stat
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
@@ -119,15 +120,13 @@ class NodeCache:
 
     def root(self, create: bool = True) -> Folder | None:
         """This user's cache folder, open (made where missing, unless not ``create``: then None
-        where there is none). Raises ``Refused`` (or the OSError met) where it cannot be used."""
+        where there is none): one a process, shared by the caches of one directory while any
+        holds it. Raises ``Refused`` (or the OSError met) where it cannot be used."""
         with self._root_lock:
             if self._root is None:
                 if not create and not os.path.isdir(self.config.directory):
                     return None
-                directory = Folder.named(self.config.directory)
-                if not create and directory.lstat(folder_name()) is None:
-                    return None
-                self._root = _claim(directory)
+                self._root = _open_root(self.config.directory, create)
             return self._root
 
     def moved(self) -> bool:
@@ -306,6 +305,32 @@ def _parts(fill: Folder, upload: Folder, dataset: Folder) -> Iterator[CachedFile
             fill.unlink(name)
             continue
         yield CachedFile(fill, name, upload.path, found.st_blocks * 512, found.st_mtime, True, dataset)
+
+
+def _open_root(directory: str, create: bool) -> Folder | None:
+    """This user's cache folder in ``directory``, the one this process has open where it is
+    still there (one descriptor a directory, closed once no cache holds it), else opened."""
+    with _roots_lock:
+        found = _roots.get(directory)
+        if found is None or found.moved():
+            parent = Folder.named(directory)
+            if not create and parent.lstat(folder_name()) is None:
+                return None
+            found = _roots[directory] = _claim(parent)
+        return found
+
+
+_roots: weakref.WeakValueDictionary[str, Folder] = weakref.WeakValueDictionary()
+_roots_lock = threading.Lock()
+
+
+def _forget_after_fork() -> None:
+    """A lock a parent's thread held at the fork would never be released in the child."""
+    global _roots, _roots_lock
+    _roots, _roots_lock = weakref.WeakValueDictionary(), threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def _claim(directory: Folder) -> Folder:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import gc
 import json
 import logging
 import multiprocessing
@@ -1027,3 +1028,52 @@ def test_a_file_the_count_did_not_see_is_counted_once_the_count_is_due(tmp_path,
     monkeypatch.setattr(node_cache, "_RECOUNT_SHARE", 0.0)
     assert cache.reserve(200_000, str(own), lambda: None)
     assert not (other / "big.tar").exists()  # counted, and evicted to make room
+
+
+def _descriptors(within: Path | None = None) -> int:
+    """The descriptors this process has open (of files ``within`` a folder, where given), once
+    what nothing refers to is collected."""
+    gc.collect()
+    found = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own, closed since
+            found += within is None or os.readlink(f"/proc/self/fd/{fd}").startswith(f"{within}/")
+    return found
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts the descriptors listed in /proc/self/fd")
+def test_datasets_read_through_the_cache_and_dropped_leave_no_folder_open(tmp_path):
+    """Each dataset read through the cache kept three folders of it open for the rest of the
+    process, one set a dataset, bound and upload read: 300 datasets made, read and dropped
+    left 900 descriptors open, and past the usual limit of 1,024 the cache turned itself off
+    and the user's own ``open()`` failed (EMFILE). A dataset's folders are closed once nothing
+    uses them; those in use share the cache's folder."""
+    store = LocalStore(tmp_path / "store")
+    store.create_bucket("b")
+    for k in range(30):
+        upload(store, "b", f"d{k}", SyntheticImages(4, size=(8, 8), seed=k), maxcount=2)
+    cache = tmp_path / "cache"
+
+    def read(folder: str, **options) -> RemoteDataset:
+        ds = RemoteDataset(store, "b", folder, cache_dir=cache, **options)
+        assert len(list(ds)) == 4
+        return ds
+
+    read("d0")  # what a process makes once (not the cache's)
+    before = _descriptors()
+    for k in range(30):
+        read(f"d{k}")
+    for bound in range(10):
+        read("d0", cache_bytes=10**9 + bound)
+    assert _descriptors() <= before
+    held = [read(f"d{k}") for k in range(10)]  # a dataset holds shared memory of its own: counted apart
+    assert _descriptors(cache) <= 2 * len(held) + 1  # an upload's folder and its .fill, each; the cache's, once
+    del held
+    ds = read("d0")
+    reading = _descriptors()
+    for seed in range(1, 6):  # overwritten between passes: the pass after reads the new upload
+        upload(store, "b", "d0", SyntheticImages(4, size=(8, 8), seed=seed), maxcount=2, overwrite=True)
+        with pytest.raises(DatasetChanged):
+            list(ds)
+        assert len(list(ds)) == 4
+    assert _descriptors() <= reading
