@@ -43,7 +43,9 @@ class Folder:
 
     def __init__(self, fd: int, path: str) -> None:
         self.fd, self.path = fd, path
-        weakref.finalize(self, os.close, fd)
+        # Not at the interpreter's exit: fills on daemon threads may still use it then, and the
+        # process's end closes it (closed before, their calls met EBADF or another file).
+        weakref.finalize(self, os.close, fd).atexit = False
 
     def __repr__(self) -> str:
         return f"Folder({self.path!r})"

@@ -1077,3 +1077,21 @@ def test_datasets_read_through_the_cache_and_dropped_leave_no_folder_open(tmp_pa
             list(ds)
         assert len(list(ds)) == 4
     assert _descriptors() <= reading
+
+
+_AT_EXIT = """
+import atexit, os, sys
+atexit.register(lambda: print(os.fstat(folder.fd).st_ino == os.stat(sys.argv[1]).st_ino, flush=True))  # runs last
+from remote_loader.read.folder import Folder
+folder = Folder.named(sys.argv[1])
+"""
+
+
+def test_a_folder_of_the_cache_in_use_at_exit_stays_open_until_the_process_ends(tmp_path):
+    """Fills run on daemon threads, which go on while the interpreter exits. The folders they
+    write in were closed by the exit's finalizers meanwhile: a fill's next call failed with
+    EBADF (the cache said it "cannot be written" as the program ended), or reached whatever
+    another thread had opened since under that descriptor. The process's end closes them."""
+    there = subprocess.run([sys.executable, "-c", _AT_EXIT, str(tmp_path)], capture_output=True, text=True,
+                           timeout=120, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert there.stdout.split() == ["True"], there.stderr[-2000:]
