@@ -43,7 +43,9 @@ class Folder:
 
     def __init__(self, fd: int, path: str) -> None:
         self.fd, self.path = fd, path
-        weakref.finalize(self, os.close, fd)
+        # Not at the interpreter's exit: fills on daemon threads may still use it then, and the
+        # process's end closes it (closed before, their calls met EBADF or another file).
+        weakref.finalize(self, os.close, fd).atexit = False
 
     def __repr__(self) -> str:
         return f"Folder({self.path!r})"
@@ -189,12 +191,13 @@ class Folder:
             os.close(fd)
 
     @contextlib.contextmanager
-    def locked(self, name: str, deadline: float) -> Iterator[bool]:
-        """Lock file ``name`` held for a while: whether it was had by ``deadline`` (a process
-        stopped while it holds it must not stop the others)."""
+    def locked(self, name: str, deadline: float) -> Iterator[int | None]:
+        """Lock file ``name`` held for a while: its descriptor, open for reading and writing,
+        or None where it was not had by ``deadline`` (a process stopped while it holds it must
+        not stop the others)."""
         fd = self.lock(name, deadline, threading.Event())
         try:
-            yield fd is not None
+            yield fd
         finally:
             if fd is not None:
                 os.close(fd)

@@ -8,7 +8,7 @@ to that user; nothing else in the directory is ever read, written or removed::
 
     remote-loader-<uid>/                   this user's cache
       CACHEDIR.TAG                         marks the folder as a cache (bford.info/cachedir)
-      .lock                                held while space is counted and reserved
+      .lock                                held while space is reserved; holds the ledger of the bytes used
       <dataset>/about                      the dataset's URL and endpoint, for ``remote-loader cache``
       <dataset>/<upload>/<name>            a shard, whole, its crc32 the manifest's
       <dataset>/<upload>/.fill/<name>.part     a shard being written
@@ -34,14 +34,23 @@ it whole into ``.part`` (parallel ranged GETs received straight into the file), 
 crc32 against the manifest's and renames it into place; a process that wants the same shard
 meanwhile waits for the lock (threads of one process wait for one fill), then reads the file.
 Nothing reads a ``.part``; a fill that dies leaves one, which the next fill of that shard
-replaces and the next reservation removes (its lock no longer held). Files are only ever
+replaces and the next count of the space removes (its lock no longer held). Files are only ever
 renamed into place whole, so a reader sees a shard whole or not at all. The check is recorded
 with the file (``read/cached_shard.py``): a shard in place is read as it is while its file is
 the one checked, checked whole again once it is not, and member by member with
 ``CacheConfig.verify_reads``.
 
-Bound: before a fill, under ``.lock``, the space is counted (shards and parts) and reserved
-(the part's blocks allocated at once, so a full disk shows there, not mid-write). What is
+Bound: before a fill, under ``.lock``, the space is reserved (the part's blocks allocated at
+once, so a full disk shows there, not mid-write) against a ledger the lock file holds
+(``Ledger``): the bytes the last count of every shard and part found, plus each reservation
+of any process since, read and written under the lock, so each process's reservation sees the
+others'. A reservation costs that, not a stat a file cached (which made a first epoch of
+5,000 shards quadratic): the files are counted again where the ledger is missing or cut
+short, a minute after the last count (no sooner than 100 times what it took), and before
+any reservation that would pass the bound by the ledger, to find what to evict. What the
+ledger holds beyond the files (removed since, or parts of fills that died) is gone at that
+count, before it could refuse a reservation or make room that is there already; what it
+lacks (files a process that keeps no ledger wrote) at the next count that falls due. What is
 evicted to make room: shards of other datasets and uploads, least recently used first, never
 another shard of the upload being filled. Every epoch reads shards in a fresh random order,
 so every shard of a dataset is equally likely to be needed soon: evicting one to keep another
@@ -52,14 +61,16 @@ written: the shard is streamed from the store as without a cache, with one warni
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
 import stat
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from remote_loader.config import CacheConfig
 from remote_loader.read.folder import Folder, Refused
@@ -74,6 +85,9 @@ UPLOAD = re.compile(r"[0-9a-f]{8,16}\Z")
 _LONGEST = 200  # bytes of a shard's file name, its suffix to come: past this, a hash of the name
 _FREE = 0.1  # the share of the disk a cache without a bound leaves free
 _PATIENCE = 30.0  # seconds the cache's lock is waited for, to count and reserve space
+_RECOUNT = 60.0  # seconds after a count of the cache's files when a reservation counts them again
+_RECOUNT_SHARE = 100.0  # and no sooner than this many times the time that count took
+_LEDGER = re.compile(rb"remote-loader usage (\d+) (\d+\.\d+) (\d+\.\d+)\n\Z")
 
 
 def folder_name() -> str:
@@ -106,15 +120,13 @@ class NodeCache:
 
     def root(self, create: bool = True) -> Folder | None:
         """This user's cache folder, open (made where missing, unless not ``create``: then None
-        where there is none). Raises ``Refused`` (or the OSError met) where it cannot be used."""
+        where there is none): one a process, shared by the caches of one directory while any
+        holds it. Raises ``Refused`` (or the OSError met) where it cannot be used."""
         with self._root_lock:
             if self._root is None:
                 if not create and not os.path.isdir(self.config.directory):
                     return None
-                directory = Folder.named(self.config.directory)
-                if not create and directory.lstat(folder_name()) is None:
-                    return None
-                self._root = _claim(directory)
+                self._root = _open_root(self.config.directory, create)
             return self._root
 
     def moved(self) -> bool:
@@ -132,25 +144,45 @@ class NodeCache:
 
     def reserve(self, size: int, own: str, allocate: Callable[[], None]) -> bool:
         """Make room for ``size`` bytes and ``allocate`` them, under the cache's lock: False
-        where they do not fit even with every shard of other uploads than ``own`` (a path) evicted."""
+        where they do not fit even with every shard of other uploads than ``own`` (a path)
+        evicted. The bytes used are the ledger's (``Ledger``), the files counted only where it
+        is missing or due, or where ``size`` more would pass the bound: then to evict."""
         root = self.root()
         assert root is not None
-        with root.locked(".lock", time.monotonic() + _PATIENCE) as held:
-            if not held:
+        with root.locked(LOCK, time.monotonic() + _PATIENCE) as fd:
+            if fd is None:
                 return False
-            shards = list(self.files())
-            used = sum(f.size for f in shards)
-            bound = self.bound(root, used)
-            if used + size > bound:
-                for found in sorted((f for f in shards if f.upload != own and not f.partial), key=lambda f: f.used):
-                    if found.folder.unlink(found.name):
-                        used -= found.size
-                    if used + size <= bound:
-                        break
-            if used + size > bound:
+            ledger = Ledger.read(fd)
+            if ledger is None or ledger.due(time.time()) or ledger.used + size > self.bound(root, ledger.used):
+                ledger = self._counted(root, size, own)
+            fits = ledger.used + size <= self.bound(root, ledger.used)
+            if not fits:
+                ledger.write(fd)  # the count, for the next reservation of any process
                 return False
-            allocate()
+            replace(ledger, used=ledger.used + size).write(fd)
+            try:
+                allocate()
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    ledger.write(fd)
+                raise
             return True
+
+    def _counted(self, root: Folder, size: int, own: str) -> Ledger:
+        """Count every shard and part in the cache (removing the parts of fills that died) and,
+        where ``size`` more bytes would pass the bound, evict shards of other uploads than
+        ``own``, least recently used first, until they fit or none is left."""
+        started, now = time.monotonic(), time.time()
+        shards = list(self.files())
+        used = sum(f.size for f in shards)
+        bound = self.bound(root, used)
+        if used + size > bound:
+            for found in sorted((f for f in shards if f.upload != own and not f.partial), key=lambda f: f.used):
+                if found.folder.unlink(found.name):
+                    used -= found.size
+                if used + size <= bound:
+                    break
+        return Ledger(used, now, time.monotonic() - started)
 
     def files(self) -> Iterator[CachedFile]:
         """Every shard and part in the cache; parts no process writes any more are removed.
@@ -211,6 +243,41 @@ class NodeCache:
 
 
 @dataclass(frozen=True)
+class Ledger:
+    """The bytes the cache holds, kept in its ``.lock`` for every process of the node: what
+    the last count of its files found (at ``counted_at``, seconds since the epoch, in ``took``
+    seconds), plus every reservation made since. Read and written under the lock alone.
+
+    Only reservations add to it: a file removed since the count (a fill that failed, a damaged
+    copy dropped, another upload's shards, what ``remote-loader cache --clear`` removed)
+    stays counted until the next count, which comes before any reservation it would refuse, so
+    that it never makes room that is there already. What no reservation added (a process of a
+    version that keeps no ledger) is counted at the next count that falls due."""
+
+    used: int
+    counted_at: float
+    took: float
+
+    @classmethod
+    def read(cls, fd: int) -> Ledger | None:
+        """The ledger in the lock file open as ``fd``; None where it holds none, or not whole."""
+        found = _LEDGER.match(os.pread(fd, 256, 0))
+        return None if found is None else cls(int(found[1]), float(found[2]), float(found[3]))
+
+    def write(self, fd: int) -> None:
+        """Put it in the lock file open as ``fd`` (a write cut short reads as no ledger)."""
+        data = b"remote-loader usage %d %.3f %.6f\n" % (self.used, self.counted_at, self.took)
+        os.pwrite(fd, data, 0)
+        os.ftruncate(fd, len(data))
+
+    def due(self, now: float) -> bool:
+        """Whether the files are to be counted again: ``_RECOUNT`` seconds after the last
+        count, and no sooner than ``_RECOUNT_SHARE`` times what it took (a count holds every
+        process's reservations up); at once where the clock went back."""
+        return not 0.0 <= now - self.counted_at <= max(_RECOUNT, _RECOUNT_SHARE * self.took)
+
+
+@dataclass(frozen=True)
 class CachedFile:
     folder: Folder
     name: str
@@ -238,6 +305,32 @@ def _parts(fill: Folder, upload: Folder, dataset: Folder) -> Iterator[CachedFile
             fill.unlink(name)
             continue
         yield CachedFile(fill, name, upload.path, found.st_blocks * 512, found.st_mtime, True, dataset)
+
+
+def _open_root(directory: str, create: bool) -> Folder | None:
+    """This user's cache folder in ``directory``, the one this process has open where it is
+    still there (one descriptor a directory, closed once no cache holds it), else opened."""
+    with _roots_lock:
+        found = _roots.get(directory)
+        if found is None or found.moved():
+            parent = Folder.named(directory)
+            if not create and parent.lstat(folder_name()) is None:
+                return None
+            found = _roots[directory] = _claim(parent)
+        return found
+
+
+_roots: weakref.WeakValueDictionary[str, Folder] = weakref.WeakValueDictionary()
+_roots_lock = threading.Lock()
+
+
+def _forget_after_fork() -> None:
+    """A lock a parent's thread held at the fork would never be released in the child."""
+    global _roots, _roots_lock
+    _roots, _roots_lock = weakref.WeakValueDictionary(), threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def _claim(directory: Folder) -> Folder:

@@ -107,6 +107,7 @@ class DatasetReader:
             raise ConfigError(f"cache must be a CacheConfig, got {type(cache).__name__}")
         self.cache = cache
         self._identity: int | None = None  # of the manifest read
+        self._upload_cache: UploadCache | None = None  # kept alive, not read: asked of open_upload each time
         self.after_change = "open it again to read the new upload"
         """What a ``DatasetChanged`` of this reader advises: its owner says what reads the new upload."""
         self.replaced_by: int | None = None
@@ -125,10 +126,13 @@ class DatasetReader:
                            self.upload_cache if self.cache is not None else None)
 
     def upload_cache(self) -> UploadCache | None:
-        """This process's view of the node's cache of the upload read (None without a cache)."""
+        """This process's view of the node's cache of the upload read (None without a cache),
+        kept while this reader lives: its folders are closed once no reader uses it."""
         if self.cache is None:
             return None
-        return open_upload(NodeCache(self.cache), self.client.endpoint, str(self.location), self.identity)
+        self._upload_cache = open_upload(NodeCache(self.cache), self.client.endpoint, str(self.location),
+                                         self.identity)
+        return self._upload_cache
 
     def __repr__(self) -> str:
         return f"DatasetReader({self.location}, client={self.client!r})"
@@ -221,6 +225,7 @@ class DatasetReader:
         state = self.__dict__.copy()
         state.pop("manifest", None)
         state.pop("counts", None)
+        state["_upload_cache"] = None  # this process's open folders
         return state
 
     def _manifest_bytes(self) -> bytes | bytearray | None:

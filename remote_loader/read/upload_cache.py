@@ -13,6 +13,7 @@ import os
 import stat
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from functools import partial
@@ -392,7 +393,13 @@ def open_upload(node: NodeCache, endpoint: str, dataset: str, identity: int) -> 
     """This process's cache of one upload of one dataset in ``node``: one object a process and
     cache configuration, so that each dataset reads and fills as its own configuration says
     (its bound, ``max_bytes``, bounds its fills; ``verify_reads`` how it reads), made anew
-    where the folders of the one before were removed (each pass of a reader asks again)."""
+    where the folders of the one before were removed (each pass of a reader asks again).
+
+    It lasts while anything uses it (a reader keeps the one it was given, a fill under way
+    its own): then its folders are closed, and the next to ask makes another. An entry of an
+    older upload goes with the last reader of that upload: one that is still reading (until
+    its next pass tells it of the overwrite) keeps the folders it has open, where a new entry
+    would remove the new upload's shards."""
     key = (node.config, endpoint, dataset, identity)
     with _registry_lock:
         found = _registry.get(key)
@@ -401,15 +408,14 @@ def open_upload(node: NodeCache, endpoint: str, dataset: str, identity: int) -> 
         return found
 
 
-_registry: dict[tuple[CacheConfig, str, str, int], UploadCache] = {}
+_registry: weakref.WeakValueDictionary[tuple[CacheConfig, str, str, int], UploadCache] = weakref.WeakValueDictionary()
 _registry_lock = threading.Lock()
 
 
 def _forget_after_fork() -> None:
     """A child starts with no fills in flight: its parent's would never end there."""
-    global _registry_lock
-    _registry_lock = threading.Lock()
-    _registry.clear()
+    global _registry, _registry_lock
+    _registry, _registry_lock = weakref.WeakValueDictionary(), threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
