@@ -475,7 +475,7 @@ def _index_against_tar(index: ShardIndex, data: bytes, name: str) -> str | None:
     scanned, _ = scan_tar(lambda start, end: memoryview(data)[start:end], name, len(data))
     if list(scanned.keys) != list(index.keys):
         return "its index lists other samples than its tar members"
-    for i, key in enumerate(index.keys):
-        if {m[:3] for m in index.members(i)} != {m[:3] for m in scanned.members(i)}:
+    for i, key in enumerate(index.keys):  # field names in any case: one indexed before they were lower-cased
+        if {(m[0].lower(), *m[1:3]) for m in index.members(i)} != {(m[0].lower(), *m[1:3]) for m in scanned.members(i)}:
             return f"sample {key!r}: its index points at other bytes than its tar members {key}.*"
     return None

@@ -247,3 +247,25 @@ def test_a_compressed_tar_named_tar_is_refused_saying_so(compress, said):
     data = compress(os.urandom(4000) + tar_of(("c.jpg", b"C")))
     with pytest.raises(CorruptShard, match=rf"^s.tar is {said}-compressed \(it starts with .*\): a compressed tar"):
         scan(data)
+
+
+def test_an_index_made_before_field_names_were_lower_cased_still_matches_its_tar():
+    """``verify`` compares an index with its tar's headers: one indexed in place when field
+    names kept their case (``JPG``) was reported as pointing at other bytes, though intact."""
+    import dataclasses
+
+    from remote_loader.read.reader import _index_against_tar
+
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.GNU_FORMAT) as tar:
+        for name, data in (("img0.JPG", b"\xff\xd8jpeg"), ("img0.cls", b"3")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    data = out.getvalue()
+    index = scan(data)
+    assert set(index.fields) == {"jpg", "cls"}
+    before = dataclasses.replace(index, fields=tuple(f.upper() if f == "jpg" else f for f in index.fields))
+    assert _index_against_tar(before, data, "s.tar") is None
+    moved = dataclasses.replace(index, offsets=index.offsets[:, ::-1].copy())
+    assert "points at other bytes" in (_index_against_tar(moved, data, "s.tar") or "")
