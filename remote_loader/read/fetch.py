@@ -137,6 +137,8 @@ class Prefetcher(Generic[C]):
     flight and a quarter of ``config.prefetch_bytes`` (32 MiB at most) and raises both, up to ``config.concurrency`` and
     ``config.prefetch_bytes``, while the consumer waits for bytes and each step brings
     them in faster. ``metrics.gets_in_flight`` keeps the highest GET limit reached.
+    ``locate_ahead`` jobs are located at once, ahead of the one being queued: an index's
+    (cached per shard), or an unindexed tar's first GET, a round trip each.
 
     Every request goes through ``session.store`` (retried up to its outage deadline). An exception
     in any background thread reaches the consumer, in job order where it belongs to a job.
@@ -147,8 +149,9 @@ class Prefetcher(Generic[C]):
     """
 
     def __init__(self, bucket: str, jobs: Iterable[Job[C]], session: ReadSession,
-                 round_trip: float | None = None) -> None:
+                 round_trip: float | None = None, locate_ahead: int = _LOCATE_AHEAD) -> None:
         self.bucket, self.session = bucket, session
+        self._locate_ahead = locate_ahead
         self.config, self.metrics = session.config, session.metrics
         self._jobs = iter(jobs)
         self._slots: deque[_Pending[C] | None] = deque()  # None marks the end of the jobs
@@ -175,7 +178,7 @@ class Prefetcher(Generic[C]):
         # located; through the node's cache, with the first range to GET (the ranges of
         # shards it holds whole need none).
         self._threads = DaemonPool(1, "remote-loader-fetch")
-        self._locators = DaemonPool(_LOCATE_AHEAD, "remote-loader-locate")
+        self._locators = DaemonPool(locate_ahead, "remote-loader-locate")
         self._getters: DaemonPool | None = None
         if not session.caching:
             self._start_getters()
@@ -232,7 +235,7 @@ class Prefetcher(Generic[C]):
         # Indexes are located a few jobs ahead, in parallel: the consumer opens several ranges at once.
         pending: deque[tuple[_Pending[C], Future[tuple[int, int, C]], _Head | None]] = deque()
         while True:
-            while len(pending) < _LOCATE_AHEAD and not self._closed:
+            while len(pending) < self._locate_ahead and not self._closed:
                 job = next(self._jobs, None)
                 if job is None:
                     break

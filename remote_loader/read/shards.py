@@ -37,9 +37,11 @@ copied out (``SpanRead._read_small``), not read one ``pread`` a member."""
 DAMAGE = (CorruptShard, ObjectNotFound)
 """What ``on_error="skip"`` skips: bytes that stay corrupt, a shard or index that is gone."""
 
-TAR_HEAD = 1 << 20
+TAR_HEAD = 64 << 10
 """The first bytes of an unindexed tar, fetched with the object's size as its range's first
-part (a tar under twice this is fetched whole so)."""
+part (a tar under twice this is fetched whole so). Small: that GET runs where the range is
+located, beside a few others, and the rest goes through the fetcher's GETs, whose number
+grows with the store's speed (at 1 MiB, 160 tars of 1.45 MiB took 2.8 s against 1.0 s)."""
 
 
 def fetch_index(reader: DatasetReader, entry: ShardEntry, session: ReadSession) -> ShardIndex:

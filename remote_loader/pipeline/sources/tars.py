@@ -17,6 +17,11 @@ from remote_loader.read.reader import DatasetReader
 from remote_loader.read.session import ReadSession
 from remote_loader.read.shards import DAMAGE, OpenRange, Skipped, TarRead, skip_tar, tar_job
 
+_LOCATE_AHEAD = 16
+"""Tars located at once: each is a GET of its first bytes and size, a round trip, so as
+many as a store's first GETs in flight (the fetcher's own default, 4, held 160 small tars
+to 4 round trips at a time)."""
+
 
 class Unindexed:
     """The ``.tar`` objects under a prefix without a manifest: no ``len()``, no states. With
@@ -81,7 +86,8 @@ class TarSource:
     def __iter__(self) -> Iterator[Sample]:
         # Made as the fetcher takes them: each holds its tar's first bytes once they are in.
         jobs = (tar_job(self.reader, self.session, name, size, self.on_error) for name, size in self.tars)
-        with Prefetcher(self.reader.location.bucket, jobs, self.session, self.reader.round_trip) as prefetcher:
+        with Prefetcher(self.reader.location.bucket, jobs, self.session, self.reader.round_trip,
+                        locate_ahead=_LOCATE_AHEAD) as prefetcher:
             fetched = iter(prefetcher)
             try:
                 samples = self._mixed(fetched)
