@@ -228,10 +228,10 @@ def local_tars(tmp_path: Path, objects: dict[str, bytes]) -> tuple[LocalStore, L
 
 
 def test_a_tar_with_more_field_names_than_an_index_holds_is_refused_before_its_index_is_written(tmp_path):
-    store, location = local_tars(tmp_path, {"s0.tar": tar_bytes(*((f"a.f{j:02d}", b"x") for j in range(70))),
+    store, location = local_tars(tmp_path, {"s0.tar": tar_bytes(*((f"a.F{j:02d}", b"x") for j in range(70))),
                                             "s1.tar": tar_bytes(("b.jpg", b"B"))})
-    with pytest.raises(CorruptShard, match=r"^s0.tar holds 70 field names, more than the 64 an index holds"
-                                           r" \(MAX_FIELDS\): member 'a.f64' brings the 65th, 'f64'") as caught:
+    with pytest.raises(CorruptShard, match=r"^s0.tar holds more field names than the 64 an index holds"
+                                           r" \(MAX_FIELDS\): member 'a.F64' brings the 65th\n") as caught:
         index_webdataset(store, location)
     assert caught.value.name == "s0.tar"
     assert not any(o.key.endswith((".index", MANIFEST_NAME)) for o in store.list("bkt", "ds/"))

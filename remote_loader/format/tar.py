@@ -224,7 +224,8 @@ def _repeated(name: str, path: str, key: str, field: str) -> CorruptShard:
                         " such a tar (duplicate file name)", name=name)
 
 
-def scan_tar(fetch: Callable[[int, int], bytes | memoryview], name: str, size: int) -> tuple[ShardIndex, int]:
+def scan_tar(fetch: Callable[[int, int], bytes | memoryview], name: str, size: int,
+             max_fields: int | None = None) -> tuple[ShardIndex, int]:
     """Read a tar shard once, through ``fetch(start, end)``, and return its index and whole crc32.
 
     Members are read as tarfile (and so WebDataset) reads them: GNU long names, pax records
@@ -232,11 +233,13 @@ def scan_tar(fetch: Callable[[int, int], bytes | memoryview], name: str, size: i
     ``group_by_keys`` does, except in a shard remote_loader wrote (it holds an ``__index__``
     member), whose index keeps them as written. A sparse member, a field repeated within a
     sample, a compressed or truncated object is refused with CorruptShard naming the tar
-    and the member.
+    and the member; so is the member that brings field name ``max_fields + 1``, as it comes
+    (an index holds ``MAX_FIELDS``: a tar of a thousand is refused before its arrays grow).
     """
     stream = _Stream(fetch, name, size)
     keys: list[str] = []
     rows: list[dict[str, tuple[int, int, int]]] = []
+    fields: set[str] = set()
     ours = False
     for path, info, padded in _members(stream, name):
         split = _split_name(path) if info.isreg() and path != INDEX_MEMBER else None
@@ -254,6 +257,11 @@ def scan_tar(fetch: Callable[[int, int], bytes | memoryview], name: str, size: i
             rows.append({})
         elif field in rows[-1]:
             raise _repeated(name, path, key, field)
+        if max_fields is not None and field.lower() not in fields:  # as the names end (ours are bounded already)
+            fields.add(field.lower())
+            if len(fields) > max_fields:
+                raise CorruptShard(f"{name} holds more field names than the {max_fields} an index holds (MAX_FIELDS):"
+                                   f" member {path!r} brings the {max_fields + 1}th", name=name)
         rows[-1][field] = (offset, info.size, crc)
     stream.drain()
     if not keys:

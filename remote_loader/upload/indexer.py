@@ -13,11 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
-import numpy as np
-
 from remote_loader.checksum import crc32
 from remote_loader.config import RetryConfig
-from remote_loader.errors import CorruptShard, PreconditionFailed, UploadConflict, UploadError
+from remote_loader.errors import PreconditionFailed, UploadConflict, UploadError
 from remote_loader.format import MANIFEST_NAME, Manifest, ShardEntry, ShardIndex, ShardTable
 from remote_loader.format.index import MAX_FIELDS
 from remote_loader.format.manifest import datasets_inside
@@ -150,25 +148,10 @@ def _more(names: tuple[str, ...]) -> str:
 
 def _index_tar(store: Store, location: Location, name: str, size: int) -> tuple[ShardEntry, ShardIndex]:
     """Scan tar ``name`` and write its index beside it; return its manifest entry and index."""
-    index, crc = scan_tar(partial(store.get_range, location.bucket, location.key(name)), name, size)
-    _check_fields(index, name)
+    index, crc = scan_tar(partial(store.get_range, location.bucket, location.key(name)), name, size,
+                          max_fields=MAX_FIELDS)
     encoded = index.encode()
     entry = ShardEntry(name, len(index), size, 0, len(encoded), crc32(encoded), crc, name + INDEX_SUFFIX)
     ShardIndex.decode(encoded, data_end=entry.data_end, name=name)  # every rule a reader applies, before the PUT
     store.put(location.bucket, location.key(entry.index_name), encoded)
     return entry, index
-
-
-def _check_fields(index: ShardIndex, name: str) -> None:
-    """Refuse a tar with more field names than an index holds, naming the member that
-    brings the first one too many (in tar order)."""
-    if len(index.fields) <= MAX_FIELDS:
-        return
-    offsets = np.where(index.offsets != 0, index.offsets, np.iinfo(np.uint64).max)
-    column = int(np.argsort(offsets.min(axis=0), kind="stable")[MAX_FIELDS])
-    row = int(np.argmin(offsets[:, column]))
-    field = index.fields[column]
-    raise CorruptShard(
-        f"{name} holds {len(index.fields)} field names, more than the {MAX_FIELDS} an index holds (MAX_FIELDS):"
-        f" member {index.keys[row] + '.' + field!r} brings the {MAX_FIELDS + 1}th, {field!r}", name=name
-    )
