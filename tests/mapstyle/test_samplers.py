@@ -328,23 +328,30 @@ def test_a_state_of_a_finished_epoch_leaves_the_epoch_set_before_or_after_it_is_
     assert got == [[] if epoch is None else orders[epoch] for epoch in passes]
 
 
+def _resumed_after_a_finished_epoch(kind: str, workers: int, epoch: int | None):
+    """A StatefulDataLoader over a fresh sampler, given the state another took at the end of
+    its pass (of ``epoch`` set, or the auto epoch 0): the sampler and the loader."""
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    sampler = _make(kind)
+    if epoch is not None:
+        sampler.set_epoch(epoch)
+    loader = stateful.StatefulDataLoader(_Indices(), batch_size=8, sampler=sampler, num_workers=workers)
+    _indices(loader)
+    state = loader.state_dict()
+    resumed = _make(kind)
+    again = stateful.StatefulDataLoader(_Indices(), batch_size=8, sampler=resumed, num_workers=workers)
+    again.load_state_dict(state)
+    return resumed, again
+
+
 @pytest.mark.parametrize("kind", ["locality", "uniform"])
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_stateful_dataloader_state_of_a_finished_epoch_goes_on_with_the_epoch_set_or_the_next(kind, workers):
     """torchdata saves the sampler's iterator state at the end of an epoch; resumed with
     set_epoch(4) the pass replayed epoch 3 (with workers), and without set_epoch an iterator's
     own finished state made the sampler skip an epoch."""
-    stateful = pytest.importorskip("torchdata.stateful_dataloader")
     for set_epoch in (True, False):
-        sampler = _make(kind)
-        if set_epoch:
-            sampler.set_epoch(3)
-        loader = stateful.StatefulDataLoader(_Indices(), batch_size=8, sampler=sampler, num_workers=workers)
-        _indices(loader)
-        state = loader.state_dict()
-        resumed = _make(kind)
-        again = stateful.StatefulDataLoader(_Indices(), batch_size=8, sampler=resumed, num_workers=workers)
-        again.load_state_dict(state)
+        resumed, again = _resumed_after_a_finished_epoch(kind, workers, 3 if set_epoch else None)
         if set_epoch:
             resumed.set_epoch(4)
             assert _indices(again) == _epochs(kind, range(4, 5))[0]
@@ -397,15 +404,7 @@ def test_a_stateful_dataloader_state_of_a_finished_epoch_set_again_gives_nothing
     """A resume loop that starts at the checkpoint's epoch sets the finished epoch again: with
     workers torchdata made a fresh iterator after the loaded, finished one, which began the
     epoch again (all 38 indices twice)."""
-    stateful = pytest.importorskip("torchdata.stateful_dataloader")
-    sampler = _make(kind)
-    sampler.set_epoch(1)
-    loader = stateful.StatefulDataLoader(_Indices(), batch_size=8, sampler=sampler, num_workers=workers)
-    _indices(loader)
-    state = loader.state_dict()
-    resumed = _make(kind)
-    again = stateful.StatefulDataLoader(_Indices(), batch_size=8, sampler=resumed, num_workers=workers)
-    again.load_state_dict(state)
+    resumed, again = _resumed_after_a_finished_epoch(kind, workers, 1)
     resumed.set_epoch(1)
     assert _indices(again) == []
     resumed.set_epoch(2)
