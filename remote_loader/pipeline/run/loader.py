@@ -204,6 +204,10 @@ class DeviceLoader:
         if self._process is None:
             self.decoder.open()  # in your thread (closed, the loader decodes here)
             snapshot = getattr(self.inner, "state_dict", None)
+            # Where this pass starts, before it draws: a pass that fails before its first batch
+            # is handed out has drawn one (the next is drawn before it goes), which the inner
+            # loader's own state counts.
+            self._state = snapshot() if snapshot is not None else None
             for item, state in decoded_with_states(self.inner, self.decoder, snapshot):
                 self._state = state
                 yield item
