@@ -85,7 +85,8 @@ def test_a_source_spec_is_built_once_on_each_worker_and_matches_the_local_pool(d
     assert summary.samples == local.samples == 300
     assert read_back(store, bucket, "spec") == read_back(store, bucket, "local")
     after = dask_client.run(helpers.small_images_count)
-    assert all(after[worker] - before.get(worker, 0) <= 1 for worker in after)
+    built = [after[worker] - before.get(worker, 0) for worker in after]
+    assert set(built) <= {0, 1} and sum(built) >= 1  # built from the spec on the workers, once each
 
 
 def test_skip_bad_samples_on_the_cluster(dask_client, s3):
