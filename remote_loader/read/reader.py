@@ -308,15 +308,16 @@ class DatasetReader:
             return False
         return True
 
-    def list_tars(self, warn: bool = True) -> list[tuple[str, int]]:
-        """``(name, size)`` of every ``.tar`` object under the prefix, in name order. Compressed
+    def list_tars(self, warn: bool = True) -> list[tuple[str, int, str]]:
+        """``(name, size, etag)`` of every ``.tar`` object under the prefix, in name order
+        (``etag``: its version tag as listed, "" where the store lists none). Compressed
         tars (``COMPRESSED_TARS``) are left out: they cannot be read by byte range. With
         ``warn``, the first time this reader lists them, a warning says so."""
         prefix = self.location.key("")
         tars, compressed = [], []
         for o in self.session().store.list(self.location.bucket, prefix):
             if o.key.endswith(".tar"):
-                tars.append((o.key[len(prefix) :], o.size))
+                tars.append((o.key[len(prefix) :], o.size, o.etag))
             elif o.key.endswith(COMPRESSED_TARS):
                 compressed.append(o.key[len(prefix) :])
         if compressed and warn and not self._compressed_told:

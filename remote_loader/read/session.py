@@ -33,7 +33,7 @@ from remote_loader.storage.retrying import Cancelled, Retry, RetryingStore
 T = TypeVar("T")
 P = TypeVar("P")
 
-__all__ = ["Cancelled", "ReadSession", "Shard"]
+__all__ = ["Cancelled", "Pinned", "ReadSession", "Shard"]
 
 
 @dataclass(frozen=True)
@@ -48,8 +48,19 @@ class Shard:
     crc: int
 
 
-Object = str | Shard
-"""What a request reads: an object by its key (always from the store), or a ``Shard``."""
+@dataclass(frozen=True)
+class Pinned:
+    """An object by its key and the version tag its listing gave (``ObjectInfo.etag``): each
+    ranged GET of it names the tag, and fails with ``PreconditionFailed`` once the object was
+    written again, so that the parts of one read all come from one version of it."""
+
+    key: str
+    etag: str
+
+
+Object = str | Shard | Pinned
+"""What a request reads: an object by its key (always from the store), a ``Shard``, or a
+``Pinned`` version of one."""
 
 
 def key_of(obj: Object) -> str:
@@ -88,7 +99,7 @@ class ReadSession:
 
     def get_range(self, bucket: str, obj: Object, start: int, end: int) -> bytes | bytearray:
         """Bytes ``[start, end)`` of an object: one ranged GET, or the node's cache."""
-        if self._cached(obj) is not None:
+        if self._cached(obj) is not None or isinstance(obj, Pinned):
             out = bytearray(end - start)
             self.get_range_into(bucket, obj, start, end, memoryview(out))
             return out
@@ -101,7 +112,7 @@ class ReadSession:
         """Bytes ``[start, end)`` of an object received into ``out``: one ranged GET, or the
         node's cache (filled with the whole shard first where it lacks it)."""
         if not self._from_cache(bucket, obj, start, end, out):
-            self._get_into(bucket, key_of(obj), start, end, out)
+            self._get_into(bucket, key_of(obj), start, end, out, obj.etag if isinstance(obj, Pinned) else None)
 
     def get_range_and_size(self, bucket: str, obj: Object, start: int, end: int) -> tuple[bytes | bytearray, int]:
         """Bytes ``[start, end)`` of an object and the object's size (see ``Store``)."""
@@ -149,9 +160,10 @@ class ReadSession:
             self._upload = self._cache()
         return None if self._upload is None else (self._upload, obj.name, obj.size, obj.crc)
 
-    def _get_into(self, bucket: str, key: str, start: int, end: int, out: memoryview) -> None:
+    def _get_into(self, bucket: str, key: str, start: int, end: int, out: memoryview,
+                  if_match: str | None = None) -> None:
         self.metrics.add(gets=1)
-        self.store.get_range_into(bucket, key, start, end, out)
+        self.store.get_range_into(bucket, key, start, end, out, if_match=if_match)
         self.metrics.add(bytes=end - start)
 
     def _from_cache(self, bucket: str, obj: Object, start: int, end: int, out: memoryview) -> bool:

@@ -19,13 +19,13 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from remote_loader.checksum import crc32
-from remote_loader.errors import CorruptShard, InvalidRange, ObjectNotFound, OnError, TruncatedShard
+from remote_loader.errors import CorruptShard, InvalidRange, ObjectNotFound, OnError, PreconditionFailed, TruncatedShard
 from remote_loader.format import Sample, ShardEntry, ShardIndex, ShardView
 from remote_loader.format.tar import scan_tar
 from remote_loader.kept import Kept
 from remote_loader.read.fetch import Fetched, Job, fetch_range
 from remote_loader.read.reader import DatasetReader
-from remote_loader.read.session import ReadSession
+from remote_loader.read.session import Pinned, ReadSession
 from remote_loader.storage.daemon import in_daemon_thread
 
 log = logging.getLogger("remote_loader")
@@ -220,6 +220,9 @@ class TarRead:
         except InvalidRange:  # cut short after its first bytes came with the size listed
             size = reader.session().store.head(reader.location.bucket, reader.location.key(self.name))
             raise tar_changed(reader, self.name, size, fetched.end) from None
+        except PreconditionFailed:  # written again, to the size listed, since the pass listed it
+            raise TruncatedShard(f"{reader.location}/{self.name} was written again while this pass read it: its"
+                                 " version tag changed (the next pass lists the tars again)", name=self.name) from None
         index, _ = scan_tar(lambda start, end: memoryview(fetched.buffer)[start:end], self.name, len(fetched.buffer))
         return _Opened(ShardView(fetched.buffer, index, name=self.name, verify=False), None, -1, 0, len(index))
 
@@ -247,14 +250,17 @@ def skip(what: str, samples: int, error: BaseException, session: ReadSession) ->
     log.warning("skipped %s (%d sample%s): %s", what, samples, "" if samples == 1 else "s", error)
 
 
-def tar_job(reader: DatasetReader, session: ReadSession, name: str, listed: int,
+def tar_job(reader: DatasetReader, session: ReadSession, name: str, listed: int, etag: str,
             on_error: OnError) -> Job[TarRead | Skipped]:
-    """The fetch of unindexed tar ``name``, which the pass listed as ``listed`` bytes: its
-    first bytes come with the object's size (``locate_tar``), and are the range's first part."""
+    """The fetch of unindexed tar ``name``, which the pass listed as ``listed`` bytes of version
+    ``etag``: its first bytes come with the object's size (``locate_tar``), and are the range's
+    first part; the rest is fetched from that version only (``Pinned``): a tar written again
+    while it is read, even to the same size, fails to open rather than mixing two versions."""
     first = listed if listed < 2 * TAR_HEAD else TAR_HEAD
     head: Future[bytes | bytearray] | None = Future() if first else None
     locate = partial(locate_tar, reader, session, name, listed, first, head, on_error)
-    return Job(reader.location.key(name), locate, None if head is None else (0, first, head))
+    key = reader.location.key(name)
+    return Job(Pinned(key, etag) if etag else key, locate, None if head is None else (0, first, head))
 
 
 def locate_tar(reader: DatasetReader, session: ReadSession, name: str, listed: int, first: int,

@@ -35,10 +35,13 @@ __all__ = ["BUCKET_NAME_RULE", "DEFAULT_PART_SIZE", "MIN_PART_SIZE", "ObjectInfo
 
 @dataclass(frozen=True)
 class ObjectInfo:
-    """One listed object."""
+    """One listed object: its key, its size and, where the store lists one, its version tag
+    (``etag``: S3's ETag; a local file's write time, size and inode), which a ranged read may
+    name to be refused once the object is written again (``get_range_into(if_match=...)``)."""
 
     key: str
     size: int
+    etag: str = ""
 
 
 def check_range(bucket: str, key: str, start: int, end: int, data: bytes, got: int | None = None) -> bytes:
@@ -116,10 +119,15 @@ class Store(ABC):
     def get_range(self, bucket: str, key: str, start: int, end: int) -> bytes:
         """Return bytes ``[start, end)`` of the object; exactly ``end - start`` bytes or an error."""
 
-    def get_range_into(self, bucket: str, key: str, start: int, end: int, out: memoryview) -> None:
+    def get_range_into(self, bucket: str, key: str, start: int, end: int, out: memoryview, *,
+                       if_match: str | None = None) -> None:
         """Read bytes ``[start, end)`` of the object into ``out`` (exactly that long), or raise.
+        With ``if_match`` (a version tag its listing gave, ``ObjectInfo.etag``), raise
+        ``PreconditionFailed`` if the object was written since: the parts of one read then
+        all come from one version of it.
 
-        Backends that can receive straight into ``out`` override this; the default copies.
+        Backends that can receive straight into ``out`` override this; the default copies,
+        and cannot honour ``if_match``.
         """
         out[:] = self.get_range(bucket, key, start, end)
 

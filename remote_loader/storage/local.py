@@ -119,10 +119,14 @@ class LocalStore(Store):
         with self._open_range(bucket, key, start, end) as f:
             return check_range(bucket, key, start, end, f.read(end - start))
 
-    def get_range_into(self, bucket: str, key: str, start: int, end: int, out: memoryview) -> None:
+    def get_range_into(self, bucket: str, key: str, start: int, end: int, out: memoryview, *,
+                       if_match: str | None = None) -> None:
         if end <= start:
             return
         with self._open_range(bucket, key, start, end) as f:
+            if if_match is not None and _version(os.fstat(f.fileno())) != if_match:  # the file read is the one checked
+                raise PreconditionFailed(f"{bucket}/{key} was written again since it was listed ({if_match})",
+                                         bucket=bucket, key=key, code="PreconditionFailed")
             check_range(bucket, key, start, end, b"", got=f.readinto(out[: end - start]))
 
     def get_range_and_size(self, bucket: str, key: str, start: int, end: int) -> tuple[bytes, int]:
@@ -205,7 +209,8 @@ class LocalStore(Store):
             for name in filenames:
                 key = name if rel == "." else f"{rel}/{name}"
                 if _PARTIAL not in name and key.startswith(prefix) and (start_after is None or key > start_after):
-                    found.append(ObjectInfo(key=key, size=(Path(dirpath) / name).stat().st_size))
+                    info = (Path(dirpath) / name).stat()
+                    found.append(ObjectInfo(key=key, size=info.st_size, etag=_version(info)))
         yield from sorted(found, key=lambda o: o.key)
 
     def delete(self, bucket: str, key: str) -> None:
@@ -262,6 +267,12 @@ def _no_directory(path: Path) -> str:
     except OSError:  # a parent that cannot be searched
         pass
     return f"no directory {path}"
+
+
+def _version(found: os.stat_result) -> str:
+    """A local object's version tag as its listing gives it: a write replaces the file (a new
+    inode, a new write time), so the tag changes; reading the file is not needed."""
+    return f'"{found.st_mtime_ns:x}-{found.st_size:x}-{found.st_ino:x}"'
 
 
 def _etag(data: bytes) -> str:

@@ -198,8 +198,12 @@ class RetryingStore(Store):
     def get_range(self, bucket: str, key: str, start: int, end: int) -> bytes:
         return self._call("get_range", bucket, key, start, end)
 
-    def get_range_into(self, bucket: str, key: str, start: int, end: int, out: memoryview) -> None:
-        self._call("get_range_into", bucket, key, start, end, out)
+    def get_range_into(self, bucket: str, key: str, start: int, end: int, out: memoryview, *,
+                       if_match: str | None = None) -> None:
+        if if_match is None:  # a store of the user's may not know the keyword
+            self._call("get_range_into", bucket, key, start, end, out)
+        else:
+            self._call("get_range_into", bucket, key, start, end, out, if_match=if_match)
 
     def get_range_and_size(self, bucket: str, key: str, start: int, end: int) -> tuple[bytes, int]:
         return self._call("get_range_and_size", bucket, key, start, end)

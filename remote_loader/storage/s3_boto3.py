@@ -267,7 +267,8 @@ class Boto3Store(RangedStore):
             finally:
                 body.close()
 
-    def get_range_into(self, bucket: str, key: str, start: int, end: int, out: memoryview) -> None:
+    def get_range_into(self, bucket: str, key: str, start: int, end: int, out: memoryview, *,
+                       if_match: str | None = None) -> None:
         """Receive the body straight into ``out``: no intermediate bytes object.
 
         The request goes on a URL the client presigned for the object, through the client's
@@ -282,12 +283,13 @@ class Boto3Store(RangedStore):
         client = self._sdk()
         session = getattr(getattr(client, "_endpoint", None), "http_session", None)
         if not isinstance(session, URLLib3Session):  # another transport: botocore's own call
-            self._get_object_into(bucket, key, start, end, out)
+            self._get_object_into(bucket, key, start, end, out, if_match)
             return
+        headers = {"Range": byte_range} if if_match is None else {"Range": byte_range, "If-Match": if_match}
         with self._errors(f"GET {byte_range}", bucket, key):
             for fresh in (False, True):
                 request = AWSRequest(method="GET", url=self._presigned(client, bucket, key, fresh),
-                                     headers={"Range": byte_range}, stream_output=True)
+                                     headers=headers, stream_output=True)
                 response = session.send(request.prepare())
                 try:
                     if response.status_code < 300:
@@ -317,10 +319,12 @@ class Boto3Store(RangedStore):
             self._urls.popitem(last=False)
         return str(url)
 
-    def _get_object_into(self, bucket: str, key: str, start: int, end: int, out: memoryview) -> None:
+    def _get_object_into(self, bucket: str, key: str, start: int, end: int, out: memoryview,
+                         if_match: str | None) -> None:
         byte_range = f"bytes={start}-{end - 1}"
+        condition = {} if if_match is None else {"IfMatch": if_match}
         with self._errors(f"GET {byte_range}", bucket, key):
-            response = self._sdk().get_object(Bucket=bucket, Key=key, Range=byte_range)
+            response = self._sdk().get_object(Bucket=bucket, Key=key, Range=byte_range, **condition)
             body = response["Body"]
             try:
                 check_answer(bucket, key, start, end, response.get("ContentRange"))
@@ -361,7 +365,7 @@ class Boto3Store(RangedStore):
             )
             for page in pages:
                 for item in page.get("Contents", []):
-                    yield ObjectInfo(key=item["Key"], size=int(item["Size"]))
+                    yield ObjectInfo(key=item["Key"], size=int(item["Size"]), etag=str(item.get("ETag", "")))
 
     def delete(self, bucket: str, key: str) -> None:
         with self._errors("DELETE", bucket, key):

@@ -62,6 +62,11 @@ def _xml(data: bytes, *names: str) -> list[str]:
     return [(e.text or "") for e in root.iter() if e.tag.rsplit("}", 1)[-1] in names]
 
 
+def _quoted(etag: str | None) -> str:
+    """An ETag as S3 sends it, quoted (minio's listing strips the quotes); "" for none."""
+    return f'"{etag}"' if etag else ""
+
+
 def _checksum(body: bytes | bytearray | memoryview) -> dict[str, str]:
     """A body's ``x-amz-checksum-crc32`` as a query parameter of a presigned URL, where the
     signature covers it (an unsigned header is refused): a body damaged on the way is refused."""
@@ -300,13 +305,15 @@ class MinioStore(RangedStore):
                 response.close()
                 response.release_conn()
 
-    def get_range_into(self, bucket: str, key: str, start: int, end: int, out: memoryview) -> None:
+    def get_range_into(self, bucket: str, key: str, start: int, end: int, out: memoryview, *,
+                       if_match: str | None = None) -> None:
         """Receive the body straight into ``out``: no intermediate bytes object."""
         if end <= start:
             return
         byte_range = f"bytes={start}-{end - 1}"
+        headers = {"Range": byte_range} if if_match is None else {"Range": byte_range, "If-Match": if_match}
         with self._errors(f"GET {byte_range}", bucket, key):
-            response = self._sdk().get_object(bucket, key, request_headers={"Range": byte_range})
+            response = self._sdk().get_object(bucket, key, request_headers=headers)
             try:
                 check_answer(bucket, key, start, end, response.headers.get("Content-Range"))
                 filled = receive_into(response, out, self.config.read_timeout)
@@ -351,7 +358,7 @@ class MinioStore(RangedStore):
         with self._errors("LIST", bucket, prefix or None):
             for item in self._sdk().list_objects(bucket, prefix=prefix, recursive=True, start_after=start_after):
                 if not item.is_dir:
-                    yield ObjectInfo(key=item.object_name or "", size=int(item.size or 0))
+                    yield ObjectInfo(key=item.object_name or "", size=int(item.size or 0), etag=_quoted(item.etag))
 
     def delete(self, bucket: str, key: str) -> None:
         with self._errors("DELETE", bucket, key):

@@ -352,6 +352,23 @@ def test_list_is_complete_sorted_and_paginated(store):
     assert [o.key for o in client.list(bucket, "p/", start_after="p/zzz")] == []
 
 
+def test_a_ranged_read_naming_the_listed_version_is_refused_once_the_object_is_written_again(store):
+    client, bucket, _ = store
+    client.put(bucket, "v/obj", b"a" * 1000)
+    (listed,) = client.list(bucket, "v/")
+    assert listed.etag  # every store here lists a version tag
+    out = bytearray(10)
+    client.get_range_into(bucket, "v/obj", 100, 110, memoryview(out), if_match=listed.etag)
+    assert out == b"a" * 10
+    client.put(bucket, "v/obj", b"b" * 1000)  # the same size: only the version tells the two apart
+    with pytest.raises(PreconditionFailed, match="v/obj"):
+        client.get_range_into(bucket, "v/obj", 100, 110, memoryview(out), if_match=listed.etag)
+    (again,) = client.list(bucket, "v/")
+    assert again.etag != listed.etag
+    client.get_range_into(bucket, "v/obj", 100, 110, memoryview(out), if_match=again.etag)
+    assert out == b"b" * 10
+
+
 def test_list_past_one_thousand_keys(store):
     client, bucket, target = store
     if target is None or target.name != "seaweedfs":

@@ -55,14 +55,14 @@ class Unindexed:
 
 
 class TarSource:
-    """The samples of whole unindexed tars ``(name, size)``: ``open_shards`` read at once (each
+    """The samples of whole unindexed tars ``(name, size, etag)`` as listed: ``open_shards`` read at once (each
     next sample from one of them, by the seed), then the shuffle buffer if any. It keeps no
     positions, so its iterations have no state. A tar that cannot be read raises, or with
     ``on_error="skip"`` is skipped whole: none of its samples is given (a tar is read whole
     before its first sample is)."""
 
-    def __init__(self, reader: DatasetReader, session: ReadSession, tars: Sequence[tuple[str, int]], mixing: Mixing,
-                 seeds: tuple[Sequence[int], Sequence[int]], on_error: OnError) -> None:
+    def __init__(self, reader: DatasetReader, session: ReadSession, tars: Sequence[tuple[str, int, str]],
+                 mixing: Mixing, seeds: tuple[Sequence[int], Sequence[int]], on_error: OnError) -> None:
         self.reader, self.session, self.tars, self.mixing, self.seeds = reader, session, tars, mixing, seeds
         self.on_error = on_error
         self.emitted = 0
@@ -85,7 +85,7 @@ class TarSource:
 
     def __iter__(self) -> Iterator[Sample]:
         # Made as the fetcher takes them: each holds its tar's first bytes once they are in.
-        jobs = (tar_job(self.reader, self.session, name, size, self.on_error) for name, size in self.tars)
+        jobs = (tar_job(self.reader, self.session, name, size, etag, self.on_error) for name, size, etag in self.tars)
         with Prefetcher(self.reader.location.bucket, jobs, self.session, self.reader.round_trip,
                         locate_ahead=_LOCATE_AHEAD) as prefetcher:
             fetched = iter(prefetcher)
