@@ -191,6 +191,13 @@ class RemoteDataset(IterableDataset):
         each iteration takes the next one by itself (see ``set_epoch``)."""
         return self._epochs.epoch
 
+    @property
+    def states_loaded(self) -> int:
+        """How many states ``load_state_dict`` loaded in the main process, as every copy of this
+        dataset sees it: a DataLoader of ``loader()`` whose persistent workers started at another
+        count refuses its next pass (the workers would not resume from it)."""
+        return self._handover.loads()
+
     def __repr__(self) -> str:
         return f"RemoteDataset({self.reader.location}, stages={len(self.stages)}, epoch={self.epoch})"
 

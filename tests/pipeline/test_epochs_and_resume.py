@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from remote_loader import ConfigError, RemoteDataset, ResumeError
+from remote_loader import ConfigError, RemoteDataset, ResumeError, loader
 from remote_loader.testing.synthetic import SyntheticImages
 from tests.helpers import upload_to_new_bucket
 
@@ -74,6 +74,24 @@ def test_loading_a_state_after_persistent_workers_started_is_refused(dataset):
     dataset.load_state_dict(dataset.state_dict(consumed=10, num_workers=1))
     with pytest.raises(ConfigError, match="persistent workers started"):
         list(loader)
+
+
+def test_loader_refuses_a_state_loaded_after_its_persistent_workers_started_in_one_line(dataset, seaweed):
+    # Each worker refused it in its own process: the error came in PyTorch's wrapper, 20 lines
+    # of a worker's traceback before the one that says what to do.
+    _ = dataset  # uploaded; read by a dataset of this test's own, which no other test loaded a state into
+    dataset = RemoteDataset(seaweed.client(), "epoch-resume-tests", "d", seed=3).map(lambda s: s["__key__"])
+    dataset.set_epoch(0)
+    workers = loader(dataset, num_workers=1)
+    assert Counter(list(workers)) == ALL
+    dataset.load_state_dict(dataset.state_dict(consumed=10, num_workers=1))
+    for _ in range(2):
+        with pytest.raises(ResumeError) as refused:
+            list(workers)
+        assert str(refused.value) == ("load_state_dict was called after this DataLoader's persistent workers started;"
+                                      " load the state before the first epoch, or create a new DataLoader")
+    resumed = loader(dataset, num_workers=1)  # as the message says: the state is still owed
+    assert len(list(resumed)) == N - 10
 
 
 def _state(dataset, **changes):

@@ -190,8 +190,8 @@ def test_a_state_loaded_after_persistent_workers_started_is_refused_and_a_new_lo
     for _ in range(2):  # its workers live on: every pass says why it cannot resume
         with pytest.raises(ResumeError) as refused:
             list(stopped)
-        assert str(refused.value).splitlines()[-1].endswith("load the state before the first epoch, or create a"
-                                                            " new DataLoader")
+        assert str(refused.value) == ("load_state_dict was called after this DataLoader's persistent workers started;"
+                                      " load the state before the first epoch, or create a new DataLoader")
     resumed = make(location)
     resumed.load_state_dict(state)
     after = list(loader(resumed, stateful=True, num_workers=2))

@@ -10,6 +10,9 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
+from remote_loader.errors import ResumeError
+from remote_loader.pipeline.state.resume.handover import LOADED_LATE
+
 
 def collect_before_fork(dataloader: DataLoader) -> None:
     """Collect this process's garbage where ``dataloader`` is about to fork its workers.
@@ -40,8 +43,19 @@ def start_iteration(dataloader: DataLoader, start: Any) -> Any:
     if inherited is not None and dataloader.__dict__.get("_made_in") != os.getpid():
         inherited._shutdown = True  # its end would stop the parent's workers, which serve the parent
         dataloader._iterator = None
+    elif inherited is not None and dataloader.persistent_workers and dataloader.num_workers:
+        _refuse_late_loads(dataloader)
     collect_before_fork(dataloader)
     return start()
+
+
+def _refuse_late_loads(dataloader: DataLoader) -> None:
+    """A ResumeError, in this process and in one line, where a state was loaded into the
+    dataset after the loader's persistent workers started: they would not resume from it
+    (each would refuse it in its own process, in PyTorch's many-line wrapper)."""
+    loads = getattr(dataloader.dataset, "states_loaded", None)
+    if isinstance(loads, int) and loads != dataloader.__dict__.get("_states_loaded", loads):
+        raise ResumeError(LOADED_LATE)
 
 
 def made_here(dataloader: DataLoader, make: Any) -> Any:
@@ -49,6 +63,7 @@ def made_here(dataloader: DataLoader, make: Any) -> Any:
     iterator; where it starts workers, a process forked from this one later forgets them
     (``_forget_children_in_forks``)."""
     dataloader.__dict__["_made_in"] = os.getpid()
+    dataloader.__dict__["_states_loaded"] = getattr(dataloader.dataset, "states_loaded", None)
     if dataloader.num_workers:
         _forget_children_in_forks()
     return make()

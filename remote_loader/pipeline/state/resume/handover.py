@@ -20,6 +20,8 @@ from remote_loader.config import MAX_WORKERS
 from remote_loader.errors import ResumeError
 from remote_loader.pipeline.state.resume.loaded import Loaded
 
+LOADED_LATE = ("load_state_dict was called after this DataLoader's persistent workers started; load the state"
+               " before the first epoch, or create a new DataLoader")
 _GENERATION = 0  # how many states the main process loaded
 _APPLIED = 1  # per worker from here: the generation of the last loaded state it applied
 
@@ -38,6 +40,10 @@ class Handover:
         if self.loaded is None:  # states loaded since in another process (a decoding process), applied there
             state["generation"] = max(self.generation, int(self.shared[_GENERATION]))
         return state
+
+    def loads(self) -> int:
+        """How many states the main process loaded, as every copy sees it (shared memory)."""
+        return int(self.shared[_GENERATION])
 
     def own_epoch(self) -> int | None:
         """The epoch of the state a DataLoader worker loaded for itself, while unused."""
@@ -76,8 +82,7 @@ class Handover:
         iteration of its epoch only (``applied`` marks it used). ``peek``: for the state of an
         iteration not begun, a load this copy missed is not refused; the iteration refuses it."""
         if not peek and int(self.shared[_GENERATION]) != self.generation:
-            raise ResumeError("load_state_dict was called after this DataLoader's persistent workers started;"
-                              " load the state before the first epoch, or create a new DataLoader")
+            raise ResumeError(LOADED_LATE)
         loaded = self.loaded
         if loaded is None:
             return None
