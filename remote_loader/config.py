@@ -400,7 +400,9 @@ class FetchConfig:
     epoch the first MiB of the first four shards (a shard under 2 MiB whole) is fetched
     while their indexes arrive (8 MiB more at most, until copied into their ranges). A range larger than
     ``prefetch_bytes`` (one sample bigger than that) is fetched alone. A process's loader memory adds the shuffle
-    buffer's samples and, per threaded stage, ``2 x threads`` samples in flight. A
+    buffer's samples, per threaded stage ``2 x threads`` samples in flight, and the shard
+    indexes it keeps (``2 x open_shards + 4``, ~70 bytes a sample and 20 more a field each).
+    Tars streamed unindexed are read whole, a range each, whatever ``range_bytes``. A
     DataLoader worker that decodes on the CPU, given no ``fetch``, fetches under a smaller
     budget and keeps no free buffer (``for_decoding``).
 

@@ -56,13 +56,22 @@ class ObjectWriter(ABC):
         """Append ``data``; full parts are sent as they fill."""
         if self._done:
             raise ValueError(f"writer for s3://{self.bucket}/{self.key} is already finished")
-        self._buffer += data
         self.size += len(data)
-        while len(self._buffer) >= self.part_size:
-            with memoryview(self._buffer) as view:
-                part = bytes(view[: self.part_size])  # one copy; a slice of the bytearray would be two
-            del self._buffer[: self.part_size]
-            self._send(part)
+        with memoryview(data) as view:
+            # Parts are cut from ``data`` as they fill: a member larger than a part is never
+            # held whole in the buffer beside the caller's copy (a 300 MB one was).
+            taken = 0
+            while len(self._buffer) + len(view) - taken >= self.part_size:
+                if self._buffer:
+                    end = taken + self.part_size - len(self._buffer)
+                    self._buffer += view[taken:end]
+                    part, self._buffer = bytes(self._buffer), bytearray()
+                else:
+                    end = taken + self.part_size
+                    part = bytes(view[taken:end])  # one copy, straight from the caller's bytes
+                taken = end
+                self._send(part)
+            self._buffer += view[taken:]
 
     def _send(self, part: bytes) -> None:
         """Send ``part`` on one of the writer's threads, once fewer than ``PARTS_IN_FLIGHT`` are."""

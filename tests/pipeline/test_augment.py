@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import simplejpeg
 import torch
 
 from remote_loader.errors import DecodeError
 from remote_loader.pipeline.stages.augment import RandomResizedCrop
+from remote_loader.pipeline.stages.decode import decode_sample
+from remote_loader.pipeline.stages.prepared import prepare
 from remote_loader.testing.synthetic import SyntheticImages
 
 
@@ -32,6 +35,25 @@ def test_reduced_decoding_stays_close_to_the_plain_path():
     values = [psnr(plain.decode(d), fast.decode(d)) for d in data]
     assert min(values) > 25  # close, not identical: DCT scaling instead of a full decode
     assert max(values) < 80  # the reduced path really ran
+
+
+def test_a_jpeg_past_pillows_pixel_bound_is_refused_before_decoding(monkeypatch):
+    """A JPEG's header says its size: one past twice Pillow's ``MAX_IMAGE_PIXELS`` is refused
+    as ``decode("rgb8")`` refuses it, by the fused crop (which decoded a 14 MB JPEG of 30000 x
+    30000 into 2.7 GB, 4.5 GB of peak RSS with ``reduced=False``) and by a device pipeline's
+    worker, before a pixel is decoded. The bound is lowered here to this small image's size."""
+    data = SyntheticImages(1)[0][0]
+    height, width, _, _ = simplejpeg.decode_jpeg_header(data)
+    monkeypatch.setattr("PIL.Image.MAX_IMAGE_PIXELS", width * height // 2 - 1)
+    with pytest.raises(DecodeError, match="DecompressionBombError"):
+        decode_sample({"__key__": "a", "jpg": data}, "rgb8")
+    for crop in (RandomResizedCrop(32, seed=0), RandomResizedCrop(32, seed=0, reduced=False)):
+        with pytest.raises(DecodeError, match="DecompressionBombError"):
+            crop.decode(data)
+    with pytest.raises(DecodeError, match="past twice Pillow's MAX_IMAGE_PIXELS"):
+        prepare(RandomResizedCrop(32), data, np.random.default_rng(0), "a", "memory")
+    monkeypatch.setattr("PIL.Image.MAX_IMAGE_PIXELS", (width * height + 1) // 2)  # at the bound: decoded
+    assert RandomResizedCrop(32, seed=0).decode(data).shape == (3, 32, 32)
 
 
 def test_labels_pass_through_and_bad_bytes_raise():

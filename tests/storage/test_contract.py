@@ -29,6 +29,7 @@ from remote_loader import (
 )
 from remote_loader.storage import MinioStore, parse_location, s3_minio
 from remote_loader.storage.base import BUCKET_NAME_RULE, check_answer, error_for
+from remote_loader.storage.writer import PARTS_IN_FLIGHT
 from tests.conftest import new_bucket
 from tests.faultproxy import FaultProxy
 from tests.tlsproxy import TLSProxy, self_signed_certificate
@@ -290,6 +291,27 @@ def test_streaming_multipart_put_is_byte_identical(store):
             writer.write(chunk)
     assert client.get(bucket, "big/obj") == b"".join(chunks)
     assert client.head(bucket, "big/obj") == sum(map(len, chunks))
+
+
+def test_a_write_larger_than_a_part_is_cut_into_parts_not_buffered_whole(store):
+    """A shard's member larger than a part (a 300 MB array) was appended whole to the writer's
+    buffer before parts were cut from it, a copy beside the caller's: its upload peaked at
+    1,218 MB of RSS. Parts are cut from the caller's bytes, so one write holds what any
+    writes do, the parts being sent and the one filling (``PARTS_IN_FLIGHT + 1``); the
+    object is the bytes written, the first part cut across two writes."""
+    client, bucket, _ = store
+    head, data = os.urandom(1000), os.urandom(64 * MiB)
+    writer = client.open_writer(bucket, "big/one", part_size=5 * MiB)
+    writer.write(head)
+    tracemalloc.start()
+    try:
+        writer.write(data)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    writer.commit()
+    assert client.get(bucket, "big/one") == head + data
+    assert peak < (PARTS_IN_FLIGHT + 3) * 5 * MiB, f"{peak:,} bytes allocated to write {len(data):,} in parts of 5 MiB"
 
 
 def test_failed_writer_leaves_no_object_and_no_upload(store):

@@ -184,7 +184,7 @@ class RandomResizedCrop:
         return crop.contiguous()
 
     def _jpeg(self, data: Any, rng: np.random.Generator) -> tuple[np.ndarray, tuple[int, int, int, int]]:
-        height, width, _, _ = simplejpeg.decode_jpeg_header(data)
+        width, height = jpeg_size(data)
         shrink, box = self._reduced(width, height, self.box(width, height, rng))
         pixels = simplejpeg.decode_jpeg(data, colorspace="RGB", fastdct=self.fast, fastupsample=self.fast,
                                         min_width=math.ceil(width / shrink), min_height=math.ceil(height / shrink),
@@ -232,6 +232,19 @@ class RandomResizedCrop:
         if field.rsplit(".", 1)[-1] in IMAGE_FIELDS:
             return self.decode(data, rng)
         return data
+
+
+def jpeg_size(data: Any) -> tuple[int, int]:
+    """A JPEG's ``(width, height)`` from its header; ``Image.DecompressionBombError`` for one
+    that Pillow would refuse to open, past twice ``PIL.Image.MAX_IMAGE_PIXELS`` (a 14 MB JPEG
+    of 30000 x 30000 decodes to 2.7 GB), before any pixel is decoded. ValueError where the
+    header is not a JPEG's."""
+    height, width, _, _ = simplejpeg.decode_jpeg_header(data)
+    bound = Image.MAX_IMAGE_PIXELS
+    if bound is not None and width * height > 2 * bound:
+        raise Image.DecompressionBombError(f"a JPEG of {width} x {height} pixels, past twice Pillow's"
+                                           f" MAX_IMAGE_PIXELS ({bound})")
+    return width, height
 
 
 _REUSED = 16 << 20

@@ -11,13 +11,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import simplejpeg
 import torch
+from PIL import Image
 from torch.utils.data import default_collate
 
 from remote_loader.errors import ConfigError, DecodeError
 from remote_loader.format.images import structure_problem
-from remote_loader.pipeline.stages.augment import JPEG_MAGIC, RandomResizedCrop
+from remote_loader.pipeline.stages.augment import JPEG_MAGIC, RandomResizedCrop, jpeg_size
 from remote_loader.pipeline.stages.containers import holds
 
 Box = tuple[float, float, float, float]
@@ -42,8 +42,8 @@ def prepare(crop: RandomResizedCrop, data: Any, rng: np.random.Generator, key: s
     if bytes(data[:2]) != JPEG_MAGIC:
         return Ready(crop.decode(data, rng))
     try:
-        height, width, _, _ = simplejpeg.decode_jpeg_header(data)
-    except ValueError as exc:
+        width, height = jpeg_size(data)
+    except (ValueError, Image.DecompressionBombError) as exc:
         raise DecodeError(f"sample {key!r} of {shard} is not a decodable image ({exc})"[:300], key=key) from None
     box = crop.source_box(width, height, crop.box(width, height, rng))
     flip = bool(crop.flip and rng.random() < 0.5)
