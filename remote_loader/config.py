@@ -469,8 +469,11 @@ class FetchConfig:
         return max(self.prefetch_bytes, ranges) + (open_shards + self.free_ranges) * ranges + 8 * mib
 
 
-def current_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    """Rank and world size: as given, else from torch.distributed, else ``RANK`` / ``WORLD_SIZE``."""
+def current_world(rank: int | None, world_size: int | None,
+                  inherited: tuple[int, int] | None = None) -> tuple[int, int]:
+    """Rank and world size: as given, else from torch.distributed, else ``inherited`` (the
+    world torch.distributed gave the process that pickled the caller's object, for a spawned
+    DataLoader worker, which has no process group), else ``RANK`` / ``WORLD_SIZE``."""
     if (rank is None) != (world_size is None):
         raise ConfigError(
             f"give rank and world_size together, or neither (to take both from torch.distributed"
@@ -478,11 +481,16 @@ def current_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
         )
     if rank is not None and world_size is not None:
         return check_world(rank, world_size)
+    return distributed_world() or inherited or world_from_env()
+
+
+def distributed_world() -> tuple[int, int] | None:
+    """Rank and world size where torch.distributed was set up in this process, else None."""
     import torch.distributed as dist  # only when the world is not given, and by datasets, which import torch anyway
 
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    return world_from_env()
+    return None
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)

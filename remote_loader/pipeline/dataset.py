@@ -18,6 +18,7 @@ from remote_loader.config import (
     CacheConfig,
     FetchConfig,
     current_world,
+    distributed_world,
     require_bool,
     require_int,
 )
@@ -154,6 +155,7 @@ class RemoteDataset(IterableDataset):
         self.seed, self.shuffle_shards = seed, shuffle_shards
         self.mixing = Mixing(open_shards)  # what the source's order mixes: open shards, then shuffle()'s buffer
         self.rank, self.world_size, self.equalize = rank, world_size, equalize
+        self._inherited_world: tuple[int, int] | None = None  # the world of the process that pickled this one
         self.stages: list[stages.Stage] = []
         self._metrics = Metrics.table(1 + MAX_WORKERS)  # row 0: this process; row 1 + w: worker w
         self._epochs = EpochClock()
@@ -177,6 +179,8 @@ class RemoteDataset(IterableDataset):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_live"] = state["_check"] = None  # a stream, and a thread's answer, stay in their process
+        if self.rank is None:  # a spawned DataLoader worker has no process group: it takes this process's world
+            state["_inherited_world"] = distributed_world() or self._inherited_world
         return state
 
     @property
@@ -389,7 +393,8 @@ class RemoteDataset(IterableDataset):
 
     def _layout(self) -> Layout:
         """This rank's place in the world now, with the dataset and the stages."""
-        rank, world_size = current_world(self.rank, self.world_size)
+        inherited = self._inherited_world if get_worker_info() is not None else None  # a spawned worker's
+        rank, world_size = current_world(self.rank, self.world_size, inherited)
         equalize = world_size > 1 if self.equalize is None else self.equalize
         return Layout(self.reader, self.seed, self.shuffle_shards, rank, world_size, equalize, self.mixing,
                       tuple(self.stages))

@@ -527,3 +527,25 @@ def test_a_count_state_without_its_mixing_or_split_loads_said_in_the_log(dataset
         _fresh(dataset).load_state_dict({k: v for k, v in counted.items() if k != field})
     said = [r.getMessage() for r in caplog.records if "count state holds no" in r.getMessage()]
     assert len(said) == 1 and f"holds no {field} (saved before states did" in said[0]
+
+
+@pytest.mark.parametrize("start", ["spawn", "forkserver"])
+def test_spawned_workers_read_the_rank_torch_distributed_gave_this_process(dataset, monkeypatch, start):
+    """A process group set up with rank= and world_size= (mp.spawn, SLURM), no RANK / WORLD_SIZE:
+    a spawned worker has no group, and read the whole dataset on every rank (2 x 150 of 300 each)."""
+    import torch.distributed as dist
+
+    fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    given = RemoteDataset(dataset.reader.client, "epoch-resume-tests", "d", seed=3, rank=1, world_size=2)
+    ours = [s["__key__"] for s in given]
+    dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=1, world_size=2)
+    try:
+        plain = RemoteDataset(dataset.reader.client, "epoch-resume-tests", "d", seed=3)
+        loader = DataLoader(plain, batch_size=None, num_workers=2, multiprocessing_context=start)
+        keys = [s["__key__"] for s in loader]
+        assert len(plain) == len(loader) == N // 2
+    finally:
+        dist.destroy_process_group()
+    assert len(keys) == N // 2 and Counter(keys) == Counter(ours)
