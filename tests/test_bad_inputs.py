@@ -244,6 +244,17 @@ def test_a_world_size_in_the_environment_without_a_rank_is_refused(monkeypatch, 
     assert len(RemoteDataset(client, bucket, "ok")) > 0
 
 
+def test_a_rank_in_the_environment_without_a_world_size_is_refused_as_such(monkeypatch, small):
+    """It was refused as 'RANK=1 and WORLD_SIZE=1 in the environment', a WORLD_SIZE nobody set."""
+    client, bucket = small
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(ConfigError, match="RANK=1 in the environment but no WORLD_SIZE: set both"):
+        len(RemoteDataset(client, bucket, "ok"))
+    monkeypatch.setenv("RANK", "0")  # one process: rank 0, as without either
+    assert len(RemoteDataset(client, bucket, "ok")) > 0
+
+
 @pytest.mark.parametrize(
     "make, field",
     [
