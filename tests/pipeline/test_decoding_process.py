@@ -336,6 +336,24 @@ def test_a_decoding_process_whose_user_is_killed_ends_without_a_word(client, sea
     assert err == "", err[-2000:]
 
 
+def fail_at_the_tenth(sample):
+    if sample[2] == "000009":
+        raise ValueError("the tenth sample")
+    return sample
+
+
+def test_a_failed_passs_worker_ends_with_the_pass(client):
+    # The pass's error held a frame that held the error (torch's reraise): its DataLoader
+    # iterator, and its worker, lived on until the decoding process's garbage collector ran,
+    # or the next pass began.
+    batches = loader(pipeline(client, fn=fail_at_the_tenth), num_workers=1, persistent_workers=False)
+    with pytest.raises(ValueError, match="the tenth sample"):
+        keys(batches)
+    with open(f"/proc/{batches.pid}/task/{batches.pid}/children") as children:
+        workers = [int(pid) for pid in children.read().split()]
+    assert all(ended_within(pid, 30) for pid in workers), "the failed pass's worker lives on"
+
+
 def interrupt_at_the_eighth(sample):
     if sample[2] == "000007":
         raise KeyboardInterrupt
