@@ -79,6 +79,7 @@ class Kept(Generic[K, V]):
             with self._lock:
                 self._making.pop(key, None)
             making.set_exception(exc)
+            del making  # its error's traceback holds this frame: a cycle only the garbage collector would free
             raise
         with self._lock:
             self._making.pop(key, None)

@@ -3,9 +3,11 @@ many threads ask at once, kept by a forked child, not by a pickled copy."""
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import threading
+import weakref
 
 import pytest
 
@@ -69,3 +71,33 @@ def test_a_forked_child_keeps_the_values_and_a_pickled_copy_starts_empty():
     assert os.read(read, 2) == bytes([1, 2])
     copy = pickle.loads(pickle.dumps(kept))
     assert copy.keep == 4 and copy.cached("a") is None and len(copy) == 0
+
+
+class _Failed(Exception):
+    """A failure whose end can be watched: each one made is noted by a weak reference."""
+
+    made: list[weakref.ref[_Failed]] = []
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)
+        _Failed.made.append(weakref.ref(self))
+
+
+def _fail() -> int:
+    raise _Failed("no")
+
+
+def test_a_failed_make_leaves_nothing_to_the_garbage_collector():
+    # The flight's Future held the error, whose traceback held the frame that held the
+    # Future: every failed make (an index GET cancelled by an abandoned pass) kept its frames,
+    # and what they held, until the garbage collector ran.
+    kept: Kept[str, int] = Kept(2)
+    gc.disable()
+    try:
+        try:
+            kept.get("a", _fail)
+        except _Failed:
+            pass
+        assert _Failed.made[-1]() is None  # freed with its last reference, the except block's
+    finally:
+        gc.enable()

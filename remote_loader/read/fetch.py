@@ -414,6 +414,7 @@ class Prefetcher(Generic[C]):
                 return
             self._closed = True
             self._parts.clear()  # queued parts hold their ranges, which hold this fetcher
+            self._slots.clear()  # and so do the ranges not handed out: a cycle only the garbage collector frees
             self._wake_all()
         self.session.cancel.set()  # requests waiting to retry give up at once
         deadline = time.monotonic() + _CLOSE_WITHIN

@@ -159,6 +159,31 @@ def test_a_process_left_by_a_collected_loader_serves_the_next_and_keeps_nothing_
     assert len(keys(resumed)) == N - 8
 
 
+def shared_memory_fds():
+    """How many of this process's file descriptors are open on shared memory (torch's segments)."""
+    return sum(_link(f"/proc/self/fd/{fd}").startswith("/dev/shm/") for fd in os.listdir("/proc/self/fd"))
+
+
+def _link(path):
+    try:
+        return os.readlink(path)
+    except OSError:  # the listing's own descriptor, closed by now
+        return ""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts file descriptors in /proc")
+def test_sending_the_pipeline_each_pass_holds_no_file_descriptor_here(client):
+    # Sharing the dataset's tensors hands a copy of each one's descriptor to multiprocessing's
+    # resource sharer until the decoding process takes it: a pickle no process takes kept its
+    # copies for good (4 a pass, the dataset's 4 shared tensors: a process ran out at ~250 passes).
+    batches = loader(pipeline(client), num_workers=1, persistent_workers=False)  # sent every pass
+    assert len(keys(batches)) == N
+    held = shared_memory_fds()
+    for _ in range(3):
+        assert len(keys(batches)) == N
+    assert shared_memory_fds() == held
+
+
 def ended_within(pid, seconds):
     """Whether process ``pid`` (not a child of this one) ends within ``seconds``."""
     try:
@@ -309,6 +334,24 @@ def test_a_decoding_process_whose_user_is_killed_ends_without_a_word(client, sea
     out, err = run.communicate(timeout=300)  # its pipes close once the decoding process and its workers have ended
     assert run.returncode == -signal.SIGKILL and out.strip().isdigit()
     assert err == "", err[-2000:]
+
+
+def fail_at_the_tenth(sample):
+    if sample[2] == "000009":
+        raise ValueError("the tenth sample")
+    return sample
+
+
+def test_a_failed_passs_worker_ends_with_the_pass(client):
+    # The pass's error held a frame that held the error (torch's reraise): its DataLoader
+    # iterator, and its worker, lived on until the decoding process's garbage collector ran,
+    # or the next pass began.
+    batches = loader(pipeline(client, fn=fail_at_the_tenth), num_workers=1, persistent_workers=False)
+    with pytest.raises(ValueError, match="the tenth sample"):
+        keys(batches)
+    with open(f"/proc/{batches.pid}/task/{batches.pid}/children") as children:
+        workers = [int(pid) for pid in children.read().split()]
+    assert all(ended_within(pid, 30) for pid in workers), "the failed pass's worker lives on"
 
 
 def interrupt_at_the_eighth(sample):

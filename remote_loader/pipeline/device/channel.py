@@ -51,16 +51,20 @@ _SHARED: dict[type, Any] = {
 
 class _PipelinePickler(_BASE):  # type: ignore[misc, valid-type]
     """cloudpickle (or pickle), with tensors and storages shared as torch shares them with
-    a spawned DataLoader worker; notes the classes and functions of ``__main__`` it meets."""
+    a spawned DataLoader worker; notes the classes and functions of ``__main__`` it meets.
+    With ``share=False`` it only looks: a tensor goes as nothing, since sharing one hands a
+    copy of its file descriptor to multiprocessing's resource sharer, which keeps it until
+    a process that unpickles it asks for it."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, share: bool = True, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.of_main: dict[str, Any] = {}
+        self.share = share
 
     def reducer_override(self, obj: Any) -> Any:
         reduce = _SHARED.get(type(obj))
         if reduce is not None:
-            return reduce(obj)
+            return reduce(obj) if self.share else (tuple, ())
         if isinstance(obj, type | types.FunctionType) and getattr(obj, "__module__", None) == "__main__":
             name = getattr(obj, "__qualname__", "")
             if name.isidentifier() and getattr(sys.modules["__main__"], name, None) is obj:
@@ -75,7 +79,7 @@ def pipeline_bytes(obj: Any) -> bytes:
     their names): raises what pickling raises where something in it cannot be sent (a
     generator, a lock, an open file)."""
     _own_resource_sharer()
-    found = _PipelinePickler(io.BytesIO(), protocol=pickle.HIGHEST_PROTOCOL)
+    found = _PipelinePickler(io.BytesIO(), protocol=pickle.HIGHEST_PROTOCOL, share=False)
     found.dump(obj)  # which of __main__'s it holds; then the two in one pickle, as one set of objects
     out = io.BytesIO()
     _PipelinePickler(out, protocol=pickle.HIGHEST_PROTOCOL).dump((obj, found.of_main))

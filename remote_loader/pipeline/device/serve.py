@@ -24,6 +24,7 @@ import socket
 import sys
 import threading
 import time
+import traceback
 import warnings
 from collections.abc import Generator
 from typing import Any
@@ -60,6 +61,18 @@ def serve(fd: int) -> None:
         _Server(channel, setup).serve()
     except _Gone:
         pass
+
+
+def _drop_frames(error: BaseException | None) -> None:
+    """Let go now of what the frames of ``error``'s tracebacks hold (a failed pass's
+    DataLoader iterator, whose workers end with it): a frame there may hold the error itself
+    (torch's ``reraise`` does), a cycle only the garbage collector would free, minutes later."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)  # those still running (this pass's own) are skipped
+        error.__traceback__ = None
+        error = error.__cause__ or error.__context__
 
 
 def _end() -> None:
@@ -175,6 +188,7 @@ class _Server:
             if not self.opened:  # the user's process may wait to hear where it decodes
                 self.open()
             self.send(("error", run, sendable(error, self.pid)))
+            _drop_frames(error)
             return None
         self.send(("end", run))
         return None
