@@ -5,6 +5,7 @@ ended, never waited on for ever."""
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import re
 import subprocess
@@ -256,3 +257,35 @@ def test_a_worker_that_dies_beside_another_task_names_both_items_it_was_reading(
     assert re.search(r"^worker process \d+ ended \(exit status 3\) while reading ds\[2\] \(task 0\) and"
                      r" ds\[7\] \(task 1\): one of them crashed it", message), message
     assert error.value.index is None
+
+
+
+class FailsWhileAnotherStalls(SyntheticImages):
+    """In the upload's workers: ds[20] (task 2's first, in the second worker's pair) never
+    returns; ds[0] (task 0's first) is bad, once ds[20] is under way."""
+
+    def __init__(self, count: int) -> None:
+        super().__init__(count, size=(16, 16))
+        self.stalling = multiprocessing.Event()
+
+    def __getitem__(self, index):
+        if multiprocessing.parent_process() is not None:
+            if index == 20:
+                self.stalling.set()
+                threading.Event().wait()
+            if index == 0:
+                self.stalling.wait(60)
+                return b"not an image", 0
+        return super().__getitem__(index)
+
+
+def test_tasks_cancelled_after_the_first_error_are_not_reported_as_failures(s3, caplog):
+    """After the first error no other task starts: the jobs still waiting for a worker are
+    cancelled, which is no failure of theirs. While another task ran on (here until its
+    stall_timeout), each cancelled pair was logged as 'did not complete: the executor failed
+    (CancelledError: )', 16 lines here."""
+    client, bucket = s3
+    with caplog.at_level(logging.WARNING, logger="remote_loader"), pytest.raises(UploadError, match="sample 0"):
+        upload(client, bucket, "cancelled", FailsWhileAnotherStalls(400), maxcount=10, workers=2, shuffle=False,
+               stall_timeout=2)
+    assert [r.getMessage() for r in caplog.records if "after the first error" in r.getMessage()] == []
