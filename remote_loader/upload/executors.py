@@ -329,7 +329,13 @@ def run_jobs(jobs: list[Job], dataset: Any, where: Where, bar: tqdm,
     watch = None if runner.slots is None else Watch(runner.slots, where.stall_timeout, here=runner.here)
     try:
         _drive(runner, jobs, on_result, bar_progress, watch)
+    except BaseException as error:
+        if runner.slots is not None and not isinstance(error, Exception):  # Ctrl-C: stop at the next sample
+            runner.slots.interrupt()
+        raise
     finally:
+        if runner.slots is not None:  # the tasks a worker already took from the pool's queue start none
+            runner.slots.stop()
         runner.end([] if watch is None else watch.stalled)
 
 

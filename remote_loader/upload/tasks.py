@@ -361,7 +361,7 @@ def _write_task(
     pending_samples = reported = 0  # bytes: the shards' own, as the summary counts them
     try:
         for raw_index in indices:
-            if stop.is_set():
+            if stop.is_set() or reading.interrupted:
                 raise Cancelled(f"task {task_id} stopped: its process was interrupted")
             index = int(raw_index)
             try:
