@@ -351,7 +351,7 @@ def _drive(runner: _Runner, jobs: list[Job], on_result: Callable[[Job, Any], lis
         done, _ = wait(futures, timeout=0.2, return_when=FIRST_COMPLETED)
         for future in done:
             job = futures.pop(future)
-            if future.cancelled():
+            if failure is not None and future.cancelled():
                 continue  # cancelled here after the first error: it never ran, and failed at nothing
             try:
                 result = _result(future, job.what, runner.broken if isinstance(runner, _Pool) else None)
