@@ -106,6 +106,65 @@ def test_an_upload_through_faults_on_every_request_stores_every_sample_once(seaw
     client.close()
 
 
+def test_a_clean_up_that_fails_after_the_switch_is_no_failed_upload_and_a_re_run_finishes_it(seaweed, caplog):
+    """Every DELETE refused once the manifest is switched: the dataset is public and whole, so
+    the upload returns, warning of what it left, and running it again removes that. It raised
+    EndpointUnreachable for a dataset it had uploaded, and a re-run said 'already holds this
+    dataset' and left the state and the 6 task records for ever."""
+    client = seaweed.client()
+    bucket = new_bucket(client)
+    ds = SyntheticImages(60, size=(16, 16))
+    proxy = FaultProxy(seaweed.endpoint_url, {"error_500": 1.0}, methods=("DELETE",))
+    try:
+        faulty = make_client(proxy.endpoint_url, seaweed.access_key, seaweed.secret_key)
+        with caplog.at_level("WARNING", logger="remote_loader"):
+            summary = upload(faulty, bucket, "tidy", ds, maxcount=10, retry=RetryConfig(outage_deadline=0.5))
+        faulty.close()
+    finally:
+        proxy.close()
+    assert summary.samples == 60 and proxy.injected["error_500"] > 0
+    assert any("clean-up failed" in r.getMessage() for r in caplog.records)
+    assert [k.key for k in client.list(bucket, "tidy/_upload/")] != []  # what it could not delete
+    again = upload(client, bucket, "tidy", ds, maxcount=10)
+    assert again.uploaded_samples == 0
+    assert [k.key for k in client.list(bucket, "tidy/_upload/")] == []
+    assert sorted(s["__key__"] for s in DatasetReader(client, bucket, "tidy")) == [f"{i:06d}" for i in range(60)]
+
+
+class SlowFirstItems(SyntheticImages):
+    """A dataset whose tasks take longer than the outage deadline: each task's first item
+    takes ``seconds`` to read in the upload's task threads (not in its size estimate)."""
+
+    def __init__(self, count: int, seconds: float) -> None:
+        super().__init__(count, size=(16, 16))
+        self.seconds = seconds
+
+    def __getitem__(self, index):
+        if index % 10 == 0 and threading.current_thread().name == "remote-loader-task":
+            threading.Event().wait(self.seconds)  # the item itself is slow: a network share, say
+        return super().__getitem__(index)
+
+
+def test_one_fault_in_a_task_longer_than_the_outage_deadline_costs_a_retry(seaweed):
+    """A task is retried whole, and its outage was timed from the start of the attempt: a
+    task that outlasted the deadline gave up at its first fault, the store answering all the
+    while ('failed every request for 8.2 s (1 attempts ...)' for one 500 on a task of 8 s
+    with outage_deadline=5). The outage is timed from the failure."""
+    client = seaweed.client()
+    bucket = new_bucket(client)
+    proxy = FaultProxy(seaweed.endpoint_url, {"error_500": 1.0}, methods=("PUT",), paths="/shard-",
+                       first_only="request")  # each shard's first PUT
+    try:
+        faulty = make_client(proxy.endpoint_url, seaweed.access_key, seaweed.secret_key)
+        summary = upload(faulty, bucket, "slow", SlowFirstItems(20, seconds=0.6), maxcount=10, shuffle=False,
+                         retry=RetryConfig(outage_deadline=0.5))
+        faulty.close()
+    finally:
+        proxy.close()
+    assert summary.samples == 20 and proxy.injected["error_500"] == 2
+    assert sorted(s["__key__"] for s in DatasetReader(client, bucket, "slow")) == [f"{i:06d}" for i in range(20)]
+
+
 @pytest.mark.parametrize("backend", ["boto3", "minio"])
 def test_a_body_damaged_on_the_way_to_the_store_is_refused_and_sent_again(seaweed, backend):
     """A byte flipped in a PUT's or a part's body on the way: every body carries its crc32

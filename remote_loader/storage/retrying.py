@@ -101,8 +101,18 @@ class Retry:
         """The endpoint, as the store names it now."""
         return self.where if isinstance(self.where, str) else self.where.endpoint
 
-    def call(self, request: Callable[[], T], *, bucket: str | None = None, key: str | None = None) -> T:
-        """Return ``request()``, repeating it on retryable faults until the deadline."""
+    def call(self, request: Callable[[], T], *, bucket: str | None = None, key: str | None = None,
+             further: Callable[[], bool] | None = None) -> T:
+        """Return ``request()``, repeating it on retryable faults until the deadline.
+
+        ``further`` makes ``request`` a unit of several requests and other work (an upload's
+        task, which reads and encodes between them), asked after each failed attempt whether
+        it got further than every attempt before it. Such a unit's outage is timed from the
+        failure, not from the attempt's start (the store answered its earlier requests), and
+        timed afresh from each attempt that got further: a fault in each of two tasks that
+        outlast the deadline is no outage. One that fails at the same point every time still
+        gives up at the deadline.
+        """
         first_failure: float | None = None
         attempts = 0
         while True:
@@ -113,7 +123,10 @@ class Retry:
                 result = request()
             except _RETRYABLE as error:
                 attempts += 1
-                first_failure = started if first_failure is None else first_failure
+                if further is None:
+                    first_failure = started if first_failure is None else first_failure
+                elif further() or first_failure is None:
+                    first_failure = time.monotonic()
                 failing = time.monotonic() - first_failure
                 deadline, setting = self._deadline()
                 _OUTAGES.failing(self.endpoint, first_failure, error, deadline, setting)

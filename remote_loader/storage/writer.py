@@ -45,6 +45,7 @@ class ObjectWriter(ABC):
         self.key = key
         self.part_size = part_size
         self.size = 0
+        self.acknowledged = 0  # bytes the store answered for: of parts sent, or of the object put whole
         self._buffer = bytearray()
         self._parts = 0
         self._creating: Future[None] | None = None  # the request creating the multipart upload
@@ -97,6 +98,7 @@ class ObjectWriter(ABC):
         def send() -> None:
             creating.result()  # a failed create fails every part with its error
             self._upload_part(number, part)
+            self.acknowledged += len(part)
 
         self._sending.append(in_daemon_thread(send, "remote-loader-part"))
 
@@ -132,6 +134,7 @@ class ObjectWriter(ABC):
         tail, self._buffer = bytes(self._buffer), bytearray()
         if self._creating is None:
             self._put_whole(tail)
+            self.acknowledged += len(tail)
             return
         try:
             if tail:  # with the parts still on their way: each may take a connection's bandwidth

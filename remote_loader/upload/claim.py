@@ -21,6 +21,7 @@ from typing import Any
 
 import msgpack
 
+from remote_loader.config import one_line
 from remote_loader.errors import FormatError, ObjectNotFound, PreconditionFailed, StorageError, UploadConflict
 from remote_loader.format import MANIFEST_NAME, UPLOAD_STATE, Manifest, ShardTable
 from remote_loader.format.index import unpack
@@ -317,12 +318,30 @@ def finish(store: Store, location: Location, manifest: Manifest, held: Held, bef
     listing = in_daemon_thread(partial(map_on_daemon_threads, lambda r: run_keys(
         store, location, r, keep=names if r == held.run else ()), runs, len(runs), "remote-loader-list"))
     switch(store, location, head, held.record, held.run, None if before.found is None else before.found[1])
-    aborting = in_daemon_thread(partial(abort_unfinished, store, location, held.run))
-    leftovers = [key for keys in wait_result(listing) for key in keys]
-    reading_state = in_daemon_thread(partial(read_versioned, store, location.bucket, location.key(_STATE)))
-    delete_all(store, location.bucket, leftovers)
+    try:
+        aborting = in_daemon_thread(partial(abort_unfinished, store, location, held.run))
+        leftovers = [key for keys in wait_result(listing) for key in keys]
+        reading_state = in_daemon_thread(partial(read_versioned, store, location.bucket, location.key(_STATE)))
+        delete_all(store, location.bucket, leftovers)
+        wait_result(aborting)
+        release(store, location, held.record, reading_state)
+    except StorageError as exc:  # the dataset is public and whole: what is left is no reason to fail the upload
+        log.warning("upload to %s: the dataset is uploaded, but its clean-up failed (%s); running the same upload"
+                    " again removes what it left", location, one_line(exc))
+
+
+def tidy(store: Store, location: Location, before: Before) -> None:
+    """Remove what a finished upload of the dataset there left where its clean-up failed: its
+    task records, unfinished multipart uploads and state (the state of the run the manifest names)."""
+    state, existing = before.state, before.existing
+    if state is None or existing is None or before.stored is None or state["run"] != existing.params.get("upload_id"):
+        return
+    run = state["run"]
+    aborting = in_daemon_thread(partial(abort_unfinished, store, location, run))
+    delete_all(store, location.bucket, [info.key for info in store.list(location.bucket,
+                                                                          location.key(f"{STATE_DIR}/{run}/"))])
     wait_result(aborting)
-    release(store, location, held.record, reading_state)
+    release(store, location, before.stored)
 
 
 def _resumable(unfinished: dict[str, Any], params: dict[str, Any]) -> bool:

@@ -329,7 +329,13 @@ def run_jobs(jobs: list[Job], dataset: Any, where: Where, bar: tqdm,
     watch = None if runner.slots is None else Watch(runner.slots, where.stall_timeout, here=runner.here)
     try:
         _drive(runner, jobs, on_result, bar_progress, watch)
+    except BaseException as error:
+        if runner.slots is not None and not isinstance(error, Exception):  # Ctrl-C: stop at the next sample
+            runner.slots.interrupt()
+        raise
     finally:
+        if runner.slots is not None:  # the tasks a worker already took from the pool's queue start none
+            runner.slots.stop()
         runner.end([] if watch is None else watch.stalled)
 
 
@@ -345,6 +351,8 @@ def _drive(runner: _Runner, jobs: list[Job], on_result: Callable[[Job, Any], lis
         done, _ = wait(futures, timeout=0.2, return_when=FIRST_COMPLETED)
         for future in done:
             job = futures.pop(future)
+            if failure is not None and future.cancelled():
+                continue  # cancelled here after the first error: it never ran, and failed at nothing
             try:
                 result = _result(future, job.what, runner.broken if isinstance(runner, _Pool) else None)
                 samples, nbytes = job.tally(result)

@@ -154,6 +154,11 @@ def run_writing(ds: Any, writing: Writing, where: Where, total: int) -> float:
     with tqdm(total=total, initial=writing.initial, unit="img", disable=not where.progress, desc="upload",
               smoothing=0) as bar:
         run_jobs(writing.jobs(where.processes, ds), ds, where, bar, writing.take)
+        missing = writing.written.missing(-(-len(writing.order) // writing.task_size))
+        if missing:  # an executor that lost work: the manifest never lists a part of the dataset
+            raise UploadError(f"upload to {writing.spec.location}: the executor returned no result for"
+                              f" {len(missing)} tasks (task {missing[0]} first) though none failed; finished tasks"
+                              " are kept: run the same upload again to resume")
         bar.update(total - bar.n)  # every task is done: the last counts may still be in the workers' queue
         # The bar's own clock where it shows, read as it closes (its final rate is then the
         # summary's); a closed bar says it is disabled, and its clock runs on.

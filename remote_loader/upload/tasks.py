@@ -195,12 +195,18 @@ class _ShardSequence:
     def __init__(self, spec: TaskSpec, task_id: int) -> None:
         self.spec = spec
         self.task_id = task_id
+        self.writers: list[ObjectWriter] = []  # every shard's upload, to tell how far the store answered
         self.entries: list[ShardEntry] = []
         self.fields: set[str] = set()
         self.fields_in_shard: set[str] = set()  # the open shard's, at most MAX_FIELDS
         self._upload: ObjectWriter | None = None
         self._shard: ShardWriter | None = None
         self._committing: Future[None] | None = None  # the previous shard's commit
+
+    @property
+    def acknowledged(self) -> int:
+        """Bytes of this task's shards the store answered for."""
+        return sum(writer.acknowledged for writer in self.writers)
 
     @property
     def size(self) -> int:
@@ -221,6 +227,7 @@ class _ShardSequence:
             name = shard_name(spec.run, self.task_id, len(self.entries))
             self._upload = spec.store.open_writer(spec.location.bucket, spec.location.key(name),
                                                   part_size=spec.part_size)
+            self.writers.append(self._upload)
             self._shard = ShardWriter(self._upload.write)
             self.fields_in_shard = set()
         if self._shard.projected_size(key, fields) > spec.maxsize:
@@ -346,22 +353,49 @@ def write_task(
     # The whole task is the unit of retry, its task record included: its shards are written
     # again under the same names. Its requests go to the store itself, so retries do not nest.
     retry = Retry(spec.retry, spec.store, cancel=threading.Event() if stop is None else stop)
+    attempts = _Attempts(spec, task_id)
     if slots is None:
-        return retry.call(partial(_write_task, spec, task_id, indices, dataset, progress, retry.cancel, UNWATCHED))
+        return retry.call(partial(_write_task, attempts, indices, dataset, progress, retry.cancel, UNWATCHED),
+                          further=attempts.further)
     with slots.task(task_id) as reading:
-        return retry.call(partial(_write_task, spec, task_id, indices, dataset, progress, retry.cancel, reading))
+        return retry.call(partial(_write_task, attempts, indices, dataset, progress, retry.cancel, reading),
+                          further=attempts.further)
+
+
+class _Attempts:
+    """A task's attempts: each one's shards, and the most bytes of them the store answered for
+    in any, so that an attempt that failed further on restarts the outage clock
+    (``Retry.call``'s ``further``) while one that fails at the same point does not."""
+
+    def __init__(self, spec: TaskSpec, task_id: int) -> None:
+        self.spec, self.task_id = spec, task_id
+        self.latest: _ShardSequence | None = None
+        self.furthest = 0
+
+    def start(self) -> _ShardSequence:
+        self.latest = _ShardSequence(self.spec, self.task_id)
+        return self.latest
+
+    def further(self) -> bool:
+        """Whether the latest attempt got further than every one before it."""
+        reached = 0 if self.latest is None else self.latest.acknowledged
+        if reached <= self.furthest:
+            return False
+        self.furthest = reached
+        return True
 
 
 def _write_task(
-    spec: TaskSpec, task_id: int, indices: Sequence[int] | np.ndarray, dataset: Any, progress: Any,
-    stop: threading.Event, reading: Reading,
+    attempts: _Attempts, indices: Sequence[int] | np.ndarray, dataset: Any, progress: Any, stop: threading.Event,
+    reading: Reading,
 ) -> TaskResult:
+    spec, task_id = attempts.spec, attempts.task_id
     result = TaskResult(task_id=task_id, entries=[])
-    shards = _ShardSequence(spec, task_id)
+    shards = attempts.start()
     pending_samples = reported = 0  # bytes: the shards' own, as the summary counts them
     try:
         for raw_index in indices:
-            if stop.is_set():
+            if stop.is_set() or reading.interrupted:
                 raise Cancelled(f"task {task_id} stopped: its process was interrupted")
             index = int(raw_index)
             try:

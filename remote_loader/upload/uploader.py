@@ -236,9 +236,12 @@ def _upload(ds: Any, client: Store, location: Location, params: dict[str, Any], 
     before = claim.Before.read(store, location)
     if before.existing is not None and before.found is not None:
         if claim.same_upload(before.existing.params.get("upload"), params) and not running.overwrite:
-            return keeping.kept_whole(ds, before.existing, claim.dataset_shards(store, location, before.found[0]),
-                                      CheckSpec(client, location, retry), running.where(source), options,
-                                      sampled=len(fingerprint.indices(num)), verify=running.verify, started=started)
+            summary = keeping.kept_whole(ds, before.existing, claim.dataset_shards(store, location, before.found[0]),
+                                         CheckSpec(client, location, retry), running.where(source), options,
+                                         sampled=len(fingerprint.indices(num)), verify=running.verify,
+                                         started=started)
+            claim.tidy(store, location, before)  # what the upload's own clean-up could not remove
+            return summary
         if not running.overwrite:
             there = claim.what_differs(before.existing.params.get("upload"), params)
             raise UploadError(f"{location} already holds {there}; pass overwrite=True (--overwrite) to replace it")

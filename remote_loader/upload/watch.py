@@ -39,9 +39,10 @@ _READ_LOCK_SECONDS = 1.0  # the watch skips a look it cannot take the lock for (
 
 
 class Slots:
-    """The table: a row per task thread that can run at once, and a flag that tells the
-    threads to start no new task. Shared with worker processes (``context`` given: passed to
-    them as they start) or within this process.
+    """The table: a row per task thread that can run at once, a flag that tells the threads
+    to start no new task, and one that tells them to stop at their next item (Ctrl-C). Shared
+    with worker processes (``context`` given: passed to them as they start) or within this
+    process.
 
     Args:
         rows: Task threads that can run at once.
@@ -53,8 +54,10 @@ class Slots:
             self._raw: Any = bytearray(rows * 4 * 8)
             self._lock: Any = threading.Lock()
             self._stop: Any = threading.Event()
+            self._interrupted: Any = threading.Event()
         else:
-            self._raw, self._lock, self._stop = context.RawArray("d", rows * 4), context.Lock(), context.Event()
+            self._raw, self._lock = context.RawArray("d", rows * 4), context.Lock()
+            self._stop, self._interrupted = context.Event(), context.Event()
         self._table: np.ndarray | None = None
         self.table[:] = _FREE
 
@@ -81,6 +84,13 @@ class Slots:
         """Tell every task thread to start no new task (those running finish)."""
         self._stop.set()
 
+    def interrupt(self) -> None:
+        """Ctrl-C in the upload's process: every task thread stops at its next item, and none
+        starts. A worker process gets no SIGINT of its own where only the upload's process was
+        sent one (``kill -INT``)."""
+        self._interrupted.set()
+        self._stop.set()
+
     @property
     def stopped(self) -> bool:
         return bool(self._stop.is_set())
@@ -95,7 +105,7 @@ class Slots:
                 row = int(free[0])
                 self.table[row] = (pid, task_id, _BETWEEN, time.monotonic())
         try:
-            yield Reading(self.table, row)
+            yield Reading(self.table, row, self._interrupted)
         finally:
             if row is not None:
                 with self._lock:
@@ -103,10 +113,15 @@ class Slots:
 
 
 class Reading:
-    """A task thread's row: the item it reads, from ``item(index)`` until ``done()``."""
+    """A task thread's row: the item it reads, from ``item(index)`` until ``done()``; and
+    whether the upload was interrupted (``Slots.interrupt``)."""
 
-    def __init__(self, table: np.ndarray | None, row: int | None) -> None:
-        self.table, self.row = table, row
+    def __init__(self, table: np.ndarray | None, row: int | None, interrupted: Any = None) -> None:
+        self.table, self.row, self._interrupted = table, row, interrupted
+
+    @property
+    def interrupted(self) -> bool:
+        return self._interrupted is not None and bool(self._interrupted.is_set())
 
     @contextmanager
     def item(self, index: int) -> Iterator[None]:

@@ -53,6 +53,10 @@ class Written:
         if result.reasons:
             self._reasons[result.task_id] = result.reasons[:_REASONS]
 
+    def missing(self, tasks: int) -> list[int]:
+        """Those of tasks ``0..tasks - 1`` whose result is not in."""
+        return [task for task in range(tasks) if task not in self._rows]
+
     @property
     def shards(self) -> int:
         return sum(len(rows) for rows in self._rows.values())

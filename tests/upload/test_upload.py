@@ -11,7 +11,7 @@ import tarfile
 import textwrap
 import threading
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import boto3
@@ -812,3 +812,26 @@ def test_a_dataset_without_len_or_whose_len_fails_is_named_in_one_line(tmp_path)
     with pytest.raises(UploadError, match=r"^len\(ds\) raised ValueError: the index file.*is missing$") as info:
         upload_cv_dataset(_LengthFails(), client=store, bucket="b", base_folder="x", progress=False, workers=0)
     assert isinstance(info.value.__cause__, ValueError) and "\n" not in str(info.value)
+
+
+class _LosingExecutor(ThreadPoolExecutor):
+    """Loses every other job: its future is done, with no results."""
+
+    submitted = 0
+
+    def submit(self, fn, /, *args, **kwargs):
+        self.submitted += 1
+        if self.submitted % 2 == 0:
+            lost: Future = Future()
+            lost.set_result([])
+            return lost
+        return super().submit(fn, *args, **kwargs)
+
+
+def test_an_executor_that_loses_tasks_gets_no_manifest_written(s3):
+    """An executor whose futures end with no result for some tasks: the upload published a
+    manifest of the tasks it got back and said so as a success ('uploaded 60 samples' of 100)."""
+    client, bucket = s3
+    with _LosingExecutor(2) as executor, pytest.raises(UploadError, match="the executor returned no result for"):
+        upload(client, bucket, "lost", SyntheticImages(100, size=(16, 16)), maxcount=10, executor=executor)
+    assert not DatasetReader(client, bucket, "lost").has_manifest()
