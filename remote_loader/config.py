@@ -136,7 +136,7 @@ def world_from_env(env: Mapping[str, str] | None = None) -> tuple[int, int]:
     if not env.get("RANK") and values[1] > 1:  # every process would read rank 0's part
         raise ConfigError(f"WORLD_SIZE={values[1]} in the environment but no RANK: set both (torchrun does), or pass"
                           " rank= and world_size=")
-    if not env.get("WORLD_SIZE") and values[0] > 0:
+    if not env.get("WORLD_SIZE") and values[0] != 0:
         raise ConfigError(f"RANK={values[0]} in the environment but no WORLD_SIZE: set both (torchrun does), or pass"
                           " rank= and world_size=")
     try:

@@ -248,9 +248,10 @@ def test_a_rank_in_the_environment_without_a_world_size_is_refused_as_such(monke
     """It was refused as 'RANK=1 and WORLD_SIZE=1 in the environment', a WORLD_SIZE nobody set."""
     client, bucket = small
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    monkeypatch.setenv("RANK", "1")
-    with pytest.raises(ConfigError, match="RANK=1 in the environment but no WORLD_SIZE: set both"):
-        len(RemoteDataset(client, bucket, "ok"))
+    for rank in ("1", "-1"):
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(ConfigError, match=f"RANK={rank} in the environment but no WORLD_SIZE: set both"):
+            len(RemoteDataset(client, bucket, "ok"))
     monkeypatch.setenv("RANK", "0")  # one process: rank 0, as without either
     assert len(RemoteDataset(client, bucket, "ok")) > 0
 

@@ -105,6 +105,8 @@ class RemoteDataset(IterableDataset):
         ...       .decode("pil").to_tuple("jpg;png", "cls").map_tuple(preproc, None).batched(64))
     """
 
+    _inherited_world: tuple[int, int] | None = None  # a copy pickled by a version without it has none
+
     def __init__(
         self,
         client: Store | str | Any,
@@ -155,7 +157,7 @@ class RemoteDataset(IterableDataset):
         self.seed, self.shuffle_shards = seed, shuffle_shards
         self.mixing = Mixing(open_shards)  # what the source's order mixes: open shards, then shuffle()'s buffer
         self.rank, self.world_size, self.equalize = rank, world_size, equalize
-        self._inherited_world: tuple[int, int] | None = None  # the world of the process that pickled this one
+        self._inherited_world = None  # the world of the process that pickled this one
         self.stages: list[stages.Stage] = []
         self._metrics = Metrics.table(1 + MAX_WORKERS)  # row 0: this process; row 1 + w: worker w
         self._epochs = EpochClock()
@@ -179,8 +181,8 @@ class RemoteDataset(IterableDataset):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_live"] = state["_check"] = None  # a stream, and a thread's answer, stay in their process
-        if self.rank is None:  # a spawned DataLoader worker has no process group: it takes this process's world
-            state["_inherited_world"] = distributed_world() or self._inherited_world
+        if self.rank is None and get_worker_info() is None:  # a spawned DataLoader worker has no process group:
+            state["_inherited_world"] = distributed_world()  # it takes this process's world, as it is now
         return state
 
     @property

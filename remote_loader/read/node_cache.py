@@ -47,13 +47,11 @@ of any process since, read and written under the lock, so each process's reserva
 others'. A reservation costs that, not a stat a file cached (which made a first epoch of
 5,000 shards quadratic): the files are counted again where the ledger is missing or cut
 short, a minute after the last count (no sooner than 100 times what it took), and before
-any reservation that would pass the bound by the ledger, to find what to evict; but for one
-of an upload the last count found no room for, nothing of other uploads being left (a dataset
-larger than the bound streams the rest without a count a shard). A count that evicts makes
-room for a twentieth of the bound more than it was asked for, so the fills after it need
-none. What the
-ledger holds beyond the files (removed since, or parts of fills that died) is gone at that
-count, before it could refuse a reservation or make room that is there already; what it
+any reservation that would pass the bound by the ledger, to find what to evict. A count that
+evicts makes room for a twentieth of the bound more than it was asked for (at most that much
+more than a fill needs), so the fills after it need none. What the ledger holds beyond the
+files (removed since, or parts of fills that died) is gone at that count, before it could
+refuse a reservation or make room that is there already; what it
 lacks (files a process that keeps no ledger wrote) at the next count that falls due. What is
 evicted to make room: shards of other datasets and uploads, least recently used first, never
 another shard of the upload being filled. Every epoch reads shards in a fresh random order,
@@ -91,7 +89,7 @@ _FREE = 0.1  # the share of the disk a cache without a bound leaves free
 _PATIENCE = 30.0  # seconds the cache's lock is waited for, to count and reserve space
 _RECOUNT = 60.0  # seconds after a count of the cache's files when a reservation counts them again
 _RECOUNT_SHARE = 100.0  # and no sooner than this many times the time that count took
-_LEDGER = re.compile(rb"remote-loader usage (\d+) (\d+\.\d+) (\d+\.\d+)(?: full ([0-9a-f]{16}))?\n\Z")
+_LEDGER = re.compile(rb"remote-loader usage (\d+) (\d+\.\d+) (\d+\.\d+)\n\Z")
 _ROOM = 20  # a count that evicts makes room for 1/20 of the bound more than the fill asked for
 
 
@@ -158,12 +156,10 @@ class NodeCache:
             if fd is None:
                 return False
             ledger = Ledger.read(fd)
-            full = _tag(own)
-            over = ledger is not None and ledger.used + size > self.bound(root, ledger.used)
-            if ledger is None or ledger.due(time.time()) or (over and ledger.full != full):
+            if ledger is None or ledger.due(time.time()) or ledger.used + size > self.bound(root, ledger.used):
                 ledger = self._counted(root, size, own)
             if ledger.used + size > self.bound(root, ledger.used):
-                replace(ledger, full=full).write(fd)  # the count, for the next reservation of any process
+                ledger.write(fd)  # the count, for the next reservation of any process
                 return False
             replace(ledger, used=ledger.used + size).write(fd)
             try:
@@ -264,24 +260,16 @@ class Ledger:
     used: int
     counted_at: float
     took: float
-    full: str = ""
-    """The upload (``_tag``) that the last count found no room for, nothing of other uploads
-    being left to evict: its reservations that would not fit wait for the next count that
-    falls due (a dataset larger than the bound streams the rest without counting the cache
-    at each shard); any other upload's count at once."""
 
     @classmethod
     def read(cls, fd: int) -> Ledger | None:
         """The ledger in the lock file open as ``fd``; None where it holds none, or not whole."""
         found = _LEDGER.match(os.pread(fd, 256, 0))
-        if found is None:
-            return None
-        return cls(int(found[1]), float(found[2]), float(found[3]), (found[4] or b"").decode())
+        return None if found is None else cls(int(found[1]), float(found[2]), float(found[3]))
 
     def write(self, fd: int) -> None:
         """Put it in the lock file open as ``fd`` (a write cut short reads as no ledger)."""
-        full = b" full %s" % self.full.encode() if self.full else b""
-        data = b"remote-loader usage %d %.3f %.6f%s\n" % (self.used, self.counted_at, self.took, full)
+        data = b"remote-loader usage %d %.3f %.6f\n" % (self.used, self.counted_at, self.took)
         os.pwrite(fd, data, 0)
         os.ftruncate(fd, len(data))
 
@@ -309,11 +297,6 @@ class CachedDataset:
     uploads: set[str] = field(default_factory=set)
     shards: int = 0
     bytes: int = 0
-
-
-def _tag(upload: str) -> str:
-    """A short name of an upload's folder (its path), for the ledger."""
-    return hashlib.sha256(os.fsencode(upload)).hexdigest()[:16]
 
 
 def _parts(fill: Folder, upload: Folder, dataset: Folder) -> Iterator[CachedFile]:

@@ -37,7 +37,10 @@ __all__ = ["BUCKET_NAME_RULE", "DEFAULT_PART_SIZE", "MIN_PART_SIZE", "ObjectInfo
 class ObjectInfo:
     """One listed object: its key, its size and, where the store lists one, its version tag
     (``etag``: S3's ETag; a local file's write time, size and inode), which a ranged read may
-    name to be refused once the object is written again (``get_range_into(if_match=...)``)."""
+    name to be refused once the object is written again (``get_range_into(if_match=...)``).
+    On S3 it is the tag ``get_versioned`` gives and ``put(if_match=...)`` takes; a local
+    directory's listing gives its own kind, not those (an MD5 of the bytes, which a listing
+    would have to read every file for)."""
 
     key: str
     size: int

@@ -16,6 +16,7 @@ the readers, the uploader and the indexer make their requests through one.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import random
@@ -177,6 +178,21 @@ class Retry:
         return config.first_contact_deadline, "first_contact_deadline"
 
 
+def _conditions(store: Store) -> bool:
+    """Whether ``store.get_range_into`` takes ``if_match``: a subclass written before it (a
+    user's, overriding the method) reads without it, as a store that cannot condition a read."""
+    method = type(store).get_range_into
+    known = _CONDITIONS.get(method)
+    if known is None:
+        parameters = inspect.signature(method).parameters
+        known = _CONDITIONS[method] = "if_match" in parameters or any(
+            p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    return known
+
+
+_CONDITIONS: dict[Any, bool] = {}
+
+
 class RetryingStore(Store):
     """``inner`` with every request run under ``retry``.
 
@@ -213,7 +229,7 @@ class RetryingStore(Store):
 
     def get_range_into(self, bucket: str, key: str, start: int, end: int, out: memoryview, *,
                        if_match: str | None = None) -> None:
-        if if_match is None:  # a store of the user's may not know the keyword
+        if if_match is None or not _conditions(self.inner):  # a store of the user's may not know the keyword
             self._call("get_range_into", bucket, key, start, end, out)
         else:
             self._call("get_range_into", bucket, key, start, end, out, if_match=if_match)

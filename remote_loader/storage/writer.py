@@ -57,8 +57,8 @@ class ObjectWriter(ABC):
         """Append ``data``; full parts are sent as they fill."""
         if self._done:
             raise ValueError(f"writer for s3://{self.bucket}/{self.key} is already finished")
-        self.size += len(data)
-        with memoryview(data) as view:
+        with memoryview(data) as given, given.cast("B") as view:  # bytes, whatever the buffer's item type
+            self.size += len(view)
             # Parts are cut from ``data`` as they fill: a member larger than a part is never
             # held whole in the buffer beside the caller's copy (a 300 MB one was).
             taken = 0

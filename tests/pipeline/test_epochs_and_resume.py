@@ -549,3 +549,23 @@ def test_spawned_workers_read_the_rank_torch_distributed_gave_this_process(datas
     finally:
         dist.destroy_process_group()
     assert len(keys) == N // 2 and Counter(keys) == Counter(ours)
+
+
+def test_a_copy_made_under_a_process_group_reads_the_whole_dataset_once_the_group_is_gone(dataset, monkeypatch):
+    """A pipeline copied while a group existed carried that rank into its spawned workers for
+    good: with the group destroyed (evaluation alone), len() said 300 and they read 150."""
+    import copy
+
+    import torch.distributed as dist
+
+    fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    plain = RemoteDataset(dataset.reader.client, "epoch-resume-tests", "d", seed=3)
+    dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=1, world_size=2)
+    try:
+        kept = copy.deepcopy(plain)
+    finally:
+        dist.destroy_process_group()
+    keys = [s["__key__"] for s in DataLoader(kept, batch_size=None, num_workers=2, multiprocessing_context="spawn")]
+    assert len(kept) == len(keys) == N and Counter(keys) == ALL

@@ -268,6 +268,26 @@ def test_a_tar_written_again_to_the_same_size_while_it_is_read_never_mixes_the_t
             assert ds.metrics.skipped == 1 and any("s0.tar was written again" in r.getMessage() for r in caplog.records)
 
 
+class Counting(LocalStore):
+    """A user's store, written before reads could name a version: its ``get_range_into`` has
+    no ``if_match``."""
+
+    ranges = 0
+
+    def get_range_into(self, bucket: str, key: str, start: int, end: int, out: memoryview) -> None:
+        self.ranges += 1
+        super().get_range_into(bucket, key, start, end, out)
+
+
+def test_a_store_whose_ranged_reads_take_no_version_reads_unindexed_tars_unpinned(tmp_path):
+    # Its override was called with if_match and raised TypeError: no tar of over 128 KiB was read.
+    store = Counting(tmp_path)
+    store.create_bucket("b")
+    store.put("b", "ds/s0.tar", tar_of(keys_of("k", 30), size=100_000))
+    assert delivered(RemoteDataset(store, "b", "ds", unindexed=True)) == Counter(keys_of("k", 30))
+    assert store.ranges > 0
+
+
 # --------------------------------------------------------------------------- objects left out
 
 

@@ -1017,25 +1017,6 @@ sys.stdin.read()
 """
 
 
-def test_a_dataset_larger_than_the_bound_streams_the_rest_without_counting_the_cache_at_each_shard(
-        tmp_path, monkeypatch):
-    """Once its own shards fill the bound and nothing else is left to evict, each reservation
-    that could not be made counted every file cached again, under the lock all the node's
-    processes share: 100 reservations listed 10,800 entries. (A process then fetches nothing
-    into the cache for 30 s, so it was a count a process every 30 s: with 128 processes, four
-    a second.) They now wait for the count that falls due; another dataset's reservation
-    still counts, and evicts them."""
-    monkeypatch.setattr(node_cache, "_RECOUNT", 3600.0)  # no count falls due during the test
-    cache, own, other = _a_cache(tmp_path, 1_000_000)
-    for k in range(100):
-        (own / f"s{k:03d}.tar").write_bytes(b"x" * 10_000)
-    listed = _entries_listed(monkeypatch)
-    assert not any(cache.reserve(10_000, str(own), lambda: None) for _ in range(100))
-    assert listed[0] <= 2 * 102, f"{listed[0]} entries listed for 100 reservations"
-    assert cache.reserve(10_000, str(other), lambda: None)  # another upload's: counted, and room made
-    assert len(list(own.glob("*.tar"))) < 100
-
-
 def test_a_count_that_evicts_makes_room_for_the_fills_after_it(tmp_path, monkeypatch):
     """Filling a cache full of other datasets' shards counted every file at each fill, to
     evict one shard: 100 fills listed 100 times the 100 cached. A count that evicts now

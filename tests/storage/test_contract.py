@@ -12,6 +12,7 @@ import tracemalloc
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 
+import numpy as np
 import pytest
 
 from remote_loader import (
@@ -291,6 +292,18 @@ def test_streaming_multipart_put_is_byte_identical(store):
             writer.write(chunk)
     assert client.get(bucket, "big/obj") == b"".join(chunks)
     assert client.head(bucket, "big/obj") == sum(map(len, chunks))
+
+
+def test_a_write_of_a_typed_buffer_is_its_bytes(store):
+    # Parts were cut by the view's items, not its bytes: a float32 view made parts 4 times
+    # part_size, and the local store, which places each part at its number's offset, kept
+    # 20 of 24 MiB, overlapping.
+    client, bucket, _ = store
+    values = np.arange(6 * MiB, dtype=np.float32)  # 24 MiB
+    writer = client.open_writer(bucket, "typed/obj", part_size=5 * MiB)
+    writer.write(memoryview(values))
+    writer.commit()
+    assert client.get(bucket, "typed/obj") == values.tobytes()
 
 
 def test_a_write_larger_than_a_part_is_cut_into_parts_not_buffered_whole(store):
