@@ -42,6 +42,7 @@ from remote_loader.read.session import ReadSession, Shard
 from remote_loader.read.upload_cache import UploadCache, open_upload
 from remote_loader.read.whole import fetch_whole
 from remote_loader.storage import Location, Store, as_store
+from remote_loader.storage.base import ObjectInfo
 
 T = TypeVar("T")
 
@@ -116,7 +117,7 @@ class DatasetReader:
         self.round_trip: float | None = None
         """Seconds the manifest's first GET took beyond its transfer at 1 GB/s, once read: a
         network's round trip or a nearby store's; the fetcher starts wide after a long one."""
-        self._compressed_told = False  # whether ``list_tars`` warned of compressed tars it left out
+        self._compressed_told = False  # whether ``listed_tars`` warned of compressed tars it left out
 
     def session(self, metrics: Metrics | None = None, cancel: threading.Event | None = None,
                 fetch: FetchConfig | None = None) -> ReadSession:
@@ -308,16 +309,20 @@ class DatasetReader:
             return False
         return True
 
-    def list_tars(self, warn: bool = True) -> list[tuple[str, int, str]]:
-        """``(name, size, etag)`` of every ``.tar`` object under the prefix, in name order
-        (``etag``: its version tag as listed, "" where the store lists none). Compressed
+    def list_tars(self, warn: bool = True) -> list[tuple[str, int]]:
+        """``(name, size)`` of every ``.tar`` object under the prefix, in name order (``listed_tars``)."""
+        return [(tar.key, tar.size) for tar in self.listed_tars(warn)]
+
+    def listed_tars(self, warn: bool = True) -> list[ObjectInfo]:
+        """Every ``.tar`` object under the prefix as listed, named within it (``key``), in name
+        order, with its version tag (``etag``, "" where the store lists none). Compressed
         tars (``COMPRESSED_TARS``) are left out: they cannot be read by byte range. With
         ``warn``, the first time this reader lists them, a warning says so."""
         prefix = self.location.key("")
         tars, compressed = [], []
         for o in self.session().store.list(self.location.bucket, prefix):
             if o.key.endswith(".tar"):
-                tars.append((o.key[len(prefix) :], o.size, o.etag))
+                tars.append(ObjectInfo(o.key[len(prefix) :], o.size, o.etag))
             elif o.key.endswith(COMPRESSED_TARS):
                 compressed.append(o.key[len(prefix) :])
         if compressed and warn and not self._compressed_told:
@@ -326,7 +331,7 @@ class DatasetReader:
             log.warning("left out %d compressed tar%s under %s (%s%s): a compressed tar cannot be read by byte range;"
                         " decompress each to a .tar to stream it", len(compressed), "s" if many else "",
                         self.location, min(compressed), ", ..." if many else "")
-        return sorted(tars)
+        return sorted(tars, key=lambda tar: tar.key)
 
     def __len__(self) -> int:
         return self.counts.total

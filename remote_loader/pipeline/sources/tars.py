@@ -16,6 +16,7 @@ from remote_loader.read.fetch import Fetched, Prefetcher
 from remote_loader.read.reader import DatasetReader
 from remote_loader.read.session import ReadSession
 from remote_loader.read.shards import DAMAGE, OpenRange, Skipped, TarRead, skip_tar, tar_job
+from remote_loader.storage.base import ObjectInfo
 
 _LOCATE_AHEAD = 16
 """Tars located at once: each is a GET of its first bytes and size, a round trip, so as
@@ -43,7 +44,7 @@ class Unindexed:
 
     def source(self, layout: Layout, epoch: int, worker: int, num_workers: int, entry: Entry | None,
                session: ReadSession) -> TarSource:
-        tars = self.reader.list_tars(warn=layout.rank == 0 and worker == 0)  # one process says what it left out
+        tars = self.reader.listed_tars(warn=layout.rank == 0 and worker == 0)  # one process says what it left out
         if not tars:
             raise DatasetNotFound(f"no .tar objects under {self.reader.location} to stream unindexed",
                                   bucket=self.reader.location.bucket, key=self.reader.location.key(""))
@@ -55,13 +56,13 @@ class Unindexed:
 
 
 class TarSource:
-    """The samples of whole unindexed tars ``(name, size, etag)`` as listed: ``open_shards`` read at once (each
-    next sample from one of them, by the seed), then the shuffle buffer if any. It keeps no
-    positions, so its iterations have no state. A tar that cannot be read raises, or with
-    ``on_error="skip"`` is skipped whole: none of its samples is given (a tar is read whole
-    before its first sample is)."""
+    """The samples of whole unindexed tars as listed (``ObjectInfo``: name, size, version):
+    ``open_shards`` read at once (each next sample from one of them, by the seed), then the
+    shuffle buffer if any. It keeps no positions, so its iterations have no state. A tar that
+    cannot be read raises, or with ``on_error="skip"`` is skipped whole: none of its samples is
+    given (a tar is read whole before its first sample is)."""
 
-    def __init__(self, reader: DatasetReader, session: ReadSession, tars: Sequence[tuple[str, int, str]],
+    def __init__(self, reader: DatasetReader, session: ReadSession, tars: Sequence[ObjectInfo],
                  mixing: Mixing, seeds: tuple[Sequence[int], Sequence[int]], on_error: OnError) -> None:
         self.reader, self.session, self.tars, self.mixing, self.seeds = reader, session, tars, mixing, seeds
         self.on_error = on_error
@@ -85,7 +86,7 @@ class TarSource:
 
     def __iter__(self) -> Iterator[Sample]:
         # Made as the fetcher takes them: each holds its tar's first bytes once they are in.
-        jobs = (tar_job(self.reader, self.session, name, size, etag, self.on_error) for name, size, etag in self.tars)
+        jobs = (tar_job(self.reader, self.session, tar.key, tar.size, tar.etag, self.on_error) for tar in self.tars)
         with Prefetcher(self.reader.location.bucket, jobs, self.session, self.reader.round_trip,
                         locate_ahead=_LOCATE_AHEAD) as prefetcher:
             fetched = iter(prefetcher)
