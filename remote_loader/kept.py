@@ -72,7 +72,14 @@ class Kept(Generic[K, V]):
             if making is None:
                 making = self._making[key] = Future()
         if not mine:
-            return making.result()
+            error = making.exception()  # waits
+            if error is None:
+                return making.result()
+            del making  # the error's traceback will hold this frame: neither it nor the Future may hold the error
+            try:
+                raise error
+            finally:
+                del error
         try:
             value = make()
         except BaseException as exc:

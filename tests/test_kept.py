@@ -7,6 +7,7 @@ import gc
 import os
 import pickle
 import threading
+import time
 import weakref
 
 import pytest
@@ -99,5 +100,41 @@ def test_a_failed_make_leaves_nothing_to_the_garbage_collector():
         except _Failed:
             pass
         assert _Failed.made[-1]() is None  # freed with its last reference, the except block's
+    finally:
+        gc.enable()
+
+
+def test_a_make_that_failed_while_another_thread_waited_leaves_nothing_to_the_garbage_collector():
+    # The waiting thread raised the flight's error from the Future, which its frame held and
+    # the error's traceback held that frame: a cycle kept until the garbage collector ran.
+    kept: Kept[str, int] = Kept(2)
+    failing, errors = threading.Event(), []
+
+    def make() -> int:
+        failing.wait(60)
+        raise _Failed("no")
+
+    def get() -> None:
+        try:
+            kept.get("a", make)
+        except _Failed as error:
+            errors.append(weakref.ref(error))
+
+    gc.disable()
+    try:
+        maker = threading.Thread(target=get)
+        maker.start()
+        while not kept.known("a"):  # the flight is open: the maker is in make()
+            time.sleep(0)
+        waiter = threading.Thread(target=get)
+        waiter.start()
+        flight = kept._making["a"]
+        while not flight._condition._waiters:  # the waiter waits on the flight (no timing: its state)
+            time.sleep(0)
+        del flight
+        failing.set()
+        maker.join()
+        waiter.join()
+        assert len(errors) == 2 and all(ref() is None for ref in errors)
     finally:
         gc.enable()

@@ -108,11 +108,11 @@ class Retry:
 
         ``further`` makes ``request`` a unit of several requests and other work (an upload's
         task, which reads and encodes between them), asked after each failed attempt whether
-        it got further than every attempt before it. Such a unit's outage is timed from the
-        failure, not from the attempt's start (the store answered its earlier requests), and
-        timed afresh from each attempt that got further: a fault in each of two tasks that
-        outlast the deadline is no outage. One that fails at the same point every time still
-        gives up at the deadline.
+        to time its outage afresh (the store answered the attempt's earlier requests: the
+        task's ``_Attempts.further`` says when). Such a unit's outage is timed from the
+        failure, not from the attempt's start: a fault in each of two tasks that outlast the
+        deadline is no outage. One that fails at the same point every time still gives up at
+        the deadline.
         """
         first_failure: float | None = None
         attempts = 0

@@ -326,22 +326,30 @@ def finish(store: Store, location: Location, manifest: Manifest, held: Held, bef
         wait_result(aborting)
         release(store, location, held.record, reading_state)
     except StorageError as exc:  # the dataset is public and whole: what is left is no reason to fail the upload
+        others = [run for run in runs if run != held.run]
         log.warning("upload to %s: the dataset is uploaded, but its clean-up failed (%s); running the same upload"
-                    " again removes what it left", location, one_line(exc))
+                    " again removes this run's records and state%s", location, one_line(exc),
+                    f", not the objects of the runs it replaced or abandoned ({', '.join(others)}: their keys hold"
+                    " those names; delete them by hand)" if others else "")
 
 
 def tidy(store: Store, location: Location, before: Before) -> None:
     """Remove what a finished upload of the dataset there left where its clean-up failed: its
-    task records, unfinished multipart uploads and state (the state of the run the manifest names)."""
+    task records, unfinished multipart uploads and state (the state of the run the manifest
+    names). A store that still refuses is said in the log: the dataset is whole."""
     state, existing = before.state, before.existing
     if state is None or existing is None or before.stored is None or state["run"] != existing.params.get("upload_id"):
         return
     run = state["run"]
-    aborting = in_daemon_thread(partial(abort_unfinished, store, location, run))
-    delete_all(store, location.bucket, [info.key for info in store.list(location.bucket,
-                                                                          location.key(f"{STATE_DIR}/{run}/"))])
-    wait_result(aborting)
-    release(store, location, before.stored)
+    try:
+        aborting = in_daemon_thread(partial(abort_unfinished, store, location, run))
+        delete_all(store, location.bucket, [info.key for info in store.list(location.bucket,
+                                                                              location.key(f"{STATE_DIR}/{run}/"))])
+        wait_result(aborting)
+        release(store, location, before.stored)
+    except StorageError as exc:
+        log.warning("upload to %s: the dataset is whole, but what its upload left could not be removed (%s); running"
+                    " the same upload again tries again", location, one_line(exc))
 
 
 def _resumable(unfinished: dict[str, Any], params: dict[str, Any]) -> bool:

@@ -40,6 +40,7 @@ T = TypeVar("T")
 
 STATE_DIR = "_upload"
 _REPORT_EVERY = 16
+_REPEATS = 3  # failed attempts in a row a task may make, answered for but no further on, each timed afresh
 
 TASKS_AT_ONCE = 2
 """Tasks one process writes at once, each on a thread of its own. Encoding holds the GIL, so
@@ -364,24 +365,30 @@ def write_task(
 
 class _Attempts:
     """A task's attempts: each one's shards, and the most bytes of them the store answered for
-    in any, so that an attempt that failed further on restarts the outage clock
-    (``Retry.call``'s ``further``) while one that fails at the same point does not."""
+    in any, which says whether a failed attempt restarts the outage clock (``Retry.call``'s
+    ``further``): one the store answered for some of did, unless it is the ``_REPEATS``-th in a
+    row to get no further than the furthest (a fault at the same point every time, which then
+    gives up at the deadline); one it answered nothing for did not (an outage)."""
 
     def __init__(self, spec: TaskSpec, task_id: int) -> None:
         self.spec, self.task_id = spec, task_id
         self.latest: _ShardSequence | None = None
         self.furthest = 0
+        self.repeats = 0  # attempts in a row, answered for, that got no further than the furthest
 
     def start(self) -> _ShardSequence:
         self.latest = _ShardSequence(self.spec, self.task_id)
         return self.latest
 
     def further(self) -> bool:
-        """Whether the latest attempt got further than every one before it."""
+        """Whether the latest attempt, failed, times the task's outage afresh."""
         reached = 0 if self.latest is None else self.latest.acknowledged
-        if reached <= self.furthest:
+        if reached > self.furthest:
+            self.furthest, self.repeats = reached, 0
+            return True
+        if reached == 0 or self.repeats >= _REPEATS:
             return False
-        self.furthest = reached
+        self.repeats += 1  # a fault earlier on than the last one, the store answering before it
         return True
 
 

@@ -342,3 +342,27 @@ def test_after_ctrl_c_the_tasks_in_the_workers_stop_at_their_next_sample(s3):
     written = [info.key for info in client.list(bucket, "interrupted/")
                if any(f"-{task:06d}" in info.key for task in (0, 2, 3))]
     assert written == []
+
+
+def test_a_task_times_its_outage_afresh_after_a_fault_earlier_on_but_not_for_ever():
+    """A task is retried whole, and an attempt that got no further than the furthest did not
+    restart its outage clock: a task longer than the deadline whose second fault came earlier
+    on than its first gave up after two attempts, the store answering between them. It now
+    restarts for an attempt the store answered for, up to three in a row that get no further
+    (a fault at the same point every time), and never for one it answered nothing for."""
+    from types import SimpleNamespace
+
+    from remote_loader.upload.tasks import _Attempts
+
+    attempts = _Attempts(None, 0)
+
+    def failed(acknowledged: int) -> bool:
+        attempts.latest = SimpleNamespace(acknowledged=acknowledged)
+        return attempts.further()
+
+    assert failed(3_000_000)  # further than any before
+    assert failed(1_000_000)  # a fault earlier on, the store answering before it: no outage
+    assert not failed(0)  # nothing answered: an outage, timed on
+    assert failed(3_000_000) and failed(3_000_000)  # the same point again: afresh, up to three in a row
+    assert not failed(3_000_000)  # then timed on: a fault at the same point gives up at the deadline
+    assert failed(4_000_000)  # further: afresh, and the count of repeats starts again
