@@ -54,10 +54,12 @@ class Slots:
             self._raw: Any = bytearray(rows * 4 * 8)
             self._lock: Any = threading.Lock()
             self._stop: Any = threading.Event()
-            self._interrupted: Any = threading.Event()
+            self._interrupted: Any = bytearray(1)
         else:
             self._raw, self._lock = context.RawArray("d", rows * 4), context.Lock()
-            self._stop, self._interrupted = context.Event(), context.Event()
+            # Read at every item without a lock: a worker killed while holding an Event's
+            # lock would leave every other one blocked at its next item.
+            self._stop, self._interrupted = context.Event(), context.RawArray("b", 1)
         self._table: np.ndarray | None = None
         self.table[:] = _FREE
 
@@ -88,7 +90,7 @@ class Slots:
         """Ctrl-C in the upload's process: every task thread stops at its next item, and none
         starts. A worker process gets no SIGINT of its own where only the upload's process was
         sent one (``kill -INT``)."""
-        self._interrupted.set()
+        self._interrupted[0] = 1
         self._stop.set()
 
     @property
@@ -121,7 +123,7 @@ class Reading:
 
     @property
     def interrupted(self) -> bool:
-        return self._interrupted is not None and bool(self._interrupted.is_set())
+        return self._interrupted is not None and bool(self._interrupted[0])
 
     @contextmanager
     def item(self, index: int) -> Iterator[None]:
