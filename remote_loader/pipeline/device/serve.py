@@ -68,11 +68,15 @@ def _drop_frames(error: BaseException | None) -> None:
     DataLoader iterator, whose workers end with it): a frame there may hold the error itself
     (torch's ``reraise`` does), a cycle only the garbage collector would free, minutes later."""
     seen: set[int] = set()
-    while error is not None and id(error) not in seen:
+    chained = [error]
+    while chained:
+        error = chained.pop()
+        if error is None or id(error) in seen:
+            continue
         seen.add(id(error))
         traceback.clear_frames(error.__traceback__)  # those still running (this pass's own) are skipped
         error.__traceback__ = None
-        error = error.__cause__ or error.__context__
+        chained += [error.__cause__, error.__context__]  # "raise X from Y" in a handler has both
 
 
 def _end() -> None:
