@@ -103,13 +103,13 @@ class Retry:
         return self.where if isinstance(self.where, str) else self.where.endpoint
 
     def call(self, request: Callable[[], T], *, bucket: str | None = None, key: str | None = None,
-             further: Callable[[], bool] | None = None) -> T:
+             afresh: Callable[[], bool] | None = None) -> T:
         """Return ``request()``, repeating it on retryable faults until the deadline.
 
-        ``further`` makes ``request`` a unit of several requests and other work (an upload's
+        ``afresh`` makes ``request`` a unit of several requests and other work (an upload's
         task, which reads and encodes between them), asked after each failed attempt whether
         to time its outage afresh (the store answered the attempt's earlier requests: the
-        task's ``_Attempts.further`` says when). Such a unit's outage is timed from the
+        task's ``_Attempts.afresh`` says when). Such a unit's outage is timed from the
         failure, not from the attempt's start: a fault in each of two tasks that outlast the
         deadline is no outage. One that fails at the same point every time still gives up at
         the deadline.
@@ -124,9 +124,9 @@ class Retry:
                 result = request()
             except _RETRYABLE as error:
                 attempts += 1
-                if further is None:
+                if afresh is None:
                     first_failure = started if first_failure is None else first_failure
-                elif further() or first_failure is None:
+                elif afresh() or first_failure is None:
                     first_failure = time.monotonic()
                 failing = time.monotonic() - first_failure
                 deadline, setting = self._deadline()

@@ -85,6 +85,11 @@ class Writing:
         self.rewritten: list[int] = []  # the first changed item of each kept task written again
         self._processes = 0
 
+    @property
+    def tasks(self) -> int:
+        """How many tasks the upload has, kept or to write."""
+        return -(-len(self.order) // self.task_size)
+
     def _task(self, task_id: int) -> tuple[int, np.ndarray]:
         return task_id, self.order[task_id * self.task_size : (task_id + 1) * self.task_size]
 
@@ -103,10 +108,10 @@ class Writing:
                 log.warning("upload to %s: ds[%d], skipped by an earlier run of this upload, reads now; its task %d"
                             " is written again", self.spec.location, fixed, task_id)
                 self._again(task_id, fixed)
-        tasks = -(-len(self.order) // self.task_size)
         checks = check_jobs(CheckSpec(self.spec.store, self.spec.location, self.spec.retry),
                             [(t, r.entries) for t, r in sorted(self.kept.items())], processes) if self.verify else []
-        return checks + write_jobs(self.spec, [self._task(t) for t in range(tasks) if t not in self.kept], processes)
+        writes = [self._task(t) for t in range(self.tasks) if t not in self.kept]
+        return checks + write_jobs(self.spec, writes, processes)
 
     def take(self, job: Job, results: list[Any]) -> list[Job]:
         """Take a job's results: tasks written, or kept tasks checked; the jobs they call for."""
@@ -154,7 +159,7 @@ def run_writing(ds: Any, writing: Writing, where: Where, total: int) -> float:
     with tqdm(total=total, initial=writing.initial, unit="img", disable=not where.progress, desc="upload",
               smoothing=0) as bar:
         run_jobs(writing.jobs(where.processes, ds), ds, where, bar, writing.take)
-        missing = writing.written.missing(-(-len(writing.order) // writing.task_size))
+        missing = writing.written.missing(writing.tasks)
         if missing:  # an executor that lost work: the manifest never lists a part of the dataset
             raise UploadError(f"upload to {writing.spec.location}: the executor returned no result for"
                               f" {len(missing)} tasks (task {missing[0]} first) though none failed; finished tasks"

@@ -357,16 +357,16 @@ def write_task(
     attempts = _Attempts(spec, task_id)
     if slots is None:
         return retry.call(partial(_write_task, attempts, indices, dataset, progress, retry.cancel, UNWATCHED),
-                          further=attempts.further)
+                          afresh=attempts.afresh)
     with slots.task(task_id) as reading:
         return retry.call(partial(_write_task, attempts, indices, dataset, progress, retry.cancel, reading),
-                          further=attempts.further)
+                          afresh=attempts.afresh)
 
 
 class _Attempts:
     """A task's attempts: each one's shards, and the most bytes of them the store answered for
     in any, which says whether a failed attempt restarts the outage clock (``Retry.call``'s
-    ``further``): one the store answered for some of did, unless it is the ``_REPEATS``-th in a
+    ``afresh``): one the store answered for some of did, unless it is the ``_REPEATS``-th in a
     row to get no further than the furthest (a fault at the same point every time, which then
     gives up at the deadline); one it answered nothing for did not (an outage)."""
 
@@ -380,7 +380,7 @@ class _Attempts:
         self.latest = _ShardSequence(self.spec, self.task_id)
         return self.latest
 
-    def further(self) -> bool:
+    def afresh(self) -> bool:
         """Whether the latest attempt, failed, times the task's outage afresh."""
         reached = 0 if self.latest is None else self.latest.acknowledged
         if reached > self.furthest:

@@ -358,7 +358,7 @@ def test_a_task_times_its_outage_afresh_after_a_fault_earlier_on_but_not_for_eve
 
     def failed(acknowledged: int) -> bool:
         attempts.latest = SimpleNamespace(acknowledged=acknowledged)
-        return attempts.further()
+        return attempts.afresh()
 
     assert failed(3_000_000)  # further than any before
     assert failed(1_000_000)  # a fault earlier on, the store answering before it: no outage
