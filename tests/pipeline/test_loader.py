@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import json
 import os
+import select
+import signal
 import subprocess
 import sys
 import textwrap
@@ -278,3 +281,53 @@ def test_a_decoding_worker_gives_each_large_block_back_when_freed_and_the_traini
                            seaweed.access_key, seaweed.secret_key], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["{False}", "{True}", "{False}", "{False}"]
+
+
+_ORPHANED = """
+import os, sys
+from remote_loader import loader
+ready, gate = int(sys.argv[1]), sys.argv[2]
+
+def starting(worker_id):  # a worker slow to start (spawned, importing torch): its process is killed meanwhile
+    os.write(ready, str(os.getpid()).encode())
+    with open(gate) as held:
+        held.read()
+
+for _ in loader(list(range(4)), num_workers=1, worker_init_fn=starting):
+    pass
+"""
+
+
+@pytest.mark.parametrize("stateful", [False, True])
+def test_a_worker_whose_process_is_killed_before_it_has_started_ends_too(tmp_path, stateful):
+    """torch's worker notes its parent's pid once it has started (its watchdog); a parent
+    killed before then (by the OOM killer, or a decoding process ended while its workers
+    start) leaves a worker that records pid 1 as its parent and waits for work for ever."""
+    if stateful:
+        pytest.importorskip("torchdata")
+    script = _ORPHANED.replace("num_workers=1", "num_workers=1, stateful=True") if stateful else _ORPHANED
+    gate = tmp_path / "gate"
+    os.mkfifo(gate)
+    ready_read, ready_write = os.pipe()
+    process = subprocess.Popen([sys.executable, "-c", script, str(ready_write), str(gate)], pass_fds=(ready_write,),
+                               cwd=Path(__file__).resolve().parents[2])
+    os.close(ready_write)
+    worker = None
+    try:
+        worker = int(os.read(ready_read, 16))  # the worker's pid, written once it is in its worker_init_fn
+        os.close(ready_read)
+        ended = os.pidfd_open(worker)
+        process.kill()
+        process.wait(timeout=60)
+        try:  # the gate opened, if the worker still waits there
+            os.close(os.open(gate, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:
+            pass  # no reader: the worker has ended already
+        assert select.select([ended], [], [], 60)[0], f"worker {worker} lives on after its process was killed"
+        os.close(ended)
+    finally:
+        process.kill()
+        process.wait(timeout=60)
+        if worker is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker, signal.SIGKILL)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import gc
 import multiprocessing
+import multiprocessing.connection
 import os
+import threading
 from typing import Any
 
 from torch.utils.data import DataLoader
@@ -66,7 +68,36 @@ def made_here(dataloader: DataLoader, make: Any) -> Any:
     dataloader.__dict__["_states_loaded"] = getattr(dataloader.dataset, "states_loaded", None)
     if dataloader.num_workers:
         _forget_children_in_forks()
+        if not isinstance(dataloader.worker_init_fn, EndWithParent):
+            dataloader.worker_init_fn = EndWithParent(dataloader.worker_init_fn)
     return make()
+
+
+class EndWithParent:
+    """A ``worker_init_fn`` that ends the worker as soon as the process that started it ends,
+    then calls ``then`` (the DataLoader's own).
+
+    torch's worker notes its parent's pid only after its ``worker_init_fn`` has run (its
+    watchdog): a parent killed before then (by the OOM killer, or a decoding process ended
+    while its spawned workers import torch) leaves a worker that takes pid 1 for its parent
+    and waits for work for ever, holding its memory. A thread of the worker waits on
+    multiprocessing's sentinel of the parent instead, from the worker's start."""
+
+    def __init__(self, then: Any = None) -> None:
+        self.then = then
+
+    def __call__(self, worker_id: int) -> None:
+        parent = multiprocessing.parent_process()
+        if parent is not None and parent.sentinel is not None:
+            watch = threading.Thread(target=_end_with, args=(parent.sentinel,), name="rl-parent", daemon=True)
+            watch.start()
+        if self.then is not None:
+            self.then(worker_id)
+
+
+def _end_with(sentinel: int) -> None:
+    multiprocessing.connection.wait([sentinel])
+    os._exit(1)
 
 
 _forgetting = False
