@@ -89,8 +89,8 @@ class EndWithParent:
     def __call__(self, worker_id: int) -> None:
         parent = multiprocessing.parent_process()
         if parent is not None and parent.sentinel is not None:
-            watch = threading.Thread(target=_end_with, args=(parent.sentinel,), name="rl-parent", daemon=True)
-            watch.start()
+            threading.Thread(target=_end_with, args=(parent.sentinel,), name="remote-loader-parent",
+                             daemon=True).start()
         if self.then is not None:
             self.then(worker_id)
 
