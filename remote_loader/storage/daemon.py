@@ -26,22 +26,26 @@ def wait_result(future: Future[T]) -> T:
     wait ends, which for a request to a hung store is its read timeout."""
     while not future.done():
         wait([future], timeout=_STEP)
-    return future.result()
+    try:
+        return future.result()
+    finally:
+        del future  # a failed call's error, raised here, holds this frame: it must not hold the future
 
 
 def in_daemon_thread(call: Callable[[], T], name: str = "remote-loader-request") -> Future[T]:
     """Run ``call`` in a daemon thread of its own; its outcome in the future."""
     future: Future[T] = Future()
-
-    def run() -> None:
-        if future.set_running_or_notify_cancel():
-            try:
-                future.set_result(call())
-            except BaseException as exc:
-                future.set_exception(exc)
-
-    threading.Thread(target=run, name=name, daemon=True).start()
+    threading.Thread(target=_run, args=(future, call), name=name, daemon=True).start()
     return future
+
+
+def _run(future: Future[T], call: Callable[[], T]) -> None:
+    if future.set_running_or_notify_cancel():
+        try:
+            future.set_result(call())
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
+            future.set_exception(exc)
+    del future, call  # the error's traceback holds this frame: it must not hold the future, which holds the error
 
 
 class DaemonPool:

@@ -3,10 +3,12 @@ threads ended with the iteration; crops fixed by (seed, epoch, key) whatever the
 
 from __future__ import annotations
 
+import gc
 import signal
 import subprocess
 import sys
 import threading
+import weakref
 from collections import Counter
 
 import pytest
@@ -192,3 +194,36 @@ def test_a_failure_after_to_tuple_names_its_sample_not_an_item_number(uploaded):
             list(ds)
         notes = "\n".join(getattr(caught.value, "__notes__", []))
         assert "sample '000017' of shard-" in notes, notes
+
+
+class _Failed(Exception):
+    made: list[weakref.ref[_Failed]] = []
+
+    def __init__(self) -> None:
+        super().__init__("no")
+        _Failed.made.append(weakref.ref(self))
+
+
+def _fail_on_3(item: int) -> int:
+    if item == 3:
+        raise _Failed()
+    return item
+
+
+def test_a_failure_on_a_thread_leaves_nothing_to_the_garbage_collector():
+    # The error's traceback held the frame that waited for it, which held its future, which
+    # held the error: the frames of a failed pass (and the samples they held) lived until the
+    # garbage collector ran.
+    gc.disable()
+    try:
+        mapped = threaded_map(_fail_on_3, range(10), 2)
+        with pytest.raises(_Failed):
+            list(mapped)
+        mapped.close()
+        for thread in threading.enumerate():
+            if thread.name.startswith("remote-loader-stage"):
+                thread.join(60)
+        del mapped
+        assert _Failed.made[-1]() is None
+    finally:
+        gc.enable()

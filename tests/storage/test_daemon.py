@@ -3,11 +3,13 @@ parallel requests both run on it."""
 
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
 
 import pytest
 
-from remote_loader.storage.daemon import DaemonPool, map_on_daemon_threads
+from remote_loader.storage.daemon import DaemonPool, in_daemon_thread, map_on_daemon_threads, wait_result
 
 
 def test_results_come_in_the_items_order_on_threads_of_the_given_name():
@@ -85,3 +87,32 @@ def test_an_idle_thread_keeps_nothing_of_its_last_task(cancelled):
             time.sleep(0.01)
     finally:
         pool.shutdown(join=10)
+
+
+class _Failed(Exception):
+    made: list[weakref.ref[_Failed]] = []
+
+    def __init__(self) -> None:
+        super().__init__("no")
+        _Failed.made.append(weakref.ref(self))
+
+
+def _fail() -> None:
+    raise _Failed()
+
+
+def test_a_call_that_failed_in_a_daemon_thread_leaves_nothing_to_the_garbage_collector():
+    # The future held the error, whose traceback held the thread's frame, which held the
+    # future: a failed request's frames (and what they held) lived until the collector ran.
+    gc.disable()
+    try:
+        future = in_daemon_thread(_fail, "remote-loader-test-failing")
+        with pytest.raises(_Failed):
+            wait_result(future)
+        for thread in threading.enumerate():
+            if thread.name == "remote-loader-test-failing":
+                thread.join(60)
+        del future
+        assert _Failed.made[-1]() is None
+    finally:
+        gc.enable()

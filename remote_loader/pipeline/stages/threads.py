@@ -79,6 +79,8 @@ def threaded_map(fn: Callable[[Any], Any], samples: Iterable[Any], threads: int)
         except Exception as error:
             name_failure(error, sample, position)
             raise
+        finally:
+            del future  # a failure's traceback holds this frame: it must not hold the future, which holds the error
 
     try:
         for position, sample in enumerate(samples):
