@@ -34,6 +34,7 @@ from remote_loader.storage.base import (
     object_length,
 )
 from remote_loader.storage.receive import BODY_ERRORS, read_body, receive_into
+from remote_loader.storage.unsigned_logs import hide_signatures
 from remote_loader.storage.writer import MultipartWriter
 
 _UNREACHABLE = (bce.EndpointConnectionError, bce.ConnectTimeoutError, bce.ProxyConnectionError)
@@ -70,6 +71,7 @@ def _on_aws(url: str | None) -> bool:
 
 
 _SESSION: boto3.session.Session | None = None
+hide_signatures()  # urllib3 logs the URL of each request: a presigned one's signature is not shown
 
 
 def _session() -> boto3.session.Session:
