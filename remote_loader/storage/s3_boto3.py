@@ -101,10 +101,13 @@ def _continue_only_for_large_bodies(request: Any, **_: Any) -> None:
 @contextmanager
 def _setup_errors(endpoint: str) -> Iterator[None]:
     """Translate what botocore raises while it reads the AWS profile and files to make a
-    client (a profile that is not there, one with half its keys, a file it cannot parse) into
-    a ConfigError naming the profile and the files, never a key: a traceback before."""
+    client (a profile that is not there, one with half its keys, a file it cannot parse, a
+    credential_process whose output is no JSON) into a ConfigError naming the profile and the
+    files, never a key: a traceback before."""
     try:
         yield
+    except ConfigError:
+        raise
     except bce.ProfileNotFound as exc:
         credentials, config = aws_files()
         raise ConfigError(
@@ -124,7 +127,9 @@ def _setup_errors(endpoint: str) -> Iterator[None]:
         raise ConfigError(f"the AWS file {exc.kwargs.get('path')} cannot be parsed (an INI file of profiles)") from None
     except bce.BotoCoreError as exc:  # a region no endpoint serves, a credential_process that failed...
         raise ConfigError(f"boto3 could not make a client for {endpoint}: {type(exc).__name__}") from None
-
+    except (ValueError, AttributeError) as exc:  # botocore's json.loads of a credential_process's output, keys and all
+        raise ConfigError(f"boto3 could not make a client for {endpoint}: {type(exc).__name__} (the AWS profile's"
+                          " credential_process printing something else than the JSON botocore reads?)") from None
 
 
 def _raw(body: Any) -> Any:

@@ -253,3 +253,18 @@ def test_a_url_urllib3_warns_about_holds_no_signature(backend, caplog):
         client.close()
     finally:
         server.listener.close()
+
+
+@pytest.mark.parametrize("output", ["{Version: 1, AccessKeyId: AKID-VALUE-5, SecretAccessKey: SHH-VALUE-5}",
+                                    '["SHH-VALUE-5"]'])
+def test_a_credential_process_whose_output_is_no_json_is_a_config_error_that_shows_none_of_it(
+        seaweed, tmp_path, output):
+    """botocore parses a credential_process's output with json.loads and raises what that
+    raises: a JSONDecodeError (holding the output, keys and all, in its ``doc``) or an
+    AttributeError came through as a traceback from inside botocore, with the output in
+    the frames' locals for a traceback that shows them."""
+    _aws_file(tmp_path, "config", f"[default]\ncredential_process = printf '%s' '{output}'\n")
+    result = _cli(_users_env(tmp_path, seaweed.endpoint_url), "ls", "s3://datasets/x")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("remote-loader: error: ") and result.stderr.count("\n") == 1, result.stderr
+    assert "credential_process" in result.stderr and "VALUE-5" not in result.stderr, result.stderr
