@@ -70,6 +70,18 @@ def _on_aws(url: str | None) -> bool:
     return bool(url) and (urlsplit(url or "").hostname or "").endswith(".amazonaws.com")
 
 
+def _named(url: str) -> str:
+    """An endpoint URL botocore found (an ``endpoint_url`` of the AWS config file) as messages
+    name it: ``scheme://host[:port]``, never a ``user:secret@`` or a query it holds."""
+    try:
+        parts = urlsplit(url)
+        host, port = parts.hostname or "", parts.port
+    except ValueError:  # a port that is no number: a secret with a '/' ends the host part before its '@'
+        return "the endpoint_url of the AWS config file"
+    host = f"[{host}]" if ":" in host else host
+    return f"{parts.scheme}://{host}" + ("" if port is None else f":{port}")
+
+
 _SESSION: boto3.session.Session | None = None
 hide_signatures()  # urllib3 logs the URL of each request: a presigned one's signature is not shown
 
@@ -218,7 +230,7 @@ class Boto3Store(RangedStore):
             ),
         )
         client.meta.events.register("before-send.s3", _continue_only_for_large_bodies)
-        self._found_url = client.meta.endpoint_url
+        self._found_url = _named(client.meta.endpoint_url)
         return client
 
     @contextmanager

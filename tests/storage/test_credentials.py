@@ -179,6 +179,21 @@ def test_an_endpoint_from_the_aws_config_file_is_the_one_messages_name(seaweed, 
         assert result.returncode == 1 and "AWS S3" not in result.stderr and result.stderr.count("\n") == 1
 
 
+@pytest.mark.parametrize("secret", ["SHH-VALUE-7", "SHH/VALUE-7"])
+def test_keys_in_the_aws_config_files_endpoint_url_are_never_named(seaweed, tmp_path, secret):
+    """An endpoint_url of ~/.aws/config is botocore's to parse, with a key:secret@ in it too:
+    every message that named the endpoint then repeated the secret."""
+    host = seaweed.endpoint_url.removeprefix("http://")
+    _aws_file(tmp_path, "config", f"[default]\nendpoint_url = http://AKID-VALUE-7:{secret}@{host}\n")
+    env = _users_env(tmp_path, seaweed.endpoint_url, AWS_ACCESS_KEY_ID=seaweed.access_key,
+                     AWS_SECRET_ACCESS_KEY=seaweed.secret_key, REMOTE_LOADER_FIRST_CONTACT_DEADLINE="0.5",
+                     REMOTE_LOADER_OUTAGE_DEADLINE="0.5")
+    del env["AWS_ENDPOINT_URL"]
+    result = _cli(env, "ls", f"s3://{new_bucket(seaweed.client())}-no/x")
+    assert result.returncode == 1 and result.stderr.startswith("remote-loader: error: "), result.stderr
+    assert "VALUE-7" not in result.stderr, result.stderr
+
+
 def _signature_shown(text: str, access_key: str) -> list[str]:
     """What of a presigned URL's credentials ``text`` holds: its signature, or the access key
     its X-Amz-Credential names."""
