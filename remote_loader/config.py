@@ -195,7 +195,9 @@ def normalize_endpoint(endpoint: str, *, secure: bool = False) -> str:
     that does not repeat them: credentials go in ``access_key`` / ``secret_key`` or the
     environment, where they are kept out of reprs and logs.
     """
-    if "@" in endpoint.partition("://")[2].partition("/")[0]:
+    # Anywhere: a secret may hold a '/' or a '?' (ending the host part before its '@'), and a
+    # host:port has no scheme; an endpoint has no other use for an '@'.
+    if "@" in endpoint:
         raise ConfigError(
             "the endpoint URL holds credentials (user:secret@host), which are not used from there: pass"
             " access_key and secret_key, or set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"

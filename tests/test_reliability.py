@@ -8,6 +8,7 @@ import logging
 import os
 import threading
 import time
+import traceback
 import urllib.request
 from collections import Counter
 from pathlib import Path
@@ -177,6 +178,38 @@ def test_credentials_in_an_endpoint_url_are_refused_without_echoing_them(make):
     with pytest.raises(ConfigError, match="holds credentials") as caught:
         make()
     assert "SECRET-123" not in str(caught.value) and "SECRET-123" not in repr(caught.value)
+
+
+_SLASHED = "wJalrXUtnFEMI/K7MDENG+bPxRfiCY/EXAMPLEKEY"  # AWS secret keys often hold a '/'
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: make_client(f"http://AKIAEXAMPLE:{_SLASHED}@127.0.0.1:9000"),
+        lambda: StorageConfig(endpoint_url=f"https://AKIAEXAMPLE:{_SLASHED}@s3.amazonaws.com"),
+        lambda: StorageConfig.from_env({"AWS_ENDPOINT_URL": f"http://AKIAEXAMPLE:{_SLASHED}@127.0.0.1"}),
+        # MinIO's own endpoints have no scheme: host:port, here behind key:secret@
+        lambda: StorageConfig.from_env({"MINIO_ENDPOINT": f"AKIAEXAMPLE:{_SLASHED}@127.0.0.1:9000"}),
+        lambda: StorageConfig.from_env({"AWS_ENDPOINT_URL": f"AKIAEXAMPLE:{_SLASHED}@127.0.0.1:9000"}),
+        lambda: make_client(f"AKIAEXAMPLE:{_SLASHED}@127.0.0.1:9000"),
+        lambda: RemoteDataset("s3://bucket/prefix", endpoint_url=f"AKIAEXAMPLE:{_SLASHED}@127.0.0.1:9000"),
+        lambda: make_client(f"http:///AKIAEXAMPLE:{_SLASHED}@127.0.0.1:9000"),
+        lambda: make_client(f"http://AKIAEXAMPLE:{_SLASHED}?x@127.0.0.1:9000"),
+    ],
+)
+def test_credentials_in_an_endpoint_url_are_never_echoed_whatever_its_shape(make):
+    """A secret with a '/' (most AWS secret keys) ends the host part where the check looked
+    for '@', and an endpoint without a scheme (MinIO's host:port) has none: both were echoed
+    whole in the message that refused them (no valid port, not a URL)."""
+    with pytest.raises(ConfigError) as caught:
+        make()
+    shown, error = "", caught.value  # what a traceback prints of each error in the chain, but the code lines
+    while error is not None:
+        shown += "".join(traceback.format_exception_only(error))
+        error = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
+    for piece in ("AKIAEXAMPLE", "wJalrXUtnFEMI", "EXAMPLEKEY"):
+        assert piece not in shown, shown
 
 
 # ------------------------------------------------------------------ the embedded server

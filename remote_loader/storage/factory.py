@@ -33,12 +33,16 @@ _USERINFO = r"(?:[^/@]*|[^@]*:[^@]*)@"
 
 def redact(url: str) -> str:
     """``url`` for messages: any ``user:secret@`` part replaced by ``***@``, also after a
-    mistyped scheme (``s3:/key:secret@bucket``) and where the secret holds a ``/``; the query
-    of a URL other than ``s3://`` (whose key may hold a ``?``) by ``?...``."""
+    mistyped scheme (``s3:/key:secret@bucket``) or none (``key:secret@host:port``) and where
+    the secret holds a ``/``; the query of a URL other than ``s3://`` (whose key may hold a
+    ``?``) by ``?...``."""
     if _SCHEME_LIKE.match(url) and "://" in url and not url.startswith("s3://"):
         url = re.sub(r"\?.*", "?...", url, count=1, flags=re.DOTALL)  # a query may hold a presigned URL's signature
     url = re.sub(r"(?<=//)" + _USERINFO, "***@", url, count=1)
-    return re.sub(r"^((?:s3|https?|file)[:/]+)(?!\*\*\*@)" + _USERINFO, r"\1***@", url, flags=re.IGNORECASE)
+    url = re.sub(r"^((?:s3|https?|file)[:/]+)(?!\*\*\*@)" + _USERINFO, r"\1***@", url, flags=re.IGNORECASE)
+    if "***@" in url:
+        return url
+    return re.sub(r"^(?![A-Za-z][A-Za-z0-9+.-]*:/)[^/@:]*:[^@]*@", "***@", url)  # key:secret@host:port, no scheme
 
 
 def _meant(url: str) -> str:

@@ -34,6 +34,7 @@ from remote_loader.storage.base import (
     object_length,
 )
 from remote_loader.storage.receive import BODY_ERRORS, read_body, receive_into
+from remote_loader.storage.unsigned_logs import hide_signatures
 from remote_loader.storage.writer import MultipartWriter
 
 _UNREACHABLE = (bce.EndpointConnectionError, bce.ConnectTimeoutError, bce.ProxyConnectionError)
@@ -69,7 +70,20 @@ def _on_aws(url: str | None) -> bool:
     return bool(url) and (urlsplit(url or "").hostname or "").endswith(".amazonaws.com")
 
 
+def _named(url: str) -> str:
+    """An endpoint URL botocore found (an ``endpoint_url`` of the AWS config file) as messages
+    name it: ``scheme://host[:port]``, never a ``user:secret@`` or a query it holds."""
+    try:
+        parts = urlsplit(url)
+        host, port = parts.hostname or "", parts.port
+    except ValueError:  # a port that is no number: a secret with a '/' ends the host part before its '@'
+        return "the endpoint_url of the AWS config file"
+    host = f"[{host}]" if ":" in host else host
+    return f"{parts.scheme}://{host}" + ("" if port is None else f":{port}")
+
+
 _SESSION: boto3.session.Session | None = None
+hide_signatures()  # urllib3 logs the URL of each request: a presigned one's signature is not shown
 
 
 def _session() -> boto3.session.Session:
@@ -99,10 +113,13 @@ def _continue_only_for_large_bodies(request: Any, **_: Any) -> None:
 @contextmanager
 def _setup_errors(endpoint: str) -> Iterator[None]:
     """Translate what botocore raises while it reads the AWS profile and files to make a
-    client (a profile that is not there, one with half its keys, a file it cannot parse) into
-    a ConfigError naming the profile and the files, never a key: a traceback before."""
+    client (a profile that is not there, one with half its keys, a file it cannot parse, a
+    credential_process whose output is no JSON) into a ConfigError naming the profile and the
+    files, never a key: a traceback before."""
     try:
         yield
+    except ConfigError:
+        raise
     except bce.ProfileNotFound as exc:
         credentials, config = aws_files()
         raise ConfigError(
@@ -122,7 +139,9 @@ def _setup_errors(endpoint: str) -> Iterator[None]:
         raise ConfigError(f"the AWS file {exc.kwargs.get('path')} cannot be parsed (an INI file of profiles)") from None
     except bce.BotoCoreError as exc:  # a region no endpoint serves, a credential_process that failed...
         raise ConfigError(f"boto3 could not make a client for {endpoint}: {type(exc).__name__}") from None
-
+    except (ValueError, AttributeError) as exc:  # botocore's json.loads of a credential_process's output, keys and all
+        raise ConfigError(f"boto3 could not make a client for {endpoint}: {type(exc).__name__} (the AWS profile's"
+                          " credential_process printing something else than the JSON botocore reads?)") from None
 
 
 def _raw(body: Any) -> Any:
@@ -211,7 +230,7 @@ class Boto3Store(RangedStore):
             ),
         )
         client.meta.events.register("before-send.s3", _continue_only_for_large_bodies)
-        self._found_url = client.meta.endpoint_url
+        self._found_url = _named(client.meta.endpoint_url)
         return client
 
     @contextmanager

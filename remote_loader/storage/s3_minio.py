@@ -50,9 +50,11 @@ from remote_loader.storage.base import (
     place,
 )
 from remote_loader.storage.receive import BODY_ERRORS, read_body, receive_into
+from remote_loader.storage.unsigned_logs import hide_signatures
 from remote_loader.storage.writer import MultipartWriter
 
 _MAX_ABORT_ROUNDS = 100
+hide_signatures()  # urllib3 logs the URL of each request: a presigned one's signature is not shown
 _PRESIGNED_FOR = timedelta(minutes=15)  # a request is sent at once; a part may take minutes on a slow link
 
 

@@ -3,14 +3,19 @@ refused in one line naming what was wrong (never a key), and read by both S3 bac
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import re
+import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
-from remote_loader import AccessDenied, ConfigError, StorageConfig, make_client
+from remote_loader import AccessDenied, ConfigError, StorageConfig, StorageError, make_client
 from tests.conftest import new_bucket
 from tests.servers import free_port
 
@@ -172,3 +177,109 @@ def test_an_endpoint_from_the_aws_config_file_is_the_one_messages_name(seaweed, 
     assert "check the endpoint URL" in unreachable.stderr and "no endpoint is set" not in unreachable.stderr
     for result in (missing, refused, unreachable):
         assert result.returncode == 1 and "AWS S3" not in result.stderr and result.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("secret", ["SHH-VALUE-7", "SHH/VALUE-7"])
+def test_keys_in_the_aws_config_files_endpoint_url_are_never_named(seaweed, tmp_path, secret):
+    """An endpoint_url of ~/.aws/config is botocore's to parse, with a key:secret@ in it too:
+    every message that named the endpoint then repeated the secret."""
+    host = seaweed.endpoint_url.removeprefix("http://")
+    _aws_file(tmp_path, "config", f"[default]\nendpoint_url = http://AKID-VALUE-7:{secret}@{host}\n")
+    env = _users_env(tmp_path, seaweed.endpoint_url, AWS_ACCESS_KEY_ID=seaweed.access_key,
+                     AWS_SECRET_ACCESS_KEY=seaweed.secret_key, REMOTE_LOADER_FIRST_CONTACT_DEADLINE="0.5",
+                     REMOTE_LOADER_OUTAGE_DEADLINE="0.5")
+    del env["AWS_ENDPOINT_URL"]
+    result = _cli(env, "ls", f"s3://{new_bucket(seaweed.client())}-no/x")
+    assert result.returncode == 1 and result.stderr.startswith("remote-loader: error: "), result.stderr
+    assert "VALUE-7" not in result.stderr, result.stderr
+
+
+def _signature_shown(text: str, access_key: str) -> list[str]:
+    """What of a presigned URL's credentials ``text`` holds: its signature, or the access key
+    its X-Amz-Credential names."""
+    return [*re.findall(r"X-Amz-Signature=[0-9a-f]{8,}", text), *re.findall(rf"Credential={access_key}", text)]
+
+
+@pytest.mark.parametrize("backend", ["boto3", "minio"])
+def test_presigned_urls_stay_out_of_urllib3s_debug_log(seaweed, backend, caplog):
+    """boto3's ranged GETs and minio's PUTs go on presigned URLs, which urllib3 logs whole at
+    DEBUG for every request: anyone reading that log could read the shard (or, with a
+    session token, act as the user) for as long as the URL is valid. The request lines
+    stay, their signatures do not."""
+    client = make_client(seaweed.endpoint_url, seaweed.access_key, seaweed.secret_key, backend=backend)
+    bucket = new_bucket(client)
+    client.put(bucket, "logged/obj", b"0123456789")
+    out = bytearray(4)
+    caplog.set_level(logging.DEBUG, logger="urllib3")
+    client.get_range_into(bucket, "logged/obj", 2, 6, memoryview(out))
+    client.put(bucket, "logged/obj2", b"abc")
+    assert out == b"2345"
+    assert f"/{bucket}/logged/obj" in caplog.text  # the requests were logged
+    assert not _signature_shown(caplog.text, seaweed.access_key), caplog.text
+    client.close()
+    token = "SHH-TOKEN-VALUE-8"  # in a presigned URL's query, where a session token goes (the server refuses it)
+    with_token = make_client(backend=backend, config=StorageConfig(
+        endpoint_url=seaweed.endpoint_url, access_key=seaweed.access_key, secret_key=seaweed.secret_key,
+        session_token=token))
+    with pytest.raises(AccessDenied):
+        with_token.get_range_into(bucket, "logged/obj", 2, 6, memoryview(out)) if backend == "boto3" else \
+            with_token.put(bucket, "logged/obj3", b"abc")
+    assert "X-Amz-Security-Token" in caplog.text and token not in caplog.text, caplog.text
+    with_token.close()
+
+
+class _MalformedHeaders:
+    """A server on 127.0.0.1 whose every answer holds a line that is no header: urllib3 then
+    logs a WARNING naming the URL of the request, which Python's ``logging.basicConfig()``
+    prints."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    @property
+    def endpoint_url(self) -> str:
+        return f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+
+    def _serve(self) -> None:
+        with contextlib.suppress(OSError):  # closed
+            while True:
+                connection, _ = self.listener.accept()
+                with connection:
+                    request = b""
+                    while b"\r\n\r\n" not in request:
+                        request += connection.recv(65536) or b"\r\n\r\n"
+                    connection.sendall(b"HTTP/1.1 206 Partial Content\r\nContent-Range: bytes 0-3/10\r\n"
+                                       b"Content-Length: 4\r\nno header here\r\n\r\n0123")
+
+
+@pytest.mark.parametrize("backend", ["boto3", "minio"])
+def test_a_url_urllib3_warns_about_holds_no_signature(backend, caplog):
+    server = _MalformedHeaders()
+    try:
+        client = make_client(server.endpoint_url, "AKIAEXAMPLEKEY", "EXAMPLE-SECRET-0123456789", backend=backend)
+        caplog.set_level(logging.WARNING, logger="urllib3")
+        operation = (lambda: client.get_range_into("bkt", "a/b", 0, 4, memoryview(bytearray(4)))) \
+            if backend == "boto3" else (lambda: client.put("bkt", "a/b", b"abcd"))
+        with contextlib.suppress(StorageError):
+            operation()
+        assert "Failed to parse headers" in caplog.text and "/bkt/a/b" in caplog.text
+        assert not _signature_shown(caplog.text, "AKIAEXAMPLEKEY"), caplog.text
+        client.close()
+    finally:
+        server.listener.close()
+
+
+@pytest.mark.parametrize("output", ["{Version: 1, AccessKeyId: AKID-VALUE-5, SecretAccessKey: SHH-VALUE-5}",
+                                    '["SHH-VALUE-5"]'])
+def test_a_credential_process_whose_output_is_no_json_is_a_config_error_that_shows_none_of_it(
+        seaweed, tmp_path, output):
+    """botocore parses a credential_process's output with json.loads and raises what that
+    raises: a JSONDecodeError (holding the output, keys and all, in its ``doc``) or an
+    AttributeError came through as a traceback from inside botocore, with the output in
+    the frames' locals for a traceback that shows them."""
+    _aws_file(tmp_path, "config", f"[default]\ncredential_process = printf '%s' '{output}'\n")
+    result = _cli(_users_env(tmp_path, seaweed.endpoint_url), "ls", "s3://datasets/x")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("remote-loader: error: ") and result.stderr.count("\n") == 1, result.stderr
+    assert "credential_process" in result.stderr and "VALUE-5" not in result.stderr, result.stderr
