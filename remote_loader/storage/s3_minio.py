@@ -54,6 +54,9 @@ from remote_loader.storage.unsigned_logs import hide_signatures
 from remote_loader.storage.writer import MultipartWriter
 
 _MAX_ABORT_ROUNDS = 100
+_GARBLED = (ElementTree.ParseError, UnicodeDecodeError)
+"""What minio raises for an answer's XML cut short or garbled on its way (a listing's page): a
+fault to retry, as a connection reset is."""
 hide_signatures()  # urllib3 logs the URL of each request: a presigned one's signature is not shown
 _PRESIGNED_FOR = timedelta(minutes=15)  # a request is sent at once; a part may take minutes on a slow link
 
@@ -283,7 +286,7 @@ class MinioStore(RangedStore):
                 key=key,
                 code=type(exc.reason).__name__,
             ) from None
-        except (Urllib3Error, ConnectionError, *BODY_ERRORS, InvalidResponseError) as exc:
+        except (Urllib3Error, ConnectionError, *BODY_ERRORS, InvalidResponseError, *_GARBLED) as exc:
             raise TransientStorageError(
                 f"connection to {endpoint} failed during {operation} ({type(exc).__name__})",
                 bucket=bucket,

@@ -144,3 +144,25 @@ def test_a_listing_rides_out_faults_between_its_pages_and_stays_lazy(seaweed):
                 assert sum(proxy.injected.values()) >= 2
         finally:
             proxy.close()
+
+
+@pytest.mark.parametrize("fault", ["short_answer", "flip"])
+@pytest.mark.parametrize("backend", ["boto3", "minio"])
+def test_a_listing_page_answered_short_or_garbled_is_asked_again(seaweed, backend, fault):
+    """A page whose XML ends short (a proxy cutting the answer, the length cut with it) or
+    is garbled is a fault to retry, not an error from inside the client's XML parser."""
+    bucket = f"retrying-{fault.replace('_', '-')}-page-{backend}"
+    client = seaweed.client()
+    client.create_bucket(bucket)
+    expected = [f"k/{i:03d}" for i in range(6)]
+    for key in expected:
+        client.put(bucket, key, b"x")
+    proxy = FaultProxy(seaweed.endpoint_url, {fault: 1.0}, methods=("GET",), first_only="request")
+    try:
+        raw = make_client(proxy.endpoint_url, seaweed.access_key, seaweed.secret_key, backend=backend)
+        store = RetryingStore(raw, Retry(RetryConfig(backoff=0.001, max_backoff=0.01), raw.endpoint))
+        assert [info.key for info in store.list(bucket, "k/")] == expected
+        assert proxy.injected[fault] >= 1
+    finally:
+        proxy.close()
+        client.close()
