@@ -472,6 +472,16 @@ class FetchConfig:
         return max(self.prefetch_bytes, ranges) + (open_shards + self.free_ranges) * ranges + 8 * mib
 
 
+def fetch_config(fetch: object) -> FetchConfig:
+    """``fetch`` as given (a FetchConfig), or the defaults for None; ConfigError for anything
+    else (a dict of its fields was taken as given, and failed at the first read)."""
+    if fetch is None:
+        return FetchConfig()
+    if not isinstance(fetch, FetchConfig):
+        raise ConfigError(f"fetch must be a FetchConfig, got {type(fetch).__name__} {shown(fetch)}")
+    return fetch
+
+
 def current_world(rank: int | None, world_size: int | None,
                   inherited: tuple[int, int] | None = None) -> tuple[int, int]:
     """Rank and world size: as given, else from torch.distributed, else ``inherited`` (the
@@ -565,6 +575,10 @@ class CacheConfig:
         ``REMOTE_LOADER_CACHE_VERIFY`` (``1`` or ``0``); None (no cache) where no directory
         is named. ``directory=""`` turns off a cache the environment names."""
         env = os.environ if env is None else env
+        if directory is not None and not isinstance(directory, (str, os.PathLike)):
+            raise ConfigError(f"cache_dir must be a path, got {type(directory).__name__} {shown(directory)}")
+        if verify_reads is not None:
+            require_bool("cache_verify", verify_reads)  # not taken for true or false, also without a cache
         from_env = {"cache_dir": directory is None and "REMOTE_LOADER_CACHE_DIR",
                     "cache_bytes": max_bytes is None and "REMOTE_LOADER_CACHE_BYTES"}
         if directory is None:
@@ -576,6 +590,9 @@ class CacheConfig:
         if verify_reads is None:
             verify_reads = _env_flag(env, "REMOTE_LOADER_CACHE_VERIFY")
         if not directory:
+            if verify_reads:
+                raise ConfigError("cache_verify checks what a cache reads: give cache_dir too (or"
+                                  " REMOTE_LOADER_CACHE_DIR)")
             return None
         try:
             return cls(os.fspath(directory), max_bytes, verify_reads)  # type: ignore[arg-type]

@@ -418,3 +418,34 @@ def test_a_local_upload_leaves_no_empty_folder_and_deletes_racing_writes_lose_no
     for thread in threads:
         thread.join()
     assert failures == [] and not (bucket / "x").exists()
+
+
+@pytest.mark.parametrize("cls", [RemoteDataset, RemoteMapDataset])
+@pytest.mark.parametrize(("where", "given", "said"), [
+    ("bucket", 5, "bucket must be a non-empty string, got 5"),
+    ("bucket", b"b", "bucket must be a non-empty string, got b'b'"),
+    ("base_folder", pathlib.Path("ds"), "base_folder must be a string (the dataset's key prefix), got PosixPath('ds')"),
+    ("base_folder", 5, "base_folder must be a string (the dataset's key prefix), got 5"),
+    ("fetch", {"part_size": 1 << 20}, "fetch must be a FetchConfig, got dict {'part_size': 1048576}"),
+    ("fetch", {}, "fetch must be a FetchConfig, got dict {}"),
+    ("verify", None, "verify must be True or False, got None"),
+    ("verify", "no", "verify must be True or False, got 'no'"),
+    ("cache_dir", 5, "cache_dir must be a path, got int 5"),
+    ("cache_verify", "yes", "cache_verify must be True or False, got 'yes'"),
+    ("cache_verify", True, "cache_verify checks what a cache reads: give cache_dir too (or REMOTE_LOADER_CACHE_DIR)"),
+])
+def test_a_dataset_s_place_and_reading_settings_are_refused_by_name(tmp_path, monkeypatch, cls, where, given, said):
+    """A Path or int as the prefix and a dict as ``fetch`` raised AttributeError from deep in the
+    reader (or, an empty dict, was replaced by the defaults); ``verify=None`` turned a map-style
+    dataset's checksums off, ``cache_verify="yes"`` was taken as true, or ignored without a cache."""
+    monkeypatch.delenv("REMOTE_LOADER_CACHE_DIR", raising=False)
+    store = LocalStore(tmp_path)
+    store.create_bucket("b")
+    upload_cv_dataset(SyntheticImages(4, size=(8, 8)), client=store, bucket="b", base_folder="ds", workers=0,
+                      progress=False)
+    place = {"bucket": "b", "base_folder": "ds"}
+    options = {}
+    (place if where in place else options)[where] = given
+    with pytest.raises(ConfigError) as caught:
+        cls(store, place["bucket"], place["base_folder"], **options)
+    assert one_line(caught.value) == said

@@ -11,7 +11,7 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from remote_loader.checksum import crc32
-from remote_loader.config import CacheConfig, FetchConfig, as_index, require_int
+from remote_loader.config import CacheConfig, FetchConfig, as_index, fetch_config, require_int
 from remote_loader.errors import ConfigError, CorruptSampleError, FormatError
 from remote_loader.format import Sample, ShardIndex
 from remote_loader.read import DatasetReader, Metrics
@@ -87,7 +87,7 @@ class RemoteMapDataset(Dataset):
         merge_gap = require_int("merge_gap", merge_gap, 0)
         if transform is not None and not callable(transform):
             raise ConfigError(f"transform must be callable (applied to each sample), got {type(transform).__name__}")
-        self.fetch = fetch or FetchConfig()
+        self.fetch = fetch_config(fetch)
         self.reader = DatasetReader(client, bucket, base_folder, verify=verify, fetch=self.fetch,
                                     cache_pages=cache_pages,
                                     cache=CacheConfig.of(cache_dir, cache_bytes, verify_reads=cache_verify))

@@ -19,6 +19,7 @@ from remote_loader.config import (
     FetchConfig,
     current_world,
     distributed_world,
+    fetch_config,
     require_bool,
     require_int,
 )
@@ -145,7 +146,7 @@ class RemoteDataset(IterableDataset):
         require_bool("views", views)
         if rank is not None or world_size is not None:
             rank, world_size = current_world(rank, world_size)
-        self.fetch = fetch or FetchConfig()
+        self.fetch = fetch_config(fetch)
         self._fetch_given = fetch is not None
         self.reader = DatasetReader(client, bucket, base_folder, verify=verify, fetch=self.fetch,
                                     cache=CacheConfig.of(cache_dir, cache_bytes, verify_reads=cache_verify),
