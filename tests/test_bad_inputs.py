@@ -449,3 +449,49 @@ def test_a_dataset_s_place_and_reading_settings_are_refused_by_name(tmp_path, mo
     with pytest.raises(ConfigError) as caught:
         cls(store, place["bucket"], place["base_folder"], **options)
     assert one_line(caught.value) == said
+
+
+@pytest.fixture(scope="module")
+def local_dataset(tmp_path_factory):
+    """A small dataset in a local directory: (store, bucket, prefix)."""
+    store = LocalStore(tmp_path_factory.mktemp("local"))
+    store.create_bucket("b")
+    upload_cv_dataset(SyntheticImages(12, size=(16, 12)), client=store, bucket="b", base_folder="ds", maxcount=4,
+                      workers=0, progress=False)
+    return store, "b", "ds"
+
+
+def test_numpy_integers_are_taken_where_the_chain_takes_counts(local_dataset):
+    """shuffle, decode's min_size and threads, map's threads, batched and VideoClip refused
+    numpy's integers (a batch size read from a config array: 'must be an integer >= 1, got
+    np.int64(4)'), as the constructors did not."""
+    import numpy as np
+
+    from remote_loader import VideoClip
+
+    ds = RemoteDataset(*local_dataset, shuffle_shards=False)
+    chained = (ds.shuffle(np.int64(6), np.int32(2)).decode("torchrgb", min_size=np.int64(8), threads=np.int64(2))
+               .map(dict, threads=np.int16(2)).to_tuple("jpg", "cls").batched(np.int64(5)))
+    sizes = [len(labels) for _, labels in chained]
+    assert sizes == [5, 5, 2] and len(chained) == 3
+    clip = VideoClip(np.int64(8), np.int32(2), audio=np.int64(16000))
+    assert (clip.frames, clip.step, clip.audio) == (8, 2, 16000) and type(clip.frames) is int
+
+
+@pytest.mark.parametrize(("chain", "said"), [
+    (lambda ds: ds.batched(4, partial="no"), "partial must be True or False, got 'no'"),
+    (lambda ds: ds.batched(4, partial=None), "partial must be True or False, got None"),
+    (lambda ds: ds.decode("pil", threads=100_000), "threads (0: run in the calling thread) must be an integer in"
+                                                   " 0..1024, got 100000"),
+    (lambda ds: ds.map(str, threads=10**6), "threads (0: run in the calling thread) must be an integer in 0..1024,"
+                                            " got 1000000"),
+    (lambda ds: ds.shuffle(10, 20), "shuffle's initial must be an integer in 0..10, got 20"),
+    (lambda ds: ds.shuffle(2.5), "shuffle's bufsize must be an integer >= 1, got 2.5"),
+])
+def test_chain_arguments_are_not_taken_for_what_they_are_not(local_dataset, chain, said):
+    """partial="no" was taken for True (a short last batch kept); threads had no bound: each
+    DataLoader worker started them all at its first pass, and past what a process can start
+    failed there, mid-epoch."""
+    with pytest.raises(ConfigError) as caught:
+        chain(RemoteDataset(*local_dataset))
+    assert one_line(caught.value) == said

@@ -231,8 +231,7 @@ class RemoteDataset(IterableDataset):
         mapped files), and those stages, which treat each sample
         alone, give the same results. It comes before ``select`` and ``batched``, once.
         """
-        first = initial if initial is not None else min(bufsize, 100) if isinstance(bufsize, int) else 0
-        bufsize, first = stages.check_shuffle(bufsize, first)
+        bufsize, first = stages.check_shuffle(bufsize, initial)
         if self.mixing.bufsize:
             raise ConfigError(f"this pipeline shuffles already (shuffle({self.mixing.bufsize})): give shuffle once")
         if not stages.Chain.of(self.stages).one_to_one():
