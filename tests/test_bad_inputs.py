@@ -495,3 +495,39 @@ def test_chain_arguments_are_not_taken_for_what_they_are_not(local_dataset, chai
     with pytest.raises(ConfigError) as caught:
         chain(RemoteDataset(*local_dataset))
     assert one_line(caught.value) == said
+
+
+@pytest.mark.parametrize(("options", "said"), [
+    ({"flip": "no"}, "RandomResizedCrop flip must be True or False, got 'no'"),
+    ({"reduced": None}, "RandomResizedCrop reduced must be True or False, got None"),
+    ({"scale": (0.08, float("inf"))},
+     "RandomResizedCrop scale must be (low, high) with 0 < low <= high, got (0.08, inf)"),
+    ({"ratio": (1, float("inf"))}, "RandomResizedCrop ratio must be (low, high) with 0 < low <= high, got (1, inf)"),
+    ({"mean": (0.5, 0.5, float("nan")), "std": (1, 1, 1)},
+     "RandomResizedCrop mean must be three finite numbers (one per channel), got (0.5, 0.5, nan)"),
+    ({"mean": (0.5, 0.5, 0.5), "std": (1, 1, float("inf"))},
+     "RandomResizedCrop std must be three finite numbers (one per channel), got (1, 1, inf)"),
+    ({"boxes": ["boxes"]}, "RandomResizedCrop boxes maps field names to one of xyxy, xywh, cxcywh; got list ['boxes']"),
+    ({"per_box": 5}, "RandomResizedCrop per_box is a list of field names, or a dict from each to its box field; got 5"),
+])
+def test_a_crop_s_options_are_refused_for_what_they_are_not(options, said):
+    """flip="no" flipped; an infinite scale or ratio and a mean of nan failed at each sample; a
+    list as boxes was a ValueError from dict(), an int as per_box a bare TypeError."""
+    with pytest.raises(ConfigError) as caught:
+        RandomResizedCrop(32, **options)
+    assert one_line(caught.value) == said
+
+
+def test_a_crop_reads_its_field_names_once_and_takes_numpy_numbers():
+    """Field names given as a generator were read by their check and kept empty: keypoints
+    left where they were, per-box rows never dropped with their boxes. numpy's floats and
+    arrays were refused as scale, ratio, mean and std."""
+    import numpy as np
+
+    crop = RandomResizedCrop(32, keypoints=(f for f in ["kp.npy"]), not_spatial=iter(["1"]),
+                             per_box=(f for f in ["labels.npy"]), boxes={"boxes.npy": "xyxy"})
+    assert (crop.keypoints, crop.not_spatial, crop.per_box) == (("kp.npy",), ("1",), {"labels.npy": None})
+    crop = RandomResizedCrop(32, np.array([0.25, 1.0]), (np.float32(0.5), np.float32(2.0)),
+                             mean=np.array([0.5, 0.5, 0.5]), std=[np.float32(0.25)] * 3)
+    assert (crop.scale, crop.ratio, crop.mean, crop.std) == ((0.25, 1.0), (0.5, 2.0), (0.5,) * 3, (0.25,) * 3)
+    assert type(crop.scale[0]) is float and type(crop.std[0]) is float
