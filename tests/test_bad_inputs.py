@@ -286,6 +286,11 @@ def test_other_constructors_check_their_arguments(make, field):
         ({"maxcount": 2**70}, "maxcount must be an integer in 1..18014398509481983, got 1180591620717411303424"),
         ({"quality": 0}, "quality must be an integer in 1..100"),
         ({"shuffle": "no"}, "shuffle must be True or False"),
+        # checked by the first shard's writer, after the upload's first requests (and never 1.5 or True)
+        ({"part_size": 1024}, r"part_size \(bytes\) must be an integer in 5242880..5368709120, got 1024$"),
+        ({"part_size": 6e6}, r"part_size \(bytes\) must be an integer in 5242880..5368709120, got 6000000.0$"),
+        ({"part_size": 2**40}, r"part_size \(bytes\) must be an integer in 5242880..5368709120, got 1099511627776$"),
+        ({"image_format": None}, "image_format must be one of jpeg, png, webp; got None"),  # an AttributeError
     ],
 )
 def test_upload_arguments_are_checked_before_any_request(kwargs, field):
