@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import decimal
+import math
+import numbers
 import operator
 import os
 import re
@@ -264,6 +266,12 @@ class StorageConfig:
     credentials_file: str | None = None
 
     def __post_init__(self) -> None:
+        for name in ("endpoint_url", "profile", "credentials_file"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ConfigError(f"{name} must be a str, got {type(value).__name__} {shown(value)}")
+        if not isinstance(self.region, str) or not self.region or not self.region.isprintable():
+            raise ConfigError(f"region must be a region's name (us-east-1), got {shown(self.region)}")
         if self.endpoint_url is not None:
             object.__setattr__(self, "endpoint_url", normalize_endpoint(self.endpoint_url))
         if (self.access_key is None) != (self.secret_key is None):
@@ -273,12 +281,10 @@ class StorageConfig:
             if value is not None and (not isinstance(value, str) or not value.isprintable()):
                 raise ConfigError(f"{name} holds a non-printable character ({_UNSHOWN})"
                                   if isinstance(value, str) else f"{name} must be a str, got {type(value).__name__}")
-        if self.max_attempts < 1:
-            raise ConfigError(f"max_attempts must be >= 1, got {self.max_attempts}")
-        if self.connect_timeout <= 0 or self.read_timeout <= 0:
-            raise ConfigError("connect_timeout and read_timeout must be positive")
-        if self.max_connections < 1:
-            raise ConfigError(f"max_connections must be >= 1, got {self.max_connections}")
+        for name in ("max_attempts", "max_connections"):  # 1.5 and True were taken
+            object.__setattr__(self, name, require_int(name, getattr(self, name), 1))
+        for name in ("connect_timeout", "read_timeout"):  # inf would wait on a hung server for ever
+            object.__setattr__(self, name, _seconds(name, getattr(self, name), positive=True))
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> StorageConfig:
@@ -314,9 +320,14 @@ class StorageConfig:
         return cls(**values)  # type: ignore[arg-type]
 
 
-def _check_seconds(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-        raise ConfigError(f"{name} must be a number of seconds >= 0, got {shown(value)}")
+def _seconds(name: str, value: object, *, positive: bool = False) -> float:
+    """``value`` as a finite number of seconds (numpy's numbers too), > 0 where ``positive``,
+    else >= 0; ConfigError naming ``name`` otherwise (a bool, a string, nan, inf)."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value):
+        seconds = float(value)
+        if seconds > 0 or (seconds == 0 and not positive):
+            return seconds
+    raise ConfigError(f"{name} must be a finite number of seconds {'>' if positive else '>='} 0, got {shown(value)}")
 
 
 @dataclass(frozen=True)
@@ -345,7 +356,7 @@ class RetryConfig:
 
     def __post_init__(self) -> None:
         for name in ("backoff", "max_backoff", "outage_deadline", "first_contact_deadline"):
-            _check_seconds(name, getattr(self, name))
+            _seconds(name, getattr(self, name))  # inf would retry a dead store, or wait between two tries, for ever
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> RetryConfig:

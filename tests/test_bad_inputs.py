@@ -30,6 +30,8 @@ from remote_loader import (
     RandomResizedCrop,
     RemoteDataset,
     RemoteMapDataset,
+    RetryConfig,
+    StorageConfig,
     StorageError,
     UnsupportedVersion,
     make_client,
@@ -536,3 +538,37 @@ def test_a_crop_reads_its_field_names_once_and_takes_numpy_numbers():
                              mean=np.array([0.5, 0.5, 0.5]), std=[np.float32(0.25)] * 3)
     assert (crop.scale, crop.ratio, crop.mean, crop.std) == ((0.25, 1.0), (0.5, 2.0), (0.5,) * 3, (0.25,) * 3)
     assert type(crop.scale[0]) is float and type(crop.std[0]) is float
+
+
+@pytest.mark.parametrize(("make", "said"), [
+    (lambda: make_client(_UNREACHED, "k", "s", region=5), "region must be a region's name (us-east-1), got 5"),
+    (lambda: make_client(_UNREACHED, "k", "s", region=""), "region must be a region's name (us-east-1), got ''"),
+    (lambda: StorageConfig(endpoint_url=5), "endpoint_url must be a str, got int 5"),  # an AttributeError
+    (lambda: StorageConfig(profile=5), "profile must be a str, got int 5"),
+    (lambda: StorageConfig(max_attempts=1.5), "max_attempts must be an integer >= 1, got 1.5"),
+    (lambda: StorageConfig(max_connections=True), "max_connections must be an integer >= 1, got True"),
+    (lambda: StorageConfig(read_timeout="5"), "read_timeout must be a finite number of seconds > 0, got '5'"),
+    (lambda: StorageConfig(connect_timeout=float("inf")), "connect_timeout must be a finite number of seconds > 0,"
+                                                          " got inf"),
+    (lambda: StorageConfig(read_timeout=float("nan")), "read_timeout must be a finite number of seconds > 0, got nan"),
+    (lambda: RetryConfig(backoff=float("inf")), "backoff must be a finite number of seconds >= 0, got inf"),
+    (lambda: RetryConfig(outage_deadline=float("inf")), "outage_deadline must be a finite number of seconds >= 0,"
+                                                        " got inf"),
+])
+def test_storage_settings_are_refused_for_what_they_are_not(make, said):
+    """A region of 5 or "" reached boto3; an endpoint of 5 raised AttributeError; 1.5 attempts
+    and True connections were taken; a read timeout of "5" was a TypeError from a comparison;
+    an infinite timeout or backoff would wait on a hung or dead store for ever, a nan one was
+    taken as is."""
+    with pytest.raises(ConfigError) as caught:
+        make()
+    assert one_line(caught.value) == said
+
+
+def test_storage_settings_take_numpy_numbers():
+    import numpy as np
+
+    config = StorageConfig(max_attempts=np.int64(3), read_timeout=np.float32(2.5), connect_timeout=np.int64(4))
+    assert (config.max_attempts, config.read_timeout, config.connect_timeout) == (3, 2.5, 4.0)
+    assert type(config.max_attempts) is int and type(config.read_timeout) is float
+    assert RetryConfig(first_contact_deadline=np.float32(0.5)).first_contact_deadline == 0.5
