@@ -112,6 +112,15 @@ def as_index(value: object, what: str) -> int:
         raise TypeError(f"{what} is an int, got {type(value).__name__} {shown(value)}") from None
 
 
+def require_path(name: str, value: object) -> str:
+    """``value`` as a path's string: a str or ``os.PathLike`` naming something (not ``""``,
+    which a Path takes for the current directory, nor a NUL byte); else a ConfigError naming ``name``."""
+    text = os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
+    if not isinstance(text, str) or not text or "\0" in text:
+        raise ConfigError(f"{name} must be a path (a str or pathlib.Path), got {type(value).__name__} {shown(value)}")
+    return text
+
+
 def require_bool(name: str, value: object, *, optional: bool = False) -> bool | None:
     """``value`` if it is a bool (or None when ``optional``); else a ConfigError naming ``name``."""
     if isinstance(value, bool) or (optional and value is None):

@@ -23,6 +23,7 @@ from remote_loader import (
     ConfigError,
     CorruptShard,
     DecodeError,
+    ImageFolder,
     IndexOutOfBounds,
     LocalitySampler,
     LocalStore,
@@ -572,3 +573,21 @@ def test_storage_settings_take_numpy_numbers():
     assert (config.max_attempts, config.read_timeout, config.connect_timeout) == (3, 2.5, 4.0)
     assert type(config.max_attempts) is int and type(config.read_timeout) is float
     assert RetryConfig(first_contact_deadline=np.float32(0.5)).first_contact_deadline == 0.5
+
+
+@pytest.mark.parametrize(("make", "said"), [
+    (lambda: LocalStore(""), "LocalStore's root must be a path (a str or pathlib.Path), got str ''"),
+    (lambda: LocalStore(None), "LocalStore's root must be a path (a str or pathlib.Path), got NoneType None"),
+    (lambda: LocalStore(b"/tmp"), "LocalStore's root must be a path (a str or pathlib.Path), got bytes b'/tmp'"),
+    (lambda: LocalStore("/tmp/a\0b"),
+     r"LocalStore's root must be a path (a str or pathlib.Path), got str '/tmp/a\x00b'"),
+    (lambda: ImageFolder(""), "image folder must be a path (a str or pathlib.Path), got str ''"),
+    (lambda: ImageFolder(5), "image folder must be a path (a str or pathlib.Path), got int 5"),
+])
+def test_a_local_root_that_is_no_path_is_refused_by_name(make, said):
+    """LocalStore("") and ImageFolder("") took the current directory for the root (an unset
+    variable's empty string wrote the dataset under it); None, an int or bytes raised
+    pathlib's TypeError, a NUL byte its ValueError."""
+    with pytest.raises(ConfigError) as caught:
+        make()
+    assert one_line(caught.value) == said

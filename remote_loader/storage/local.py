@@ -12,6 +12,7 @@ from io import BufferedReader
 from pathlib import Path
 from typing import BinaryIO
 
+from remote_loader.config import require_path
 from remote_loader.errors import (
     AccessDenied,
     BucketNotFound,
@@ -57,7 +58,7 @@ class LocalStore(Store):
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         super().__init__()
-        self.root = Path(root).resolve()
+        self.root = Path(require_path("LocalStore's root", root)).resolve()
 
     @property
     def endpoint(self) -> str:
