@@ -591,3 +591,30 @@ def test_a_local_root_that_is_no_path_is_refused_by_name(make, said):
     with pytest.raises(ConfigError) as caught:
         make()
     assert one_line(caught.value) == said
+
+
+@pytest.mark.parametrize(("options", "said"), [
+    ({"num_workers": 5000}, "num_workers must be an integer in 0..1024, got 5000"),
+    ({"decoding": "gpu"}, "decoding must be one of 'dali', 'process', 'thread' or None, got 'gpu'"),
+    ({"decoding": 5}, "decoding must be one of 'dali', 'process', 'thread' or None, got 5"),
+])
+def test_loader_refuses_what_would_fail_in_its_workers_or_go_unread(local_dataset, options, said):
+    """num_workers=5000 made a DataLoader whose every worker refused to start at the first pass
+    ('RemoteDataset supports up to 1024 DataLoader workers'); a misspelt decoding was ignored
+    wherever the pipeline decodes on the CPU (decode(device="auto") without a GPU among them)."""
+    from remote_loader import loader
+
+    with pytest.raises(ConfigError) as caught:
+        loader(RemoteDataset(*local_dataset).batched(4), **options)
+    assert one_line(caught.value) == said
+
+
+def test_restore_names_what_it_was_given_instead_of_a_sample(local_dataset):
+    """map(restore) after to_tuple raised AttributeError: 'tuple' object has no attribute 'get'."""
+    from remote_loader import restore
+
+    ds = RemoteDataset(*local_dataset).decode("pil").to_tuple("jpg", "cls").map(restore)
+    with pytest.raises(TypeError) as caught:
+        next(iter(ds))
+    assert one_line(caught.value).startswith("restore takes a sample as the dataset gives it, a dict of fields"
+                                             " (map(restore) before to_tuple and batched), got tuple")
