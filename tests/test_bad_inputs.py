@@ -618,3 +618,21 @@ def test_restore_names_what_it_was_given_instead_of_a_sample(local_dataset):
         next(iter(ds))
     assert one_line(caught.value).startswith("restore takes a sample as the dataset gives it, a dict of fields"
                                              " (map(restore) before to_tuple and batched), got tuple")
+
+
+@pytest.mark.parametrize(("bounds", "said"), [
+    ((True, 5), "read_member's start is an int, got bool True"),
+    ((1.5, None), "read_member's start is an int, got float 1.5"),
+    ((0, 2.5), "read_member's end is an int, got float 2.5"),
+    (("0", "5"), "read_member's start is an int, got str '0'"),
+])
+def test_read_member_refuses_bounds_that_are_no_integers(local_dataset, bounds, said):
+    """start=True read from byte 1; 1.5 raised "'float' object cannot be interpreted as an
+    integer" from a slice, "0" a bare TypeError from a comparison."""
+    import numpy as np
+
+    ds = RemoteMapDataset(*local_dataset)
+    assert ds.read_member(0, "jpg", np.int64(1), np.int64(5)) == ds.read_member(0, "jpg")[1:5]
+    with pytest.raises(TypeError) as caught:
+        ds.read_member(0, "jpg", *bounds)
+    assert one_line(caught.value) == said

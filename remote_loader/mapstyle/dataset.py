@@ -150,7 +150,8 @@ class RemoteMapDataset(Dataset):
         if not found:
             raise KeyError(f"sample {index.keys[j]!r} has no field {field!r}")
         offset, size, crc = found[0]
-        end = size if end is None else end
+        start = as_index(start, "read_member's start")  # True was taken for 1, 1.5 failed deep in a slice
+        end = size if end is None else as_index(end, "read_member's end")
         if not 0 <= start <= end <= size:
             raise ValueError(f"bytes [{start}, {end}) are not within field {field!r}'s {size}")
         if start == end:
