@@ -165,6 +165,11 @@ def rank_cores(env: Mapping[str, str] | None = None, *, cgroup: str = "/sys/fs/c
     own where it is narrower than the container's cpuset (``machine`` cores: cgroup v2
     ``cpuset.cpus.effective``, else the machine's); the quota is always the container's."""
     env = os.environ if env is None else env
+    if not isinstance(env, Mapping):
+        raise ConfigError(f"env must be a mapping of environment variables, got {type(env).__name__}")
+    for name, given in (("allowed", allowed), ("machine", machine)):  # allowed=1.5 gave 1.5 cores
+        if given is not None:
+            require_int(name, given, 1)
     machine = machine or _cpuset_cores(cpuset) or os.cpu_count() or 1
     if allowed is None:
         sched = getattr(os, "sched_getaffinity", None)

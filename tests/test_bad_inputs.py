@@ -636,3 +636,19 @@ def test_read_member_refuses_bounds_that_are_no_integers(local_dataset, bounds, 
     with pytest.raises(TypeError) as caught:
         ds.read_member(0, "jpg", *bounds)
     assert one_line(caught.value) == said
+
+
+@pytest.mark.parametrize(("options", "said"), [
+    ({"allowed": 1.5}, "allowed must be an integer >= 1, got 1.5"),
+    ({"allowed": 0}, "allowed must be an integer >= 1, got 0"),
+    ({"machine": True}, "machine must be an integer >= 1, got True"),
+    ({"env": 5}, "env must be a mapping of environment variables, got int"),
+])
+def test_rank_cores_refuses_counts_that_are_none(options, said):
+    """rank_cores(allowed=1.5) answered 1.5 cores (a DataLoader of 1.5 workers), allowed=0 or
+    -1 answered 1, env=5 raised AttributeError."""
+    from remote_loader import rank_cores
+
+    with pytest.raises(ConfigError) as caught:
+        rank_cores(**options)
+    assert one_line(caught.value) == said
