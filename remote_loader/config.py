@@ -20,6 +20,11 @@ MAX_WORKERS = 1024
 """Most DataLoader workers a RemoteDataset runs in, and a state may name (a bound on what a state
 dict may allocate)."""
 
+MOST_THREADS = 1024
+"""The most threads a pipeline stage runs on, and a fetcher's ``concurrency``: each starts all of
+its threads at once, in every DataLoader worker, where a count past what a process can start
+failed mid-epoch."""
+
 MOST_EPOCH = 2**62
 """The largest epoch ``set_epoch`` takes and a saved state may hold."""
 
@@ -463,8 +468,9 @@ class FetchConfig:
     retry: RetryConfig = field(default_factory=RetryConfig)
 
     def __post_init__(self) -> None:
-        for name in ("part_size", "concurrency", "prefetch_bytes", "range_bytes", "refetch_attempts"):
+        for name in ("part_size", "prefetch_bytes", "range_bytes", "refetch_attempts"):
             object.__setattr__(self, name, require_int(name, getattr(self, name), low=1))
+        object.__setattr__(self, "concurrency", require_int("concurrency", self.concurrency, 1, MOST_THREADS))
         object.__setattr__(self, "free_ranges", require_int("free_ranges", self.free_ranges, 0, 64))
         if not isinstance(self.retry, RetryConfig):
             raise ConfigError(f"retry must be a RetryConfig, got {type(self.retry).__name__}")

@@ -652,3 +652,15 @@ def test_rank_cores_refuses_counts_that_are_none(options, said):
     with pytest.raises(ConfigError) as caught:
         rank_cores(**options)
     assert one_line(caught.value) == said
+
+
+def test_a_fetcher_s_concurrency_is_bounded():
+    """Each fetcher starts ``concurrency`` threads at once, in every DataLoader worker:
+    FetchConfig(concurrency=40_000) was taken, and its first pass raised RuntimeError: can't start new
+    thread after 35 s and 635 MB."""
+    from remote_loader import FetchConfig
+
+    with pytest.raises(ConfigError) as caught:
+        FetchConfig(concurrency=10**6)
+    assert one_line(caught.value) == "concurrency must be an integer in 1..1024, got 1000000"
+    assert FetchConfig(concurrency=1024).concurrency == 1024

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from remote_loader.config import require_bool, require_int
+from remote_loader.config import MOST_THREADS, require_bool, require_int
 from remote_loader.errors import ConfigError, DecodeError, OnError
 from remote_loader.pipeline.stages.augment import RandomResizedCrop
 from remote_loader.pipeline.stages.decode import IMAGE_FIELDS, MODES, decode_sample
@@ -55,11 +55,6 @@ def sample_rng(context: Context, key: str) -> np.random.Generator:
     return np.random.default_rng(
         [context.seed & (2**64 - 1), context.epoch, *np.frombuffer(digest, dtype=np.uint32).tolist()]
     )
-
-
-MOST_THREADS = 1024
-"""The most threads one stage runs on: all start with the stage's first pass, so a count of a
-million failed in each DataLoader worker, mid-epoch, when threads could no longer start."""
 
 
 def _check_threads(threads: int) -> int:
