@@ -664,3 +664,20 @@ def test_a_fetcher_s_concurrency_is_bounded():
         FetchConfig(concurrency=10**6)
     assert one_line(caught.value) == "concurrency must be an integer in 1..1024, got 1000000"
     assert FetchConfig(concurrency=1024).concurrency == 1024
+
+
+@pytest.mark.parametrize(("options", "said"), [
+    ({"audio": "no"}, "audio must be True or False, got 'no'"),
+    ({"transform": 5}, "transform must be callable (applied to each clip), got int"),
+    ({"ranges_over": 1.5}, "ranges_over must be a number of bytes >= 0 or None, got 1.5"),
+])
+def test_video_clips_check_their_options_before_reading_the_dataset(tmp_path, options, said):
+    """audio="no" was taken for True, a transform of 5 failed at the first clip, and ranges_over
+    was checked only once the manifest was read (here there is none: DatasetNotFound came first)."""
+    from remote_loader import RemoteVideoClips
+
+    store = LocalStore(tmp_path)
+    store.create_bucket("b")
+    with pytest.raises(ConfigError) as caught:
+        RemoteVideoClips(store, "b", "nothing-here", **options)
+    assert one_line(caught.value) == said
