@@ -681,3 +681,19 @@ def test_video_clips_check_their_options_before_reading_the_dataset(tmp_path, op
     with pytest.raises(ConfigError) as caught:
         RemoteVideoClips(store, "b", "nothing-here", **options)
     assert one_line(caught.value) == said
+
+
+def test_a_local_store_refuses_keys_and_buckets_that_are_no_strings(tmp_path):
+    """A key of None or 5 raised AttributeError ('int' object has no attribute 'split'), a
+    bytes key a TypeError, create_bucket(5) "argument of type 'int' is not iterable"."""
+    store = LocalStore(tmp_path)
+    store.create_bucket("b")
+    for key in (None, 5, b"k"):
+        for call in (store.get, store.head, store.delete):
+            with pytest.raises(StorageError) as caught:
+                call("b", key)
+            assert one_line(caught.value) == f"key {key!r} is not a safe relative path"
+    for bucket in (5, None, "a\0b"):
+        with pytest.raises(StorageError) as caught:
+            store.create_bucket(bucket)
+        assert one_line(caught.value) == f"invalid bucket name {bucket!r}"
