@@ -443,7 +443,7 @@ class FetchConfig:
         part_size: Bytes per ranged GET; a shard is fetched as parallel parts of this size.
         concurrency: The most ranged GETs in flight at once for a reader (threads per
             process), the node cache's fetches of whole shards included; the fetcher starts
-            with up to 8 and adds more while they pay (see above).
+            with up to 8 and adds more while they pay (see above). At most 1024.
         prefetch_bytes: Bound on bytes being fetched or fetched and not yet opened by the
             reader; the fetcher starts with a quarter of it, 32 MiB at most. A single range larger than
             this is still fetched, alone. A worker's memory for shard data is at most this

@@ -247,8 +247,8 @@ class RemoteDataset(IterableDataset):
 
         ``min_size``: JPEGs are decoded at a reduced scale (1/2, 1/4, 1/8) whose shorter side
         stays at least ``min_size`` pixels; much faster when the model input is small.
-        ``threads``: decode on this many threads (order kept); libjpeg-turbo and Pillow
-        release the GIL, so one process fills several cores.
+        ``threads``: decode on this many threads (order kept, 1024 at most); libjpeg-turbo and
+        Pillow release the GIL, so one process fills several cores.
         ``device``: ``"cuda"`` (or ``"cuda:N"``) decodes a ``RandomResizedCrop``'s JPEGs on
         the GPU, in whole batches, in the main process: each worker only draws each sample's
         crop (the same crops as on the CPU), ``batched`` gathers them, and ``loader()`` hands
@@ -330,7 +330,7 @@ class RemoteDataset(IterableDataset):
         return names
 
     def map(self, fn: Callable[[Any], Any], *, threads: int = 0) -> RemoteDataset:
-        """Apply ``fn`` to every sample, on ``threads`` threads if given (order kept).
+        """Apply ``fn`` to every sample, on ``threads`` threads if given (order kept, 1024 at most).
 
         Threads pay off for code that releases the GIL (Pillow's resize, torch ops,
         numpy on large arrays); pure-Python code belongs in DataLoader worker processes.
