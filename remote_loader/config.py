@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import decimal
+import math
+import numbers
 import operator
 import os
 import re
@@ -17,6 +19,11 @@ BACKENDS = ("boto3", "minio", "local")
 MAX_WORKERS = 1024
 """Most DataLoader workers a RemoteDataset runs in, and a state may name (a bound on what a state
 dict may allocate)."""
+
+MOST_THREADS = 1024
+"""The most threads a pipeline stage runs on, and a fetcher's ``concurrency``: each starts all of
+its threads at once, in every DataLoader worker, where a count past what a process can start
+failed mid-epoch."""
 
 MOST_EPOCH = 2**62
 """The largest epoch ``set_epoch`` takes and a saved state may hold."""
@@ -110,6 +117,15 @@ def as_index(value: object, what: str) -> int:
         raise TypeError(f"{what} is an int, got {type(value).__name__} {shown(value)}") from None
 
 
+def require_path(name: str, value: object) -> str:
+    """``value`` as a path's string: a str or ``os.PathLike`` naming something (not ``""``,
+    which a Path takes for the current directory, nor a NUL byte); else a ConfigError naming ``name``."""
+    text = os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
+    if not isinstance(text, str) or not text or "\0" in text:
+        raise ConfigError(f"{name} must be a path (a str or pathlib.Path), got {type(value).__name__} {shown(value)}")
+    return text
+
+
 def require_bool(name: str, value: object, *, optional: bool = False) -> bool | None:
     """``value`` if it is a bool (or None when ``optional``); else a ConfigError naming ``name``."""
     if isinstance(value, bool) or (optional and value is None):
@@ -154,6 +170,11 @@ def rank_cores(env: Mapping[str, str] | None = None, *, cgroup: str = "/sys/fs/c
     own where it is narrower than the container's cpuset (``machine`` cores: cgroup v2
     ``cpuset.cpus.effective``, else the machine's); the quota is always the container's."""
     env = os.environ if env is None else env
+    if not isinstance(env, Mapping):
+        raise ConfigError(f"env must be a mapping of environment variables, got {type(env).__name__}")
+    for name, given in (("allowed", allowed), ("machine", machine)):  # allowed=1.5 gave 1.5 cores
+        if given is not None:
+            require_int(name, given, 1)
     machine = machine or _cpuset_cores(cpuset) or os.cpu_count() or 1
     if allowed is None:
         sched = getattr(os, "sched_getaffinity", None)
@@ -266,6 +287,12 @@ class StorageConfig:
     credentials_file: str | None = None
 
     def __post_init__(self) -> None:
+        for name in ("endpoint_url", "profile", "credentials_file"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ConfigError(f"{name} must be a str, got {type(value).__name__} {shown(value)}")
+        if not isinstance(self.region, str) or not self.region or not self.region.isprintable():
+            raise ConfigError(f"region must be a region's name (us-east-1), got {shown(self.region)}")
         if self.endpoint_url is not None:
             object.__setattr__(self, "endpoint_url", normalize_endpoint(self.endpoint_url))
         if (self.access_key is None) != (self.secret_key is None):
@@ -275,12 +302,10 @@ class StorageConfig:
             if value is not None and (not isinstance(value, str) or not value.isprintable()):
                 raise ConfigError(f"{name} holds a non-printable character ({_UNSHOWN})"
                                   if isinstance(value, str) else f"{name} must be a str, got {type(value).__name__}")
-        if self.max_attempts < 1:
-            raise ConfigError(f"max_attempts must be >= 1, got {self.max_attempts}")
-        if self.connect_timeout <= 0 or self.read_timeout <= 0:
-            raise ConfigError("connect_timeout and read_timeout must be positive")
-        if self.max_connections < 1:
-            raise ConfigError(f"max_connections must be >= 1, got {self.max_connections}")
+        for name in ("max_attempts", "max_connections"):  # 1.5 and True were taken
+            object.__setattr__(self, name, require_int(name, getattr(self, name), 1))
+        for name in ("connect_timeout", "read_timeout"):  # inf would wait on a hung server for ever
+            object.__setattr__(self, name, _seconds(name, getattr(self, name), positive=True))
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> StorageConfig:
@@ -316,9 +341,14 @@ class StorageConfig:
         return cls(**values)  # type: ignore[arg-type]
 
 
-def _check_seconds(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-        raise ConfigError(f"{name} must be a number of seconds >= 0, got {shown(value)}")
+def _seconds(name: str, value: object, *, positive: bool = False) -> float:
+    """``value`` as a finite number of seconds (numpy's numbers too), > 0 where ``positive``,
+    else >= 0; ConfigError naming ``name`` otherwise (a bool, a string, nan, inf)."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value):
+        seconds = float(value)
+        if seconds > 0 or (seconds == 0 and not positive):
+            return seconds
+    raise ConfigError(f"{name} must be a finite number of seconds {'>' if positive else '>='} 0, got {shown(value)}")
 
 
 @dataclass(frozen=True)
@@ -347,7 +377,7 @@ class RetryConfig:
 
     def __post_init__(self) -> None:
         for name in ("backoff", "max_backoff", "outage_deadline", "first_contact_deadline"):
-            _check_seconds(name, getattr(self, name))
+            _seconds(name, getattr(self, name))  # inf would retry a dead store, or wait between two tries, for ever
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> RetryConfig:
@@ -415,7 +445,7 @@ class FetchConfig:
         part_size: Bytes per ranged GET; a shard is fetched as parallel parts of this size.
         concurrency: The most ranged GETs in flight at once for a reader (threads per
             process), the node cache's fetches of whole shards included; the fetcher starts
-            with up to 8 and adds more while they pay (see above).
+            with up to 8 and adds more while they pay (see above). At most 1024.
         prefetch_bytes: Bound on bytes being fetched or fetched and not yet opened by the
             reader; the fetcher starts with a quarter of it, 32 MiB at most. A single range larger than
             this is still fetched, alone. A worker's memory for shard data is at most this
@@ -440,8 +470,9 @@ class FetchConfig:
     retry: RetryConfig = field(default_factory=RetryConfig)
 
     def __post_init__(self) -> None:
-        for name in ("part_size", "concurrency", "prefetch_bytes", "range_bytes", "refetch_attempts"):
+        for name in ("part_size", "prefetch_bytes", "range_bytes", "refetch_attempts"):
             object.__setattr__(self, name, require_int(name, getattr(self, name), low=1))
+        object.__setattr__(self, "concurrency", require_int("concurrency", self.concurrency, 1, MOST_THREADS))
         object.__setattr__(self, "free_ranges", require_int("free_ranges", self.free_ranges, 0, 64))
         if not isinstance(self.retry, RetryConfig):
             raise ConfigError(f"retry must be a RetryConfig, got {type(self.retry).__name__}")
@@ -472,6 +503,16 @@ class FetchConfig:
         mib = 1 << 20
         ranges = -(-max(self.range_bytes, largest_sample) // mib) * mib
         return max(self.prefetch_bytes, ranges) + (open_shards + self.free_ranges) * ranges + 8 * mib
+
+
+def fetch_config(fetch: object) -> FetchConfig:
+    """``fetch`` as given (a FetchConfig), or the defaults for None; ConfigError for anything
+    else (a dict of its fields was taken as given, and failed at the first read)."""
+    if fetch is None:
+        return FetchConfig()
+    if not isinstance(fetch, FetchConfig):
+        raise ConfigError(f"fetch must be a FetchConfig, got {type(fetch).__name__} {shown(fetch)}")
+    return fetch
 
 
 def current_world(rank: int | None, world_size: int | None,
@@ -567,6 +608,10 @@ class CacheConfig:
         ``REMOTE_LOADER_CACHE_VERIFY`` (``1`` or ``0``); None (no cache) where no directory
         is named. ``directory=""`` turns off a cache the environment names."""
         env = os.environ if env is None else env
+        if directory is not None and not isinstance(directory, (str, os.PathLike)):
+            raise ConfigError(f"cache_dir must be a path, got {type(directory).__name__} {shown(directory)}")
+        if verify_reads is not None:
+            require_bool("cache_verify", verify_reads)  # not taken for true or false, also without a cache
         from_env = {"cache_dir": directory is None and "REMOTE_LOADER_CACHE_DIR",
                     "cache_bytes": max_bytes is None and "REMOTE_LOADER_CACHE_BYTES"}
         if directory is None:
@@ -578,6 +623,9 @@ class CacheConfig:
         if verify_reads is None:
             verify_reads = _env_flag(env, "REMOTE_LOADER_CACHE_VERIFY")
         if not directory:
+            if verify_reads:
+                raise ConfigError("cache_verify checks what a cache reads: give cache_dir too (or"
+                                  " REMOTE_LOADER_CACHE_DIR)")
             return None
         try:
             return cls(os.fspath(directory), max_bytes, verify_reads)  # type: ignore[arg-type]

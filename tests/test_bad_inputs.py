@@ -23,6 +23,7 @@ from remote_loader import (
     ConfigError,
     CorruptShard,
     DecodeError,
+    ImageFolder,
     IndexOutOfBounds,
     LocalitySampler,
     LocalStore,
@@ -30,6 +31,8 @@ from remote_loader import (
     RandomResizedCrop,
     RemoteDataset,
     RemoteMapDataset,
+    RetryConfig,
+    StorageConfig,
     StorageError,
     UnsupportedVersion,
     make_client,
@@ -286,6 +289,11 @@ def test_other_constructors_check_their_arguments(make, field):
         ({"maxcount": 2**70}, "maxcount must be an integer in 1..18014398509481983, got 1180591620717411303424"),
         ({"quality": 0}, "quality must be an integer in 1..100"),
         ({"shuffle": "no"}, "shuffle must be True or False"),
+        # checked by the first shard's writer, after the upload's first requests (and never 1.5 or True)
+        ({"part_size": 1024}, r"part_size \(bytes\) must be an integer in 5242880..5368709120, got 1024$"),
+        ({"part_size": 6e6}, r"part_size \(bytes\) must be an integer in 5242880..5368709120, got 6000000.0$"),
+        ({"part_size": 2**40}, r"part_size \(bytes\) must be an integer in 5242880..5368709120, got 1099511627776$"),
+        ({"image_format": None}, "image_format must be one of jpeg, png, webp; got None"),  # an AttributeError
     ],
 )
 def test_upload_arguments_are_checked_before_any_request(kwargs, field):
@@ -418,3 +426,274 @@ def test_a_local_upload_leaves_no_empty_folder_and_deletes_racing_writes_lose_no
     for thread in threads:
         thread.join()
     assert failures == [] and not (bucket / "x").exists()
+
+
+@pytest.mark.parametrize("cls", [RemoteDataset, RemoteMapDataset])
+@pytest.mark.parametrize(("where", "given", "said"), [
+    ("bucket", 5, "bucket must be a non-empty string, got 5"),
+    ("bucket", b"b", "bucket must be a non-empty string, got b'b'"),
+    ("base_folder", pathlib.Path("ds"), "base_folder must be a string (the dataset's key prefix), got PosixPath('ds')"),
+    ("base_folder", 5, "base_folder must be a string (the dataset's key prefix), got 5"),
+    ("fetch", {"part_size": 1 << 20}, "fetch must be a FetchConfig, got dict {'part_size': 1048576}"),
+    ("fetch", {}, "fetch must be a FetchConfig, got dict {}"),
+    ("verify", None, "verify must be True or False, got None"),
+    ("verify", "no", "verify must be True or False, got 'no'"),
+    ("cache_dir", 5, "cache_dir must be a path, got int 5"),
+    ("cache_verify", "yes", "cache_verify must be True or False, got 'yes'"),
+    ("cache_verify", True, "cache_verify checks what a cache reads: give cache_dir too (or REMOTE_LOADER_CACHE_DIR)"),
+])
+def test_a_dataset_s_place_and_reading_settings_are_refused_by_name(tmp_path, monkeypatch, cls, where, given, said):
+    """A Path or int as the prefix and a dict as ``fetch`` raised AttributeError from deep in the
+    reader (or, an empty dict, was replaced by the defaults); ``verify=None`` turned a map-style
+    dataset's checksums off, ``cache_verify="yes"`` was taken as true, or ignored without a cache."""
+    monkeypatch.delenv("REMOTE_LOADER_CACHE_DIR", raising=False)
+    store = LocalStore(tmp_path)
+    store.create_bucket("b")
+    upload_cv_dataset(SyntheticImages(4, size=(8, 8)), client=store, bucket="b", base_folder="ds", workers=0,
+                      progress=False)
+    place = {"bucket": "b", "base_folder": "ds"}
+    options = {}
+    (place if where in place else options)[where] = given
+    with pytest.raises(ConfigError) as caught:
+        cls(store, place["bucket"], place["base_folder"], **options)
+    assert one_line(caught.value) == said
+
+
+@pytest.fixture(scope="module")
+def local_dataset(tmp_path_factory):
+    """A small dataset in a local directory: (store, bucket, prefix)."""
+    store = LocalStore(tmp_path_factory.mktemp("local"))
+    store.create_bucket("b")
+    upload_cv_dataset(SyntheticImages(12, size=(16, 12)), client=store, bucket="b", base_folder="ds", maxcount=4,
+                      workers=0, progress=False)
+    return store, "b", "ds"
+
+
+def test_numpy_integers_are_taken_where_the_chain_takes_counts(local_dataset):
+    """shuffle, decode's min_size and threads, map's threads, batched and VideoClip refused
+    numpy's integers (a batch size read from a config array: 'must be an integer >= 1, got
+    np.int64(4)'), as the constructors did not."""
+    import numpy as np
+
+    from remote_loader import VideoClip
+
+    ds = RemoteDataset(*local_dataset, shuffle_shards=False)
+    chained = (ds.shuffle(np.int64(6), np.int32(2)).decode("torchrgb", min_size=np.int64(8), threads=np.int64(2))
+               .map(dict, threads=np.int16(2)).to_tuple("jpg", "cls").batched(np.int64(5)))
+    sizes = [len(labels) for _, labels in chained]
+    assert sizes == [5, 5, 2] and len(chained) == 3
+    clip = VideoClip(np.int64(8), np.int32(2), audio=np.int64(16000))
+    assert (clip.frames, clip.step, clip.audio) == (8, 2, 16000) and type(clip.frames) is int
+
+
+@pytest.mark.parametrize(("chain", "said"), [
+    (lambda ds: ds.batched(4, partial="no"), "partial must be True or False, got 'no'"),
+    (lambda ds: ds.batched(4, partial=None), "partial must be True or False, got None"),
+    (lambda ds: ds.decode("pil", threads=100_000), "threads (0: run in the calling thread) must be an integer in"
+                                                   " 0..1024, got 100000"),
+    (lambda ds: ds.map(str, threads=10**6), "threads (0: run in the calling thread) must be an integer in 0..1024,"
+                                            " got 1000000"),
+    (lambda ds: ds.shuffle(10, 20), "shuffle's initial must be an integer in 0..10, got 20"),
+    (lambda ds: ds.shuffle(2.5), "shuffle's bufsize must be an integer >= 1, got 2.5"),
+])
+def test_chain_arguments_are_not_taken_for_what_they_are_not(local_dataset, chain, said):
+    """partial="no" was taken for True (a short last batch kept); threads had no bound: each
+    DataLoader worker started them all at its first pass, and past what a process can start
+    failed there, mid-epoch."""
+    with pytest.raises(ConfigError) as caught:
+        chain(RemoteDataset(*local_dataset))
+    assert one_line(caught.value) == said
+
+
+@pytest.mark.parametrize(("options", "said"), [
+    ({"flip": "no"}, "RandomResizedCrop flip must be True or False, got 'no'"),
+    ({"reduced": None}, "RandomResizedCrop reduced must be True or False, got None"),
+    ({"scale": (0.08, float("inf"))},
+     "RandomResizedCrop scale must be (low, high) with 0 < low <= high, got (0.08, inf)"),
+    ({"ratio": (1, float("inf"))}, "RandomResizedCrop ratio must be (low, high) with 0 < low <= high, got (1, inf)"),
+    ({"mean": (0.5, 0.5, float("nan")), "std": (1, 1, 1)},
+     "RandomResizedCrop mean must be three finite numbers (one per channel), got (0.5, 0.5, nan)"),
+    ({"mean": (0.5, 0.5, 0.5), "std": (1, 1, float("inf"))},
+     "RandomResizedCrop std must be three finite numbers (one per channel), got (1, 1, inf)"),
+    ({"boxes": ["boxes"]}, "RandomResizedCrop boxes maps field names to one of xyxy, xywh, cxcywh; got list ['boxes']"),
+    ({"per_box": 5}, "RandomResizedCrop per_box is a list of field names, or a dict from each to its box field; got 5"),
+])
+def test_a_crop_s_options_are_refused_for_what_they_are_not(options, said):
+    """flip="no" flipped; an infinite scale or ratio and a mean of nan failed at each sample; a
+    list as boxes was a ValueError from dict(), an int as per_box a bare TypeError."""
+    with pytest.raises(ConfigError) as caught:
+        RandomResizedCrop(32, **options)
+    assert one_line(caught.value) == said
+
+
+def test_a_crop_reads_its_field_names_once_and_takes_numpy_numbers():
+    """Field names given as a generator were read by their check and kept empty: keypoints
+    left where they were, per-box rows never dropped with their boxes. numpy's floats and
+    arrays were refused as scale, ratio, mean and std."""
+    import numpy as np
+
+    crop = RandomResizedCrop(32, keypoints=(f for f in ["kp.npy"]), not_spatial=iter(["1"]),
+                             per_box=(f for f in ["labels.npy"]), boxes={"boxes.npy": "xyxy"})
+    assert (crop.keypoints, crop.not_spatial, crop.per_box) == (("kp.npy",), ("1",), {"labels.npy": None})
+    crop = RandomResizedCrop(32, np.array([0.25, 1.0]), (np.float32(0.5), np.float32(2.0)),
+                             mean=np.array([0.5, 0.5, 0.5]), std=[np.float32(0.25)] * 3)
+    assert (crop.scale, crop.ratio, crop.mean, crop.std) == ((0.25, 1.0), (0.5, 2.0), (0.5,) * 3, (0.25,) * 3)
+    assert type(crop.scale[0]) is float and type(crop.std[0]) is float
+
+
+@pytest.mark.parametrize(("make", "said"), [
+    (lambda: make_client(_UNREACHED, "k", "s", region=5), "region must be a region's name (us-east-1), got 5"),
+    (lambda: make_client(_UNREACHED, "k", "s", region=""), "region must be a region's name (us-east-1), got ''"),
+    (lambda: StorageConfig(endpoint_url=5), "endpoint_url must be a str, got int 5"),  # an AttributeError
+    (lambda: StorageConfig(profile=5), "profile must be a str, got int 5"),
+    (lambda: StorageConfig(max_attempts=1.5), "max_attempts must be an integer >= 1, got 1.5"),
+    (lambda: StorageConfig(max_connections=True), "max_connections must be an integer >= 1, got True"),
+    (lambda: StorageConfig(read_timeout="5"), "read_timeout must be a finite number of seconds > 0, got '5'"),
+    (lambda: StorageConfig(connect_timeout=float("inf")), "connect_timeout must be a finite number of seconds > 0,"
+                                                          " got inf"),
+    (lambda: StorageConfig(read_timeout=float("nan")), "read_timeout must be a finite number of seconds > 0, got nan"),
+    (lambda: RetryConfig(backoff=float("inf")), "backoff must be a finite number of seconds >= 0, got inf"),
+    (lambda: RetryConfig(outage_deadline=float("inf")), "outage_deadline must be a finite number of seconds >= 0,"
+                                                        " got inf"),
+])
+def test_storage_settings_are_refused_for_what_they_are_not(make, said):
+    """A region of 5 or "" reached boto3; an endpoint of 5 raised AttributeError; 1.5 attempts
+    and True connections were taken; a read timeout of "5" was a TypeError from a comparison;
+    an infinite timeout or backoff would wait on a hung or dead store for ever, a nan one was
+    taken as is."""
+    with pytest.raises(ConfigError) as caught:
+        make()
+    assert one_line(caught.value) == said
+
+
+def test_storage_settings_take_numpy_numbers():
+    import numpy as np
+
+    config = StorageConfig(max_attempts=np.int64(3), read_timeout=np.float32(2.5), connect_timeout=np.int64(4))
+    assert (config.max_attempts, config.read_timeout, config.connect_timeout) == (3, 2.5, 4.0)
+    assert type(config.max_attempts) is int and type(config.read_timeout) is float
+    assert RetryConfig(first_contact_deadline=np.float32(0.5)).first_contact_deadline == 0.5
+
+
+@pytest.mark.parametrize(("make", "said"), [
+    (lambda: LocalStore(""), "LocalStore's root must be a path (a str or pathlib.Path), got str ''"),
+    (lambda: LocalStore(None), "LocalStore's root must be a path (a str or pathlib.Path), got NoneType None"),
+    (lambda: LocalStore(b"/tmp"), "LocalStore's root must be a path (a str or pathlib.Path), got bytes b'/tmp'"),
+    (lambda: LocalStore("/tmp/a\0b"),
+     r"LocalStore's root must be a path (a str or pathlib.Path), got str '/tmp/a\x00b'"),
+    (lambda: ImageFolder(""), "image folder must be a path (a str or pathlib.Path), got str ''"),
+    (lambda: ImageFolder(5), "image folder must be a path (a str or pathlib.Path), got int 5"),
+])
+def test_a_local_root_that_is_no_path_is_refused_by_name(make, said):
+    """LocalStore("") and ImageFolder("") took the current directory for the root (an unset
+    variable's empty string wrote the dataset under it); None, an int or bytes raised
+    pathlib's TypeError, a NUL byte its ValueError."""
+    with pytest.raises(ConfigError) as caught:
+        make()
+    assert one_line(caught.value) == said
+
+
+@pytest.mark.parametrize(("options", "said"), [
+    ({"num_workers": 5000}, "num_workers must be an integer in 0..1024, got 5000"),
+    ({"decoding": "gpu"}, "decoding must be one of 'dali', 'process', 'thread' or None, got 'gpu'"),
+    ({"decoding": 5}, "decoding must be one of 'dali', 'process', 'thread' or None, got 5"),
+])
+def test_loader_refuses_what_would_fail_in_its_workers_or_go_unread(local_dataset, options, said):
+    """num_workers=5000 made a DataLoader whose every worker refused to start at the first pass
+    ('RemoteDataset supports up to 1024 DataLoader workers'); a misspelt decoding was ignored
+    wherever the pipeline decodes on the CPU (decode(device="auto") without a GPU among them)."""
+    from remote_loader import loader
+
+    with pytest.raises(ConfigError) as caught:
+        loader(RemoteDataset(*local_dataset).batched(4), **options)
+    assert one_line(caught.value) == said
+
+
+def test_restore_names_what_it_was_given_instead_of_a_sample(local_dataset):
+    """map(restore) after to_tuple raised AttributeError: 'tuple' object has no attribute 'get'."""
+    from remote_loader import restore
+
+    ds = RemoteDataset(*local_dataset).decode("pil").to_tuple("jpg", "cls").map(restore)
+    with pytest.raises(TypeError) as caught:
+        next(iter(ds))
+    assert one_line(caught.value).startswith("restore takes a sample as the dataset gives it, a dict of fields"
+                                             " (map(restore) before to_tuple and batched), got tuple")
+
+
+@pytest.mark.parametrize(("bounds", "said"), [
+    ((True, 5), "read_member's start is an int, got bool True"),
+    ((1.5, None), "read_member's start is an int, got float 1.5"),
+    ((0, 2.5), "read_member's end is an int, got float 2.5"),
+    (("0", "5"), "read_member's start is an int, got str '0'"),
+])
+def test_read_member_refuses_bounds_that_are_no_integers(local_dataset, bounds, said):
+    """start=True read from byte 1; 1.5 raised "'float' object cannot be interpreted as an
+    integer" from a slice, "0" a bare TypeError from a comparison."""
+    import numpy as np
+
+    ds = RemoteMapDataset(*local_dataset)
+    assert ds.read_member(0, "jpg", np.int64(1), np.int64(5)) == ds.read_member(0, "jpg")[1:5]
+    with pytest.raises(TypeError) as caught:
+        ds.read_member(0, "jpg", *bounds)
+    assert one_line(caught.value) == said
+
+
+@pytest.mark.parametrize(("options", "said"), [
+    ({"allowed": 1.5}, "allowed must be an integer >= 1, got 1.5"),
+    ({"allowed": 0}, "allowed must be an integer >= 1, got 0"),
+    ({"machine": True}, "machine must be an integer >= 1, got True"),
+    ({"env": 5}, "env must be a mapping of environment variables, got int"),
+])
+def test_rank_cores_refuses_counts_that_are_none(options, said):
+    """rank_cores(allowed=1.5) answered 1.5 cores (a DataLoader of 1.5 workers), allowed=0 or
+    -1 answered 1, env=5 raised AttributeError."""
+    from remote_loader import rank_cores
+
+    with pytest.raises(ConfigError) as caught:
+        rank_cores(**options)
+    assert one_line(caught.value) == said
+
+
+def test_a_fetcher_s_concurrency_is_bounded():
+    """Each fetcher starts ``concurrency`` threads at once, in every DataLoader worker:
+    FetchConfig(concurrency=40_000) was taken, and its first pass raised RuntimeError: can't start new
+    thread after 35 s and 635 MB."""
+    from remote_loader import FetchConfig
+
+    with pytest.raises(ConfigError) as caught:
+        FetchConfig(concurrency=10**6)
+    assert one_line(caught.value) == "concurrency must be an integer in 1..1024, got 1000000"
+    assert FetchConfig(concurrency=1024).concurrency == 1024
+
+
+@pytest.mark.parametrize(("options", "said"), [
+    ({"audio": "no"}, "audio must be True or False, got 'no'"),
+    ({"transform": 5}, "transform must be callable (applied to each clip), got int"),
+    ({"ranges_over": 1.5}, "ranges_over must be a number of bytes >= 0 or None, got 1.5"),
+])
+def test_video_clips_check_their_options_before_reading_the_dataset(tmp_path, options, said):
+    """audio="no" was taken for True, a transform of 5 failed at the first clip, and ranges_over
+    was checked only once the manifest was read (here there is none: DatasetNotFound came first)."""
+    from remote_loader import RemoteVideoClips
+
+    store = LocalStore(tmp_path)
+    store.create_bucket("b")
+    with pytest.raises(ConfigError) as caught:
+        RemoteVideoClips(store, "b", "nothing-here", **options)
+    assert one_line(caught.value) == said
+
+
+def test_a_local_store_refuses_keys_and_buckets_that_are_no_strings(tmp_path):
+    """A key of None or 5 raised AttributeError ('int' object has no attribute 'split'), a
+    bytes key a TypeError, create_bucket(5) "argument of type 'int' is not iterable"."""
+    store = LocalStore(tmp_path)
+    store.create_bucket("b")
+    for key in (None, 5, b"k"):
+        for call in (store.get, store.head, store.delete):
+            with pytest.raises(StorageError) as caught:
+                call("b", key)
+            assert one_line(caught.value) == f"key {key!r} is not a safe relative path"
+    for bucket in (5, None, "a\0b"):
+        with pytest.raises(StorageError) as caught:
+            store.create_bucket(bucket)
+        assert one_line(caught.value) == f"invalid bucket name {bucket!r}"

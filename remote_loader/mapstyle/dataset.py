@@ -11,7 +11,7 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from remote_loader.checksum import crc32
-from remote_loader.config import CacheConfig, FetchConfig, as_index, require_int
+from remote_loader.config import CacheConfig, FetchConfig, as_index, fetch_config, require_int
 from remote_loader.errors import ConfigError, CorruptSampleError, FormatError
 from remote_loader.format import Sample, ShardIndex
 from remote_loader.read import DatasetReader, Metrics
@@ -87,7 +87,7 @@ class RemoteMapDataset(Dataset):
         merge_gap = require_int("merge_gap", merge_gap, 0)
         if transform is not None and not callable(transform):
             raise ConfigError(f"transform must be callable (applied to each sample), got {type(transform).__name__}")
-        self.fetch = fetch or FetchConfig()
+        self.fetch = fetch_config(fetch)
         self.reader = DatasetReader(client, bucket, base_folder, verify=verify, fetch=self.fetch,
                                     cache_pages=cache_pages,
                                     cache=CacheConfig.of(cache_dir, cache_bytes, verify_reads=cache_verify))
@@ -150,7 +150,8 @@ class RemoteMapDataset(Dataset):
         if not found:
             raise KeyError(f"sample {index.keys[j]!r} has no field {field!r}")
         offset, size, crc = found[0]
-        end = size if end is None else end
+        start = as_index(start, "read_member's start")  # True was taken for 1, 1.5 failed deep in a slice
+        end = size if end is None else as_index(end, "read_member's end")
         if not 0 <= start <= end <= size:
             raise ValueError(f"bytes [{start}, {end}) are not within field {field!r}'s {size}")
         if start == end:

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from remote_loader.config import as_index
+from remote_loader.config import as_index, require_bool, require_int
 from remote_loader.errors import ConfigError, DecodeError, FormatError
 from remote_loader.format.clip_index import ClipIndex
 from remote_loader.format.video import VIDEO_EXTENSIONS
@@ -50,6 +50,14 @@ class RemoteVideoClips(Dataset):
     def __init__(self, client: Any, bucket: str | None = None, base_folder: str | None = None, *,
                  audio: bool = True, ranges_over: int | None = 64 << 20,
                  transform: Callable[[torch.Tensor], Any] | None = None, **options: Any) -> None:
+        require_bool("audio", audio)  # 'no' was taken for True
+        if ranges_over is not None:  # checked before the manifest is read, not after (numpy's integers taken)
+            try:
+                ranges_over = require_int("ranges_over", ranges_over, 0)
+            except ConfigError:
+                raise ConfigError(f"ranges_over must be a number of bytes >= 0 or None, got {ranges_over!r}") from None
+        if transform is not None and not callable(transform):
+            raise ConfigError(f"transform must be callable (applied to each clip), got {type(transform).__name__}")
         self.videos = RemoteMapDataset(client, bucket, base_folder, **options)
         where = str(self.videos.reader.location)
         upload = self.videos.reader.manifest.params.get("upload")
@@ -62,10 +70,7 @@ class RemoteVideoClips(Dataset):
         if len(self.clip_index.video_frames) != videos:
             raise FormatError(f"{where}: its clip index has {len(self.clip_index.video_frames)} videos where the upload"
                               f" read {videos}", name=where)
-        if ranges_over is not None and (isinstance(ranges_over, bool) or not isinstance(ranges_over, int)
-                                        or ranges_over < 0):
-            raise ConfigError(f"ranges_over must be a number of bytes >= 0 or None, got {ranges_over!r}")
-        self.audio, self.ranges_over, self.transform = bool(audio), ranges_over, transform
+        self.audio, self.ranges_over, self.transform = audio, ranges_over, transform
 
     def __len__(self) -> int:
         return len(self.clip_index)

@@ -19,6 +19,7 @@ from remote_loader.config import (
     FetchConfig,
     current_world,
     distributed_world,
+    fetch_config,
     require_bool,
     require_int,
 )
@@ -145,7 +146,7 @@ class RemoteDataset(IterableDataset):
         require_bool("views", views)
         if rank is not None or world_size is not None:
             rank, world_size = current_world(rank, world_size)
-        self.fetch = fetch or FetchConfig()
+        self.fetch = fetch_config(fetch)
         self._fetch_given = fetch is not None
         self.reader = DatasetReader(client, bucket, base_folder, verify=verify, fetch=self.fetch,
                                     cache=CacheConfig.of(cache_dir, cache_bytes, verify_reads=cache_verify),
@@ -230,8 +231,7 @@ class RemoteDataset(IterableDataset):
         mapped files), and those stages, which treat each sample
         alone, give the same results. It comes before ``select`` and ``batched``, once.
         """
-        first = initial if initial is not None else min(bufsize, 100) if isinstance(bufsize, int) else 0
-        bufsize, first = stages.check_shuffle(bufsize, first)
+        bufsize, first = stages.check_shuffle(bufsize, initial)
         if self.mixing.bufsize:
             raise ConfigError(f"this pipeline shuffles already (shuffle({self.mixing.bufsize})): give shuffle once")
         if not stages.Chain.of(self.stages).one_to_one():
@@ -247,8 +247,8 @@ class RemoteDataset(IterableDataset):
 
         ``min_size``: JPEGs are decoded at a reduced scale (1/2, 1/4, 1/8) whose shorter side
         stays at least ``min_size`` pixels; much faster when the model input is small.
-        ``threads``: decode on this many threads (order kept); libjpeg-turbo and Pillow
-        release the GIL, so one process fills several cores.
+        ``threads``: decode on this many threads (order kept, 1024 at most); libjpeg-turbo and
+        Pillow release the GIL, so one process fills several cores.
         ``device``: ``"cuda"`` (or ``"cuda:N"``) decodes a ``RandomResizedCrop``'s JPEGs on
         the GPU, in whole batches, in the main process: each worker only draws each sample's
         crop (the same crops as on the CPU), ``batched`` gathers them, and ``loader()`` hands
@@ -330,7 +330,7 @@ class RemoteDataset(IterableDataset):
         return names
 
     def map(self, fn: Callable[[Any], Any], *, threads: int = 0) -> RemoteDataset:
-        """Apply ``fn`` to every sample, on ``threads`` threads if given (order kept).
+        """Apply ``fn`` to every sample, on ``threads`` threads if given (order kept, 1024 at most).
 
         Threads pay off for code that releases the GIL (Pillow's resize, torch ops,
         numpy on large arrays); pure-Python code belongs in DataLoader worker processes.

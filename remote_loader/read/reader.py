@@ -16,7 +16,7 @@ from functools import cached_property, partial
 from typing import Any, TypeVar
 
 from remote_loader.checksum import crc32
-from remote_loader.config import CacheConfig, FetchConfig, require_int
+from remote_loader.config import CacheConfig, FetchConfig, fetch_config, require_bool, require_int, shown
 from remote_loader.errors import (
     ConfigError,
     CorruptSampleError,
@@ -94,6 +94,12 @@ class DatasetReader:
     def __init__(self, client: Store | Any, bucket: str, base_folder: str, *, verify: bool = True,
                  fetch: FetchConfig | None = None, cache_pages: int = 32, cache: CacheConfig | None = None,
                  views: bool = False) -> None:
+        if not isinstance(bucket, str) or not bucket:
+            raise ConfigError(f"bucket must be a non-empty string, got {shown(bucket)}")
+        if not isinstance(base_folder, str):  # a Path's separators are no key's
+            raise ConfigError(f"base_folder must be a string (the dataset's key prefix), got {shown(base_folder)}")
+        require_bool("verify", verify)  # None or 0 would turn every checksum off without a word
+        require_bool("views", views)
         self.client = as_store(client, bucket)
         base_folder = base_folder.strip("/")
         self.location = Location(bucket, base_folder, self.client.path_of(bucket, base_folder))
@@ -102,7 +108,7 @@ class DatasetReader:
         member it reads again after a failed check may come from the store)."""
         self.views = views
         """Members as read-only memoryviews (of the mapped file, from the node's cache), not bytes."""
-        self.fetch = fetch or FetchConfig()
+        self.fetch = fetch_config(fetch)
         self.cache_pages = require_int("cache_pages", cache_pages, 1)
         if cache is not None and not isinstance(cache, CacheConfig):
             raise ConfigError(f"cache must be a CacheConfig, got {type(cache).__name__}")

@@ -12,6 +12,7 @@ from io import BufferedReader
 from pathlib import Path
 from typing import BinaryIO
 
+from remote_loader.config import require_path
 from remote_loader.errors import (
     AccessDenied,
     BucketNotFound,
@@ -57,7 +58,7 @@ class LocalStore(Store):
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         super().__init__()
-        self.root = Path(root).resolve()
+        self.root = Path(require_path("LocalStore's root", root)).resolve()
 
     @property
     def endpoint(self) -> str:
@@ -70,7 +71,7 @@ class LocalStore(Store):
         return (self.root / bucket / prefix).as_posix().rstrip("/")
 
     def _bucket_dir(self, bucket: str) -> Path:
-        if not bucket or "/" in bucket or bucket in (".", "..") or "\0" in bucket:
+        if not isinstance(bucket, str) or not bucket or "/" in bucket or bucket in (".", "..") or "\0" in bucket:
             raise StorageError(f"invalid bucket name {bucket!r}", bucket=bucket, code="InvalidBucketName")
         path = self.root / bucket
         if not path.is_dir():  # the message names the directory: a dataset's own, where the URL was a path
@@ -79,6 +80,8 @@ class LocalStore(Store):
 
     def _path(self, bucket: str, key: str) -> Path:
         base = self._bucket_dir(bucket)
+        if not isinstance(key, str):  # an AttributeError from split
+            raise StorageError(f"key {key!r} is not a safe relative path", bucket=bucket, key=key, code="InvalidKey")
         parts = key.split("/")
         if not key or key.startswith("/") or "\0" in key or any(p in ("", ".", "..") for p in parts):
             raise StorageError(f"key {key!r} is not a safe relative path", bucket=bucket, key=key, code="InvalidKey")
@@ -242,7 +245,7 @@ class LocalStore(Store):
         return count
 
     def create_bucket(self, bucket: str) -> None:
-        if not bucket or "/" in bucket or bucket in (".", ".."):
+        if not isinstance(bucket, str) or not bucket or "/" in bucket or bucket in (".", "..") or "\0" in bucket:
             raise StorageError(f"invalid bucket name {bucket!r}", bucket=bucket, code="InvalidBucketName")
         path = self.root / bucket
         try:

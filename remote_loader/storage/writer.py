@@ -11,12 +11,20 @@ from contextlib import AbstractContextManager, suppress
 from types import TracebackType
 from typing import Generic, Protocol, TypeVar
 
-from remote_loader.errors import ConfigError, StorageError
+from remote_loader.config import require_int
+from remote_loader.errors import StorageError
 from remote_loader.storage.daemon import in_daemon_thread, wait_result
 
 DEFAULT_PART_SIZE = 16 * 1024 * 1024
 MIN_PART_SIZE = 5 * 1024 * 1024
 """S3 refuses multipart parts smaller than 5 MiB (except the last)."""
+MAX_PART_SIZE = 5 * 1024**3
+"""Nor does it take parts larger than 5 GiB."""
+
+
+def check_part_size(part_size: object) -> int:
+    """``part_size`` checked: an integer number of bytes S3 takes as a part."""
+    return require_int("part_size (bytes)", part_size, MIN_PART_SIZE, MAX_PART_SIZE)
 
 
 PARTS_IN_FLIGHT = 4
@@ -39,11 +47,9 @@ class ObjectWriter(ABC):
     """
 
     def __init__(self, bucket: str, key: str, part_size: int) -> None:
-        if part_size < MIN_PART_SIZE:
-            raise ConfigError(f"part_size must be >= {MIN_PART_SIZE} bytes, got {part_size}")
         self.bucket = bucket
         self.key = key
-        self.part_size = part_size
+        self.part_size = check_part_size(part_size)
         self.size = 0
         self.acknowledged = 0  # bytes the store answered for: of parts sent, or of the object put whole
         self._buffer = bytearray()

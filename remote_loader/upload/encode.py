@@ -55,7 +55,7 @@ class EncodeOptions:
     frames_as_video: str | None = None
 
     def __post_init__(self) -> None:
-        if self.image_format.lower() not in ENCODINGS:
+        if not isinstance(self.image_format, str) or self.image_format.lower() not in ENCODINGS:
             raise ConfigError(f"image_format must be one of jpeg, png, webp; got {self.image_format!r}")
         if not 1 <= self.quality <= 100:
             raise ConfigError(f"quality must be in 1..100, got {self.quality}")

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from remote_loader.config import one_line
+from remote_loader.config import one_line, require_path
 from remote_loader.errors import ConfigError, UploadError
 from remote_loader.upload.hf_files import HFFiles, image_columns, video_columns
 from remote_loader.upload.video_classes import class_videos, is_video_class
@@ -37,7 +37,7 @@ class ImageFolder:
     what = "image"
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
-        self.root = Path(root)
+        self.root = Path(require_path(f"{self.what} folder", root))
         if not self.root.is_dir():
             raise ConfigError(f"{self.what} folder {str(self.root)!r} is not a directory")
         self.classes = sorted(entry.name for entry in os.scandir(self.root) if entry.is_dir())

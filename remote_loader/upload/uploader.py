@@ -35,6 +35,7 @@ from remote_loader.format.columns import MOST_SAMPLES_PER_SHARD
 from remote_loader.format.shard import member_bytes
 from remote_loader.storage import DEFAULT_PART_SIZE, Location, Store, as_store
 from remote_loader.storage.retrying import Retry, RetryingStore
+from remote_loader.storage.writer import check_part_size
 from remote_loader.upload import claim, fingerprint, keeping, tasks
 from remote_loader.upload.encode import EncodeOptions, encode_item
 from remote_loader.upload.executors import Where
@@ -154,7 +155,7 @@ def upload_cv_dataset(
                                   image_format=image_format, quality=quality, on_error=on_error, shuffle=shuffle,
                                   overwrite=overwrite, progress=progress, bucket=bucket, base_folder=base_folder,
                                   frames_as_video=frames_as_video)
-    running = Running(workers, _executor(executor), part_size, _stall_timeout(stall_timeout),
+    running = Running(workers, _executor(executor), check_part_size(part_size), _stall_timeout(stall_timeout),
                       bool(require_bool("verify", verify)), overwrite, progress)
     return _upload(ds, *_location(client, bucket, base_folder), params, options, _retry(retry), started, running)
 

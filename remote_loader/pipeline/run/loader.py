@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from remote_loader.config import rank_cores, require_bool, require_int
+from remote_loader.config import MAX_WORKERS, rank_cores, require_bool, require_int
 from remote_loader.errors import ConfigError
 from remote_loader.pipeline.device import (
     DecodingProcess,
@@ -70,9 +70,11 @@ def loader(dataset: IterableDataset, *, num_workers: int | None = None, stateful
         >>> for images, labels in loader(ds):
         ...     train_step(images.cuda(non_blocking=True), labels)
     """
+    if decoding is not None and decoding not in DECODING:  # also where it goes unused: CPU, or decode(device="auto")'s
+        raise ConfigError(f"decoding must be one of {', '.join(map(repr, DECODING))} or None, got {decoding!r}")
     decoder = _decoder(dataset)
-    if num_workers is not None:
-        workers = require_int("num_workers", num_workers, 0)
+    if num_workers is not None:  # more: every worker of a RemoteDataset refused to start, at the first pass
+        workers = require_int("num_workers", num_workers, 0, MAX_WORKERS)
     else:  # workers that only fetch bytes and draw crops need fewer cores than decoders
         fetching = decoder is not None or _streams_bytes(dataset)
         workers = min(rank_cores(), _FETCHING_WORKERS) if fetching else rank_cores()

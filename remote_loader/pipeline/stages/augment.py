@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import io
 import math
+import numbers
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -28,7 +29,7 @@ import torch
 from PIL import Image
 from torch.nn import functional
 
-from remote_loader.config import require_int
+from remote_loader.config import require_bool, require_int
 from remote_loader.errors import ConfigError, DecodeError
 from remote_loader.format.fields import DEEP_MODES
 from remote_loader.pipeline.stages.decode import IMAGE_FIELDS
@@ -38,6 +39,44 @@ JPEG_MAGIC = b"\xff\xd8"
 
 
 BOX_FORMATS = ("xyxy", "xywh", "cxcywh")
+
+
+def _numbers(values: Any, count: int) -> tuple[float, ...] | None:
+    """``values`` as ``count`` finite floats (numpy's numbers and arrays too), else None
+    (a bool, a string, inf or nan among them, or another count)."""
+    if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, (Sequence, np.ndarray)):
+        return None
+    items = list(values)
+    if len(items) != count or not all(isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_))
+                                      and math.isfinite(v) for v in items):
+        return None
+    return tuple(float(v) for v in items)
+
+
+def _normalisation(mean: Any, std: Any) -> tuple[tuple[float, ...] | None, tuple[float, ...] | None]:
+    """``mean`` and ``std`` checked: three finite numbers each (std's positive), or both None."""
+    if (mean is None) != (std is None):
+        raise ConfigError("RandomResizedCrop takes mean and std together, or neither")
+    if mean is None:
+        return None, None
+    checked = {name: _numbers(values, 3) for name, values in (("mean", mean), ("std", std))}
+    for name, values in (("mean", mean), ("std", std)):
+        if checked[name] is None:
+            raise ConfigError(f"RandomResizedCrop {name} must be three finite numbers (one per channel), got"
+                              f" {values!r}")
+    if not all(v > 0 for v in checked["std"] or ()):
+        raise ConfigError(f"RandomResizedCrop std must be positive, got {std!r}")
+    return checked["mean"], checked["std"]
+
+
+def _field_names(name: str, names: Any) -> tuple[str, ...]:
+    """``names`` as a tuple of field names, read once (a generator was emptied by its check)."""
+    if isinstance(names, (str, bytes)) or not isinstance(names, Iterable):
+        raise ConfigError(f"RandomResizedCrop {name} is a list of field names, got {names!r}")
+    listed = tuple(names)
+    if not all(isinstance(n, str) for n in listed):
+        raise ConfigError(f"RandomResizedCrop {name} is a list of field names, got {listed!r}")
+    return listed
 
 
 class RandomResizedCrop:
@@ -99,37 +138,31 @@ class RandomResizedCrop:
         not_spatial: Sequence[str] = (),
     ) -> None:
         size = require_int("RandomResizedCrop size", size, 1)
+        if boxes is not None and not isinstance(boxes, Mapping):
+            raise ConfigError(f"RandomResizedCrop boxes maps field names to one of {', '.join(BOX_FORMATS)};"
+                              f" got {type(boxes).__name__} {boxes!r}")
         boxes = dict(boxes or {})
         bad = {k: v for k, v in boxes.items() if not isinstance(k, str) or v not in BOX_FORMATS}
         if bad:
             raise ConfigError(f"RandomResizedCrop boxes maps field names to one of {', '.join(BOX_FORMATS)};"
                               f" got {bad!r}")
-        for name, names in (("keypoints", keypoints), ("not_spatial", not_spatial)):
-            if isinstance(names, str) or not all(isinstance(n, str) for n in names):
-                raise ConfigError(f"RandomResizedCrop {name} is a list of field names, got {names!r}")
+        self.keypoints = _field_names("keypoints", keypoints)
+        self.not_spatial = _field_names("not_spatial", not_spatial)
         self.boxes, self.per_box = boxes, per_box_option(per_box)
-        self.keypoints, self.not_spatial = tuple(keypoints), tuple(not_spatial)
-        for name, pair in (("scale", scale), ("ratio", ratio)):
-            if (not isinstance(pair, (tuple, list)) or len(pair) != 2
-                    or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in pair)
-                    or not 0 < pair[0] <= pair[1]):
-                raise ConfigError(f"RandomResizedCrop {name} must be (low, high) with 0 < low <= high, got {pair!r}")
+        low_high: dict[str, tuple[float, float]] = {}
+        for name, given in (("scale", scale), ("ratio", ratio)):
+            pair = _numbers(given, 2)
+            if pair is None or not 0 < pair[0] <= pair[1]:
+                raise ConfigError(f"RandomResizedCrop {name} must be (low, high) with 0 < low <= high, got {given!r}")
+            low_high[name] = (pair[0], pair[1])
         if seed is not None:
             require_int("RandomResizedCrop seed", seed, 0, 2**63 - 1)
+        for name, flag in (("flip", flip), ("reduced", reduced), ("fast", fast)):
+            require_bool(f"RandomResizedCrop {name}", flag)  # "no" was taken for True
         self.size = size
-        self.scale, self.ratio = (float(scale[0]), float(scale[1])), (float(ratio[0]), float(ratio[1]))
+        self.scale, self.ratio = low_high["scale"], low_high["ratio"]
         self.flip, self.reduced, self.fast, self.seed = flip, reduced, fast, seed
-        if (mean is None) != (std is None):
-            raise ConfigError("RandomResizedCrop takes mean and std together, or neither")
-        for name, values in (("mean", mean), ("std", std)):
-            if values is not None and (not isinstance(values, (tuple, list)) or len(values) != 3
-                                       or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
-                                                  for v in values)):
-                raise ConfigError(f"RandomResizedCrop {name} must be three numbers (one per channel), got {values!r}")
-        if std is not None and not all(v > 0 for v in std):
-            raise ConfigError(f"RandomResizedCrop std must be positive, got {std!r}")
-        self.mean = tuple(float(v) for v in mean) if mean is not None else None
-        self.std = tuple(float(v) for v in std) if std is not None else None
+        self.mean, self.std = _normalisation(mean, std)
         self._rng: np.random.Generator | None = None
 
     def __getstate__(self) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from remote_loader.config import require_int
+from remote_loader.config import MOST_THREADS, require_bool, require_int
 from remote_loader.errors import ConfigError, DecodeError, OnError
 from remote_loader.pipeline.stages.augment import RandomResizedCrop
 from remote_loader.pipeline.stages.decode import IMAGE_FIELDS, MODES, decode_sample
@@ -58,7 +58,7 @@ def sample_rng(context: Context, key: str) -> np.random.Generator:
 
 
 def _check_threads(threads: int) -> int:
-    return require_int("threads (0: run in the calling thread)", threads, 0, exact=True)
+    return require_int("threads (0: run in the calling thread)", threads, 0, MOST_THREADS)
 
 
 def _check_callable(fn: Any, what: str) -> None:
@@ -208,10 +208,12 @@ class Stage(ABC):
 
 
 def check_shuffle(bufsize: Any, initial: Any) -> tuple[int, int]:
-    """A shuffle buffer's arguments, checked."""
-    if type(bufsize) is not int or type(initial) is not int or bufsize < 1 or not 0 <= initial <= bufsize:
-        raise ConfigError(f"shuffle needs bufsize >= 1 and 0 <= initial <= bufsize; got {bufsize!r}, {initial!r}")
-    return bufsize, initial
+    """A shuffle buffer's arguments, checked (any integer type: numpy's too); ``initial``
+    None: ``min(bufsize, 100)``."""
+    bufsize = require_int("shuffle's bufsize", bufsize, 1)
+    if initial is None:
+        return bufsize, min(bufsize, 100)
+    return bufsize, require_int("shuffle's initial", initial, 0, bufsize)
 
 
 class Map(Stage):
@@ -235,8 +237,8 @@ class Decode(Stage):
                  device: Any = None, on_error: OnError = OnError.RAISE, video: VideoClip | None = None) -> None:
         if not callable(mode) and mode not in MODES:
             raise ConfigError(f"decode mode must be one of {', '.join(MODES)} or a callable, got {mode!r}")
-        if min_size is not None and (type(min_size) is not int or min_size < 1):
-            raise ConfigError(f"min_size must be a positive integer, got {min_size!r}")
+        if min_size is not None:
+            min_size = require_int("min_size", min_size, 1)
         if video is not None and not isinstance(video, VideoClip):
             raise ConfigError(f"decode's video must be a VideoClip, got {type(video).__name__}")
         if device is not None:
@@ -416,11 +418,11 @@ class Batched(Stage):
     """Groups of ``batchsize`` samples, collated by ``collation_fn``."""
 
     def __init__(self, batchsize: int, collation_fn: Callable[[list[Any]], Any] | None, keep_short: bool) -> None:
-        if type(batchsize) is not int or batchsize < 1:
-            raise ConfigError(f"batch size must be an integer >= 1, got {batchsize!r}")
+        batchsize = require_int("batch size", batchsize, 1)
         if collation_fn is not None:
             _check_callable(collation_fn, "collation_fn")
-        self.batchsize, self.collation_fn, self.keep_short = batchsize, collation_fn, bool(keep_short)
+        require_bool("partial", keep_short)  # "no" was taken for True
+        self.batchsize, self.collation_fn, self.keep_short = batchsize, collation_fn, keep_short
         self.cardinality = Cardinality(batchsize, batches=True, keep_short=self.keep_short)
 
     def form(self, before: Form) -> Form:

@@ -33,6 +33,9 @@ def restore(sample: Mapping[str, Any]) -> Any:
     as tensors; lists and tuples inside a target come back as lists; the sound
     ``decode(video=VideoClip(audio=...))`` adds is left out (it is in the sample). DecodeError
     where the sample's fields follow none of the rules."""
+    if not isinstance(sample, Mapping):  # a tuple after to_tuple, or a batch, raised AttributeError
+        raise TypeError(f"restore takes a sample as the dataset gives it, a dict of fields (map(restore) before"
+                        f" to_tuple and batched), got {type(sample).__name__}")
     where = f"sample {sample.get('__key__')!r} of {sample.get('__shard__')}"
     names = [name for name in sample if not name.startswith("__") and not _made_by_decode(name)]
     try:

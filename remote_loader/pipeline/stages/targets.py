@@ -18,7 +18,7 @@ Pure: numpy and torch only."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -260,11 +260,12 @@ def per_box_option(per_box: Any) -> dict[str, str | None]:
     ConfigError for anything else."""
     if isinstance(per_box, Mapping):
         entries = dict(per_box)
-    elif isinstance(per_box, str) or not all(isinstance(n, str) for n in per_box):
-        raise ConfigError(f"RandomResizedCrop per_box is a list of field names, or a dict from each to its box"
-                          f" field; got {per_box!r}")
     else:
-        entries = dict.fromkeys(per_box)
+        names = tuple(per_box) if isinstance(per_box, Iterable) and not isinstance(per_box, (str, bytes)) else None
+        if names is None or not all(isinstance(n, str) for n in names):  # read once: a generator is emptied by it
+            raise ConfigError(f"RandomResizedCrop per_box is a list of field names, or a dict from each to its box"
+                              f" field; got {per_box!r}")
+        entries = dict.fromkeys(names)
     if not all(isinstance(k, str) and (v is None or isinstance(v, str)) for k, v in entries.items()):
         raise ConfigError(f"RandomResizedCrop per_box maps field names to box field names; got {per_box!r}")
     return entries

@@ -32,6 +32,13 @@ LAYOUTS = ("TCHW", "THWC")
 DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
 
+def _whole(value: object) -> int | None:
+    """``value`` as an int where it is one (numpy's integers too), else None (a bool, a float)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        return None
+    return int(value)
+
+
 class VideoClip:
     """A clip of ``frames`` frames, ``step`` apart, of each video field: a uint8 tensor
     (float32, normalised, where ``crop`` has ``mean`` and ``std``), ``T x C x H x W``
@@ -62,15 +69,17 @@ class VideoClip:
     def __init__(self, frames: int = 16, step: int = 1, crop: RandomResizedCrop | None = None,
                  layout: str = "TCHW", audio: int | None = None, device: str | None = None) -> None:
         for name, value in (("frames", frames), ("step", step)):
-            if type(value) is not int or value < 1:
+            if _whole(value) is None or value < 1:
                 raise ConfigError(f"VideoClip's {name} must be a positive integer, got {value!r}")
+        frames, step = int(frames), int(step)
         if crop is not None and not isinstance(crop, RandomResizedCrop):
             raise ConfigError(f"VideoClip's crop must be a RandomResizedCrop or None, got {type(crop).__name__}")
         if layout not in LAYOUTS:
             raise ConfigError(f"VideoClip's layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
-        if audio is not None and (type(audio) is not int or not 1000 <= audio <= 384_000):
+        if audio is not None and (_whole(audio) is None or not 1000 <= audio <= 384_000):
             raise ConfigError(f"VideoClip's audio must be a sample rate from 1000 to 384000 a second, or None, got"
                               f" {audio!r}")
+        audio = None if audio is None else int(audio)
         if device is not None and (not isinstance(device, str) or not DEVICE.match(device)):
             raise ConfigError(f"VideoClip's device must be 'cuda', 'cuda:N', 'cpu' or None, got {device!r}")
         if device is not None and crop is None:
