@@ -43,7 +43,8 @@ _PATIENCE = 30.0  # seconds another process's fill is waited for, plus a second 
 _STUCK_FOR = 30.0  # seconds after such a wait ran out in which no other process's fill is waited for
 
 
-_READ = os.O_RDONLY | os.O_NONBLOCK  # a fifo planted where a shard goes does not block its reader
+# A fifo planted where a shard goes does not block its reader (Windows has neither O_NONBLOCK nor fifos).
+_READ = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)
 
 
 class UploadCache:
@@ -418,4 +419,5 @@ def _forget_after_fork() -> None:
     _registry, _registry_lock = weakref.WeakValueDictionary(), threading.Lock()
 
 
-os.register_at_fork(after_in_child=_forget_after_fork)
+if hasattr(os, "register_at_fork"):  # Windows has no fork
+    os.register_at_fork(after_in_child=_forget_after_fork)
