@@ -15,8 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from remote_loader import RemoteDataset, upload_cv_dataset
 from remote_loader.cli import main as cli_main
 from remote_loader.pipeline.state import passes
+from remote_loader.storage.local import LocalStore
+from remote_loader.testing.synthetic import SyntheticImages
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -119,6 +122,22 @@ def test_windows_uploads_streams_with_spawned_workers_and_refuses_the_cache(tmp_
     assert lines[:4] == ["refused", "streamed 32", "map 32", "unlocked True"], done.stdout
     assert lines[4].startswith("cache: the shard cache (cache_dir, REMOTE_LOADER_CACHE_DIR) needs O_NOFOLLOW")
     assert "flock (fcntl)" in lines[4] and len(lines) == 5
+
+
+def test_macos_node_cache_without_fallocate_xattrs_or_preadv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("posix_fallocate", "getxattr", "setxattr", "preadv"):  # Linux's alone
+        monkeypatch.delattr(os, name, raising=False)
+    store = LocalStore(tmp_path / "root")
+    store.create_bucket("b")
+    upload_cv_dataset(SyntheticImages(48, num_classes=4), client=store, bucket="b", base_folder="ds", maxcount=16,
+                      workers=0, progress=False)
+    ds = RemoteDataset(store, "b", "ds", cache_dir=tmp_path / "cache")
+    first = sorted(sample["__key__"] for sample in ds)
+    fetched, cached = ds.metrics.bytes, ds.metrics.cached_bytes
+    assert sorted(sample["__key__"] for sample in ds) == first and len(first) == 48
+    assert ds.metrics.bytes == fetched and ds.metrics.cached_bytes > cached  # epoch 2 from the cache alone
+    shards = [p for p in (tmp_path / "cache").rglob("*.tar") if p.parent.name != ".fill"]
+    assert len(shards) == 3 and all(p.stat().st_size > 0 for p in shards)
 
 
 class _FakeWinapi(types.ModuleType):
