@@ -75,10 +75,12 @@ def locking(fd, mode, nbytes):
 '''
 
 WINDOWS_RUN = '''
+import os
 import sys
 import msvcrt
 from remote_loader import ConfigError, PreconditionFailed, RemoteDataset, RemoteMapDataset, loader, upload_cv_dataset
 from remote_loader.storage.local import LocalStore
+from remote_loader.storage.locking import exclusive, try_lock
 from remote_loader.testing.synthetic import SyntheticImages
 
 
@@ -97,6 +99,11 @@ def main():
     print("streamed", sum(len(labels) for _, labels in batches))
     print("map", len(RemoteMapDataset(store, "b", "ds")))
     print("unlocked", msvcrt.calls.count(msvcrt.LK_UNLCK) > 0)
+    path = os.path.join(sys.argv[1], "lock")
+    first, second = os.open(path, os.O_RDWR | os.O_CREAT), os.open(path, os.O_RDWR)
+    with exclusive(first):
+        held = not try_lock(second)
+    print("exclusive", held, try_lock(second))
     try:
         RemoteDataset(store, "b", "ds", cache_dir=sys.argv[2])
     except ConfigError as error:
@@ -119,9 +126,9 @@ def test_windows_uploads_streams_with_spawned_workers_and_refuses_the_cache(tmp_
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
-    assert lines[:4] == ["refused", "streamed 32", "map 32", "unlocked True"], done.stdout
-    assert lines[4].startswith("cache: the shard cache (cache_dir, REMOTE_LOADER_CACHE_DIR) needs O_NOFOLLOW")
-    assert "flock (fcntl)" in lines[4] and len(lines) == 5
+    assert lines[:5] == ["refused", "streamed 32", "map 32", "unlocked True", "exclusive True True"], done.stdout
+    assert lines[5].startswith("cache: the shard cache (cache_dir, REMOTE_LOADER_CACHE_DIR) needs O_NOFOLLOW")
+    assert "flock (fcntl)" in lines[5] and len(lines) == 6
 
 
 def test_macos_node_cache_without_fallocate_xattrs_or_preadv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,6 +7,7 @@ import contextlib
 import errno
 import importlib
 import os
+import time
 from collections.abc import Iterator
 from types import ModuleType
 
@@ -20,6 +21,7 @@ def _module(name: str) -> ModuleType | None:
 
 _FCNTL = _module("fcntl")
 _MSVCRT = None if _FCNTL is not None else _module("msvcrt")
+_STEP = 0.01  # seconds between tries of a lock another process holds, where there is no flock
 
 
 def lock(fd: int) -> None:
@@ -27,16 +29,8 @@ def lock(fd: int) -> None:
     if _FCNTL is not None:
         _FCNTL.flock(fd, _FCNTL.LOCK_EX)
         return
-    if _MSVCRT is None:
-        raise OSError(errno.ENOSYS, "this system locks no files: it has neither fcntl nor msvcrt")
-    while True:
-        os.lseek(fd, 0, os.SEEK_SET)  # msvcrt locks bytes from the file's position
-        try:
-            _MSVCRT.locking(fd, _MSVCRT.LK_LOCK, 1)  # tries for 10 seconds, then raises EDEADLOCK
-            return
-        except OSError as error:
-            if error.errno != errno.EDEADLOCK:
-                raise
+    while not try_lock(fd):  # msvcrt's own wait (LK_LOCK) tries once a second, however briefly the lock is held
+        time.sleep(_STEP)
 
 
 def unlock(fd: int) -> None:
@@ -64,7 +58,7 @@ def try_lock(fd: int) -> bool:
         if _FCNTL is not None:
             _FCNTL.flock(fd, _FCNTL.LOCK_EX | _FCNTL.LOCK_NB)
         elif _MSVCRT is not None:
-            os.lseek(fd, 0, os.SEEK_SET)
+            os.lseek(fd, 0, os.SEEK_SET)  # msvcrt locks bytes from the file's position
             _MSVCRT.locking(fd, _MSVCRT.LK_NBLCK, 1)
         else:
             raise OSError(errno.ENOSYS, "this system locks no files: it has neither fcntl nor msvcrt")
