@@ -594,7 +594,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # the command's own usage, not the top-level one, says what it takes
         args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    if args.command == "serve":
+    if args.command == "serve" and hasattr(signal, "pthread_sigmask"):  # Windows has none (nor a server: see start)
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     try:
         return int(args.func(args))

@@ -9,6 +9,7 @@ import operator
 import os
 import re
 import reprlib
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from urllib.parse import urlsplit
@@ -596,6 +597,10 @@ class CacheConfig:
         if "\0" in os.fsdecode(self.directory):  # no path holds one: refused here, not at the first sample
             raise ConfigError(f"cache_dir must not hold a NUL byte, got {shown(os.fspath(self.directory))}")
         object.__setattr__(self, "directory", os.path.abspath(os.path.expanduser(os.fspath(self.directory))))
+        lacks = _cache_lacks()
+        if lacks:
+            raise ConfigError(f"the shard cache (cache_dir, REMOTE_LOADER_CACHE_DIR) needs {' and '.join(lacks)},"
+                              f" which this system ({sys.platform}) lacks: leave both unset there")
         if self.max_bytes is not None:
             object.__setattr__(self, "max_bytes", parse_bytes("cache_bytes", self.max_bytes))
         require_bool("verify_reads", self.verify_reads)
@@ -634,6 +639,19 @@ class CacheConfig:
                 if variable and str(error).startswith(field):
                     raise ConfigError(f"the environment variable {variable}{str(error)[len(field):]}") from None
             raise
+
+
+def _cache_lacks() -> list[str]:
+    """What the node cache needs that this system lacks (Windows: all of it): a cache in a
+    shared directory is safe only with ``flock``, ``O_NOFOLLOW`` and directory descriptors."""
+    lacks = [] if hasattr(os, "O_NOFOLLOW") and os.open in os.supports_dir_fd else ["O_NOFOLLOW and dir_fd"]
+    try:
+        import fcntl  # noqa: F401  (only to know whether there is one)
+    except ImportError:
+        lacks.append("flock (fcntl)")
+    if not hasattr(os, "geteuid"):
+        lacks.append("user ids (os.geteuid)")
+    return lacks
 
 
 def _env_flag(env: Mapping[str, str], name: str) -> bool:

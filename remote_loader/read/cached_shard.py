@@ -57,8 +57,8 @@ def record_checked(fd: int, crc: int) -> None:
             del _checked[next(iter(_checked))]
     try:
         os.setxattr(fd, _RECORD, stamp)
-    except OSError:
-        pass  # a filesystem without them: this process's record serves this process
+    except (OSError, AttributeError):  # a filesystem, or a system (macOS's os), without them:
+        pass  # this process's record serves this process
 
 
 def was_checked(fd: int, found: os.stat_result, crc: int) -> bool:
@@ -69,7 +69,7 @@ def was_checked(fd: int, found: os.stat_result, crc: int) -> bool:
         return True
     try:
         return os.getxattr(fd, _RECORD) == stamp
-    except OSError:
+    except (OSError, AttributeError):  # AttributeError: macOS's os has no getxattr
         return False
 
 

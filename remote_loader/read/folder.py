@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import os
 import stat
 import threading
@@ -19,8 +18,13 @@ import weakref
 from collections.abc import Iterator
 from typing import Protocol
 
-_NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
-_DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW
+from remote_loader.storage.locking import try_lock
+
+# Windows has none of these, nor directory descriptors: CacheConfig refuses a cache there.
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | _CLOEXEC
+_FOLLOWED = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _CLOEXEC
+_DIRECTORY = _FOLLOWED | _NOFOLLOW
 _OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
 
 
@@ -59,7 +63,7 @@ class Folder:
         may write it (a user's own group, under umask 002): the cache's folder in it is this
         user's alone, and every folder below it is checked as it is opened."""
         os.makedirs(path, exist_ok=True)
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        fd = os.open(path, _FOLLOWED)
         folder = cls(fd, path)
         found = os.fstat(fd)
         if not found.st_mode & stat.S_ISVTX:
@@ -161,7 +165,7 @@ class Folder:
     def read(self, name: str, most: int) -> bytes | None:
         """The first ``most`` bytes of regular file ``name``; None where it is not one."""
         try:
-            fd = self.open(name, os.O_RDONLY | os.O_NONBLOCK)  # a fifo planted there does not block
+            fd = self.open(name, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a fifo planted there does not block
         except OSError:
             return None
         try:
@@ -209,10 +213,7 @@ class Folder:
         except OSError:
             return False
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return False
-        except BlockingIOError:
-            return True
+            return not try_lock(fd)
         finally:
             os.close(fd)
 
@@ -224,24 +225,19 @@ class Folder:
         except OSError:
             return
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            self.unlink(name)
-        except BlockingIOError:
-            pass
+            if try_lock(fd):
+                self.unlink(name)
         finally:
             os.close(fd)
 
 
 def _lock_until(fd: int, deadline: float, cancel: Cancel) -> bool:
     """Take the file's lock, waiting until ``deadline`` at most for the process that holds it."""
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            if time.monotonic() > deadline or cancel.is_set():
-                return False
-            time.sleep(_STEP)
+    while not try_lock(fd):
+        if time.monotonic() > deadline or cancel.is_set():
+            return False
+        time.sleep(_STEP)
+    return True
 
 
 def _is_link(folder: Folder, name: str) -> bool:

@@ -333,7 +333,8 @@ def _forget_after_fork() -> None:
     _roots, _roots_lock = weakref.WeakValueDictionary(), threading.Lock()
 
 
-os.register_at_fork(after_in_child=_forget_after_fork)
+if hasattr(os, "register_at_fork"):  # Windows has no fork
+    os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def _claim(directory: Folder) -> Folder:

@@ -190,8 +190,15 @@ def _mapped(fd: int, start: int, end: int) -> Iterator[memoryview]:
 def pread_into(fd: int, offset: int, view: memoryview) -> bool:
     """Fill ``view`` from the file at ``offset``; False where the file ends first."""
     while len(view):
-        got = os.preadv(fd, [view], offset)
+        got = os.preadv(fd, [view], offset) if hasattr(os, "preadv") else _pread_into(fd, view, offset)
         if got == 0:
             return False
         view, offset = view[got:], offset + got
     return True
+
+
+def _pread_into(fd: int, view: memoryview, offset: int) -> int:
+    """``os.preadv(fd, [view], offset)`` where there is none (macOS before 11): a read, then a copy."""
+    data = os.pread(fd, len(view), offset)
+    view[: len(data)] = data
+    return len(data)

@@ -43,7 +43,9 @@ _PATIENCE = 30.0  # seconds another process's fill is waited for, plus a second 
 _STUCK_FOR = 30.0  # seconds after such a wait ran out in which no other process's fill is waited for
 
 
-_READ = os.O_RDONLY | os.O_NONBLOCK  # a fifo planted where a shard goes does not block its reader
+# A fifo planted where a shard goes does not block its reader (Windows has neither O_NONBLOCK nor fifos).
+_READ = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)
+_ZEROS = 1 << 20  # bytes written at a time to allocate a file where the system cannot
 
 
 class UploadCache:
@@ -385,8 +387,14 @@ class _GiveUp:
 
 
 def _allocate(fd: int, size: int) -> None:
-    if size:
+    """The new file's first ``size`` bytes given their blocks on disk, so that a full disk
+    shows here, not in a write into its mapping (which would end the process with SIGBUS)."""
+    if size and hasattr(os, "posix_fallocate"):
         os.posix_fallocate(fd, 0, size)
+        return
+    zeros, offset = bytes(min(size, _ZEROS)), 0  # macOS has no posix_fallocate: zeros written once
+    while offset < size:
+        offset += os.pwrite(fd, zeros[: size - offset], offset)
 
 
 def open_upload(node: NodeCache, endpoint: str, dataset: str, identity: int) -> UploadCache:
@@ -418,4 +426,5 @@ def _forget_after_fork() -> None:
     _registry, _registry_lock = weakref.WeakValueDictionary(), threading.Lock()
 
 
-os.register_at_fork(after_in_child=_forget_after_fork)
+if hasattr(os, "register_at_fork"):  # Windows has no fork
+    os.register_at_fork(after_in_child=_forget_after_fork)

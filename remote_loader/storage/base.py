@@ -92,7 +92,8 @@ def check_answer(bucket: str, key: str, start: int, end: int, content_range: str
 
 
 _CONNECT_LOCK = threading.Lock()
-os.register_at_fork(after_in_child=lambda: globals().update(_CONNECT_LOCK=threading.Lock()))
+if hasattr(os, "register_at_fork"):  # Windows has no fork
+    os.register_at_fork(after_in_child=lambda: globals().update(_CONNECT_LOCK=threading.Lock()))
 
 
 class Store(ABC):

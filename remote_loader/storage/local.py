@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import os
 import stat
+import threading
 import uuid
 from collections.abc import Iterator
 from io import BufferedReader
@@ -22,6 +22,7 @@ from remote_loader.errors import (
     StorageError,
 )
 from remote_loader.storage.base import DEFAULT_PART_SIZE, ObjectInfo, ObjectWriter, Store, check_range
+from remote_loader.storage.locking import exclusive
 
 _PARTIAL = ".rl-partial-"
 """Marks files of unfinished writes; they never show in listings."""
@@ -29,13 +30,16 @@ _LOCK = f"{_PARTIAL}lock"
 """The lock file of conditional writes, at the top of each bucket."""
 _PRUNED_UNDER_US = 8
 """Times a write makes its directory again where deletes keep removing it as empty."""
+_LOCK_FLAGS = os.O_RDWR | os.O_CREAT
+for _flag in ("O_NOFOLLOW", "O_NONBLOCK", "O_CLOEXEC"):  # Windows has none of them (nor FIFOs)
+    _LOCK_FLAGS |= getattr(os, _flag, 0)
 
 
 def _open_lock(path: Path, bucket: str) -> int:
     """The bucket's lock file, opened (made where missing): a regular file, never a link,
     FIFO or device planted in its place, which it would follow out of the store or wait on."""
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+        fd = os.open(path, _LOCK_FLAGS, 0o644)
     except OSError as error:
         raise StorageError(f"{path} cannot be opened as the bucket's lock file ({error.strerror}): remove what is"
                            " there", bucket=bucket, code="BadLockFile") from None
@@ -187,8 +191,7 @@ class LocalStore(Store):
             file.write(data)
         try:
             # One lock per bucket makes check-and-replace atomic among processes on this host.
-            with os.fdopen(_open_lock(self._bucket_dir(bucket) / _LOCK, bucket), "a") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)
+            with os.fdopen(_open_lock(self._bucket_dir(bucket) / _LOCK, bucket), "a") as lock, exclusive(lock.fileno()):
                 current = _etag(target.read_bytes()) if target.exists() else None
                 if (if_none_match and current is not None) or (if_match is not None and current != if_match):
                     raise PreconditionFailed(
@@ -290,6 +293,7 @@ class _LocalWriter(ObjectWriter):
         super().__init__(bucket, key, part_size)
         self._store, self._target = store, store._path(bucket, key)
         self._tmp, self._file = store._partial(bucket, key)
+        self._seek_lock = threading.Lock()
 
     def _put_whole(self, data: bytes) -> None:
         self._file.write(data)
@@ -299,7 +303,13 @@ class _LocalWriter(ObjectWriter):
         pass
 
     def _upload_part(self, number: int, part: bytes) -> None:
-        os.pwrite(self._file.fileno(), part, (number - 1) * self.part_size)  # parts arrive in any order
+        offset = (number - 1) * self.part_size  # parts arrive in any order, on several threads
+        if hasattr(os, "pwrite"):
+            os.pwrite(self._file.fileno(), part, offset)
+            return
+        with self._seek_lock:  # Windows has no pwrite: a seek and a write, one part at a time
+            self._file.seek(offset)
+            self._file.write(part)
 
     def _complete(self) -> None:
         self._file.close()

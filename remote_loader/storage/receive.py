@@ -81,7 +81,8 @@ class _Deadlines:
 
 
 _DEADLINES = _Deadlines()
-os.register_at_fork(after_in_child=_DEADLINES._after_fork)
+if hasattr(os, "register_at_fork"):  # Windows has no fork
+    os.register_at_fork(after_in_child=_DEADLINES._after_fork)
 
 
 def _fill(read: Callable[[memoryview], int | None], out: memoryview) -> int:

@@ -73,7 +73,8 @@ class _Outages:
 
 
 _OUTAGES = _Outages()
-os.register_at_fork(after_in_child=lambda: globals().update(_OUTAGES=_Outages()))
+if hasattr(os, "register_at_fork"):  # Windows has no fork
+    os.register_at_fork(after_in_child=lambda: globals().update(_OUTAGES=_Outages()))
 
 def _nothing() -> None:
     pass

@@ -201,6 +201,9 @@ class EmbeddedS3:
         """Start the server and return once its S3 port answers ``/healthz``."""
         if self._process is not None:
             return self
+        if not hasattr(os, "killpg"):
+            raise ConfigError("the embedded S3 server runs on Linux and macOS: it is stopped as a process group"
+                              " (os.killpg), which this system lacks; run MinIO (localstack/) instead")
         base = self._claimed_base() if self.port is not None else free_base_port()
         # What a server killed outright (with the process that started it) left behind: its
         # temporary data and sockets, and the gRPC sockets of the ports this one takes.

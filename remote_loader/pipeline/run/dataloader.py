@@ -109,7 +109,7 @@ def _forget_children_in_forks() -> None:
     multiprocessing forks does. Otherwise, at its exit, multiprocessing would terminate
     this process's workers, which are not its own, and its persistent loaders would fail."""
     global _forgetting
-    if not _forgetting:
+    if not _forgetting and hasattr(os, "register_at_fork"):  # Windows has no fork
         _forgetting = True
         os.register_at_fork(after_in_child=_forget_inherited_children)
 

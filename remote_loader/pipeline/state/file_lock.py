@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import tempfile
 import uuid
 import weakref
 from collections.abc import Iterator
 from typing import Any
+
+from remote_loader.storage.locking import exclusive
 
 
 def _remove(path: str, owner: int) -> None:
@@ -20,9 +21,10 @@ def _remove(path: str, owner: int) -> None:
 
 class FileLock:
     """A lock among a process and the DataLoader workers it starts, forked or spawned: an
-    exclusive ``flock`` on a file named when the lock is made (created on first use, removed
-    with the lock in the process that made it). A multiprocessing lock is tied to one start
-    method, and the loader's is not known when a dataset is made."""
+    exclusive lock (``flock``; ``msvcrt.locking`` on Windows) on a file named when the lock is
+    made (created on first use, removed with the lock in the process that made it). A
+    multiprocessing lock is tied to one start method, and the loader's is not known when a
+    dataset is made."""
 
     def __init__(self, prefix: str) -> None:
         self.path = os.path.join(tempfile.gettempdir(), f"{prefix}-{uuid.uuid4().hex}")
@@ -33,6 +35,5 @@ class FileLock:
 
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
-        with open(self.path, "a") as file:
-            fcntl.flock(file, fcntl.LOCK_EX)
-            yield  # closing the file releases the lock
+        with open(self.path, "a") as file, exclusive(file.fileno()):
+            yield

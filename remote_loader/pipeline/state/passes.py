@@ -4,7 +4,9 @@ seed and number of workers (``pass_key``), kept while the pass can still have a 
 
 from __future__ import annotations
 
+import importlib
 import os
+import sys
 from enum import IntEnum
 from typing import Any
 
@@ -42,6 +44,8 @@ def running(pid: int) -> bool:
     """Whether process ``pid`` is running (a worker of a pass that ended has exited)."""
     if pid <= 0:
         return False
+    if sys.platform == "win32":
+        return _running_on_windows(pid)
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -49,6 +53,24 @@ def running(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+_SYNCHRONIZE = 0x00100000  # the access right to wait for a process
+_ACCESS_DENIED = 5  # ERROR_ACCESS_DENIED: a process that runs, as another user
+
+
+def _running_on_windows(pid: int) -> bool:
+    """``running`` on Windows, whose ``os.kill(pid, 0)`` is no question: 0 is CTRL_C_EVENT,
+    which the console sends to every process attached to it (the training process too)."""
+    winapi: Any = importlib.import_module("_winapi")
+    try:
+        handle = winapi.OpenProcess(_SYNCHRONIZE, False, pid)
+    except OSError as error:  # ERROR_INVALID_PARAMETER: no such process
+        return getattr(error, "winerror", None) == _ACCESS_DENIED
+    try:
+        return bool(winapi.WaitForSingleObject(handle, 0) == winapi.WAIT_TIMEOUT)
+    finally:
+        winapi.CloseHandle(handle)
 
 
 class PassTable:
