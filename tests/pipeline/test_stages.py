@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import warnings
 
 import numpy as np
 import pytest
@@ -65,3 +66,19 @@ def test_stage_objects_pickle_and_run_after():
     context = Context(seed=0, epoch=0, rank=0, worker=0)
     batched = pickle.loads(pickle.dumps(Batched(4, None, True)))
     assert list(batched.run(range(5), context)) == [[0, 1, 2, 3], [4]]
+
+
+def test_decoded_rgb8_arrays_are_writable_and_batch_into_tensors_without_a_warning():
+    """``np.asarray`` of a Pillow image is read-only: torch's default collate then warned, at
+    the first batch, that writing to the tensor would be undefined behaviour."""
+    from torch.utils.data import default_collate
+
+    from remote_loader.pipeline.stages.decode import decode_sample
+    from remote_loader.testing.synthetic import SyntheticImages
+
+    jpeg = SyntheticImages(1, size=(32, 24)).encoded(0)
+    arrays = [decode_sample({"__key__": str(i), "jpg": jpeg}, "rgb8")["jpg"] for i in range(2)]
+    assert all(array.flags.writeable for array in arrays)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert default_collate(arrays).shape == (2, *arrays[0].shape)

@@ -67,8 +67,8 @@ def _image(data: Any, mode: str, where: str, min_size: int | None, facts: dict[s
     if mode == "pil":
         return image
     array = np.asarray(image)
-    if mode == "rgb8":
-        return array
+    if mode == "rgb8":  # Pillow's is read-only: torch's collate warns of it, a user's in-place op fails
+        return array.copy()
     wide = array.dtype.kind == "u" and array.dtype.itemsize == 2  # torch has no uint16 ops: int32 holds it
     tensor = torch.from_numpy(array.astype(np.int32) if wide or not array.dtype.isnative else array.copy())
     return tensor.permute(2, 0, 1) if tensor.ndim == 3 else tensor
