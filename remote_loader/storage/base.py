@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from remote_loader.checksum import crc32
+from remote_loader.config import as_index
 from remote_loader.errors import (
     AccessDenied,
     BucketNotFound,
@@ -45,6 +46,16 @@ class ObjectInfo:
     key: str
     size: int
     etag: str = ""
+
+
+def byte_bounds(start: object, end: object) -> tuple[int, int]:
+    """A byte range's ``start`` and ``end`` as ints (numpy's too), or a TypeError naming them:
+    a float was sent as ``Range: bytes=1.5-2``, True read from byte 1; a ValueError for a
+    negative start."""
+    first, stop = as_index(start, "a byte range's start"), as_index(end, "a byte range's end")
+    if first < 0:
+        raise ValueError(f"a byte range's start is >= 0, got {first}")
+    return first, stop
 
 
 def check_range(bucket: str, key: str, start: int, end: int, data: bytes, got: int | None = None) -> bytes:
@@ -297,6 +308,7 @@ class RangedStore(Store):
         return self._read(bucket, key, None)[0]
 
     def get_range(self, bucket: str, key: str, start: int, end: int) -> bytes:
+        start, end = byte_bounds(start, end)
         if end <= start:
             return b""
         data, content_range = self._read(bucket, key, f"bytes={start}-{end - 1}")
@@ -304,6 +316,7 @@ class RangedStore(Store):
         return check_range(bucket, key, start, end, data[: end - start])
 
     def get_range_and_size(self, bucket: str, key: str, start: int, end: int) -> tuple[bytes, int]:
+        start, end = byte_bounds(start, end)
         if end <= start:
             return b"", self.head(bucket, key)
         data, content_range = self._read(bucket, key, f"bytes={start}-{end - 1}")
@@ -316,6 +329,7 @@ class RangedStore(Store):
         return check_range(bucket, key, start, end, data[: end - start]), size
 
     def get_first_bytes(self, bucket: str, key: str, length: int) -> tuple[bytes, int]:
+        length = as_index(length, "get_first_bytes' length")
         if length <= 0:
             return b"", self.head(bucket, key)
         try:

@@ -21,7 +21,7 @@ from remote_loader.errors import (
     PreconditionFailed,
     StorageError,
 )
-from remote_loader.storage.base import DEFAULT_PART_SIZE, ObjectInfo, ObjectWriter, Store, check_range
+from remote_loader.storage.base import DEFAULT_PART_SIZE, ObjectInfo, ObjectWriter, Store, byte_bounds, check_range
 from remote_loader.storage.locking import exclusive
 
 _PARTIAL = ".rl-partial-"
@@ -121,6 +121,7 @@ class LocalStore(Store):
         return f
 
     def get_range(self, bucket: str, key: str, start: int, end: int) -> bytes:
+        start, end = byte_bounds(start, end)
         if end <= start:
             return b""
         with self._open_range(bucket, key, start, end) as f:
@@ -128,6 +129,7 @@ class LocalStore(Store):
 
     def get_range_into(self, bucket: str, key: str, start: int, end: int, out: memoryview, *,
                        if_match: str | None = None) -> None:
+        start, end = byte_bounds(start, end)
         if end <= start:
             return
         with self._open_range(bucket, key, start, end) as f:
@@ -137,6 +139,7 @@ class LocalStore(Store):
             check_range(bucket, key, start, end, b"", got=f.readinto(out[: end - start]))
 
     def get_range_and_size(self, bucket: str, key: str, start: int, end: int) -> tuple[bytes, int]:
+        start, end = byte_bounds(start, end)
         path, size = self._open(bucket, key)
         if end <= start:
             return b"", size

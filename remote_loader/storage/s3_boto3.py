@@ -27,6 +27,7 @@ from remote_loader.storage.base import (
     ObjectWriter,
     RangedStore,
     bucket_name_problem,
+    byte_bounds,
     check_answer,
     check_range,
     crc32_header,
@@ -296,6 +297,7 @@ class Boto3Store(RangedStore):
         process streaming 8 MiB ranges pays once per 70 samples, holding the GIL. A URL
         serves every range of its object for an hour; one that has expired is signed anew.
         """
+        start, end = byte_bounds(start, end)
         if end <= start:
             return
         byte_range = f"bytes={start}-{end - 1}"

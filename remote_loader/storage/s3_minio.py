@@ -42,6 +42,7 @@ from remote_loader.storage.base import (
     ObjectWriter,
     RangedStore,
     bucket_name_problem,
+    byte_bounds,
     check_answer,
     check_range,
     crc32_header,
@@ -313,6 +314,7 @@ class MinioStore(RangedStore):
     def get_range_into(self, bucket: str, key: str, start: int, end: int, out: memoryview, *,
                        if_match: str | None = None) -> None:
         """Receive the body straight into ``out``: no intermediate bytes object."""
+        start, end = byte_bounds(start, end)
         if end <= start:
             return
         byte_range = f"bytes={start}-{end - 1}"

@@ -56,6 +56,21 @@ def test_put_get_head_and_ranges(store):
     assert client.exists(bucket, "a/obj.bin") and not client.exists(bucket, "a/other")
 
 
+@pytest.mark.parametrize("start, end", [(1.5, 3), (True, 3), (1, 3.0), ("1", 3), (-1, 3)])
+def test_a_byte_range_that_is_no_pair_of_offsets_is_refused_before_any_request(store, start, end):
+    """A float was sent as 'Range: bytes=1.5-2', True read from byte 1."""
+    client, bucket, _ = store
+    key = "contract/bounds"
+    client.put(bucket, key, b"0123456789")
+    out = memoryview(bytearray(2))
+    for call in (lambda: client.get_range(bucket, key, start, end),
+                 lambda: client.get_range_and_size(bucket, key, start, end),
+                 lambda: client.get_range_into(bucket, key, start, end, out)):
+        with pytest.raises((TypeError, ValueError), match="byte range's (start|end)"):
+            call()
+    assert client.get_range(bucket, key, np.int64(1), np.int32(3)) == b"12"  # numpy's integers are offsets
+
+
 def test_a_range_is_received_into_its_buffer_without_a_temporary_copy(store):
     """An 8 MiB temporary per ranged GET stays in a thread's malloc arena once freed: the
     fetcher's 16 threads held ~100 MB that way. A range goes straight into the caller's
