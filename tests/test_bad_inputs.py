@@ -263,6 +263,7 @@ def test_a_rank_in_the_environment_without_a_world_size_is_refused_as_such(monke
     "make, field",
     [
         (lambda: RandomResizedCrop(0), "size must be an integer >= 1"),
+        (lambda: RandomResizedCrop(10**9), "size 1000000000 makes .* past PIL.Image.MAX_IMAGE_PIXELS"),
         (lambda: RandomResizedCrop(224, scale=(0.5, 0.1)), "scale must be"),
         (lambda: RandomResizedCrop(224, ratio=(0, 1)), "ratio must be"),
         (lambda: RandomResizedCrop(224, seed=-3), "seed must be an integer in"),

@@ -138,6 +138,10 @@ class RandomResizedCrop:
         not_spatial: Sequence[str] = (),
     ) -> None:
         size = require_int("RandomResizedCrop size", size, 1)
+        bound = Image.MAX_IMAGE_PIXELS  # an output no image may be: each sample failed to allocate it
+        if bound and size * size > bound:
+            raise ConfigError(f"RandomResizedCrop size {size} makes {size * size:,d} pixels an output, past"
+                              f" PIL.Image.MAX_IMAGE_PIXELS ({bound:,d}): raise that first for outputs so large")
         if boxes is not None and not isinstance(boxes, Mapping):
             raise ConfigError(f"RandomResizedCrop boxes maps field names to one of {', '.join(BOX_FORMATS)};"
                               f" got {type(boxes).__name__} {boxes!r}")
