@@ -213,3 +213,35 @@ def test_a_loaders_state_for_another_worker_count_is_refused_and_resumes_through
     dataset = make(location)
     dataset.load_state_dict(state)  # as the message advises
     assert Counter(before) + Counter(loader(dataset, stateful=True, num_workers=resumed)) == ALL
+
+
+def epoch_of(location, epoch, workers):
+    """What ``loader(..., stateful=True)`` on ``workers`` workers delivers of ``epoch``, in order."""
+    return list(loader(make(location, epoch=epoch), stateful=True, num_workers=workers))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_without_set_epoch_a_state_saved_once_the_pass_ended_resumes_the_next_epoch_whole(location, workers):
+    # Without workers, torchdata restored the finished pass in this process, which took epoch 1
+    # by itself, dropped it, and began another: epoch 2. Epoch 1 was never delivered.
+    stopped = loader(make(location, epoch=None), stateful=True, num_workers=workers)
+    assert Counter(stopped) == ALL  # epoch 0, to its end
+    state = saved(stopped.state_dict())
+    resumed = loader(make(location, epoch=None), stateful=True, num_workers=workers)
+    resumed.load_state_dict(state)
+    assert list(resumed) == epoch_of(location, 1, workers)
+    assert list(resumed) == epoch_of(location, 2, workers)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_state_saved_once_the_pass_ended_resumes_the_epoch_set_after_it(location, workers):
+    # Without workers, the finished epoch 1 came again where epoch 2 was set: the dataset's
+    # state, loaded in this process as the pass began, moved the epoch set back to its own.
+    stopped = loader(make(location, epoch=1), stateful=True, num_workers=workers)
+    assert Counter(stopped) == ALL
+    state = saved(stopped.state_dict())
+    dataset = make(location, epoch=None)
+    resumed = loader(dataset, stateful=True, num_workers=workers)
+    resumed.load_state_dict(state)
+    dataset.set_epoch(2)
+    assert list(resumed) == epoch_of(location, 2, workers)

@@ -13,6 +13,8 @@ from remote_loader.pipeline.run.dataloader import made_here, start_iteration
 
 # What torchdata's state_dict() holds with DataLoader workers, and without them.
 _WITH_WORKERS, _WITHOUT_WORKERS = "_snapshot", "_num_yielded"
+# Without workers: whether the pass had ended, and the dataset's own state.
+_FINISHED, _DATASET = "_iterator_finished", "dataset_state"
 
 
 class StatefulLoader(StatefulDataLoader):
@@ -33,7 +35,20 @@ class StatefulLoader(StatefulDataLoader):
         where this loader has none, or the reverse (torchdata's own check, as the next pass
         begins, is a bare AssertionError)."""
         _check_workers(state_dict, self.num_workers)
+        if not self.num_workers and _ended_here(state_dict) and hasattr(self.dataset, "load_state_dict"):
+            # torchdata would restore the ended pass as the next one begins, by loading the
+            # dataset's state and beginning its iteration, then drop it and begin another:
+            # the dropped one took an epoch (or the state moved the epoch set back to its
+            # own). Loaded now, the state says where the epochs go on, and nothing is dropped.
+            self.dataset.load_state_dict(state_dict[_DATASET])
+            state_dict = {}
         super().load_state_dict(state_dict)
+
+
+def _ended_here(state: Any) -> bool:
+    """Whether ``state`` is the state of a loader without workers whose pass had ended."""
+    return (isinstance(state, Mapping) and _WITHOUT_WORKERS in state and state.get(_FINISHED) is True
+            and state.get(_DATASET) is not None)
 
 
 def _check_workers(state: Any, num_workers: int) -> None:
