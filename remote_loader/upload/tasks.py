@@ -231,10 +231,12 @@ class _ShardSequence:
             self.writers.append(self._upload)
             self._shard = ShardWriter(self._upload.write)
             self.fields_in_shard = set()
-        if self._shard.projected_size(key, fields) > spec.maxsize:
+        projected = self._shard.projected_size(key, fields)
+        if projected > spec.maxsize:
             size = sum(len(v) for v in fields.values())
             raise UploadError(
-                f"sample {index} is {size} bytes, too large for a shard of maxsize={spec.maxsize} bytes", index=index
+                f"sample {index} is {size} bytes, too large for a shard of maxsize={spec.maxsize} bytes (a shard of it"
+                f" alone is {projected} with its tar headers and index)", index=index
             )
         self._shard.add(key, fields, digest)
         self.fields.update(fields)
