@@ -184,7 +184,8 @@ def test_callers_executor_runs_the_tasks(s3):
     "kwargs, error, message",
     [
         ({"ds": SyntheticImages(0)}, UploadError, "empty"),
-        ({"maxsize": 5000}, UploadError, r"too large for a shard of maxsize=5000 bytes \(a shard of it alone is \d+ with its tar headers and index\)"),
+        ({"maxsize": 5000}, UploadError,
+         r"too large for a shard of maxsize=5000 bytes \(a shard of it alone is \d+ with its tar headers and index\)"),
         ({"maxsize": 100}, ConfigError, "maxsize"),
         ({"on_error": "ignore"}, ConfigError, "on_error"),
         ({"image_format": "bmp"}, ConfigError, "image_format"),
