@@ -625,10 +625,11 @@ class CacheConfig:
             directory = env.get("REMOTE_LOADER_CACHE_DIR") or None
         if max_bytes is None:
             max_bytes = env.get("REMOTE_LOADER_CACHE_BYTES") or None
+        given = verify_reads  # the environment's flag, as its cache_bytes, asks nothing where there is no cache
         if verify_reads is None:
             verify_reads = _env_flag(env, "REMOTE_LOADER_CACHE_VERIFY")
         if not directory:
-            if verify_reads:
+            if given:
                 raise ConfigError("cache_verify checks what a cache reads: give cache_dir too (or"
                                   " REMOTE_LOADER_CACHE_DIR)")
             return None
