@@ -290,8 +290,9 @@ class StorageConfig:
     def __post_init__(self) -> None:
         for name in ("endpoint_url", "profile", "credentials_file"):
             value = getattr(self, name)
-            if value is not None and not isinstance(value, str):
-                raise ConfigError(f"{name} must be a str, got {type(value).__name__} {shown(value)}")
+            if value is not None and not isinstance(value, str):  # an endpoint's value (bytes...) may hold user:secret@
+                raise ConfigError(f"{name} must be a str, got {type(value).__name__}"
+                                  + ("" if name == "endpoint_url" else f" {shown(value)}"))
         if not isinstance(self.region, str) or not self.region or not self.region.isprintable():
             raise ConfigError(f"region must be a region's name (us-east-1), got {shown(self.region)}")
         if self.endpoint_url is not None:

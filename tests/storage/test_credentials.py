@@ -106,6 +106,20 @@ def test_keys_holding_a_control_character_are_refused_without_showing_them(field
     assert "AKID-VALUE" not in message and "SHH-VALUE" not in message and "\x1b" not in message
 
 
+def test_an_endpoint_given_as_bytes_is_refused_without_showing_its_keys():
+    """An endpoint URL that is no str was echoed whole in the message, with the
+    ``user:secret@`` it held (StorageConfig's, and make_client's)."""
+    url = b"http://AKID-VALUE-5:SHH-VALUE-5@127.0.0.1:9000"
+    with pytest.raises(ConfigError, match="^endpoint_url must be a str, got bytes") as caught:
+        StorageConfig(endpoint_url=url)  # type: ignore[arg-type]
+    assert "VALUE-5" not in str(caught.value)
+    with pytest.raises(ConfigError, match="^expected a URL or a local path, got bytes") as caught:
+        make_client(url)  # type: ignore[arg-type]
+    assert "VALUE-5" not in str(caught.value)
+    with pytest.raises(ConfigError, match="^expected a URL or a local path, got int 5$"):
+        make_client(5)  # type: ignore[arg-type]
+
+
 def _home_with_no_keys(monkeypatch: pytest.MonkeyPatch, home: Path) -> None:
     """This process as a user's whose home is ``home``: no key variable, the AWS files under ``home``."""
     for name in [n for n in os.environ if n.startswith(("AWS_", "MINIO_"))]:
