@@ -208,6 +208,20 @@ def test_keys_in_the_aws_config_files_endpoint_url_are_never_named(seaweed, tmp_
     assert "VALUE-7" not in result.stderr, result.stderr
 
 
+def test_an_aws_config_files_endpoint_url_that_is_no_url_is_named_as_such(seaweed, tmp_path):
+    """botocore raises a ValueError ('Invalid endpoint: ...', the URL and any secret in it) for
+    an endpoint_url of ~/.aws/config that is no URL: the message blamed a credential_process
+    the profile does not have."""
+    _aws_file(tmp_path, "config", "[default]\nendpoint_url = not/a url SHH-VALUE-8\n")
+    env = _users_env(tmp_path, seaweed.endpoint_url, AWS_ACCESS_KEY_ID=seaweed.access_key,
+                     AWS_SECRET_ACCESS_KEY=seaweed.secret_key)
+    del env["AWS_ENDPOINT_URL"]
+    result = _cli(env, "ls", "s3://datasets/x")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "credential_process" not in result.stderr and "SHH-VALUE" not in result.stderr, result.stderr
+    assert "endpoint_url" in result.stderr, result.stderr
+
+
 def _signature_shown(text: str, access_key: str) -> list[str]:
     """What of a presigned URL's credentials ``text`` holds: its signature, or the access key
     its X-Amz-Credential names."""
