@@ -407,9 +407,12 @@ def _env_seconds(field_name: str, env: Mapping[str, str] | None = None) -> float
     if not env.get(name):
         return None
     try:
-        return float(env[name])
+        seconds = float(env[name])
     except ValueError:
         raise ConfigError(f"{name} must be a number of seconds, got {env[name]!r}") from None
+    if not (math.isfinite(seconds) and seconds >= 0):  # named here: RetryConfig's own check names its field
+        raise ConfigError(f"{name} must be a finite number of seconds >= 0, got {env[name]!r}")
+    return seconds
 
 
 DECODING_PREFETCH_BYTES = 32 * 1024 * 1024
