@@ -271,7 +271,7 @@ class StorageConfig:
         profile: The AWS profile whose keys to use when none are given (``AWS_PROFILE``;
             None: the ``default`` profile, where it holds keys); boto3 reads it through its
             own chain, the minio backend from the credentials file.
-        credentials_file: The AWS credentials file (``AWS_SHARED_CREDENTIALS_FILE``, else
+        credentials_file: The AWS credentials file, a str or path (``AWS_SHARED_CREDENTIALS_FILE``, else
             ``~/.aws/credentials``).
     """
 
@@ -288,6 +288,8 @@ class StorageConfig:
     credentials_file: str | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.credentials_file, os.PathLike):  # a pathlib.Path, as the minio backend reads it
+            object.__setattr__(self, "credentials_file", os.fspath(self.credentials_file))
         for name in ("endpoint_url", "profile", "credentials_file"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):  # an endpoint's value (bytes...) may hold user:secret@

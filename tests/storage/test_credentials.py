@@ -141,6 +141,21 @@ def test_the_minio_backend_takes_the_default_profiles_keys_as_boto3_does(seaweed
     store.close()
 
 
+def test_the_minio_backend_reads_a_credentials_file_given_as_a_path(seaweed, tmp_path, monkeypatch):
+    """StorageConfig's credentials_file, which the minio backend reads, took a pathlib.Path;
+    the check that it is a str refused one ('credentials_file must be a str, got PosixPath')."""
+    bucket = new_bucket(seaweed.client())
+    _home_with_no_keys(monkeypatch, tmp_path)
+    keys = _aws_file(tmp_path, "elsewhere", f"[p]\naws_access_key_id = {seaweed.access_key}\n"
+                                          f"aws_secret_access_key = {seaweed.secret_key}\n")
+    config = StorageConfig(endpoint_url=seaweed.endpoint_url, profile="p", credentials_file=keys)
+    assert config.credentials_file == str(keys)
+    store = make_client(config=config, backend="minio")
+    store.put(bucket, "k", b"v")
+    assert store.get(bucket, "k") == b"v"
+    store.close()
+
+
 def test_keys_in_the_environment_win_over_the_default_profiles(seaweed, tmp_path, monkeypatch):
     bucket = new_bucket(seaweed.client())
     _home_with_no_keys(monkeypatch, tmp_path)
