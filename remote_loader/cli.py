@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import math
 import os
 import signal
 import sys
@@ -70,6 +71,14 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _deadline(text: str) -> float:
+    """An argparse type: seconds >= 0 a RetryConfig takes (not inf, which it refuses naming its field)."""
+    value = _seconds(text)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text}")
+    return value
+
+
 def _timeout(text: str) -> float | None:
     """An argparse type: seconds > 0, or ``none`` (no bound)."""
     if text.strip().lower() == "none":
@@ -117,7 +126,7 @@ def _connection(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--region", help="signing region (default: AWS_REGION, else us-east-1)")
     group.add_argument("--backend", choices=("boto3", "minio"), default="boto3", help="S3 client library")
     retry = RetryConfig()
-    group.add_argument("--outage-deadline", type=_seconds, default=None, metavar="SECONDS",
+    group.add_argument("--outage-deadline", type=_deadline, default=None, metavar="SECONDS",
                        help=f"how long to retry a failing store before giving up (default: {retry.outage_deadline:g},"
                        f" or REMOTE_LOADER_OUTAGE_DEADLINE); a store that never answered gets at most"
                        f" {retry.first_contact_deadline:g} s (REMOTE_LOADER_FIRST_CONTACT_DEADLINE)")

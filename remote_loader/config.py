@@ -271,7 +271,7 @@ class StorageConfig:
         profile: The AWS profile whose keys to use when none are given (``AWS_PROFILE``;
             None: the ``default`` profile, where it holds keys); boto3 reads it through its
             own chain, the minio backend from the credentials file.
-        credentials_file: The AWS credentials file (``AWS_SHARED_CREDENTIALS_FILE``, else
+        credentials_file: The AWS credentials file, a str or path (``AWS_SHARED_CREDENTIALS_FILE``, else
             ``~/.aws/credentials``).
     """
 
@@ -288,10 +288,13 @@ class StorageConfig:
     credentials_file: str | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.credentials_file, os.PathLike):  # a pathlib.Path, as the minio backend reads it
+            object.__setattr__(self, "credentials_file", os.fspath(self.credentials_file))
         for name in ("endpoint_url", "profile", "credentials_file"):
             value = getattr(self, name)
-            if value is not None and not isinstance(value, str):
-                raise ConfigError(f"{name} must be a str, got {type(value).__name__} {shown(value)}")
+            if value is not None and not isinstance(value, str):  # an endpoint's value (bytes...) may hold user:secret@
+                raise ConfigError(f"{name} must be a str, got {type(value).__name__}"
+                                  + ("" if name == "endpoint_url" else f" {shown(value)}"))
         if not isinstance(self.region, str) or not self.region or not self.region.isprintable():
             raise ConfigError(f"region must be a region's name (us-east-1), got {shown(self.region)}")
         if self.endpoint_url is not None:
@@ -406,9 +409,12 @@ def _env_seconds(field_name: str, env: Mapping[str, str] | None = None) -> float
     if not env.get(name):
         return None
     try:
-        return float(env[name])
+        seconds = float(env[name])
     except ValueError:
         raise ConfigError(f"{name} must be a number of seconds, got {env[name]!r}") from None
+    if not (math.isfinite(seconds) and seconds >= 0):  # named here: RetryConfig's own check names its field
+        raise ConfigError(f"{name} must be a finite number of seconds >= 0, got {env[name]!r}")
+    return seconds
 
 
 DECODING_PREFETCH_BYTES = 32 * 1024 * 1024
@@ -625,10 +631,11 @@ class CacheConfig:
             directory = env.get("REMOTE_LOADER_CACHE_DIR") or None
         if max_bytes is None:
             max_bytes = env.get("REMOTE_LOADER_CACHE_BYTES") or None
+        given = verify_reads  # the environment's flag, as its cache_bytes, asks nothing where there is no cache
         if verify_reads is None:
             verify_reads = _env_flag(env, "REMOTE_LOADER_CACHE_VERIFY")
         if not directory:
-            if verify_reads:
+            if given:
                 raise ConfigError("cache_verify checks what a cache reads: give cache_dir too (or"
                                   " REMOTE_LOADER_CACHE_DIR)")
             return None

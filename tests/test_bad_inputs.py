@@ -545,7 +545,7 @@ def test_a_crop_reads_its_field_names_once_and_takes_numpy_numbers():
 @pytest.mark.parametrize(("make", "said"), [
     (lambda: make_client(_UNREACHED, "k", "s", region=5), "region must be a region's name (us-east-1), got 5"),
     (lambda: make_client(_UNREACHED, "k", "s", region=""), "region must be a region's name (us-east-1), got ''"),
-    (lambda: StorageConfig(endpoint_url=5), "endpoint_url must be a str, got int 5"),  # an AttributeError
+    (lambda: StorageConfig(endpoint_url=5), "endpoint_url must be a str, got int"),  # an AttributeError
     (lambda: StorageConfig(profile=5), "profile must be a str, got int 5"),
     (lambda: StorageConfig(max_attempts=1.5), "max_attempts must be an integer >= 1, got 1.5"),
     (lambda: StorageConfig(max_connections=True), "max_connections must be an integer >= 1, got True"),

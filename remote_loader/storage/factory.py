@@ -58,7 +58,8 @@ def _kind(url: str, *, endpoint_ok: bool) -> Literal["local", "s3", "endpoint"]:
     an http(s) endpoint. Anything that looks like a URL and is not a valid one is refused:
     a typo must not become a directory named ``s3:`` beside the caller."""
     if not isinstance(url, str) or not url:
-        raise ConfigError(f"expected a URL or a local path, got {type(url).__name__} {url!r}"[:200])
+        value = "" if isinstance(url, (bytes, bytearray, memoryview)) else f" {url!r}"  # bytes may hold user:secret@
+        raise ConfigError(f"expected a URL or a local path, got {type(url).__name__}{value}"[:200])
     shown = redact(url)
     if url != url.strip():
         raise ConfigError(f"{shown!r} has leading or trailing whitespace")

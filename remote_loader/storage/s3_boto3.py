@@ -140,9 +140,12 @@ def _setup_errors(endpoint: str) -> Iterator[None]:
         raise ConfigError(f"the AWS file {exc.kwargs.get('path')} cannot be parsed (an INI file of profiles)") from None
     except bce.BotoCoreError as exc:  # a region no endpoint serves, a credential_process that failed...
         raise ConfigError(f"boto3 could not make a client for {endpoint}: {type(exc).__name__}") from None
-    except (ValueError, AttributeError) as exc:  # botocore's json.loads of a credential_process's output, keys and all
-        raise ConfigError(f"boto3 could not make a client for {endpoint}: {type(exc).__name__} (the AWS profile's"
-                          " credential_process printing something else than the JSON botocore reads?)") from None
+    except (ValueError, AttributeError) as exc:  # json.loads of a credential_process's output (keys and all),
+        # or "Invalid endpoint: <url>" (secret and all) for an endpoint_url of the AWS config file that is no URL
+        cause = (f"the endpoint_url of the AWS config file {aws_files()[1]} is no URL"
+                 if isinstance(exc, ValueError) and str(exc).startswith("Invalid endpoint") else
+                 "the AWS profile's credential_process printing something else than the JSON botocore reads?")
+        raise ConfigError(f"boto3 could not make a client for {endpoint}: {type(exc).__name__} ({cause})") from None
 
 
 def _raw(body: Any) -> Any:

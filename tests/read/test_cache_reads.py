@@ -187,6 +187,17 @@ def test_the_environment_asks_for_a_check_of_every_read(tmp_path, env, verify):
     assert config is not None and config.verify_reads is True
 
 
+def test_the_environment_s_check_of_every_read_goes_unused_without_a_cache(tmp_path):
+    """``REMOTE_LOADER_CACHE_VERIFY=1`` set for a job asks nothing of a dataset without a cache
+    (``cache_dir=""`` turns the environment's off, as the docs' job script does): it was
+    refused as if ``cache_verify=True`` had been given."""
+    env = {"REMOTE_LOADER_CACHE_VERIFY": "1"}
+    assert CacheConfig.of(None, None, env=env) is None
+    assert CacheConfig.of("", None, env={**env, "REMOTE_LOADER_CACHE_DIR": str(tmp_path)}) is None
+    with pytest.raises(ConfigError, match="cache_verify checks what a cache reads"):
+        CacheConfig.of(None, None, env=env, verify_reads=True)  # given, it asks for a cache
+
+
 def test_a_flag_that_is_not_one_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="REMOTE_LOADER_CACHE_VERIFY must be 1 or 0, got 'sometimes'"):
         CacheConfig.of(tmp_path, None, env={"REMOTE_LOADER_CACHE_VERIFY": "sometimes"})

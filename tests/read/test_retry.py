@@ -18,8 +18,10 @@ from remote_loader import (
     FetchConfig,
     RemoteDataset,
     RetryConfig,
+    cli,
     make_client,
 )
+from remote_loader.config import ENV_DEADLINES
 from tests.servers import free_port
 
 NEVER = FetchConfig(retry=RetryConfig(outage_deadline=300, first_contact_deadline=0.5, backoff=0.01))
@@ -78,6 +80,19 @@ def test_deadlines_come_from_the_environment_and_are_checked():
         FetchConfig.from_env({"REMOTE_LOADER_OUTAGE_DEADLINE": "soon"})
     with pytest.raises(ConfigError, match="first_contact_deadline"):
         RetryConfig(first_contact_deadline=-1)
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "-1"])
+def test_a_deadline_that_is_no_finite_number_is_refused_naming_where_it_was_set(value, capsys):
+    """RetryConfig refuses an infinite deadline: one set in the environment or on the command
+    line was refused as 'outage_deadline must be a finite number...', which names neither."""
+    for name in ENV_DEADLINES:
+        variable = f"REMOTE_LOADER_{name.upper()}"
+        with pytest.raises(ConfigError, match=f"^{variable} must be a finite number of seconds >= 0, got '{value}'$"):
+            RetryConfig.from_env({variable: value})
+    with pytest.raises(SystemExit):
+        cli.main(["info", "s3://bkt/ds", "--outage-deadline", value])
+    assert "error: argument --outage-deadline: must be " in capsys.readouterr().err  # not RetryConfig's words
 
 
 @pytest.mark.parametrize("how", ["flag", "environment"])

@@ -106,6 +106,20 @@ def test_keys_holding_a_control_character_are_refused_without_showing_them(field
     assert "AKID-VALUE" not in message and "SHH-VALUE" not in message and "\x1b" not in message
 
 
+def test_an_endpoint_given_as_bytes_is_refused_without_showing_its_keys():
+    """An endpoint URL that is no str was echoed whole in the message, with the
+    ``user:secret@`` it held (StorageConfig's, and make_client's)."""
+    url = b"http://AKID-VALUE-5:SHH-VALUE-5@127.0.0.1:9000"
+    with pytest.raises(ConfigError, match="^endpoint_url must be a str, got bytes") as caught:
+        StorageConfig(endpoint_url=url)  # type: ignore[arg-type]
+    assert "VALUE-5" not in str(caught.value)
+    with pytest.raises(ConfigError, match="^expected a URL or a local path, got bytes") as caught:
+        make_client(url)  # type: ignore[arg-type]
+    assert "VALUE-5" not in str(caught.value)
+    with pytest.raises(ConfigError, match="^expected a URL or a local path, got int 5$"):
+        make_client(5)  # type: ignore[arg-type]
+
+
 def _home_with_no_keys(monkeypatch: pytest.MonkeyPatch, home: Path) -> None:
     """This process as a user's whose home is ``home``: no key variable, the AWS files under ``home``."""
     for name in [n for n in os.environ if n.startswith(("AWS_", "MINIO_"))]:
@@ -122,6 +136,21 @@ def test_the_minio_backend_takes_the_default_profiles_keys_as_boto3_does(seaweed
     _aws_file(tmp_path, "credentials", f"[default]\naws_access_key_id = {seaweed.access_key}\n"
                                        f"aws_secret_access_key = {seaweed.secret_key}\n")
     store = make_client(seaweed.endpoint_url, backend="minio")
+    store.put(bucket, "k", b"v")
+    assert store.get(bucket, "k") == b"v"
+    store.close()
+
+
+def test_the_minio_backend_reads_a_credentials_file_given_as_a_path(seaweed, tmp_path, monkeypatch):
+    """StorageConfig's credentials_file, which the minio backend reads, took a pathlib.Path;
+    the check that it is a str refused one ('credentials_file must be a str, got PosixPath')."""
+    bucket = new_bucket(seaweed.client())
+    _home_with_no_keys(monkeypatch, tmp_path)
+    keys = _aws_file(tmp_path, "elsewhere", f"[p]\naws_access_key_id = {seaweed.access_key}\n"
+                                          f"aws_secret_access_key = {seaweed.secret_key}\n")
+    config = StorageConfig(endpoint_url=seaweed.endpoint_url, profile="p", credentials_file=keys)
+    assert config.credentials_file == str(keys)
+    store = make_client(config=config, backend="minio")
     store.put(bucket, "k", b"v")
     assert store.get(bucket, "k") == b"v"
     store.close()
@@ -192,6 +221,20 @@ def test_keys_in_the_aws_config_files_endpoint_url_are_never_named(seaweed, tmp_
     result = _cli(env, "ls", f"s3://{new_bucket(seaweed.client())}-no/x")
     assert result.returncode == 1 and result.stderr.startswith("remote-loader: error: "), result.stderr
     assert "VALUE-7" not in result.stderr, result.stderr
+
+
+def test_an_aws_config_files_endpoint_url_that_is_no_url_is_named_as_such(seaweed, tmp_path):
+    """botocore raises a ValueError ('Invalid endpoint: ...', the URL and any secret in it) for
+    an endpoint_url of ~/.aws/config that is no URL: the message blamed a credential_process
+    the profile does not have."""
+    _aws_file(tmp_path, "config", "[default]\nendpoint_url = not/a url SHH-VALUE-8\n")
+    env = _users_env(tmp_path, seaweed.endpoint_url, AWS_ACCESS_KEY_ID=seaweed.access_key,
+                     AWS_SECRET_ACCESS_KEY=seaweed.secret_key)
+    del env["AWS_ENDPOINT_URL"]
+    result = _cli(env, "ls", "s3://datasets/x")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "credential_process" not in result.stderr and "SHH-VALUE" not in result.stderr, result.stderr
+    assert "endpoint_url" in result.stderr, result.stderr
 
 
 def _signature_shown(text: str, access_key: str) -> list[str]:
