@@ -128,9 +128,11 @@ def require_path(name: str, value: object) -> str:
 
 
 def require_bool(name: str, value: object, *, optional: bool = False) -> bool | None:
-    """``value`` if it is a bool (or None when ``optional``); else a ConfigError naming ``name``."""
+    """``value`` if it is a bool, numpy's too (or None when ``optional``); else a ConfigError naming ``name``."""
     if isinstance(value, bool) or (optional and value is None):
         return value if isinstance(value, bool) else None
+    if str(getattr(value, "dtype", "")) == "bool" and getattr(value, "ndim", None) == 0:  # np.bool_, read from an array
+        return bool(value)
     raise ConfigError(f"{name} must be True or False{' or None' if optional else ''}, got {shown(value)}")
 
 

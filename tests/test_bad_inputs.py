@@ -540,6 +540,9 @@ def test_a_crop_reads_its_field_names_once_and_takes_numpy_numbers():
                              mean=np.array([0.5, 0.5, 0.5]), std=[np.float32(0.25)] * 3)
     assert (crop.scale, crop.ratio, crop.mean, crop.std) == ((0.25, 1.0), (0.5, 2.0), (0.5,) * 3, (0.25,) * 3)
     assert type(crop.scale[0]) is float and type(crop.std[0]) is float
+    flags = np.array([False, True])  # a flag read from a config array, as numpy's integers are taken as counts
+    crop = RandomResizedCrop(32, flip=flags[0], reduced=flags[1], fast=flags[0])
+    assert (crop.flip, crop.reduced, crop.fast) == (False, True, False) and type(crop.flip) is bool
 
 
 @pytest.mark.parametrize(("make", "said"), [

@@ -165,7 +165,7 @@ class RandomResizedCrop:
             require_bool(f"RandomResizedCrop {name}", flag)  # "no" was taken for True
         self.size = size
         self.scale, self.ratio = low_high["scale"], low_high["ratio"]
-        self.flip, self.reduced, self.fast, self.seed = flip, reduced, fast, seed
+        self.flip, self.reduced, self.fast, self.seed = bool(flip), bool(reduced), bool(fast), seed
         self.mean, self.std = _normalisation(mean, std)
         self._rng: np.random.Generator | None = None
 
