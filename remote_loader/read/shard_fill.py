@@ -198,7 +198,8 @@ def pread_into(fd: int, offset: int, view: memoryview) -> bool:
 
 
 def _pread_into(fd: int, view: memoryview, offset: int) -> int:
-    """``os.preadv(fd, [view], offset)`` where there is none (macOS before 11): a read, then a copy."""
-    data = os.pread(fd, len(view), offset)
+    """``os.preadv(fd, [view], offset)`` where there is none (macOS before 11): a read of up to
+    8 MiB, then a copy (a whole range read at once would be held twice)."""
+    data = os.pread(fd, min(len(view), 8 << 20), offset)
     view[: len(data)] = data
     return len(data)
