@@ -9,7 +9,8 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
-from remote_loader.config import MAX_WORKERS, FetchConfig, require_int
+from remote_loader.checks import require_int
+from remote_loader.config import MAX_WORKERS, FetchConfig
 from remote_loader.errors import ConfigError
 from remote_loader.format import fields
 from remote_loader.format.video import VIDEO_EXTENSIONS

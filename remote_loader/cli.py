@@ -17,7 +17,8 @@ from PIL import Image
 from tqdm import tqdm
 
 from remote_loader import __version__
-from remote_loader.config import MAX_WORKERS, CacheConfig, FetchConfig, RetryConfig, normalize_endpoint, one_line
+from remote_loader.checks import one_line
+from remote_loader.config import MAX_WORKERS, CacheConfig, FetchConfig, RetryConfig, normalize_endpoint
 from remote_loader.errors import BucketNotFound, ConfigError, RemoteLoaderError
 from remote_loader.format import ShardTable, fields
 from remote_loader.format.video import VIDEO_EXTENSIONS

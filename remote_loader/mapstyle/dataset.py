@@ -10,8 +10,9 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Dataset
 
+from remote_loader.checks import as_index, require_int
 from remote_loader.checksum import crc32
-from remote_loader.config import CacheConfig, FetchConfig, as_index, fetch_config, require_int
+from remote_loader.config import CacheConfig, FetchConfig, fetch_config
 from remote_loader.errors import ConfigError, CorruptSampleError, FormatError
 from remote_loader.format import Sample, ShardIndex
 from remote_loader.read import DatasetReader, Metrics

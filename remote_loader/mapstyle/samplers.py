@@ -26,7 +26,8 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Sampler
 
-from remote_loader.config import MOST_EPOCH, current_world, require_int, shown
+from remote_loader.checks import require_int, shown
+from remote_loader.config import MOST_EPOCH, current_world
 from remote_loader.errors import ConfigError
 from remote_loader.format.epoch_order import EpochOrder
 from remote_loader.format.shard_counts import ArrayCounts, Counts

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from remote_loader.config import as_index, require_bool, require_int
+from remote_loader.checks import as_index, require_bool, require_int
 from remote_loader.errors import ConfigError, DecodeError, FormatError
 from remote_loader.format.clip_index import ClipIndex
 from remote_loader.format.video import VIDEO_EXTENSIONS

@@ -12,6 +12,7 @@ from typing import Any
 
 from torch.utils.data import IterableDataset, get_worker_info
 
+from remote_loader.checks import require_bool, require_int
 from remote_loader.config import (
     MAX_WORKERS,
     MOST_EPOCH,
@@ -20,8 +21,6 @@ from remote_loader.config import (
     current_world,
     distributed_world,
     fetch_config,
-    require_bool,
-    require_int,
 )
 from remote_loader.errors import ConfigError, DatasetChanged, OnError, ResumeError
 from remote_loader.pipeline.device import DaliClipDecoder, DeviceDecoder, check_device, clip_place

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from functools import cached_property, partial
 from typing import Any, TypeVar
 
+from remote_loader.checks import require_bool, require_int, shown
 from remote_loader.checksum import crc32
-from remote_loader.config import CacheConfig, FetchConfig, fetch_config, require_bool, require_int, shown
+from remote_loader.config import CacheConfig, FetchConfig, fetch_config
 from remote_loader.errors import (
     ConfigError,
     CorruptSampleError,

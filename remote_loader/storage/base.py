@@ -15,8 +15,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from remote_loader.checks import as_index
 from remote_loader.checksum import crc32
-from remote_loader.config import as_index
 from remote_loader.errors import (
     AccessDenied,
     BucketNotFound,

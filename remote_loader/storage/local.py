@@ -12,7 +12,7 @@ from io import BufferedReader
 from pathlib import Path
 from typing import BinaryIO
 
-from remote_loader.config import require_path
+from remote_loader.checks import require_path
 from remote_loader.errors import (
     AccessDenied,
     BucketNotFound,

@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
 
-from remote_loader.config import RetryConfig, one_line
+from remote_loader.checks import one_line
+from remote_loader.config import RetryConfig
 from remote_loader.errors import EndpointUnreachable, StorageError, TransientStorageError
 from remote_loader.storage.base import DEFAULT_PART_SIZE, ObjectInfo, ObjectWriter, Store
 from remote_loader.storage.contact import answered, note_answer

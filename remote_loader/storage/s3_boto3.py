@@ -19,7 +19,8 @@ from botocore.httpsession import URLLib3Session
 from botocore.response import StreamingBody
 from urllib3.exceptions import HTTPError as Urllib3Error
 
-from remote_loader.config import StorageConfig, aws_files, one_line
+from remote_loader.checks import one_line
+from remote_loader.config import StorageConfig, aws_files
 from remote_loader.errors import AccessDenied, ConfigError, EndpointUnreachable, StorageError, TransientStorageError
 from remote_loader.storage.base import (
     DEFAULT_PART_SIZE,

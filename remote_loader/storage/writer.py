@@ -11,7 +11,7 @@ from contextlib import AbstractContextManager, suppress
 from types import TracebackType
 from typing import Generic, Protocol, TypeVar
 
-from remote_loader.config import require_int
+from remote_loader.checks import require_int
 from remote_loader.errors import StorageError
 from remote_loader.storage.daemon import in_daemon_thread, wait_result
 

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
-from remote_loader.config import one_line
+from remote_loader.checks import one_line
 from remote_loader.errors import ConfigError, EndpointUnreachable
 from remote_loader.storage import Store, make_client
 from remote_loader.storage.factory import Backend

@@ -21,7 +21,7 @@ from typing import Any
 
 import msgpack
 
-from remote_loader.config import one_line
+from remote_loader.checks import one_line
 from remote_loader.errors import FormatError, ObjectNotFound, PreconditionFailed, StorageError, UploadConflict
 from remote_loader.format import MANIFEST_NAME, UPLOAD_STATE, Manifest, ShardTable
 from remote_loader.format.index import unpack

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from remote_loader.config import one_line
+from remote_loader.checks import one_line
 from remote_loader.errors import ConfigError, UploadError
 from remote_loader.format import fields
 from remote_loader.format.images import png_cut_short, structure_problem

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import numpy as np
 from tqdm import tqdm
 
-from remote_loader.config import one_line
+from remote_loader.checks import one_line
 from remote_loader.errors import RemoteLoaderError, UploadError
 from remote_loader.format import ShardEntry
 from remote_loader.storage.daemon import DaemonPool

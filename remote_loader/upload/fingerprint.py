@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from remote_loader.config import one_line
+from remote_loader.checks import one_line
 from remote_loader.errors import UploadError
 from remote_loader.format.index import DIGEST_SIZE
 from remote_loader.upload.encode import tv_placeholder

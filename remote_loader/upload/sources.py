@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from remote_loader.config import one_line, require_path
+from remote_loader.checks import one_line, require_path
 from remote_loader.errors import ConfigError, UploadError
 from remote_loader.upload.hf_files import HFFiles, image_columns, video_columns
 from remote_loader.upload.video_classes import class_videos, is_video_class

@@ -23,7 +23,8 @@ from typing import Any, TypeVar
 import msgpack
 import numpy as np
 
-from remote_loader.config import RetryConfig, one_line
+from remote_loader.checks import one_line
+from remote_loader.config import RetryConfig
 from remote_loader.errors import OnError, RemoteLoaderError, UploadError
 from remote_loader.format import ShardEntry, ShardWriter
 from remote_loader.format.index import MAX_FIELDS, require, unpack

@@ -22,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from remote_loader.config import MOST_BYTES, RetryConfig, one_line, require_bool, require_int
+from remote_loader.checks import MOST_BYTES, one_line, require_bool, require_int
+from remote_loader.config import RetryConfig
 from remote_loader.errors import (
     ConfigError,
     OnError,

@@ -13,7 +13,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from remote_loader.config import MAX_WORKERS, rank_cores, require_bool, require_int
+from remote_loader.checks import require_bool, require_int
+from remote_loader.config import MAX_WORKERS, rank_cores
 from remote_loader.errors import ConfigError
 from remote_loader.pipeline.device import (
     DecodingProcess,

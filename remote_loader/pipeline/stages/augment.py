@@ -29,7 +29,7 @@ import torch
 from PIL import Image
 from torch.nn import functional
 
-from remote_loader.config import require_bool, require_int
+from remote_loader.checks import require_bool, require_int
 from remote_loader.errors import ConfigError, DecodeError
 from remote_loader.format.fields import DEEP_MODES
 from remote_loader.pipeline.stages.decode import IMAGE_FIELDS

@@ -24,7 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from remote_loader.config import MOST_THREADS, require_bool, require_int
+from remote_loader.checks import require_bool, require_int
+from remote_loader.config import MOST_THREADS
 from remote_loader.errors import ConfigError, DecodeError, OnError
 from remote_loader.pipeline.stages.augment import RandomResizedCrop
 from remote_loader.pipeline.stages.decode import IMAGE_FIELDS, MODES, decode_sample

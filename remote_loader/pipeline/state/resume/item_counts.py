@@ -13,7 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from remote_loader.config import MAX_WORKERS, require_int, shown
+from remote_loader.checks import require_int, shown
+from remote_loader.config import MAX_WORKERS
 from remote_loader.errors import ResumeError
 from remote_loader.pipeline.order.delivery import Mixing
 from remote_loader.pipeline.state.resume.layout import Layout

@@ -18,7 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from remote_loader.config import MOST_EPOCH, require_int, shown
+from remote_loader.checks import require_int, shown
+from remote_loader.config import MOST_EPOCH
 from remote_loader.errors import ResumeError
 from remote_loader.pipeline.order.delivery import Mixing
 from remote_loader.pipeline.order.intervals import contains, merge, without
