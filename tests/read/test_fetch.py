@@ -10,10 +10,19 @@ import weakref
 
 import pytest
 
-from remote_loader import AccessDenied, FetchConfig, LocalStore, RemoteDataset, TransientStorageError, make_client
+from remote_loader import (
+    AccessDenied,
+    FetchConfig,
+    LocalStore,
+    PreconditionFailed,
+    RemoteDataset,
+    TransientStorageError,
+    make_client,
+)
 from remote_loader.read import Fetched, Job, Metrics, Prefetcher, ReadSession
 from remote_loader.read.arrivals import Arrivals
 from remote_loader.read.fetch import FetcherClosed, fetch_head
+from remote_loader.read.session import Pinned
 from remote_loader.storage.base import Store
 from remote_loader.testing.synthetic import SyntheticImages
 from tests.faultproxy import FaultProxy
@@ -361,3 +370,18 @@ def test_a_range_given_back_is_freed_though_the_getter_that_fetched_it_is_idle(t
         # Those kept for reuse, and the last two ranges' while their getters end their turns
         # (with the leak, 10-12: one for nearly every getter)
         assert len(alive) <= free_ranges + 2
+
+
+@pytest.mark.parametrize("written", ["to the same size", "longer"])
+def test_a_pinned_range_read_with_its_size_is_refused_once_the_object_was_written_again(s3, written):
+    # The size came from a GET that named no version: the new object's bytes and size were returned as the pinned one's.
+    store, bucket = s3
+    store.put(bucket, "ds/s0.tar", b"a" * 1000)
+    listed = next(iter(store.list(bucket, "ds/")))
+    pinned = Pinned(listed.key, listed.etag)
+    session = ReadSession(FetchConfig(), Metrics(), store)
+    assert session.get_range_and_size(bucket, pinned, 10, 20) == (b"a" * 10, 1000)
+    store.put(bucket, "ds/s0.tar", b"b" * (1000 if written == "to the same size" else 2000))
+    with pytest.raises(PreconditionFailed) as caught:
+        session.get_range_and_size(bucket, pinned, 10, 20)
+    assert caught.value.key == "ds/s0.tar"
