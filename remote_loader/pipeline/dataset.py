@@ -468,7 +468,8 @@ class RemoteDataset(IterableDataset):
           and each rank with ``num_workers=0`` with its own;
         - a state from ``state_dict(consumed=...)``: the same ranks and workers only.
 
-        Load before the DataLoader starts its workers.
+        A state with nothing left of its epoch, loaded where another epoch is set, is used
+        up: the epoch set stays. Load before the DataLoader starts its workers.
         """
         if not self._data.resumable:
             raise ResumeError("resume needs an indexed dataset: run remote-loader index on it")
@@ -476,7 +477,11 @@ class RemoteDataset(IterableDataset):
         info = get_worker_info()
         loaded = resume.load(self._layout(), state, (info.id, info.num_workers) if info else None)
         self._handover.hold(loaded, in_worker=info is not None)
-        if info is None:  # the next iteration takes the state's epoch, or the next where it was finished
+        if info is None and loaded.finished and not self._epochs.auto and self._epochs.epoch != loaded.epoch:
+            # Nothing of its epoch left, and another epoch set (torchdata without workers loads
+            # the state as the next pass begins, after set_epoch): used up, the epoch set stays.
+            self._handover.check_epoch(self._epochs.epoch)
+        elif info is None:  # the next iteration takes the state's epoch, or the next where it was finished
             self._epochs.seek(loaded.epoch, loaded.finished)
         self._live, self._loaded_state = None, state
 

@@ -245,3 +245,67 @@ def test_a_state_saved_once_the_pass_ended_resumes_the_epoch_set_after_it(locati
     resumed.load_state_dict(state)
     dataset.set_epoch(2)
     assert list(resumed) == epoch_of(location, 2, workers)
+
+
+def at_the_last_item(loader):
+    """The whole pass of ``loader`` and its state taken at its last item, inside the loop: after
+    the last item came, before the pass ended."""
+    items, state = [], None
+    for item in loader:
+        items.append(item)
+        if len(items) == sum(ALL.values()):
+            state = saved(loader.state_dict())
+    return items, state
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_state_taken_at_the_last_item_resumes_the_next_epoch_set_after_it_whole(location, workers):
+    # The state said epoch 1 had nothing left; the pass of epoch 2 set after the load gave that
+    # nothing (the state's epoch again) and epoch 2 was never delivered: without workers the state,
+    # loaded as the pass began, moved the epoch set back to its own; each worker followed its own.
+    items, state = at_the_last_item(loader(make(location, epoch=1), stateful=True, num_workers=workers))
+    assert Counter(items) == ALL
+    dataset = make(location, epoch=None)
+    resumed = loader(dataset, stateful=True, num_workers=workers)
+    resumed.load_state_dict(state)
+    dataset.set_epoch(2)
+    assert list(resumed) == epoch_of(location, 2, workers)
+    dataset.set_epoch(3)
+    assert list(resumed) == epoch_of(location, 3, workers)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_state_taken_at_the_last_item_resumes_its_own_epoch_empty_then_the_next(location, workers):
+    # The uninterrupted loop had its epoch 1 to end: set again, it ends with nothing more.
+    _, state = at_the_last_item(loader(make(location, epoch=1), stateful=True, num_workers=workers))
+    dataset = make(location, epoch=None)
+    resumed = loader(dataset, stateful=True, num_workers=workers)
+    resumed.load_state_dict(state)
+    dataset.set_epoch(1)
+    assert list(resumed) == []
+    dataset.set_epoch(2)
+    assert list(resumed) == epoch_of(location, 2, workers)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_without_set_epoch_a_state_taken_at_the_last_item_resumes_the_next_epoch_whole(location, workers):
+    # With workers the first pass was epoch 0's empty rest and epoch 1 came a pass later; without
+    # them it was epoch 1: now the same on both.
+    _, state = at_the_last_item(loader(make(location, epoch=None), stateful=True, num_workers=workers))
+    resumed = loader(make(location, epoch=None), stateful=True, num_workers=workers)
+    resumed.load_state_dict(state)
+    assert list(resumed) == epoch_of(location, 1, workers)
+    assert list(resumed) == epoch_of(location, 2, workers)
+
+
+def test_a_hand_made_loaders_state_saved_once_the_pass_ended_resumes_the_epoch_set_after_it(location):
+    # torchdata loads the dataset's state as the next pass begins, after set_epoch(2): the state of
+    # the finished epoch 1 moved the epoch set back to its own, and epoch 1 came whole again.
+    stopped = StatefulDataLoader(make(location, epoch=1), batch_size=None, num_workers=0)
+    assert Counter(stopped) == ALL
+    state = saved(stopped.state_dict())
+    dataset = make(location, epoch=None)
+    resumed = StatefulDataLoader(dataset, batch_size=None, num_workers=0)
+    resumed.load_state_dict(state)
+    dataset.set_epoch(2)
+    assert list(resumed) == list(StatefulDataLoader(make(location, epoch=2), batch_size=None, num_workers=0))

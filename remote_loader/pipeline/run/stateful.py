@@ -10,6 +10,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from remote_loader.errors import ResumeError
 from remote_loader.pipeline.run.dataloader import made_here, start_iteration
+from remote_loader.pipeline.state.resume.states import find_states, parse, steps_since_snapshot
 
 # What torchdata's state_dict() holds with DataLoader workers, and without them.
 _WITH_WORKERS, _WITHOUT_WORKERS = "_snapshot", "_num_yielded"
@@ -42,6 +43,12 @@ class StatefulLoader(StatefulDataLoader):
             # own). Loaded now, the state says where the epochs go on, and nothing is dropped.
             self.dataset.load_state_dict(state_dict[_DATASET])
             state_dict = {}
+        elif self.num_workers and _nothing_left(state_dict) and hasattr(self.dataset, "load_state_dict"):
+            # Each worker restored would follow its own state's epoch in the next pass, whatever
+            # epoch is set: with nothing of it left, a pass of set_epoch(E + 1) was empty and
+            # epoch E + 1 never came. Loaded here, the state gives way to another epoch set.
+            self.dataset.load_state_dict(state_dict)
+            state_dict = {}
         super().load_state_dict(state_dict)
 
 
@@ -49,6 +56,18 @@ def _ended_here(state: Any) -> bool:
     """Whether ``state`` is the state of a loader without workers whose pass had ended."""
     return (isinstance(state, Mapping) and _WITHOUT_WORKERS in state and state.get(_FINISHED) is True
             and state.get(_DATASET) is not None)
+
+
+def _nothing_left(state: Any) -> bool:
+    """Whether ``state`` is the state of a loader with workers of which each had delivered all
+    of its share of the epoch, as of the state (taken at a snapshot of them)."""
+    if not isinstance(state, Mapping) or _WITH_WORKERS not in state or steps_since_snapshot(state):
+        return False
+    found = find_states(state)
+    try:
+        return bool(found) and not any(parse(worker).unfinished for worker in found)
+    except ResumeError:  # refused as the workers load it, saying what is wrong
+        return False
 
 
 def _check_workers(state: Any, num_workers: int) -> None:
