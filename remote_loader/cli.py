@@ -5,9 +5,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import math
 import os
-import signal
 import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -18,7 +16,9 @@ from tqdm import tqdm
 
 from remote_loader import __version__
 from remote_loader.checks import one_line
-from remote_loader.config import MAX_WORKERS, CacheConfig, FetchConfig, RetryConfig, normalize_endpoint
+from remote_loader.cli_args import HelpFormatter, add_connection, count_arg, maxsize_arg, timeout_arg
+from remote_loader.cli_serve import add_serve_parser, block_stop_signals
+from remote_loader.config import MAX_WORKERS, CacheConfig, FetchConfig
 from remote_loader.errors import BucketNotFound, ConfigError, RemoteLoaderError
 from remote_loader.format import ShardTable, fields
 from remote_loader.format.video import VIDEO_EXTENSIONS
@@ -29,108 +29,11 @@ from remote_loader.storage.base import bucket_name_problem
 from remote_loader.storage.factory import Backend
 from remote_loader.upload import load_source, upload_cv_dataset
 from remote_loader.upload.indexer import index_webdataset
-from remote_loader.upload.uploader import MAXCOUNT_RANGE, MAXSIZE_RANGE
+from remote_loader.upload.uploader import MAXCOUNT_RANGE
 from remote_loader.upload.watch import DEFAULT_STALL_TIMEOUT
 
 MOST_CROP = 4096
 """``bench --size``'s bound: a batch of 64 crops that size is 3.2 GB of pixels."""
-
-
-def _count(low: int, high: int | None = None) -> Any:
-    """An argparse type: an integer >= ``low`` (and <= ``high``, where given)."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < low or (high is not None and value > high):
-            raise argparse.ArgumentTypeError(f"must be {f'>= {low}' if high is None else f'in {low}..{high}'},"
-                                             f" got {value}")
-        return value
-    return parse
-
-
-def _maxsize(text: str) -> float:
-    """An argparse type: a shard size in bytes, ``1e8`` or ``100000000`` (not inf, not nan)."""
-    low, high = MAXSIZE_RANGE
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not low <= value <= high:
-        raise argparse.ArgumentTypeError(f"must be a number of bytes in {low}..{high}, got {text!r}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
-def _deadline(text: str) -> float:
-    """An argparse type: seconds >= 0 a RetryConfig takes (not inf, which it refuses naming its field)."""
-    value = _seconds(text)
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text}")
-    return value
-
-
-def _timeout(text: str) -> float | None:
-    """An argparse type: seconds > 0, or ``none`` (no bound)."""
-    if text.strip().lower() == "none":
-        return None
-    value = _seconds(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError("must be > 0, or none")
-    return value
-
-
-def _endpoint(text: str) -> str:
-    """An argparse type: an S3 endpoint, ``http(s)://host[:port]`` or ``host:port`` (never a
-    local path, which would be written to as a directory)."""
-    try:
-        normalize_endpoint(text)
-    except ConfigError as error:  # its message never repeats credentials the URL holds
-        raise argparse.ArgumentTypeError(str(error)) from None
-    return text
-
-
-_CONNECTION = """The endpoint and keys come from the environment: AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID,
-AWS_SECRET_ACCESS_KEY (AWS_SESSION_TOKEN, AWS_REGION, AWS_PROFILE), or MinIO's MINIO_ENDPOINT,
-MINIO_ACCESS_KEY, MINIO_SECRET_KEY. With no endpoint, s3:// means AWS S3. Keys are not options:
-a command line is visible to every user of the machine."""
-
-
-class _Help(argparse.RawDescriptionHelpFormatter):
-    """Each option's default at the end of its help, where it has one worth showing (not a
-    flag's False, not an unset None), and descriptions kept as written."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        text = action.help or ""
-        default = action.default
-        if "(default" in text or default is None or default is False or default == argparse.SUPPRESS:
-            return text
-        if not action.option_strings:
-            return text
-        return f"{text} (default: %(default)s)"
-
-
-def _connection(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("connection", _CONNECTION)
-    group.add_argument("--endpoint-url", type=_endpoint,
-                       help="S3 endpoint, e.g. http://127.0.0.1:9000 (default: AWS_ENDPOINT_URL)")
-    group.add_argument("--region", help="signing region (default: AWS_REGION, else us-east-1)")
-    group.add_argument("--backend", choices=("boto3", "minio"), default="boto3", help="S3 client library")
-    retry = RetryConfig()
-    group.add_argument("--outage-deadline", type=_deadline, default=None, metavar="SECONDS",
-                       help=f"how long to retry a failing store before giving up (default: {retry.outage_deadline:g},"
-                       f" or REMOTE_LOADER_OUTAGE_DEADLINE); a store that never answered gets at most"
-                       f" {retry.first_contact_deadline:g} s (REMOTE_LOADER_FIRST_CONTACT_DEADLINE)")
 
 
 def _fetch(args: argparse.Namespace) -> FetchConfig:
@@ -457,46 +360,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    if (args.access_key is None) != (args.secret_key is None):
-        raise ConfigError("give --access-key and --secret-key together (or neither, for minioadmin / minioadmin)")
-    keys = {} if args.access_key is None else {"access_key": args.access_key, "secret_key": args.secret_key}
-    from remote_loader.testing.server import EmbeddedS3  # the test server, only for `serve`
-
-    server = EmbeddedS3(data_dir=args.data, port=args.port, buckets=args.bucket or [], **keys)
-    server.start()
-    try:
-        print(f"S3 server on {server.endpoint_url} (pid {server.pid}); data in {server.data_dir}")
-        internal = ", ".join(f"{name} {port}" for name, port in server.ports.items() if name != "s3")
-        print(
-            f"its internal services take these loopback ports too, and refuse requests without the server's"
-            f" own keys, but for the volume server's /status page (bucket names, object counts and sizes,"
-            f" this data directory) open to anyone on this machine: {internal}"
-        )
-        print("export these to use it:")
-        for name, value in server.env().items():
-            if name == "AWS_SECRET_ACCESS_KEY" and args.secret_key is not None:
-                value = "<the --secret-key you gave>"  # a secret of the user's is not echoed
-            print(f"  export {name}={value}")
-        print("Ctrl-C stops it.", flush=True)
-        signal.sigwait({signal.SIGINT, signal.SIGTERM})
-    finally:
-        server.stop()
-    return 0
-
-
 def _upload_parser(sub: Any) -> None:
-    p = sub.add_parser("upload", help="pack a dataset into shards in a bucket", formatter_class=_Help)
+    p = sub.add_parser("upload", help="pack a dataset into shards in a bucket", formatter_class=HelpFormatter)
     p.add_argument("source", help="an image-folder tree (class subfolders) or module:function returning a dataset")
     p.add_argument("url", help="destination, s3://bucket/prefix or a local path")
-    p.add_argument("--maxsize", type=_maxsize, default=1e8, help="maximum shard size in bytes (default: 1e8)")
-    p.add_argument("--maxcount", type=_count(*MAXCOUNT_RANGE), default=100_000, help="maximum samples per shard")
-    p.add_argument("--workers", type=_count(0), default=None,
+    p.add_argument("--maxsize", type=maxsize_arg, default=1e8, help="maximum shard size in bytes (default: 1e8)")
+    p.add_argument("--maxcount", type=count_arg(*MAXCOUNT_RANGE), default=100_000, help="maximum samples per shard")
+    p.add_argument("--workers", type=count_arg(0), default=None,
                    help="encoding processes; 0 encodes in this process (default: CPU count)")
-    p.add_argument("--seed", type=_count(0), default=0, help="seed of the permutation before sharding")
+    p.add_argument("--seed", type=count_arg(0), default=0, help="seed of the permutation before sharding")
     p.add_argument("--image-format", default="jpeg", choices=("jpeg", "png", "webp"),
                    help="how in-memory images are encoded (files are stored as they are)")
-    p.add_argument("--quality", type=_count(1), default=90, help="JPEG and WebP quality, 1..100")
+    p.add_argument("--quality", type=count_arg(1), default=90, help="JPEG and WebP quality, 1..100")
     p.add_argument("--frames-as-video", default=None, choices=("h264", "lossless"),
                    help="store frames (uint8 T x H x W x C arrays and tensors) as an H.264 video, lossy or lossless"
                         " (default: their values, .npy)")
@@ -509,7 +384,7 @@ def _upload_parser(sub: Any) -> None:
     p.add_argument("--no-verify", action="store_true",
                    help="where shards are already uploaded, trust the 128 sampled items instead of reading every"
                    " kept item again (a fast resume of a huge upload)")
-    p.add_argument("--stall-timeout", type=_timeout, default=DEFAULT_STALL_TIMEOUT, metavar="SECONDS",
+    p.add_argument("--stall-timeout", type=timeout_arg, default=DEFAULT_STALL_TIMEOUT, metavar="SECONDS",
                    help="seconds one item may take in a worker before the upload ends naming it ('none' waits for"
                    " ever)")
     p.add_argument(
@@ -535,7 +410,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("verify", cmd_verify, "check every shard against its checksums"),
         ("index", cmd_index, "index existing WebDataset .tar shards in place and write a manifest"),
     ):
-        p = sub.add_parser(name, help=help_text, formatter_class=_Help)
+        p = sub.add_parser(name, help=help_text, formatter_class=HelpFormatter)
         p.add_argument("url", help="s3://bucket/prefix or a local path")
         p.set_defaults(func=func)
         if name == "index":
@@ -545,10 +420,10 @@ def build_parser() -> argparse.ArgumentParser:
                 help="replace the manifest of a dataset uploaded by remote_loader (drops its parameters)",
             )
     p = sub.add_parser("bench", help="stream a dataset and say whether storage or decoding limits the rate",
-                       formatter_class=_Help)
+                       formatter_class=HelpFormatter)
     p.add_argument("url", help="s3://bucket/prefix or a local path")
-    p.add_argument("--samples", type=_count(1), default=None, help="samples per run (default: one epoch)")
-    p.add_argument("--workers", type=_count(0, MAX_WORKERS), default=2, help="DataLoader workers")
+    p.add_argument("--samples", type=count_arg(1), default=None, help="samples per run (default: one epoch)")
+    p.add_argument("--workers", type=count_arg(0, MAX_WORKERS), default=2, help="DataLoader workers")
     p.add_argument(
         "--decode",
         choices=("none", "pil", "rrc", "rrc-plain", "clip"),
@@ -557,29 +432,23 @@ def build_parser() -> argparse.ArgumentParser:
         " JPEG decoding; rrc-plain: the same without it; clip: a clip of 16 frames, 2 apart, of each"
         " video field, cropped to --size (PyAV)",
     )
-    p.add_argument("--size", type=_count(1, MOST_CROP), default=224, help="crop size for rrc and clip")
-    p.add_argument("--min-size", type=_count(1), default=None, help="reduced-size decoding for pil")
+    p.add_argument("--size", type=count_arg(1, MOST_CROP), default=224, help="crop size for rrc and clip")
+    p.add_argument("--min-size", type=count_arg(1), default=None, help="reduced-size decoding for pil")
     p.add_argument("--no-verify", action="store_true", help="skip crc32 checks (to measure what they cost)")
     p.set_defaults(func=cmd_bench)
     for name, p in sub.choices.items():
-        _connection(p)
+        add_connection(p)
         p.add_argument("--json", action="store_true", help="print one JSON document on stdout, for scripts")
         if name != "ls" and name != "info":  # the commands that show a progress bar
             p.add_argument("--quiet", action="store_true", help="no progress bar")
 
-    p = sub.add_parser("cache", help="show what a node's shard cache holds, or clear it", formatter_class=_Help)
+    p = sub.add_parser("cache", help="show what a node's shard cache holds, or clear it", formatter_class=HelpFormatter)
     p.add_argument("dir", nargs="?", default=None, help="the cache's directory (default: REMOTE_LOADER_CACHE_DIR)")
     p.add_argument("--clear", action="store_true", help="remove every cached shard no process is writing")
     p.add_argument("--json", action="store_true", help="print one JSON document on stdout, for scripts")
     p.set_defaults(func=cmd_cache)
 
-    p = sub.add_parser("serve", help="run an embedded S3 server (SeaweedFS) on 127.0.0.1", formatter_class=_Help)
-    p.add_argument("--port", type=_count(1), default=None, help="S3 port (default: a free one)")
-    p.add_argument("--data", default=None, help="data directory (default: temporary)")
-    p.add_argument("--bucket", action="append", help="bucket to create (repeatable)")
-    p.add_argument("--access-key", default=None, help="the identity the server accepts (default minioadmin)")
-    p.add_argument("--secret-key", default=None, help="its secret (default minioadmin)")
-    p.set_defaults(func=cmd_serve)
+    add_serve_parser(sub)
     for command in sub.choices.values():
         command.set_defaults(command_parser=command)
     return parser
@@ -604,8 +473,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # the command's own usage, not the top-level one, says what it takes
         args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    if args.command == "serve" and hasattr(signal, "pthread_sigmask"):  # Windows has none (nor a server: see start)
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    if args.command == "serve":
+        block_stop_signals()
     try:
         return int(args.func(args))
     except RemoteLoaderError as exc:
