@@ -62,6 +62,18 @@ def _key_from(env: Mapping[str, str], *names: str) -> str | None:
     return None
 
 
+SERVER_KEY_VARIABLES = ("MINIO_ROOT_USER", "MINIO_ROOT_PASSWORD")
+"""The identity an S3 server started here (``remote-loader serve``) accepts, named as MinIO's
+server names its own; the clients read them too, after the AWS and MinIO client names."""
+
+
+def server_keys(env: Mapping[str, str] | None = None) -> tuple[str | None, str | None]:
+    """The access key and secret ``SERVER_KEY_VARIABLES`` give (None where unset), so a secret
+    need not be typed on a command line, which ``ps`` and shell history show."""
+    env = os.environ if env is None else env
+    return _key_from(env, SERVER_KEY_VARIABLES[0]), _key_from(env, SERVER_KEY_VARIABLES[1])
+
+
 def aws_files(env: Mapping[str, str] | None = None) -> tuple[str, str]:
     """The AWS credentials file and config file botocore reads (``AWS_SHARED_CREDENTIALS_FILE``
     and ``AWS_CONFIG_FILE``, else ``~/.aws/credentials`` and ``~/.aws/config``), for messages

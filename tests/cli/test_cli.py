@@ -292,11 +292,35 @@ def test_the_cli_imports_neither_torch_nor_the_test_server_until_a_command_needs
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False False"
 
 
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"MINIO_ROOT_USER": "mine"}, "give the server's access key and secret together"),
+        ({"MINIO_ROOT_PASSWORD": "hunter2-secret"}, "give the server's access key and secret together"),
+        ({"MINIO_ROOT_USER": "mine", "MINIO_ROOT_PASSWORD": "hunter2\nsecret"},
+         "the environment variable MINIO_ROOT_PASSWORD holds a non-printable character"),
+    ],
+)
+def test_serve_refuses_half_a_key_or_a_key_with_a_newline_from_the_environment_without_showing_it(extra, message):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MINIO_ROOT_")}
+    result = run({**env, **extra}, "serve", "--port", "1", check=False)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
+    assert "hunter2" not in result.stderr
+
+
 def test_serve_accepts_the_readmes_credentials_and_its_own(tmp_path):
     from remote_loader import make_client
     from remote_loader.testing.server import free_base_port
 
-    for keys in ([], ["--access-key", "mine", "--secret-key", "hunter2-secret"]):
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MINIO_ROOT_")}
+    for keys, extra in (
+        ([], {}),
+        (["--access-key", "mine", "--secret-key", "hunter2-secret"], {}),
+        # The secret kept off the command line (and so out of ps and shell history).
+        (["--access-key", "mine"], {"MINIO_ROOT_PASSWORD": "hunter2-secret"}),
+        ([], {"MINIO_ROOT_USER": "mine", "MINIO_ROOT_PASSWORD": "hunter2-secret"}),
+    ):
         # A block whose every port (gRPC ones included) is free and below the ephemeral
         # range, where an outgoing connection could take one before the server binds it.
         port = free_base_port() + 3  # the S3 port of the block
@@ -313,8 +337,11 @@ def test_serve_accepts_the_readmes_credentials_and_its_own(tmp_path):
                 *keys,
             ],
             stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={**clean, **extra},
             text=True,
         )
+        stderr = ""
         try:
             assert server.stdout is not None
             lines = [server.stdout.readline() for _ in range(8)]  # the banner, up to "Ctrl-C stops it."
@@ -330,14 +357,20 @@ def test_serve_accepts_the_readmes_credentials_and_its_own(tmp_path):
             }.items():
                 assert f"{name} {taken}" in lines[1], lines[1]
             assert "hunter2-secret" not in "".join(lines)
-            access, secret = (keys[1], keys[3]) if keys else ("minioadmin", "minioadmin")
+            access, secret = ("mine", "hunter2-secret") if keys or extra else ("minioadmin", "minioadmin")
             client = make_client(f"http://127.0.0.1:{port}", access, secret)
             client.put("datasets", "k", b"v")
             assert client.get("datasets", "k") == b"v"
             client.close()
         finally:
             server.send_signal(signal.SIGINT)
-            server.communicate(timeout=60)
+            stderr = server.communicate(timeout=60)[1]
+        assert "hunter2-secret" not in stderr
+        # A secret typed on the command line still works, with a warning that names the way to keep it off.
+        warned = "--secret-key puts the secret on the command line" in stderr
+        assert warned == ("--secret-key" in keys), stderr
+        if warned:
+            assert "MINIO_ROOT_PASSWORD" in stderr
 
 
 def _local_tars(directory: Path, count: int = 2) -> None:
