@@ -1,11 +1,14 @@
-"""Keep the credentials of presigned URLs out of urllib3's log records.
+"""Keep the credentials of signed requests out of urllib3's and botocore's log records.
 
 Both S3 backends send some requests on presigned URLs (boto3's ranged GETs, minio's PUTs and
 parts), whose query holds ``X-Amz-Signature``, the access key in ``X-Amz-Credential`` and any
 ``X-Amz-Security-Token``: a bearer credential for as long as the URL is valid. urllib3 logs the
 URL of each request at DEBUG, and at WARNING where a connection breaks before a retry or an
-answer's headers do not parse (which ``logging.basicConfig()`` prints). A filter on its loggers
-writes those values as ``...``; the rest of each record is kept.
+answer's headers do not parse (which ``logging.basicConfig()`` prints). botocore logs at DEBUG
+each request it sends with its headers (``Authorization``, with the signature and the access
+key, and ``X-Amz-Security-Token``), and, as it signs, the canonical request (the token again)
+and the signature itself. A filter on those loggers writes these values as ``...``; the rest
+of each record is kept (the StringToSign among it, which holds no secret).
 """
 
 from __future__ import annotations
@@ -13,9 +16,21 @@ from __future__ import annotations
 import logging
 import re
 
-_SIGNED = re.compile(r"(X-Amz-(?:Signature|Credential|Security-Token)=)[^&\s'\"()<>]*", re.IGNORECASE)
-_LOGGERS = ("urllib3.connectionpool", "urllib3.connection", "urllib3.poolmanager", "urllib3.util.retry")
-"""urllib3's loggers whose records name a request's URL (a filter acts on its own logger's records only)."""
+_SIGNED = re.compile(
+    r"((?:X-Amz-)?(?:Signature|Credential|Security-Token)="  # a presigned URL's query; Authorization's fields
+    r"|(?:Signature|X-Amz-Security-Token)'?:\s*b?['\"]?"  # botocore.auth's "Signature:\n..."; a header, as a
+    # dict's repr shows it or a canonical request holds it
+    r"|Authorization'?:\s*b?['\"]?AWS )"  # a SigV2 header: "AWS <access key>:<signature>"
+    r"[^&\s'\"()<>,}]+",
+    re.IGNORECASE,
+)
+_MARKS = ("x-amz-", "signature", "authorization")
+_LOGGERS = (
+    "urllib3.connectionpool", "urllib3.connection", "urllib3.poolmanager", "urllib3.util.retry",
+    "botocore.endpoint", "botocore.auth", "botocore.utils",
+)
+"""The loggers whose records name a request's URL, its headers or what signs it (a filter acts
+on its own logger's records only): urllib3's, botocore's request log and its signers'."""
 
 
 class _Unsigned(logging.Filter):
@@ -24,7 +39,8 @@ class _Unsigned(logging.Filter):
             message = record.getMessage()
         except Exception:  # a record that cannot be formatted: the handler says so, as before
             return True
-        if "x-amz-" in message.lower():
+        lowered = message.lower()
+        if any(mark in lowered for mark in _MARKS):
             record.msg, record.args = _SIGNED.sub(r"\1...", message), None
         return True
 
@@ -33,6 +49,7 @@ _FILTER = _Unsigned()
 
 
 def hide_signatures() -> None:
-    """Install the filter on urllib3's loggers (once: a logger keeps one copy of a filter)."""
+    """Install the filter on urllib3's and botocore's loggers (once: a logger keeps one copy of
+    a filter)."""
     for name in _LOGGERS:
         logging.getLogger(name).addFilter(_FILTER)

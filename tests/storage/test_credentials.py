@@ -271,6 +271,51 @@ def test_presigned_urls_stay_out_of_urllib3s_debug_log(seaweed, backend, caplog)
     with_token.close()
 
 
+def _signatures(text: str, secret_key: str) -> list[str]:
+    """The SigV4 signatures of the requests whose StringToSign botocore logged (it holds no
+    secret), computed again with ``secret_key`` as botocore computes them."""
+    import hashlib
+    import hmac
+
+    found = []
+    for string_to_sign in re.findall(r"StringToSign:\n(AWS4-HMAC-SHA256\n\S+\n\S+\n[0-9a-f]{64})", text):
+        key = ("AWS4" + secret_key).encode()
+        for part in string_to_sign.split("\n")[2].split("/"):  # date, region, service, aws4_request
+            key = hmac.new(key, part.encode(), hashlib.sha256).digest()
+        found.append(hmac.new(key, string_to_sign.encode(), hashlib.sha256).hexdigest())
+    return found
+
+
+def test_botocores_debug_log_keeps_its_lines_but_not_the_signatures_or_the_session_token(seaweed, caplog):
+    """With ``logging.basicConfig(level=logging.DEBUG)``, botocore logs each request it sends
+    with its headers (the Authorization header's signature, a session token) and, as it signs,
+    the canonical request (the token again) and the signature: enough to replay a request, or
+    act as the user while the token lasts. The lines stay, those values do not."""
+    caplog.set_level(logging.DEBUG)
+    client = make_client(seaweed.endpoint_url, seaweed.access_key, seaweed.secret_key)
+    bucket = new_bucket(client)
+    client.put(bucket, "logged/obj", b"0123456789")
+    out = bytearray(4)
+    client.get_range_into(bucket, "logged/obj", 2, 6, memoryview(out))  # a presigned URL
+    assert bytes(client.get(bucket, "logged/obj")) == b"0123456789" and out == b"2345"
+    client.close()
+    token = "SHH-TOKEN-VALUE-9"  # the server refuses it, after botocore has logged the request
+    with_token = make_client(config=StorageConfig(
+        endpoint_url=seaweed.endpoint_url, access_key=seaweed.access_key, secret_key=seaweed.secret_key,
+        session_token=token))
+    with pytest.raises(AccessDenied):
+        with_token.get(bucket, "logged/obj")
+    with_token.close()
+    text = caplog.text
+    signatures = _signatures(text, seaweed.secret_key)
+    assert len(signatures) >= 4, text  # every request was signed, and logged as it was
+    assert text.count("Sending http request: <AWSPreparedRequest") >= 4, text
+    assert "Authorization" in text and "X-Amz-Security-Token" in text and "CanonicalRequest:" in text, text
+    shown = [s for s in signatures if s in text]
+    assert not shown, shown
+    assert seaweed.secret_key not in text and token not in text
+
+
 class _MalformedHeaders:
     """A server on 127.0.0.1 whose every answer holds a line that is no header: urllib3 then
     logs a WARNING naming the URL of the request, which Python's ``logging.basicConfig()``
