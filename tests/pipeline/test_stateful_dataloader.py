@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from remote_loader import ConfigError, ResumeError, loader
+from remote_loader.pipeline.state.resume.states import MARK, find_states
 from tests.pipeline.test_checkpoints import ALL, make
 
 stateful = pytest.importorskip("torchdata.stateful_dataloader", reason="torchdata is not installed (extra: torchdata)")
@@ -309,3 +310,36 @@ def test_a_hand_made_loaders_state_saved_once_the_pass_ended_resumes_the_epoch_s
     resumed.load_state_dict(state)
     dataset.set_epoch(2)
     assert list(resumed) == list(StatefulDataLoader(make(location, epoch=2), batch_size=None, num_workers=0))
+
+
+def broken(state, how):
+    """``state`` with its first worker's state made bad ``how``."""
+    worker = find_states(state)[0]
+    if how == "remaining":
+        worker["remaining"] = [5]
+    elif how == "version":
+        worker[MARK] = 99
+    elif how == "epoch":
+        worker["epoch"] = "x"
+    elif how == "mixing":
+        del worker["mixing"]
+    elif how == "unfinished":  # a finished worker's state made to say it has samples left
+        worker["remaining"] = [0, 3]
+    return state
+
+
+@pytest.mark.parametrize("how", ["remaining", "version", "epoch", "mixing", "unfinished"])
+@pytest.mark.parametrize("at_end", [False, True])
+def test_a_loaders_state_with_a_bad_worker_state_is_refused_in_one_line(location, how, at_end, capfd):
+    # Each worker found its state bad as the next pass began: a ResumeError whose message was
+    # torchdata's "Caught ResumeError in DataLoader worker process 0." and the worker's traceback.
+    stopped = loader(make(location), stateful=True, num_workers=2)
+    if at_end:
+        list(stopped)
+    else:
+        take(stopped, 30)
+    state = broken(saved(stopped.state_dict()), how)
+    with pytest.raises(ResumeError) as refused:
+        loader(make(location), stateful=True, num_workers=2).load_state_dict(state)
+    assert "\n" not in str(refused.value) and str(refused.value).startswith(("RemoteDataset", "the state of"))
+    assert "Traceback" not in capfd.readouterr().err

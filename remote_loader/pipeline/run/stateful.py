@@ -34,8 +34,12 @@ class StatefulLoader(StatefulDataLoader):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torchdata's, refusing with ResumeError, now, a state taken with DataLoader workers
         where this loader has none, or the reverse (torchdata's own check, as the next pass
-        begins, is a bare AssertionError)."""
+        begins, is a bare AssertionError), and one holding a worker state that is not valid
+        (each worker's refusal, as the pass begins, comes with torchdata's traceback)."""
         _check_workers(state_dict, self.num_workers)
+        if self.num_workers and isinstance(state_dict, Mapping) and _WITH_WORKERS in state_dict:
+            for worker in find_states(state_dict):
+                parse(worker)
         if not self.num_workers and _ended_here(state_dict) and hasattr(self.dataset, "load_state_dict"):
             # torchdata would restore the ended pass as the next one begins, by loading the
             # dataset's state and beginning its iteration, then drop it and begin another:
@@ -63,11 +67,8 @@ def _nothing_left(state: Any) -> bool:
     of its share of the epoch, as of the state (taken at a snapshot of them)."""
     if not isinstance(state, Mapping) or _WITH_WORKERS not in state or steps_since_snapshot(state):
         return False
-    found = find_states(state)
-    try:
-        return bool(found) and not any(parse(worker).unfinished for worker in found)
-    except ResumeError:  # refused as the workers load it, saying what is wrong
-        return False
+    found = find_states(state)  # each checked already (load_state_dict)
+    return bool(found) and not any(parse(worker).unfinished for worker in found)
 
 
 def _check_workers(state: Any, num_workers: int) -> None:
