@@ -343,3 +343,18 @@ def test_a_loaders_state_with_a_bad_worker_state_is_refused_in_one_line(location
         loader(make(location), stateful=True, num_workers=2).load_state_dict(state)
     assert "\n" not in str(refused.value) and str(refused.value).startswith(("RemoteDataset", "the state of"))
     assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_sparse_snapshots_state_taken_at_the_last_item_resumes_its_own_epoch_empty_then_the_next(location):
+    # Its workers' states are 3 batches old and say epoch 1 has samples left: the next pass is
+    # epoch 1's (empty) rest whatever epoch is set, so docs/checkpointing.md says to set epoch 1.
+    sparse = dict(stateful=True, num_workers=2, snapshot_every_n_steps=3)
+    items, state = at_the_last_item(loader(make(location, epoch=1), **sparse))
+    assert Counter(items) == ALL
+    dataset = make(location, epoch=None)
+    resumed = loader(dataset, **sparse)
+    resumed.load_state_dict(state)
+    dataset.set_epoch(1)
+    assert list(resumed) == []
+    dataset.set_epoch(2)
+    assert list(resumed) == epoch_of(location, 2, 2)
