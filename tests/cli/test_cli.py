@@ -26,23 +26,6 @@ def run(env, *args, check=True):
     return result
 
 
-def source_that_fails():
-    """A source whose function raises with a message of two lines."""
-    raise ValueError("cannot build\nthe dataset")
-
-
-class _ItemFails(SyntheticImages):
-    def __getitem__(self, index):
-        if index == 3:
-            raise RuntimeError("line one\nline two")
-        return super().__getitem__(index)
-
-
-def source_whose_item_fails():
-    """A source whose ds[3] raises with a message of two lines."""
-    return _ItemFails(6, size=(16, 16))
-
-
 @pytest.fixture
 def image_folder(tmp_path):
     ds = SyntheticImages(36, num_classes=3, size=(48, 32), formats=("jpeg", "png"))
@@ -193,10 +176,10 @@ def test_bench_reports_rates_and_a_verdict(env, s3):
          "endpoint 'http://127.0.0.1:9OOO' has no valid port", 2),
         (["ls", "--backend", "minio", "--endpoint-url", "http://127.0.0.1:99999", "s3://{bucket}/x"],
          "endpoint 'http://127.0.0.1:99999' has no valid port", 2),
-        (["upload", "tests.cli.test_cli:source_that_fails", "s3://{bucket}/x"], "cannot build\\nthe dataset", 2),
+        (["upload", "tests.cli.sources:source_that_fails", "s3://{bucket}/x"], "cannot build\\nthe dataset", 2),
         # Runtime errors (what the command ran into): 1.
         (["ls", "s3://{bucket}/nothing-here"], "no dataset at", 1),
-        (["upload", "--quiet", "--workers", "0", "tests.cli.test_cli:source_whose_item_fails", "s3://{bucket}/x"],
+        (["upload", "--quiet", "--workers", "0", "tests.cli.sources:source_whose_item_fails", "s3://{bucket}/x"],
          "ds[3] raised RuntimeError: line one\\nline two", 1),
         (["info", "s3://no-such-bucket-here/x"], "does not exist", 1),
     ],

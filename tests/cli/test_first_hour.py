@@ -8,25 +8,7 @@ import os
 
 import pytest
 
-from remote_loader.testing.synthetic import SyntheticImages
 from tests.cli.test_cli import _local_tars, run
-
-
-class _InterruptedAt(SyntheticImages):
-    """Ctrl-C arrives while sample 5 is read (an upload with ``--workers 0`` reads it in the CLI's process)."""
-
-    def __getitem__(self, index: int):  # type: ignore[override]
-        if index == 5:
-            raise KeyboardInterrupt
-        return super().__getitem__(index)
-
-
-def interrupted() -> SyntheticImages:
-    return _InterruptedAt(20, size=(16, 12))
-
-
-def twenty() -> SyntheticImages:
-    return SyntheticImages(20, size=(16, 12))
 
 
 @pytest.fixture
@@ -36,17 +18,17 @@ def env(seaweed):
 
 def test_an_upload_to_a_bucket_that_does_not_exist_says_how_to_make_it_and_the_option_does(env):
     url = "s3://first-hour-missing/d"
-    refused = run(env, "upload", "tests.cli.test_first_hour:twenty", url, "--workers", "0", check=False)
+    refused = run(env, "upload", "tests.cli.sources:twenty", url, "--workers", "0", check=False)
     assert refused.returncode == 1
     assert "bucket 'first-hour-missing' does not exist" in refused.stderr
     assert refused.stderr.rstrip().endswith("(--create-bucket makes it)")
-    run(env, "upload", "tests.cli.test_first_hour:twenty", url, "--workers", "0", "--create-bucket")
+    run(env, "upload", "tests.cli.sources:twenty", url, "--workers", "0", "--create-bucket")
     assert "samples   20 in 1 shard," in run(env, "info", url).stdout
 
 
 def test_ctrl_c_during_an_upload_says_the_same_command_resumes_it(env, s3):
     _, bucket = s3
-    stopped = run(env, "upload", "tests.cli.test_first_hour:interrupted", f"s3://{bucket}/i", "--workers", "0",
+    stopped = run(env, "upload", "tests.cli.sources:interrupted", f"s3://{bucket}/i", "--workers", "0",
                   check=False)
     assert stopped.returncode == 130
     assert stopped.stderr.strip().splitlines()[-1] == (
@@ -56,7 +38,7 @@ def test_ctrl_c_during_an_upload_says_the_same_command_resumes_it(env, s3):
 def test_one_shard_and_one_sample_are_said_in_the_singular(env, s3, tmp_path):
     _, bucket = s3
     url = f"s3://{bucket}/one"
-    run(env, "upload", "tests.cli.test_first_hour:twenty", url, "--workers", "0", "--quiet")
+    run(env, "upload", "tests.cli.sources:twenty", url, "--workers", "0", "--quiet")
     assert run(env, "verify", url, "--quiet").stdout == "1 of 1 shard ok\n"
     tars = tmp_path / "tars"
     _local_tars(tars, count=1)
@@ -72,11 +54,11 @@ def test_one_shard_and_one_sample_are_said_in_the_singular(env, s3, tmp_path):
 ])
 def test_a_bucket_name_s3_does_not_allow_is_refused_with_the_rule(env, backend, bucket, reason):
     rule = "S3 bucket names have 3-63 characters: lowercase letters, digits, dots and hyphens"
-    refused = run(env, "upload", "tests.cli.test_first_hour:twenty", f"s3://{bucket}/d", "--workers", "0",
+    refused = run(env, "upload", "tests.cli.sources:twenty", f"s3://{bucket}/d", "--workers", "0",
                   "--backend", backend, check=False)
     assert refused.returncode == 1 and reason in refused.stderr and rule in refused.stderr, refused.stderr
     assert "--create-bucket" not in refused.stderr  # the option cannot make it
-    made = run(env, "upload", "tests.cli.test_first_hour:twenty", f"s3://{bucket}/d", "--workers", "0",
+    made = run(env, "upload", "tests.cli.sources:twenty", f"s3://{bucket}/d", "--workers", "0",
                "--create-bucket", "--backend", backend, check=False)
     assert made.returncode == 1 and reason in made.stderr and rule in made.stderr, made.stderr
     assert len(made.stderr.strip().splitlines()) == 1, made.stderr
