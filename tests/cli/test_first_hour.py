@@ -5,9 +5,11 @@ endpoint set, Ctrl-C during an upload (and how to go on), counts said in words."
 from __future__ import annotations
 
 import os
+import subprocess
 
 import pytest
 
+from remote_loader.cli import main
 from tests.cli.test_cli import _local_tars, run
 
 
@@ -45,6 +47,22 @@ def test_one_shard_and_one_sample_are_said_in_the_singular(env, s3, tmp_path):
     assert run(env, "index", str(tars), "--quiet").stdout == f"indexed 3 samples in 1 shard at {tars}\n"
 
 
+def _in_process(env, monkeypatch, capsys):
+    """``run`` for ``remote_loader.cli.main`` called in this process, with the same environment."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+
+    def command(*args, check=True):
+        capsys.readouterr()
+        status = main(list(args))
+        out, err = capsys.readouterr()
+        if check:
+            assert status == 0, err
+        return subprocess.CompletedProcess(list(args), status, out, err)
+
+    return command
+
+
 @pytest.mark.parametrize("backend", ["boto3", "minio"])
 @pytest.mark.parametrize("bucket, reason", [
     ("ab", "'ab' has 2 characters"),
@@ -52,17 +70,21 @@ def test_one_shard_and_one_sample_are_said_in_the_singular(env, s3, tmp_path):
     ("Bad_Name", "'Bad_Name' holds 'B', '_', 'N'"),
     ("-dash", "'-dash' begins with '-'"),
 ])
-def test_a_bucket_name_s3_does_not_allow_is_refused_with_the_rule(env, backend, bucket, reason):
+def test_a_bucket_name_s3_does_not_allow_is_refused_with_the_rule(env, backend, bucket, reason, monkeypatch, capsys):
+    # The first name runs the console script in a subprocess, as a user does, with each client; the
+    # others call the same main() in this process: only the interpreter's start (1 s a command) is left out.
+    command = (lambda *args, check=True: run(env, *args, check=check)) if bucket == "ab" else (
+        _in_process(env, monkeypatch, capsys))
     rule = "S3 bucket names have 3-63 characters: lowercase letters, digits, dots and hyphens"
-    refused = run(env, "upload", "tests.cli.sources:twenty", f"s3://{bucket}/d", "--workers", "0",
-                  "--backend", backend, check=False)
+    refused = command("upload", "tests.cli.sources:twenty", f"s3://{bucket}/d", "--workers", "0",
+                      "--backend", backend, check=False)
     assert refused.returncode == 1 and reason in refused.stderr and rule in refused.stderr, refused.stderr
     assert "--create-bucket" not in refused.stderr  # the option cannot make it
-    made = run(env, "upload", "tests.cli.sources:twenty", f"s3://{bucket}/d", "--workers", "0",
-               "--create-bucket", "--backend", backend, check=False)
+    made = command("upload", "tests.cli.sources:twenty", f"s3://{bucket}/d", "--workers", "0",
+                   "--create-bucket", "--backend", backend, check=False)
     assert made.returncode == 1 and reason in made.stderr and rule in made.stderr, made.stderr
     assert len(made.stderr.strip().splitlines()) == 1, made.stderr
-    read = run(env, "info", f"s3://{bucket}/d", "--backend", backend, check=False)
+    read = command("info", f"s3://{bucket}/d", "--backend", backend, check=False)
     assert read.returncode == 1 and reason in read.stderr and rule in read.stderr, read.stderr
 
 
