@@ -25,38 +25,7 @@ from remote_loader.storage import LocalStore
 from remote_loader.testing.synthetic import SyntheticImages
 from remote_loader.upload.encode import EncodeOptions, encode_item
 from tests.helpers import upload, upload_to_new_bucket
-
-N = 6
-W, H = 24, 16
-
-
-def _rng(index: int) -> np.random.Generator:
-    return np.random.default_rng(1000 + index)
-
-
-def _image(index: int, mode: str = "RGB") -> Image.Image:
-    pixels = _rng(index).integers(0, 256, (H, W, 3), dtype=np.uint8)
-    return Image.fromarray(pixels).convert(mode)
-
-
-def _palette_mask(index: int) -> Image.Image:
-    mask = Image.fromarray(_rng(index).integers(0, 21, (H, W), dtype=np.uint8)).convert("P")
-    mask.putpalette([v for c in range(256) for v in (c, 255 - c, (c * 7) % 256)])
-    mask.info["transparency"] = 255  # VOC's border value
-    return mask
-
-
-class Structured:
-    """``ds[i]`` made by ``make(i)``."""
-
-    def __init__(self, make: Any) -> None:
-        self.make = make
-
-    def __len__(self) -> int:
-        return N
-
-    def __getitem__(self, index: int) -> Any:
-        return self.make(index)
+from tests.upload.structures import H, N, Segmentation, Structured, W, _image, _palette_mask, _rng, voc_segmentation
 
 
 def coco_detection(i: int) -> Any:  # CocoDetection: (PIL, list of the image's annotation dicts)
@@ -69,10 +38,6 @@ def kitti(i: int) -> Any:  # Kitti: (PIL, list of dicts with type, truncated, ..
     return _image(i), [{"type": "Car", "truncated": 0.0, "occluded": 1, "alpha": -1.57,
                         "bbox": [1.0, 2.0, 20.0, 14.5], "dimensions": [1.5, 1.6, 3.9],
                         "location": [-3.2, 1.7, 12.0], "rotation_y": -1.55}]
-
-
-def voc_segmentation(i: int) -> Any:  # VOCSegmentation, SBDataset: (PIL, PIL mask in mode P)
-    return _image(i), _palette_mask(i)
 
 
 def cityscapes_semantic(i: int) -> Any:  # Cityscapes target_type="semantic": (PIL, PIL mask in mode L)
@@ -352,19 +317,9 @@ def test_the_cli_uploads_a_structured_dataset_and_info_shows_its_fields_and_type
     assert "1.bbox.npy (array in 1)" in cli("info", url).stdout
 
 
-class Segmentation(Structured):
-    """VOC-like (image, P mask) with the class names a dataset names in ``classes``."""
-
-    classes = ["background", "aeroplane", "bicycle"]
-
-
-def segmentation_dataset() -> Structured:
-    return Segmentation(voc_segmentation)
-
-
 def test_info_shows_masks_as_masks_and_the_datasets_class_names(seaweed, s3):
     cli, url = _cli(seaweed, s3, "cli-voc")
-    cli("upload", "--quiet", "tests.upload.test_structured:segmentation_dataset", url)
+    cli("upload", "--quiet", "tests.upload.structures:segmentation_dataset", url)
     info = json.loads(cli("info", url, "--json").stdout)
     assert info["field_types"] == {"0.jpg": "image", "1.png": "mask (P)"}
     text = cli("info", url).stdout
