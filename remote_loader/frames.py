@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
+import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -14,6 +16,28 @@ from typing import Any
 import numpy as np
 
 from remote_loader.errors import ConfigError, DecodeError
+
+_INHERITED: list[Any] = []
+"""PyAV's frame converters a forked process found in place, kept and never used or freed."""
+
+
+def _forget_inherited_converter() -> None:
+    """In a forked child: PyAV (18.1.1 on) keeps one frame converter a thread, whose swscale
+    context drives slice threads; the thread that forked keeps it in the child, where those
+    threads do not exist, so its first frame converted there waits for them for ever (a
+    DataLoader worker forked after the parent decoded a frame). The child makes its own; the
+    inherited one is kept, not freed: freeing it would join the threads that are not there."""
+    frame = sys.modules.get("av.video.frame")
+    local = getattr(frame, "_thread_local", None)
+    inherited = getattr(local, "reformatter", None)
+    if inherited is not None:
+        _INHERITED.append(inherited)
+        with contextlib.suppress(AttributeError):
+            del local.reformatter
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_inherited_converter)
 
 EXTRA = "install the video extra (pip install '.[video]' in remote_loader's checkout: PyAV)"
 
