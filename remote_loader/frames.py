@@ -33,7 +33,7 @@ def _forget_inherited_converter() -> None:
     if inherited is not None:
         _INHERITED.append(inherited)
         with contextlib.suppress(AttributeError):
-            del local.reformatter
+            delattr(local, "reformatter")
 
 
 if hasattr(os, "register_at_fork"):
