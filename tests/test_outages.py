@@ -190,7 +190,9 @@ def test_hung_server_gives_endpoint_unreachable_within_the_deadline(server):
         waited = time.monotonic() - stopped
     finally:
         os.killpg(server.pid, signal.SIGCONT)
-    assert waited < 10 + 2 + 3, waited  # the deadline, one read timeout, and slack for a loaded machine
+    # The deadline and one read timeout, with as much again for a loaded machine: without the deadline
+    # (RetryConfig's default: 300 s) it would go on far longer.
+    assert waited < 2 * (10 + 2), waited
     print(f"\nSIGSTOP to EndpointUnreachable (outage_deadline=10, read_timeout=2): {waited:.1f} s")
     assert server.endpoint_url in str(caught.value) and "outage_deadline" in str(caught.value)
     assert _wait_for(lambda: not _loader_threads(before), 10), _loader_threads(before)
@@ -213,19 +215,23 @@ def test_the_outage_deadline_of_the_environment_holds_through_the_python_api(ser
 
 
 def test_closing_an_iterator_on_a_hung_server_returns_at_once(server):
+    """``close()`` does not wait for the GETs in flight: they time out after 600 s, and the
+    close is given 60."""
     before = frozenset(threading.enumerate())
-    dataset = RemoteDataset(_client(server, read_timeout=5), "outages", "d", fetch=FetchConfig(**SLOW_FETCH))
+    dataset = RemoteDataset(_client(server, read_timeout=600), "outages", "d", fetch=FetchConfig(**SLOW_FETCH))
     stream = iter(dataset)
     for _ in range(100):
         next(stream)
     os.killpg(server.pid, signal.SIGSTOP)
     try:
         started = time.monotonic()
-        stream.close()
+        closer = threading.Thread(target=stream.close, daemon=True)
+        closer.start()
+        closer.join(60)
         closing = time.monotonic() - started
     finally:
         os.killpg(server.pid, signal.SIGCONT)
-    assert closing < 2.0, closing
+    assert not closer.is_alive(), "close() waited for the hung GETs"
     print(f"\nclosing the iterator on a hung server: {closing:.2f} s")
     # Threads that were stuck in a GET end once it returns: none is left behind.
     assert _wait_for(lambda: not _loader_threads(before), 15), _loader_threads(before)
@@ -235,7 +241,8 @@ _CTRL_C = textwrap.dedent("""
     import sys
     from remote_loader import FetchConfig, RemoteDataset, StorageConfig, make_client
     endpoint, key, secret = sys.argv[1:4]
-    client = make_client(config=StorageConfig(endpoint_url=endpoint, access_key=key, secret_key=secret))
+    client = make_client(config=StorageConfig(endpoint_url=endpoint, access_key=key, secret_key=secret,
+                                                connect_timeout=600, read_timeout=600))
     fetch = FetchConfig(part_size=32768, range_bytes=32768, prefetch_bytes=65536, concurrency=2)
     stream = iter(RemoteDataset(client, "outages", "d", fetch=fetch))
     for _ in range(100):
@@ -254,7 +261,9 @@ _CTRL_C = textwrap.dedent("""
 def _ctrl_c_while_the_server_hangs(server, script: str, ready: str, *args: str, itself: bool = False) -> float:
     """Run ``script``; once it prints ``ready``, stop the server and press Ctrl-C (or, if the
     script interrupts ``itself``, tell it on stdin that the server is stopped): the seconds
-    until the process has ended with KeyboardInterrupt."""
+    until the process has ended with KeyboardInterrupt. The scripts' requests time out after
+    600 s, so a process that waited for one would not end within the 120 s given here, however
+    loaded the machine."""
     process = subprocess.Popen([sys.executable, "-c", script, server.endpoint_url, server.access_key, server.secret_key,
                                 *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True)
@@ -268,7 +277,7 @@ def _ctrl_c_while_the_server_hangs(server, script: str, ready: str, *args: str, 
         else:
             process.send_signal(signal.SIGINT)
         sent = time.monotonic()
-        out, err = process.communicate(timeout=60)
+        out, err = process.communicate(timeout=120)
         took = time.monotonic() - sent
     finally:
         os.killpg(server.pid, signal.SIGCONT)
@@ -281,7 +290,6 @@ def _ctrl_c_while_the_server_hangs(server, script: str, ready: str, *args: str, 
 
 def test_ctrl_c_gets_through_while_the_server_hangs(server):
     took = _ctrl_c_while_the_server_hangs(server, _CTRL_C, "streaming")
-    assert took < 5, took
     print(f"\nCtrl-C to exit: {took:.2f} s")
 
 
@@ -297,7 +305,8 @@ _CTRL_C_UPLOAD = textwrap.dedent("""
                 print("uploading", flush=True)
             return super().__getitem__(index)
 
-    client = make_client(config=StorageConfig(endpoint_url=endpoint, access_key=key, secret_key=secret))
+    client = make_client(config=StorageConfig(endpoint_url=endpoint, access_key=key, secret_key=secret,
+                                                connect_timeout=600, read_timeout=600))
     try:
         upload_cv_dataset(Telling(2000), client=client, bucket="outages", base_folder="ctrl-c-upload", workers=0,
                           part_size=5 * 1024 * 1024, progress=False)
@@ -311,7 +320,6 @@ def test_ctrl_c_gets_through_an_upload_whose_parts_hang(server):
     """Parts go out on the writer's threads: a Ctrl-C while they hang on a stopped server
     ends the process at once (the next upload of that prefix aborts what was left)."""
     took = _ctrl_c_while_the_server_hangs(server, _CTRL_C_UPLOAD, "uploading")
-    assert took < 5, took
     print(f"\nCtrl-C to exit, parts in flight: {took:.2f} s")
 
 
@@ -339,7 +347,8 @@ _INTERRUPT = textwrap.dedent("""
 _CTRL_C_WRITER = _INTERRUPT + textwrap.dedent("""
     from remote_loader import StorageConfig, make_client
     endpoint, key, secret, where = sys.argv[1:5]
-    client = make_client(config=StorageConfig(endpoint_url=endpoint, access_key=key, secret_key=secret))
+    client = make_client(config=StorageConfig(endpoint_url=endpoint, access_key=key, secret_key=secret,
+                                                connect_timeout=600, read_timeout=600))
     part = 5 * 1024 * 1024
     try:
         with client.open_writer("outages", "ctrl-c-writer", part_size=part) as writer:
@@ -363,7 +372,6 @@ def test_ctrl_c_gets_through_a_writer_waiting_for_hung_parts(server, where):
     """The caller waits for a part to finish before sending another, and commit for all of
     them; Ctrl-C there returns at once instead of waiting for the parts, then for the abort."""
     took = _ctrl_c_while_the_server_hangs(server, _CTRL_C_WRITER, "writing", where, itself=True)
-    assert took < 10, took
     print(f"\nCtrl-C while {where} waits for hung parts, to exit: {took:.2f} s")
 
 
@@ -372,7 +380,8 @@ _CTRL_C_WAITING_IN = _INTERRUPT + textwrap.dedent("""
     from remote_loader.storage.retrying import Retry, RetryingStore
     from remote_loader.upload import claim
     endpoint, key, secret, where = sys.argv[1:5]
-    client = make_client(config=StorageConfig(endpoint_url=endpoint, access_key=key, secret_key=secret))
+    client = make_client(config=StorageConfig(endpoint_url=endpoint, access_key=key, secret_key=secret,
+                                                connect_timeout=600, read_timeout=600))
     if where == "__getitems__":
         ds = RemoteMapDataset(client, "outages", "d")
         call = lambda: ds.__getitems__(list(range(0, len(ds), 3)))  # every index cold: GETs on the batch's threads
@@ -399,5 +408,4 @@ def test_ctrl_c_gets_through_requests_on_a_batchs_threads(server, where):
     """A map-style batch and an upload's clean-up send their requests on threads; Ctrl-C
     while those hang on a stopped server ends the process at once."""
     took = _ctrl_c_while_the_server_hangs(server, _CTRL_C_WAITING_IN, "ready", where, itself=True)
-    assert took < 10, took
     print(f"\nCtrl-C while {where} waits for hung requests, to exit: {took:.2f} s")
