@@ -27,7 +27,7 @@ from remote_loader.read.reader import DatasetReader
 from remote_loader.storage import Location, Store, open_location
 from remote_loader.storage.base import bucket_name_problem
 from remote_loader.storage.factory import Backend
-from remote_loader.upload import load_source, upload_cv_dataset
+from remote_loader.upload import upload_cv_dataset
 from remote_loader.upload.indexer import index_webdataset
 from remote_loader.upload.uploader import MAXCOUNT_RANGE
 from remote_loader.upload.watch import DEFAULT_STALL_TIMEOUT
@@ -111,9 +111,10 @@ def _dask_client(address: str, timeout: float) -> Any:
 
 
 def _upload(args: argparse.Namespace, store: Any, location: Any, executor: Any) -> Any:
-    # With a cluster the source spec travels, and each worker builds the dataset from it once.
+    # The upload builds the dataset from its source spec after its first request to the store
+    # (a missing bucket is said before minutes of building); a cluster's workers, each once.
     return upload_cv_dataset(
-        args.source if executor else load_source(args.source),
+        args.source,
         executor=executor,
         client=store,
         bucket=location.bucket,

@@ -115,21 +115,17 @@ class ReadSession:
             self._get_into(bucket, key_of(obj), start, end, out, obj.etag if isinstance(obj, Pinned) else None)
 
     def get_range_and_size(self, bucket: str, obj: Object, start: int, end: int) -> tuple[bytes | bytearray, int]:
-        """Bytes ``[start, end)`` of an object and the object's size (see ``Store``). Of a
-        ``Pinned`` one, a HEAD and then a GET naming its version: ``PreconditionFailed`` if it
-        was written since its listing, before either request or between them."""
+        """Bytes ``[start, end)`` of an object and the object's size (see ``Store``): one
+        GET. Of a ``Pinned`` one, the GET names its version: ``PreconditionFailed`` if it was
+        written since its listing."""
         found = self._cached(obj)
         if found is not None:
             out = bytearray(end - start)
             if self._from_cache(bucket, obj, start, end, memoryview(out)):
                 return out, found[2]
-        if isinstance(obj, Pinned):  # the store's get_range_and_size names no version
-            size = self.store.head(bucket, obj.key)
-            out = bytearray(end - start)
-            self._get_into(bucket, obj.key, start, end, memoryview(out), obj.etag)
-            return out, size
         self.metrics.add(gets=1)
-        data, size = self.store.get_range_and_size(bucket, key_of(obj), start, end)
+        data, size = self.store.get_range_and_size(bucket, key_of(obj), start, end,
+                                                   if_match=obj.etag if isinstance(obj, Pinned) else None)
         self.metrics.add(bytes=len(data))
         return data, size
 

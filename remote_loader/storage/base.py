@@ -156,14 +156,25 @@ class Store(ABC):
         size = self.head(bucket, key)
         return self.get_range(bucket, key, 0, min(length, size)), size
 
-    def get_range_and_size(self, bucket: str, key: str, start: int, end: int) -> tuple[bytes, int]:
+    def get_range_and_size(self, bucket: str, key: str, start: int, end: int, *,
+                           if_match: str | None = None) -> tuple[bytes, int]:
         """Return bytes ``[start, end)`` of the object and the object's size, so a reader
         checks a size it was told (a manifest's) against the object's own before using it.
+        With ``if_match`` (a version tag its listing gave), raise ``PreconditionFailed`` if
+        the object was written since: the bytes and the size are then that version's. An
+        empty range reads nothing: its size is the object's, whatever its version.
 
-        The default makes a HEAD and a ranged GET; the S3 backends read the size from the
-        GET's ``Content-Range``.
+        The default makes a HEAD and a ranged GET (``get_range_into`` with ``if_match``, the
+        HEAD first: a version written after it fails the GET); the S3 backends make one
+        GET and read the size from its ``Content-Range``.
         """
-        return self.get_range(bucket, key, start, end), self.head(bucket, key)
+        if if_match is None:
+            return self.get_range(bucket, key, start, end), self.head(bucket, key)
+        start, end = byte_bounds(start, end)
+        size = self.head(bucket, key)
+        out = bytearray(max(end - start, 0))
+        self.get_range_into(bucket, key, start, end, memoryview(out), if_match=if_match)
+        return bytes(out), size
 
     @abstractmethod
     def head(self, bucket: str, key: str) -> int:
@@ -300,9 +311,11 @@ class RangedStore(Store):
         return None if self._sdk_client is None or (self._borrowed and self._pid == os.getpid()) else self._sdk_client
 
     @abstractmethod
-    def _read(self, bucket: str, key: str, byte_range: str | None) -> tuple[bytes, str | None]:
-        """GET the object, or the part ``byte_range`` (an HTTP Range value) names; with
-        the response's ``Content-Range`` header, if it has one."""
+    def _read(self, bucket: str, key: str, byte_range: str | None,
+              if_match: str | None = None) -> tuple[bytes, str | None]:
+        """GET the object, or the part ``byte_range`` (an HTTP Range value) names, of version
+        ``if_match`` where it is given (``PreconditionFailed`` for another); with the
+        response's ``Content-Range`` header, if it has one."""
 
     def get(self, bucket: str, key: str) -> bytes:
         return self._read(bucket, key, None)[0]
@@ -315,11 +328,12 @@ class RangedStore(Store):
         check_answer(bucket, key, start, end, content_range)
         return check_range(bucket, key, start, end, data[: end - start])
 
-    def get_range_and_size(self, bucket: str, key: str, start: int, end: int) -> tuple[bytes, int]:
+    def get_range_and_size(self, bucket: str, key: str, start: int, end: int, *,
+                           if_match: str | None = None) -> tuple[bytes, int]:
         start, end = byte_bounds(start, end)
         if end <= start:
             return b"", self.head(bucket, key)
-        data, content_range = self._read(bucket, key, f"bytes={start}-{end - 1}")
+        data, content_range = self._read(bucket, key, f"bytes={start}-{end - 1}", if_match)
         check_answer(bucket, key, start, end, content_range)
         if content_range is None:  # a 200: the server sent the whole object
             size = len(data)

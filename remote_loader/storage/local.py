@@ -133,12 +133,11 @@ class LocalStore(Store):
         if end <= start:
             return
         with self._open_range(bucket, key, start, end) as f:
-            if if_match is not None and _version(os.fstat(f.fileno())) != if_match:  # the file read is the one checked
-                raise PreconditionFailed(f"{bucket}/{key} was written again since it was listed ({if_match})",
-                                         bucket=bucket, key=key, code="PreconditionFailed")
+            _check_version(bucket, key, os.fstat(f.fileno()), if_match)  # the file read is the one checked
             check_range(bucket, key, start, end, b"", got=f.readinto(out[: end - start]))
 
-    def get_range_and_size(self, bucket: str, key: str, start: int, end: int) -> tuple[bytes, int]:
+    def get_range_and_size(self, bucket: str, key: str, start: int, end: int, *,
+                           if_match: str | None = None) -> tuple[bytes, int]:
         start, end = byte_bounds(start, end)
         path, size = self._open(bucket, key)
         if end <= start:
@@ -151,8 +150,10 @@ class LocalStore(Store):
                 code="ShortRead",
             )
         with path.open("rb") as f:
+            found = os.fstat(f.fileno())  # the file read is the one checked, and measured
+            _check_version(bucket, key, found, if_match)
             f.seek(start)
-            return check_range(bucket, key, start, end, f.read(end - start)), size
+            return check_range(bucket, key, start, end, f.read(end - start)), found.st_size
 
     def head(self, bucket: str, key: str) -> int:
         return self._open(bucket, key)[1]
@@ -276,6 +277,14 @@ def _no_directory(path: Path) -> str:
     except OSError:  # a parent that cannot be searched
         pass
     return f"no directory {path}"
+
+
+def _check_version(bucket: str, key: str, found: os.stat_result, if_match: str | None) -> None:
+    """Raise ``PreconditionFailed`` where ``if_match`` is given and is not the version of the
+    file ``found`` describes."""
+    if if_match is not None and _version(found) != if_match:
+        raise PreconditionFailed(f"{bucket}/{key} was written again since it was listed ({if_match})",
+                                 bucket=bucket, key=key, code="PreconditionFailed")
 
 
 def _version(found: os.stat_result) -> str:

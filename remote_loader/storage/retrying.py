@@ -180,10 +180,10 @@ class Retry:
         return config.first_contact_deadline, "first_contact_deadline"
 
 
-def _conditions(store: Store) -> bool:
-    """Whether ``store.get_range_into`` takes ``if_match``: a subclass written before it (a
-    user's, overriding the method) reads without it, as a store that cannot condition a read."""
-    method = type(store).get_range_into
+def _conditions(store: Store, name: str = "get_range_into") -> bool:
+    """Whether ``store.<name>`` takes ``if_match``: a subclass written before it (a user's,
+    overriding the method) reads without it, as a store that cannot condition a read."""
+    method = getattr(type(store), name)
     known = _CONDITIONS.get(method)
     if known is None:
         parameters = inspect.signature(method).parameters
@@ -236,8 +236,14 @@ class RetryingStore(Store):
         else:
             self._call("get_range_into", bucket, key, start, end, out, if_match=if_match)
 
-    def get_range_and_size(self, bucket: str, key: str, start: int, end: int) -> tuple[bytes, int]:
-        return self._call("get_range_and_size", bucket, key, start, end)
+    def get_range_and_size(self, bucket: str, key: str, start: int, end: int, *,
+                           if_match: str | None = None) -> tuple[bytes, int]:
+        if if_match is None:
+            return self._call("get_range_and_size", bucket, key, start, end)
+        if type(self.inner).get_range_and_size is Store.get_range_and_size \
+                or not _conditions(self.inner, "get_range_and_size"):  # a HEAD, then the read naming the version
+            return super().get_range_and_size(bucket, key, start, end, if_match=if_match)  # each request retried
+        return self._call("get_range_and_size", bucket, key, start, end, if_match=if_match)
 
     def get_first_bytes(self, bucket: str, key: str, length: int) -> tuple[bytes, int]:
         return self._call("get_first_bytes", bucket, key, length)

@@ -280,9 +280,12 @@ class Boto3Store(RangedStore):
         except bce.BotoCoreError as exc:
             raise StorageError(f"{operation} failed: {type(exc).__name__}", bucket=bucket, key=key) from None
 
-    def _read(self, bucket: str, key: str, byte_range: str | None) -> tuple[bytes, str | None]:
+    def _read(self, bucket: str, key: str, byte_range: str | None,
+              if_match: str | None = None) -> tuple[bytes, str | None]:
         operation = "GET" if byte_range is None else f"GET {byte_range}"
         extra = {} if byte_range is None else {"Range": byte_range}
+        if if_match is not None:
+            extra["IfMatch"] = if_match
         with self._errors(operation, bucket, key):
             response = self._sdk().get_object(Bucket=bucket, Key=key, **extra)
             body = response["Body"]

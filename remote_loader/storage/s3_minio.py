@@ -300,9 +300,13 @@ class MinioStore(RangedStore):
                                 endpoint=endpoint) from None
             raise StorageError(f"{operation} failed: {type(exc).__name__}", bucket=bucket, key=key) from None
 
-    def _read(self, bucket: str, key: str, byte_range: str | None) -> tuple[bytes, str | None]:
+    def _read(self, bucket: str, key: str, byte_range: str | None,
+              if_match: str | None = None) -> tuple[bytes, str | None]:
         operation = "GET" if byte_range is None else f"GET {byte_range}"
-        extra = {} if byte_range is None else {"request_headers": {"Range": byte_range}}
+        headers = {} if byte_range is None else {"Range": byte_range}
+        if if_match is not None:
+            headers["If-Match"] = if_match
+        extra = {"request_headers": headers} if headers else {}
         with self._errors(operation, bucket, key):
             response = self._sdk().get_object(bucket, key, **extra)
             try:

@@ -220,9 +220,15 @@ def _length(ds: Any) -> int:
 
 def _upload(ds: Any, client: Store, location: Location, params: dict[str, Any], options: EncodeOptions,
             retry: RetryConfig, started: float, running: Running) -> UploadSummary:
-    """The upload, its arguments checked: open the dataset, see what the prefix holds, claim
-    it (or resume this upload's interrupted run), write the tasks not yet done, then switch
-    the manifest and clean up."""
+    """The upload, its arguments checked: see what the prefix holds (the first request: a
+    missing bucket, an endpoint that does not answer or keys it refuses are said before a
+    source spec's dataset is built or any item read), open the dataset, claim the prefix (or
+    resume this upload's interrupted run), write the tasks not yet done, then switch the
+    manifest and clean up."""
+    # Every request here is retried like a task's, so a 503 or a restart of the store after
+    # hours of encoding does not end the upload at its manifest PUT.
+    store = RetryingStore(client, Retry(retry, client))
+    before = claim.Before.read(store, location)
     source = ds if isinstance(ds, str) else None
     ds = load_source(source) if source is not None else uploaded_form(ds)
     params["samples"] = num = _length(ds)
@@ -232,10 +238,6 @@ def _upload(ds: Any, client: Store, location: Location, params: dict[str, Any], 
         raise UploadError("the dataset is empty: nothing to upload")
     # The items, not only their settings: running the upload again over other data is not resuming it.
     params["items"] = fingerprint.items(partial(tasks.read_item, ds), partial(_encodes, options), num)
-    # Every request here is retried like a task's, so a 503 or a restart of the store after
-    # hours of encoding does not end the upload at its manifest PUT.
-    store = RetryingStore(client, Retry(retry, client))
-    before = claim.Before.read(store, location)
     if before.existing is not None and before.found is not None:
         if claim.same_upload(before.existing.params.get("upload"), params) and not running.overwrite:
             summary = keeping.kept_whole(ds, before.existing, claim.dataset_shards(store, location, before.found[0]),

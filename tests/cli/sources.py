@@ -5,6 +5,9 @@ a test module imports pytest and torch, which took about 3 s of each such comman
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 from remote_loader.testing.synthetic import SyntheticImages
 
 
@@ -23,6 +26,13 @@ def interrupted() -> SyntheticImages:
 
 def twenty() -> SyntheticImages:
     return SyntheticImages(20, size=(16, 12))
+
+
+def marked() -> SyntheticImages:
+    """``twenty()``, once it has written the file ``SOURCE_BUILT_MARKER`` names: a test sees
+    whether the command built the dataset (which can take minutes)."""
+    Path(os.environ["SOURCE_BUILT_MARKER"]).write_text("built")
+    return twenty()
 
 
 def source_that_fails():

@@ -11,6 +11,7 @@ import pytest
 
 from remote_loader.cli import main
 from tests.cli.test_cli import _local_tars, run
+from tests.servers import free_port
 
 
 @pytest.fixture
@@ -26,6 +27,31 @@ def test_an_upload_to_a_bucket_that_does_not_exist_says_how_to_make_it_and_the_o
     assert refused.stderr.rstrip().endswith("(--create-bucket makes it)")
     run(env, "upload", "tests.cli.sources:twenty", url, "--workers", "0", "--create-bucket")
     assert "samples   20 in 1 shard," in run(env, "info", url).stdout
+
+
+@pytest.mark.parametrize("wrong", ["bucket", "endpoint", "secret"])
+def test_a_bucket_that_cannot_be_written_is_said_before_the_dataset_is_built(env, s3, tmp_path, wrong):
+    # The dataset was built (minutes, for a large one) before the first request said what was wrong.
+    _, bucket = s3
+    marker = tmp_path / "built"
+    env = {**env, "SOURCE_BUILT_MARKER": str(marker), "REMOTE_LOADER_FIRST_CONTACT_DEADLINE": "0.5"}
+    url = f"s3://{bucket}/d"
+    if wrong == "bucket":
+        url = "s3://first-hour-not-there/d"
+    elif wrong == "endpoint":
+        env["AWS_ENDPOINT_URL"] = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    else:
+        env["AWS_SECRET_ACCESS_KEY"] = "not-the-secret"
+    refused = run(env, "upload", "tests.cli.sources:marked", url, "--workers", "0", check=False)
+    assert refused.returncode == 1, refused.stderr
+    said = {"bucket": "bucket 'first-hour-not-there' does not exist", "endpoint": "127.0.0.1",
+            "secret": "access denied"}[wrong]
+    assert said in refused.stderr and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    assert not marker.exists()
+    if wrong == "bucket":  # the same source, where the bucket is, is built and uploaded
+        run({**env, "SOURCE_BUILT_MARKER": str(marker)}, "upload", "tests.cli.sources:marked", f"s3://{bucket}/d",
+            "--workers", "0", "--quiet")
+        assert marker.read_text() == "built"
 
 
 def test_ctrl_c_during_an_upload_says_the_same_command_resumes_it(env, s3):

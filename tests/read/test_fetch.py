@@ -25,6 +25,7 @@ from remote_loader.read.fetch import FetcherClosed, fetch_head
 from remote_loader.read.session import Pinned
 from remote_loader.storage.base import Store
 from remote_loader.testing.synthetic import SyntheticImages
+from tests.conftest import new_bucket
 from tests.faultproxy import FaultProxy
 from tests.helpers import upload_to_new_bucket
 
@@ -385,3 +386,42 @@ def test_a_pinned_range_read_with_its_size_is_refused_once_the_object_was_writte
     with pytest.raises(PreconditionFailed) as caught:
         session.get_range_and_size(bucket, pinned, 10, 20)
     assert caught.value.key == "ds/s0.tar"
+
+
+class _SizesOfAnyVersion(LocalStore):
+    """A user's store, written before reads could name a version: its ``get_range_and_size``
+    has no ``if_match``."""
+
+    def get_range_and_size(self, bucket: str, key: str, start: int, end: int) -> tuple[bytes, int]:
+        return super().get_range_and_size(bucket, key, start, end)
+
+
+def test_a_pinned_range_read_with_its_size_from_a_store_that_names_no_version_there_is_still_pinned(tmp_path):
+    store = _SizesOfAnyVersion(tmp_path)
+    store.create_bucket("b")
+    store.put("b", "ds/s0.tar", b"a" * 1000)
+    listed = next(iter(store.list("b", "ds/")))
+    session = ReadSession(FetchConfig(), Metrics(), store)
+    assert session.get_range_and_size("b", Pinned(listed.key, listed.etag), 10, 20) == (b"a" * 10, 1000)
+    store.put("b", "ds/s0.tar", b"b" * 1000)
+    with pytest.raises(PreconditionFailed):  # a HEAD, then the ranged read naming the version
+        session.get_range_and_size("b", Pinned(listed.key, listed.etag), 10, 20)
+
+
+def test_a_pinned_range_read_with_its_size_is_one_request_counted_in_the_metrics(seaweed):
+    # It made a HEAD and then the GET naming the version: two requests, one of them counted.
+    store = seaweed.client()
+    bucket = new_bucket(store)
+    store.put(bucket, "ds/s0.tar", b"a" * 1000)
+    listed = next(iter(store.list(bucket, "ds/")))
+    proxy = FaultProxy(seaweed.endpoint_url, {})  # no faults: it counts what reaches the server
+    try:
+        client = make_client(proxy.endpoint_url, seaweed.access_key, seaweed.secret_key)
+        metrics = Metrics()
+        session = ReadSession(FetchConfig(), metrics, client)
+        assert session.get_range_and_size(bucket, Pinned(listed.key, listed.etag), 10, 20) == (b"a" * 10, 1000)
+        assert (proxy.requests, metrics.gets, metrics.bytes) == (1, 1, 10)
+        client.close()
+    finally:
+        proxy.close()
+        store.close()

@@ -419,6 +419,19 @@ def test_a_ranged_read_naming_the_listed_version_is_refused_once_the_object_is_w
     assert out == b"b" * 10
 
 
+def test_a_range_read_with_its_size_naming_the_listed_version_is_refused_once_the_object_is_written_again(store):
+    client, bucket, _ = store
+    client.put(bucket, "v/obj", b"a" * 1000)
+    (listed,) = client.list(bucket, "v/")
+    assert client.get_range_and_size(bucket, "v/obj", 100, 110, if_match=listed.etag) == (b"a" * 10, 1000)
+    assert client.get_range_and_size(bucket, "v/obj", 5, 5, if_match=listed.etag) == (b"", 1000)
+    client.put(bucket, "v/obj", b"b" * 1000)  # the same size: only the version tells the two apart
+    with pytest.raises(PreconditionFailed, match="v/obj"):
+        client.get_range_and_size(bucket, "v/obj", 100, 110, if_match=listed.etag)
+    (again,) = client.list(bucket, "v/")
+    assert client.get_range_and_size(bucket, "v/obj", 100, 110, if_match=again.etag) == (b"b" * 10, 1000)
+
+
 def test_list_past_one_thousand_keys(store):
     client, bucket, target = store
     if target is None or target.name != "seaweedfs":

@@ -11,6 +11,8 @@ import socket
 import subprocess
 import sys
 import threading
+from email.message import Message
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -356,6 +358,89 @@ def test_a_url_urllib3_warns_about_holds_no_signature(backend, caplog):
         client.close()
     finally:
         server.listener.close()
+
+
+class _EchoesTheSignedRequest:
+    """A server on 127.0.0.1 that refuses every request as AWS S3 refuses a signature it does not
+    match (its body echoes the request's access key, signature and canonical request, the
+    session token there, and all of it again as hex bytes) or an access key it does not know
+    (the key echoed): botocore.parsers logs each such body at DEBUG."""
+
+    def __init__(self, code: str) -> None:
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                body = _refusal(code, self.path, self.headers)
+                self.send_response(403)
+                self.send_header("Content-Type", "application/xml")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def endpoint_url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join()
+
+
+def _refusal(code: str, path: str, headers: Message) -> bytes:
+    """AWS S3's refusal ``code`` of a request, with the request's own values as AWS echoes them."""
+    found = re.search(r"Credential=([^/]+)/([^,]+),.*Signature=(\w+)", headers["Authorization"])
+    assert found is not None
+    access_key, scope, signature = found.groups()
+    echoed = f"<AWSAccessKeyId>{access_key}</AWSAccessKeyId>"
+    if code == "SignatureDoesNotMatch":
+        date, token = headers["X-Amz-Date"], headers["X-Amz-Security-Token"]
+        canonical = (f"GET\n{path}\n\nhost:{headers['Host']}\nx-amz-date:{date}\nx-amz-security-token:{token}"
+                     "\n\nhost;x-amz-date;x-amz-security-token\nUNSIGNED-PAYLOAD")
+        string_to_sign = f"AWS4-HMAC-SHA256\n{date}\n{scope}\n{'0' * 64}"
+        echoed += (f"<StringToSign>{string_to_sign}</StringToSign><SignatureProvided>{signature}</SignatureProvided>"
+                   f"<StringToSignBytes>{_hex(string_to_sign)}</StringToSignBytes><CanonicalRequest>{canonical}"
+                   f"</CanonicalRequest><CanonicalRequestBytes>{_hex(canonical)}</CanonicalRequestBytes>")
+    return (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code><Message>refused</Message>{echoed}'
+            "<RequestId>0A1B</RequestId><HostId>h</HostId></Error>").encode()
+
+
+def _hex(text: str) -> str:
+    """``text`` as AWS writes it in an error's ``...Bytes`` fields: hex bytes between spaces."""
+    return " ".join(f"{b:02x}" for b in text.encode())
+
+
+@pytest.mark.parametrize("code", ["SignatureDoesNotMatch", "InvalidAccessKeyId"])
+def test_an_error_body_echoing_the_signed_request_is_logged_by_botocore_without_its_credentials(code, caplog):
+    """AWS S3 answers a signature it does not match with a body that echoes the access key, the
+    signature and the canonical request, the session token in it (as text and as hex bytes);
+    an access key it does not know, with the key. botocore.parsers logs every response body at
+    DEBUG. The lines stay, those values do not."""
+    server = _EchoesTheSignedRequest(code)
+    access_key, token = "AKIAECHOEDKEY7", "SHH-TOKEN-VALUE-10"
+    try:
+        client = make_client(config=StorageConfig(endpoint_url=server.endpoint_url, access_key=access_key,
+                                                  secret_key="EXAMPLE-SECRET-0123456789", session_token=token))
+        caplog.set_level(logging.DEBUG, logger="botocore")
+        with pytest.raises(AccessDenied, match=code):
+            client.get("bkt", "a/b")
+        client.close()
+    finally:
+        server.close()
+    bodies = "\n".join(r.getMessage() for r in caplog.records if r.name == "botocore.parsers")
+    assert f"<Code>{code}</Code>" in bodies and "<AWSAccessKeyId>" in bodies, caplog.text  # the lines stay
+    if code == "SignatureDoesNotMatch":
+        assert "<CanonicalRequest>GET\\n/bkt/a/b" in bodies and "<StringToSign>AWS4-HMAC-SHA256" in bodies, bodies
+        assert "x-amz-security-token\\nUNSIGNED-PAYLOAD" in bodies, bodies  # its signed headers, after the token
+    for secret in (access_key, token, _hex(token)):
+        assert secret not in caplog.text, (secret, caplog.text)
+    assert not re.search(r"<SignatureProvided>[0-9a-f]{8}", caplog.text), caplog.text
 
 
 @pytest.mark.parametrize("output", ["{Version: 1, AccessKeyId: AKID-VALUE-5, SecretAccessKey: SHH-VALUE-5}",

@@ -10,7 +10,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from remote_loader.errors import ResumeError
 from remote_loader.pipeline.run.dataloader import made_here, start_iteration
-from remote_loader.pipeline.state.resume.states import find_states, parse, steps_since_snapshot
+from remote_loader.pipeline.state.resume.states import WorkerState, find_states, parse, steps_since_snapshot
 
 # What torchdata's state_dict() holds with DataLoader workers, and without them.
 _WITH_WORKERS, _WITHOUT_WORKERS = "_snapshot", "_num_yielded"
@@ -37,9 +37,7 @@ class StatefulLoader(StatefulDataLoader):
         begins, is a bare AssertionError), and one holding a worker state that is not valid
         (each worker's refusal, as the pass begins, comes with torchdata's traceback)."""
         _check_workers(state_dict, self.num_workers)
-        if self.num_workers and isinstance(state_dict, Mapping) and _WITH_WORKERS in state_dict:
-            for worker in find_states(state_dict):
-                parse(worker)
+        workers = _parsed_workers(state_dict) if self.num_workers else []
         if not self.num_workers and _ended_here(state_dict) and hasattr(self.dataset, "load_state_dict"):
             # torchdata would restore the ended pass as the next one begins, by loading the
             # dataset's state and beginning its iteration, then drop it and begin another:
@@ -47,7 +45,7 @@ class StatefulLoader(StatefulDataLoader):
             # own). Loaded now, the state says where the epochs go on, and nothing is dropped.
             self.dataset.load_state_dict(state_dict[_DATASET])
             state_dict = {}
-        elif self.num_workers and _nothing_left(state_dict) and hasattr(self.dataset, "load_state_dict"):
+        elif self.num_workers and _nothing_left(state_dict, workers) and hasattr(self.dataset, "load_state_dict"):
             # Each worker restored would follow its own state's epoch in the next pass, whatever
             # epoch is set: with nothing of it left, a pass of set_epoch(E + 1) was empty and
             # epoch E + 1 never came. Loaded here, the state gives way to another epoch set.
@@ -62,13 +60,19 @@ def _ended_here(state: Any) -> bool:
             and state.get(_DATASET) is not None)
 
 
-def _nothing_left(state: Any) -> bool:
-    """Whether ``state`` is the state of a loader with workers of which each had delivered all
-    of its share of the epoch, as of the state (taken at a snapshot of them)."""
-    if not isinstance(state, Mapping) or _WITH_WORKERS not in state or steps_since_snapshot(state):
-        return False
-    found = find_states(state)  # each checked already (load_state_dict)
-    return bool(found) and not any(parse(worker).unfinished for worker in found)
+def _parsed_workers(state: Any) -> list[WorkerState]:
+    """The worker states in ``state``, a StatefulDataLoader state taken with DataLoader workers,
+    each checked (ResumeError naming the first bad field); none where it is not such a state."""
+    if not isinstance(state, Mapping) or _WITH_WORKERS not in state:
+        return []
+    return [parse(worker) for worker in find_states(state)]
+
+
+def _nothing_left(state: Any, workers: list[WorkerState]) -> bool:
+    """Whether ``state``, whose worker states are ``workers`` (``_parsed_workers``), is the state
+    of a loader with workers of which each had delivered all of its share of the epoch, as of
+    the state (taken at a snapshot of them)."""
+    return bool(workers) and not steps_since_snapshot(state) and not any(worker.unfinished for worker in workers)
 
 
 def _check_workers(state: Any, num_workers: int) -> None:
