@@ -549,5 +549,8 @@ class RemoteDataset(FollowsUploads, IterableDataset):
 
 
 def _failing(error: Exception) -> Iterator[Any]:
-    raise error
+    try:
+        raise error
+    finally:
+        del error  # the error's traceback holds this frame: it must not hold the error
     yield  # a generator: it raises at the first next()

@@ -51,7 +51,10 @@ class FollowsUploads:
         if followed or self.reader.cache is None or self.unindexed:
             return None
         if previous is not None:
-            wait_result(previous)
+            try:
+                wait_result(previous)
+            finally:
+                del previous  # as in _taken
         if self._handover.loaded is not None:
             self.reader.check_current()
             return None
@@ -119,9 +122,14 @@ class FollowsUploads:
         except DatasetChanged:
             self._saw(reader)
             raise
+        finally:
+            del check  # as in _taken: the frames an error's traceback holds must not hold the check
 
     def _taken(self, check: Future[None]) -> None:
         """The answer of a pass's manifest check, taken by the pass (raised if it is DatasetChanged)."""
         if self._check is check:
             self._check = None
-        wait_result(check)
+        try:
+            wait_result(check)
+        finally:
+            del check  # the error raised holds this frame: it must not hold the future, which holds the error
