@@ -96,7 +96,10 @@ class FollowsUploads:
             error = reader.changed(reader.identity, "once more")
             self.reader.replaced_by = reader.replaced_by  # the newest: what every sighting of this pass says
             self._saw(reader)
-            raise error
+            try:
+                raise error
+            finally:
+                del error  # the error's traceback holds this frame: it must not hold the error
         self.reader, self._data = reader, Indexed(reader, self.on_error)
         self._handover, self._loaded_state = Handover(), None
 

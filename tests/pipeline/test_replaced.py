@@ -207,3 +207,14 @@ def test_a_dataset_changed_from_the_manifest_check_is_freed_without_the_cycle_co
     assert freed_at_once(ds)
     assert samples(ds) == new_data(store)
 
+
+def test_a_dataset_changed_for_an_upload_replaced_again_before_its_reopening_is_freed_without_the_cycle_collector(
+        store, tmp_path):
+    ds = pipeline(store, cache_dir=tmp_path / "cache")
+    assert len(samples(ds)) == OLD
+    overwrite(store)
+    with pytest.raises(DatasetChanged):
+        sum(1 for _ in ds)
+    overwrite(store, seed=6)
+    assert freed_at_once(ds)  # the pass that would reopen the second upload finds the third
+    assert samples(ds) == new_data(store)
