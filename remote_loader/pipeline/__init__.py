@@ -1,5 +1,6 @@
-"""The streaming side: ``RemoteDataset`` (``dataset.py``), the chain a user builds, over
-folders that each do one thing, each importing only from those below it:
+"""The streaming side: ``RemoteDataset`` (``dataset.py``), the chain a user builds, and how it
+follows a new upload of its prefix (``overwrite.py``), over folders that each do one thing,
+each importing only from those below it:
 
 ``run/`` the DataLoaders a pipeline runs in; ``device/`` the GPU stage in the training process;
 ``sources/`` where a worker's samples come from; ``state/`` what makes a pass resumable;

@@ -9,6 +9,7 @@ import functools
 import gc
 import multiprocessing
 import sys
+import weakref
 
 import pytest
 from torch.utils.data import DataLoader
@@ -171,3 +172,49 @@ def test_a_dataset_overwritten_twice_between_passes_raises_once_then_reads_the_n
         sum(1 for _ in passes)
     assert samples(passes) == new_data(store)
     assert samples(passes) == new_data(store)
+
+
+
+def freed_at_once(ds) -> bool:
+    """Whether the DatasetChanged that a pass over ``ds`` raises, dropped, goes at once, and
+    with it what its traceback's frames hold (the pass's stream and buffers): nothing it
+    holds holds it back in a reference cycle, which only the cyclic GC would free."""
+    gc.collect()
+    gc.disable()
+    try:
+        try:
+            sum(1 for _ in ds)
+        except DatasetChanged as caught:
+            error = weakref.ref(caught)
+        else:
+            pytest.fail("the pass did not raise DatasetChanged")
+        return error() is None
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("taken", ["under the pass", "by the next pass"])
+def test_a_dataset_changed_from_the_manifest_check_is_freed_without_the_cycle_collector(store, tmp_path, taken):
+    """The check a pass over the node's cache runs beside it raises DatasetChanged, in the pass
+    (its answer came while the pass ran) or in the next pass (the one that started it ended
+    before its answer came)."""
+    ds = pipeline(store, cache_dir=tmp_path / "cache")
+    assert len(samples(ds)) == OLD  # every shard in the cache: only the check can tell the overwrite
+    overwrite(store)
+    if taken == "by the next pass":
+        abandoned = iter(ds)  # starts the check; the pass ends before reading anything
+        del abandoned
+    assert freed_at_once(ds)
+    assert samples(ds) == new_data(store)
+
+
+def test_a_dataset_changed_for_an_upload_replaced_again_before_its_reopening_is_freed_without_the_cycle_collector(
+        store, tmp_path):
+    ds = pipeline(store, cache_dir=tmp_path / "cache")
+    assert len(samples(ds)) == OLD
+    overwrite(store)
+    with pytest.raises(DatasetChanged):
+        sum(1 for _ in ds)
+    overwrite(store, seed=6)
+    assert freed_at_once(ds)  # the pass that would reopen the second upload finds the third
+    assert samples(ds) == new_data(store)
