@@ -510,9 +510,9 @@ def _tensor_array(tensor: Any, index: int, where: str) -> np.ndarray:
                            " tensors are stored")
     try:
         return tensor.detach().cpu().resolve_conj().resolve_neg().numpy()
-    except (TypeError, RuntimeError):
-        raise _fail(index, f"{where} is a {tensor.dtype} tensor, which NumPy does not hold: convert it"
-                           " (bfloat16 to float32)") from None
+    except (TypeError, RuntimeError):  # bfloat16, the float8 dtypes
+        raise _fail(index, f"{where} is a {tensor.dtype} tensor, which NumPy does not hold: convert it to float32"
+                           " (.float())") from None
 
 
 def _json(value: Any) -> bytes:
