@@ -13,6 +13,7 @@ import io
 import json
 import math
 import os
+import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -195,11 +196,7 @@ def encode_image(image: Any, options: EncodeOptions, index: int,
         data = bytes(image)
         return _sniff(data, index, "image bytes"), data
     if isinstance(image, (str, os.PathLike)):
-        try:
-            with open(image, "rb") as f:
-                data = f.read()
-        except OSError as exc:
-            raise _fail(index, f"cannot read {os.fspath(image)!r}: {exc.strerror}") from None
+        data = _read_file(os.fspath(image), index)
         return _sniff(data, index, repr(os.fspath(image))), data
     if isinstance(image, Image.Image):
         kept = originals.match(image) if originals is not None else None
@@ -209,6 +206,28 @@ def encode_image(image: Any, options: EncodeOptions, index: int,
     if type(image).__module__.startswith("torch") and hasattr(image, "detach"):
         return _encode_pil(_from_tensor(image, index), options, index)
     raise _fail(index, f"image is a {type(image).__name__}; expected PIL image, uint8 array, tensor, bytes or path")
+
+
+_NOT_FILES = ((stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"),
+              (stat.S_ISBLK, "a device"), (stat.S_ISDIR, "a folder"))
+
+
+def _read_file(path: str, index: int) -> bytes:
+    """The bytes of the file ``path``; UploadError naming sample ``index`` for what cannot be
+    read, or is no file: a named pipe was opened and read, which waits for ever for a writer."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    except OSError as exc:
+        raise _fail(index, f"cannot read {path!r}: {exc.strerror}") from None
+    with open(fd, "rb") as f:
+        mode = os.fstat(fd).st_mode
+        what = next((name for test, name in _NOT_FILES if test(mode)), None)
+        if what is not None:
+            raise _fail(index, f"{path!r} is {what}, not a file")
+        try:
+            return f.read()
+        except OSError as exc:
+            raise _fail(index, f"cannot read {path!r}: {exc.strerror}") from None
 
 
 def _is_tensor(value: Any) -> bool:
@@ -510,9 +529,9 @@ def _tensor_array(tensor: Any, index: int, where: str) -> np.ndarray:
                            " tensors are stored")
     try:
         return tensor.detach().cpu().resolve_conj().resolve_neg().numpy()
-    except (TypeError, RuntimeError):
-        raise _fail(index, f"{where} is a {tensor.dtype} tensor, which NumPy does not hold: convert it"
-                           " (bfloat16 to float32)") from None
+    except (TypeError, RuntimeError):  # bfloat16, the float8 dtypes
+        raise _fail(index, f"{where} is a {tensor.dtype} tensor, which NumPy does not hold: convert it to float32"
+                           " (.float())") from None
 
 
 def _json(value: Any) -> bytes:

@@ -46,7 +46,7 @@ class ImageFolder:
         self.class_to_idx = {name: i for i, name in enumerate(self.classes)}
         self.samples: list[tuple[str, int]] = []
         for name in self.classes:
-            for dirpath, _, files in sorted(os.walk(self.root / name, followlinks=True)):
+            for dirpath, files in _walk(str(self.root / name)):
                 for file in sorted(files):
                     if file.lower().endswith(self.suffixes):
                         self.samples.append((os.path.join(dirpath, file), self.class_to_idx[name]))
@@ -56,6 +56,30 @@ class ImageFolder:
 
     def __getitem__(self, index: int) -> tuple[str, int]:
         return self.samples[index]
+
+
+def _walk(top: str) -> list[tuple[str, list[str]]]:
+    """Each folder under ``top`` with its files, sorted by path, following links to folders
+    as torchvision's ImageFolder does, but never into a folder that holds the link (a link
+    to ``.`` or ``..``, to the tree's root or above it): walked again at each level, such a
+    loop listed every image about 40 times, until the path was too deep, and two loops in
+    one folder made a listing that never ended."""
+    def key(path: str | Path) -> tuple[int, int] | None:
+        try:
+            found = os.stat(path)
+        except OSError:  # a broken link: os.walk would not list it either
+            return None
+        return found.st_dev, found.st_ino
+
+    real = Path(os.path.realpath(top))
+    above: dict[str, frozenset[tuple[int, int] | None]] = {top: frozenset(map(key, [real, *real.parents]))}
+    out = []
+    for dirpath, dirnames, files in os.walk(top, followlinks=True):
+        chain = above.pop(dirpath)
+        dirnames[:] = [d for d in dirnames if key(os.path.join(dirpath, d)) not in chain]
+        above.update((os.path.join(dirpath, d), chain | {key(os.path.join(dirpath, d))}) for d in dirnames)
+        out.append((dirpath, files))
+    return sorted(out)
 
 
 class VideoFolder(ImageFolder):

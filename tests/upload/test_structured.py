@@ -249,7 +249,11 @@ CLASSIC_DIGEST = "8532df156bd5bf7d"
     ([{"bbox": {1, 2}}], "sample 3: target[0]['bbox'] is of type set"),
     ([{"bbox": [1, complex(1, 2)]}], "sample 3: target[0]['bbox'][1] is of type complex"),
     ({"mask": torch.zeros(2, dtype=torch.complex64)}, "sample 3: target['mask'] is a torch.complex64 tensor"),
-    ({"depth": torch.zeros(2, dtype=torch.bfloat16)}, "sample 3: target['depth'] is a torch.bfloat16 tensor"),
+    ({"depth": torch.zeros(2, dtype=torch.bfloat16)}, "sample 3: target['depth'] is a torch.bfloat16 tensor, which"
+                                                      " NumPy does not hold: convert it to float32 (.float())"),
+    # The hint was bfloat16's whatever the dtype: "convert it (bfloat16 to float32)" for a float8 tensor too.
+    ({"depth": torch.zeros(2, dtype=torch.float8_e4m3fn)},
+     "sample 3: target['depth'] is a torch.float8_e4m3fn tensor, which NumPy does not hold: convert it to float32"),
     ([1.0, float("inf")], "sample 3: target[1] is inf: JSON holds finite numbers"),
     ((object(),), "sample 3: target[0] is of type object"),
     ({"a": np.array(["x"])}, "sample 3: target['a'] is an array of <U1"),
