@@ -413,6 +413,7 @@ class Prefetcher(Generic[C]):
             if self._closed:
                 return
             self._closed = True
+            self._failure = None  # raised, its traceback holds this fetcher: kept, only the cyclic GC would free them
             self._parts.clear()  # queued parts hold their ranges, which hold this fetcher
             self._slots.clear()  # and so do the ranges not handed out: a cycle only the garbage collector frees
             self._wake_all()

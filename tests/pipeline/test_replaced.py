@@ -218,3 +218,12 @@ def test_a_dataset_changed_for_an_upload_replaced_again_before_its_reopening_is_
     overwrite(store, seed=6)
     assert freed_at_once(ds)  # the pass that would reopen the second upload finds the third
     assert samples(ds) == new_data(store)
+
+
+def test_a_dataset_changed_from_the_fetcher_is_freed_without_the_cycle_collector(store):
+    """Without the node's cache the fetcher finds the overwrite: it keeps its failure, to
+    raise it at every later check, and the failure's traceback holds the fetcher."""
+    ds = pipeline(store)
+    assert len(samples(ds)) == OLD
+    overwrite(store)
+    assert freed_at_once(ds)
