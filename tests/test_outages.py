@@ -171,7 +171,9 @@ def test_server_killed_as_a_shard_completes_beside_encoding_loses_nothing(server
     assert seen == Counter(range(240))
     unfinished = client._sdk().list_multipart_uploads(Bucket="outages", Prefix="killed-at-completion/")
     assert unfinished.get("Uploads", []) == []
-    assert any("is failing" in r.getMessage() for r in caplog.records)
+    # No "is failing" notice is asked for: on a loaded machine the task encoding again may take
+    # longer than the outage, and no request then fails for the second a notice needs (the
+    # notice has a test of its own above).
 
 
 def test_hung_server_gives_endpoint_unreachable_within_the_deadline(server):

@@ -28,7 +28,7 @@ _PARTIAL = ".rl-partial-"
 """Marks files of unfinished writes; they never show in listings."""
 _LOCK = f"{_PARTIAL}lock"
 """The lock file of conditional writes, at the top of each bucket."""
-_PRUNED_UNDER_US = 8
+_PRUNED_UNDER_US = 64
 """Times a write makes its directory again where deletes keep removing it as empty."""
 _LOCK_FLAGS = os.O_RDWR | os.O_CREAT
 for _flag in ("O_NOFOLLOW", "O_NONBLOCK", "O_CLOEXEC"):  # Windows has none of them (nor FIFOs)

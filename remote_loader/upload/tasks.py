@@ -192,7 +192,8 @@ def _forget_readers() -> None:
     _READERS.clear()
 
 
-os.register_at_fork(after_in_child=_forget_readers)
+if hasattr(os, "register_at_fork"):  # Windows has no fork
+    os.register_at_fork(after_in_child=_forget_readers)
 
 
 def read_item(dataset: Any, index: int) -> Any:
