@@ -69,20 +69,6 @@ class FlakyImages(SyntheticImages):
         return super().__getitem__(index)
 
 
-class WaitingPath(os.PathLike):
-    """An item's image given as a path that ``until()`` makes ready: the upload asks for it
-    (``os.fspath``) as it encodes the item, once ``ds[i]`` has returned, so a test can make an
-    item wait, or crash, beside another task's ``ds[i]`` (which a process calls from one thread
-    at a time). ``path`` is the file named then: by default, none."""
-
-    def __init__(self, until: Any, path: Any = "/nonexistent/image.png") -> None:
-        self.until, self.path = until, path
-
-    def __fspath__(self) -> str:
-        self.until()
-        return os.fspath(self.path)
-
-
 def fingerprinting() -> bool:
     """Whether the caller's item is read for the upload's fingerprint (``remote_loader.upload.fingerprint``),
     ahead of the upload's own read of it: the datasets below that stop an upload at an item

@@ -172,38 +172,12 @@ class TaskResult:
         )
 
 
-_READERS: dict[int, threading.Lock] = {}
-"""A lock per dataset object (by ``id``), held while its ``ds[i]`` runs: a process calls it
-from one thread at a time, as a DataLoader worker does. Its two tasks read their items in
-turns and encode them at once; a dataset that reads through one shared file object (a seek,
-then a read) gave some items another's bytes when both called it at once. Another dataset
-(another upload in this process) has a lock of its own."""
-_READERS_LOCK = threading.Lock()
-
-
-def _reader(dataset: Any) -> threading.Lock:
-    with _READERS_LOCK:
-        return _READERS.setdefault(id(dataset), threading.Lock())
-
-
-def _forget_readers() -> None:
-    global _READERS_LOCK  # noqa: PLW0603 - a forked child's copies may be held by threads it does not have
-    _READERS_LOCK = threading.Lock()
-    _READERS.clear()
-
-
-if hasattr(os, "register_at_fork"):  # Windows has no fork
-    os.register_at_fork(after_in_child=_forget_readers)
-
-
 def read_item(dataset: Any, index: int) -> Any:
-    """Return ``dataset[index]`` (called by one thread of the process at a time), or the file
-    path behind it for a file-backed image folder."""
+    """Return ``dataset[index]``, or the file path behind it for a file-backed image folder."""
     if is_file_backed(dataset):
         return dataset.samples[index]
     try:
-        with _reader(dataset):  # one thread at a time
-            return dataset[index]
+        return dataset[index]
     except RemoteLoaderError:
         raise
     except Exception as exc:

@@ -22,7 +22,7 @@ import torch
 
 from remote_loader import DatasetReader, UploadError, restore
 from remote_loader.testing.synthetic import SyntheticImages
-from tests.helpers import WaitingPath, alive, upload
+from tests.helpers import alive, upload
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -205,9 +205,8 @@ def test_a_row_of_the_watch_caught_half_written_is_no_stall(processes, monkeypat
 class CrashingImages(SyntheticImages):
     """Synthetic images whose item ``crash_at`` ends the worker process that reads it, by
     ``signal`` (a crash in a native library) or by ``os._exit`` (None); read here, it returns.
-    With ``hold``, that item, read in a worker, waits for good as it is encoded, and
-    ``crash_at`` crashes as it is encoded once the other is waiting: the process then dies
-    reading both (``ds[i]`` itself is called by one thread at a time)."""
+    With ``hold``, that item, read in a worker, waits there for good, and ``crash_at`` crashes
+    only once it is being read: the process then dies reading both."""
 
     def __init__(self, n: int, crash_at: int, signal: int | None, hold: int | None = None, **kwargs) -> None:
         super().__init__(n, **kwargs)
@@ -216,23 +215,15 @@ class CrashingImages(SyntheticImages):
     def __getitem__(self, index):
         if __import__("multiprocessing").parent_process() is not None:
             if index == self.hold:
-                return WaitingPath(self._hold), 0
+                self.held.set()
+                threading.Event().wait()
             if index == self.crash_at:
                 if self.hold is not None:
-                    return WaitingPath(self._crash), 0
-                self._crash()
+                    assert self.held.wait(120)
+                if self.signal is None:
+                    os._exit(3)
+                os.kill(os.getpid(), self.signal)
         return super().__getitem__(index)
-
-    def _hold(self) -> None:
-        self.held.set()
-        threading.Event().wait()
-
-    def _crash(self) -> None:
-        if self.hold is not None:
-            assert self.held.wait(120)
-        if self.signal is None:
-            os._exit(3)
-        os.kill(os.getpid(), self.signal)
 
 
 @pytest.mark.skipif("fork" not in __import__("multiprocessing").get_all_start_methods(), reason="needs fork")
