@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 from typing import Any
 
 from remote_loader import UploadSummary, upload_cv_dataset
@@ -67,6 +68,40 @@ class FlakyImages(SyntheticImages):
         if index in self.bad:
             return b"this is not an image", 0
         return super().__getitem__(index)
+
+
+class WaitingPath(os.PathLike):
+    """An item's image given as a path that ``until()`` makes ready: the upload asks for it
+    (``os.fspath``) as it encodes the item, once ``ds[i]`` has returned, so a test can make an
+    item wait, or crash, beside another task's ``ds[i]`` (which a process calls from one thread
+    at a time). ``path`` is the file named then: by default, none."""
+
+    def __init__(self, until: Any, path: Any = "/nonexistent/image.png") -> None:
+        self.until, self.path = until, path
+
+    def __fspath__(self) -> str:
+        self.until()
+        return os.fspath(self.path)
+
+
+def the_other_task(me: threading.Thread) -> str:
+    """Once the other task thread of this process is inside a ``__getitem__`` ("reading") or
+    waiting for its turn at the dataset ("waiting", ``watch.Reading.turn``), which."""
+    for _ in range(6000):
+        for thread in threading.enumerate():
+            frame = sys._current_frames().get(thread.ident or 0)
+            if thread is me or thread.name != "remote-loader-task" or frame is None:
+                continue
+            names = set()
+            while frame is not None:
+                names.add(frame.f_code.co_name)
+                frame = frame.f_back
+            if "__getitem__" in names:
+                return "reading"
+            if "_wait_turn" in names:
+                return "waiting"
+        threading.Event().wait(0.01)
+    raise AssertionError("the other task never came to read")
 
 
 def fingerprinting() -> bool:

@@ -261,8 +261,9 @@ class _Pool(_Runner):
         processes = dict(getattr(self.executor, "_processes", None) or {})  # pid -> Process (CPython's pool)
         self.executor.shutdown(wait=True, cancel_futures=True)  # broken: its workers are ended and joined
         codes = {pid: p.exitcode for pid, p in processes.items() if p.exitcode not in (None, -signal.SIGTERM)}
-        rows = [] if table is None else [(int(pid), int(task), int(index)) for pid, task, index, _ in table
-                                         if int(pid) in codes and index >= 0]
+        # An item waiting for its turn at ds[i] (``watch.Reading.turn``) crashed nothing.
+        rows = [] if table is None else [(int(pid), int(task), int(index)) for pid, task, index, _, waiting in table
+                                         if int(pid) in codes and index >= 0 and not waiting]
         if rows:
             pid = rows[0][0]
             reading = [(task, index) for row_pid, task, index in rows if row_pid == pid]

@@ -172,12 +172,15 @@ class TaskResult:
         )
 
 
-def read_item(dataset: Any, index: int) -> Any:
-    """Return ``dataset[index]``, or the file path behind it for a file-backed image folder."""
+def read_item(dataset: Any, index: int, reading: Reading = UNWATCHED) -> Any:
+    """Return ``dataset[index]``, or the file path behind it for a file-backed image folder;
+    ``ds[i]`` is called in ``reading``'s turn (``Reading.turn``): one task thread of a process
+    at a time."""
     if is_file_backed(dataset):
         return dataset.samples[index]
     try:
-        return dataset[index]
+        with reading.turn():
+            return dataset[index]
     except RemoteLoaderError:
         raise
     except Exception as exc:
@@ -325,14 +328,17 @@ def write_tasks(
 
 def run_group(one: Callable[..., T], spec: Any, group: Sequence[tuple[int, Any]], dataset: Any, progress: Any,
               slots: Slots | None, stop: threading.Event | None) -> list[T]:
-    """``one(spec, task id, its work, dataset, progress, stop, slots)`` for each task of
+    """``one(spec, task id, its work, dataset, progress, stop, slots, turn)`` for each task of
     ``group``, ``TASKS_AT_ONCE`` at a time on daemon threads, in this process or a pool's
-    worker (``worker_context``): their results, in order (``write_tasks`` says what an error does)."""
+    worker (``worker_context``): their results, in order (``write_tasks`` says what an error
+    does). ``turn`` is a lock of the group's own, held around each ``ds[i]``: the tasks call it
+    one at a time, as a DataLoader worker does, and encode at once."""
     dataset, progress, slots = worker_context(dataset, progress, slots)
     stop = threading.Event() if stop is None else stop
+    turn = threading.Lock()  # the group's tasks call ds[i] in turns (watch.Reading.turn)
     try:
         return map_on_daemon_threads(
-            lambda task: one(spec, task[0], task[1], dataset, progress, stop, slots),
+            lambda task: one(spec, task[0], task[1], dataset, progress, stop, slots, turn),
             list(group), TASKS_AT_ONCE, "remote-loader-task", settle=spec.retry.outage_deadline,
         )
     finally:
@@ -347,10 +353,12 @@ def write_task(
     progress: Any = None,
     stop: threading.Event | None = None,
     slots: Slots | None = None,
+    turn: Any = None,
 ) -> TaskResult:
     """Encode the samples ``indices`` of ``dataset`` (in that, permuted, order) into shards;
     upload them and the task's record. Set ``stop`` to end it at its next sample; a task
-    told by ``slots`` to start no new one does not start."""
+    told by ``slots`` to start no new one does not start; ``turn``, a lock held around each
+    ``ds[i]``, shared with the tasks beside it (``run_group``)."""
     dataset = resolve(dataset)
     if slots is not None and slots.stopped:
         raise Cancelled(f"task {task_id} did not start: the upload is stopping")
@@ -359,9 +367,10 @@ def write_task(
     retry = Retry(spec.retry, spec.store, cancel=threading.Event() if stop is None else stop)
     attempts = _Attempts(spec, task_id)
     if slots is None:
-        return retry.call(partial(_write_task, attempts, indices, dataset, progress, retry.cancel, UNWATCHED),
+        unwatched = Reading(None, None, turn=turn, stop=retry.cancel)
+        return retry.call(partial(_write_task, attempts, indices, dataset, progress, retry.cancel, unwatched),
                           afresh=attempts.afresh)
-    with slots.task(task_id) as reading:
+    with slots.task(task_id, turn, retry.cancel) as reading:
         return retry.call(partial(_write_task, attempts, indices, dataset, progress, retry.cancel, reading),
                           afresh=attempts.afresh)
 
@@ -410,7 +419,7 @@ def _write_task(
             index = int(raw_index)
             try:
                 with reading.item(index):
-                    item, originals = read_watching(partial(read_item, dataset), index)
+                    item, originals = read_watching(partial(read_item, dataset, reading=reading), index)
                     fields = encode_item(item, spec.options, index, originals)
                     digest = item_digest(item, originals.match, index)  # after encoding: its images matched once
                 shards.add(f"{index:0{spec.key_width}d}", fields, index, digest)

@@ -25,7 +25,7 @@ from remote_loader.storage.retrying import Cancelled, Retry
 from remote_loader.upload.fingerprint import matches
 from remote_loader.upload.originals import read_watching
 from remote_loader.upload.tasks import read_item, run_group
-from remote_loader.upload.watch import UNWATCHED, Reading, Slots
+from remote_loader.upload.watch import Reading, Slots
 
 _REPORT_EVERY = 16
 
@@ -65,11 +65,13 @@ def check_tasks(spec: CheckSpec, group: Sequence[tuple[int, Sequence[ShardEntry]
 
 
 def check_task(spec: CheckSpec, task_id: int, entries: Sequence[ShardEntry], dataset: Any, progress: Any,
-               stop: threading.Event, slots: Slots | None) -> Checked:
-    """Read every item of ``entries`` again and compare its digest with the one its shard recorded."""
+               stop: threading.Event, slots: Slots | None, turn: Any = None) -> Checked:
+    """Read every item of ``entries`` again and compare its digest with the one its shard
+    recorded (``ds[i]`` in ``turn``, as ``tasks.write_task`` calls it)."""
     if slots is not None and slots.stopped:
         raise Cancelled(f"the check of task {task_id} did not start: the upload is stopping")
-    watching = nullcontext(UNWATCHED) if slots is None else slots.task(task_id)
+    watching = nullcontext(Reading(None, None, turn=turn, stop=stop)) if slots is None else \
+        slots.task(task_id, turn, stop)
     with watching as reading:
         samples = compared = 0
         for entry in entries:
@@ -97,7 +99,7 @@ def _compare(index: ShardIndex, dataset: Any, progress: Any, stop: threading.Eve
             raise Cancelled("the check stopped: the upload is stopping")
         item_index = int(key)
         with reading.item(item_index):
-            item, originals = read_watching(partial(read_item, dataset), item_index)
+            item, originals = read_watching(partial(read_item, dataset, reading=reading), item_index)
             same = matches(index.digest(i), item, originals.match, item_index)
         if not same:
             if progress is not None:

@@ -26,15 +26,19 @@ from typing import Any
 
 import numpy as np
 
+from remote_loader.storage.retrying import Cancelled
+
 log = logging.getLogger("remote_loader")
 
 DEFAULT_STALL_TIMEOUT = 600.0
 """Seconds one item may take to be read and encoded before the upload ends, naming it."""
 
 _WARN_AFTER = 60.0
-_PID, _TASK, _INDEX, _SINCE = range(4)
+_PID, _TASK, _INDEX, _SINCE, _WAITING = range(5)
+_COLUMNS = 5
 _BETWEEN = -1.0  # a row's task runs, between items (writing a shard, committing it)
-_FREE = (0.0, 0.0, _BETWEEN, 0.0)
+_FREE = (0.0, 0.0, _BETWEEN, 0.0, 0.0)
+_TURN_POLL = 0.1  # seconds between looks at stop and Ctrl-C while an item waits for its turn
 _READ_LOCK_SECONDS = 1.0  # the watch skips a look it cannot take the lock for (a holder killed while holding it)
 
 
@@ -51,12 +55,12 @@ class Slots:
 
     def __init__(self, rows: int, context: Any = None) -> None:
         if context is None:
-            self._raw: Any = bytearray(rows * 4 * 8)
+            self._raw: Any = bytearray(rows * _COLUMNS * 8)
             self._lock: Any = threading.Lock()
             self._stop: Any = threading.Event()
             self._interrupted: Any = bytearray(1)
         else:
-            self._raw, self._lock = context.RawArray("d", rows * 4), context.Lock()
+            self._raw, self._lock = context.RawArray("d", rows * _COLUMNS), context.Lock()
             # Read at every item without a lock: a worker killed while holding an Event's
             # lock would leave every other one blocked at its next item.
             self._stop, self._interrupted = context.Event(), context.RawArray("b", 1)
@@ -69,7 +73,7 @@ class Slots:
     @property
     def table(self) -> np.ndarray:
         if self._table is None:
-            self._table = np.frombuffer(self._raw, dtype=np.float64).reshape(-1, 4)
+            self._table = np.frombuffer(self._raw, dtype=np.float64).reshape(-1, _COLUMNS)
         return self._table
 
     def copy(self) -> np.ndarray | None:
@@ -98,16 +102,17 @@ class Slots:
         return bool(self._stop.is_set())
 
     @contextmanager
-    def task(self, task_id: int) -> Iterator[Reading]:
-        """Hold a row while task ``task_id`` runs; what it reads goes in it."""
+    def task(self, task_id: int, turn: Any = None, stop: threading.Event | None = None) -> Iterator[Reading]:
+        """Hold a row while task ``task_id`` runs; what it reads goes in it. ``turn`` and
+        ``stop``: as ``Reading`` takes them."""
         pid, row = os.getpid(), None
         with self._lock:
             free = np.flatnonzero(self.table[:, _PID] == 0)
             if len(free):
                 row = int(free[0])
-                self.table[row] = (pid, task_id, _BETWEEN, time.monotonic())
+                self.table[row] = (pid, task_id, _BETWEEN, time.monotonic(), 0.0)
         try:
-            yield Reading(self.table, row, self._interrupted)
+            yield Reading(self.table, row, self._interrupted, turn, stop)
         finally:
             if row is not None:
                 with self._lock:
@@ -115,11 +120,23 @@ class Slots:
 
 
 class Reading:
-    """A task thread's row: the item it reads, from ``item(index)`` until ``done()``; and
-    whether the upload was interrupted (``Slots.interrupt``)."""
+    """A task thread's row: the item it reads, from ``item(index)`` until it ends; whether the
+    upload was interrupted (``Slots.interrupt``); and its process's turns at ``ds[i]``.
 
-    def __init__(self, table: np.ndarray | None, row: int | None, interrupted: Any = None) -> None:
+    Args:
+        table: The watch's table (None: unwatched).
+        row: This thread's row of it (None: unwatched).
+        interrupted: Set on Ctrl-C (``Slots``'s flag).
+        turn: The lock that the task threads of a process hold in turns around ``ds[i]``
+            (None: no turns).
+        stop: Set when the task is to stop at its next item: an item waiting for its turn
+            stops waiting.
+    """
+
+    def __init__(self, table: np.ndarray | None, row: int | None, interrupted: Any = None, turn: Any = None,
+                 stop: threading.Event | None = None) -> None:
         self.table, self.row, self._interrupted = table, row, interrupted
+        self._turn, self._stop = turn, stop
 
     @property
     def interrupted(self) -> bool:
@@ -136,6 +153,36 @@ class Reading:
             yield
         finally:
             self.table[self.row, _INDEX] = _BETWEEN
+
+    @contextmanager
+    def turn(self) -> Iterator[None]:
+        """Hold the process's turn at ``ds[i]``, waiting for it (marked in the row) while
+        another task thread holds it; ``Cancelled`` where the task is told to stop meanwhile."""
+        if self._turn is None:
+            yield
+            return
+        if not self._turn.acquire(blocking=False):
+            self._wait_turn()
+        try:
+            yield
+        finally:
+            self._turn.release()
+
+    def _wait_turn(self) -> None:
+        self._mark(waiting=True)
+        try:
+            while not self._turn.acquire(timeout=_TURN_POLL):
+                if self.interrupted or (self._stop is not None and self._stop.is_set()):
+                    raise Cancelled("a task stopped as its item waited for its turn at ds[i]: the upload is stopping")
+        finally:
+            self._mark(waiting=False)
+
+    def _mark(self, waiting: bool) -> None:
+        if self.table is None or self.row is None:
+            return
+        if not waiting:  # the item's time starts with its turn; stored first: never paired with the wait's start
+            self.table[self.row, _SINCE] = time.monotonic()
+        self.table[self.row, _WAITING] = float(waiting)
 
 
 UNWATCHED = Reading(None, None)
@@ -176,7 +223,8 @@ class Watch:
         if table is None:
             return None
         now = time.monotonic()
-        for pid, task, index, since in table[(table[:, _PID] != 0) & (table[:, _INDEX] >= 0)]:
+        reading = (table[:, _PID] != 0) & (table[:, _INDEX] >= 0) & (table[:, _WAITING] == 0)
+        for pid, task, index, since, _ in table[reading]:
             seconds, key = now - since, (pid, task, index, since)
             if seconds > self.warn_after and key not in self._warned:
                 self._warned.add(key)
@@ -195,7 +243,9 @@ class Watch:
         if table is None:
             return False  # its lock held past a second: a holder that died holding it, nothing to wait for
         stalled = {(s.pid, s.index) for s in self.stalled}
-        return any(pid and (pid, index) not in stalled for pid, _, index, _ in table)
+        held_up = {s.pid for s in self.stalled}  # an item waiting for its turn there waits for the stalled one
+        return any(pid and (pid, index) not in stalled and not (waiting and pid in held_up)
+                   for pid, _, index, _, waiting in table)
 
     def error_for(self, stalled: Stalled) -> str:
         """The message of the ``UploadError`` that ends the upload for ``stalled``."""

@@ -21,7 +21,7 @@ from remote_loader import DatasetReader, RetryConfig, UploadConflict, UploadErro
 from remote_loader.storage.local import LocalStore
 from remote_loader.testing.synthetic import SyntheticImages
 from remote_loader.upload.uploader import _ESTIMATE_SAMPLES
-from tests.helpers import PausingImages, fingerprinting, upload
+from tests.helpers import PausingImages, WaitingPath, the_other_task, upload
 
 N = _ESTIMATE_SAMPLES + 36  # more than the samples measured before the prefix is claimed
 
@@ -216,24 +216,27 @@ def test_two_uploads_in_one_process_on_threads_keep_their_own_samples(s3):
 
 
 class _StuckAndBad(SyntheticImages):
-    """Sample ``stuck`` hangs (connected to the test's port until it closes), as a task on a
-    hung store does; sample ``bad`` is not an image, once the other one hangs."""
+    """Sample ``bad``'s image is a path to no file, said once the other task hangs: the first
+    item that task reads after ``ds[bad]`` returned stays connected to the test's port until it
+    closes, as a task on a hung store does."""
 
-    def __init__(self, n: int, stuck: int, bad: int, port: int) -> None:
+    def __init__(self, n: int, bad: int, port: int) -> None:
         super().__init__(n, size=(32, 24))
-        self.stuck, self.bad, self.port = stuck, bad, port
+        self.bad, self.port = bad, port
+        self.bad_read_by: threading.Thread | None = None
         self.hanging = threading.Event()
 
     def __getitem__(self, index: int):  # type: ignore[override]
-        if fingerprinting():
+        me = threading.current_thread()
+        if me.name != "remote-loader-task":  # the size estimate's and the fingerprint's reads
             return super().__getitem__(index)
-        if index == self.stuck:
+        if index == self.bad:
+            self.bad_read_by = me
+            return WaitingPath(lambda: self.hanging.wait(60)), 0
+        if self.bad_read_by not in (None, me) and not self.hanging.is_set():
             with socket.create_connection(("127.0.0.1", self.port)) as connection:
                 self.hanging.set()
                 connection.recv(1)
-        if index == self.bad:
-            self.hanging.wait(60)
-            return b"not an image", 0
         return super().__getitem__(index)
 
 
@@ -243,7 +246,7 @@ def test_an_error_is_raised_by_the_outage_deadline_though_a_sibling_task_is_stuc
     client, bucket = s3
     listener = socket.create_server(("127.0.0.1", 0))
     listener.settimeout(60)
-    ds = _StuckAndBad(N, stuck=_ESTIMATE_SAMPLES + 1, bad=_ESTIMATE_SAMPLES + 21, port=listener.getsockname()[1])
+    ds = _StuckAndBad(N, bad=_ESTIMATE_SAMPLES + 21, port=listener.getsockname()[1])
     outcome: dict[str, BaseException] = {}
 
     def run() -> None:
@@ -264,3 +267,51 @@ def test_an_error_is_raised_by_the_outage_deadline_though_a_sibling_task_is_stuc
         connection.close()
         listener.close()
         thread.join(60)
+
+
+class _SharedHandle:
+    """Images packed in one file and read through one open file object, a seek and then a read,
+    as many record formats read theirs: not safe to call from two threads at once, as a
+    DataLoader never does. Item 3, read by its task, once it has seeked, waits until the other task's thread
+    is either reading too (``overlapped``: the bug) or waiting for its turn."""
+
+    def __init__(self, path: Any, count: int) -> None:
+        self.blobs = [_png(i) for i in range(count)]
+        ends = np.cumsum([len(blob) for blob in self.blobs])
+        self.spans = list(zip([0, *ends[:-1]], ends, strict=True))
+        path.write_bytes(b"".join(self.blobs))
+        self.file = path.open("rb")
+        self.overlapped = False
+
+    def __len__(self) -> int:
+        return len(self.blobs)
+
+    def __getitem__(self, index: int) -> tuple[bytes, int]:
+        start, end = self.spans[index]
+        self.file.seek(int(start))
+        if index == 3 and threading.current_thread().name == "remote-loader-task":  # not the size estimate's
+            self.overlapped = the_other_task(threading.current_thread()) == "reading"
+        return self.file.read(int(end - start)), index
+
+
+def _png(value: int) -> bytes:
+    from PIL import Image
+
+    out = __import__("io").BytesIO()
+    Image.new("L", (16, 16), value % 256).save(out, "PNG")
+    return out.getvalue()
+
+
+def test_an_upload_calls_ds_getitem_from_one_thread_at_a_time(tmp_path):
+    """A process writes two tasks at once, each on a thread: ``ds[i]`` was called from both at
+    once, and a dataset that reads through one file object stored some items with another
+    item's bytes (5 of 400 in a trial), without a word. It is called by one thread at a time."""
+    ds = _SharedHandle(tmp_path / "packed.bin", N)
+    store = LocalStore(tmp_path / "store")
+    store.create_bucket("b")
+    with ds.file:
+        upload(store, "b", "d", ds, maxcount=10, shuffle=False)
+    assert not ds.overlapped
+    stored = {int(sample["__key__"]): bytes(sample["jpg" if "jpg" in sample else "png"])
+              for sample in DatasetReader(store, "b", "d")}
+    assert [stored[i] == ds.blobs[i] for i in range(N)] == [True] * N

@@ -33,7 +33,7 @@ from remote_loader import (
 )
 from remote_loader.format import INDEX_MEMBER
 from remote_loader.testing.synthetic import SyntheticImages
-from tests.helpers import FlakyImages, alive, upload, upload_to_new_bucket
+from tests.helpers import FlakyImages, WaitingPath, alive, upload, upload_to_new_bucket
 from tests.servers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -606,18 +606,21 @@ def test_ctrl_c_stops_the_task_running_beside_it(tmp_path):
 
     interrupted, release = threading.Event(), threading.Event()
     read_after: list[int] = []
+    image = tmp_path / "image.png"
+    image.write_bytes(SyntheticImages(1, size=(32, 32))[0][0])
 
     class Interrupting(SyntheticImages):
         def __getitem__(self, index):
             if threading.current_thread().name == "remote-loader-task":  # not the main thread's size estimate
-                if index >= 10:  # the other tasks: held until the Ctrl-C, so that none can finish before it
-                    interrupted.wait(10)
+                if interrupted.is_set():
                     read_after.append(index)
+                    release.wait(10)  # until the caller has had its KeyboardInterrupt
+                elif index >= 10:  # the other tasks: held as they encode until the Ctrl-C, so none finishes before it
+                    return WaitingPath(lambda: interrupted.wait(10), image), index
                 elif index == 5:  # the first task's sixth sample
                     interrupted.set()
                     _thread.interrupt_main()
-                if interrupted.is_set():
-                    release.wait(10)  # until the caller has had its KeyboardInterrupt
+                    release.wait(10)
             return super().__getitem__(index)
 
     store = LocalStore(tmp_path)

@@ -22,7 +22,7 @@ import torch
 
 from remote_loader import DatasetReader, UploadError, restore
 from remote_loader.testing.synthetic import SyntheticImages
-from tests.helpers import alive, upload
+from tests.helpers import WaitingPath, alive, the_other_task, upload
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -117,27 +117,40 @@ class StallingImages(SyntheticImages):
     """Synthetic images whose item ``stall_at`` does not return when a task reads it (in a
     worker process, or on a task's thread here): it writes its process id to ``pid_file``,
     then waits on ``release``, which nothing sets in a worker (the test sets it here as it
-    ends, and the item then fails)."""
+    ends, and the item then fails). With ``after=(i, j)``, item ``i``'s image is a path that
+    is ready only once item ``j`` was read (``ds[i]`` returns at once; the path waits as the
+    item is encoded): a task's items read before another task's item stalls and holds up the
+    process's turns at ``ds[i]``."""
 
-    def __init__(self, n: int, stall_at: int, pid_file: Path, **kwargs) -> None:
+    def __init__(self, n: int, stall_at: int, pid_file: Path, after: tuple[int, int] | None = None,
+                 **kwargs) -> None:
         super().__init__(n, **kwargs)
         self.stall_at, self.pid_file, self.release = stall_at, pid_file, threading.Event()
+        self.after, self.read = after, threading.Event()
 
     def __getitem__(self, index):
-        if index == self.stall_at and threading.current_thread().name.startswith("remote-loader-task"):
-            self.pid_file.write_text(str(os.getpid()))
-            self.release.wait()
-            raise RuntimeError("released")
+        if threading.current_thread().name.startswith("remote-loader-task"):
+            if index == self.stall_at:
+                self.pid_file.write_text(str(os.getpid()))
+                self.release.wait()
+                raise RuntimeError("released")
+            if self.after is not None and index == self.after[0]:
+                image = self.pid_file.with_name(f"{index}.png")
+                self.image(index).save(image)
+                return WaitingPath(lambda: self.read.wait(60), image), self.label(index)
+            if self.after is not None and index == self.after[1]:
+                self.read.set()
         return super().__getitem__(index)
 
 
 def test_a_worker_that_stops_making_progress_is_named_then_ended_and_the_rest_kept(s3, tmp_path, caplog):
     """Four tasks of four items on one worker process, two at a time: item 13 (task 3) never
-    returns. The warning and the error name it and the worker; the task beside it finishes,
-    the worker is ended, and a re-run keeps the three finished tasks."""
+    returns. The warning and the error name it and the worker; the task beside it, which read
+    its last item before ds[13] began, finishes, the worker is ended, and a re-run keeps the
+    three finished tasks."""
     client, bucket = s3
     pid_file = tmp_path / "pid"
-    stalling = StallingImages(16, 13, pid_file, size=(16, 12))
+    stalling = StallingImages(16, 13, pid_file, after=(12, 11), size=(16, 12))
     with caplog.at_level(logging.WARNING, logger="remote_loader"), \
             pytest.raises(UploadError, match=r"ds\[13\] took more than stall_timeout=10 s in worker process"
                                              r" (\d+) \(task 3\)") as error:
@@ -202,28 +215,116 @@ def test_a_row_of_the_watch_caught_half_written_is_no_stall(processes, monkeypat
         assert watch.check() is None and not watch.stalled and not watch.busy()
 
 
+def _until(condition: Any) -> None:
+    for _ in range(6000):
+        if condition():
+            return
+        threading.Event().wait(0.01)
+    raise AssertionError("never came")
+
+
+def test_an_item_waiting_for_its_turn_behind_a_stuck_one_is_neither_named_nor_waited_for():
+    """A process's two task threads call ds[i] in turns. Where ds[13] never returns, the other
+    task's item ds[10], begun first, waits for its turn: the watch named ds[10] as the stalled
+    item, and, told that a waiting item reads nothing, waited for that task for ever. The item
+    in ds[i] is named; the one waiting for it is not waited for, and stops when told to."""
+    from remote_loader.storage.retrying import Cancelled
+    from remote_loader.upload.watch import Slots, Watch
+
+    slots, turn, stop = Slots(2), threading.Lock(), threading.Event()
+    outcome: list[BaseException] = []
+
+    def waiting_task() -> None:
+        with slots.task(0, turn, stop) as reading, reading.item(10):
+            try:
+                with reading.turn():
+                    pass
+            except Cancelled as error:
+                outcome.append(error)
+
+    turn.acquire()  # ds[13] has the turn
+    thread = threading.Thread(target=waiting_task, daemon=True)
+    thread.start()
+    try:
+        _until(lambda: (slots.table[:, 4] == 1).any())  # ds[10] began, and waits for its turn
+        with slots.task(1, turn, stop) as reading, reading.item(13):
+            watch = Watch(slots, stall_timeout=1e-9)
+            stalled = watch.check()
+            assert stalled is not None and (stalled.index, stalled.task) == (13, 1)
+            assert watch.check() is None  # ds[10]: never named while it waits
+            assert not watch.busy()  # ds[10] waits for a stalled item: nothing will come of it
+            stop.set()
+            thread.join(60)
+        assert [type(error) for error in outcome] == [Cancelled]
+    finally:
+        stop.set()
+
+
+def test_an_item_s_time_starts_with_its_turn_at_ds_getitem():
+    """An item that waited for its turn is timed from when the turn came, not from when it
+    began to wait: a long wait behind a slow ds[i] is no stall of its own."""
+    from remote_loader.upload.watch import Slots, Watch
+
+    slots, turn, stop = Slots(2), threading.Lock(), threading.Event()
+    turn.acquire()
+    turned, done = threading.Event(), threading.Event()
+
+    def waiting_task() -> None:
+        with slots.task(0, turn, stop) as reading, reading.item(10), reading.turn():
+            turned.set()
+            done.wait(60)
+
+    thread = threading.Thread(target=waiting_task, daemon=True)
+    thread.start()
+    try:
+        _until(lambda: (slots.table[:, 4] == 1).any())
+        slots.table[0, 3] -= 3600.0  # as if ds[10] had waited an hour
+        assert Watch(slots, stall_timeout=600).check() is None
+        turn.release()
+        assert turned.wait(60)
+        assert Watch(slots, stall_timeout=600).check() is None
+        assert slots.table[0, 4] == 0 and slots.table[0, 2] == 10
+    finally:
+        stop.set()
+        done.set()
+        thread.join(60)
+
+
 class CrashingImages(SyntheticImages):
     """Synthetic images whose item ``crash_at`` ends the worker process that reads it, by
     ``signal`` (a crash in a native library) or by ``os._exit`` (None); read here, it returns.
-    With ``hold``, that item, read in a worker, waits there for good, and ``crash_at`` crashes
-    only once it is being read: the process then dies reading both."""
+    With ``hold``, that item, read in a worker, waits for good as it is encoded, and
+    ``crash_at`` crashes as it is encoded once the other is waiting: the process then dies
+    reading both (``ds[i]`` itself is called by one thread at a time)."""
 
-    def __init__(self, n: int, crash_at: int, signal: int | None, hold: int | None = None, **kwargs) -> None:
+    def __init__(self, n: int, crash_at: int, signal: int | None, hold: int | None = None,
+                 beside_waiting: bool = False, **kwargs) -> None:
         super().__init__(n, **kwargs)
         self.crash_at, self.signal, self.hold, self.held = crash_at, signal, hold, threading.Event()
+        self.beside_waiting = beside_waiting  # crash inside ds[crash_at] once the other task waits for its turn
 
     def __getitem__(self, index):
         if __import__("multiprocessing").parent_process() is not None:
             if index == self.hold:
-                self.held.set()
-                threading.Event().wait()
+                return WaitingPath(self._hold), 0
             if index == self.crash_at:
                 if self.hold is not None:
-                    assert self.held.wait(120)
-                if self.signal is None:
-                    os._exit(3)
-                os.kill(os.getpid(), self.signal)
+                    return WaitingPath(self._crash), 0
+                if self.beside_waiting:
+                    assert the_other_task(threading.current_thread()) == "waiting"
+                self._crash()
         return super().__getitem__(index)
+
+    def _hold(self) -> None:
+        self.held.set()
+        threading.Event().wait()
+
+    def _crash(self) -> None:
+        if self.hold is not None:
+            assert self.held.wait(120)
+        if self.signal is None:
+            os._exit(3)
+        os.kill(os.getpid(), self.signal)
 
 
 @pytest.mark.skipif("fork" not in __import__("multiprocessing").get_all_start_methods(), reason="needs fork")
@@ -259,6 +360,20 @@ def test_a_worker_that_dies_beside_another_task_names_both_items_it_was_reading(
     assert re.search(r"^worker process \d+ ended \(exit status 3\) while reading ds\[2\] \(task 0\) and"
                      r" ds\[7\] \(task 1\): one of them crashed it", message), message
     assert error.value.index is None
+
+
+@pytest.mark.skipif("fork" not in __import__("multiprocessing").get_all_start_methods(), reason="needs fork")
+def test_a_worker_that_dies_in_ds_getitem_names_it_not_the_item_waiting_for_its_turn(s3):
+    """The process's other task, its item waiting for its turn at ds[i], crashed nothing: the
+    item in ds[i] is named alone, and is the culprit."""
+    client, bucket = s3
+    with pytest.raises(UploadError) as error:
+        upload(client, bucket, "crashed-alone", CrashingImages(16, 1, None, beside_waiting=True, size=(16, 12)),
+               workers=2, maxcount=4, shuffle=False)
+    message = str(error.value)
+    assert re.search(r"^worker process \d+ ended \(exit status 3\) while reading ds\[1\] \(task 0\): the item"
+                     r" crashed it", message), message
+    assert error.value.index == 1
 
 
 
