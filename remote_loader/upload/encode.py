@@ -142,20 +142,19 @@ def _from_tensor(tensor: Any, index: int) -> Image.Image:
     return _to_pil(array, index)
 
 
-HOLDS = {"JPEG": frozenset({"1", "L", "P", "RGB", "CMYK", "YCbCr"}),
+HOLDS = {"JPEG": frozenset({"L", "RGB", "CMYK"}),
          "PNG": frozenset({"1", "L", "LA", "P", "RGB", "RGBA", "I;16"}),
          "WEBP": frozenset({"RGB"})}
-"""The modes each ``image_format`` stores (``P`` in JPEG: as its RGB colours, when it has no
-transparency; WebP gives an opaque RGBA image back as RGB, so it takes RGB only); an image in
+"""The modes each ``image_format`` gives back as they went in (JPEG's pixels close, not
+equal). JPEG gives a ``1`` image back as ``L``, a ``P`` one as ``RGB`` without its palette, a
+``YCbCr`` one as ``RGB``; WebP an opaque RGBA image as RGB, so it takes RGB only. An image in
 another mode is stored lossless, in PNG or TIFF."""
 
 
 def _encode_pil(image: Image.Image, options: EncodeOptions, index: int, where: str = "image") -> tuple[str, bytes]:
     _not_empty(image, index, where)
     fmt = ENCODINGS[options.image_format.lower()]
-    if image.mode == "P" and fmt == "JPEG" and "transparency" not in image.info:
-        image = image.convert("RGB")  # a palette holds RGB colours: no information is lost
-    if image.mode not in HOLDS[fmt] or (image.mode == "P" and fmt == "JPEG"):
+    if image.mode not in HOLDS[fmt]:
         return _lossless(image, index, where)
     out = io.BytesIO()
     try:

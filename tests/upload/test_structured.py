@@ -374,3 +374,41 @@ def test_samples_whose_fields_together_exceed_a_shards_start_a_new_shard_and_rea
     got = dict(RemoteMapDataset(client, bucket, "wide", transform=lambda s: (int(s["__key__"]), restore(s))))
     for i in range(N):
         same_item(ds[i], got[i])
+
+
+def _bilevel(index: int) -> Image.Image:
+    return Image.fromarray(_rng(index).integers(0, 2, (H, W), dtype=np.uint8) * 255).convert("1")
+
+
+def _palette(index: int) -> Image.Image:
+    image = Image.fromarray(_rng(index).integers(0, 4, (H, W), dtype=np.uint8), "P")
+    image.putpalette([0, 0, 0, 255, 0, 0, 0, 255, 0, 0, 0, 255])
+    return image
+
+
+LOSSLESS_UNDER_JPEG = {
+    "bilevel_pair": lambda i: (_bilevel(i), i),                # a pair's image in mode 1: JPEG gave it back as L
+    "palette_pair": lambda i: (_palette(i), i),                # mode P: JPEG gave it back as RGB, palette lost
+    "ycbcr_pair": lambda i: (_image(i, "YCbCr"), i),           # JPEG gave it back as RGB
+    "bilevel_mask": lambda i: (_image(i), _bilevel(i)),        # a segmentation's mask in mode 1
+    "bilevel_image": lambda i: (_bilevel(i), _palette(i)),     # a segmentation's image in mode 1
+}
+
+
+@pytest.mark.parametrize("name", sorted(LOSSLESS_UNDER_JPEG))
+def test_an_image_in_a_mode_jpeg_does_not_hold_comes_back_in_its_mode_with_its_pixels(s3, name):
+    client, bucket = s3
+    ds = Structured(LOSSLESS_UNDER_JPEG[name])
+    upload(client, bucket, name, ds, maxcount=4, image_format="jpeg")
+    reader = RemoteMapDataset(client, bucket, name, transform=lambda s: (int(s["__key__"]), restore(s)))
+    read = dict(reader[j] for j in range(len(reader)))
+    streamed = dict(RemoteDataset(client, bucket, name, seed=1).map(lambda s: (int(s["__key__"]), restore(s))))
+    for got in (read, streamed):
+        assert sorted(got) == list(range(N))
+        for i in range(N):
+            assert type(got[i]) is tuple and len(got[i]) == 2
+            for expected, value in zip(ds[i], got[i], strict=True):
+                if isinstance(expected, Image.Image) and expected.mode == "RGB":  # JPEG: close, not equal
+                    assert (value.mode, value.size) == ("RGB", expected.size)
+                else:
+                    same(expected, value, f"ds[{i}]")
