@@ -32,6 +32,7 @@ from remote_loader import (
 from remote_loader.checksum import crc32
 from remote_loader.format import MANIFEST_NAME, Manifest, ShardIndex
 from remote_loader.read import whole
+from remote_loader.read.node_cache import file_name
 from remote_loader.storage import Location
 from remote_loader.testing.synthetic import SyntheticImages
 from remote_loader.upload.indexer import index_webdataset
@@ -86,6 +87,24 @@ def test_a_shard_that_shrinks_after_its_index_was_read_fails_with_its_name(datas
     with pytest.raises(TruncatedShard, match=rf"{entry.name} is 2,000 bytes; the manifest says .* it was truncated"):
         ds[19]
     assert ds.metrics.retries <= 1
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_a_shard_replaced_by_a_longer_one_is_refused_with_or_without_the_node_cache(dataset, tmp_path, cached):
+    """Its first bytes are the manifest's, crc32 and all: through the node's cache it was
+    fetched into the cache and served, though without it the same read was refused."""
+    client, bucket = dataset
+    entry = _manifest(client, bucket).shards[1]
+    data = client.get(bucket, f"ds/{entry.name}")
+    client.put(bucket, f"ds/{entry.name}", data + b"x" * 1000)
+    cache = {"cache_dir": tmp_path / "cache"} if cached else {}
+    said = rf"s3://{bucket}/ds/{entry.name} is {entry.size + 1000:,d} bytes; the manifest says {entry.size:,d}"
+    for read in (lambda: list(RemoteDataset(client, bucket, "ds", fetch=QUICK, shuffle_shards=False, **cache)),
+                 lambda: RemoteMapDataset(client, bucket, "ds", fetch=QUICK, **cache)[25]):
+        with pytest.raises(TruncatedShard, match=said) as caught:
+            read()
+        assert caught.value.name == entry.name and "\n" not in str(caught.value)
+    assert file_name(entry.name) not in {p.name for p in tmp_path.rglob("*")}  # nor kept in the cache
 
 
 # --------------------------------------------------------------------------- sizes and counts

@@ -28,6 +28,7 @@ from remote_loader.read.metrics import Metrics
 from remote_loader.read.shard_fill import Slots
 from remote_loader.read.upload_cache import UploadCache
 from remote_loader.storage import Store
+from remote_loader.storage.base import place
 from remote_loader.storage.retrying import Cancelled, Retry, RetryingStore
 
 T = TypeVar("T")
@@ -171,14 +172,31 @@ class ReadSession:
 
     def _from_cache(self, bucket: str, obj: Object, start: int, end: int, out: memoryview) -> bool:
         found = self._cached(obj)
-        if found is None:
+        if found is None or not isinstance(obj, Shard):  # only a Shard is found in the cache
             return False
         cache, name, size, crc = found
-        if not cache.read(name, size, crc, start, end, out, partial(self._get_into, bucket, key_of(obj)),
+        if not cache.read(name, size, crc, start, end, out, partial(self._fill_part, bucket, obj),
                           self.config.part_size, self._slots, self.cancel, lambda: self.metrics.add(retries=1)):
             return False
         self.metrics.add(cached_bytes=end - start)
         return True
+
+    def _fill_part(self, bucket: str, shard: Shard, start: int, end: int, out: memoryview, sized: bool) -> None:
+        """A part ``[start, end)`` of ``shard`` fetched into the node's cache; where ``sized``,
+        its GET also checks the object's size against the manifest's, as a read from the store
+        does (``DatasetReader.read_index``): an object longer than the manifest says, its first
+        bytes the shard's, crc32 and all, is refused, not cached and served."""
+        if not sized:
+            self._get_into(bucket, shard.key, start, end, out)
+            return
+        self.metrics.add(gets=1)
+        data, size = self.store.get_range_and_size(bucket, shard.key, start, end)
+        self.metrics.add(bytes=len(data))
+        if size != shard.size:
+            where = self.store.path_of(bucket, shard.key) or place(bucket, shard.key)
+            raise TruncatedShard(f"{where} is {size:,d} bytes; the manifest says {shard.size:,d}: it was truncated or"
+                                 " replaced", name=shard.name)
+        out[:] = data
 
     def refetch(self, fetch: Callable[[], P], parse: Callable[[P], T], obj: Object | None = None) -> T:
         """Return ``parse(fetch())``; bytes that ``parse`` (or ``fetch`` itself) finds damaged

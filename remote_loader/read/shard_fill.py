@@ -5,7 +5,8 @@ The parts go straight into the part file, each mapped while it arrives; a thread
 waits only for the parts that hold them, then reads them from the file, so the first samples
 of a shard come as early as without a cache. Once every part is in, the whole is checked
 against the manifest's crc32 and renamed into place; only then do other processes read it.
-Bytes read before that check are checked as all bytes are (the index's crc32, each member's).
+Bytes read before that check are checked as all bytes are (the index's crc32, each member's);
+none is read before the first part's GET has found the object the size the manifest says.
 """
 
 from __future__ import annotations
@@ -30,6 +31,12 @@ log = logging.getLogger("remote_loader")
 
 _THREADS = 8  # GETs in flight for one shard: several shards fill at once (a group's, and the next's)
 _POLL = 0.5  # a wait for a part looks at the reader's cancel this often
+
+
+FetchInto = Callable[[int, int, memoryview, bool], None]
+"""``fetch_into(start, end, out, sized)``: a ranged GET of bytes ``[start, end)`` of the shard
+into ``out``; ``sized``: also check that the object is the size the manifest says
+(``TruncatedShard`` if not)."""
 
 
 class FillFailed(Exception):
@@ -86,13 +93,14 @@ class ShardFill:
         self.parts = Arrivals([], size)
         self.spoiled = False  # bytes read from it failed a check: read no more from it
         self.wanted: set[int] = set()  # the parts a reader has waited for: their GETs go first
+        self.sized = 0  # the part whose GET checks the object's size: every read waits for it
         weakref.finalize(self, os.close, fd)  # readers may still read the file after the fetch ends
 
-    def start(self, fetch_into: Callable[[int, int, memoryview], None], part_size: int, slots: Slots,
-              cancel: threading.Event, first: int) -> None:
+    def start(self, fetch_into: FetchInto, part_size: int, slots: Slots, cancel: threading.Event, first: int) -> None:
         """Fetch the shard on threads of its own, in parts of ``part_size``, as many at once as
         ``slots`` has (8 at most), each GET holding one of them. The part holding byte ``first``
-        (what the fetch was begun for) comes first, then the last part (the index lies there: a
+        (what the fetch was begun for) comes first, its GET checking the object's size
+        (``fetch_into(start, end, out, True)``), then the last part (the index lies there: a
         shard's ranges are cut from it), then the rest in order. Smaller parts, more of them at
         once, fetched a 16 MB shard no sooner across the S3-like link and cost CPU: 8 parts of
         2 MB took 1.04-1.09 s of an epoch that 2 parts of 8 MB took in 0.78-0.85 s (3,000 JPEGs,
@@ -100,16 +108,16 @@ class ShardFill:
         self.parts = Arrivals(list(range(0, self.size, part_size)), self.size)
         asked, last = self.parts.holding(first, first + 1)[0], len(self.parts) - 1
         self.wanted.add(asked)
+        self.sized = asked
         order = list(dict.fromkeys([asked, last, *range(len(self.parts))]))
         in_daemon_thread(lambda: self._fetch(fetch_into, slots, cancel, order), "remote-loader-cache")
 
-    def _fetch(self, fetch_into: Callable[[int, int, memoryview], None], slots: Slots, cancel: threading.Event,
-               order: list[int]) -> None:
+    def _fetch(self, fetch_into: FetchInto, slots: Slots, cancel: threading.Event, order: list[int]) -> None:
         def one(k: int) -> None:
             start, stop = self.parts.bounds[k], self.parts.stop(k)
             try:
                 with slots.held(k in self.wanted, cancel), _mapped(self.fd, start, stop) as view:
-                    fetch_into(start, stop, view)
+                    fetch_into(start, stop, view, k == self.sized)
             except BaseException as error:
                 self.parts.arrive(k, error)
                 raise
@@ -148,7 +156,9 @@ class ShardFill:
         where they will not (the fetch was cancelled by the reader that began it, or the
         object is shorter than the manifest says, or bytes read from it failed a check):
         read them from the store. A part that failed otherwise raises its error (the
-        store's, after its retries)."""
+        store's, after its retries; ``TruncatedShard`` from the part that checks the object's
+        size, which every read waits for: no byte of an object longer than the manifest
+        says is served)."""
         if self.spoiled:
             return False
         if end <= start:
@@ -158,7 +168,7 @@ class ShardFill:
             if cancel.is_set():
                 raise Cancelled(f"reading {self.name} was cancelled")
 
-        for k in self.parts.holding(start, end):
+        for k in dict.fromkeys([self.sized, *self.parts.holding(start, end)]):
             self.wanted.add(k)
             error = self.parts.wait(k, _POLL, check)
             if isinstance(error, (Cancelled, InvalidRange, FillFailed)):

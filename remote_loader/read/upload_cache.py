@@ -32,7 +32,7 @@ from remote_loader.read.node_cache import (
     file_name,
     folders,
 )
-from remote_loader.read.shard_fill import ShardFill, Slots, pread_into
+from remote_loader.read.shard_fill import FetchInto, ShardFill, Slots, pread_into
 from remote_loader.storage.daemon import wait_result
 
 log = logging.getLogger("remote_loader")
@@ -196,15 +196,14 @@ class UploadCache:
                 log.warning("%s in the node's cache failed a check and cannot be removed (%s): read from the store",
                             name, error.strerror or error)
 
-    def read(self, name: str, size: int, crc: int, start: int, end: int, out: memoryview,
-             fetch_into: Callable[[int, int, memoryview], None], part_size: int, slots: Slots,
-             cancel: threading.Event, damaged: Callable[[], None] = lambda: None) -> bool:
+    def read(self, name: str, size: int, crc: int, start: int, end: int, out: memoryview, fetch_into: FetchInto,
+             part_size: int, slots: Slots, cancel: threading.Event, damaged: Callable[[], None] = lambda: None) -> bool:
         """Bytes ``[start, end)`` of shard ``name`` (``size`` bytes, crc32 ``crc``) into ``out``
         from the cache, fetching the shard whole into it first where it lacks it (once per
         node: a fetch by another thread is read as its parts arrive, one by another process
         waited for); False where the cache cannot give them (then read them from the store).
-        ``fetch_into(start, end, out)`` is a ranged GET, each made holding one of ``slots``;
-        ``damaged()`` is called where a copy is dropped (``whole``)."""
+        ``fetch_into(start, end, out, sized)`` is a ranged GET (``FetchInto``), each made
+        holding one of ``slots``; ``damaged()`` is called where a copy is dropped (``whole``)."""
         if self.read_into(name, size, crc, start, end, out, damaged):
             return True
         if self.broken is not None or name in self._unfilled or name in self._store_only:
@@ -214,8 +213,8 @@ class UploadCache:
             return self.read_into(name, size, crc, start, end, out, damaged)
         return fill.read_into(start, end, out, cancel)
 
-    def _fill(self, name: str, size: int, crc: int, fetch_into: Callable[[int, int, memoryview], None],
-              part_size: int, slots: Slots, cancel: threading.Event, first: int) -> ShardFill | None:
+    def _fill(self, name: str, size: int, crc: int, fetch_into: FetchInto, part_size: int, slots: Slots,
+              cancel: threading.Event, first: int) -> ShardFill | None:
         """The fetch of ``name`` into the cache this process runs, begun now if none is: one
         per shard and process (the threads that ask meanwhile wait for it to begin)."""
         with self._lock:
