@@ -17,7 +17,9 @@ under ``if __name__ == "__main__":`` may start processes. Fences say what a bloc
   across nodes, a long-running server); shown, not run, but for ``export NAME=VALUE ...``
   lines, which set the page's environment as they would the reader's shell.
 - ``text`` or no language: output, layouts and diagrams, not code. No ``mermaid``: the site
-  would draw it with a script fetched online, and offline a reader sees its source.
+  would draw it with a script fetched online, and offline a reader sees its source. A
+  ``text`` block right after a ``bash`` block (blank lines between them at most) is what its
+  commands print, run in ``/home/me`` by user 1000 against ``127.0.0.1:9000``: checked.
 """
 
 from __future__ import annotations
@@ -130,10 +132,12 @@ def _exports(block: Block, endpoint: str) -> dict[str, str]:
     return names
 
 
-def _run_command(line: str, where: str, endpoint: str) -> None:
+def _run_command(line: str, where: str, endpoint: str) -> str:
+    """What the ``remote-loader`` command ``line`` prints, as the page's reader would see it
+    (``/home/me`` the working directory, 1000 the user id, the documented endpoint)."""
     words = shlex.split(line.replace(DOCUMENTED_ENDPOINT, endpoint.removeprefix("http://")), comments=True)
     if not words:
-        return
+        return ""
     assert words[0] == "remote-loader", (
         f"{where}: a bash block holds only remote-loader commands (use console for others): {line}"
     )
@@ -145,21 +149,35 @@ def _run_command(line: str, where: str, endpoint: str) -> None:
         env={**os.environ, "PYTHONPATH": os.getcwd()},
     )
     assert done.returncode == 0, f"{where}: {line}\n{done.stdout}\n{done.stderr}"
+    return (done.stdout.replace(os.getcwd(), "/home/me").replace(f"remote-loader-{os.geteuid()}", "remote-loader-1000")
+            .replace(endpoint.removeprefix("http://"), DOCUMENTED_ENDPOINT))
+
+
+def _output_shown(lines: list[str], block: Block, previous: Block | None) -> bool:
+    """Whether ``block`` is a ``text`` block right after the ``bash`` block ``previous``:
+    the output the page shows for its commands."""
+    if block.kind != "text" or previous is None or previous.kind != "bash":
+        return False
+    after = previous.line + previous.code.count("\n") + 1  # the line of the closing fence
+    return all(not line.strip() for line in lines[after : block.line - 1])
 
 
 @pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
 def test_every_code_block_of_the_page_runs(page: Path, server: EmbeddedS3, monkeypatch: pytest.MonkeyPatch) -> None:
     namespace: dict[str, object] = {"__name__": "__main__"}
-    ran = 0
+    ran, previous, printed = 0, None, ""
     for block in blocks(page.read_text()):
         where = f"{page.name}:{block.line}"
+        if _output_shown(page.read_text().splitlines(), block, previous):
+            assert printed == block.code, f"{where} shows other output than its commands print:\n{printed}"
+        previous = block
         if block.kind == "python":
             code = block.code.replace(DOCUMENTED_ENDPOINT, server.endpoint_url.removeprefix("http://"))
             exec(compile(code, where, "exec"), namespace)  # noqa: S102 - the page's own code
             ran += 1
         elif block.kind == "bash":
-            for number, line in enumerate(block.code.splitlines()):
-                _run_command(line, f"{page.name}:{block.line + 1 + number}", server.endpoint_url)
+            printed = "".join(_run_command(line, f"{page.name}:{block.line + 1 + number}", server.endpoint_url)
+                              for number, line in enumerate(block.code.splitlines()))
             ran += 1
         elif block.kind == "console":
             for name, value in _exports(block, server.endpoint_url).items():
