@@ -126,7 +126,7 @@ def test_manifest_pages_are_read_through_a_server_restart(server, monkeypatch):
     assert len(set(keys)) == 20 and mapped.reader.manifest.shards.pages_read == 5
 
 
-def test_server_killed_as_a_shard_completes_beside_encoding_loses_nothing(server, caplog):
+def test_server_killed_as_a_shard_completes_beside_encoding_loses_nothing(server):
     """A task's shard is completed on a thread while the process's other task encodes. The
     server is killed just as the first shard's upload is being completed and comes back 3 s
     later: the tasks that failed are written again, and the dataset holds every sample once,
@@ -158,8 +158,7 @@ def test_server_killed_as_a_shard_completes_beside_encoding_loses_nothing(server
         return writer
 
     client.open_writer = killing_at_completion
-    with caplog.at_level(logging.WARNING, logger="remote_loader"):
-        summary = upload(client, "outages", "killed-at-completion", ds, maxcount=60, part_size=5 * 1024 * 1024)
+    summary = upload(client, "outages", "killed-at-completion", ds, maxcount=60, part_size=5 * 1024 * 1024)
     restart[0].join()
     assert killed.is_set() and not failures
     assert (summary.samples, summary.shards) == (240, 4)
