@@ -175,17 +175,18 @@ class TaskResult:
 def read_item(dataset: Any, index: int, reading: Reading = UNWATCHED) -> Any:
     """Return ``dataset[index]``, or the file path behind it for a file-backed image folder;
     ``ds[i]`` is called in ``reading``'s turn (``Reading.turn``): one task thread of a process
-    at a time."""
+    at a time. A task told to stop as it waits for its turn gets ``Cancelled`` as it is: the
+    item failed at nothing (``on_error="skip"`` would skip it, and the task keep its record)."""
     if is_file_backed(dataset):
         return dataset.samples[index]
-    try:
-        with reading.turn():
+    with reading.turn():
+        try:
             return dataset[index]
-    except RemoteLoaderError:
-        raise
-    except Exception as exc:
-        raise UploadError(f"sample {index}: ds[{index}] raised {type(exc).__name__}: {one_line(exc)}",
-                          index=index) from exc
+        except RemoteLoaderError:
+            raise
+        except Exception as exc:
+            raise UploadError(f"sample {index}: ds[{index}] raised {type(exc).__name__}: {one_line(exc)}",
+                              index=index) from exc
 
 
 class _ShardSequence:

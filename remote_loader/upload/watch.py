@@ -172,10 +172,16 @@ class Reading:
         self._mark(waiting=True)
         try:
             while not self._turn.acquire(timeout=_TURN_POLL):
-                if self.interrupted or (self._stop is not None and self._stop.is_set()):
+                if self._stopping():
                     raise Cancelled("a task stopped as its item waited for its turn at ds[i]: the upload is stopping")
+            if self._stopping():  # the turn came once the upload had ended (a stalled ds[i] returned at last)
+                self._turn.release()
+                raise Cancelled("a task stopped as its item's turn at ds[i] came: the upload is stopping")
         finally:
             self._mark(waiting=False)
+
+    def _stopping(self) -> bool:
+        return self.interrupted or (self._stop is not None and self._stop.is_set())
 
     def _mark(self, waiting: bool) -> None:
         if self.table is None or self.row is None:

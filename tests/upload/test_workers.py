@@ -290,6 +290,82 @@ def test_an_item_s_time_starts_with_its_turn_at_ds_getitem():
         thread.join(60)
 
 
+def test_an_item_whose_turn_comes_once_its_task_was_told_to_stop_is_not_read():
+    """The item waiting behind a stalled ds[i] waits until its task is told to stop (the upload
+    has ended). Where the stalled ds[i] returned at last as it waited, the item took the turn
+    and called ds[i] after the upload had ended, beside the caller's next use of the dataset.
+    It stops instead."""
+    from remote_loader.storage.retrying import Cancelled
+    from remote_loader.upload.watch import Slots
+
+    slots, turn, stop = Slots(2), threading.Lock(), threading.Event()
+    outcome: list[Any] = []
+
+    def waiting_task() -> None:
+        with slots.task(0, turn, stop) as reading, reading.item(10):
+            try:
+                with reading.turn():
+                    outcome.append("ds[10] called")
+            except Cancelled as error:
+                outcome.append(error)
+
+    turn.acquire()  # ds[13] has the turn
+    thread = threading.Thread(target=waiting_task, daemon=True)
+    thread.start()
+    try:
+        _until(lambda: (slots.table[:, 4] == 1).any())  # ds[10] waits for its turn
+        stop.set()  # the upload ended, naming ds[13]
+        turn.release()  # then ds[13] returned
+        thread.join(60)
+        assert [type(o) for o in outcome] == [Cancelled]
+        assert turn.acquire(blocking=False)  # the turn was given back
+    finally:
+        stop.set()
+
+
+@pytest.mark.parametrize("on_error", ["skip", "raise"])
+def test_an_item_stopped_as_it_waits_for_its_turn_is_neither_skipped_nor_an_error_of_the_item(tmp_path, on_error):
+    """A task told to stop while its item waits for its turn at ds[i] (the other task's ds[i]
+    stalled, or Ctrl-C) stops there. The stop was taken for an error of ds[i] itself: with
+    on_error="skip", the task's last item was skipped and its record written, and a re-run
+    kept the task without that item ("ds[3] raised Cancelled"); with "raise", the item was
+    named as one that failed."""
+    from remote_loader.errors import OnError
+    from remote_loader.storage import Location
+    from remote_loader.storage.local import LocalStore
+    from remote_loader.storage.retrying import Cancelled
+    from remote_loader.upload.encode import EncodeOptions
+    from remote_loader.upload.tasks import TaskSpec, task_record_key, write_task
+    from remote_loader.upload.watch import Slots
+
+    store = LocalStore(tmp_path)
+    store.create_bucket("b")
+    location = Location("b", "d", store.path_of("b", "d"))
+    spec = TaskSpec(store=store, location=location, options=EncodeOptions(), maxsize=1 << 30, maxcount=10,
+                    on_error=OnError.of(on_error), part_size=16 << 20, key_width=2, run="r")
+    slots, turn, stop = Slots(2), threading.Lock(), threading.Event()
+    outcome: list[Any] = []
+
+    def task() -> None:
+        try:
+            outcome.append(write_task(spec, 0, [3], SyntheticImages(4, size=(16, 12)), stop=stop, slots=slots,
+                                      turn=turn))
+        except BaseException as error:  # noqa: BLE001  # the test's own thread: whatever it raised, seen below
+            outcome.append(error)
+
+    turn.acquire()  # the other task's ds[i] has the turn, and keeps it
+    thread = threading.Thread(target=task, daemon=True)
+    thread.start()
+    try:
+        _until(lambda: (slots.table[:, 4] == 1).any())  # ds[3] waits for its turn
+        stop.set()
+        thread.join(60)
+        assert [type(o) for o in outcome] == [Cancelled]
+        assert not store.exists("b", task_record_key(location, "r", 0))
+    finally:
+        stop.set()
+
+
 class CrashingImages(SyntheticImages):
     """Synthetic images whose item ``crash_at`` ends the worker process that reads it, by
     ``signal`` (a crash in a native library) or by ``os._exit`` (None); read here, it returns.
