@@ -56,10 +56,10 @@ docs: $(STAMP)
 
 # The suite on one process more than there are cores, up to 4: each starts its own servers,
 # and much of a test's time is spent waiting on them (on 2 cores: 348 s on 3 processes,
-# 351 s on 4, 390 s on 2).
+# 351 s on 4, 390 s on 2). The 20 slowest tests are listed at the end.
 TEST_PROCESSES ?= $(shell $(PYTHON) -c 'import os; print(min(4, (os.cpu_count() or 1) + 1))')
 test: $(STAMP) lint docs
-	$(BIN)/python -m pytest -q --numprocesses=$(TEST_PROCESSES)
+	$(BIN)/python -m pytest -q --numprocesses=$(TEST_PROCESSES) --durations=20
 
 $(BENCH_STAMP): $(STAMP) benchmarks/requirements.txt
 	$(BIN)/python -m pip install --quiet -r benchmarks/requirements.txt
