@@ -440,3 +440,22 @@ def test_a_loaders_state_taken_before_its_first_item_resumes_the_whole_epoch(loc
     resumed.load_state_dict(state)
     assert Counter(resumed) == ALL
 
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("set_after_the_load", [False, True])
+def test_a_resumed_pass_leaves_the_epoch_set_to_the_passes_after_it(location, workers, set_after_the_load):
+    # Without workers, the state (loaded by torchdata as the pass began) made its own epoch 1 the
+    # epoch set: with epoch 3 set, the passes after the resumed one were epoch 1 again, until the
+    # next set_epoch. With workers, each restored its own state for that pass only.
+    stopped = loader(make(location, epoch=1), stateful=True, num_workers=workers)
+    before, _ = take(stopped, 30)
+    state = saved(stopped.state_dict())
+    dataset = make(location, epoch=None if set_after_the_load else 3)
+    resumed = loader(dataset, stateful=True, num_workers=workers)
+    resumed.load_state_dict(state)
+    if set_after_the_load:
+        dataset.set_epoch(3)
+    assert Counter(before) + Counter(resumed) == ALL  # the rest of epoch 1, whatever epoch is set
+    third = epoch_of(location, 3, workers)
+    assert list(resumed) == third
+    assert list(resumed) == third

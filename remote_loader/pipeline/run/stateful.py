@@ -30,6 +30,14 @@ class StatefulLoader(StatefulDataLoader):
         return start_iteration(self, super().__iter__)
 
     def _get_iterator(self) -> Any:
+        state = getattr(self, "next_iter_state", None)  # torchdata's (untyped there): the state for this pass
+        if not self.num_workers and state and hasattr(self.dataset, "load_own_state"):
+            # torchdata gives the dataset its state here, as the pass begins, through its
+            # load_state_dict, which made the state's epoch the epoch set for the passes after
+            # it too. Loaded as its own, it applies to this pass only, as a worker's own state
+            # does; torchdata then has no dataset state to load.
+            self.dataset.load_own_state(state[_DATASET])
+            self.next_iter_state = {**state, _DATASET: None}
         return made_here(self, super()._get_iterator)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
