@@ -471,17 +471,38 @@ class RemoteDataset(FollowsUploads, IterableDataset):
         A state with nothing left of its epoch, loaded where another epoch is set, is used
         up: the epoch set stays. Load before the DataLoader starts its workers.
         """
+        self._load(state, own=False)
+
+    def load_own_state(self, state: Any) -> None:
+        """Resume this process's next iteration from ``state``, the state of its own iteration,
+        as a DataLoader worker that torchdata's StatefulDataLoader restores does: that
+        iteration follows the state's epoch, whatever epoch is set, and the iterations after
+        it follow the epoch set (or, without ``set_epoch``, the epochs after the state's). A
+        state with nothing left of its epoch is loaded as ``load_state_dict`` loads it.
+        ``loader(ds, stateful=True)`` without workers loads its state so.
+        """
+        self._load(state, own=True)
+
+    def _load(self, state: Any, own: bool) -> None:
         if not self._data.resumable:
             raise ResumeError("resume needs an indexed dataset: run remote-loader index on it")
         self._current()  # a state of an upload since replaced is refused
         info = get_worker_info()
-        loaded = resume.load(self._layout(), state, (info.id, info.num_workers) if info else None)
-        self._handover.hold(loaded, in_worker=info is not None)
-        if info is None and loaded.finished and not self._epochs.auto and self._epochs.epoch != loaded.epoch:
+        own = own or info is not None  # a worker's state is its own: held for its next iteration only
+        worker = (info.id, info.num_workers) if info else (0, 1) if own else None
+        loaded = resume.load(self._layout(), state, worker)
+        if own and info is None and loaded.finished:  # nothing of its epoch left: no pass of its own
+            self._load(state, own=False)
+            return
+        self._handover.hold(loaded, in_worker=own)
+        if own:
+            self._live, self._loaded_state = None, None
+            return
+        if loaded.finished and not self._epochs.auto and self._epochs.epoch != loaded.epoch:
             # Nothing of its epoch left, and another epoch set (torchdata without workers loads
             # the state as the next pass begins, after set_epoch): used up, the epoch set stays.
             self._handover.check_epoch(self._epochs.epoch)
-        elif info is None:  # the next iteration takes the state's epoch, or the next where it was finished
+        else:  # the next iteration takes the state's epoch, or the next where it was finished
             self._epochs.seek(loaded.epoch, loaded.finished)
         self._live, self._loaded_state = None, state
 

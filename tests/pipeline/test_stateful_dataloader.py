@@ -358,3 +358,104 @@ def test_a_sparse_snapshots_state_taken_at_the_last_item_resumes_its_own_epoch_e
     assert list(resumed) == []
     dataset.set_epoch(2)
     assert list(resumed) == epoch_of(location, 2, 2)
+
+
+GONE = object()  # a field taken out of the state
+GARBLED_WITHOUT_WORKERS = {  # where, in a state taken without workers; what it is made
+    "not a dict": ((), None), "a list": ((), ["_num_yielded", 30]), "a string": ((), "state"),
+    "_num_yielded gone": (("_num_yielded",), GONE), "_num_yielded a string": (("_num_yielded",), "30"),
+    "_num_yielded negative": (("_num_yielded",), -1), "_sampler_iter_yielded gone": (("_sampler_iter_yielded",), GONE),
+    "_iterator_finished a string": (("_iterator_finished",), "no"), "fetcher_state a list": (("fetcher_state",), []),
+    "fetcher_ended gone": (("fetcher_state", "fetcher_ended"), GONE), "dataset_state gone": (("dataset_state",), GONE),
+    "dataset_state None": (("dataset_state",), None), "_shared_seed a list": (("_shared_seed",), [1]),
+}
+GARBLED_WITH_WORKERS = {  # where, in a state taken with 2 workers; what it is made
+    "not a dict": ((), None), "a list": ((), ["_snapshot"]), "_snapshot None": (("_snapshot",), None),
+    "_snapshot a list": (("_snapshot",), []), "_snapshot gone": (("_snapshot",), GONE),
+    "_worker_snapshots a list": (("_snapshot", "_worker_snapshots"), [{}, {}]),
+    "_worker_snapshots gone": (("_snapshot", "_worker_snapshots"), GONE),
+    "_worker_snapshots empty": (("_snapshot", "_worker_snapshots"), {}),
+    "worker snapshot None": (("_snapshot", "_worker_snapshots", "worker_1"), None),
+    "worker snapshot a list": (("_snapshot", "_worker_snapshots", "worker_0"), [0]),
+    "worker snapshot renamed": (("_snapshot", "_worker_snapshots", "worker_7"), "worker_1"),
+    "worker_id another": (("_snapshot", "_worker_snapshots", "worker_1", "worker_id"), 0),
+    "dataset_state None": (("_snapshot", "_worker_snapshots", "worker_0", "dataset_state"), None),
+    "fetcher_state a string": (("_snapshot", "_worker_snapshots", "worker_0", "fetcher_state"), "x"),
+    "_main_snapshot gone": (("_snapshot", "_main_snapshot"), GONE),
+    "_main_snapshot None": (("_snapshot", "_main_snapshot"), None),
+    "_num_workers another": (("_snapshot", "_main_snapshot", "_num_workers"), 3),
+    "_base_seed gone": (("_snapshot", "_main_snapshot", "_base_seed"), GONE),
+    "_snapshot_step a string": (("_snapshot", "_snapshot_step"), "30"),
+    "_last_yielded_worker_id out of range": (("_snapshot", "_last_yielded_worker_id"), 5),
+    "_steps_since_snapshot negative": (("_steps_since_snapshot",), -1),
+    "_steps_since_snapshot gone": (("_steps_since_snapshot",), GONE),
+    "_iterator_finished gone": (("_iterator_finished",), GONE),
+}
+
+
+def garbled(state, where, value):
+    """``state`` with the field at the path ``where`` made ``value`` (taken out: ``GONE``; a
+    worker snapshot "renamed": moved to the key ``where[-1]``)."""
+    if not where:
+        return value
+    *above, last = where
+    parent = state
+    for key in above:
+        parent = parent[key]
+    if last.startswith("worker_") and isinstance(value, str) and value.startswith("worker_"):
+        parent[last] = parent.pop(value)
+    elif value is GONE:
+        del parent[last]
+    else:
+        parent[last] = value
+    return state
+
+
+@pytest.mark.parametrize("workers, how", [*((0, how) for how in GARBLED_WITHOUT_WORKERS),
+                                          *((2, how) for how in GARBLED_WITH_WORKERS)])
+def test_a_loaders_state_garbled_in_torchdatas_fields_is_refused_at_load_naming_the_field(location, workers, how,
+                                                                                         capfd):
+    # torchdata looked at these only as the next pass began: a bare AssertionError, KeyError or
+    # TypeError from inside it (a worker's, with its traceback); a state that was None, or a
+    # worker's snapshot or dataset state that was None, resumed nothing and delivered the
+    # samples of before the stop again.
+    where, value = (GARBLED_WITH_WORKERS if workers else GARBLED_WITHOUT_WORKERS)[how]
+    stopped = loader(make(location), stateful=True, num_workers=workers)
+    take(stopped, 30)
+    state = garbled(saved(stopped.state_dict()), where, value)
+    resumed = loader(make(location), stateful=True, num_workers=workers)
+    with pytest.raises(ResumeError) as refused:
+        resumed.load_state_dict(state)
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith("StatefulDataLoader state")
+    assert (where[-1] if where else "not a dict") in message
+    assert "Traceback" not in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_loaders_state_taken_before_its_first_item_resumes_the_whole_epoch(location, workers):
+    fresh = loader(make(location), stateful=True, num_workers=workers)
+    state = saved(fresh.state_dict())
+    resumed = loader(make(location), stateful=True, num_workers=workers)
+    resumed.load_state_dict(state)
+    assert Counter(resumed) == ALL
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("set_after_the_load", [False, True])
+def test_a_resumed_pass_leaves_the_epoch_set_to_the_passes_after_it(location, workers, set_after_the_load):
+    # Without workers, the state (loaded by torchdata as the pass began) made its own epoch 1 the
+    # epoch set: with epoch 3 set, the passes after the resumed one were epoch 1 again, until the
+    # next set_epoch. With workers, each restored its own state for that pass only.
+    stopped = loader(make(location, epoch=1), stateful=True, num_workers=workers)
+    before, _ = take(stopped, 30)
+    state = saved(stopped.state_dict())
+    dataset = make(location, epoch=None if set_after_the_load else 3)
+    resumed = loader(dataset, stateful=True, num_workers=workers)
+    resumed.load_state_dict(state)
+    if set_after_the_load:
+        dataset.set_epoch(3)
+    assert Counter(before) + Counter(resumed) == ALL  # the rest of epoch 1, whatever epoch is set
+    third = epoch_of(location, 3, workers)
+    assert list(resumed) == third
+    assert list(resumed) == third

@@ -9,6 +9,7 @@ from typing import Any
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from remote_loader.errors import ResumeError
+from remote_loader.pipeline.run import loader_state
 from remote_loader.pipeline.run.dataloader import made_here, start_iteration
 from remote_loader.pipeline.state.resume.states import WorkerState, find_states, parse, steps_since_snapshot
 
@@ -29,14 +30,24 @@ class StatefulLoader(StatefulDataLoader):
         return start_iteration(self, super().__iter__)
 
     def _get_iterator(self) -> Any:
+        state = getattr(self, "next_iter_state", None)  # torchdata's (untyped there): the state for this pass
+        if not self.num_workers and state and hasattr(self.dataset, "load_own_state"):
+            # torchdata gives the dataset its state here, as the pass begins, through its
+            # load_state_dict, which made the state's epoch the epoch set for the passes after
+            # it too. Loaded as its own, it applies to this pass only, as a worker's own state
+            # does; torchdata then has no dataset state to load.
+            self.dataset.load_own_state(state[_DATASET])
+            self.next_iter_state = {**state, _DATASET: None}
         return made_here(self, super()._get_iterator)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torchdata's, refusing with ResumeError, now, a state taken with DataLoader workers
         where this loader has none, or the reverse (torchdata's own check, as the next pass
-        begins, is a bare AssertionError), and one holding a worker state that is not valid
+        begins, is a bare AssertionError), one whose torchdata fields are not as torchdata
+        writes them (``loader_state``), and one holding a worker state that is not valid
         (each worker's refusal, as the pass begins, comes with torchdata's traceback)."""
         _check_workers(state_dict, self.num_workers)
+        loader_state.check(state_dict, self.num_workers, hasattr(self.dataset, "load_state_dict"))
         workers = _parsed_workers(state_dict) if self.num_workers else []
         if not self.num_workers and _ended_here(state_dict) and hasattr(self.dataset, "load_state_dict"):
             # torchdata would restore the ended pass as the next one begins, by loading the

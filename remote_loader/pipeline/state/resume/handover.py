@@ -6,8 +6,9 @@ then on (each a copy of the dataset): every worker of the first iteration of its
 resumes from it once, and marks it applied in shared memory (one number per worker: the
 generation, how many states the main process had loaded). A persistent worker, started
 before a later load, would not see it: ``applying`` refuses that. A DataLoader worker that
-loaded its own state (torchdata's StatefulDataLoader restores each worker so) holds it for
-its own next iteration only.
+loaded its own state (torchdata's StatefulDataLoader restores each worker so), and the main
+process of a StatefulDataLoader without workers (``load_own_state``), holds it for its own next
+iteration only, whatever epoch is set.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ class Handover:
 
     def hold(self, loaded: Loaded, in_worker: bool) -> None:
         """Hold ``loaded`` for the next iteration of its epoch: in this process only for a
-        DataLoader worker's own, else here and in the DataLoader workers started from now on."""
+        process's own (``in_worker``: a DataLoader worker's, or a StatefulDataLoader's without
+        workers), else here and in the DataLoader workers started from now on."""
         self.loaded, self.local = loaded, in_worker
         if not in_worker:
             self.shared[_GENERATION] += 1
@@ -69,6 +71,8 @@ class Handover:
     def check_epoch(self, epoch: int) -> None:
         """Before ``set_epoch(epoch)``: a ResumeError where a loaded state's rest is owed in
         another epoch; a state of another epoch, finished, is dropped."""
+        if self.local:  # a process's own state, for its next iteration whatever the epoch set
+            return
         owed = self.owed()
         if owed is not None and owed.epoch != epoch:
             raise ResumeError(f"the loaded state stopped mid-way through epoch {owed.epoch} and its rest has not been"
