@@ -459,3 +459,14 @@ def test_a_resumed_pass_leaves_the_epoch_set_to_the_passes_after_it(location, wo
     third = epoch_of(location, 3, workers)
     assert list(resumed) == third
     assert list(resumed) == third
+
+
+def test_a_state_is_left_to_torchdata_under_a_torchdata_whose_layout_is_not_known(monkeypatch):
+    """The fields checked are torchdata 0.11's: under another version a state that torchdata
+    wrote itself, in a layout of its own, must not be refused here."""
+    from remote_loader.pipeline.run import loader_state
+
+    with pytest.raises(ResumeError, match="lacks its field '_snapshot'"):
+        loader_state.check({"other": 1}, num_workers=2, stateful=True)
+    monkeypatch.setattr(loader_state, "KNOWN_LAYOUT", False)
+    assert loader_state.check({"other": 1}, num_workers=2, stateful=True) is None

@@ -1,15 +1,29 @@
 """The fields of a torchdata ``StatefulDataLoader`` state (torchdata 0.11's layout), checked as
 ``StatefulLoader.load_state_dict`` takes it: torchdata reads them only as the next pass begins,
 where a bad one fails inside it (a bare AssertionError, KeyError or TypeError, or a worker's
-traceback), and a missing worker or dataset state resumes nothing, silently."""
+traceback), and a missing worker or dataset state resumes nothing, silently. Under another
+torchdata version, whose layout may differ, the state is left to torchdata's own checks:
+a state it wrote itself is never refused here."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from remote_loader.checks import one_line, shown
 from remote_loader.errors import ResumeError
+
+
+def _known_layout() -> bool:
+    try:
+        return version("torchdata").split(".")[:2] == ["0", "11"]
+    except PackageNotFoundError:
+        return False
+
+
+KNOWN_LAYOUT = _known_layout()
+"""Whether the installed torchdata writes the layout checked here (0.11)."""
 
 _Check = tuple[Callable[[Any], bool], str]  # whether a value is right; what it must be, for the message
 _COUNT: _Check = (lambda v: type(v) is int and v >= 0, "a whole number")
@@ -35,7 +49,10 @@ _FETCHER_FIELDS = {"dataset_iter_state": _ANY, "fetcher_ended": _FLAG}
 def check(state: Any, num_workers: int, stateful: bool) -> None:
     """Raise ResumeError naming the first field of ``state`` that is not as torchdata writes it
     for a loader of ``num_workers`` workers (``{}``, torchdata's "no state", passes);
-    ``stateful``: the dataset has a state of its own, which each dataset state must hold."""
+    ``stateful``: the dataset has a state of its own, which each dataset state must hold.
+    Nothing is checked under another torchdata version (``KNOWN_LAYOUT``)."""
+    if not KNOWN_LAYOUT:
+        return
     _fields(state, "", _WITH_WORKERS if num_workers else _WITHOUT_WORKERS)
     if not state:
         return
