@@ -223,6 +223,26 @@ def _until(condition: Any) -> None:
     raise AssertionError("never came")
 
 
+def _waiting_for_turn(slots: Any, turn: threading.Lock, stop: threading.Event) -> tuple[threading.Thread, list[Any]]:
+    """A task thread whose item ds[10] waits for its turn (held by the caller): what came of it
+    goes in the list ("ds[10] called", or the Cancelled that stopped it)."""
+    from remote_loader.storage.retrying import Cancelled
+
+    outcome: list[Any] = []
+
+    def waiting_task() -> None:
+        with slots.task(0, turn, stop) as reading, reading.item(10):
+            try:
+                with reading.turn():
+                    outcome.append("ds[10] called")
+            except Cancelled as error:
+                outcome.append(error)
+
+    thread = threading.Thread(target=waiting_task, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
 def test_an_item_waiting_for_its_turn_behind_a_stuck_one_is_neither_named_nor_waited_for():
     """A process's two task threads call ds[i] in turns. Where ds[13] never returns, the other
     task's item ds[10], begun first, waits for its turn: the watch named ds[10] as the stalled
@@ -232,19 +252,8 @@ def test_an_item_waiting_for_its_turn_behind_a_stuck_one_is_neither_named_nor_wa
     from remote_loader.upload.watch import Slots, Watch
 
     slots, turn, stop = Slots(2), threading.Lock(), threading.Event()
-    outcome: list[BaseException] = []
-
-    def waiting_task() -> None:
-        with slots.task(0, turn, stop) as reading, reading.item(10):
-            try:
-                with reading.turn():
-                    pass
-            except Cancelled as error:
-                outcome.append(error)
-
     turn.acquire()  # ds[13] has the turn
-    thread = threading.Thread(target=waiting_task, daemon=True)
-    thread.start()
+    thread, outcome = _waiting_for_turn(slots, turn, stop)
     try:
         _until(lambda: (slots.table[:, 4] == 1).any())  # ds[10] began, and waits for its turn
         with slots.task(1, turn, stop) as reading, reading.item(13):
@@ -299,19 +308,8 @@ def test_an_item_whose_turn_comes_once_its_task_was_told_to_stop_is_not_read():
     from remote_loader.upload.watch import Slots
 
     slots, turn, stop = Slots(2), threading.Lock(), threading.Event()
-    outcome: list[Any] = []
-
-    def waiting_task() -> None:
-        with slots.task(0, turn, stop) as reading, reading.item(10):
-            try:
-                with reading.turn():
-                    outcome.append("ds[10] called")
-            except Cancelled as error:
-                outcome.append(error)
-
     turn.acquire()  # ds[13] has the turn
-    thread = threading.Thread(target=waiting_task, daemon=True)
-    thread.start()
+    thread, outcome = _waiting_for_turn(slots, turn, stop)
     try:
         _until(lambda: (slots.table[:, 4] == 1).any())  # ds[10] waits for its turn
         stop.set()  # the upload ended, naming ds[13]
