@@ -369,22 +369,31 @@ class CrashingImages(SyntheticImages):
     ``signal`` (a crash in a native library) or by ``os._exit`` (None); read here, it returns.
     With ``hold``, that item, read in a worker, waits for good as it is encoded, and
     ``crash_at`` crashes as it is encoded once the other is waiting: the process then dies
-    reading both (``ds[i]`` itself is called by one thread at a time)."""
+    reading both (``ds[i]`` itself is called by one thread at a time). With
+    ``beside_waiting=(j, folder)``, ``crash_at`` crashes inside ``ds[i]`` once the other task
+    waits for its turn: that task's item ``j``, read in a worker, is encoded only once
+    ``ds[crash_at]`` has begun (its image a file in ``folder``), so that task cannot have read
+    all its items first and still reads one beside it."""
 
     def __init__(self, n: int, crash_at: int, signal: int | None, hold: int | None = None,
-                 beside_waiting: bool = False, **kwargs) -> None:
+                 beside_waiting: tuple[int, Path] | None = None, **kwargs) -> None:
         super().__init__(n, **kwargs)
         self.crash_at, self.signal, self.hold, self.held = crash_at, signal, hold, threading.Event()
-        self.beside_waiting = beside_waiting  # crash inside ds[crash_at] once the other task waits for its turn
+        self.beside_waiting, self.crashing = beside_waiting, threading.Event()
 
     def __getitem__(self, index):
         if __import__("multiprocessing").parent_process() is not None:
             if index == self.hold:
                 return WaitingPath(self._hold), 0
+            if self.beside_waiting is not None and index == self.beside_waiting[0]:
+                image = self.beside_waiting[1] / f"{index}.png"
+                self.image(index).save(image)
+                return WaitingPath(lambda: self.crashing.wait(60), image), self.label(index)
             if index == self.crash_at:
                 if self.hold is not None:
                     return WaitingPath(self._crash), 0
-                if self.beside_waiting:
+                if self.beside_waiting is not None:
+                    self.crashing.set()
                     assert the_other_task(threading.current_thread()) == "waiting"
                 self._crash()
         return super().__getitem__(index)
@@ -437,13 +446,14 @@ def test_a_worker_that_dies_beside_another_task_names_both_items_it_was_reading(
 
 
 @pytest.mark.skipif("fork" not in __import__("multiprocessing").get_all_start_methods(), reason="needs fork")
-def test_a_worker_that_dies_in_ds_getitem_names_it_not_the_item_waiting_for_its_turn(s3):
+def test_a_worker_that_dies_in_ds_getitem_names_it_not_the_item_waiting_for_its_turn(s3, tmp_path):
     """The process's other task, its item waiting for its turn at ds[i], crashed nothing: the
-    item in ds[i] is named alone, and is the culprit."""
+    item in ds[i] is named alone, and is the culprit. Task 1 (items 4 to 7) runs beside task 0
+    in one worker; its first item is encoded only once ds[1] has begun."""
     client, bucket = s3
+    crashing = CrashingImages(16, 1, None, beside_waiting=(4, tmp_path), size=(16, 12))
     with pytest.raises(UploadError) as error:
-        upload(client, bucket, "crashed-alone", CrashingImages(16, 1, None, beside_waiting=True, size=(16, 12)),
-               workers=2, maxcount=4, shuffle=False)
+        upload(client, bucket, "crashed-alone", crashing, workers=2, maxcount=4, shuffle=False)
     message = str(error.value)
     assert re.search(r"^worker process \d+ ended \(exit status 3\) while reading ds\[1\] \(task 0\): the item"
                      r" crashed it", message), message
