@@ -31,7 +31,8 @@ class StatefulLoader(StatefulDataLoader):
 
     def _get_iterator(self) -> Any:
         state = getattr(self, "next_iter_state", None)  # torchdata's (untyped there): the state for this pass
-        if not self.num_workers and state and hasattr(self.dataset, "load_own_state"):
+        if not self.num_workers and isinstance(state, dict) and state.get(_DATASET) is not None \
+                and hasattr(self.dataset, "load_own_state"):
             # torchdata gives the dataset its state here, as the pass begins, through its
             # load_state_dict, which made the state's epoch the epoch set for the passes after
             # it too. Loaded as its own, it applies to this pass only, as a worker's own state
