@@ -193,7 +193,7 @@ def test_an_abandoned_iteration_frees_its_ranges_without_the_garbage_collector(s
     tracemalloc.start()
     try:
         traced = []
-        for _ in range(5):  # the first a warm-up: threads and caches that live on
+        for _ in range(6):  # the first a warm-up: threads and caches that live on
             iterator = iter(ds)
             next(iterator)
             del iterator
@@ -203,7 +203,11 @@ def test_an_abandoned_iteration_frees_its_ranges_without_the_garbage_collector(s
         tracemalloc.stop()
         gc.enable()
         client.close()
-    assert traced[-1] - traced[1] < 500_000, traced  # a shard is ~800 kB
+    # A pass that leaves its ranges adds a shard (~800 kB) or more every time; what a loaded
+    # machine makes live on once (1.1 MB from the third pass on, in a CI run beside two busy
+    # loops) adds once: most passes add less than half a shard.
+    added = np.diff(traced[1:])
+    assert np.median(added) < 400_000, traced
 
 
 def _join_passing_threads():
